@@ -1,0 +1,1 @@
+"""Prefix index backends behind one interface (:class:`cachecore.index.base.PrefixIndex`)."""

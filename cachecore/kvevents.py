@@ -1,0 +1,326 @@
+"""vLLM KV-cache event wire format: the one codec the simulated engine publishes with and
+the cache agent decodes with.
+
+Transport (ZMQ PUB): one multipart message per engine step,
+``[topic, seq (8 bytes big-endian), payload (msgpack)]``. Replay (ZMQ ROUTER): a DEALER sends
+``[b"", start_seq]`` and receives ``[b"", (topic,) seq, payload]`` per buffered batch, then an end
+marker whose seq is -1 with an empty payload.
+
+Payload shapes, all decoded:
+
+* batch as an array ``[ts, events, data_parallel_rank?]`` (vLLM's ``array_like`` structs) or as a
+  map ``{"ts", "events", "data_parallel_rank"?}`` (newest vLLM, ``omit_defaults``);
+* each event as a positional array whose first element is the tag, or as a map with the tag
+  under ``"type"``;
+* block hashes as ints or bytes (bytes: the last 8 bytes, big-endian).
+
+Unknown fields are ignored and missing trailing optional fields default to ``None``. Anything
+else raises :class:`MalformedEventError` with a short ``reason`` the agent counts by.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+
+END_SEQ = -1
+END_SEQ_BYTES = END_SEQ.to_bytes(8, "big", signed=True)
+DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_TOKENS_PER_EVENT = 4 * 1024 * 1024
+MEDIUM_GPU = "GPU"
+
+
+class MalformedEventError(ValueError):
+    """A message that is not a valid KV event batch. ``reason`` is a short stable label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class Encoding(StrEnum):
+    MAP = "map"  # newest vLLM: batch and events are maps
+    ARRAY = "array"  # older vLLM: array_like batch and events
+    MIXED = "mixed"  # vLLM 0.2x: array batch, map events
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: list[KVEvent] = field(default_factory=list)
+    data_parallel_rank: int | None = None
+
+
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+_STORED_REQUIRED = 4  # block_hashes, parent, token_ids, block_size
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+# Fields vLLM declares with a default: omitted from map encoding when they hold it.
+_STORED_DEFAULTED = frozenset(
+    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+)
+_REMOVED_DEFAULTED = frozenset({"group_idx"})
+
+
+# ---------------------------------------------------------------------------------- encode
+
+
+def _event_to_wire(ev: KVEvent, as_map: bool) -> Any:
+    names: tuple[str, ...]
+    if isinstance(ev, BlockStored):
+        tag, names, defaulted = "BlockStored", _STORED_FIELDS, _STORED_DEFAULTED
+    elif isinstance(ev, BlockRemoved):
+        tag, names, defaulted = "BlockRemoved", _REMOVED_FIELDS, _REMOVED_DEFAULTED
+    else:
+        return {"type": "AllBlocksCleared"} if as_map else ["AllBlocksCleared"]
+    values = [getattr(ev, n) for n in names]
+    values = [
+        list(v) if n == "extra_keys" and v is not None else v
+        for n, v in zip(names, values, strict=True)
+    ]
+    if as_map:
+        out: dict[str, Any] = {"type": tag}
+        for n, v in zip(names, values, strict=True):
+            if v is None and n in defaulted:
+                continue
+            out[n] = v
+        return out
+    # array_like with omit_defaults drops trailing fields that hold their default
+    while values and values[-1] is None and names[len(values) - 1] in defaulted:
+        values.pop()
+    return [tag, *values]
+
+
+def encode_batch(batch: EventBatch, encoding: Encoding = Encoding.MAP) -> bytes:
+    events_as_map = encoding in (Encoding.MAP, Encoding.MIXED)
+    events = [_event_to_wire(e, events_as_map) for e in batch.events]
+    body: Any
+    if encoding is Encoding.MAP:
+        body = {"ts": batch.ts, "events": events}
+        if batch.data_parallel_rank is not None:
+            body["data_parallel_rank"] = batch.data_parallel_rank
+    else:
+        body = [batch.ts, events]
+        if batch.data_parallel_rank is not None:
+            body.append(batch.data_parallel_rank)
+    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def seq_to_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=seq < 0)
+
+
+def seq_from_bytes(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise MalformedEventError("bad_seq", f"seq frame of {len(raw)} bytes")
+    return int.from_bytes(raw, "big", signed=True)
+
+
+# ---------------------------------------------------------------------------------- decode
+
+
+def normalize_hash(value: Any) -> int:
+    """Engine block hash as an int: ints as they are, bytes by their last 8 bytes."""
+    if isinstance(value, bool):
+        raise MalformedEventError("bad_hash", "bool is not a hash")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, bytes | bytearray):
+        if not value:
+            raise MalformedEventError("bad_hash", "empty bytes")
+        return int.from_bytes(bytes(value[-8:]), "big")
+    raise MalformedEventError("bad_hash", type(value).__name__)
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedEventError("bad_field", name)
+    return value
+
+
+def _opt_str(value: Any, name: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError as exc:
+            raise MalformedEventError("bad_field", name) from exc
+    if not isinstance(value, str):
+        raise MalformedEventError("bad_field", name)
+    return value
+
+
+def _fields(raw: Any, names: Sequence[str], required: int) -> dict[str, Any]:
+    if isinstance(raw, Mapping):
+        return {n: raw.get(n) for n in names} | {
+            "_missing": [n for n in names[:required] if n not in raw]
+        }
+    values = list(raw[1:])
+    if len(values) < required:
+        return {"_missing": list(names[len(values) : required])}
+    vals = dict(zip(names, values, strict=False))
+    return {n: vals.get(n) for n in names} | {"_missing": []}
+
+
+def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
+    if isinstance(raw, Mapping):
+        tag = raw.get("type")
+    elif isinstance(raw, list | tuple) and raw:
+        tag = raw[0]
+    else:
+        raise MalformedEventError("bad_event", "event is neither map nor tagged array")
+    if isinstance(tag, bytes):
+        tag = tag.decode(errors="replace")
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if tag == "BlockRemoved":
+        f = _fields(raw, _REMOVED_FIELDS, 1)
+        if f["_missing"]:
+            raise MalformedEventError("missing_field", ",".join(f["_missing"]))
+        return BlockRemoved(
+            block_hashes=_hash_list(f["block_hashes"]),
+            medium=_opt_str(f["medium"], "medium"),
+            group_idx=_opt_int(f["group_idx"], "group_idx"),
+        )
+    if tag == "BlockStored":
+        f = _fields(raw, _STORED_FIELDS, _STORED_REQUIRED)
+        if f["_missing"]:
+            raise MalformedEventError("missing_field", ",".join(f["_missing"]))
+        hashes = _hash_list(f["block_hashes"])
+        tokens = f["token_ids"]
+        if not isinstance(tokens, list) or len(tokens) > max_tokens:
+            raise MalformedEventError("bad_field", "token_ids")
+        try:  # C-speed check that every id is an int in [0, 2**32)
+            array.array("I", tokens)
+        except (TypeError, OverflowError) as exc:
+            raise MalformedEventError("bad_field", "token_ids values") from exc
+        block_size = _opt_int(f["block_size"], "block_size")
+        if block_size is None or block_size <= 0:
+            raise MalformedEventError("bad_field", "block_size")
+        if len(tokens) != block_size * len(hashes):
+            raise MalformedEventError(
+                "token_count_mismatch", f"{len(tokens)} tokens for {len(hashes)} blocks"
+            )
+        parent = f["parent_block_hash"]
+        extra = f["extra_keys"]
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        if extra is not None:
+            if not isinstance(extra, list) or len(extra) != len(hashes):
+                raise MalformedEventError("bad_field", "extra_keys")
+            extra_keys = [tuple(e) if isinstance(e, list | tuple) else None for e in extra]
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None if parent is None else normalize_hash(parent),
+            token_ids=tokens,
+            block_size=block_size,
+            lora_id=_opt_int(f["lora_id"], "lora_id"),
+            medium=_opt_str(f["medium"], "medium"),
+            lora_name=_opt_str(f["lora_name"], "lora_name"),
+            extra_keys=extra_keys,
+            group_idx=_opt_int(f["group_idx"], "group_idx"),
+            kv_cache_spec_kind=_opt_str(f["kv_cache_spec_kind"], "kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=_opt_int(
+                f["kv_cache_spec_sliding_window"], "kv_cache_spec_sliding_window"
+            ),
+        )
+    raise MalformedEventError("unknown_event", str(tag)[:64])
+
+
+def _hash_list(raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not raw:
+        raise MalformedEventError("bad_field", "block_hashes")
+    return [normalize_hash(h) for h in raw]
+
+
+def decode_batch(
+    payload: bytes,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    max_tokens_per_event: int = DEFAULT_MAX_TOKENS_PER_EVENT,
+) -> EventBatch:
+    """Decode one msgpack batch in any of the shapes vLLM has shipped."""
+    if len(payload) > max_payload_bytes:
+        raise MalformedEventError("oversized", f"{len(payload)} bytes")
+    try:
+        body = msgpack.unpackb(
+            payload, raw=False, strict_map_key=False, max_buffer_size=max_payload_bytes
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MalformedEventError("bad_msgpack", type(exc).__name__) from exc
+    except Exception as exc:  # msgpack raises assorted errors on truncated input
+        raise MalformedEventError("bad_msgpack", type(exc).__name__) from exc
+    if isinstance(body, Mapping):
+        ts, events, dp = body.get("ts"), body.get("events"), body.get("data_parallel_rank")
+    elif isinstance(body, list) and len(body) >= 2:
+        ts, events = body[0], body[1]
+        dp = body[2] if len(body) > 2 else None
+    else:
+        raise MalformedEventError("bad_batch", "batch is neither map nor [ts, events, ...]")
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise MalformedEventError("bad_batch", "ts")
+    if not isinstance(events, list):
+        raise MalformedEventError("bad_batch", "events")
+    return EventBatch(
+        ts=float(ts),
+        events=[_decode_event(e, max_tokens_per_event) for e in events],
+        data_parallel_rank=_opt_int(dp, "data_parallel_rank"),
+    )
+
+
+def salt_from_extra_keys(extra: tuple[Any, ...] | None) -> str | None:
+    """The cache_salt of block 0: vLLM appends it after LoRA and multimodal items, so it is
+    the last string item; kvgate salts are recognised by their ``kvg1:`` prefix."""
+    if not extra:
+        return None
+    for item in reversed(extra):
+        if isinstance(item, str) and item.startswith("kvg1:"):
+            return item
+    return None

@@ -1,0 +1,254 @@
+"""Tokenization shared by the gateway, the simulated replicas and the benchmarks.
+
+Prefix keys only mean something when the gateway's token ids equal the engine's, so every
+component tokenizes through this one module. The built-in tokenizer is a real HuggingFace
+``tokenizers`` byte-level BPE shipped as ``cachecore/data/tokenizer.json`` (no download), with a
+ChatML chat template; ``kvgate tokenizer --export DIR`` writes both in the layout HF loaders
+(and the peer routers) expect. A real model's tokenizer.json plus its chat template plugs in
+through :meth:`HFTokenizer.from_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+BUILTIN_NAME = "kvgate-builtin-bpe"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+
+
+class TokenizerError(ValueError):
+    """A prompt or message list that cannot be tokenized (bad shape, bad template)."""
+
+
+class Tokenizer(Protocol):
+    """What the gateway and the replica need from a tokenizer."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+
+def message_text(content: Any) -> str:
+    """Flatten an OpenAI message ``content`` (string or list of parts) to text.
+
+    Non-text parts (images, audio) carry no tokens in this gateway; they are rejected rather
+    than silently dropped, because dropping them would make the gateway's tokens disagree
+    with a multimodal engine's.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out: list[str] = []
+        for part in content:
+            if not isinstance(part, Mapping):
+                raise TokenizerError("message content parts must be objects")
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                out.append(part["text"])
+            else:
+                raise TokenizerError(f"unsupported content part type: {kind!r}")
+        return "".join(out)
+    raise TokenizerError("message content must be a string or a list of parts")
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """Validate an OpenAI ``messages`` array and return ``[{role, content}]`` with text content."""
+    if not isinstance(messages, list) or not messages:
+        raise TokenizerError("'messages' must be a non-empty array")
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise TokenizerError(f"messages[{i}] must be an object")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise TokenizerError(f"messages[{i}].role must be a non-empty string")
+        out.append({"role": role, "content": message_text(msg.get("content"))})
+    return out
+
+
+class HFTokenizer:
+    """A HuggingFace ``tokenizers`` tokenizer plus a Jinja chat template."""
+
+    def __init__(self, tokenizer: _HFTokenizer, chat_template: str, name: str) -> None:
+        self._tok = tokenizer
+        self.name = name
+        self.chat_template_source = chat_template
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=False, lstrip_blocks=False, undefined=jinja2.StrictUndefined
+        )
+        self._template = env.from_string(chat_template)
+        eos = self._tok.token_to_id(EOS_TOKEN)
+        if eos is None:
+            eos = self._tok.token_to_id("<|endoftext|>")
+        self._eos = int(eos) if eos is not None else 0
+
+    @classmethod
+    def from_files(cls, tokenizer_json: Path, chat_template: str, name: str) -> HFTokenizer:
+        return cls(_HFTokenizer.from_file(str(tokenizer_json)), chat_template, name)
+
+    @classmethod
+    def from_dir(cls, directory: Path, name: str | None = None) -> HFTokenizer:
+        """Load ``tokenizer.json`` and the chat template from ``tokenizer_config.json``
+        (or ``chat_template.jinja``) in an HF model directory."""
+        directory = Path(directory)
+        tok_file = directory / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file} not found")
+        template: str | None = None
+        jinja_file = directory / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        cfg_file = directory / "tokenizer_config.json"
+        if template is None and cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            raw = cfg.get("chat_template")
+            if isinstance(raw, str):
+                template = raw
+        if template is None:
+            raise FileNotFoundError(f"no chat template in {directory}")
+        return cls.from_files(tok_file, template, name or directory.name)
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        msgs = normalize_messages(list(messages))
+        try:
+            return str(
+                self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt)
+            )
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        tok = self._tok.id_to_token(token_id)
+        return None if tok is None else str(tok)
+
+    def token_to_id(self, token: str) -> int | None:
+        tid = self._tok.token_to_id(token)
+        return None if tid is None else int(tid)
+
+    @cached_property
+    def word_vocabulary(self) -> WordVocabulary:
+        return WordVocabulary.from_tokenizer(self)
+
+
+def _data_path(name: str) -> Path:
+    return Path(str(resources.files("cachecore").joinpath("data", name)))
+
+
+def builtin_tokenizer() -> HFTokenizer:
+    """The shipped deterministic tokenizer. Callers that need it often should keep the
+    instance (loading parses a 0.5 MB JSON file)."""
+    template = _data_path("chat_template.jinja").read_text()
+    return HFTokenizer.from_files(_data_path("tokenizer.json"), template, BUILTIN_NAME)
+
+
+def export_builtin(directory: Path) -> list[Path]:
+    """Write the built-in tokenizer as an HF model directory the peer routers can load."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    template = _data_path("chat_template.jinja").read_text()
+    written = [directory / "tokenizer.json", directory / "chat_template.jinja"]
+    shutil.copyfile(_data_path("tokenizer.json"), written[0])
+    written[1].write_text(template)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 131072,
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "chat_template": template,
+    }
+    cfg_path = directory / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps(config, indent=2))
+    special = {"eos_token": EOS_TOKEN, "pad_token": "<|endoftext|>"}
+    special_path = directory / "special_tokens_map.json"
+    special_path.write_text(json.dumps(special, indent=2))
+    written += [cfg_path, special_path]
+    return written
+
+
+_WORD = re.compile(r"Ġ[a-z]{3,}")
+
+
+@dataclass(frozen=True)
+class WordVocabulary:
+    """Words that are exactly one token each when preceded by a space.
+
+    Concatenating ``" " + word`` pieces gives text whose token count is known exactly, which
+    the workload generators need (a Mooncake hash id is 512 tokens, not 512 words).
+    """
+
+    words: tuple[str, ...]
+    ids: tuple[int, ...]
+
+    @classmethod
+    def from_tokenizer(cls, tok: HFTokenizer) -> WordVocabulary:
+        pairs: list[tuple[str, int]] = []
+        vocab = tok._tok.get_vocab()
+        for piece, tid in sorted(vocab.items(), key=lambda kv: kv[1]):
+            if _WORD.fullmatch(piece) and tok.encode(" " + piece[1:]) == [tid]:
+                pairs.append((piece[1:], tid))
+        if len(pairs) < 256:
+            raise TokenizerError(f"tokenizer {tok.name} has too few single-token words")
+        return cls(tuple(w for w, _ in pairs), tuple(i for _, i in pairs))
+
+    def text(self, n_tokens: int, rng: random.Random) -> str:
+        """``n_tokens`` random single-token words, each with a leading space."""
+        words = self.words
+        return "".join(" " + words[rng.randrange(len(words))] for _ in range(n_tokens))
+
+    def text_from_ids(self, indices: Iterable[int]) -> str:
+        words = self.words
+        return "".join(" " + words[i % len(words)] for i in indices)

@@ -1,0 +1,25 @@
+"""``kvgate tokenizer``: export the built-in tokenizer so HF-based peers can load it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cachecore.tokenizer import builtin_tokenizer, export_builtin
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--export", type=Path, metavar="DIR", help="write tokenizer.json etc.")
+    parser.add_argument("--encode", metavar="TEXT", help="print the token ids of TEXT")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.export is None and args.encode is None:
+        print("nothing to do: pass --export DIR or --encode TEXT")
+        return 2
+    if args.export is not None:
+        for path in export_builtin(args.export):
+            print(path)
+    if args.encode is not None:
+        print(builtin_tokenizer().encode(args.encode))
+    return 0

@@ -1,0 +1,53 @@
+"""The single ``kvgate`` entry point.
+
+Each subcommand lives in its own module exposing ``configure(parser)`` and
+``run(args) -> int``; modules are imported only when their subcommand runs, so
+``kvgate --help`` stays fast and a broken optional dependency cannot break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("gateway.serve", "run the OpenAI-compatible routing gateway"),
+    "replica": ("cachecore.replica.cli", "serve N simulated vLLM-compatible engine replicas"),
+    "agent": ("cachecore.agent.cli", "run a per-replica cache agent (engine events -> index)"),
+    "demo": ("loadtest.demo", "fleet + agents + gateway on embedded defaults, with a comparison"),
+    "bench": ("loadtest.bench", "benchmarks: index, ingest, gateway, routers, keys, tiers"),
+    "simulate": ("loadtest.simulate", "fleet simulation in virtual time (same engine + routing)"),
+    "attack": ("loadtest.attack", "isolation attack suite; non-zero exit if an attack succeeds"),
+    "trace": ("cachecore.traceanalysis", "analyse a trace: occupancy, duplication, lifetimes"),
+    "tokenizer": ("cachecore.tokenizer_cli", "export the built-in tokenizer as an HF model dir"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in SUBCOMMANDS:
+        build_parser().parse_args(args or ["--help"])
+        return 2
+    name, rest = args[0], args[1:]
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"kvgate {name}", description=help_text)
+    module.configure(parser)
+    parsed = parser.parse_args(rest)
+    code = module.run(parsed)
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

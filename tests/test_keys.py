@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cachecore.keys import (
+    KEY_BYTES,
+    BlockKeyer,
+    KeyMaterialError,
+    SaltMinter,
+    Scope,
+    ScopeKind,
+    is_ephemeral_salt,
+)
+
+SECRET = b"s" * 32
+
+
+def test_keys_are_chained_and_prefix_stable() -> None:
+    k = BlockKeyer(16)
+    toks = [random.Random(1).randrange(8000) for _ in range(100)]
+    a = k.keys(toks, "kvg1:x", "m")
+    b = k.keys(toks[:64] + [1, 2, 3] * 12, "kvg1:x", "m")
+    assert len(a) == 6 and all(len(x) == KEY_BYTES for x in a)
+    assert a[:4] == b[:4] and a[4] != b[4]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [("kvg1:y", "m", None), ("kvg1:x", "m2", None), ("kvg1:x", "m", "lora-a")],
+)
+def test_salt_model_lora_change_every_key(other: tuple[str, str, str | None]) -> None:
+    k = BlockKeyer(16)
+    toks = list(range(64))
+    base = k.keys(toks, "kvg1:x", "m", None)
+    changed = k.keys(toks, *other)
+    assert not set(base) & set(changed)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=200), st.integers(1, 40))
+def test_agent_chain_equals_gateway_keys(tokens: list[int], block_size: int) -> None:
+    k = BlockKeyer(block_size)
+    full = k.keys(tokens, "kvg1:s", "model", "l")
+    n = len(full)
+    if n == 0:
+        return
+    cut = n // 2
+    head = k.chain(None, tokens[: cut * block_size], "kvg1:s", "model", "l") if cut else []
+    tail = k.chain(
+        head[-1] if head else None,
+        tokens[cut * block_size : n * block_size],
+        None if head else "kvg1:s",
+        "model",
+        "l",
+    )
+    assert head + tail == full
+
+
+def test_salts_scope_separation_and_rotation() -> None:
+    m = SaltMinter([SECRET, b"t" * 32])
+    a = m.salt(Scope(ScopeKind.TENANT, "a"))
+    assert a.startswith("kvg1:") and len(a) == 5 + 64
+    assert a != m.salt(Scope(ScopeKind.TENANT, "b"))
+    assert a != m.salt(Scope(ScopeKind.GROUP, "a"))
+    assert m.salts(Scope(ScopeKind.TENANT, "a"))[0] == a
+    assert m.salts(Scope(ScopeKind.TENANT, "a"))[1] != a
+    e = m.salt(Scope(ScopeKind.SESSION, "s1"))
+    assert is_ephemeral_salt(e) and not is_ephemeral_salt(a)
+
+
+def test_bad_key_material() -> None:
+    with pytest.raises(KeyMaterialError):
+        SaltMinter([])
+    with pytest.raises(KeyMaterialError):
+        SaltMinter([b"short"])
+    with pytest.raises(KeyMaterialError):
+        BlockKeyer(0)
+    with pytest.raises(KeyMaterialError):
+        BlockKeyer(4).chain(None, [1, 2, 3, 4], None, "m", None)
