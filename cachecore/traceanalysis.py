@@ -1,0 +1,331 @@
+"""Trace analysis: what a workload could reuse, and what the fleet's caches actually did.
+
+Two inputs, one module:
+
+* **Workload bounds** over requests given as chained block keys (:class:`RequestBlocks`):
+  the infinite-cache token hit rate and the hit rate of one block-level LRU cache with a
+  given capacity (the "fleet-capacity bound" of the router benchmarks: one cache holding the
+  pooled capacity of every replica). Both apply the engine's hit cap (at most
+  ``prompt_len - 1`` tokens can be served from cache), so they are comparable with
+  engine-reported hit rates.
+* **Cache-event traces**: JSON lines ``{"ts", "replica", "op": "store"|"remove"|"clear",
+  "key", "tier"}`` written by cache agents (``--trace-out``) and request records ``{"ts",
+  "replica", "tenant", "prompt_tokens", "cached_tokens", "predicted_cached_tokens"}``
+  written by the gateway. From them: per-replica occupancy over time, evictions, block
+  lifetimes (stored -> removed, with the still-alive blocks reported as censored),
+  prefix duplication across replicas, and per-request hit rates.
+
+``kvgate trace analyze FILE...`` prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# --------------------------------------------------------------------------- bounds
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBlocks:
+    """One request as the index sees it: its full blocks' chained keys."""
+
+    keys: Sequence[bytes]
+    prompt_tokens: int
+    block_size: int
+
+
+def capped_hit_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens an engine serves from cache for a matched prefix: vLLM caps a hit at
+    ``prompt_len - 1`` tokens so the last token is always computed."""
+    if prompt_tokens <= 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+@dataclass(frozen=True, slots=True)
+class BoundResult:
+    hit_tokens: int
+    prompt_tokens: int
+    evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) -> BoundResult:
+    """Token hit rate of ONE block-level LRU cache of ``capacity_blocks`` (None: infinite)
+    serving the requests in order. Each request hits its longest cached prefix, then all
+    its full blocks become most recently used (evicting from the LRU end)."""
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    hit = total = evictions = 0
+    for req in requests:
+        total += req.prompt_tokens
+        matched = 0
+        for k in req.keys:
+            if k not in cache:
+                break
+            matched += 1
+        hit += capped_hit_tokens(matched, req.prompt_tokens, req.block_size)
+        for k in req.keys:
+            if k in cache:
+                cache.move_to_end(k)
+            else:
+                cache[k] = None
+        if capacity_blocks is not None:
+            while len(cache) > capacity_blocks:
+                cache.popitem(last=False)
+                evictions += 1
+    return BoundResult(hit, total, evictions)
+
+
+# ----------------------------------------------------------------------- event traces
+
+
+@dataclass(slots=True)
+class ReplicaOccupancy:
+    replica: str
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (ts, blocks stored)
+    stores: int = 0
+    removes: int = 0
+    clears: int = 0
+
+    def time_weighted_mean(self, end_ts: float) -> float:
+        if not self.samples:
+            return 0.0
+        area = 0.0
+        for (t0, n), (t1, _) in zip(self.samples, [*self.samples[1:], (end_ts, 0)], strict=True):
+            area += n * max(0.0, t1 - t0)
+        span = end_ts - self.samples[0][0]
+        return area / span if span > 0 else float(self.samples[-1][1])
+
+    @property
+    def peak(self) -> int:
+        return max((n for _, n in self.samples), default=0)
+
+
+@dataclass(slots=True)
+class EventTraceReport:
+    start_ts: float
+    end_ts: float
+    occupancy: dict[str, ReplicaOccupancy]
+    lifetimes_s: list[float]
+    censored_lifetimes_s: list[float]
+    duplication_time_weighted: float  # mean of (sum occupancy - distinct keys) / sum occ.
+    peak_duplicated_keys: int
+
+
+def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
+    """Replay store/remove/clear records (sorted by ts) and measure the caches."""
+    alive: dict[tuple[str, str], float] = {}
+    holders: dict[str, set[str]] = defaultdict(set)
+    occ: dict[str, ReplicaOccupancy] = {}
+    per_replica: dict[str, set[str]] = defaultdict(set)
+    lifetimes: list[float] = []
+    start = end = math.nan
+    dup_area = 0.0
+    last_t: float | None = None
+    last_ratio = 0.0
+    peak_dup = 0
+    total_blocks = 0
+    for rec in sorted(records, key=lambda r: float(r["ts"])):
+        ts = float(rec["ts"])
+        if math.isnan(start):
+            start = ts
+        end = ts
+        if last_t is not None:
+            dup_area += last_ratio * (ts - last_t)
+        last_t = ts
+        replica = str(rec["replica"])
+        o = occ.setdefault(replica, ReplicaOccupancy(replica))
+        op = rec["op"]
+        if op == "store":
+            key = str(rec["key"])
+            if key not in per_replica[replica]:
+                per_replica[replica].add(key)
+                holders[key].add(replica)
+                alive[(replica, key)] = ts
+                total_blocks += 1
+            o.stores += 1
+        elif op == "remove":
+            key = str(rec["key"])
+            if key in per_replica[replica]:
+                per_replica[replica].discard(key)
+                holders[key].discard(replica)
+                if not holders[key]:
+                    del holders[key]
+                lifetimes.append(ts - alive.pop((replica, key)))
+                total_blocks -= 1
+            o.removes += 1
+        elif op == "clear":
+            for key in per_replica[replica]:
+                holders[key].discard(replica)
+                if not holders[key]:
+                    del holders[key]
+                lifetimes.append(ts - alive.pop((replica, key)))
+            total_blocks -= len(per_replica[replica])
+            per_replica[replica].clear()
+            o.clears += 1
+        else:
+            continue
+        o.samples.append((ts, len(per_replica[replica])))
+        distinct = len(holders)
+        dup_keys = total_blocks - distinct
+        peak_dup = max(peak_dup, dup_keys)
+        last_ratio = dup_keys / total_blocks if total_blocks else 0.0
+    censored = [end - t0 for t0 in alive.values()]
+    span = (end - start) if not math.isnan(start) else 0.0
+    return EventTraceReport(
+        start_ts=0.0 if math.isnan(start) else start,
+        end_ts=0.0 if math.isnan(end) else end,
+        occupancy=occ,
+        lifetimes_s=lifetimes,
+        censored_lifetimes_s=censored,
+        duplication_time_weighted=dup_area / span if span > 0 else last_ratio,
+        peak_duplicated_keys=peak_dup,
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReport:
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    predicted_error_tokens: int
+    by_replica: dict[str, tuple[int, int, int]]  # replica -> (requests, prompt, cached)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prediction_error(self) -> float:
+        return self.predicted_error_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def analyze_requests(records: Iterable[dict[str, Any]]) -> RequestReport:
+    n = prompt = cached = err = 0
+    by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for rec in records:
+        p, c = int(rec["prompt_tokens"]), int(rec.get("cached_tokens") or 0)
+        n += 1
+        prompt += p
+        cached += c
+        if rec.get("predicted_cached_tokens") is not None:
+            err += abs(int(rec["predicted_cached_tokens"]) - c)
+        row = by[str(rec.get("replica", "?"))]
+        row[0] += 1
+        row[1] += p
+        row[2] += c
+    return RequestReport(n, prompt, cached, err, {k: (v[0], v[1], v[2]) for k, v in by.items()})
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def read_jsonl(paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """Split records into cache events and request records; count unparseable lines."""
+    events: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = []
+    bad = 0
+    for path in paths:
+        with Path(path).open() as fh:
+            for line in fh:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    bad += 1
+                    continue
+                if not isinstance(rec, dict) or "ts" not in rec:
+                    bad += 1
+                elif "op" in rec and "replica" in rec:
+                    events.append(rec)
+                elif "prompt_tokens" in rec:
+                    requests.append(rec)
+                else:
+                    bad += 1
+    return events, requests, bad
+
+
+def format_event_report(rep: EventTraceReport) -> str:
+    lines = [
+        f"span: {rep.end_ts - rep.start_ts:.1f} s",
+        "",
+        "| replica | stores | removes | clears | mean occupancy (blocks) | peak |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in sorted(rep.occupancy):
+        o = rep.occupancy[name]
+        lines.append(
+            f"| {name} | {o.stores} | {o.removes} | {o.clears} | "
+            f"{o.time_weighted_mean(rep.end_ts):.1f} | {o.peak} |"
+        )
+    lt, cz = rep.lifetimes_s, rep.censored_lifetimes_s
+    lines += [
+        "",
+        "| block lifetimes | n | p50 s | p90 s | p99 s |",
+        "|---|---|---|---|---|",
+        f"| ended (removed/cleared) | {len(lt)} | {percentile(lt, 50):.2f} | "
+        f"{percentile(lt, 90):.2f} | {percentile(lt, 99):.2f} |",
+        f"| still cached (censored) | {len(cz)} | {percentile(cz, 50):.2f} | "
+        f"{percentile(cz, 90):.2f} | {percentile(cz, 99):.2f} |",
+        "",
+        f"prefix duplication across replicas (time-weighted share of cached blocks that are a "
+        f"second copy): {rep.duplication_time_weighted:.1%}; peak duplicated blocks: "
+        f"{rep.peak_duplicated_keys}",
+    ]
+    return "\n".join(lines)
+
+
+def format_request_report(rep: RequestReport) -> str:
+    lines = [
+        f"requests: {rep.requests}, token hit rate {rep.hit_rate:.1%}, "
+        f"predicted-vs-actual cached error {rep.prediction_error:.2%} of prompt tokens",
+        "",
+        "| replica | requests | prompt tokens | cached tokens | hit rate |",
+        "|---|---|---|---|---|",
+    ]
+    for name in sorted(rep.by_replica):
+        n, p, c = rep.by_replica[name]
+        lines.append(f"| {name} | {n} | {p} | {c} | {c / p if p else 0:.1%} |")
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    a = sub.add_parser("analyze", help="analyse agent/gateway JSONL traces")
+    a.add_argument("files", nargs="+", type=Path)
+
+
+def run(args: argparse.Namespace) -> int:
+    events, requests, bad = read_jsonl(args.files)
+    if not events and not requests:
+        print("no cache events or request records found")
+        return 1
+    if events:
+        print(format_event_report(analyze_events(events)))
+    if requests:
+        print()
+        print(format_request_report(analyze_requests(requests)))
+    if bad:
+        print(f"\nskipped {bad} unparseable or unknown lines")
+    return 0
