@@ -1,0 +1,263 @@
+"""Open-loop replay of a :class:`~loadtest.workloads.Workload` against any OpenAI-compatible
+URL (the kvgate gateway, a peer router, or a replica directly).
+
+Open loop: each request is sent at its arrival time whether or not earlier ones have
+finished (a closed loop hides queueing, which is what routing is about). Streaming requests
+measure TTFT as the time to the first content chunk and read the engine-reported
+``usage.prompt_tokens_details.cached_tokens`` from the final usage chunk.
+
+``time_scale`` maps trace seconds to wall seconds (``wall = t * time_scale``), the same
+factor simulated replicas apply to their step times, so a trace replayed at 0.1 against
+replicas at ``--time-scale 0.1`` keeps the trace's load, ten times faster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from cachecore.traceanalysis import percentile
+from loadtest.workloads import WorkItem, Workload
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    item: WorkItem
+    t_sched: float  # wall seconds after replay start when it was due
+    t_sent: float = math.nan
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    status: int = 0
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    replica: str | None = None
+    predicted_cached_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and 200 <= self.status < 300
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    workload: str
+    results: list[RequestResult]
+    wall_s: float
+    time_scale: float
+    late_sends: int = 0  # requests sent more than 50 ms (wall) after their due time
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def ok_results(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+    def summary(self) -> dict[str, float]:
+        ok = self.ok_results()
+        scale = self.time_scale or 1.0
+        ttft = [r.ttft_s / scale for r in ok if r.ttft_s is not None]
+        e2e = [r.e2e_s / scale for r in ok if r.e2e_s is not None]
+        prompt = sum(r.prompt_tokens for r in ok)
+        cached = sum(r.cached_tokens for r in ok)
+        pred = [r for r in ok if r.predicted_cached_tokens is not None]
+        pred_prompt = sum(r.prompt_tokens for r in pred)
+        per_replica = Counter(r.replica for r in ok if r.replica)
+        imbalance = (
+            max(per_replica.values()) / (sum(per_replica.values()) / len(per_replica))
+            if per_replica
+            else math.nan
+        )
+        return {
+            "requests": float(len(self.results)),
+            "errors": float(len(self.results) - len(ok)),
+            "token_hit_rate": cached / prompt if prompt else 0.0,
+            "prefill_tokens": float(prompt - cached),
+            "prompt_tokens": float(prompt),
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else math.nan,
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
+            "e2e_p99_s": percentile(e2e, 99),
+            "throughput_rps": len(ok) / (self.wall_s / scale) if self.wall_s > 0 else 0.0,
+            "load_imbalance": imbalance,
+            "cached_pred_error": (
+                sum(abs((r.predicted_cached_tokens or 0) - r.cached_tokens) for r in pred)
+                / pred_prompt
+                if pred_prompt
+                else math.nan
+            ),
+            "late_sends": float(self.late_sends),
+        }
+
+
+def _usage_of(obj: Mapping[str, Any], res: RequestResult) -> None:
+    usage = obj.get("usage")
+    if not isinstance(usage, Mapping):
+        return
+    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    res.completion_tokens = int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, Mapping):
+        res.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+def _has_content(obj: Mapping[str, Any]) -> bool:
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, Mapping):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, Mapping) and delta.get("content"):
+            return True
+        if choice.get("text"):
+            return True
+    return False
+
+
+async def send_one(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    item: WorkItem,
+    res: RequestResult,
+    headers: Mapping[str, str],
+    stream: bool,
+) -> None:
+    path = "/v1/chat/completions" if item.api == "chat" else "/v1/completions"
+    body = item.body(model, stream)
+    t0 = time.perf_counter()
+    res.t_sent = t0
+    try:
+        if not stream:
+            resp = await client.post(base_url + path, json=body, headers=headers)
+            res.status = resp.status_code
+            res.e2e_s = res.ttft_s = time.perf_counter() - t0
+            data = resp.json()
+            if resp.is_success:
+                _usage_of(data, res)
+            else:
+                res.error = str(data.get("error", {}).get("message", resp.text))[:200]
+            res.replica = resp.headers.get("x-kvgate-replica")
+            _predicted(resp.headers, res)
+            return
+        async with client.stream("POST", base_url + path, json=body, headers=headers) as resp:
+            res.status = resp.status_code
+            res.replica = resp.headers.get("x-kvgate-replica")
+            _predicted(resp.headers, res)
+            if not resp.is_success:
+                raw = await resp.aread()
+                res.error = raw.decode(errors="replace")[:200]
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                try:
+                    obj = json.loads(payload)
+                except json.JSONDecodeError:
+                    res.error = "bad SSE payload"
+                    return
+                if "error" in obj:
+                    res.error = str(obj["error"])[:200]
+                    return
+                if res.ttft_s is None and _has_content(obj):
+                    res.ttft_s = time.perf_counter() - t0
+                _usage_of(obj, res)
+            res.e2e_s = time.perf_counter() - t0
+            if res.ttft_s is None:
+                res.ttft_s = res.e2e_s
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+
+
+def _predicted(headers: httpx.Headers, res: RequestResult) -> None:
+    raw = headers.get("x-kvgate-predicted-cached-tokens")
+    if raw is not None and raw.isdigit():
+        res.predicted_cached_tokens = int(raw)
+
+
+async def replay(
+    workload: Workload,
+    base_url: str,
+    model: str,
+    api_keys: Mapping[str, str] | None = None,
+    time_scale: float = 1.0,
+    stream: bool = True,
+    timeout_s: float = 120.0,
+    max_in_flight: int = 2048,
+    extra_headers: Mapping[str, str] | None = None,
+    client: httpx.AsyncClient | None = None,
+) -> ReplayReport:
+    """Send every item at ``t * time_scale`` after the start; wait for all to finish."""
+    base_url = base_url.rstrip("/")
+    results = [RequestResult(i, it, it.t * time_scale) for i, it in enumerate(workload.items)]
+    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=256)
+    own_client = client is None
+    http = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
+    gate = asyncio.Semaphore(max_in_flight)
+    late = 0
+
+    def headers_for(item: WorkItem) -> dict[str, str]:
+        h = dict(extra_headers or {})
+        if api_keys is not None:
+            h["authorization"] = f"Bearer {api_keys[item.tenant]}"
+        if item.session:
+            h["x-session-id"] = item.session
+        if item.sensitive:
+            h["x-kvgate-sensitive"] = item.sensitive
+        return h
+
+    async def one(res: RequestResult) -> None:
+        async with gate:
+            await send_one(http, base_url, model, res.item, res, headers_for(res.item), stream)
+
+    start = time.perf_counter()
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for res in results:
+            delay = start + res.t_sched - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif delay < -0.05:
+                late += 1
+            tasks.append(asyncio.create_task(one(res)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        if own_client:
+            await http.aclose()
+    wall = time.perf_counter() - start
+    for res in results:
+        res.t_sent -= start
+    return ReplayReport(workload.name, results, wall, time_scale, late)
+
+
+def format_table(rows: Sequence[tuple[str, Mapping[str, float]]]) -> str:
+    """One markdown table row per system (TTFT in trace seconds, i.e. wall / time_scale)."""
+    head = (
+        "| system | hit rate | prefill tokens | TTFT mean | p50 | p90 | p99 | e2e p99 | "
+        "req/s | errors | imbalance | pred. error |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for name, s in rows:
+        pe = s.get("cached_pred_error", math.nan)
+        lines.append(
+            f"| {name} | {s['token_hit_rate']:.1%} | {s['prefill_tokens']:,.0f} | "
+            f"{s['ttft_mean_s']:.3f} | {s['ttft_p50_s']:.3f} | {s['ttft_p90_s']:.3f} | "
+            f"{s['ttft_p99_s']:.3f} | {s['e2e_p99_s']:.3f} | {s['throughput_rps']:.2f} | "
+            f"{s['errors']:.0f} | {s['load_imbalance']:.2f} | "
+            f"{'-' if math.isnan(pe) else f'{pe:.2%}'} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,513 @@
+"""Workloads: trace replays and synthesizers, shared by the demo, Locust, the router benchmark
+and the virtual-time simulator.
+
+Every prompt is built from the tokenizer's :class:`~cachecore.tokenizer.WordVocabulary`
+(one token per word), so token counts are exact and content is deterministic: the same
+seed, or the same Mooncake hash id, always gives the same text. A Mooncake hash id names
+one 512-token block *including all blocks before it*, so equal ids at equal positions mean
+a reusable prefix; we give every hash id its own deterministic 512-token text.
+
+Workloads (``WORKLOADS``):
+
+* ``shared-prefix``: SGLang's generated-shared-prefix defaults (64 groups x 16 prompts,
+  2,048-token system prompt, 128-token question, 256-token output), Poisson arrivals;
+* ``multi-turn``: chat sessions whose every turn resends the whole history;
+* ``rag``: questions over a pool of shared documents (a few documents per prompt);
+* ``mooncake``: the Mooncake JSONL trace (``../shared/traces``), completions API;
+* ``azure-conv`` / ``azure-code``: Azure 2023 arrivals and lengths, no sharing;
+* boundary cases: ``short-unique`` (short, non-repeating), ``hot-prefix`` (one prefix carries
+  50% of the traffic), ``long-prefix-pressure`` (long shared prefixes that overflow one
+  replica's cache), ``tenant-mix`` (several tenants, some sending identical prompts).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import xxhash
+
+from cachecore.tokenizer import WordVocabulary, builtin_tokenizer
+
+Api = Literal["chat", "completions"]
+MOONCAKE_BLOCK_TOKENS = 512
+# ../shared/traces beside the checkout; KVGATE_TRACE_DIR overrides
+DEFAULT_TRACE_DIR = Path(
+    os.environ.get("KVGATE_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared" / "traces")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One request of a workload. ``t`` is the arrival offset in trace seconds."""
+
+    t: float
+    api: Api
+    max_tokens: int
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    tenant: str = "default"
+    session: str | None = None
+    group: str | None = None  # prefix group, for per-group analysis
+    sensitive: str | None = None  # "session" | "request" for sensitive requests
+
+    def body(self, model: str, stream: bool) -> dict[str, Any]:
+        """The OpenAI request body. Streamed requests ask for the final usage chunk so the
+        engine-reported cached tokens come back."""
+        body: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens}
+        if self.api == "chat":
+            body["messages"] = list(self.messages or ())
+        else:
+            body["prompt"] = self.prompt or ""
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    items: tuple[WorkItem, ...]
+    description: str = ""
+    tenants: tuple[str, ...] = ("default",)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return self.items[-1].t if self.items else 0.0
+
+    def rate_scaled(self, factor: float) -> Workload:
+        """Arrivals ``factor`` times denser (factor 2: twice the request rate)."""
+        items = tuple(replace(it, t=it.t / factor) for it in self.items)
+        return replace(self, items=items)
+
+    def head(self, n: int) -> Workload:
+        return replace(self, items=self.items[:n])
+
+
+class TextSource:
+    """Deterministic word text: ``block(name, n)`` always returns the same n tokens."""
+
+    def __init__(self, vocab: WordVocabulary | None = None, cache_blocks: int = 4096) -> None:
+        self.vocab = vocab or builtin_tokenizer().word_vocabulary
+        # shared prefixes are asked for again and again: keep the recent ones
+        self._cache: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self._cache_blocks = cache_blocks
+
+    def block(self, name: str, n_tokens: int) -> str:
+        key = (name, n_tokens)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        rng = random.Random(xxhash.xxh64_intdigest(name.encode()))
+        out = self.vocab.text(n_tokens, rng)
+        self._cache[key] = out
+        if len(self._cache) > self._cache_blocks:
+            self._cache.popitem(last=False)
+        return out
+
+
+def _poisson_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _sorted(items: Iterable[WorkItem]) -> tuple[WorkItem, ...]:
+    return tuple(sorted(items, key=lambda it: it.t))
+
+
+# ------------------------------------------------------------------------ synthesizers
+
+
+def shared_prefix(
+    text: TextSource,
+    groups: int = 64,
+    prompts_per_group: int = 16,
+    system_tokens: int = 2048,
+    question_tokens: int = 128,
+    output_tokens: int = 256,
+    rate: float = 4.0,
+    seed: int = 0,
+    tenant: str = "default",
+) -> Workload:
+    rng = random.Random(seed)
+    pairs = [(g, q) for g in range(groups) for q in range(prompts_per_group)]
+    rng.shuffle(pairs)
+    times = _poisson_times(len(pairs), rate, rng)
+    items = []
+    for t, (g, q) in zip(times, pairs, strict=True):
+        system = text.block(f"sp-{seed}-sys-{g}", system_tokens)
+        question = text.block(f"sp-{seed}-q-{g}-{q}", question_tokens)
+        items.append(
+            WorkItem(
+                t=t,
+                api="chat",
+                max_tokens=output_tokens,
+                messages=(
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ),
+                tenant=tenant,
+                group=f"sys-{g}",
+            )
+        )
+    return Workload(
+        "shared-prefix",
+        _sorted(items),
+        f"{groups} groups x {prompts_per_group} prompts, {system_tokens}-token system prompt, "
+        f"{question_tokens}-token question, {output_tokens} output, Poisson {rate}/s",
+        (tenant,),
+    )
+
+
+def multi_turn(
+    text: TextSource,
+    sessions: int = 32,
+    turns: int = 6,
+    system_tokens: int = 512,
+    user_tokens: int = 96,
+    assistant_tokens: int = 64,
+    output_tokens: int = 64,
+    think_time_s: float = 6.0,
+    rate: float = 2.0,
+    seed: int = 0,
+) -> Workload:
+    """Sessions start as a Poisson process; turn k+1 follows turn k after ~think_time and
+    resends the whole history (the assistant turns are the client's canonical transcript)."""
+    rng = random.Random(seed)
+    starts = _poisson_times(sessions, rate / turns, rng)
+    items = []
+    for s, t0 in enumerate(starts):
+        history: list[dict[str, str]] = [
+            {"role": "system", "content": text.block(f"mt-{seed}-sys-{s % 4}", system_tokens)}
+        ]
+        t = t0
+        for k in range(turns):
+            history.append(
+                {"role": "user", "content": text.block(f"mt-{seed}-u-{s}-{k}", user_tokens)}
+            )
+            items.append(
+                WorkItem(
+                    t=t,
+                    api="chat",
+                    max_tokens=output_tokens,
+                    messages=tuple(history),
+                    session=f"s{seed}-{s}",
+                    group=f"session-{s}",
+                )
+            )
+            history.append(
+                {
+                    "role": "assistant",
+                    "content": text.block(f"mt-{seed}-a-{s}-{k}", assistant_tokens),
+                }
+            )
+            t += rng.expovariate(1.0 / think_time_s)
+    return Workload(
+        "multi-turn",
+        _sorted(items),
+        f"{sessions} sessions x {turns} turns, {system_tokens}-token system prompt, "
+        f"{user_tokens}+{assistant_tokens} tokens per turn",
+    )
+
+
+def rag(
+    text: TextSource,
+    n: int = 600,
+    documents: int = 40,
+    doc_tokens: int = 1024,
+    docs_per_prompt: int = 2,
+    question_tokens: int = 64,
+    output_tokens: int = 64,
+    zipf_s: float = 1.1,
+    rate: float = 4.0,
+    seed: int = 0,
+) -> Workload:
+    """Prompts = a fixed instruction + a few documents (Zipf-popular) + a question."""
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) ** zipf_s for i in range(documents)]
+    times = _poisson_times(n, rate, rng)
+    instruction = text.block(f"rag-{seed}-instr", 128)
+    items = []
+    for i, t in enumerate(times):
+        docs = sorted(set(rng.choices(range(documents), weights, k=docs_per_prompt)))
+        context = "".join(text.block(f"rag-{seed}-doc-{d}", doc_tokens) for d in docs)
+        items.append(
+            WorkItem(
+                t=t,
+                api="chat",
+                max_tokens=output_tokens,
+                messages=(
+                    {"role": "system", "content": instruction + context},
+                    {"role": "user", "content": text.block(f"rag-{seed}-q-{i}", question_tokens)},
+                ),
+                group="docs-" + "-".join(map(str, docs)),
+            )
+        )
+    return Workload("rag", _sorted(items), f"{n} questions over {documents} shared documents")
+
+
+def short_unique(
+    text: TextSource,
+    n: int = 800,
+    min_tokens: int = 32,
+    max_tokens_in: int = 256,
+    output_tokens: int = 32,
+    rate: float = 8.0,
+    seed: int = 0,
+) -> Workload:
+    """The boundary case that must not get worse: short prompts that never repeat."""
+    rng = random.Random(seed)
+    times = _poisson_times(n, rate, rng)
+    items = [
+        WorkItem(
+            t=t,
+            api="completions",
+            max_tokens=output_tokens,
+            prompt=text.block(f"su-{seed}-{i}", rng.randint(min_tokens, max_tokens_in)),
+            group="unique",
+        )
+        for i, t in enumerate(times)
+    ]
+    return Workload(
+        "short-unique", _sorted(items), f"{n} unique prompts of {min_tokens}-{max_tokens_in} tokens"
+    )
+
+
+def hot_prefix(
+    text: TextSource,
+    n: int = 800,
+    hot_fraction: float = 0.5,
+    prefix_tokens: int = 2048,
+    cold_groups: int = 64,
+    suffix_tokens: int = 96,
+    output_tokens: int = 64,
+    rate: float = 6.0,
+    seed: int = 0,
+) -> Workload:
+    """One prefix carries ``hot_fraction`` of the traffic; the rest spreads over many
+    groups. Pure affinity melts the hot replica; the target is p99 <= least_loaded's."""
+    rng = random.Random(seed)
+    times = _poisson_times(n, rate, rng)
+    items = []
+    for i, t in enumerate(times):
+        g = "hot" if rng.random() < hot_fraction else f"cold-{rng.randrange(cold_groups)}"
+        items.append(
+            WorkItem(
+                t=t,
+                api="chat",
+                max_tokens=output_tokens,
+                messages=(
+                    {"role": "system", "content": text.block(f"hp-{seed}-{g}", prefix_tokens)},
+                    {"role": "user", "content": text.block(f"hp-{seed}-q-{i}", suffix_tokens)},
+                ),
+                group=g,
+            )
+        )
+    return Workload(
+        "hot-prefix",
+        _sorted(items),
+        f"{hot_fraction:.0%} of {n} requests share one {prefix_tokens}-token prefix",
+    )
+
+
+def long_prefix_pressure(
+    text: TextSource,
+    n: int = 400,
+    groups: int = 24,
+    prefix_tokens: int = 8192,
+    suffix_tokens: int = 128,
+    output_tokens: int = 32,
+    zipf_s: float = 0.8,
+    rate: float = 1.5,
+    seed: int = 0,
+) -> Workload:
+    """Long shared prefixes whose total size overflows a replica's cache: where a prefix
+    lives decides whether it survives (partitioning prefixes across replicas pays)."""
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) ** zipf_s for i in range(groups)]
+    times = _poisson_times(n, rate, rng)
+    items = []
+    for i, t in enumerate(times):
+        g = rng.choices(range(groups), weights)[0]
+        items.append(
+            WorkItem(
+                t=t,
+                api="completions",
+                max_tokens=output_tokens,
+                prompt=text.block(f"lp-{seed}-{g}", prefix_tokens)
+                + text.block(f"lp-{seed}-q-{i}", suffix_tokens),
+                group=f"doc-{g}",
+            )
+        )
+    return Workload(
+        "long-prefix-pressure",
+        _sorted(items),
+        f"{groups} prefixes of {prefix_tokens} tokens, Zipf({zipf_s})",
+    )
+
+
+def tenant_mix(
+    text: TextSource,
+    n: int = 800,
+    tenants: Sequence[str] = ("acme", "globex", "initech", "umbrella"),
+    shared_prompt_fraction: float = 0.3,
+    prefix_tokens: int = 1536,
+    suffix_tokens: int = 96,
+    output_tokens: int = 48,
+    rate: float = 6.0,
+    seed: int = 0,
+) -> Workload:
+    """Several tenants with their own system prompts; ``shared_prompt_fraction`` of the
+    requests use a system prompt that every tenant sends verbatim (it must NOT be shared
+    across tenants: each tenant computes its own copy)."""
+    rng = random.Random(seed)
+    times = _poisson_times(n, rate, rng)
+    items = []
+    for i, t in enumerate(times):
+        tenant = tenants[rng.randrange(len(tenants))]
+        shared = rng.random() < shared_prompt_fraction
+        key = "common" if shared else f"{tenant}-{rng.randrange(4)}"
+        items.append(
+            WorkItem(
+                t=t,
+                api="chat",
+                max_tokens=output_tokens,
+                messages=(
+                    {"role": "system", "content": text.block(f"tm-{seed}-{key}", prefix_tokens)},
+                    {"role": "user", "content": text.block(f"tm-{seed}-q-{i}", suffix_tokens)},
+                ),
+                tenant=tenant,
+                group=f"{tenant}:{key}",
+            )
+        )
+    return Workload(
+        "tenant-mix",
+        _sorted(items),
+        f"{len(tenants)} tenants, {shared_prompt_fraction:.0%} identical prompts across tenants",
+        tuple(tenants),
+    )
+
+
+# ------------------------------------------------------------------------------ traces
+
+
+def mooncake(
+    text: TextSource,
+    path: Path | None = None,
+    max_requests: int | None = None,
+    max_input_tokens: int | None = None,
+    output_cap: int | None = None,
+) -> Workload:
+    """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``.
+    Each hash id becomes a deterministic 512-token block; the prompt is the concatenation
+    truncated to ``input_length`` (the last block is partial)."""
+    path = path or DEFAULT_TRACE_DIR / "mooncake_synthetic_trace.jsonl"
+    items: list[WorkItem] = []
+    with path.open() as fh:
+        for line in fh:
+            if max_requests is not None and len(items) >= max_requests:
+                break
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            n_in = int(row["input_length"])
+            hash_ids = list(row["hash_ids"])
+            if max_input_tokens is not None and n_in > max_input_tokens:
+                n_in = max_input_tokens
+                hash_ids = hash_ids[: -(-n_in // MOONCAKE_BLOCK_TOKENS)]
+            parts = []
+            remaining = n_in
+            for h in hash_ids:
+                take = min(MOONCAKE_BLOCK_TOKENS, remaining)
+                block = text.block(f"mc-{h}", MOONCAKE_BLOCK_TOKENS)
+                parts.append(
+                    block
+                    if take == MOONCAKE_BLOCK_TOKENS
+                    else "".join(" " + w for w in block.split()[:take])
+                )
+                remaining -= take
+                if remaining <= 0:
+                    break
+            out = max(1, int(row["output_length"]))
+            if output_cap is not None:
+                out = min(out, output_cap)
+            items.append(
+                WorkItem(
+                    t=float(row["timestamp"]) / 1000.0,
+                    api="completions",
+                    max_tokens=out,
+                    prompt="".join(parts),
+                    group=f"h{hash_ids[0]}" if hash_ids else None,
+                )
+            )
+    return Workload("mooncake", _sorted(items), f"Mooncake trace {path.name}, {len(items)} rows")
+
+
+def azure(
+    text: TextSource,
+    kind: Literal["conv", "code"] = "conv",
+    path: Path | None = None,
+    max_requests: int | None = None,
+    max_input_tokens: int | None = 4096,
+    output_cap: int | None = 256,
+) -> Workload:
+    """Azure LLM inference trace 2023: arrivals and lengths, unique content per row."""
+    path = path or DEFAULT_TRACE_DIR / f"AzureLLMInferenceTrace_{kind}.csv"
+    items = []
+    t0: datetime | None = None
+    with path.open() as fh:
+        for i, row in enumerate(csv.DictReader(fh)):
+            if max_requests is not None and i >= max_requests:
+                break
+            ts = datetime.fromisoformat(row["TIMESTAMP"][:26])
+            t0 = t0 or ts
+            n_in = max(1, int(row["ContextTokens"]))
+            if max_input_tokens is not None:
+                n_in = min(n_in, max_input_tokens)
+            out = max(1, int(row["GeneratedTokens"]))
+            if output_cap is not None:
+                out = min(out, output_cap)
+            items.append(
+                WorkItem(
+                    t=(ts - t0).total_seconds(),
+                    api="completions",
+                    max_tokens=out,
+                    prompt=text.block(f"az-{kind}-{i}", n_in),
+                    group="unique",
+                )
+            )
+    return Workload(f"azure-{kind}", _sorted(items), f"Azure {kind} trace, {len(items)} rows")
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "shared-prefix": shared_prefix,
+    "multi-turn": multi_turn,
+    "rag": rag,
+    "short-unique": short_unique,
+    "hot-prefix": hot_prefix,
+    "long-prefix-pressure": long_prefix_pressure,
+    "tenant-mix": tenant_mix,
+    "mooncake": mooncake,
+    "azure-conv": lambda text, **kw: azure(text, "conv", **kw),
+    "azure-code": lambda text, **kw: azure(text, "code", **kw),
+}
+
+
+def build(name: str, text: TextSource | None = None, **kwargs: Any) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(WORKLOADS))}")
+    return WORKLOADS[name](text or TextSource(), **kwargs)

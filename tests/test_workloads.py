@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
+from loadtest.workloads import MOONCAKE_BLOCK_TOKENS, WORKLOADS, TextSource, build
+
+
+@pytest.fixture(scope="module")
+def tok() -> HFTokenizer:
+    return builtin_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def text(tok: HFTokenizer) -> TextSource:
+    return TextSource(tok.word_vocabulary)
+
+
+def test_text_blocks_have_exact_token_counts_and_are_deterministic(
+    tok: HFTokenizer, text: TextSource
+) -> None:
+    for n in (1, 17, 512, 2048):
+        block = text.block(f"b{n}", n)
+        assert len(tok.encode(block)) == n
+        assert TextSource(tok.word_vocabulary).block(f"b{n}", n) == block
+    assert text.block("x", 64) != text.block("y", 64)
+
+
+def test_shared_prefix_groups_share_exact_prefixes(tok: HFTokenizer, text: TextSource) -> None:
+    w = build(
+        "shared-prefix", text, groups=3, prompts_per_group=4, system_tokens=256, question_tokens=16
+    )
+    assert len(w.items) == 12
+    assert [it.t for it in w.items] == sorted(it.t for it in w.items)
+    by_group: dict[str, list[list[int]]] = {}
+    for it in w.items:
+        assert it.messages is not None
+        by_group.setdefault(it.group or "", []).append(tok.encode_chat(list(it.messages)))
+    for prompts in by_group.values():
+        head = prompts[0][:256]
+        assert all(p[:256] == head for p in prompts)
+    heads = {tuple(p[0][:256]) for p in by_group.values()}
+    assert len(heads) == 3
+
+
+def test_mooncake_lengths_and_hash_id_sharing(tok: HFTokenizer, text: TextSource) -> None:
+    w = build("mooncake", text, max_requests=40)
+    rows = w.items
+    assert len(rows) == 40
+    first = tok.encode(rows[0].prompt or "")
+    assert len(first) == 40160  # the trace's input_length
+    # equal first hash ids -> equal first 512 tokens
+    groups: dict[str, list[int]] = {}
+    for it in rows:
+        ids = tok.encode(it.prompt or "")[:MOONCAKE_BLOCK_TOKENS]
+        if it.group in groups:
+            assert groups[it.group] == ids
+        groups.setdefault(it.group or "", ids)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_workload_builds(name: str, text: TextSource) -> None:
+    kw = {"max_requests": 20} if name in ("mooncake", "azure-conv", "azure-code") else {}
+    w = build(name, text, **kw)
+    assert w.items and w.items[0].t == 0.0
+    assert all(a.t <= b.t for a, b in zip(w.items, w.items[1:], strict=False))
+    body = w.items[0].body("m", stream=True)
+    assert body["stream_options"] == {"include_usage": True}
+    assert ("messages" in body) != ("prompt" in body)
+
+
+def test_unknown_workload() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        build("nope")
