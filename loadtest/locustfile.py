@@ -115,7 +115,7 @@ class OpenAIUser(HttpUser):
                 details = usage.get("prompt_tokens_details") or {}
                 cached = int(details.get("cached_tokens") or cached)
         if ttft is not None:
-            events.request.fire(
+            events.request.fire(  # type: ignore[no-untyped-call]
                 request_type="TTFT",
                 name=name,
                 response_time=ttft * 1000,
