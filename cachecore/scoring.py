@@ -1,0 +1,311 @@
+"""Expected-latency cost model: the one scoring code shared by the gateway and the simulator.
+
+The cost of sending a request to a replica is the time to its first token there, in ms::
+
+    cost = overhead
+         + prefill_ms_per_token * (queued_prefill_tokens + own_uncached_tokens)
+         + load_ms_per_token    * own_loaded_tokens          (hits on CPU/disk/remote tiers)
+         + decode_ms_per_running * running                   (decode steps interleaved)
+         + saturation_ms        * over_capacity              (must wait for a free slot)
+
+Every term is linear in its coefficient, so the coefficients start from the policy and are
+refitted online from observed TTFT by :class:`OnlineFit` (bounded recursive least squares).
+
+The engine's hit cap: vLLM never serves the last prompt token from cache (it needs logits),
+so at most ``(prompt_len - 1) // block_size`` full blocks hit. Every prediction applies it.
+
+Pure code: no I/O, no clock, no asyncio, so a virtual-time simulator calls exactly this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from cachecore.index.base import PrefixMatch
+from cachecore.lifecycle import Tier
+
+FEATURES: tuple[str, ...] = ("overhead", "prefill", "load", "decode", "saturation")
+"""Names of the cost features, in the order of :attr:`Coefficients.as_vector`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Coefficients:
+    """Cost coefficients (ms, ms per token, ms per running request, ms per request over
+    capacity). ``tier_load_factor`` scales ``load_ms_per_token`` for slower tiers."""
+
+    overhead_ms: float = 30.0
+    prefill_ms_per_token: float = 0.25
+    load_ms_per_token: float = 0.01
+    decode_ms_per_running: float = 0.5
+    saturation_ms: float = 200.0
+    pending_weight: float = 0.8
+    tier_load_factor: Mapping[Tier, float] = field(
+        default_factory=lambda: {Tier.CPU: 1.0, Tier.DISK: 4.0, Tier.REMOTE: 10.0}
+    )
+
+    def as_vector(self) -> list[float]:
+        return [
+            self.overhead_ms,
+            self.prefill_ms_per_token,
+            self.load_ms_per_token,
+            self.decode_ms_per_running,
+            self.saturation_ms,
+        ]
+
+    def with_vector(self, v: Sequence[float]) -> Coefficients:
+        if len(v) != len(FEATURES):
+            raise ValueError(f"expected {len(FEATURES)} coefficients, got {len(v)}")
+        return replace(
+            self,
+            overhead_ms=float(v[0]),
+            prefill_ms_per_token=float(v[1]),
+            load_ms_per_token=float(v[2]),
+            decode_ms_per_running=float(v[3]),
+            saturation_ms=float(v[4]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """What the router knows of one replica's load at decision time.
+
+    ``queued_prefill_tokens`` / ``queued_requests``: dispatched (by every gateway) and not
+    yet at their first token, i.e. prefill work ahead of a new request; ``running``:
+    requests past their first token (decoding); ``capacity``: the engine's max concurrent
+    sequences. ``waiting`` is the engine's own queue length (it may include traffic that
+    no gateway dispatched); ``kv_usage`` in 0..1.
+    """
+
+    queued_prefill_tokens: float = 0.0
+    queued_requests: int = 0
+    running: int = 0
+    waiting: int = 0
+    capacity: int = 256
+    kv_usage: float = 0.0
+
+    @property
+    def requests(self) -> int:
+        """Requests on the replica (queued or running), the load measure of load-only routers."""
+        return max(self.queued_requests, self.waiting) + self.running
+
+
+IDLE = LoadView()
+
+
+@dataclass(frozen=True, slots=True)
+class HitPrediction:
+    """How much of a prompt a replica is predicted to serve from cache, in tokens."""
+
+    prompt_tokens: int
+    gpu_tokens: int  # cached on GPU
+    loaded_tokens: int  # cached on a slower tier (loaded, not recomputed)
+    loaded_weighted: float  # loaded tokens scaled by their tier's load factor
+    pending_tokens: int  # beyond the stored prefix, covered only by pending entries
+    pending_weight: float
+
+    @property
+    def stored_tokens(self) -> int:
+        return self.gpu_tokens + self.loaded_tokens
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        """What the engine should report as ``cached_tokens``: the stored prefix, plus the
+        pending part when the policy trusts pending entries (weight >= 0.5)."""
+        extra = self.pending_tokens if self.pending_weight >= 0.5 else 0
+        return self.stored_tokens + extra
+
+    @property
+    def uncached_tokens(self) -> float:
+        """Expected tokens to prefill: pending-only blocks count as hits with their weight."""
+        return self.prompt_tokens - self.stored_tokens - self.pending_weight * self.pending_tokens
+
+
+def hit_cap_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The engine's cap on full-block hits: the last prompt token is always computed."""
+    if prompt_tokens <= 0:
+        return 0
+    return (prompt_tokens - 1) // block_size
+
+
+def predict_hit(
+    match: PrefixMatch,
+    prompt_tokens: int,
+    block_size: int,
+    coeffs: Coefficients,
+) -> HitPrediction:
+    """Apply the hit cap and the tier split to an index match.
+
+    Blocks ``[0, gpu)`` hit on GPU; blocks ``[gpu, stored)`` are on slower tiers and each
+    is charged at the fastest tier whose own prefix covers it (REMOTE when none does);
+    blocks ``[stored, pending)`` are only pending.
+    """
+    cap = hit_cap_blocks(prompt_tokens, block_size)
+    gpu = min(match.tier_blocks.get(Tier.GPU, 0), cap)
+    stored = max(gpu, min(match.stored_blocks, cap))
+    pending = max(stored, min(match.pending_blocks, cap))
+    loaded_weighted = 0.0
+    covered = gpu
+    for tier in (Tier.CPU, Tier.DISK, Tier.REMOTE):
+        if covered >= stored:
+            break
+        reach = min(match.tier_blocks.get(tier, 0), stored)
+        if tier is Tier.REMOTE:
+            reach = stored  # anything left is charged as the slowest tier
+        if reach > covered:
+            loaded_weighted += (reach - covered) * coeffs.tier_load_factor.get(tier, 10.0)
+            covered = reach
+    return HitPrediction(
+        prompt_tokens=prompt_tokens,
+        gpu_tokens=gpu * block_size,
+        loaded_tokens=(stored - gpu) * block_size,
+        loaded_weighted=loaded_weighted * block_size,
+        pending_tokens=(pending - stored) * block_size,
+        pending_weight=coeffs.pending_weight,
+    )
+
+
+def features(uncached_tokens: float, loaded_weighted: float, load: LoadView) -> list[float]:
+    """The cost features, in :data:`FEATURES` order."""
+    ahead = max(load.queued_requests, load.waiting)
+    over = max(0, load.running + ahead + 1 - load.capacity)
+    return [
+        1.0,
+        load.queued_prefill_tokens + max(0.0, uncached_tokens),
+        loaded_weighted,
+        float(load.running),
+        float(over),
+    ]
+
+
+def dot(coeffs: Sequence[float], x: Sequence[float]) -> float:
+    return math.fsum(c * v for c, v in zip(coeffs, x, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class CostBreakdown:
+    """One replica's cost, split into the parts an operator reads in route/explain."""
+
+    cost_ms: float
+    queue_ms: float  # wait caused by work already on the replica
+    prefill_ms: float  # this request's own uncached prefill
+    load_ms: float  # this request's hits on slower tiers
+    hit: HitPrediction
+
+
+def cost(
+    match: PrefixMatch,
+    prompt_tokens: int,
+    block_size: int,
+    load: LoadView,
+    coeffs: Coefficients,
+) -> CostBreakdown:
+    """Expected TTFT (ms) of a request on a replica: see the module docstring."""
+    hit = predict_hit(match, prompt_tokens, block_size, coeffs)
+    x = features(hit.uncached_tokens, hit.loaded_weighted, load)
+    c = coeffs.as_vector()
+    own_prefill = c[1] * max(0.0, hit.uncached_tokens)
+    load_ms = c[2] * x[2]
+    queue_ms = c[1] * load.queued_prefill_tokens + c[3] * x[3] + c[4] * x[4]
+    return CostBreakdown(
+        cost_ms=c[0] + queue_ms + own_prefill + load_ms,
+        queue_ms=queue_ms,
+        prefill_ms=own_prefill,
+        load_ms=load_ms,
+        hit=hit,
+    )
+
+
+class OnlineFit:
+    """Bounded, stable recursive least squares for the cost coefficients.
+
+    Model: ``ttft_ms ~ theta . x`` with ``x`` from :func:`features`. Stability measures:
+
+    * features are scaled by fixed magnitudes so the covariance is well conditioned;
+    * exponential forgetting (``forgetting``) tracks drift, and the covariance trace is
+      capped so it cannot blow up when the inputs stop exciting some direction;
+    * samples whose residual exceeds ``outlier_sigmas`` running standard deviations are
+      skipped (a GC pause must not move the model);
+    * every coefficient is clamped to ``[prior / bound, prior * bound]`` after each update
+      (``bound`` >= 1), so a fit can sharpen the policy's values but never invert them.
+
+    Invariant: ``coefficients()`` always lies inside the clamp box around the prior.
+    """
+
+    _SCALES = (1.0, 1e-3, 1e-3, 1.0 / 16.0, 1.0)
+
+    def __init__(
+        self,
+        prior: Coefficients,
+        bound: float = 4.0,
+        forgetting: float = 0.995,
+        min_samples: int = 20,
+        outlier_sigmas: float = 6.0,
+        max_trace: float = 1e4,
+    ) -> None:
+        if bound < 1.0:
+            raise ValueError("bound must be >= 1")
+        if not 0.5 < forgetting <= 1.0:
+            raise ValueError("forgetting must be in (0.5, 1]")
+        self.prior = prior
+        self.bound = bound
+        self.forgetting = forgetting
+        self.min_samples = min_samples
+        self.outlier_sigmas = outlier_sigmas
+        self.max_trace = max_trace
+        n = len(FEATURES)
+        prior_v = prior.as_vector()
+        # theta in scaled space: theta_s[i] = theta[i] / scale[i]
+        self._theta = [prior_v[i] / self._SCALES[i] for i in range(n)]
+        self._lo = [min(v / bound, v * bound) / self._SCALES[i] for i, v in enumerate(prior_v)]
+        self._hi = [max(v / bound, v * bound) / self._SCALES[i] for i, v in enumerate(prior_v)]
+        self._p = [[(100.0 if i == j else 0.0) for j in range(n)] for i in range(n)]
+        self.samples = 0
+        self.skipped = 0
+        self._resid_var = 0.0
+
+    def coefficients(self) -> Coefficients:
+        """The fitted coefficients once enough samples arrived, else the prior."""
+        if self.samples < self.min_samples:
+            return self.prior
+        scales = self._SCALES
+        return self.prior.with_vector([t * s for t, s in zip(self._theta, scales, strict=True)])
+
+    def predict(self, x: Sequence[float]) -> float:
+        return dot(self.coefficients().as_vector(), x)
+
+    def update(self, x: Sequence[float], observed_ms: float) -> bool:
+        """Feed one observation. Returns False if it was rejected (non-finite or outlier)."""
+        if not math.isfinite(observed_ms) or observed_ms < 0 or not all(map(math.isfinite, x)):
+            self.skipped += 1
+            return False
+        n = len(FEATURES)
+        z = [x[i] * self._SCALES[i] for i in range(n)]
+        resid = observed_ms - math.fsum(self._theta[i] * z[i] for i in range(n))
+        warmed = self.samples >= self.min_samples and self._resid_var > 0
+        if warmed and abs(resid) > self.outlier_sigmas * math.sqrt(self._resid_var):
+            self.skipped += 1
+            # still let the variance grow slowly, so a real regime change is accepted
+            self._resid_var *= 1.05
+            return False
+        lam = self.forgetting
+        pz = [math.fsum(self._p[i][j] * z[j] for j in range(n)) for i in range(n)]
+        denom = lam + math.fsum(z[i] * pz[i] for i in range(n))
+        gain = [v / denom for v in pz]
+        for i in range(n):
+            self._theta[i] = min(self._hi[i], max(self._lo[i], self._theta[i] + gain[i] * resid))
+        for i in range(n):
+            for j in range(n):
+                self._p[i][j] = (self._p[i][j] - gain[i] * pz[j]) / lam
+        trace = sum(self._p[i][i] for i in range(n))
+        if trace > self.max_trace:
+            f = self.max_trace / trace
+            for i in range(n):
+                for j in range(n):
+                    self._p[i][j] *= f
+        self._resid_var = (
+            resid * resid if self.samples == 0 else 0.98 * self._resid_var + 0.02 * resid * resid
+        )
+        self.samples += 1
+        return True

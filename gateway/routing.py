@@ -1,0 +1,307 @@
+"""Routing strategies: pure functions of plain data, shared by the gateway and the simulator.
+
+A decision takes the candidate replicas (each with its scoped :class:`PrefixMatch`, its
+:class:`LoadView` and whether it is quarantined), the request's shape and the current cost
+coefficients, and returns the chosen replica, the reason, and a per-replica breakdown. No
+HTTP, no index, no clock and no asyncio here: the caller looks up, the caller dispatches.
+Randomness comes from the ``random.Random`` the caller passes in, so runs are reproducible.
+
+Isolation contract: the only prompt-dependent input is ``Candidate.match``, which the caller
+looks up under the request's own scope; a ``load_only`` request (sensitive scope) and a
+quarantined replica's match are ignored entirely.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import xxhash
+
+from cachecore.index.base import PrefixMatch, empty_match
+from cachecore.scoring import Coefficients, CostBreakdown, LoadView, cost
+
+
+class Strategy(StrEnum):
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least_loaded"
+    CONSISTENT_HASH = "consistent_hash"
+    PREFIX_AFFINITY = "prefix_affinity"
+    EXPECTED_LATENCY = "expected_latency"
+
+
+class NoCandidateError(LookupError):
+    """No replica can take the request (none healthy, none serves the model)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingParams:
+    """Strategy knobs (from the policy's ``routing`` section).
+
+    ``temperature``: 0 picks the lowest cost; > 0 samples with weights
+    ``exp(-(cost - best) / (temperature * best))`` (dimensionless, relative to the best).
+    ``spill_queue_ms``: when the cheapest replica holds a prefix match and its queue wait
+    passes this bound, the request goes to the cheapest replica whose queue is under it, so
+    a hot prefix is replicated instead of piling up (None disables).
+    ``cache_threshold`` / ``balance_*``: SGLang / vllm-router ``cache_aware`` defaults.
+    ``sticky_slack`` / ``sticky_slack_ms``: a sensitive request may go to any replica whose
+    load-only cost is within ``best * (1 + slack) + slack_ms``; among those its session
+    hashes to a fixed one (reuse within the session, no cross-scope signal).
+    ``cold_fraction``: a request whose best match covers less than this fraction of its
+    prompt is "cold" (for confining a flooding tenant's cold traffic).
+    """
+
+    strategy: Strategy = Strategy.EXPECTED_LATENCY
+    temperature: float = 0.0
+    tie_epsilon_ms: float = 0.5
+    spill_queue_ms: float | None = 2000.0
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    sticky_slack: float = 0.25
+    sticky_slack_ms: float = 50.0
+    cold_fraction: float = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    replica: str
+    load: LoadView
+    match: PrefixMatch = field(default_factory=empty_match)
+    quarantined: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    prompt_tokens: int
+    block_size: int
+    session_key: str | None = None
+    load_only: bool = False  # sensitive (ephemeral) scope: never use any match
+    cold_replicas: frozenset[str] | None = None  # confine this tenant's cold traffic
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaScore:
+    replica: str
+    cost_ms: float
+    queue_ms: float
+    prefill_ms: float
+    load_ms: float
+    matched_blocks: int  # the match the decision used (0 when ignored)
+    predicted_cached_tokens: int
+    requests: int
+    eligible: bool
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "cost_ms": round(self.cost_ms, 3),
+            "queue_ms": round(self.queue_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3),
+            "load_ms": round(self.load_ms, 3),
+            "matched_blocks": self.matched_blocks,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
+            "requests": self.requests,
+            "eligible": self.eligible,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    strategy: Strategy
+    reason: str
+    scores: tuple[ReplicaScore, ...]
+
+    @property
+    def chosen(self) -> ReplicaScore:
+        for s in self.scores:
+            if s.replica == self.replica:
+                return s
+        raise KeyError(self.replica)  # pragma: no cover - a decision always scores its pick
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        return self.chosen.predicted_cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "strategy": self.strategy.value,
+            "reason": self.reason,
+            "scores": [s.to_dict() for s in self.scores],
+        }
+
+
+def rendezvous(key: str, replicas: Sequence[str]) -> str:
+    """Highest-random-weight hashing: stable when replicas join or leave (only the keys of
+    a departed replica move)."""
+    kb = key.encode()
+    return max(replicas, key=lambda r: xxhash.xxh3_64_intdigest(kb + b"\x00" + r.encode()))
+
+
+class Router:
+    """Holds what a strategy needs between decisions (the round-robin cursor, the RNG);
+    everything else arrives with each call."""
+
+    def __init__(self, params: RoutingParams, rng: random.Random) -> None:
+        self.params = params
+        self.rng = rng
+        self._rr = 0
+
+    def decide(
+        self,
+        req: RouteRequest,
+        candidates: Sequence[Candidate],
+        coeffs: Coefficients,
+        strategy: Strategy | None = None,
+    ) -> Decision:
+        if not candidates:
+            raise NoCandidateError("no healthy replica serves this request")
+        strat = strategy or self.params.strategy
+        scores = self._score(req, candidates, coeffs)
+        eligible = [s for s in scores if s.eligible]
+        if not eligible:  # pragma: no cover - _score keeps at least one eligible
+            raise NoCandidateError("no eligible replica")
+        if req.load_only:
+            pick, reason = self._load_only(req, eligible)
+        elif strat is Strategy.EXPECTED_LATENCY:
+            pick, reason = self._expected_latency(eligible)
+        elif strat is Strategy.PREFIX_AFFINITY:
+            pick, reason = self._prefix_affinity(req, eligible, candidates)
+        elif strat is Strategy.LEAST_LOADED:
+            pick, reason = self._least_loaded(eligible)
+        elif strat is Strategy.CONSISTENT_HASH:
+            if req.session_key:
+                pick = rendezvous(req.session_key, [s.replica for s in eligible])
+                reason = "hash"
+            else:
+                pick, reason = self.rng.choice(eligible).replica, "no_session_key"
+        elif strat is Strategy.ROUND_ROBIN:
+            pick = eligible[self._rr % len(eligible)].replica
+            self._rr += 1
+            reason = "round_robin"
+        else:
+            pick, reason = self.rng.choice(eligible).replica, "random"
+        return Decision(pick, strat, reason, tuple(scores))
+
+    # ------------------------------------------------------------------ scoring
+    def _score(
+        self, req: RouteRequest, candidates: Sequence[Candidate], coeffs: Coefficients
+    ) -> list[ReplicaScore]:
+        bs = req.block_size
+        parts: list[tuple[Candidate, CostBreakdown, str]] = []
+        for c in candidates:
+            note = ""
+            match = c.match
+            if req.load_only:
+                match, note = _EMPTY, "load_only"
+            elif c.quarantined:
+                match, note = _EMPTY, "quarantined"
+            parts.append((c, cost(match, req.prompt_tokens, bs, c.load, coeffs), note))
+        confined: frozenset[str] | None = None
+        if req.cold_replicas is not None and not req.load_only:
+            best = max(p[1].hit.predicted_cached_tokens for p in parts)
+            if best < self.params.cold_fraction * req.prompt_tokens:
+                names = {p[0].replica for p in parts}
+                if names & req.cold_replicas:
+                    confined = req.cold_replicas
+        out: list[ReplicaScore] = []
+        for c, b, note in parts:
+            ok = confined is None or c.replica in confined
+            out.append(
+                ReplicaScore(
+                    replica=c.replica,
+                    cost_ms=b.cost_ms,
+                    queue_ms=b.queue_ms,
+                    prefill_ms=b.prefill_ms,
+                    load_ms=b.load_ms,
+                    matched_blocks=(b.hit.stored_tokens + b.hit.pending_tokens) // bs,
+                    predicted_cached_tokens=b.hit.predicted_cached_tokens,
+                    requests=c.load.requests,
+                    eligible=ok,
+                    note=note if ok else "cold_confined",
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ strategies
+    def _ties(self, scores: Sequence[ReplicaScore], value: float, key: str) -> list[ReplicaScore]:
+        eps = self.params.tie_epsilon_ms if key == "cost_ms" else 0.0
+        return [s for s in scores if getattr(s, key) <= value + eps]
+
+    def _lowest_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, bool]:
+        best = min(s.cost_ms for s in scores)
+        ties = self._ties(scores, best, "cost_ms")
+        return (ties[0], False) if len(ties) == 1 else (self.rng.choice(ties), True)
+
+    def _expected_latency(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
+        p = self.params
+        if p.temperature > 0 and len(scores) > 1:
+            best = min(s.cost_ms for s in scores)
+            scale = p.temperature * max(best, 1.0)
+            weights = [math.exp(-(s.cost_ms - best) / scale) for s in scores]
+            pick = self.rng.choices(list(scores), weights=weights, k=1)[0]
+            return pick.replica, "softmax"
+        pick, tied = self._lowest_cost(scores)
+        if (
+            p.spill_queue_ms is not None
+            and pick.matched_blocks > 0
+            and pick.queue_ms > p.spill_queue_ms
+        ):
+            others = [s for s in scores if s.replica != pick.replica and s.queue_ms < pick.queue_ms]
+            under = [s for s in others if s.queue_ms <= p.spill_queue_ms]
+            if under:
+                alt, _ = self._lowest_cost(under)
+                return alt.replica, "spill"
+        if tied:
+            return pick.replica, "tie_random"
+        return pick.replica, "prefix_hit" if pick.matched_blocks > 0 else "lowest_cost"
+
+    def _least_loaded(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
+        low = min(s.requests for s in scores)
+        ties = [s for s in scores if s.requests == low]
+        if len(ties) > 1:  # then the least queued prefill work
+            q = min(s.queue_ms for s in ties)
+            ties = [s for s in ties if s.queue_ms <= q]
+        return self.rng.choice(ties).replica, "least_loaded"
+
+    def _prefix_affinity(
+        self, req: RouteRequest, scores: Sequence[ReplicaScore], cands: Sequence[Candidate]
+    ) -> tuple[str, str]:
+        """SGLang / vllm-router ``cache_aware``: shortest queue when imbalanced, else the
+        best match above the threshold, else the replica with the least cached data."""
+        p = self.params
+        loads = [s.requests for s in scores]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > p.balance_abs_threshold and hi > lo * p.balance_rel_threshold:
+            ties = [s for s in scores if s.requests == lo]
+            return self.rng.choice(ties).replica, "imbalanced"
+        best = max(s.predicted_cached_tokens for s in scores)
+        if req.prompt_tokens > 0 and best / req.prompt_tokens > p.cache_threshold:
+            ties = [s for s in scores if s.predicted_cached_tokens == best]
+            return self.rng.choice(ties).replica, "cache_hit"
+        usage = {c.replica: c.load.kv_usage for c in cands}
+        low = min(usage[s.replica] for s in scores)
+        ties = [s for s in scores if usage[s.replica] <= low]
+        return self.rng.choice(ties).replica, "smallest_tree"
+
+    def _load_only(self, req: RouteRequest, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
+        p = self.params
+        best = min(s.cost_ms for s in scores)
+        if req.session_key:
+            bound = best * (1.0 + p.sticky_slack) + p.sticky_slack_ms
+            ok = [s.replica for s in scores if s.cost_ms <= bound]
+            return rendezvous(req.session_key, ok), "sensitive_sticky"
+        pick, _ = self._lowest_cost(scores)
+        return pick.replica, "sensitive_load"
+
+
+_EMPTY = empty_match()

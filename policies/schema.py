@@ -1,0 +1,267 @@
+"""The routing policy file: a pydantic schema for ``policies/*.yaml``.
+
+Every section forbids unknown fields, so a typo is an error naming the field, not a silent
+default. :func:`load_policy` raises :class:`PolicyError` whose message lists each failing
+field as a dotted path (``routing.temperature: Input should be greater than or equal to 0``);
+the gateway keeps its previous policy when that happens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cachecore.lifecycle import Tier
+from cachecore.scoring import Coefficients
+from gateway.routing import RoutingParams, Strategy
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class PrefixAffinityPolicy(_Section):
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
+    balance_abs_threshold: Annotated[int, Field(ge=0)] = 64
+    balance_rel_threshold: Annotated[float, Field(ge=1)] = 1.5
+
+
+class StickyPolicy(_Section):
+    slack: NonNegFloat = 0.25
+    slack_ms: NonNegFloat = 50.0
+
+
+class RoutingPolicy(_Section):
+    strategy: Strategy = Strategy.EXPECTED_LATENCY
+    temperature: NonNegFloat = 0.0
+    tie_epsilon_ms: NonNegFloat = 0.5
+    spill_queue_ms: PositiveFloat | None = 2000.0
+    cold_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
+    prefix_affinity: PrefixAffinityPolicy = PrefixAffinityPolicy()
+    sensitive_sticky: StickyPolicy = StickyPolicy()
+
+    def params(self) -> RoutingParams:
+        pa, st = self.prefix_affinity, self.sensitive_sticky
+        return RoutingParams(
+            strategy=self.strategy,
+            temperature=self.temperature,
+            tie_epsilon_ms=self.tie_epsilon_ms,
+            spill_queue_ms=self.spill_queue_ms,
+            cache_threshold=pa.cache_threshold,
+            balance_abs_threshold=pa.balance_abs_threshold,
+            balance_rel_threshold=pa.balance_rel_threshold,
+            sticky_slack=st.slack,
+            sticky_slack_ms=st.slack_ms,
+            cold_fraction=self.cold_fraction,
+        )
+
+
+class FitPolicy(_Section):
+    enabled: bool = True
+    bound: Annotated[float, Field(ge=1)] = 4.0
+    forgetting: Annotated[float, Field(gt=0.5, le=1)] = 0.995
+    min_samples: Annotated[int, Field(ge=1)] = 20
+
+
+class TierLoadFactor(_Section):
+    cpu: PositiveFloat = 1.0
+    disk: PositiveFloat = 4.0
+    remote: PositiveFloat = 10.0
+
+
+class CostPolicy(_Section):
+    overhead_ms: NonNegFloat = 30.0
+    prefill_ms_per_token: NonNegFloat = 0.25
+    load_ms_per_token: NonNegFloat = 0.01
+    decode_ms_per_running: NonNegFloat = 0.5
+    saturation_ms: NonNegFloat = 200.0
+    pending_weight: Annotated[float, Field(ge=0, le=1)] = 0.8
+    tier_load_factor: TierLoadFactor = TierLoadFactor()
+    fit: FitPolicy = FitPolicy()
+
+    def coefficients(self) -> Coefficients:
+        t = self.tier_load_factor
+        return Coefficients(
+            overhead_ms=self.overhead_ms,
+            prefill_ms_per_token=self.prefill_ms_per_token,
+            load_ms_per_token=self.load_ms_per_token,
+            decode_ms_per_running=self.decode_ms_per_running,
+            saturation_ms=self.saturation_ms,
+            pending_weight=self.pending_weight,
+            tier_load_factor={Tier.CPU: t.cpu, Tier.DISK: t.disk, Tier.REMOTE: t.remote},
+        )
+
+
+class IndexPolicy(_Section):
+    lookup_timeout_ms: PositiveFloat = 5.0
+    pending_ttl_ms: Annotated[int, Field(gt=0)] = 2000
+    max_prompt_blocks: Annotated[int, Field(gt=0)] = 8192
+
+
+TokenizerKind = Literal["builtin", "hf", "engine_render", "engine_tokenize"]
+
+
+class ModelPool(_Section):
+    """How the gateway tokenizes one model's prompts (must equal the engine's tokens)."""
+
+    tokenizer: TokenizerKind = "builtin"
+    tokenizer_dir: str | None = None
+    block_size: Annotated[int, Field(gt=0)] = 16
+    alignment_check: bool = True
+
+    @model_validator(mode="after")
+    def _dir_for_hf(self) -> ModelPool:
+        if self.tokenizer == "hf" and not self.tokenizer_dir:
+            raise ValueError("tokenizer 'hf' needs tokenizer_dir")
+        return self
+
+
+class ModelsPolicy(_Section):
+    default: ModelPool = ModelPool()
+    pools: dict[str, ModelPool] = Field(default_factory=dict)
+
+    def pool(self, model: str) -> ModelPool:
+        return self.pools.get(model, self.default)
+
+
+SensitiveKind = Literal["none", "session", "request"]
+
+
+class SensitivePolicy(_Section):
+    default: SensitiveKind = "none"
+    allow_header: bool = False  # may clients ask via x-kvgate-sensitive: session|request
+    models: list[str] = Field(default_factory=list)  # requests to these are always sensitive
+    models_kind: Literal["session", "request"] = "session"
+
+
+class TenantLimits(_Section):
+    requests_per_s: PositiveFloat | None = None
+    requests_burst: PositiveFloat | None = None
+    max_concurrency: Annotated[int, Field(gt=0)] | None = None
+    uncached_tokens_per_s: PositiveFloat | None = None
+    uncached_tokens_burst: PositiveFloat | None = None
+    cold_replica_count: Annotated[int, Field(gt=0)] | None = None
+
+
+class TenantPolicy(_Section):
+    trust_group: str | None = None
+    sensitive: SensitivePolicy = SensitivePolicy()
+    limits: TenantLimits = TenantLimits()
+
+
+class QuarantinePolicy(_Section):
+    enabled: bool = True
+    missing_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5  # X
+    k: Annotated[int, Field(gt=0)] = 3
+    m: Annotated[int, Field(gt=0)] = 5
+    min_claimed_blocks: Annotated[int, Field(gt=0)] = 2
+    recover_after: Annotated[int, Field(gt=0)] = 3
+
+    @model_validator(mode="after")
+    def _k_le_m(self) -> QuarantinePolicy:
+        if self.k > self.m:
+            raise ValueError("quarantine.k must be <= quarantine.m")
+        return self
+
+
+class HealthPolicy(_Section):
+    interval_s: PositiveFloat = 0.5
+    timeout_s: PositiveFloat = 0.5
+    unhealthy_after: Annotated[int, Field(gt=0)] = 1
+    healthy_after: Annotated[int, Field(gt=0)] = 1
+    eject_after_failures: Annotated[int, Field(gt=0)] = 3
+    eject_s: PositiveFloat = 5.0
+    models_refresh_s: PositiveFloat = 10.0
+
+
+class PrecisionPolicy(_Section):
+    warn_error_fraction: Annotated[float, Field(ge=0, le=1)] = 0.05
+    warn_interval_s: PositiveFloat = 30.0
+
+
+class Policy(_Section):
+    version: Literal[1] = 1
+    routing: RoutingPolicy = RoutingPolicy()
+    cost: CostPolicy = CostPolicy()
+    index: IndexPolicy = IndexPolicy()
+    models: ModelsPolicy = ModelsPolicy()
+    default_tenant: TenantPolicy = TenantPolicy()
+    tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    trust_groups: dict[str, list[str]] = Field(default_factory=dict)
+    quarantine: QuarantinePolicy = QuarantinePolicy()
+    health: HealthPolicy = HealthPolicy()
+    precision: PrecisionPolicy = PrecisionPolicy()
+
+    @model_validator(mode="after")
+    def _groups_declared(self) -> Policy:
+        for name, t in self.tenants.items():
+            g = t.trust_group
+            if g is None:
+                continue
+            if g not in self.trust_groups:
+                raise ValueError(f"tenants.{name}.trust_group: undeclared trust group {g!r}")
+            if name not in self.trust_groups[g]:
+                raise ValueError(f"tenants.{name}.trust_group: {name!r} is not a member of {g!r}")
+        if self.default_tenant.trust_group is not None:
+            raise ValueError("default_tenant.trust_group: the default tenant cannot join a group")
+        return self
+
+    def tenant(self, name: str) -> TenantPolicy:
+        return self.tenants.get(name, self.default_tenant)
+
+
+class PolicyError(ValueError):
+    """An invalid policy file; ``fields`` lists the failing dotted paths."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.fields = [f for f, _ in problems]
+        lines = "; ".join(f"{f}: {m}" if f else m for f, m in problems)
+        super().__init__(f"invalid policy {source}: {lines}")
+
+
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        out.append((path, str(err["msg"])))
+    return out
+
+
+def parse_policy(data: Any, source: str = "<policy>") -> Policy:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(source, [("", "the policy must be a mapping")])
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(source, _problems(exc)) from None
+
+
+def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PolicyError(source, [("", f"not valid YAML: {exc}")]) from None
+    return parse_policy(data, source)
+
+
+def load_policy(path: Path | str) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise PolicyError(str(p), [("", f"cannot read: {exc}")]) from None
+    return parse_policy_text(text, str(p))
+
+
+def builtin_policy_path(name: str = "default") -> Path:
+    return Path(__file__).with_name(f"{name}.yaml")

@@ -1,0 +1,178 @@
+"""Routing strategies on plain data: each strategy's rule, ties, spill, isolation inputs."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from cachecore.index.base import PrefixMatch, empty_match
+from cachecore.lifecycle import Tier
+from cachecore.scoring import Coefficients, LoadView
+from gateway.routing import (
+    Candidate,
+    NoCandidateError,
+    Router,
+    RouteRequest,
+    RoutingParams,
+    Strategy,
+    rendezvous,
+)
+
+C = Coefficients()
+REQ = RouteRequest(prompt_tokens=2048, block_size=16)
+
+
+def match(blocks: int) -> PrefixMatch:
+    return PrefixMatch(
+        {Tier.GPU: blocks, Tier.CPU: 0, Tier.DISK: 0, Tier.REMOTE: 0}, blocks, blocks
+    )
+
+
+def router(seed: int = 0, **kw: object) -> Router:
+    return Router(RoutingParams(**kw), random.Random(seed))  # type: ignore[arg-type]
+
+
+def fleet(n: int = 4) -> list[Candidate]:
+    return [Candidate(f"r{i}", LoadView()) for i in range(n)]
+
+
+def test_expected_latency_prefers_the_cached_replica() -> None:
+    cands = fleet()
+    cands[2] = Candidate("r2", LoadView(), match(100))
+    d = router().decide(REQ, cands, C)
+    assert d.replica == "r2" and d.reason == "prefix_hit"
+    assert d.predicted_cached_tokens == 1600
+    assert {s.replica for s in d.scores} == {"r0", "r1", "r2", "r3"}
+
+
+def test_expected_latency_avoids_an_overloaded_hit() -> None:
+    cands = fleet()
+    cands[2] = Candidate(
+        "r2", LoadView(queued_prefill_tokens=50_000, queued_requests=30), match(100)
+    )
+    d = router(spill_queue_ms=None).decide(REQ, cands, C)
+    assert d.replica != "r2"
+
+
+def test_ties_are_broken_at_random_and_reproducibly() -> None:
+    picks = Counter(router(seed=s).decide(REQ, fleet(), C).replica for s in range(200))
+    assert set(picks) == {"r0", "r1", "r2", "r3"}
+    assert min(picks.values()) > 20
+    a = [router(seed=3).decide(REQ, fleet(), C).replica for _ in range(5)]
+    b = [router(seed=3).decide(REQ, fleet(), C).replica for _ in range(5)]
+    assert a == b
+
+
+def test_spill_replicates_a_hot_prefix() -> None:
+    req = RouteRequest(prompt_tokens=16_384, block_size=16)
+    cands = fleet(3)
+    hot = LoadView(queued_prefill_tokens=8400, queued_requests=3)  # 2100 ms of queue
+    cands[0] = Candidate("r0", hot, match(1023))
+    no_spill = router(spill_queue_ms=None).decide(req, cands, C)
+    assert no_spill.replica == "r0"  # the hit still wins on cost (a miss costs ~4.1 s)
+    d = router(spill_queue_ms=2000).decide(req, cands, C)
+    assert d.replica in {"r1", "r2"} and d.reason == "spill"
+    assert router(spill_queue_ms=3000).decide(req, cands, C).replica == "r0"
+
+
+def test_softmax_temperature_spreads_choices() -> None:
+    cands = fleet(2)
+    cands[0] = Candidate("r0", LoadView(), match(20))  # a bit cheaper
+    cold = Counter(router(seed=s).decide(REQ, cands, C).replica for s in range(100))
+    warm = Counter(
+        router(seed=s, temperature=1.0).decide(REQ, cands, C).replica for s in range(300)
+    )
+    assert cold == Counter({"r0": 100})
+    assert 0 < warm["r1"] < warm["r0"]
+
+
+def test_round_robin_cycles() -> None:
+    r = router(strategy=Strategy.ROUND_ROBIN)
+    assert [r.decide(REQ, fleet(3), C).replica for _ in range(6)] == ["r0", "r1", "r2"] * 2
+
+
+def test_least_loaded_picks_fewest_requests() -> None:
+    cands = [Candidate("a", LoadView(running=5)), Candidate("b", LoadView(running=1, waiting=1))]
+    assert router(strategy=Strategy.LEAST_LOADED).decide(REQ, cands, C).replica == "b"
+
+
+def test_consistent_hash_is_sticky_and_moves_only_departed_keys() -> None:
+    names = [f"r{i}" for i in range(5)]
+    keys = [f"s{i}" for i in range(300)]
+    before = {k: rendezvous(k, names) for k in keys}
+    after = {k: rendezvous(k, names[:-1]) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == "r4" for k in moved)
+    r = router(strategy=Strategy.CONSISTENT_HASH)
+    req = RouteRequest(2048, 16, session_key="user-1")
+    assert len({r.decide(req, fleet(), C).replica for _ in range(10)}) == 1
+
+
+def test_prefix_affinity_follows_sglang_rules() -> None:
+    r = router(strategy=Strategy.PREFIX_AFFINITY)
+    cands = [Candidate("a", LoadView(running=1), match(100)), Candidate("b", LoadView())]
+    d = r.decide(REQ, cands, C)
+    assert (d.replica, d.reason) == ("a", "cache_hit")
+    skew = [Candidate("a", LoadView(running=200), match(100)), Candidate("b", LoadView(running=10))]
+    d = r.decide(REQ, skew, C)
+    assert (d.replica, d.reason) == ("b", "imbalanced")
+    small = [
+        Candidate("a", LoadView(kv_usage=0.5), match(5)),
+        Candidate("b", LoadView(kv_usage=0.1)),
+    ]
+    d = r.decide(REQ, small, C)
+    assert (d.replica, d.reason) == ("b", "smallest_tree")
+
+
+def test_load_only_ignores_matches_and_is_session_sticky() -> None:
+    cands = fleet()
+    cands[1] = Candidate("r1", LoadView(), match(120))
+    req = RouteRequest(2048, 16, session_key="sess", load_only=True)
+    picks = {router(seed=s).decide(req, cands, C).replica for s in range(20)}
+    assert len(picks) == 1
+    d = router().decide(req, cands, C)
+    assert d.reason == "sensitive_sticky"
+    assert all(s.matched_blocks == 0 and s.predicted_cached_tokens == 0 for s in d.scores)
+    # the decision is identical whether or not someone else cached the prefix
+    d2 = router().decide(req, fleet(), C)
+    assert d2.replica == d.replica
+
+
+def test_sensitive_session_leaves_a_loaded_replica() -> None:
+    names = [f"r{i}" for i in range(4)]
+    home = rendezvous("sess", names)
+    cands = [
+        Candidate(n, LoadView(queued_prefill_tokens=40_000 if n == home else 0)) for n in names
+    ]
+    req = RouteRequest(2048, 16, session_key="sess", load_only=True)
+    assert router().decide(req, cands, C).replica != home
+
+
+def test_quarantined_replica_is_routed_by_load_only() -> None:
+    cands = fleet(2)
+    cands[0] = Candidate("r0", LoadView(running=2), match(120), quarantined=True)
+    d = router().decide(REQ, cands, C)
+    assert d.replica == "r1"
+    assert d.scores[0].note == "quarantined" and d.scores[0].matched_blocks == 0
+
+
+def test_cold_traffic_is_confined_but_warm_traffic_is_not() -> None:
+    req = RouteRequest(2048, 16, cold_replicas=frozenset({"r3"}))
+    assert {router(seed=s).decide(req, fleet(), C).replica for s in range(30)} == {"r3"}
+    cands = fleet()
+    cands[0] = Candidate("r0", LoadView(), match(100))
+    assert router().decide(req, cands, C).replica == "r0"
+
+
+def test_no_candidates_raises() -> None:
+    with pytest.raises(NoCandidateError):
+        router().decide(REQ, [], C)
+
+
+def test_decision_serialises_for_explain() -> None:
+    d = router().decide(REQ, fleet(2), C).to_dict()
+    assert d["strategy"] == "expected_latency" and len(d["scores"]) == 2
+    assert {"cost_ms", "queue_ms", "prefill_ms", "predicted_cached_tokens"} <= set(d["scores"][0])
+    assert empty_match().stored_blocks == 0

@@ -1,0 +1,112 @@
+"""The expected-latency cost model: hit cap, tier split, cost terms, online fit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cachecore.index.base import PrefixMatch, empty_match
+from cachecore.lifecycle import Tier
+from cachecore.scoring import (
+    FEATURES,
+    Coefficients,
+    LoadView,
+    OnlineFit,
+    cost,
+    features,
+    hit_cap_blocks,
+    predict_hit,
+)
+
+C = Coefficients()
+
+
+def gpu_match(blocks: int, pending: int | None = None) -> PrefixMatch:
+    tiers = {Tier.GPU: blocks, Tier.CPU: 0, Tier.DISK: 0, Tier.REMOTE: 0}
+    return PrefixMatch(tiers, blocks, blocks if pending is None else pending)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "bs", "cap"), [(0, 16, 0), (1, 16, 0), (16, 16, 0), (17, 16, 1), (33, 16, 2)]
+)
+def test_hit_cap_never_serves_the_last_token(prompt: int, bs: int, cap: int) -> None:
+    assert hit_cap_blocks(prompt, bs) == cap
+
+
+def test_prediction_applies_cap_to_a_full_match() -> None:
+    # 64 tokens = 4 full blocks all cached, but the engine recomputes the last token
+    hit = predict_hit(gpu_match(4), 64, 16, C)
+    assert hit.predicted_cached_tokens == 48
+    assert hit.uncached_tokens == 16
+
+
+def test_pending_counts_with_its_weight() -> None:
+    hit = predict_hit(gpu_match(2, pending=5), 100, 16, Coefficients(pending_weight=0.5))
+    assert hit.gpu_tokens == 32 and hit.pending_tokens == 48
+    assert hit.uncached_tokens == pytest.approx(100 - 32 - 24)
+    assert hit.predicted_cached_tokens == 80  # weight >= 0.5: pending predicted as hits
+    low = predict_hit(gpu_match(2, pending=5), 100, 16, Coefficients(pending_weight=0.2))
+    assert low.predicted_cached_tokens == 32
+
+
+def test_tiers_split_gpu_cpu_remote() -> None:
+    # GPU prefix 2 blocks, CPU prefix 5, stored (any tier) 7: blocks 5..6 only on some other tier
+    m = PrefixMatch({Tier.GPU: 2, Tier.CPU: 5, Tier.DISK: 0, Tier.REMOTE: 0}, 7, 7)
+    hit = predict_hit(m, 16 * 20, 16, C)
+    assert hit.gpu_tokens == 32 and hit.loaded_tokens == 5 * 16
+    assert hit.loaded_weighted == pytest.approx((3 * 1.0 + 2 * 10.0) * 16)
+
+
+def test_cost_terms_add_up_and_a_hit_is_cheaper_when_idle() -> None:
+    idle = LoadView()
+    miss = cost(empty_match(), 2048, 16, idle, C)
+    hit = cost(gpu_match(120), 2048, 16, idle, C)
+    assert miss.cost_ms == pytest.approx(C.overhead_ms + 2048 * C.prefill_ms_per_token)
+    assert hit.cost_ms < miss.cost_ms
+    assert hit.cost_ms == pytest.approx(C.overhead_ms + hit.queue_ms + hit.prefill_ms + hit.load_ms)
+
+
+def test_a_hit_on_an_overloaded_replica_loses_to_an_idle_miss() -> None:
+    busy = LoadView(queued_prefill_tokens=20_000, queued_requests=10, running=8)
+    assert (
+        cost(gpu_match(120), 2048, 16, busy, C).cost_ms
+        > cost(empty_match(), 2048, 16, LoadView(), C).cost_ms
+    )
+
+
+def test_saturation_term_counts_requests_over_capacity() -> None:
+    x = features(100, 0, LoadView(running=4, queued_requests=2, capacity=4))
+    assert x[FEATURES.index("saturation")] == 3  # 4 running + 2 queued + this one - 4 slots
+
+
+def test_online_fit_recovers_true_coefficients_and_stays_bounded() -> None:
+    rng = random.Random(7)
+    truth = Coefficients(overhead_ms=40, prefill_ms_per_token=0.4, decode_ms_per_running=1.0)
+    fit = OnlineFit(C, bound=4.0, forgetting=0.999, min_samples=10)
+    tv = truth.as_vector()
+    for _ in range(800):
+        load = LoadView(
+            queued_prefill_tokens=rng.uniform(0, 8000),
+            running=rng.randrange(0, 32),
+            queued_requests=rng.randrange(0, 4),
+        )
+        x = features(rng.uniform(0, 4000), rng.uniform(0, 500), load)
+        y = sum(a * b for a, b in zip(tv, x, strict=True)) + rng.gauss(0, 2.0)
+        fit.update(x, y)
+    got = fit.coefficients()
+    assert got.prefill_ms_per_token == pytest.approx(0.4, rel=0.05)
+    assert got.overhead_ms == pytest.approx(40, rel=0.15)
+    # clamp box: a wild observation stream cannot push coefficients out of [prior/4, prior*4]
+    for _ in range(200):
+        fit.update([1, 10_000, 0, 0, 0], 1e7)
+    v, p = fit.coefficients().as_vector(), C.as_vector()
+    for got_i, prior_i in zip(v, p, strict=True):
+        assert prior_i / 4 - 1e-9 <= got_i <= prior_i * 4 + 1e-9
+
+
+def test_online_fit_rejects_non_finite_and_uses_prior_until_warm() -> None:
+    fit = OnlineFit(C, min_samples=5)
+    assert not fit.update([1, 0, 0, 0, 0], float("nan"))
+    fit.update([1, 100, 0, 0, 0], 1000.0)
+    assert fit.coefficients() == C
