@@ -1,0 +1,81 @@
+"""OpenAI-style error objects: every failure the gateway returns has this shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class GatewayError(Exception):
+    """An error the client sees as an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.code, self.param)
+
+    def response(self, request_id: str | None = None) -> Response:
+        headers = dict(self.headers)
+        if request_id:
+            headers["x-request-id"] = request_id
+        return Response(
+            orjson.dumps(self.body()),
+            status_code=self.status,
+            media_type="application/json",
+            headers=headers,
+        )
+
+
+def error_body(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
+    """An SSE event carrying an error object, then the stream terminator."""
+    return b"data: " + orjson.dumps(error_body(status, message, code)) + b"\n\ndata: [DONE]\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, code=code, param=param)
+
+
+def rate_limited(message: str, retry_after_s: float, code: str) -> GatewayError:
+    secs = max(1, int(retry_after_s + 0.999))
+    return GatewayError(429, message, code=code, headers={"Retry-After": str(secs)})

@@ -1,0 +1,121 @@
+"""Per-tenant admission control: request rate, concurrency, and uncached prefill tokens.
+
+The uncached-token budget is the flooding defence that acts on what reaches the engines
+(vLLM has no per-tenant quota): a tenant streaming unique long prompts spends its budget
+and gets 429s instead of flushing everyone else's prefixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.schema import TenantLimits
+
+
+class TokenBucket:
+    """``rate`` units per second, up to ``burst``. Invariant: ``0 <= level <= burst`` except
+    just after an oversized take, which may leave it negative (debt) so that one request
+    larger than the burst is admitted when the bucket is full, and then paid for."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.level = burst
+        self._t = now
+
+    def configure(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.level = min(self.level, burst)
+
+    def _refill(self, now: float) -> None:
+        if now > self._t:
+            self.level = min(self.burst, self.level + (now - self._t) * self.rate)
+        self._t = now
+
+    def take(self, amount: float, now: float) -> float:
+        """Take ``amount``; return 0.0 on success, else the seconds to wait before retrying."""
+        self._refill(now)
+        need = min(amount, self.burst)
+        if self.level >= need:
+            self.level -= amount
+            return 0.0
+        return (need - self.level) / self.rate
+
+
+@dataclass(slots=True)
+class _TenantState:
+    requests: TokenBucket | None = None
+    tokens: TokenBucket | None = None
+    in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    limit: str  # "rate" | "concurrency" | "uncached_tokens"
+    retry_after_s: float
+    message: str
+
+
+class TenantLimiter:
+    """Holds every tenant's buckets; survives policy reloads (limits are re-applied)."""
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, _TenantState] = {}
+
+    def _state(self, tenant: str, limits: TenantLimits, now: float) -> _TenantState:
+        st = self._tenants.get(tenant)
+        if st is None:
+            st = self._tenants[tenant] = _TenantState()
+        st.requests = _bucket(st.requests, limits.requests_per_s, limits.requests_burst, now)
+        st.tokens = _bucket(
+            st.tokens, limits.uncached_tokens_per_s, limits.uncached_tokens_burst, now
+        )
+        return st
+
+    def admit(self, tenant: str, limits: TenantLimits, now: float) -> Rejection | None:
+        """Admit a request (rate and concurrency). On success the caller must call
+        :meth:`release` exactly once when the request ends."""
+        st = self._state(tenant, limits, now)
+        if limits.max_concurrency is not None and st.in_flight >= limits.max_concurrency:
+            return Rejection("concurrency", 1.0, "too many concurrent requests for this key")
+        if st.requests is not None:
+            wait = st.requests.take(1.0, now)
+            if wait > 0:
+                return Rejection("rate", wait, "request rate limit exceeded for this key")
+        st.in_flight += 1
+        return None
+
+    def charge_uncached(
+        self, tenant: str, limits: TenantLimits, tokens: float, now: float
+    ) -> Rejection | None:
+        st = self._state(tenant, limits, now)
+        if st.tokens is None or tokens <= 0:
+            return None
+        wait = st.tokens.take(tokens, now)
+        if wait > 0:
+            return Rejection(
+                "uncached_tokens", wait, "uncached prompt token budget exceeded for this key"
+            )
+        return None
+
+    def release(self, tenant: str) -> None:
+        st = self._tenants.get(tenant)
+        if st is not None and st.in_flight > 0:
+            st.in_flight -= 1
+
+    def in_flight(self, tenant: str) -> int:
+        st = self._tenants.get(tenant)
+        return st.in_flight if st else 0
+
+
+def _bucket(
+    current: TokenBucket | None, rate: float | None, burst: float | None, now: float
+) -> TokenBucket | None:
+    if rate is None:
+        return None
+    b = burst if burst is not None else max(rate, 1.0)
+    if current is None:
+        return TokenBucket(rate, b, now)
+    if current.rate != rate or current.burst != b:
+        current.configure(rate, b)
+    return current

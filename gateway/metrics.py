@@ -1,0 +1,173 @@
+"""The gateway's Prometheus metrics, on a registry owned by one app instance.
+
+Names are ``kvgate_*``. The precision metric ``kvgate_cached_tokens_error_total`` has two
+parts: ``part="abs_error"`` sums ``|predicted - actual cached tokens|`` and ``part="prompt"``
+sums prompt tokens, so the error fraction is ``abs_error / prompt`` over any window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+_LOOKUP_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+)  # fmt: skip
+
+STAGES = ("parse", "keys", "lookup", "score", "proxy")
+
+
+@dataclass(slots=True)
+class StageTimes:
+    """CPU time per request stage (thread CPU of the event loop thread, so only the
+    synchronous work of the stage is counted, never time spent awaiting I/O)."""
+
+    cpu_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    count: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+
+    def add(self, stage: str, ns: int) -> None:
+        self.cpu_ns[stage] = self.cpu_ns.get(stage, 0) + ns
+        self.count[stage] = self.count.get(stage, 0) + 1
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {
+            s: {
+                "cpu_us_total": self.cpu_ns.get(s, 0) / 1e3,
+                "count": self.count.get(s, 0),
+                "cpu_us_mean": self.cpu_ns.get(s, 0) / 1e3 / max(1, self.count.get(s, 0)),
+            }
+            for s in self.cpu_ns
+        }
+
+    def reset(self) -> None:
+        for s in list(self.cpu_ns):
+            self.cpu_ns[s] = 0
+            self.count[s] = 0
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.thread_time_ns()
+        try:
+            yield
+        finally:
+            self.add(name, time.thread_time_ns() - t0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvgate_requests", "Client requests by endpoint and status", ["endpoint", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            "kvgate_route_decisions", "Routing decisions", ["strategy", "reason"], registry=r
+        )
+        self.predicted_cached = Counter(
+            "kvgate_predicted_cached_tokens", "Predicted cached prompt tokens", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.actual_cached = Counter(
+            "kvgate_actual_cached_tokens", "Engine-reported cached prompt tokens", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "kvgate_prompt_tokens", "Prompt tokens of answered requests", ["replica"], registry=r
+        )
+        self.cached_error = Counter(
+            "kvgate_cached_tokens_error",
+            "Precision check: part=abs_error sums |predicted-actual| cached tokens, "
+            "part=prompt sums prompt tokens",
+            ["part"],
+            registry=r,
+        )
+        self.cached_error_ratio = Gauge(
+            "kvgate_cached_tokens_error_ratio",
+            "sum |predicted-actual| / sum prompt tokens since start",
+            registry=r,
+        )
+        self.precision_warnings = Counter(
+            "kvgate_precision_warnings", "Requests whose prediction missed by > the bound",
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "kvgate_ttft_seconds", "Time to first token seen by the gateway", ["replica"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "kvgate_e2e_seconds", "End-to-end request latency", ["replica"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.lookup = Histogram(
+            "kvgate_index_lookup_seconds", "Prefix index lookup latency", ["source"],
+            buckets=_LOOKUP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.index_fallbacks = Counter(
+            "kvgate_index_fallbacks", "Lookups answered by the local index", ["reason"],
+            registry=r,
+        )  # fmt: skip
+        self.pending_write_errors = Counter(
+            "kvgate_pending_write_errors", "Pending writes the index refused or lost", registry=r
+        )
+        self.quarantined = Gauge(
+            "kvgate_replica_quarantined", "1 while a replica is quarantined", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.quarantine_changes = Counter(
+            "kvgate_quarantine_transitions", "Quarantine entries and exits", ["replica", "to"],
+            registry=r,
+        )  # fmt: skip
+        self.rate_limited = Counter(
+            "kvgate_rate_limited", "Requests rejected by admission control", ["tenant", "limit"],
+            registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "kvgate_upstream_errors", "Upstream failures", ["replica", "kind"], registry=r
+        )
+        self.retries = Counter(
+            "kvgate_upstream_retries", "Requests retried on another replica", registry=r
+        )
+        self.healthy = Gauge(
+            "kvgate_replica_healthy", "1 while a replica is routable", ["replica"], registry=r
+        )
+        self.in_flight = Gauge(
+            "kvgate_in_flight_requests", "Requests in flight through this gateway", registry=r
+        )
+        self.alignment = Counter(
+            "kvgate_tokenizer_alignment_mismatches",
+            "Start-up probes where the gateway's tokens differ from the engine's",
+            registry=r,
+        )
+        self.policy_reloads = Counter(
+            "kvgate_policy_reloads", "Policy reloads by outcome", ["outcome"], registry=r
+        )
+        self.stage_cpu = Counter(
+            "kvgate_stage_cpu_seconds", "Gateway CPU time by request stage", ["stage"], registry=r
+        )
+        self._err_abs = 0
+        self._err_prompt = 0
+
+    def observe_precision(self, replica: str, predicted: int, actual: int, prompt: int) -> float:
+        """Record one precision check; return this request's error fraction."""
+        err = abs(predicted - actual)
+        self.predicted_cached.labels(replica).inc(predicted)
+        self.actual_cached.labels(replica).inc(actual)
+        self.prompt_tokens.labels(replica).inc(prompt)
+        self.cached_error.labels("abs_error").inc(err)
+        self.cached_error.labels("prompt").inc(prompt)
+        self._err_abs += err
+        self._err_prompt += prompt
+        if self._err_prompt:
+            self.cached_error_ratio.set(self._err_abs / self._err_prompt)
+        return err / prompt if prompt else 0.0
+
+    @property
+    def precision(self) -> tuple[int, int]:
+        return self._err_abs, self._err_prompt

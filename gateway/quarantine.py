@@ -1,0 +1,88 @@
+"""Claims checking: quarantine replicas whose index claims the engine does not honour.
+
+After each response the gateway compares the blocks the index claimed as *stored* on the
+chosen replica (agent-written, never the gateway's own pending guesses) with the engine's
+``cached_tokens``. A request is "bad" when at least ``missing_fraction`` of the claimed
+blocks prove missing, and the index still claims them afterwards (so no BlockRemoved came
+in between: an honest eviction is not a false claim). A replica with ``k`` bad requests
+among its last ``m`` checked ones is quarantined: routed by load only. It leaves quarantine
+after ``recover_after`` consecutive checked requests whose claims agree.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from policies.schema import QuarantinePolicy
+
+
+@dataclass(slots=True)
+class _ReplicaClaims:
+    window: deque[bool] = field(default_factory=deque)
+    quarantined: bool = False
+    agreeing: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimCheck:
+    replica: str
+    claimed_blocks: int
+    actual_blocks: int
+    still_claimed_blocks: int  # what the index claims after the response
+
+    @property
+    def missing_fraction(self) -> float:
+        if self.claimed_blocks <= 0:
+            return 0.0
+        return max(0, self.claimed_blocks - self.actual_blocks) / self.claimed_blocks
+
+
+class QuarantineTracker:
+    def __init__(self, policy: QuarantinePolicy) -> None:
+        self.policy = policy
+        self._replicas: dict[str, _ReplicaClaims] = {}
+
+    def configure(self, policy: QuarantinePolicy) -> None:
+        self.policy = policy
+        for st in self._replicas.values():
+            while len(st.window) > policy.m:
+                st.window.popleft()
+        if not policy.enabled:
+            for st in self._replicas.values():
+                st.quarantined = False
+
+    def is_quarantined(self, replica: str) -> bool:
+        st = self._replicas.get(replica)
+        return st is not None and st.quarantined
+
+    def quarantined(self) -> list[str]:
+        return sorted(r for r, st in self._replicas.items() if st.quarantined)
+
+    def forget(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+
+    def observe(self, check: ClaimCheck) -> bool | None:
+        """Record one check. Returns the new quarantine state if it changed, else None."""
+        p = self.policy
+        if not p.enabled or check.claimed_blocks < p.min_claimed_blocks:
+            return None
+        bad = check.missing_fraction >= p.missing_fraction
+        if bad and check.still_claimed_blocks < check.claimed_blocks:
+            return None  # the blocks were removed in between: an eviction, not a lie
+        st = self._replicas.get(check.replica)
+        if st is None:
+            st = self._replicas[check.replica] = _ReplicaClaims()
+        st.window.append(bad)
+        while len(st.window) > p.m:
+            st.window.popleft()
+        st.agreeing = 0 if bad else st.agreeing + 1
+        if not st.quarantined and sum(st.window) >= p.k:
+            st.quarantined = True
+            st.agreeing = 0
+            return True
+        if st.quarantined and st.agreeing >= p.recover_after:
+            st.quarantined = False
+            st.window.clear()
+            return False
+        return None

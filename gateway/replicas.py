@@ -1,0 +1,318 @@
+"""The replicas behind the gateway: specs, health, ejection, cordon/drain, served models.
+
+Health is decided here, by this gateway, from two signals: an active ``GET /health`` on
+every replica each ``health.interval_s``, and passive outlier ejection (``eject_after``
+consecutive request failures eject a replica for ``eject_s``; a refused connection ejects at
+once, because it is definitive and the retry has already moved the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from cachecore.index.layout import validate_replica_id
+from policies.schema import HealthPolicy
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaSpecError(ValueError):
+    """A malformed ``--replica`` value."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """``[ID=]URL[=EVENTS,REPLAY]``: the engine's HTTP URL and, for embedded agents, its
+    KV-event PUB and replay endpoints. The id defaults to ``host-port`` (index replica ids
+    may not contain ``:``)."""
+
+    id: str
+    url: str
+    events: str | None = None
+    replay: str | None = None
+
+
+def default_replica_id(url: str) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or "replica"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{host}-{port}"
+
+
+def parse_replica_spec(text: str) -> ReplicaSpec:
+    raw = text.strip()
+    rid: str | None = None
+    head, sep, rest = raw.partition("=")
+    if sep and "://" not in head:
+        rid, raw = head, rest
+    url, sep, agent = raw.partition("=")
+    url = url.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ReplicaSpecError(f"replica URL must be http(s)://host:port, got {url!r}")
+    events = replay = None
+    if sep:
+        ev, comma, rp = agent.partition(",")
+        if not comma or not ev or not rp:
+            raise ReplicaSpecError(f"agent endpoints must be EVENTS,REPLAY, got {agent!r}")
+        for ep in (ev, rp):
+            if not ep.startswith(("tcp://", "ipc://")):
+                raise ReplicaSpecError(f"agent endpoint must be tcp:// or ipc://, got {ep!r}")
+        events, replay = ev, rp
+    rid = rid or default_replica_id(url)
+    try:
+        validate_replica_id(rid)
+    except ValueError as exc:
+        raise ReplicaSpecError(str(exc)) from None
+    return ReplicaSpec(rid, url, events, replay)
+
+
+@dataclass(slots=True)
+class Replica:
+    spec: ReplicaSpec
+    healthy: bool = True  # optimistic until the first check says otherwise
+    ejected_until: float = 0.0
+    consecutive_failures: int = 0
+    health_fails: int = 0
+    health_oks: int = 0
+    cordoned: bool = False
+    draining: bool = False
+    in_flight: int = 0
+    models: set[str] | None = None  # None: unknown yet (treated as serving everything)
+    lora_base: dict[str, str] = field(default_factory=dict)  # adapter -> base model
+    block_size: int | None = None
+    capacity: int | None = None
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def routable(self, now: float) -> bool:
+        return (
+            self.healthy and not self.cordoned and not self.draining and now >= self.ejected_until
+        )
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def state(self, now: float) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "healthy": self.healthy,
+            "ejected_for_s": max(0.0, round(self.ejected_until - now, 3)),
+            "cordoned": self.cordoned,
+            "draining": self.draining,
+            "in_flight": self.in_flight,
+            "models": sorted(self.models) if self.models is not None else None,
+            "lora": dict(self.lora_base),
+            "routable": self.routable(now),
+        }
+
+
+class ReplicaPool:
+    """The gateway's view of its replicas. Mutated only from the event loop."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        policy: HealthPolicy,
+        on_change: Callable[[str, bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self.policy = policy
+        self._replicas: dict[str, Replica] = {}
+        self._on_change = on_change
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+        self._last_models = 0.0
+
+    # ---------------------------------------------------------------- membership
+    def add(self, spec: ReplicaSpec) -> Replica:
+        rep = self._replicas.get(spec.id)
+        if rep is None:
+            rep = self._replicas[spec.id] = Replica(spec)
+        return rep
+
+    def remove(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def all(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def ids(self) -> list[str]:
+        return list(self._replicas)
+
+    # ---------------------------------------------------------------- selection
+    def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Replica]:
+        """Routable replicas serving ``model`` (a base model or a LoRA adapter name)."""
+        now = self._clock()
+        skip = set(exclude)
+        return [
+            r
+            for r in self._replicas.values()
+            if r.id not in skip and r.routable(now) and r.serves(model)
+        ]
+
+    def base_model(self, model: str, replicas: Iterable[Replica]) -> tuple[str, str | None]:
+        """(model the keys use, LoRA name) for a request naming ``model``."""
+        for r in replicas:
+            base = r.lora_base.get(model)
+            if base is not None:
+                return base, model
+        return model, None
+
+    # ---------------------------------------------------------------- passive signals
+    def record_success(self, replica_id: str) -> None:
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            rep.consecutive_failures = 0
+
+    def record_failure(self, replica_id: str, definitive: bool = False) -> None:
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            return
+        rep.consecutive_failures += 1
+        if definitive or rep.consecutive_failures >= self.policy.eject_after_failures:
+            was = rep.routable(self._clock())
+            rep.ejected_until = self._clock() + self.policy.eject_s
+            rep.consecutive_failures = 0
+            if definitive:
+                rep.healthy = False  # until an active check says otherwise
+            log.warning(
+                "replica ejected",
+                extra={"replica": rep.id, "for_s": self.policy.eject_s, "definitive": definitive},
+            )
+            if was:
+                self._changed(rep.id, False)
+
+    def _changed(self, replica_id: str, healthy: bool) -> None:
+        if self._on_change is not None:
+            self._on_change(replica_id, healthy)
+
+    # ---------------------------------------------------------------- operations
+    def cordon(self, replica_id: str, on: bool = True) -> Replica:
+        rep = self._require(replica_id)
+        rep.cordoned = on
+        if not on:
+            rep.draining = False
+        return rep
+
+    def drain(self, replica_id: str) -> Replica:
+        rep = self._require(replica_id)
+        rep.draining = True
+        return rep
+
+    def _require(self, replica_id: str) -> Replica:
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            raise KeyError(replica_id)
+        return rep
+
+    # ---------------------------------------------------------------- active checks
+    async def check_once(self, refresh_models: bool = False) -> None:
+        reps = list(self._replicas.values())
+        await asyncio.gather(*(self._check(r, refresh_models) for r in reps))
+
+    async def _check(self, rep: Replica, refresh_models: bool) -> None:
+        p = self.policy
+        ok = False
+        try:
+            r = await self._client.get(rep.url + "/health", timeout=p.timeout_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        before = rep.routable(self._clock())
+        if ok:
+            rep.health_oks += 1
+            rep.health_fails = 0
+            if not rep.healthy and rep.health_oks >= p.healthy_after:
+                rep.healthy = True
+                rep.ejected_until = 0.0
+                log.info("replica healthy", extra={"replica": rep.id})
+            if refresh_models or rep.models is None:
+                await self._models(rep)
+        else:
+            rep.health_fails += 1
+            rep.health_oks = 0
+            if rep.healthy and rep.health_fails >= p.unhealthy_after:
+                rep.healthy = False
+                log.warning("replica unhealthy", extra={"replica": rep.id})
+        after = rep.routable(self._clock())
+        if before != after:
+            self._changed(rep.id, after)
+
+    async def _models(self, rep: Replica) -> None:
+        try:
+            r = await self._client.get(rep.url + "/v1/models", timeout=self.policy.timeout_s)
+            data = r.json().get("data", []) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if not isinstance(data, list):
+            return
+        models: set[str] = set()
+        lora: dict[str, str] = {}
+        for m in data:
+            if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+                continue
+            models.add(m["id"])
+            parent = m.get("parent")
+            if isinstance(parent, str) and parent and parent != m["id"]:
+                lora[m["id"]] = parent
+        rep.models, rep.lora_base = models, lora
+
+    def model_cards(self) -> list[dict[str, object]]:
+        """Union of the healthy replicas' /v1/models entries (ids only, deduplicated)."""
+        now = self._clock()
+        seen: dict[str, dict[str, object]] = {}
+        for rep in self._replicas.values():
+            if not rep.routable(now) or rep.models is None:
+                continue
+            for mid in sorted(rep.models):
+                if mid not in seen:
+                    card: dict[str, object] = {"id": mid, "object": "model", "owned_by": "kvgate"}
+                    if mid in rep.lora_base:
+                        card["parent"] = rep.lora_base[mid]
+                        card["root"] = rep.lora_base[mid]
+                    seen[mid] = card
+        return list(seen.values())
+
+    async def run(self) -> None:
+        """Health loop: checks every interval, refreshes models every models_refresh_s."""
+        while True:
+            now = self._clock()
+            refresh = now - self._last_models >= self.policy.models_refresh_s
+            if refresh:
+                self._last_models = now
+            try:
+                await self.check_once(refresh_models=refresh)
+            except Exception:  # the loop must survive anything a replica sends
+                log.exception("health check round failed")
+            await asyncio.sleep(self.policy.interval_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -1,0 +1,58 @@
+"""Process settings of the gateway (environment ``KVGATE_*``, overridden by CLI flags).
+
+Routing behaviour lives in the policy file (reloadable); what is here is fixed for the life
+of the process: where to listen, what to trust, how long to wait.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from policies.schema import builtin_policy_path
+
+
+def _split_csv(value: object) -> object:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
+
+
+class GatewaySettings(BaseSettings):
+    """``KVGATE_SALT_SECRETS`` and ``KVGATE_REPLICAS`` take comma-separated values (the
+    first salt secret is primary; a second one is still looked up, for rotation)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: Path = Field(default_factory=lambda: builtin_policy_path("default"))
+    policy_poll_s: float = 2.0
+    redis_url: str | None = None
+    api_keys_file: Path | None = None
+    api_keys_redis: bool = False  # look API key hashes up in Redis hash <prefix>:apikeys
+    open_access: bool = False  # no API keys: every request is tenant "anonymous"
+    admin_key: SecretStr | None = None
+    salt_secrets: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    gateway_id: str | None = None
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 300.0
+    read_timeout_s: float = 300.0  # between two chunks of a response
+    max_body_bytes: int = 8 * 1024 * 1024
+    retries: int = 2  # extra replicas tried when a connection fails before the first byte
+    drain_timeout_s: float = 30.0
+    max_connections: int = 1024
+    otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None = tracing off
+    otel_service_name: str = "kvgate-gateway"
+    log_level: str = "INFO"
+    log_json: bool = True
+    seed: int | None = None  # routing RNG seed (tests, benchmarks)
+
+    @field_validator("salt_secrets", "replicas", mode="before")
+    @classmethod
+    def _csv(cls, value: object) -> object:
+        return _split_csv(value)

@@ -1,0 +1,225 @@
+"""Prompt tokenization per model pool, and the start-up alignment check.
+
+Prefix keys only mean something if the gateway's token ids equal the engine's. A pool
+tokenizes locally (the built-in tokenizer, or an HF tokenizer.json + chat template that
+match the engine's) or asks the engine itself (``/v1/chat/completions/render`` or
+``/tokenize``: exact, at the cost of one round trip per request).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from cachecore.tokenizer import HFTokenizer, Tokenizer, TokenizerError, builtin_tokenizer
+from gateway.errors import GatewayError, bad_request
+from policies.schema import ModelPool
+
+log = logging.getLogger(__name__)
+
+PROBE_PROMPT = "kvgate alignment probe: the quick brown fox jumps over 13 lazy dogs."
+PROBE_CHAT: list[dict[str, str]] = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "kvgate alignment probe: say hello."},
+]
+
+
+def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """The prompt that decides routing. A batch of prompts routes by its first one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        first = prompt[0]
+        if isinstance(first, str):
+            return first
+        if isinstance(first, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in first
+        ):
+            return list(first)
+    raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
+
+
+class PromptTokenizer(Protocol):
+    name: str
+
+    async def chat(self, body: Mapping[str, Any]) -> list[int]: ...
+
+    async def completion(self, body: Mapping[str, Any]) -> list[int]: ...
+
+
+class LocalPromptTokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.name = tokenizer.name
+
+    def chat_sync(self, body: Mapping[str, Any]) -> list[int]:
+        add_gen = body.get("add_generation_prompt", True)
+        try:
+            return self.tok.encode_chat(body.get("messages"), add_generation_prompt=bool(add_gen))  # type: ignore[arg-type]
+        except TokenizerError as exc:
+            raise bad_request(str(exc), "messages") from None
+
+    def completion_sync(self, body: Mapping[str, Any]) -> list[int]:
+        prompt = completion_prompt(body)
+        return prompt if isinstance(prompt, list) else self.tok.encode(prompt)
+
+    async def chat(self, body: Mapping[str, Any]) -> list[int]:
+        return self.chat_sync(body)
+
+    async def completion(self, body: Mapping[str, Any]) -> list[int]:
+        return self.completion_sync(body)
+
+
+def _token_ids(payload: Any) -> list[int] | None:
+    """Token ids from a /tokenize or render response (vLLM shapes: ``{"tokens": [...]}``,
+    ``{"prompt_token_ids": [...]}``, or a list of such objects)."""
+    if isinstance(payload, list):
+        if payload and all(isinstance(t, int) for t in payload):
+            return list(payload)
+        return _token_ids(payload[0]) if payload else None
+    if isinstance(payload, Mapping):
+        for key in ("tokens", "prompt_token_ids", "token_ids"):
+            v = payload.get(key)
+            if isinstance(v, list) and all(isinstance(t, int) for t in v):
+                return list(v)
+        for key in ("engine_prompt", "prompt", "data"):
+            if key in payload:
+                got = _token_ids(payload[key])
+                if got is not None:
+                    return got
+    return None
+
+
+class EnginePromptTokenizer:
+    """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize")."""
+
+    def __init__(
+        self,
+        mode: str,
+        client: httpx.AsyncClient,
+        replica_url: Callable[[], str | None],
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.mode = mode
+        self.name = f"engine_{mode}"
+        self._client = client
+        self._url = replica_url
+        self._timeout = timeout_s
+
+    async def _post(self, path: str, payload: Mapping[str, Any]) -> list[int]:
+        base = self._url()
+        if base is None:
+            raise GatewayError(503, "no replica available to tokenize", code="no_replica")
+        try:
+            r = await self._client.post(base + path, json=payload, timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            raise GatewayError(502, f"engine tokenization failed: {exc}") from None
+        if r.status_code == 400:
+            raise bad_request(f"the engine rejected the prompt: {r.text[:500]}")
+        if r.status_code != 200:
+            raise GatewayError(502, f"engine tokenization returned {r.status_code}")
+        ids = _token_ids(r.json())
+        if ids is None:
+            raise GatewayError(502, "engine tokenization returned no token ids")
+        return ids
+
+    async def chat(self, body: Mapping[str, Any]) -> list[int]:
+        payload = {
+            k: body[k]
+            for k in ("model", "messages", "add_generation_prompt", "chat_template_kwargs")
+            if k in body
+        }
+        if self.mode == "render":
+            return await self._post("/v1/chat/completions/render", payload)
+        return await self._post("/tokenize", payload)
+
+    async def completion(self, body: Mapping[str, Any]) -> list[int]:
+        prompt = completion_prompt(body)
+        if isinstance(prompt, list):
+            return prompt
+        return await self._post("/tokenize", {"model": body.get("model"), "prompt": prompt})
+
+
+class TokenizerPools:
+    """One tokenizer per model pool; local tokenizers are loaded once and shared."""
+
+    def __init__(self, client: httpx.AsyncClient, replica_url: Callable[[str], str | None]):
+        self._client = client
+        self._replica_url = replica_url
+        self._local: dict[tuple[str, str | None], LocalPromptTokenizer] = {}
+
+    def for_pool(self, model: str, pool: ModelPool) -> PromptTokenizer:
+        if pool.tokenizer in ("engine_render", "engine_tokenize"):
+            mode = "render" if pool.tokenizer == "engine_render" else "tokenize"
+            return EnginePromptTokenizer(mode, self._client, lambda: self._replica_url(model))
+        return self.local(pool)
+
+    def local(self, pool: ModelPool) -> LocalPromptTokenizer:
+        key = (pool.tokenizer, pool.tokenizer_dir)
+        tok = self._local.get(key)
+        if tok is None:
+            if pool.tokenizer == "hf" and pool.tokenizer_dir:
+                tok = LocalPromptTokenizer(HFTokenizer.from_dir(Path(pool.tokenizer_dir)))
+            else:
+                tok = LocalPromptTokenizer(builtin_tokenizer())
+            self._local[key] = tok
+        return tok
+
+
+async def check_alignment(
+    client: httpx.AsyncClient,
+    replica_url: str,
+    model: str,
+    tokenizer: LocalPromptTokenizer,
+    timeout_s: float = 2.0,
+) -> list[str]:
+    """Compare the gateway's tokens with the engine's ``/tokenize`` for a probe prompt and
+    a probe chat. Returns the disagreements (empty when aligned or when the engine has no
+    /tokenize endpoint, which is logged)."""
+    problems: list[str] = []
+    probes: Sequence[tuple[str, dict[str, Any], list[int]]] = [
+        (
+            "prompt",
+            {"model": model, "prompt": PROBE_PROMPT, "add_special_tokens": False},
+            tokenizer.tok.encode(PROBE_PROMPT),
+        ),
+        (
+            "chat",
+            {"model": model, "messages": PROBE_CHAT, "add_generation_prompt": True},
+            tokenizer.tok.encode_chat(PROBE_CHAT),
+        ),
+    ]
+    for name, payload, ours in probes:
+        try:
+            r = await client.post(replica_url + "/tokenize", json=payload, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            log.info("alignment check skipped", extra={"replica": replica_url, "error": str(exc)})
+            return []
+        if r.status_code == 404:
+            log.info(
+                "replica has no /tokenize: alignment unchecked", extra={"replica": replica_url}
+            )
+            return []
+        theirs = _token_ids(r.json()) if r.status_code == 200 else None
+        if theirs is None:
+            problems.append(f"{name}: /tokenize returned {r.status_code}")
+        elif theirs != ours:
+            problems.append(
+                f"{name}: gateway has {len(ours)} tokens, engine {len(theirs)}; "
+                f"first difference at {_first_diff(ours, theirs)}"
+            )
+    return problems
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
