@@ -1,0 +1,366 @@
+"""The embedded prefix index: one process, bounded memory, no network.
+
+Structure (per replica, one :class:`_Replica`)::
+
+    blocks   OrderedDict  block key -> tier bits       (current epoch; LRU order, oldest first)
+    mirror   dict         engine hash -> mirror record (current epoch; the agent's persistence)
+    pending  _Pending     block key -> expiry ms       (current epoch; gateway-owned)
+
+Lookup walks the request's keys once per routable replica and stops at the first key that
+is neither stored nor pending there, so its cost is O(matched prefix) per replica, and a
+replica that holds nothing of the prompt costs one dict probe.
+
+Invariants (checked by :meth:`MemoryIndex.check_invariants` in tests):
+
+* ``_n_blocks == sum(len(r.blocks)) + graveyard entries``, and after every public call
+  ``_n_blocks <= max_entries``;
+* every stored value is a non-zero tier bit set (0 means "delete", never stored);
+* ``pending._expiry`` holds exactly the unexpired-or-not-yet-trimmed entries, and every one of
+  them has a heap item ``(expiry, key)`` (stale heap items are skipped lazily).
+
+Clearing a replica is O(1): it bumps the epoch and moves the old epoch's containers to a
+graveyard that later calls free in bounded steps (freeing a million-entry dict at once would
+stall the event loop for tens of milliseconds). Memory bound: at most ``max_entries`` stored
+(replica, key) entries; when exceeded, the replica holding the most entries loses its least
+recently used ones (LRU within a replica, so one busy replica cannot flush the others).
+Recency is what the engine's own LRU sees: an entry is touched when the engine stores it
+(apply) and when the gateway routes a request over it (add_pending), parents after children
+so a chain is evicted from its tail, as vLLM does.
+
+Time is the caller's ``now_ms`` everywhere: there is no clock inside, so tests are
+deterministic and the Redis backend can be held to identical answers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cachecore.index.base import (
+    ROUTABLE_STATES,
+    IndexStats,
+    PrefixMatch,
+    ReplicaMeta,
+    ReplicaState,
+    StaleEpochError,
+    empty_match,
+)
+from cachecore.index.layout import validate_replica_id
+from cachecore.keys import BlockKey
+from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier
+
+DEFAULT_MAX_ENTRIES = 2_000_000
+DEFAULT_MAX_PENDING_PER_REPLICA = 262_144
+_GRAVEYARD_STEP = 4096  # entries freed per mutating call
+_ALL_BITS = 0
+for _t in ALL_TIERS:
+    _ALL_BITS |= int(_t)
+del _t
+_TIER_BITS: tuple[tuple[Tier, int], ...] = tuple((t, int(t)) for t in ALL_TIERS)
+
+
+class _Pending:
+    """Pending block keys of one replica and epoch, with Redis sorted-set semantics: adding
+    keeps the later expiry (``ZADD GT``), expired entries are trimmed on write, and when over
+    ``cap`` the entries with the lowest (expiry, key) go first (a zset's order)."""
+
+    __slots__ = ("_expiry", "_heap")
+
+    def __init__(self) -> None:
+        self._expiry: dict[BlockKey, int] = {}
+        self._heap: list[tuple[int, BlockKey]] = []
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def get(self, key: BlockKey) -> int:
+        return self._expiry.get(key, 0)
+
+    def add(self, keys: Sequence[BlockKey], expiry: int, now_ms: int, cap: int) -> None:
+        exp = self._expiry
+        heap = self._heap
+        for k in keys:
+            old = exp.get(k)
+            if old is None or expiry > old:
+                exp[k] = expiry
+                heapq.heappush(heap, (expiry, k))
+        # Trim in (expiry, key) order: expired entries first, then the lowest while over
+        # the cap, exactly what ZREMRANGEBYSCORE + ZREMRANGEBYRANK do to a zset.
+        while heap:
+            e, k = heap[0]
+            if exp.get(k) != e:  # stale item: the key was extended or removed since
+                heapq.heappop(heap)
+            elif e <= now_ms or len(exp) > cap:
+                heapq.heappop(heap)
+                del exp[k]
+            else:
+                break
+        if len(heap) > 2 * len(exp) + 1024:  # too many stale items: rebuild
+            self._heap = [(e, k) for k, e in exp.items()]
+            heapq.heapify(self._heap)
+
+    def unexpired(self, now_ms: int) -> int:
+        return sum(1 for e in self._expiry.values() if e > now_ms)
+
+
+@dataclass(slots=True)
+class _Replica:
+    epoch: int = 0
+    state: ReplicaState = ReplicaState.UNKNOWN
+    last_seq: int = -1
+    engine_start: float = 0.0
+    updated_ms: int = 0
+    blocks: OrderedDict[BlockKey, int] = field(default_factory=OrderedDict)
+    mirror: dict[int, bytes] = field(default_factory=dict)
+    pending: _Pending = field(default_factory=_Pending)
+
+    def meta(self) -> ReplicaMeta:
+        return ReplicaMeta(
+            self.epoch, self.state, self.last_seq, self.engine_start, self.updated_ms
+        )
+
+
+def scan_replica(
+    blocks: dict[BlockKey, int], pending: _Pending, keys: Sequence[BlockKey], now_ms: int
+) -> tuple[dict[Tier, int], int, int]:
+    """The lookup semantics of :func:`cachecore.index.base.longest_prefix`, fused with the
+    probes and stopping at the first key neither stored nor pending (hence O(prefix))."""
+    get = blocks.get
+    open_bits = _ALL_BITS
+    tier_len = dict.fromkeys(ALL_TIERS, 0)
+    n = len(keys)
+    stored_len = -1
+    pending_len = n
+    for i, k in enumerate(keys):
+        b = get(k, 0)
+        if b and b & open_bits == open_bits:
+            continue  # the common case: same tiers as the prefix so far
+        if open_bits:
+            for t, tb in _TIER_BITS:
+                if open_bits & tb and not b & tb:
+                    tier_len[t] = i
+            open_bits &= b
+        if b == 0:
+            if stored_len < 0:
+                stored_len = i
+            if pending.get(k) <= now_ms:
+                pending_len = i
+                break
+    if stored_len < 0:
+        stored_len = n
+    for t, tb in _TIER_BITS:
+        if open_bits & tb:
+            tier_len[t] = n
+    return tier_len, stored_len, pending_len
+
+
+class MemoryIndex:
+    """In-process :class:`~cachecore.index.base.PrefixIndex` (the embedded default)."""
+
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_pending_per_replica: int = DEFAULT_MAX_PENDING_PER_REPLICA,
+    ) -> None:
+        if max_entries <= 0 or max_pending_per_replica <= 0:
+            raise ValueError("bounds must be positive")
+        self.max_entries = max_entries
+        self.max_pending_per_replica = max_pending_per_replica
+        self._replicas: dict[str, _Replica] = {}
+        self._n_blocks = 0  # live entries + entries waiting in the graveyard
+        # old-epoch containers waiting to be freed; the bool says whether they hold stored
+        # entries (counted in _n_blocks) or mirror/pending data (bounded by other means)
+        self._graveyard: deque[tuple[dict[Any, Any] | list[Any], bool]] = deque()
+        self._instance = uuid.uuid4().hex
+        self.evicted_entries = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _rep(self, replica: str) -> _Replica:
+        rep = self._replicas.get(replica)
+        if rep is None:
+            validate_replica_id(replica)
+            rep = self._replicas[replica] = _Replica()
+        return rep
+
+    def _drain(self, budget: int = _GRAVEYARD_STEP) -> None:
+        """Free up to ``budget`` graveyard items (the O(n) part of a clear, spread out)."""
+        while budget > 0 and self._graveyard:
+            box, counted = self._graveyard[0]
+            n = min(budget, len(box))
+            if isinstance(box, list):
+                del box[len(box) - n :]
+            elif n == len(box):
+                box.clear()
+            else:
+                for _ in range(n):
+                    box.popitem()
+            if counted:
+                self._n_blocks -= n
+            budget -= n
+            if not box:
+                self._graveyard.popleft()
+
+    def _enforce_bound(self) -> None:
+        excess = self._n_blocks - self.max_entries
+        if excess <= 0:
+            return
+        self._drain(excess)
+        excess = self._n_blocks - self.max_entries
+        if excess <= 0:
+            return
+        # evict a little more than needed so the bound is not re-hit on every write
+        target = excess + max(1, self.max_entries // 256)
+        while target > 0 and self._n_blocks > 0:
+            victim = max(self._replicas.values(), key=lambda r: len(r.blocks))
+            n = min(target, len(victim.blocks))
+            if n == 0:
+                break
+            for _ in range(n):
+                victim.blocks.popitem(last=False)
+            self._n_blocks -= n
+            self.evicted_entries += n
+            target -= n
+
+    # ------------------------------------------------------------------ PrefixIndex
+    async def lookup(
+        self, keys: Sequence[BlockKey], replicas: Sequence[str], now_ms: int
+    ) -> dict[str, PrefixMatch]:
+        out: dict[str, PrefixMatch] = {}
+        for rid in replicas:
+            rep = self._replicas.get(rid)
+            if rep is None:
+                validate_replica_id(rid)
+                out[rid] = empty_match(ReplicaState.UNKNOWN)
+                continue
+            if rep.state not in ROUTABLE_STATES:
+                out[rid] = empty_match(rep.state)
+                continue
+            tiers, stored, pending = scan_replica(rep.blocks, rep.pending, keys, now_ms)
+            out[rid] = PrefixMatch(tiers, stored, pending, rep.state)
+        return out
+
+    async def add_pending(
+        self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
+    ) -> None:
+        rep = self._rep(replica)
+        rep.pending.add(keys, now_ms + ttl_ms, now_ms, self.max_pending_per_replica)
+        blocks = rep.blocks
+        for k in reversed(keys):  # routed over: recently used, parents last (most recent)
+            if k in blocks:
+                blocks.move_to_end(k)
+        self._drain()
+
+    async def apply(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
+        rep = self._rep(replica)
+        if epoch != rep.epoch:
+            raise StaleEpochError(f"replica {replica}: epoch {epoch} != current {rep.epoch}")
+        blocks = rep.blocks
+        added = 0
+        for k, bits in reversed(write.blocks.items()):
+            if bits:
+                if k not in blocks:
+                    added += 1
+                blocks[k] = bits
+                blocks.move_to_end(k)
+            elif blocks.pop(k, None) is not None:
+                added -= 1
+        self._n_blocks += added
+        mirror = rep.mirror
+        for h, rec in write.mirror.items():
+            if rec is None:
+                mirror.pop(h, None)
+            else:
+                mirror[h] = rec
+        if write.seq is not None:
+            rep.last_seq = write.seq
+        rep.updated_ms = now_ms
+        self._drain()
+        self._enforce_bound()
+
+    async def clear_replica(
+        self, replica: str, state: ReplicaState, now_ms: int, engine_start: float = 0.0
+    ) -> int:
+        rep = self._rep(replica)
+        for box, counted in (
+            (rep.blocks, True),  # still counted in _n_blocks until freed
+            (rep.mirror, False),
+            (rep.pending._expiry, False),
+            (rep.pending._heap, False),
+        ):
+            if box:
+                self._graveyard.append((box, counted))
+        rep.blocks = OrderedDict()
+        rep.mirror = {}
+        rep.pending = _Pending()
+        rep.epoch += 1
+        rep.state = state
+        rep.last_seq = -1
+        rep.engine_start = engine_start
+        rep.updated_ms = now_ms
+        self._drain()
+        return rep.epoch
+
+    async def set_state(self, replica: str, state: ReplicaState, now_ms: int) -> None:
+        rep = self._rep(replica)
+        rep.state = state
+        rep.updated_ms = now_ms
+
+    async def meta(self, replica: str) -> ReplicaMeta:
+        rep = self._replicas.get(replica)
+        if rep is None:
+            validate_replica_id(replica)
+            return ReplicaMeta()
+        return rep.meta()
+
+    async def set_engine_start(self, replica: str, engine_start: float) -> None:
+        self._rep(replica).engine_start = engine_start
+
+    async def load_mirror(self, replica: str) -> dict[int, bytes]:
+        rep = self._replicas.get(replica)
+        return dict(rep.mirror) if rep is not None else {}
+
+    async def replica_blocks(self, replica: str) -> dict[BlockKey, int]:
+        rep = self._replicas.get(replica)
+        return dict(rep.blocks) if rep is not None else {}
+
+    async def instance_id(self) -> str:
+        """Changes when the index loses its contents (a new process): agents compare it to
+        decide whether to rewrite their mirror."""
+        return self._instance
+
+    async def stats(self) -> IndexStats:
+        distinct: set[BlockKey] = set()
+        stored = pending = 0
+        for rep in self._replicas.values():
+            stored += len(rep.blocks)
+            pending += len(rep.pending)
+            distinct.update(rep.blocks)
+        return IndexStats(
+            replicas=len(self._replicas),
+            stored_entries=stored,
+            pending_entries=pending,
+            distinct_keys=len(distinct),
+            extra={
+                "evicted_entries": float(self.evicted_entries),
+                "graveyard_entries": float(self._n_blocks - stored),
+                "mirror_entries": float(sum(len(r.mirror) for r in self._replicas.values())),
+            },
+        )
+
+    async def close(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ tests
+    def check_invariants(self) -> None:
+        live = sum(len(r.blocks) for r in self._replicas.values())
+        dead = sum(len(d) for d, counted in self._graveyard if counted)
+        assert self._n_blocks == live + dead, (self._n_blocks, live, dead)
+        assert self._n_blocks <= self.max_entries
+        for r in self._replicas.values():
+            assert all(b != 0 for b in r.blocks.values())
+            heap_items = set(r.pending._heap)
+            assert all((e, k) in heap_items for k, e in r.pending._expiry.items())

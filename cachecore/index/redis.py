@@ -1,0 +1,685 @@
+"""The production prefix index on Redis (standalone or Cluster), via server-side Lua.
+
+Key layout: :mod:`cachecore.index.layout` (documented in ``docs/index.md``). Requirements:
+Redis >= 7.0 (``ZMSCORE`` needs 6.2; script flags and the ``%R~``/``%RW~`` ACL selectors
+need 7.0) and ``maxmemory-policy noeviction`` (or a ``volatile-*`` policy: only TTL'd soft
+state may ever be evicted, never a meta, block or mirror hash).
+
+Round trips:
+
+* :meth:`RedisIndex.lookup`: ONE ``EVALSHA`` for all replicas on standalone Redis; on
+  Cluster one per shard, sent concurrently. The script reads each replica's meta (epoch,
+  state), scans its current-epoch block hash with chunked ``HMGET`` (chunks double from
+  ``first_chunk`` to ``max_chunk``), consults the pending zset with ``ZMSCORE`` only once a
+  key is not stored, and stops at the first key that is neither;
+* :meth:`RedisIndex.apply`: one ``EVALSHA`` per write (a write of more than
+  ``max_write_fields`` entries is split, and the parts pipelined in one round trip), which
+  checks the epoch and applies the block and mirror changes and ``last_seq`` atomically;
+* :meth:`RedisIndex.clear_replica`: one ``EVALSHA``: ``HINCRBY epoch`` + ``UNLINK`` of the
+  old epoch's hashes (UNLINK frees them in a background thread: O(1) for the caller).
+
+Every Redis failure surfaces as :class:`~cachecore.index.base.IndexError_` (the gateway
+degrades to load-only routing); a write on an old epoch as
+:class:`~cachecore.index.base.StaleEpochError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+
+from cachecore.index.base import (
+    EMPTY_TIERS,
+    IndexError_,
+    IndexStats,
+    PrefixMatch,
+    ReplicaMeta,
+    ReplicaState,
+    StaleEpochError,
+)
+from cachecore.index.layout import (
+    KeyLayout,
+    engine_hash_field,
+    engine_hash_from_field,
+    group_by_shard,
+)
+from cachecore.keys import BlockKey
+from cachecore.lifecycle import ALL_TIERS, IndexWrite
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_PER_REPLICA = 262_144
+DEFAULT_MAX_WRITE_FIELDS = 16_384
+PENDING_KEY_GRACE_MS = 60_000
+"""A pending zset's key TTL is its latest expiry plus this grace (relative to the caller's
+clock, so skew between gateway and Redis clocks cannot expire live entries early)."""
+
+RedisClient = aioredis.Redis | RedisCluster
+
+# ---------------------------------------------------------------------------- Lua scripts
+# Scripts derive the b:/m:/gw:p: key names from the meta key (":meta" is 4 chars) and the
+# epoch they read, so that no caller can pass a stale epoch's key name.
+
+LOOKUP_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
+local now = tonumber(ARGV[1])
+local chunk0 = tonumber(ARGV[2])
+local max_chunk = tonumber(ARGV[3])
+local n = #ARGV - 3
+local band = bit.band
+local out = {}
+for r = 1, #KEYS do
+  local meta = KEYS[r]
+  local m = redis.call('HMGET', meta, 'epoch', 'state')
+  local state = m[2] or 'unknown'
+  if state ~= 'live' and state ~= 'cold' then
+    out[r] = {state, 0, 0, 0, 0, 0, 0}
+  else
+    local base = string.sub(meta, 1, -5)
+    local epoch = m[1] or '0'
+    local bkey = base .. 'b:' .. epoch
+    local pkey = false
+    local has_pending = false
+    local open = 15
+    local tl = {0, 0, 0, 0}
+    local stored = -1
+    local pend = n
+    local i = 0
+    local chunk = chunk0
+    local done = false
+    while i < n and not done do
+      local j = i + chunk
+      if j > n then j = n end
+      local vals = redis.call('HMGET', bkey, unpack(ARGV, 4 + i, 3 + j))
+      local ps = nil
+      local ps_off = 0
+      for q = 1, j - i do
+        local v = vals[q]
+        local b = 0
+        if v then b = tonumber(v) end
+        if b == 0 or band(b, open) ~= open then
+          if open ~= 0 then
+            for t = 0, 3 do
+              local tb = bit.lshift(1, t)
+              if band(open, tb) ~= 0 and band(b, tb) == 0 then tl[t + 1] = i + q - 1 end
+            end
+            open = band(open, b)
+          end
+          if b == 0 then
+            if stored < 0 then stored = i + q - 1 end
+            if not pkey then
+              pkey = base .. 'gw:p:' .. epoch
+              has_pending = redis.call('EXISTS', pkey) == 1
+            end
+            local s = false
+            if has_pending then
+              if ps == nil then
+                ps = redis.call('ZMSCORE', pkey, unpack(ARGV, 3 + i + q, 3 + j))
+                ps_off = q - 1
+              end
+              s = ps[q - ps_off]
+            end
+            if (not s) or tonumber(s) <= now then
+              pend = i + q - 1
+              done = true
+              break
+            end
+          end
+        end
+      end
+      i = j
+      chunk = chunk * 2
+      if chunk > max_chunk then chunk = max_chunk end
+    end
+    if stored < 0 then stored = n end
+    for t = 0, 3 do
+      if band(open, bit.lshift(1, t)) ~= 0 then tl[t + 1] = n end
+    end
+    out[r] = {state, tl[1], tl[2], tl[3], tl[4], stored, pend}
+  end
+end
+return out
+"""
+
+# KEYS[1] meta. ARGV: epoch, now_ms, seq ('' = keep), n_bset, n_bdel, n_mset, n_mdel, then
+# n_bset (key, bits) pairs, n_bdel keys, n_mset (hash, record) pairs, n_mdel hashes.
+APPLY_LUA = """
+local meta = KEYS[1]
+local cur = redis.call('HGET', meta, 'epoch') or '0'
+if cur ~= ARGV[1] then
+  return redis.error_reply('STALE epoch ' .. cur)
+end
+local base = string.sub(meta, 1, -5)
+local bkey = base .. 'b:' .. cur
+local mkey = base .. 'm:' .. cur
+local nbs, nbd = tonumber(ARGV[4]), tonumber(ARGV[5])
+local nms, nmd = tonumber(ARGV[6]), tonumber(ARGV[7])
+local STEP = 1024
+local function hset_pairs(key, from, npairs)
+  local i = 0
+  while i < npairs do
+    local c = math.min(STEP, npairs - i)
+    redis.call('HSET', key, unpack(ARGV, from + 2 * i, from + 2 * (i + c) - 1))
+    i = i + c
+  end
+end
+local function hdel_fields(key, from, nfields)
+  local i = 0
+  while i < nfields do
+    local c = math.min(STEP, nfields - i)
+    redis.call('HDEL', key, unpack(ARGV, from + i, from + i + c - 1))
+    i = i + c
+  end
+end
+local p = 8
+hset_pairs(bkey, p, nbs); p = p + 2 * nbs
+hdel_fields(bkey, p, nbd); p = p + nbd
+hset_pairs(mkey, p, nms); p = p + 2 * nms
+hdel_fields(mkey, p, nmd)
+if ARGV[3] ~= '' then
+  redis.call('HSET', meta, 'epoch', cur, 'last_seq', ARGV[3], 'updated_ms', ARGV[2])
+else
+  redis.call('HSET', meta, 'epoch', cur, 'updated_ms', ARGV[2])
+end
+return 1
+"""
+
+# KEYS[1] meta. ARGV: state, now_ms, engine_start. Returns the new epoch.
+CLEAR_LUA = """
+local meta = KEYS[1]
+local old = redis.call('HGET', meta, 'epoch') or '0'
+local new = redis.call('HINCRBY', meta, 'epoch', 1)
+redis.call('HSET', meta, 'state', ARGV[1], 'last_seq', '-1', 'engine_start', ARGV[3],
+           'updated_ms', ARGV[2])
+local base = string.sub(meta, 1, -5)
+redis.call('UNLINK', base .. 'b:' .. old, base .. 'm:' .. old)
+return new
+"""
+
+# KEYS[1] meta. ARGV: expiry_ms, now_ms, cap, grace_ms, keys... (gateway-owned zset)
+ADD_PENDING_LUA = """
+local meta = KEYS[1]
+local epoch = redis.call('HGET', meta, 'epoch') or '0'
+local pkey = string.sub(meta, 1, -5) .. 'gw:p:' .. epoch
+local expiry = ARGV[1]
+local now = tonumber(ARGV[2])
+local cap = tonumber(ARGV[3])
+local STEP = 512
+local n = #ARGV - 4
+local i = 0
+while i < n do
+  local c = math.min(STEP, n - i)
+  local args = {'GT'}
+  for q = 1, c do
+    args[2 * q] = expiry
+    args[2 * q + 1] = ARGV[4 + i + q]
+  end
+  redis.call('ZADD', pkey, unpack(args))
+  i = i + c
+end
+redis.call('ZREMRANGEBYSCORE', pkey, '-inf', now)
+local card = redis.call('ZCARD', pkey)
+if card > cap then
+  redis.call('ZREMRANGEBYRANK', pkey, 0, card - cap - 1)
+  card = cap
+end
+if card > 0 then
+  local top = redis.call('ZRANGE', pkey, -1, -1, 'WITHSCORES')
+  local ttl = tonumber(top[2]) - now + tonumber(ARGV[4])
+  if ttl < 1 then ttl = 1 end
+  redis.call('PEXPIRE', pkey, math.floor(ttl))
+end
+return card
+"""
+
+# KEYS[1] meta, KEYS[2] an epoch-scoped key, ARGV[1] its epoch: unlink it iff that epoch is
+# not the replica's current one (atomic, so a concurrent clear cannot lose the live epoch).
+SWEEP_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'epoch') or '0'
+if cur ~= ARGV[1] then
+  return redis.call('UNLINK', KEYS[2])
+end
+return 0
+"""
+
+
+class RedisScript:
+    """A Lua script called by SHA; loaded on first NOSCRIPT (a Redis restart or failover
+    empties the script cache) and retried once."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def call(self, client: RedisClient, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await client.script_load(self.source)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def call_on_node(
+        self, cluster: RedisCluster, node: Any, keys: Sequence[Any], args: Sequence[Any]
+    ) -> Any:
+        """Cluster: run on the node that owns ``keys`` (they may span slots of that node)."""
+        cmd = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        try:
+            return await cluster.execute_command(*cmd, target_nodes=node)
+        except NoScriptError:
+            await cluster.execute_command("SCRIPT", "LOAD", self.source, target_nodes=node)
+            return await cluster.execute_command(*cmd, target_nodes=node)
+
+
+async def call_per_replica(
+    client: RedisClient,
+    script: RedisScript,
+    layout: KeyLayout,
+    replicas: Sequence[str],
+    key_of: Callable[[str], str],
+    args: Sequence[Any],
+) -> tuple[list[Any], int]:
+    """Run a read script whose KEYS are one key per replica (``key_of(replica)``) and
+    whose reply is one row per key, in ONE call on standalone Redis and one call per shard,
+    concurrently, on Cluster (the script needs ``allow-cross-slot-keys``). Returns the rows
+    in ``replicas`` order and the number of calls made."""
+    keys = [key_of(r) for r in replicas]  # validates every id
+    if not isinstance(client, RedisCluster):
+        return list(await script.call(client, keys, args)), 1
+    nodes: dict[str, Any] = {}
+
+    def shard_of_slot(slot: int) -> str:
+        node = client.nodes_manager.get_node_from_slot(slot)
+        nodes[node.name] = node
+        return str(node.name)
+
+    groups = group_by_shard(replicas, layout, shard_of_slot)
+    results = await asyncio.gather(
+        *(
+            script.call_on_node(client, nodes[name], [key_of(r) for r in group], args)
+            for name, group in groups.items()
+        )
+    )
+    by_replica: dict[str, Any] = {}
+    for group, rows in zip(groups.values(), results, strict=True):
+        by_replica.update(zip(group, rows, strict=True))
+    return [by_replica[r] for r in replicas], len(groups)
+
+
+def _stale_or_index_error(exc: BaseException, what: str) -> IndexError_:
+    if isinstance(exc, ResponseError) and str(exc).startswith("STALE"):
+        return StaleEpochError(f"{what}: {exc}")
+    return IndexError_(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _state(raw: Any) -> ReplicaState:
+    if isinstance(raw, bytes):
+        raw = raw.decode()
+    try:
+        return ReplicaState(raw)
+    except ValueError:
+        return ReplicaState.UNKNOWN
+
+
+def _int(raw: Any, default: int) -> int:
+    return default if raw is None else int(raw)
+
+
+class RedisIndex:
+    """:class:`~cachecore.index.base.PrefixIndex` on Redis.
+
+    ``client`` must be created with ``decode_responses=False`` (keys are binary). Use
+    :meth:`from_url` to get one with sensible hot-path timeouts.
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        layout: KeyLayout | None = None,
+        *,
+        max_pending_per_replica: int = DEFAULT_MAX_PENDING_PER_REPLICA,
+        max_write_fields: int = DEFAULT_MAX_WRITE_FIELDS,
+        first_chunk: int = 16,
+        max_chunk: int = 256,
+    ) -> None:
+        if max_pending_per_replica <= 0 or max_write_fields <= 0:
+            raise ValueError("bounds must be positive")
+        if not 1 <= first_chunk <= max_chunk <= 4096:
+            raise ValueError("need 1 <= first_chunk <= max_chunk <= 4096")
+        self.client = client
+        self.layout = layout or KeyLayout()
+        self.max_pending_per_replica = max_pending_per_replica
+        self.max_write_fields = max_write_fields
+        self.first_chunk = first_chunk
+        self.max_chunk = max_chunk
+        self._lookup = RedisScript(LOOKUP_LUA)
+        self._apply = RedisScript(APPLY_LUA)
+        self._clear = RedisScript(CLEAR_LUA)
+        self._add_pending = RedisScript(ADD_PENDING_LUA)
+        self._sweep = RedisScript(SWEEP_LUA)
+        self.round_trips = 0  # network calls issued (for benchmarks and tests)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        layout: KeyLayout | None = None,
+        *,
+        cluster: bool = False,
+        socket_timeout_s: float = 0.25,
+        connect_timeout_s: float = 0.5,
+        max_connections: int = 64,
+        **kwargs: Any,
+    ) -> RedisIndex:
+        """Connect to ``redis://[user:password@]host:port/db`` (or a cluster seed node).
+        The short socket timeout bounds how long a lookup can stall a request before the
+        gateway degrades to load-only routing."""
+        client: RedisClient
+        if cluster:
+            client = RedisCluster.from_url(
+                url,
+                decode_responses=False,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=connect_timeout_s,
+            )
+        else:
+            client = aioredis.Redis.from_url(
+                url,
+                decode_responses=False,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=connect_timeout_s,
+                max_connections=max_connections,
+            )
+        return cls(client, layout, **kwargs)
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self.client, RedisCluster)
+
+    async def _call(self, script: RedisScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """One script call whose keys all live in one slot (one replica)."""
+        self.round_trips += 1
+        return await script.call(self.client, keys, args)
+
+    # ------------------------------------------------------------------ lookup
+    async def lookup(
+        self, keys: Sequence[BlockKey], replicas: Sequence[str], now_ms: int
+    ) -> dict[str, PrefixMatch]:
+        if not replicas:
+            return {}
+        args = [now_ms, self.first_chunk, self.max_chunk, *keys]
+        try:
+            rows, calls = await call_per_replica(
+                self.client, self._lookup, self.layout, replicas, self.layout.meta, args
+            )
+            self.round_trips += calls
+        except RedisError as exc:
+            raise _stale_or_index_error(exc, "lookup") from exc
+        except OSError as exc:
+            raise IndexError_(f"lookup: {exc}") from exc
+        out: dict[str, PrefixMatch] = {}
+        for rid, row in zip(replicas, rows, strict=True):
+            state = _state(row[0])
+            tiers = dict(zip(ALL_TIERS, (int(x) for x in row[1:5]), strict=True))
+            out[rid] = PrefixMatch(tiers, int(row[5]), int(row[6]), state)
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def _write_parts(self, epoch: int, write: IndexWrite, now_ms: int) -> list[list[Any]]:
+        """ARGV lists of the apply script, split so no call carries more than
+        ``max_write_fields`` entries; ``last_seq`` goes with the last part."""
+        bset = [(k, v) for k, v in write.blocks.items() if v]
+        bdel = [k for k, v in write.blocks.items() if not v]
+        mset = [(engine_hash_field(h), r) for h, r in write.mirror.items() if r is not None]
+        mdel = [engine_hash_field(h) for h, r in write.mirror.items() if r is None]
+        sources: tuple[list[Any], ...] = (bset, bdel, mset, mdel)
+        step = self.max_write_fields
+        parts: list[list[Any]] = []
+        i = [0, 0, 0, 0]
+        while True:
+            room = step
+            chunk: list[list[Any]] = [[], [], [], []]
+            for idx, src in enumerate(sources):
+                take = src[i[idx] : i[idx] + room]
+                i[idx] += len(take)
+                room -= len(take)
+                chunk[idx] = list(take)
+            last = all(i[idx] >= len(src) for idx, src in enumerate(sources))
+            seq = "" if (write.seq is None or not last) else str(write.seq)
+            argv: list[Any] = [epoch, now_ms, seq, *(len(c) for c in chunk)]
+            for k, v in chunk[0]:
+                argv += (k, v)
+            argv += chunk[1]
+            for h, r in chunk[2]:
+                argv += (h, r)
+            argv += chunk[3]
+            parts.append(argv)
+            if last:
+                return parts
+
+    async def apply(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
+        meta = self.layout.meta(replica)
+        parts = self._write_parts(epoch, write, now_ms)
+        try:
+            if len(parts) == 1:
+                await self._call(self._apply, [meta], parts[0])
+                return
+            await self._apply_pipelined(meta, parts)
+        except RedisError as exc:
+            raise _stale_or_index_error(exc, f"apply {replica}") from exc
+        except OSError as exc:
+            raise IndexError_(f"apply {replica}: {exc}") from exc
+
+    async def _apply_pipelined(self, meta: str, parts: list[list[Any]]) -> None:
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for argv in parts:
+                pipe.evalsha(self._apply.sha, 1, meta, *argv)
+            self.round_trips += 1
+            results = await pipe.execute(raise_on_error=False)
+            errors = [r for r in results if isinstance(r, Exception)]
+            if not errors:
+                return
+            if attempt == 0 and any(isinstance(e, NoScriptError) for e in errors):
+                await self.client.script_load(self._apply.source)
+                continue
+            raise errors[0]
+
+    async def clear_replica(
+        self, replica: str, state: ReplicaState, now_ms: int, engine_start: float = 0.0
+    ) -> int:
+        meta = self.layout.meta(replica)
+        try:
+            new = await self._call(
+                self._clear, [meta], [state.value, now_ms, repr(float(engine_start))]
+            )
+        except (RedisError, OSError) as exc:
+            raise _stale_or_index_error(exc, f"clear {replica}") from exc
+        return int(new)
+
+    async def set_state(self, replica: str, state: ReplicaState, now_ms: int) -> None:
+        meta = self.layout.meta(replica)
+        try:
+            self.round_trips += 1
+            await self.client.hset(meta, mapping={"state": state.value, "updated_ms": now_ms})
+        except (RedisError, OSError) as exc:
+            raise _stale_or_index_error(exc, f"set_state {replica}") from exc
+
+    async def set_engine_start(self, replica: str, engine_start: float) -> None:
+        meta = self.layout.meta(replica)
+        try:
+            self.round_trips += 1
+            await self.client.hset(meta, "engine_start", repr(float(engine_start)))
+        except (RedisError, OSError) as exc:
+            raise _stale_or_index_error(exc, f"set_engine_start {replica}") from exc
+
+    async def add_pending(
+        self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
+    ) -> None:
+        meta = self.layout.meta(replica)
+        args = [
+            now_ms + ttl_ms,
+            now_ms,
+            self.max_pending_per_replica,
+            PENDING_KEY_GRACE_MS,
+            *keys,
+        ]
+        try:
+            await self._call(self._add_pending, [meta], args)
+        except (RedisError, OSError) as exc:
+            raise _stale_or_index_error(exc, f"add_pending {replica}") from exc
+
+    # ------------------------------------------------------------------ reads
+    async def meta(self, replica: str) -> ReplicaMeta:
+        key = self.layout.meta(replica)
+        try:
+            self.round_trips += 1
+            raw = await self.client.hmget(
+                key, ["epoch", "state", "last_seq", "engine_start", "updated_ms"]
+            )
+        except (RedisError, OSError) as exc:
+            raise _stale_or_index_error(exc, f"meta {replica}") from exc
+        epoch, state, last_seq, engine_start, updated = raw
+        return ReplicaMeta(
+            epoch=_int(epoch, 0),
+            state=_state(state) if state is not None else ReplicaState.UNKNOWN,
+            last_seq=_int(last_seq, -1),
+            engine_start=float(engine_start) if engine_start is not None else 0.0,
+            updated_ms=_int(updated, 0),
+        )
+
+    async def _scan_epoch_hash(self, replica: str, kind: str) -> dict[bytes, bytes]:
+        """HSCAN the current epoch's ``b:`` or ``m:`` hash without blocking Redis; retried
+        if the epoch moved while scanning (a clear in between)."""
+        meta = self.layout.meta(replica)
+        for _ in range(5):
+            try:
+                self.round_trips += 1
+                epoch = _int(await self.client.hget(meta, "epoch"), 0)
+                key = (
+                    self.layout.blocks(replica, epoch)
+                    if kind == "b"
+                    else self.layout.mirror(replica, epoch)
+                )
+                out: dict[bytes, bytes] = {}
+                cursor = 0
+                while True:
+                    self.round_trips += 1
+                    cursor, page = await self.client.hscan(key, cursor, count=2000)
+                    out.update(page)  # type: ignore[arg-type]
+                    if cursor == 0:
+                        break
+                self.round_trips += 1
+                again = _int(await self.client.hget(meta, "epoch"), 0)
+            except (RedisError, OSError) as exc:
+                raise _stale_or_index_error(exc, f"scan {replica}") from exc
+            if again == epoch:
+                return out
+        raise IndexError_(f"replica {replica}: epoch kept changing during a scan")
+
+    async def load_mirror(self, replica: str) -> dict[int, bytes]:
+        raw = await self._scan_epoch_hash(replica, "m")
+        return {engine_hash_from_field(f): v for f, v in raw.items()}
+
+    async def replica_blocks(self, replica: str) -> dict[BlockKey, int]:
+        raw = await self._scan_epoch_hash(replica, "b")
+        return {f: int(v) for f, v in raw.items()}
+
+    async def instance_id(self) -> str:
+        """The Redis server's ``run_id``: it changes when Redis restarts (and lost its
+        data), which tells agents to rewrite their mirror (issue 4)."""
+        try:
+            self.round_trips += 1
+            info = await self.client.info("server")
+        except (RedisError, OSError) as exc:
+            raise IndexError_(f"instance_id: {exc}") from exc
+        if isinstance(self.client, RedisCluster):  # one dict per node
+            ids = sorted(str(v.get("run_id")) for v in info.values() if isinstance(v, dict))
+            return ",".join(ids)
+        return str(info["run_id"])
+
+    async def replicas(self) -> list[str]:
+        """Every replica with a meta hash (SCAN; debugging, stats and the sweeper)."""
+        out: list[str] = []
+        try:
+            async for raw in self.client.scan_iter(match=self.layout.meta_pattern(), count=1000):
+                parsed = self.layout.parse(raw.decode())
+                if parsed is not None:
+                    out.append(parsed[0])
+        except (RedisError, OSError) as exc:
+            raise IndexError_(f"replicas: {exc}") from exc
+        return sorted(out)
+
+    async def stats(self) -> IndexStats:
+        """O(entries): scans every current-epoch hash to count distinct keys (debug use)."""
+        rids = await self.replicas()
+        stored = pending = 0
+        distinct: set[bytes] = set()
+        try:
+            for rid in rids:
+                blocks = await self._scan_epoch_hash(rid, "b")
+                stored += len(blocks)
+                distinct.update(blocks)
+                epoch = (await self.meta(rid)).epoch
+                self.round_trips += 1
+                pending += int(await self.client.zcard(self.layout.pending(rid, epoch)))
+            info = await self.client.info("memory")
+        except (RedisError, OSError) as exc:
+            raise IndexError_(f"stats: {exc}") from exc
+        used = info.get("used_memory", 0) if isinstance(info, dict) else 0
+        return IndexStats(
+            replicas=len(rids),
+            stored_entries=stored,
+            pending_entries=pending,
+            distinct_keys=len(distinct),
+            extra={"used_memory": float(used) if isinstance(used, int | float) else 0.0},
+        )
+
+    async def sweep_orphans(self, max_keys: int = 100_000) -> int:
+        """Unlink epoch-scoped keys (b:, m:, gw:p:) whose epoch is not their replica's
+        current one. A clear unlinks the old b:/m: hashes itself, so orphans only come from
+        a lost meta hash (deleted by hand, or evicted under a wrong maxmemory-policy), and
+        old gw:p: zsets also expire by their own TTL; run this from an operator job with the
+        sweeper ACL. Bounded by ``max_keys`` examined keys. Returns how many were unlinked."""
+        removed = examined = 0
+        try:
+            async for raw in self.client.scan_iter(
+                match=self.layout.epoch_keys_pattern(), count=1000
+            ):
+                examined += 1
+                if examined > max_keys:
+                    break
+                parsed = self.layout.parse(raw.decode())
+                if parsed is None or parsed[2] is None:
+                    continue
+                rid, _, epoch = parsed
+                removed += int(await self._call(self._sweep, [self.layout.meta(rid), raw], [epoch]))
+        except (RedisError, OSError) as exc:
+            raise IndexError_(f"sweep: {exc}") from exc
+        if removed:
+            log.info("swept orphaned epoch keys", extra={"removed": removed})
+        return removed
+
+    async def ping_ms(self) -> float:
+        """One PING round trip in milliseconds (health checks and benchmarks)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await self.client.ping()
+        except (RedisError, OSError) as exc:
+            raise IndexError_(f"ping: {exc}") from exc
+        return (loop.time() - t0) * 1000.0
+
+    async def close(self) -> None:
+        try:
+            await self.client.aclose()
+        except (RedisError, OSError):  # closing a broken connection must not raise
+            log.debug("redis close failed", exc_info=True)
+
+
+__all__ = ["EMPTY_TIERS", "RedisIndex", "RedisScript", "call_per_replica"]
