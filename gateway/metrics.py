@@ -21,7 +21,7 @@ _LOOKUP_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
 )  # fmt: skip
 
-STAGES = ("parse", "keys", "lookup", "score", "proxy")
+STAGES = ("parse", "tokenize", "keys", "lookup", "score", "proxy")
 
 
 @dataclass(slots=True)

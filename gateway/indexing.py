@@ -1,0 +1,143 @@
+"""The gateway's access to the prefix index, which must never fail a request.
+
+Every lookup runs under the policy's timeout. When the shared index (Redis) is slow or
+down, the lookup is answered by a local :class:`MemoryIndex` holding this gateway's own
+pending writes (what it routed where, for the pending TTL): routing degrades to "own
+decisions + load", the way approximate routers work all the time, and the request goes on.
+Pending writes go to both, in the background, so the dispatch path never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cachecore.index.base import IndexError_, PrefixIndex, PrefixMatch, ReplicaState
+from cachecore.index.memory import MemoryIndex
+from cachecore.keys import BlockKey
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matches: dict[str, PrefixMatch]
+    source: str  # "primary" | "local" | "none"
+    seconds: float
+
+
+class GatewayIndex:
+    def __init__(
+        self,
+        primary: PrefixIndex,
+        metrics: GatewayMetrics,
+        local: MemoryIndex | None = None,
+        max_background: int = 1024,
+    ) -> None:
+        self.primary = primary
+        self.local = local  # None when the primary is itself in-process
+        self.metrics = metrics
+        self._bg: set[asyncio.Task[None]] = set()
+        self._max_bg = max_background
+        self.fallbacks = 0
+        self.dropped_writes = 0
+        self._local_live: set[str] = set()
+        self._warned = 0.0
+
+    async def lookup(
+        self, keys: Sequence[BlockKey], replicas: Sequence[str], now_ms: int, timeout_s: float
+    ) -> LookupResult:
+        t0 = time.perf_counter()
+        if not keys:
+            return LookupResult({}, "none", 0.0)
+        reason = ""
+        try:
+            if self.local is None:
+                matches = await self.primary.lookup(keys, replicas, now_ms)
+            else:
+                matches = await asyncio.wait_for(
+                    self.primary.lookup(keys, replicas, now_ms), timeout_s
+                )
+            dt = time.perf_counter() - t0
+            self.metrics.lookup.labels("primary").observe(dt)
+            return LookupResult(matches, "primary", dt)
+        except TimeoutError:
+            reason = "timeout"
+        except (IndexError_, OSError, ConnectionError) as exc:
+            reason = "error"
+            self._warn(exc)
+        except Exception as exc:  # redis client errors have no common base with ours
+            reason = "error"
+            self._warn(exc)
+        self.fallbacks += 1
+        self.metrics.index_fallbacks.labels(reason).inc()
+        if self.local is None:
+            return LookupResult({}, "none", time.perf_counter() - t0)
+        self._ensure_live(replicas, now_ms)
+        matches = await self.local.lookup(keys, replicas, now_ms)
+        dt = time.perf_counter() - t0
+        self.metrics.lookup.labels("local").observe(dt)
+        return LookupResult(matches, "local", dt)
+
+    def _warn(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._warned > 5.0:
+            self._warned = now
+            log.warning(
+                "index lookup failed; routing from local decisions", extra={"error": repr(exc)}
+            )
+
+    def _ensure_live(self, replicas: Sequence[str], now_ms: int) -> None:
+        # the local index has no agent: its replicas are "live" as far as pending goes
+        assert self.local is not None
+        for r in replicas:
+            if r not in self._local_live:
+                self._local_live.add(r)
+                self._spawn(self.local.set_state(r, ReplicaState.LIVE, now_ms))
+
+    def add_pending(self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int) -> None:
+        """Record a dispatch in the background (the request does not wait for it)."""
+        if not keys:
+            return
+        if self.local is not None:
+            self._ensure_live([replica], now_ms)
+            self._spawn(self.local.add_pending(replica, keys, ttl_ms, now_ms))
+        self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
+
+    async def _primary_pending(
+        self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
+    ) -> None:
+        try:
+            await asyncio.wait_for(self.primary.add_pending(replica, keys, ttl_ms, now_ms), 1.0)
+        except Exception as exc:  # counted; a lost pending entry only costs a guess
+            self.metrics.pending_write_errors.inc()
+            self._warn(exc)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        if len(self._bg) >= self._max_bg:
+            self.dropped_writes += 1
+            self.metrics.pending_write_errors.inc()
+            coro.close()
+            return
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def settle(self) -> None:
+        """Wait for background writes (tests, shutdown)."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.settle(), 2.0)
+        with contextlib.suppress(Exception):
+            await self.primary.close()
+        if self.local is not None:
+            await self.local.close()

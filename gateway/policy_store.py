@@ -1,0 +1,94 @@
+"""The live policy: load, validate, reload on file change, keep the old one on error."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from policies.schema import Policy, PolicyError, load_policy, parse_policy_text
+
+log = logging.getLogger(__name__)
+
+
+class PolicyStore:
+    """Holds the current :class:`Policy`. ``on_change`` runs (on the event loop) after each
+    successful reload; requests already in flight keep the objects they started with."""
+
+    def __init__(self, path: Path | None, policy: Policy | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        if policy is None:  # at start-up an invalid file is fatal
+            policy = Policy() if self.path is None else load_policy(self.path)
+        self.policy = policy
+        self._mtime = self._stat()
+        self.on_change: Callable[[Policy], None] | None = None
+        self.last_error: str | None = None
+        self.reloads = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def _stat(self) -> float | None:
+        if self.path is None:
+            return None
+        try:
+            return self.path.stat().st_mtime_ns / 1e9
+        except OSError:
+            return None
+
+    def apply(self, policy: Policy) -> None:
+        self.policy = policy
+        self.reloads += 1
+        self.last_error = None
+        if self.on_change is not None:
+            self.on_change(policy)
+
+    def reload_file(self) -> Policy:
+        """Re-read the file. Raises :class:`PolicyError` (and keeps the old policy)."""
+        if self.path is None:
+            raise PolicyError("<none>", [("", "the gateway was started without a policy file")])
+        self._mtime = self._stat()
+        try:
+            policy = load_policy(self.path)
+        except PolicyError as exc:
+            self.last_error = str(exc)
+            raise
+        self.apply(policy)
+        return policy
+
+    def reload_text(self, text: str, source: str = "POST /admin/policy") -> Policy:
+        try:
+            policy = parse_policy_text(text, source)
+        except PolicyError as exc:
+            self.last_error = str(exc)
+            raise
+        self.apply(policy)
+        return policy
+
+    def changed_on_disk(self) -> bool:
+        m = self._stat()
+        return m is not None and m != self._mtime
+
+    async def watch(self, interval_s: float, on_result: Callable[[bool, str], None]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if not self.changed_on_disk():
+                continue
+            try:
+                self.reload_file()
+                log.info("policy reloaded", extra={"path": str(self.path)})
+                on_result(True, "")
+            except PolicyError as exc:
+                log.error("policy reload failed; keeping the old policy", extra={"error": str(exc)})
+                on_result(False, str(exc))
+
+    def start(self, interval_s: float, on_result: Callable[[bool, str], None]) -> None:
+        if self._task is None and self.path is not None:
+            self._task = asyncio.get_running_loop().create_task(self.watch(interval_s, on_result))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
