@@ -1,0 +1,459 @@
+"""Shared per-replica load state: what every gateway process needs to see the same queue.
+
+Two sources feed one :class:`LoadRecord` per replica:
+
+* the replica's agent publishes the engine's own load (running and waiting requests, KV
+  usage, scraped from vLLM's ``/metrics``) with :meth:`LoadStore.publish_engine`;
+* every gateway process adds and subtracts what it dispatched and has not yet seen finish
+  (requests in flight, prefill tokens in flight) under its own gateway id with
+  :meth:`LoadStore.add_inflight`, and keeps those counts alive with
+  :meth:`LoadStore.heartbeat`. A gateway that crashes stops heartbeating; once its liveness
+  lapses (``gateway_ttl_ms``) its counts are ignored and then pruned, so a crash never leaks
+  in-flight load. Counts of one gateway are clamped at zero when summed (a late completion
+  after a prune cannot make the total negative).
+
+:meth:`LoadStore.snapshot` returns every requested replica's record in one round trip. It
+is not on the per-request path: the gateway refreshes a local copy every ~50-100 ms and adds
+its own dispatches since the last refresh.
+
+Time is always the caller's ``now_ms`` (wall-clock milliseconds in production): expiry is
+decided by comparing stored expiry stamps with it, so both stores answer identically and
+tests are deterministic. Redis keys also get a TTL (expiry plus a grace) for garbage
+collection only.
+
+Redis layout (see :mod:`cachecore.index.layout`): ``kvg:{r:<id>}:load`` (agent-owned hash:
+running, waiting, kv_usage, metrics_ts_ms, expires_ms) and ``kvg:{r:<id>}:gw:inflight``
+(gateway-owned hash: ``<gateway>:r``, ``<gateway>:t``, ``<gateway>:x`` = liveness expiry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+from cachecore.index.base import IndexError_
+from cachecore.index.layout import KeyLayout, validate_replica_id
+from cachecore.index.redis import RedisClient, RedisScript, call_per_replica
+
+DEFAULT_GATEWAY_TTL_MS = 5_000
+GARBAGE_GRACE_MS = 60_000
+PRUNE_AFTER_MS = 60_000
+"""A lapsed gateway's fields are deleted this long after its liveness expired (until then
+they are only ignored, so a gateway that stalled briefly resumes with correct counts)."""
+
+
+class LoadStoreError(IndexError_):
+    """The load store failed; the gateway keeps routing on its last snapshot."""
+
+
+def validate_gateway_id(gateway_id: str) -> str:
+    """Gateway ids use the replica-id alphabet (no ``:``, which separates hash fields)."""
+    try:
+        return validate_replica_id(gateway_id)
+    except ValueError:
+        raise ValueError(f"invalid gateway id {gateway_id!r}") from None
+
+
+def new_gateway_id() -> str:
+    """A gateway id unique per process (host, pid, random): a restarted gateway must not
+    inherit the counts of its previous life."""
+    host = "".join(c for c in socket.gethostname() if c.isalnum() or c in "-.")[:24] or "gw"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's own view, as its agent scraped it."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # vllm:kv_cache_usage_perc, 0..1
+    metrics_ts_ms: int  # when the agent scraped /metrics
+
+    def __post_init__(self) -> None:
+        if self.num_running < 0 or self.num_waiting < 0:
+            raise ValueError("negative request counts")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError("kv_usage must be within [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRecord:
+    """One replica's load as every gateway sees it.
+
+    ``metrics_ts_ms == 0`` means no unexpired engine report (agent down or never started):
+    the engine fields are then zero and :meth:`fresh` is false; in-flight counts still
+    hold what gateways dispatched.
+    """
+
+    replica: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    metrics_ts_ms: int = 0
+    inflight_requests: int = 0
+    inflight_prefill_tokens: int = 0
+    gateways: int = 0  # live gateways with counts on this replica
+
+    @property
+    def has_engine(self) -> bool:
+        return self.metrics_ts_ms > 0
+
+    def age_ms(self, now_ms: int) -> int | None:
+        """Age of the engine report, or None without one."""
+        return now_ms - self.metrics_ts_ms if self.has_engine else None
+
+    def fresh(self, now_ms: int, max_age_ms: int) -> bool:
+        age = self.age_ms(now_ms)
+        return age is not None and age <= max_age_ms
+
+
+@runtime_checkable
+class LoadStore(Protocol):
+    """Per-replica load shared by agents (engine load) and gateways (in-flight counts)."""
+
+    gateway_ttl_ms: int
+
+    async def publish_engine(
+        self, replica: str, load: EngineLoad, ttl_ms: int, now_ms: int
+    ) -> None:
+        """Agent: the engine's load, valid until ``now_ms + ttl_ms``."""
+        ...
+
+    async def add_inflight(
+        self, gateway_id: str, replica: str, d_requests: int, d_prefill_tokens: int, now_ms: int
+    ) -> None:
+        """Gateway: add (dispatch) or subtract (first token, completion, failure) in-flight
+        counts; also refreshes this gateway's liveness on ``replica``."""
+        ...
+
+    async def heartbeat(self, gateway_id: str, replicas: Sequence[str], now_ms: int) -> None:
+        """Gateway: keep this gateway's counts on ``replicas`` alive (call well within
+        ``gateway_ttl_ms``); prunes long-lapsed gateways' fields."""
+        ...
+
+    async def drop_gateway(self, gateway_id: str, replicas: Sequence[str]) -> None:
+        """Gateway, on clean shutdown: remove its counts at once."""
+        ...
+
+    async def snapshot(self, replicas: Sequence[str], now_ms: int) -> dict[str, LoadRecord]:
+        """Every requested replica's record, in one round trip."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+@dataclass(slots=True)
+class _GatewayCounts:
+    requests: int = 0
+    tokens: int = 0
+    expires_ms: int = 0
+
+
+@dataclass(slots=True)
+class _MemReplica:
+    engine: EngineLoad | None = None
+    engine_expires_ms: int = 0
+    gateways: dict[str, _GatewayCounts] = field(default_factory=dict)
+
+
+class MemoryLoadStore:
+    """In-process :class:`LoadStore` (embedded mode: one gateway process)."""
+
+    def __init__(self, gateway_ttl_ms: int = DEFAULT_GATEWAY_TTL_MS) -> None:
+        if gateway_ttl_ms <= 0:
+            raise ValueError("gateway_ttl_ms must be positive")
+        self.gateway_ttl_ms = gateway_ttl_ms
+        self._replicas: dict[str, _MemReplica] = {}
+
+    def _rep(self, replica: str) -> _MemReplica:
+        rep = self._replicas.get(replica)
+        if rep is None:
+            rep = self._replicas[replica] = _MemReplica()
+            validate_replica_id(replica)
+        return rep
+
+    async def publish_engine(
+        self, replica: str, load: EngineLoad, ttl_ms: int, now_ms: int
+    ) -> None:
+        rep = self._rep(replica)
+        rep.engine = load
+        rep.engine_expires_ms = now_ms + ttl_ms
+
+    async def add_inflight(
+        self, gateway_id: str, replica: str, d_requests: int, d_prefill_tokens: int, now_ms: int
+    ) -> None:
+        validate_gateway_id(gateway_id)
+        g = self._rep(replica).gateways.setdefault(gateway_id, _GatewayCounts())
+        g.requests += d_requests
+        g.tokens += d_prefill_tokens
+        g.expires_ms = now_ms + self.gateway_ttl_ms
+
+    async def heartbeat(self, gateway_id: str, replicas: Sequence[str], now_ms: int) -> None:
+        validate_gateway_id(gateway_id)
+        for rid in replicas:
+            rep = self._rep(rid)
+            g = rep.gateways.setdefault(gateway_id, _GatewayCounts())
+            g.expires_ms = now_ms + self.gateway_ttl_ms
+            for gid in [
+                gid for gid, c in rep.gateways.items() if c.expires_ms + PRUNE_AFTER_MS < now_ms
+            ]:
+                del rep.gateways[gid]
+
+    async def drop_gateway(self, gateway_id: str, replicas: Sequence[str]) -> None:
+        validate_gateway_id(gateway_id)
+        for rid in replicas:
+            self._rep(rid).gateways.pop(gateway_id, None)
+
+    async def snapshot(self, replicas: Sequence[str], now_ms: int) -> dict[str, LoadRecord]:
+        out: dict[str, LoadRecord] = {}
+        for rid in replicas:
+            rep = self._replicas.get(rid)
+            if rep is None:
+                validate_replica_id(rid)
+                out[rid] = LoadRecord(rid)
+                continue
+            req = tok = live = 0
+            for c in rep.gateways.values():
+                if c.expires_ms > now_ms:
+                    live += 1
+                    req += max(0, c.requests)
+                    tok += max(0, c.tokens)
+            eng = rep.engine if rep.engine_expires_ms > now_ms else None
+            out[rid] = LoadRecord(
+                rid,
+                num_running=eng.num_running if eng else 0,
+                num_waiting=eng.num_waiting if eng else 0,
+                kv_usage=eng.kv_usage if eng else 0.0,
+                metrics_ts_ms=eng.metrics_ts_ms if eng else 0,
+                inflight_requests=req,
+                inflight_prefill_tokens=tok,
+                gateways=live,
+            )
+        return out
+
+    async def close(self) -> None:
+        return None
+
+
+# ------------------------------------------------------------------------------- redis
+
+_SNAPSHOT_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
+local now = tonumber(ARGV[1])
+local out = {}
+for r = 1, #KEYS do
+  local lkey = KEYS[r]
+  local ikey = string.sub(lkey, 1, -5) .. 'gw:inflight'
+  local l = redis.call('HMGET', lkey, 'running', 'waiting', 'kv_usage', 'metrics_ts_ms',
+                       'expires_ms')
+  local row = {0, 0, '0', 0, 0, 0, 0}
+  if l[5] and tonumber(l[5]) > now then
+    row[1] = tonumber(l[1]) or 0
+    row[2] = tonumber(l[2]) or 0
+    row[3] = l[3] or '0'
+    row[4] = tonumber(l[4]) or 0
+  end
+  local f = redis.call('HGETALL', ikey)
+  local vals = {}
+  for i = 1, #f, 2 do vals[f[i]] = f[i + 1] end
+  local req, tok, live = 0, 0, 0
+  for name, v in pairs(vals) do
+    if string.sub(name, -2) == ':x' and tonumber(v) > now then
+      local g = string.sub(name, 1, -3)
+      live = live + 1
+      req = req + math.max(0, tonumber(vals[g .. ':r'] or '0'))
+      tok = tok + math.max(0, tonumber(vals[g .. ':t'] or '0'))
+    end
+  end
+  row[5] = req
+  row[6] = tok
+  row[7] = live
+  out[r] = row
+end
+return out
+"""
+
+# KEYS[1] inflight hash. ARGV: gateway, d_req, d_tok, expires_ms, key_ttl_ms
+_ADD_INFLIGHT_LUA = """
+local g = ARGV[1]
+redis.call('HINCRBY', KEYS[1], g .. ':r', ARGV[2])
+redis.call('HINCRBY', KEYS[1], g .. ':t', ARGV[3])
+redis.call('HSET', KEYS[1], g .. ':x', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+# KEYS[1] inflight hash. ARGV: gateway, expires_ms, now_ms, prune_after_ms, key_ttl_ms
+_HEARTBEAT_LUA = """
+local g = ARGV[1]
+local now = tonumber(ARGV[3])
+local prune = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], g .. ':x', ARGV[2])
+local f = redis.call('HGETALL', KEYS[1])
+for i = 1, #f, 2 do
+  local name = f[i]
+  if string.sub(name, -2) == ':x' and tonumber(f[i + 1]) + prune < now then
+    local other = string.sub(name, 1, -3)
+    redis.call('HDEL', KEYS[1], other .. ':r', other .. ':t', other .. ':x')
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+_PUBLISH_LUA = """
+redis.call('HSET', KEYS[1], 'running', ARGV[1], 'waiting', ARGV[2], 'kv_usage', ARGV[3],
+           'metrics_ts_ms', ARGV[4], 'expires_ms', ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+return 1
+"""
+
+
+class RedisLoadStore:
+    """:class:`LoadStore` on Redis, shared by every gateway process and agent."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        layout: KeyLayout | None = None,
+        gateway_ttl_ms: int = DEFAULT_GATEWAY_TTL_MS,
+    ) -> None:
+        if gateway_ttl_ms <= 0:
+            raise ValueError("gateway_ttl_ms must be positive")
+        self.client = client
+        self.layout = layout or KeyLayout()
+        self.gateway_ttl_ms = gateway_ttl_ms
+        self._snapshot = RedisScript(_SNAPSHOT_LUA)
+        self._add = RedisScript(_ADD_INFLIGHT_LUA)
+        self._heartbeat = RedisScript(_HEARTBEAT_LUA)
+        self._publish = RedisScript(_PUBLISH_LUA)
+        self.round_trips = 0
+
+    @classmethod
+    def from_url(cls, url: str, layout: KeyLayout | None = None, **kwargs: Any) -> RedisLoadStore:
+        client = aioredis.Redis.from_url(
+            url, decode_responses=False, socket_timeout=0.5, socket_connect_timeout=0.5
+        )
+        return cls(client, layout, **kwargs)
+
+    @property
+    def _key_ttl_ms(self) -> int:
+        return self.gateway_ttl_ms + PRUNE_AFTER_MS + GARBAGE_GRACE_MS
+
+    async def _run(self, what: str, script: RedisScript, key: str, args: list[Any]) -> Any:
+        self.round_trips += 1
+        try:
+            return await script.call(self.client, [key], args)
+        except (RedisError, OSError) as exc:
+            raise LoadStoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+    async def publish_engine(
+        self, replica: str, load: EngineLoad, ttl_ms: int, now_ms: int
+    ) -> None:
+        args = [
+            load.num_running,
+            load.num_waiting,
+            repr(float(load.kv_usage)),
+            load.metrics_ts_ms,
+            now_ms + ttl_ms,
+            max(1, ttl_ms) + GARBAGE_GRACE_MS,
+        ]
+        await self._run("publish_engine", self._publish, self.layout.load(replica), args)
+
+    async def add_inflight(
+        self, gateway_id: str, replica: str, d_requests: int, d_prefill_tokens: int, now_ms: int
+    ) -> None:
+        validate_gateway_id(gateway_id)
+        args = [
+            gateway_id,
+            int(d_requests),
+            int(d_prefill_tokens),
+            now_ms + self.gateway_ttl_ms,
+            self._key_ttl_ms,
+        ]
+        await self._run("add_inflight", self._add, self.layout.inflight(replica), args)
+
+    async def heartbeat(self, gateway_id: str, replicas: Sequence[str], now_ms: int) -> None:
+        validate_gateway_id(gateway_id)
+        if not replicas:
+            return
+        keys = [self.layout.inflight(r) for r in replicas]
+        args: list[str | int] = [
+            gateway_id,
+            now_ms + self.gateway_ttl_ms,
+            now_ms,
+            PRUNE_AFTER_MS,
+            self._key_ttl_ms,
+        ]
+        self.round_trips += 1
+        try:
+            # one script call per replica (each touches one slot), pipelined: one round trip
+            # on standalone Redis; redis-py splits a cluster pipeline per node.
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.evalsha(self._heartbeat.sha, 1, key, *args)
+            results = await pipe.execute(raise_on_error=False)
+            if any(isinstance(r, NoScriptError) for r in results):
+                await self.client.script_load(self._heartbeat.source)
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.evalsha(self._heartbeat.sha, 1, key, *args)
+                results = await pipe.execute(raise_on_error=False)
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+        except (RedisError, OSError) as exc:
+            raise LoadStoreError(f"heartbeat: {type(exc).__name__}: {exc}") from exc
+
+    async def drop_gateway(self, gateway_id: str, replicas: Sequence[str]) -> None:
+        validate_gateway_id(gateway_id)
+        if not replicas:
+            return
+        self.round_trips += 1
+        fields = [f"{gateway_id}:{s}" for s in ("r", "t", "x")]
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for rid in replicas:
+                pipe.hdel(self.layout.inflight(rid), *fields)
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise LoadStoreError(f"drop_gateway: {type(exc).__name__}: {exc}") from exc
+
+    async def snapshot(self, replicas: Sequence[str], now_ms: int) -> dict[str, LoadRecord]:
+        if not replicas:
+            return {}
+        try:
+            rows, calls = await call_per_replica(
+                self.client, self._snapshot, self.layout, replicas, self.layout.load, [now_ms]
+            )
+        except (RedisError, OSError) as exc:
+            raise LoadStoreError(f"snapshot: {type(exc).__name__}: {exc}") from exc
+        self.round_trips += calls
+        out: dict[str, LoadRecord] = {}
+        for rid, row in zip(replicas, rows, strict=True):
+            out[rid] = LoadRecord(
+                rid,
+                num_running=int(row[0]),
+                num_waiting=int(row[1]),
+                kv_usage=float(row[2]),
+                metrics_ts_ms=int(row[3]),
+                inflight_requests=int(row[4]),
+                inflight_prefill_tokens=int(row[5]),
+                gateways=int(row[6]),
+            )
+        return out
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.aclose()

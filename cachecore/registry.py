@@ -1,0 +1,349 @@
+"""Replica registration and discovery, with an operator allowlist.
+
+Agents register their replica (engine URL, model, block size, capacity, DP rank, agent id)
+with a heartbeat TTL, refresh it well within the TTL, and deregister on clean shutdown.
+Gateways discover registrations and accept one ONLY if its URL is in the operator-declared
+allowlist (:class:`ReplicaAllowlist`): an agent's credentials let it write its own replica's
+registration, but a rogue agent must not be able to point the gateway at an attacker's URL
+and receive prompts. An allowlist entry may also pin the replica id (``id=URL``), which stops
+a compromised agent from claiming another declared replica's URL.
+
+Registrations are untrusted input: they are validated (:class:`Registration`) and malformed
+ones are skipped and counted, never raised to the caller.
+
+Stores: :class:`MemoryRegistry` (embedded mode; expiry by the caller's ``now_ms``) and
+:class:`RedisRegistry` (``kvg:{r:<id>}:reg``, a JSON string written with ``SET PX``, so the
+Redis TTL is authoritative and agent/gateway clock skew does not matter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from redis.exceptions import RedisError
+
+from cachecore.index.base import IndexError_
+from cachecore.index.layout import REPLICA_ID_PATTERN, KeyLayout, validate_replica_id
+from cachecore.index.redis import RedisClient, RedisScript
+
+log = logging.getLogger(__name__)
+
+MAX_REGISTRATION_BYTES = 4096
+DEFAULT_REGISTRATION_TTL_MS = 10_000
+
+
+class RegistryError(IndexError_):
+    """The registry store failed."""
+
+
+class InvalidURLError(ValueError):
+    """A replica URL that is not a plain http(s)://host[:port][/path]."""
+
+
+def normalize_url(url: str) -> str:
+    """Canonical form used to compare URLs with the allowlist: lower-case scheme and host,
+    explicit port, no trailing slash. User info, query and fragment are refused (they are
+    the usual ways to make a URL look like another)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidURLError(f"bad URL {url!r}: {exc}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise InvalidURLError(f"URL scheme must be http or https: {url!r}")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise InvalidURLError(f"URL must not carry user info: {url!r}")
+    if parts.query or parts.fragment:
+        raise InvalidURLError(f"URL must not carry a query or fragment: {url!r}")
+    host = (parts.hostname or "").lower()
+    if not host:
+        raise InvalidURLError(f"URL has no host: {url!r}")
+    if port is None:
+        port = 443 if scheme == "https" else 80
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    path = parts.path.rstrip("/")
+    return f"{scheme}://{host}:{port}{path}"
+
+
+class Registration(BaseModel):
+    """One replica's registration, as its agent writes it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    replica_id: str = Field(pattern=REPLICA_ID_PATTERN + r"\Z")
+    url: str = Field(max_length=512)
+    model: str = Field(min_length=1, max_length=256)
+    block_size: int = Field(ge=1, le=4096)
+    capacity_blocks: int = Field(ge=0)
+    dp_rank: int | None = Field(default=None, ge=0, le=4096)
+    agent_id: str = Field(pattern=REPLICA_ID_PATTERN + r"\Z")
+    registered_ms: int = Field(ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_plain(cls, v: str) -> str:
+        normalize_url(v)  # raises InvalidURLError (a ValueError: pydantic reports it)
+        return v
+
+    @property
+    def normalized_url(self) -> str:
+        return normalize_url(self.url)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Registration:
+        """Parse untrusted bytes; raises ValueError (pydantic's ValidationError is one)."""
+        if len(raw) > MAX_REGISTRATION_BYTES:
+            raise ValueError("registration too large")
+        return cls.model_validate_json(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    replica_id: str
+    url: str
+    reason: str  # "not_allowlisted" | "pinned_to_other_id" | "url_conflict" | "bad_url"
+
+
+class ReplicaAllowlist:
+    """Operator-declared replica URLs; ``id=URL`` entries also pin the replica id."""
+
+    def __init__(self, specs: Iterable[str]) -> None:
+        self._urls: set[str] = set()
+        self._pinned: dict[str, str] = {}  # normalized URL -> pinned replica id
+        for spec in specs:
+            spec = spec.strip()
+            if not spec:
+                continue
+            rid, sep, url = spec.partition("=")
+            if sep and "://" not in rid:
+                norm = normalize_url(url)
+                self._pinned[norm] = validate_replica_id(rid)
+            else:
+                norm = normalize_url(spec)
+            self._urls.add(norm)
+
+    def __len__(self) -> int:
+        return len(self._urls)
+
+    def allows(self, reg: Registration) -> str | None:
+        """None if ``reg`` is acceptable, else the rejection reason."""
+        try:
+            norm = reg.normalized_url
+        except InvalidURLError:
+            return "bad_url"
+        if norm not in self._urls:
+            return "not_allowlisted"
+        pinned = self._pinned.get(norm)
+        if pinned is not None and pinned != reg.replica_id:
+            return "pinned_to_other_id"
+        return None
+
+    def accept(
+        self, registrations: Iterable[Registration]
+    ) -> tuple[list[Registration], list[Rejection]]:
+        """Split into accepted and rejected. Two registrations claiming the same URL and DP
+        rank cannot both be right: both are rejected (pin the ids to resolve it)."""
+        ok: list[Registration] = []
+        rejected: list[Rejection] = []
+        for reg in registrations:
+            reason = self.allows(reg)
+            if reason is None:
+                ok.append(reg)
+            else:
+                rejected.append(Rejection(reg.replica_id, reg.url, reason))
+        claims: dict[tuple[str, int | None], list[Registration]] = {}
+        for reg in ok:
+            claims.setdefault((reg.normalized_url, reg.dp_rank), []).append(reg)
+        accepted: list[Registration] = []
+        for regs in claims.values():
+            if len(regs) == 1:
+                accepted.append(regs[0])
+            else:
+                rejected.extend(Rejection(r.replica_id, r.url, "url_conflict") for r in regs)
+        for rej in rejected:
+            log.warning(
+                "replica registration rejected",
+                extra={"replica": rej.replica_id, "url": rej.url, "reason": rej.reason},
+            )
+        accepted.sort(key=lambda r: r.replica_id)
+        return accepted, rejected
+
+
+@runtime_checkable
+class RegistryStore(Protocol):
+    malformed: int  # registrations skipped because they did not validate
+
+    async def register(self, reg: Registration, ttl_ms: int, now_ms: int) -> None:
+        """Agent: (re)write its registration, valid for ``ttl_ms``; call again as the
+        heartbeat."""
+        ...
+
+    async def deregister(self, replica_id: str, agent_id: str) -> bool:
+        """Agent, on clean shutdown: remove the registration if it is still its own."""
+        ...
+
+    async def discover(
+        self, now_ms: int, replica_ids: Sequence[str] | None = None
+    ) -> list[Registration]:
+        """Gateway: every valid unexpired registration (of ``replica_ids``, or all). Not
+        filtered by the allowlist: pass the result to :meth:`ReplicaAllowlist.accept`."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryRegistry:
+    """In-process :class:`RegistryStore`."""
+
+    def __init__(self) -> None:
+        self._regs: dict[str, tuple[bytes, int]] = {}  # id -> (json, expires_ms)
+        self.malformed = 0
+
+    async def register(self, reg: Registration, ttl_ms: int, now_ms: int) -> None:
+        if ttl_ms <= 0:
+            raise ValueError("ttl_ms must be positive")
+        self._regs[reg.replica_id] = (reg.to_json(), now_ms + ttl_ms)
+
+    def put_raw(self, replica_id: str, raw: bytes, expires_ms: int) -> None:
+        """Store raw bytes as a registration (tests: a rogue or broken agent)."""
+        self._regs[validate_replica_id(replica_id)] = (raw, expires_ms)
+
+    async def deregister(self, replica_id: str, agent_id: str) -> bool:
+        cur = self._regs.get(replica_id)
+        if cur is None:
+            return False
+        try:
+            owner = Registration.from_json(cur[0]).agent_id
+        except ValueError:
+            return False
+        if owner != agent_id:
+            return False
+        del self._regs[replica_id]
+        return True
+
+    async def discover(
+        self, now_ms: int, replica_ids: Sequence[str] | None = None
+    ) -> list[Registration]:
+        ids = sorted(self._regs) if replica_ids is None else list(replica_ids)
+        out: list[Registration] = []
+        for rid in ids:
+            item = self._regs.get(rid)
+            if item is None or item[1] <= now_ms:
+                continue
+            reg = _parse(item[0], rid)
+            if reg is None:
+                self.malformed += 1
+            else:
+                out.append(reg)
+        return out
+
+    async def close(self) -> None:
+        return None
+
+
+# KEYS[1] reg key. ARGV[1] agent id. Delete only our own registration.
+_DEREGISTER_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, reg = pcall(cjson.decode, raw)
+if ok and type(reg) == 'table' and reg['agent_id'] == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class RedisRegistry:
+    """:class:`RegistryStore` on Redis (``kvg:{r:<id>}:reg``)."""
+
+    def __init__(self, client: RedisClient, layout: KeyLayout | None = None) -> None:
+        self.client = client
+        self.layout = layout or KeyLayout()
+        self.malformed = 0
+        self._deregister = RedisScript(_DEREGISTER_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, layout: KeyLayout | None = None) -> RedisRegistry:
+        client = aioredis.Redis.from_url(
+            url, decode_responses=False, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
+        return cls(client, layout)
+
+    async def register(self, reg: Registration, ttl_ms: int, now_ms: int) -> None:
+        if ttl_ms <= 0:
+            raise ValueError("ttl_ms must be positive")
+        try:
+            await self.client.set(
+                self.layout.registration(reg.replica_id), reg.to_json(), px=ttl_ms
+            )
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"register {reg.replica_id}: {exc}") from exc
+
+    async def deregister(self, replica_id: str, agent_id: str) -> bool:
+        key = self.layout.registration(replica_id)
+        try:
+            return bool(await self._deregister.call(self.client, [key], [agent_id]))
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"deregister {replica_id}: {exc}") from exc
+
+    async def discover(
+        self, now_ms: int, replica_ids: Sequence[str] | None = None
+    ) -> list[Registration]:
+        try:
+            if replica_ids is None:
+                keys = [
+                    k
+                    async for k in self.client.scan_iter(
+                        match=self.layout.registration_pattern(), count=1000
+                    )
+                ]
+                keys.sort()
+            else:
+                keys = [self.layout.registration(r).encode() for r in replica_ids]
+            if not keys:
+                return []
+            pipe = self.client.pipeline(transaction=False)  # GETs: cluster-safe, one trip
+            for k in keys:
+                pipe.get(k)
+            values = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise RegistryError(f"discover: {exc}") from exc
+        out: list[Registration] = []
+        for k, raw in zip(keys, values, strict=True):
+            if raw is None:
+                continue
+            parsed = self.layout.parse(k.decode() if isinstance(k, bytes) else k)
+            reg = _parse(raw, parsed[0] if parsed else None)
+            if reg is None:
+                self.malformed += 1
+            else:
+                out.append(reg)
+        return out
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.aclose()
+
+
+def _parse(raw: bytes, key_replica: str | None) -> Registration | None:
+    """A validated registration whose id matches the key it was stored under, else None."""
+    try:
+        reg = Registration.from_json(raw)
+    except (ValueError, ValidationError, json.JSONDecodeError):
+        return None
+    if key_replica is not None and reg.replica_id != key_replica:
+        return None
+    return reg
