@@ -334,7 +334,7 @@ class RedisLoadStore:
         self.client = client
         self.layout = layout or KeyLayout()
         self.gateway_ttl_ms = gateway_ttl_ms
-        self._snapshot = RedisScript(_SNAPSHOT_LUA)
+        self._snapshot = RedisScript(_SNAPSHOT_LUA, readonly=True)
         self._add = RedisScript(_ADD_INFLIGHT_LUA)
         self._heartbeat = RedisScript(_HEARTBEAT_LUA)
         self._publish = RedisScript(_PUBLISH_LUA)

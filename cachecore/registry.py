@@ -80,13 +80,13 @@ class Registration(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    replica_id: str = Field(pattern=REPLICA_ID_PATTERN + r"\Z")
+    replica_id: str = Field(pattern="^" + REPLICA_ID_PATTERN + "$")
     url: str = Field(max_length=512)
     model: str = Field(min_length=1, max_length=256)
     block_size: int = Field(ge=1, le=4096)
     capacity_blocks: int = Field(ge=0)
     dp_rank: int | None = Field(default=None, ge=0, le=4096)
-    agent_id: str = Field(pattern=REPLICA_ID_PATTERN + r"\Z")
+    agent_id: str = Field(pattern="^" + REPLICA_ID_PATTERN + "$")
     registered_ms: int = Field(ge=0)
 
     @field_validator("url")

@@ -117,14 +117,16 @@ class KeyLayout:
     def pending(self, replica: str, epoch: int) -> str:
         return f"{self.tag(replica)}gw:p:{epoch}"
 
+    def pending_anchor(self, replica: str) -> str:
+        """``kvg:{r:<id>}:gw:p``: the key a pending write declares (a gateway may only
+        declare keys it can write); the script appends ``:<epoch>``. Never created."""
+        return self.tag(replica) + "gw:p"
+
     def inflight(self, replica: str) -> str:
         return self.tag(replica) + "gw:inflight"
 
-    # Scripts derive b:/m:/gw:p: names from the meta key and the epoch they read: these are
-    # the suffixes they append to the tag (kept here so the layout has one definition).
-    BLOCKS_INFIX = "b:"
-    MIRROR_INFIX = "m:"
-    PENDING_INFIX = "gw:p:"
+    # Scripts derive the b:/m:/gw:p: names from the meta (or pending anchor) key and the
+    # epoch they read there, so no caller can name a stale epoch's key.
 
     # ---- scanning
     def meta_pattern(self) -> str:
@@ -182,13 +184,14 @@ def group_by_shard(
 # changed run_id means Redis restarted and the agent must rewrite its mirror).
 _AGENT_COMMANDS: tuple[str, ...] = (
     "+ping", "+hello", "+client|setname", "+client|id", "+select", "+info",
-    "+evalsha", "+eval", "+script|load", "+script|exists",
+    "+evalsha", "+eval", "+evalsha_ro", "+eval_ro", "+script|load", "+script|exists",
     "+hset", "+hget", "+hmget", "+hgetall", "+hscan", "+hdel", "+hlen", "+hincrby", "+hexists",
     "+get", "+set", "+del", "+unlink", "+exists", "+pexpire", "+expire", "+pttl", "+time",
 )  # fmt: skip
 _GATEWAY_COMMANDS: tuple[str, ...] = (
     "+ping", "+hello", "+client|setname", "+client|id", "+select", "+info",
-    "+evalsha", "+eval", "+script|load", "+script|exists", "+scan", "+time",
+    "+evalsha", "+eval", "+evalsha_ro", "+eval_ro", "+script|load", "+script|exists",
+    "+scan", "+time",
     "+get", "+mget", "+exists", "+pttl", "+hget", "+hmget", "+hgetall", "+hscan", "+hlen",
     "+zscore", "+zmscore", "+zcard", "+zrange",
     "+zadd", "+zremrangebyscore", "+zremrangebyrank", "+hset", "+hincrby", "+hdel",

@@ -202,11 +202,13 @@ redis.call('UNLINK', base .. 'b:' .. old, base .. 'm:' .. old)
 return new
 """
 
-# KEYS[1] meta. ARGV: expiry_ms, now_ms, cap, grace_ms, keys... (gateway-owned zset)
+# KEYS[1] the replica's pending anchor (gw:p, a gateway-owned name: a gateway may not
+# declare the agent-owned meta key, which it can only read). ARGV: expiry_ms, now_ms, cap,
+# grace_ms, keys...
 ADD_PENDING_LUA = """
-local meta = KEYS[1]
-local epoch = redis.call('HGET', meta, 'epoch') or '0'
-local pkey = string.sub(meta, 1, -5) .. 'gw:p:' .. epoch
+local anchor = KEYS[1]
+local epoch = redis.call('HGET', string.sub(anchor, 1, -5) .. 'meta', 'epoch') or '0'
+local pkey = anchor .. ':' .. epoch
 local expiry = ARGV[1]
 local now = tonumber(ARGV[2])
 local cap = tonumber(ARGV[3])
@@ -251,24 +253,28 @@ return 0
 
 class RedisScript:
     """A Lua script called by SHA; loaded on first NOSCRIPT (a Redis restart or failover
-    empties the script cache) and retried once."""
+    empties the script cache) and retried once. ``readonly`` scripts run with
+    ``EVALSHA_RO`` (Redis 7.0): their declared keys need only read permission, which is
+    what a gateway's ACL grants on agent-owned keys, and they may run on replicas."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, readonly: bool = False) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.command = "EVALSHA_RO" if readonly else "EVALSHA"
 
     async def call(self, client: RedisClient, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        cmd = (self.command, self.sha, len(keys), *keys, *args)
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
+            return await client.execute_command(*cmd)
         except NoScriptError:
             await client.script_load(self.source)
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
+            return await client.execute_command(*cmd)
 
     async def call_on_node(
         self, cluster: RedisCluster, node: Any, keys: Sequence[Any], args: Sequence[Any]
     ) -> Any:
         """Cluster: run on the node that owns ``keys`` (they may span slots of that node)."""
-        cmd = ("EVALSHA", self.sha, len(keys), *keys, *args)
+        cmd = (self.command, self.sha, len(keys), *keys, *args)
         try:
             return await cluster.execute_command(*cmd, target_nodes=node)
         except NoScriptError:
@@ -357,7 +363,7 @@ class RedisIndex:
         self.max_write_fields = max_write_fields
         self.first_chunk = first_chunk
         self.max_chunk = max_chunk
-        self._lookup = RedisScript(LOOKUP_LUA)
+        self._lookup = RedisScript(LOOKUP_LUA, readonly=True)
         self._apply = RedisScript(APPLY_LUA)
         self._clear = RedisScript(CLEAR_LUA)
         self._add_pending = RedisScript(ADD_PENDING_LUA)
@@ -521,7 +527,7 @@ class RedisIndex:
     async def add_pending(
         self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
     ) -> None:
-        meta = self.layout.meta(replica)
+        anchor = self.layout.pending_anchor(replica)
         args = [
             now_ms + ttl_ms,
             now_ms,
@@ -530,7 +536,7 @@ class RedisIndex:
             *keys,
         ]
         try:
-            await self._call(self._add_pending, [meta], args)
+            await self._call(self._add_pending, [anchor], args)
         except (RedisError, OSError) as exc:
             raise _stale_or_index_error(exc, f"add_pending {replica}") from exc
 
