@@ -290,9 +290,8 @@ def decode_batch(
     if len(payload) > max_payload_bytes:
         raise MalformedEventError("oversized", f"{len(payload)} bytes")
     try:
-        body = msgpack.unpackb(
-            payload, raw=False, strict_map_key=False, max_buffer_size=max_payload_bytes
-        )
+        # the size was checked above; unpackb itself takes no buffer limit
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise MalformedEventError("bad_msgpack", type(exc).__name__) from exc
     except Exception as exc:  # msgpack raises assorted errors on truncated input
