@@ -9,10 +9,17 @@ traffic this process did not send.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from cachecore.loadstate import LoadStore
 from cachecore.scoring import LoadView
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -42,18 +49,28 @@ class SharedLoad:
     kv_usage: float = 0.0
     capacity: int | None = None
     other_queued_tokens: float = 0.0
-    other_queued_requests: int = 0
-    other_running: int = 0
+    other_requests: int = 0
 
 
 class InFlight:
+    """This process's dispatches per replica. Deltas for the shared store accumulate in
+    ``pending_deltas`` (requests, prefill tokens) and are flushed in batches, so the hot path
+    never waits on Redis."""
+
     def __init__(self) -> None:
         self._own: dict[str, _Own] = {}
+        self.pending_deltas: dict[str, list[int]] = {}
+
+    def _delta(self, replica: str, d_req: int, d_tok: float) -> None:
+        d = self.pending_deltas.setdefault(replica, [0, 0])
+        d[0] += d_req
+        d[1] += int(d_tok)
 
     def dispatch(self, replica: str, uncached_tokens: float) -> Ticket:
         o = self._own.setdefault(replica, _Own())
         o.queued_tokens += uncached_tokens
         o.queued_requests += 1
+        self._delta(replica, 1, uncached_tokens)
         return Ticket(replica, uncached_tokens)
 
     def first_token(self, t: Ticket) -> None:
@@ -64,6 +81,7 @@ class InFlight:
         o.queued_requests = max(0, o.queued_requests - 1)
         o.running += 1
         t.phase = 1
+        self._delta(t.replica, 0, -t.tokens)
 
     def done(self, t: Ticket) -> None:
         if t.phase == 0:
@@ -72,6 +90,7 @@ class InFlight:
             o = self._own[t.replica]
             o.running = max(0, o.running - 1)
             t.phase = 2
+            self._delta(t.replica, -1, 0)
 
     def own(self, replica: str) -> tuple[float, int, int]:
         o = self._own.get(replica)
@@ -107,10 +126,93 @@ class LoadTracker:
                 continue
             out[r] = LoadView(
                 queued_prefill_tokens=qt + s.other_queued_tokens,
-                queued_requests=qr + s.other_queued_requests,
-                running=max(s.running, run + s.other_running),
+                queued_requests=qr,
+                running=max(s.running, run + s.other_requests),
                 waiting=s.waiting,
                 capacity=cap,
                 kv_usage=s.kv_usage,
             )
         return out
+
+
+class SharedLoadRefresher:
+    """Keeps a local copy of the shared :class:`LoadStore` snapshot, refreshed every
+    ``interval_s``, and flushes this gateway's in-flight deltas to it. "Others" are the
+    store's totals minus what this gateway had pushed when the snapshot was taken."""
+
+    def __init__(
+        self,
+        store: LoadStore,
+        gateway_id: str,
+        inflight: InFlight,
+        replicas: Callable[[], list[str]],
+        interval_s: float = 0.1,
+    ) -> None:
+        self.store = store
+        self.gateway_id = gateway_id
+        self.inflight = inflight
+        self._replicas = replicas
+        self.interval_s = interval_s
+        self._snap: dict[str, SharedLoad] = {}
+        self._pushed: dict[str, list[int]] = {}  # what the store holds of ours
+        self._task: asyncio.Task[None] | None = None
+        self.errors = 0
+        self._last_hb = 0.0
+
+    def snapshot(self) -> Mapping[str, SharedLoad]:
+        return self._snap
+
+    async def refresh_once(self) -> None:
+        now_ms = int(time.time() * 1000)
+        deltas, self.inflight.pending_deltas = self.inflight.pending_deltas, {}
+        try:
+            for rid, (d_req, d_tok) in deltas.items():
+                if d_req or d_tok:
+                    await self.store.add_inflight(self.gateway_id, rid, d_req, d_tok, now_ms)
+                p = self._pushed.setdefault(rid, [0, 0])
+                p[0] += d_req
+                p[1] += d_tok
+            reps = self._replicas()
+            mono = time.monotonic()
+            if mono - self._last_hb > self.store.gateway_ttl_ms / 3000:
+                await self.store.heartbeat(self.gateway_id, reps, now_ms)
+                self._last_hb = mono
+            records = await self.store.snapshot(reps, now_ms)
+        except Exception as exc:  # keep routing on the last snapshot
+            self.errors += 1
+            for rid, d in deltas.items():  # retry these deltas next time
+                cur = self.inflight.pending_deltas.setdefault(rid, [0, 0])
+                cur[0] += d[0]
+                cur[1] += d[1]
+            if self.errors % 50 == 1:
+                log.warning("load store refresh failed", extra={"error": repr(exc)})
+            return
+        snap: dict[str, SharedLoad] = {}
+        for rid, rec in records.items():
+            mine = self._pushed.get(rid, [0, 0])
+            snap[rid] = SharedLoad(
+                running=rec.num_running,
+                waiting=rec.num_waiting,
+                kv_usage=rec.kv_usage,
+                other_queued_tokens=float(max(0, rec.inflight_prefill_tokens - max(0, mine[1]))),
+                other_requests=max(0, rec.inflight_requests - max(0, mine[0])),
+            )
+        self._snap = snap
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh_once()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self.store.drop_gateway(self.gateway_id, self._replicas())

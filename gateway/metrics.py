@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -58,6 +60,27 @@ class StageTimes:
             yield
         finally:
             self.add(name, time.thread_time_ns() - t0)
+
+
+class _StageCollector(Collector):
+    """Exports :class:`StageTimes` at scrape time (no per-request metric call)."""
+
+    def __init__(self, stages: StageTimes) -> None:
+        self._stages = stages
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily(
+            "kvgate_stage_cpu_seconds", "Gateway CPU time by request stage", labels=["stage"]
+        )
+        for stage, ns in self._stages.cpu_ns.items():
+            fam.add_metric([stage], ns / 1e9)
+        yield fam
+        cnt = CounterMetricFamily(
+            "kvgate_stage_calls", "Requests that went through each stage", labels=["stage"]
+        )
+        for stage, n in self._stages.count.items():
+            cnt.add_metric([stage], n)
+        yield cnt
 
 
 class GatewayMetrics:
@@ -148,9 +171,8 @@ class GatewayMetrics:
         self.policy_reloads = Counter(
             "kvgate_policy_reloads", "Policy reloads by outcome", ["outcome"], registry=r
         )
-        self.stage_cpu = Counter(
-            "kvgate_stage_cpu_seconds", "Gateway CPU time by request stage", ["stage"], registry=r
-        )
+        self.stages = StageTimes()
+        r.register(_StageCollector(self.stages))
         self._err_abs = 0
         self._err_prompt = 0
 

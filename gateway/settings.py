@@ -36,6 +36,7 @@ class GatewaySettings(BaseSettings):
     api_keys_redis: bool = False  # look API key hashes up in Redis hash <prefix>:apikeys
     open_access: bool = False  # no API keys: every request is tenant "anonymous"
     admin_key: SecretStr | None = None
+    upstream_api_key: SecretStr | None = None  # sent to replicas (the client's key never is)
     salt_secrets: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
     gateway_id: str | None = None

@@ -1,0 +1,322 @@
+"""The HTTP surface: OpenAI endpoints, health, metrics, and the admin API.
+
+Handlers take the raw :class:`Request` and return responses directly (no pydantic models on
+the hot path: the body is parsed once with orjson and forwarded with its unknown fields).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.auth import check_admin
+from gateway.core import Gateway, request_id_from
+from gateway.errors import GatewayError, bad_request, rate_limited
+from gateway.proxy import UpstreamExchange
+from gateway.routing import NoCandidateError, Strategy
+from policies.schema import PolicyError
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
+    chunks: list[bytes] = []
+    n = 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise GatewayError(
+                413, f"request body larger than {limit} bytes", code="body_too_large"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def create_app(gw: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(
+        title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.gateway = gw
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return GatewayError(exc.status_code, str(exc.detail)).response(
+            request.headers.get("x-request-id")
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return bad_request(str(exc)).response()
+
+    async def completion(request: Request, endpoint: str) -> Response:
+        t_start = time.perf_counter()
+        rid = request_id_from(request.headers)
+        m = gw.metrics
+        if gw.draining:
+            m.requests.labels(endpoint, "503").inc()
+            return GatewayError(503, "the gateway is shutting down", code="draining").response(rid)
+        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            m.requests.labels(endpoint, "401").inc()
+            return GatewayError(
+                401, "Incorrect or missing API key.", code="invalid_api_key"
+            ).response(rid)
+        try:
+            raw = await read_body(request, gw.settings.max_body_bytes)
+            c0 = time.thread_time_ns()
+            body = parse_json_object(raw)
+            gw.stages.add("parse", time.thread_time_ns() - c0)
+        except GatewayError as exc:
+            m.requests.labels(endpoint, str(exc.status)).inc()
+            return exc.response(rid)
+        limits = gw.policy.tenant(tenant).limits
+        rej = gw.limiter.admit(tenant, limits, time.monotonic())
+        if rej is not None:
+            m.rate_limited.labels(tenant, rej.limit).inc()
+            m.requests.labels(endpoint, "429").inc()
+            return rate_limited(rej.message, rej.retry_after_s, rej.limit).response(rid)
+        gw.begin()
+        span = gw.tracer.start_span("kvgate.request") if gw.tracer is not None else None
+        try:
+            d = await gw.prepare(endpoint, tenant, body, request.headers, rid)
+        except (GatewayError, NoCandidateError) as exc:
+            gw.limiter.release(tenant)
+            gw.end()
+            err = (
+                exc if isinstance(exc, GatewayError) else GatewayError(503, str(exc), "no_replica")
+            )
+            m.requests.labels(endpoint, str(err.status)).inc()
+            if span is not None:
+                span.set_attribute("http.status_code", err.status)
+                span.end()
+            return err.response(rid)
+        except BaseException:
+            gw.limiter.release(tenant)
+            gw.end()
+            if span is not None:
+                span.end()
+            raise
+        d.t_start = t_start
+        exchange: UpstreamExchange
+
+        def on_done() -> None:
+            gw.limiter.release(tenant)
+            gw.end()
+            m.requests.labels(endpoint, str(exchange.status or 499)).inc()
+            if span is not None:
+                dec = d.decision
+                span.set_attributes({
+                    "kvgate.request_id": d.request_id,
+                    "kvgate.tenant": d.tenant,
+                    "kvgate.model": d.model,
+                    "kvgate.scope_kind": d.scope.kind.value,
+                    "kvgate.strategy": dec.strategy.value,
+                    "kvgate.reason": dec.reason,
+                    "kvgate.replica": dec.replica,
+                    "kvgate.prompt_tokens": d.prompt_tokens,
+                    "kvgate.predicted_cached_tokens": dec.predicted_cached_tokens,
+                    "kvgate.index_source": d.index_source,
+                    "kvgate.attempts": d.attempts + 1,
+                    "http.status_code": exchange.status,
+                })  # fmt: skip
+                span.end()
+
+        exchange = UpstreamExchange(gw, d, on_done)
+        return exchange
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            return GatewayError(
+                401, "Incorrect or missing API key.", code="invalid_api_key"
+            ).response()
+        assert gw.pool is not None
+        return _json({"object": "list", "data": gw.pool.model_cards()})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if gw.draining:
+            return _json({"status": "draining"}, 503)
+        return _json({"status": "ok", "in_flight": gw.in_flight})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------ admin
+    def admin(request: Request) -> None:
+        key = gw.settings.admin_key.get_secret_value() if gw.settings.admin_key else None
+        provided = request.headers.get("x-admin-key") or request.headers.get("authorization")
+        if not check_admin(provided, key):
+            raise GatewayError(401, "admin key required", code="invalid_admin_key")
+
+    def guarded(fn: Any) -> Any:
+        async def wrapper(request: Request) -> Response:
+            try:
+                admin(request)
+                result = await fn(request)
+            except GatewayError as exc:
+                return exc.response()
+            return result if isinstance(result, Response) else _json(result)
+
+        wrapper.__name__ = fn.__name__
+        return wrapper
+
+    async def admin_replicas(request: Request) -> Any:
+        return {"replicas": gw.replicas_state()}
+
+    async def admin_replica_op(request: Request) -> Any:
+        rid = request.path_params["rid"]
+        op = request.path_params["op"]
+        assert gw.pool is not None
+        gw.replica(rid)
+        if op == "cordon":
+            rep = gw.pool.cordon(rid, True)
+        elif op == "uncordon":
+            rep = gw.pool.cordon(rid, False)
+        elif op == "drain":
+            rep = gw.pool.drain(rid)
+        else:
+            raise GatewayError(404, f"unknown operation {op!r}")
+        return rep.state(time.monotonic())
+
+    async def admin_quarantine(request: Request) -> Any:
+        return {
+            "quarantined": gw.quarantine.quarantined(),
+            "policy": gw.policy.quarantine.model_dump(),
+        }
+
+    async def admin_policy_get(request: Request) -> Any:
+        return {
+            "path": str(gw.policies.path) if gw.policies.path else None,
+            "reloads": gw.policies.reloads,
+            "last_error": gw.policies.last_error,
+            "policy": gw.policy.model_dump(mode="json"),
+        }
+
+    async def admin_policy_post(request: Request) -> Any:
+        raw = await read_body(request, 1 << 20)
+        try:
+            if raw.strip():
+                pol = gw.policies.reload_text(raw.decode("utf-8", "replace"))
+            else:
+                pol = gw.policies.reload_file()
+        except PolicyError as exc:
+            gw.metrics.policy_reloads.labels("invalid").inc()
+            err = GatewayError(400, str(exc), code="invalid_policy")
+            body = err.body()
+            body["error"]["fields"] = exc.fields
+            return _json(body, 400)
+        return {"status": "reloaded", "strategy": pol.routing.strategy.value}
+
+    async def admin_explain(request: Request) -> Any:
+        raw = await read_body(request, gw.settings.max_body_bytes)
+        body = parse_json_object(raw)
+        endpoint = request.query_params.get("endpoint") or (
+            "chat" if "messages" in body else "completion"
+        )
+        if endpoint not in ("chat", "completion"):
+            raise bad_request("endpoint must be chat or completion")
+        tenant = request.query_params.get("tenant") or request.headers.get("x-kvgate-tenant")
+        tenant = tenant or "anonymous"
+        strategy = request.query_params.get("strategy")
+        try:
+            strat = Strategy(strategy) if strategy else None
+        except ValueError:
+            raise bad_request(f"unknown strategy {strategy!r}") from None
+        try:
+            d = await gw.prepare(endpoint, tenant, body, request.headers, "explain", True, strat)
+        except NoCandidateError as exc:
+            raise GatewayError(503, str(exc), code="no_replica") from None
+        return {
+            "tenant": tenant,
+            "scope_kind": d.scope.kind.value,
+            "model": d.model,
+            "prompt_tokens": d.prompt_tokens,
+            "block_size": d.block_size,
+            "index_source": d.index_source,
+            "salt_index": d.salt_index,
+            "coefficients": gw.fit.coefficients().as_vector(),
+            "decision": d.decision.to_dict(),
+        }
+
+    async def admin_stages(request: Request) -> Any:
+        if request.method == "POST":
+            gw.stages.reset()
+        return {"stages": gw.stages.snapshot()}
+
+    async def admin_fit(request: Request) -> Any:
+        f = gw.fit
+        return {
+            "samples": f.samples,
+            "skipped": f.skipped,
+            "prior": f.prior.as_vector(),
+            "coefficients": f.coefficients().as_vector(),
+        }
+
+    async def admin_index(request: Request) -> Any:
+        assert gw.index is not None
+        abs_err, prompt = gw.metrics.precision
+        return {
+            "fallbacks": gw.index.fallbacks,
+            "dropped_writes": gw.index.dropped_writes,
+            "precision": {
+                "abs_error_tokens": abs_err,
+                "prompt_tokens": prompt,
+                "error_fraction": abs_err / prompt if prompt else None,
+            },
+            "alignment_problems": gw.alignment_problems,
+        }
+
+    app.add_api_route("/admin/replicas", guarded(admin_replicas), methods=["GET"])
+    app.add_api_route("/admin/replicas/{rid}/{op}", guarded(admin_replica_op), methods=["POST"])
+    app.add_api_route("/admin/quarantine", guarded(admin_quarantine), methods=["GET"])
+    app.add_api_route("/admin/policy", guarded(admin_policy_get), methods=["GET"])
+    app.add_api_route("/admin/policy", guarded(admin_policy_post), methods=["POST"])
+    app.add_api_route("/admin/route/explain", guarded(admin_explain), methods=["POST"])
+    app.add_api_route("/admin/stages", guarded(admin_stages), methods=["GET", "POST"])
+    app.add_api_route("/admin/fit", guarded(admin_fit), methods=["GET"])
+    app.add_api_route("/admin/index", guarded(admin_index), methods=["GET"])
+    return app

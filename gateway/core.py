@@ -1,0 +1,710 @@
+"""The gateway's per-request pipeline: authenticate, admit, tokenize, key, look up, route,
+dispatch, and learn from the response.
+
+:class:`Gateway` owns every per-process component (no module state). The HTTP layer
+(:mod:`gateway.app`) calls :meth:`Gateway.prepare` for a request and gets either an error
+or a :class:`Dispatch` (the routed request); :mod:`gateway.proxy` sends it upstream and
+calls :meth:`Gateway.finish` with what it observed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import xxhash
+
+from cachecore.index.base import PrefixIndex, PrefixMatch, ReplicaState, empty_match
+from cachecore.index.memory import MemoryIndex
+from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
+from cachecore.loadstate import LoadStore
+from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
+from gateway.auth import KeyStore
+from gateway.errors import GatewayError, bad_request, rate_limited
+from gateway.indexing import GatewayIndex, LookupResult
+from gateway.limits import TenantLimiter
+from gateway.load import InFlight, LoadTracker, SharedLoadRefresher, Ticket
+from gateway.metrics import GatewayMetrics
+from gateway.policy_store import PolicyStore
+from gateway.quarantine import ClaimCheck, QuarantineTracker
+from gateway.replicas import Replica, ReplicaPool, ReplicaSpec
+from gateway.routing import Candidate, Decision, Router, RouteRequest, Strategy
+from gateway.settings import GatewaySettings
+from gateway.tokenization import LocalPromptTokenizer, TokenizerPools, check_alignment
+from gateway.tracing import make_provider, make_tracer
+from policies.schema import Policy, TenantPolicy
+
+log = logging.getLogger(__name__)
+
+SENSITIVE_HEADER = "x-kvgate-sensitive"
+SESSION_HEADERS = ("x-kvgate-session", "x-session-id")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
+
+AgentHook = Callable[
+    [Sequence[ReplicaSpec], PrefixIndex, LoadStore | None],
+    Awaitable[Callable[[], Awaitable[None]]],
+]
+"""Starts embedded cache agents for the replicas given as ``URL=EVENTS,REPLAY``, sharing the
+gateway's index (and load store); returns an async stop function."""
+
+
+def request_id_from(headers: Mapping[str, str]) -> str:
+    rid = headers.get("x-request-id")
+    if rid and _REQUEST_ID.match(rid):
+        return rid
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """A routed request, ready to send upstream."""
+
+    request_id: str
+    tenant: str
+    endpoint: str  # "chat" | "completion"
+    path: str
+    body: dict[str, Any]
+    stream: bool
+    client_wants_usage: bool
+    model: str
+    prompt_tokens: int
+    block_size: int
+    scope: Scope
+    salts: list[str]
+    keys: list[list[BlockKey]]  # per salt (empty for ephemeral scopes)
+    matches: list[dict[str, PrefixMatch]]  # per salt
+    index_source: str
+    candidates: list[Candidate]
+    decision: Decision
+    salt_index: int = 0
+    attempts: int = 0
+    tried: list[str] = field(default_factory=list)
+    ticket: Ticket | None = None
+    t_start: float = 0.0
+    load_at_dispatch: LoadView | None = None
+    released: bool = False
+
+    @property
+    def replica(self) -> str:
+        return self.decision.replica
+
+    @property
+    def ephemeral(self) -> bool:
+        return self.scope.ephemeral
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the proxy saw: status, timings, and the engine's usage report."""
+
+    status: int
+    ttft_s: float | None
+    e2e_s: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    error: str | None = None
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        policy: Policy | None = None,
+        *,
+        index: PrefixIndex | None = None,
+        load_store: LoadStore | None = None,
+        key_store: KeyStore | None = None,
+        agent_hook: AgentHook | None = None,
+        replica_specs: Sequence[ReplicaSpec] = (),
+        span_exporter: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.policies = PolicyStore(settings.policy if policy is None else None, policy)
+        self.policies.on_change = self._apply_policy
+        pol = self.policies.policy
+        self.metrics = GatewayMetrics()
+        self.stages = self.metrics.stages
+        self.rng = random.Random(settings.seed)
+        self.router = Router(pol.routing.params(), self.rng)
+        self.fit = self._new_fit(pol)
+        secrets = [s.get_secret_value().encode() for s in settings.salt_secrets]
+        if not secrets:
+            secrets = [uuid.uuid4().hex.encode() + uuid.uuid4().hex.encode()]
+            log.warning(
+                "no KVGATE_SALT_SECRETS: using a random per-process secret; caches will not "
+                "survive a gateway restart and several gateways will not share them"
+            )
+        self.minter = SaltMinter(secrets)
+        self._keyers: dict[int, BlockKeyer] = {}
+        self.limiter = TenantLimiter()
+        self.quarantine = QuarantineTracker(pol.quarantine)
+        self.inflight = InFlight()
+        self.load = LoadTracker(self.inflight)
+        self.key_store = key_store or KeyStore(open_access=settings.open_access)
+        self.agent_hook = agent_hook
+        self._agents_stop: Callable[[], Awaitable[None]] | None = None
+        self._index_arg = index
+        self._load_store = load_store
+        self.client: httpx.AsyncClient | None = None
+        self.pool: ReplicaPool | None = None
+        self.index: GatewayIndex | None = None
+        self.tokenizers: TokenizerPools | None = None
+        self.refresher: SharedLoadRefresher | None = None
+        self.specs = list(replica_specs)
+        self.draining = False
+        self.strategy_override: Strategy | None = None  # e.g. kvgate serve --strategy
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self._tracer_provider = make_provider(
+            settings.otel_endpoint, settings.otel_service_name, span_exporter
+        )
+        self.tracer = make_tracer(self._tracer_provider)
+        self._warn_at = 0.0
+        self._bg: set[asyncio.Task[None]] = set()
+        self.alignment_problems: list[str] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def policy(self) -> Policy:
+        return self.policies.policy
+
+    def _new_fit(self, pol: Policy) -> OnlineFit:
+        f = pol.cost.fit
+        return OnlineFit(
+            pol.cost.coefficients(),
+            bound=f.bound,
+            forgetting=f.forgetting,
+            min_samples=f.min_samples,
+        )
+
+    def _apply_policy(self, pol: Policy) -> None:
+        self.router = Router(pol.routing.params(), self.rng)
+        if self.fit.prior != pol.cost.coefficients():
+            self.fit = self._new_fit(pol)
+        self.quarantine.configure(pol.quarantine)
+        if self.pool is not None:
+            self.pool.policy = pol.health
+        self.metrics.policy_reloads.labels("ok").inc()
+
+    def _on_health(self, replica: str, routable: bool) -> None:
+        self.metrics.healthy.labels(replica).set(1 if routable else 0)
+
+    async def start(self) -> None:
+        s = self.settings
+        limits = httpx.Limits(
+            max_connections=s.max_connections,
+            max_keepalive_connections=s.max_connections,
+            keepalive_expiry=60.0,
+        )
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(s.connect_timeout_s))
+        self.pool = ReplicaPool(self.client, self.policy.health, on_change=self._on_health)
+        self.tokenizers = TokenizerPools(self.client, self._any_replica_url)
+        for spec in self.specs:
+            self.pool.add(spec)
+            self.metrics.healthy.labels(spec.id).set(1)
+        embedded = self._index_arg is None
+        primary: PrefixIndex = self._index_arg if self._index_arg is not None else MemoryIndex()
+        local = None if isinstance(primary, MemoryIndex) else MemoryIndex()
+        self.index = GatewayIndex(primary, self.metrics, local)
+        if embedded or isinstance(primary, MemoryIndex):
+            # no agent reports these replicas' state to an in-process index; pending
+            # entries (the gateway's own decisions) must still count
+            now = _now_ms()
+            for spec in self.specs:
+                if (await primary.meta(spec.id)).state is ReplicaState.UNKNOWN:
+                    await primary.set_state(spec.id, ReplicaState.LIVE, now)
+        if self._load_store is not None:
+            self.refresher = SharedLoadRefresher(
+                self._load_store, self.gateway_id, self.inflight, self.pool.ids
+            )
+            self.load.set_shared(self.refresher.snapshot)
+            self.refresher.start()
+        agent_specs = [sp for sp in self.specs if sp.events]
+        if agent_specs:
+            if self.agent_hook is None:
+                log.warning("replica agent endpoints given but no embedded agent is wired")
+            else:
+                self._agents_stop = await self.agent_hook(agent_specs, primary, self._load_store)
+        await self.pool.check_once(refresh_models=True)
+        self.pool.start()
+        self.policies.start(s.policy_poll_s, self._on_reload_result)
+        await self._check_alignment()
+
+    def _on_reload_result(self, ok: bool, error: str) -> None:
+        if not ok:
+            self.metrics.policy_reloads.labels("invalid").inc()
+
+    async def _check_alignment(self) -> None:
+        assert self.pool is not None and self.tokenizers is not None and self.client is not None
+        reps = [r for r in self.pool.all() if r.healthy]
+        if not reps:
+            return
+        rep = reps[0]
+        models = sorted(rep.models or [])
+        pools: dict[str, Any] = {}
+        for m in models[:4] or ["default"]:
+            pool = self.policy.models.pool(m)
+            if pool.alignment_check and pool.tokenizer in ("builtin", "hf"):
+                pools[m] = pool
+        for model, pool in pools.items():
+            tok = self.tokenizers.local(pool)
+            problems = await check_alignment(self.client, rep.url, model, tok)
+            for p in problems:
+                self.metrics.alignment.inc()
+                self.alignment_problems.append(f"{model}: {p}")
+                log.error(
+                    "TOKENIZER MISALIGNED with the engine: prefix routing will not hit",
+                    extra={"model": model, "replica": rep.id, "problem": p},
+                )
+
+    async def stop(self) -> None:
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "drain timeout: closing with requests in flight", extra={"n": self.in_flight}
+            )
+        await self.policies.stop()
+        if self.pool is not None:
+            await self.pool.stop()
+        if self._agents_stop is not None:
+            await self._agents_stop()
+        if self.refresher is not None:
+            await self.refresher.stop()
+        for t in list(self._bg):
+            t.cancel()
+        if self.index is not None:
+            await self.index.close()
+        if self.client is not None:
+            await self.client.aclose()
+        if self._tracer_provider is not None:
+            self._tracer_provider.shutdown()
+
+    def _any_replica_url(self, model: str) -> str | None:
+        if self.pool is None:
+            return None
+        reps = self.pool.candidates(model)
+        return self.rng.choice(reps).url if reps else None
+
+    def keyer(self, block_size: int) -> BlockKeyer:
+        k = self._keyers.get(block_size)
+        if k is None:
+            k = self._keyers[block_size] = BlockKeyer(block_size)
+        return k
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def begin(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+        self.metrics.in_flight.set(self.in_flight)
+
+    def end(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        if self.in_flight <= 0:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ scope
+    def resolve_scope(
+        self,
+        tenant: str,
+        tpol: TenantPolicy,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        model: str,
+    ) -> tuple[Scope, str | None]:
+        """The request's isolation scope and its session key (for stickiness)."""
+        kind: str = tpol.sensitive.default
+        if model in tpol.sensitive.models:
+            kind = _stricter(kind, tpol.sensitive.models_kind)
+        asked = headers.get(SENSITIVE_HEADER)
+        if asked is not None:
+            asked = asked.strip().lower()
+            if asked not in ("session", "request"):
+                raise bad_request(f"{SENSITIVE_HEADER} must be 'session' or 'request'")
+            if not tpol.sensitive.allow_header:
+                raise GatewayError(
+                    403, f"this key may not set {SENSITIVE_HEADER}", code="sensitive_not_allowed"
+                )
+            kind = _stricter(kind, asked)
+        session = None
+        for h in SESSION_HEADERS:
+            if headers.get(h):
+                session = headers[h][:256]
+                break
+        if session is None and isinstance(body.get("user"), str) and body["user"]:
+            session = str(body["user"])[:256]
+        if kind == "session" and session:
+            return Scope(ScopeKind.SESSION, f"{tenant}/{session}"), f"{tenant}/{session}"
+        if kind in ("session", "request"):
+            # a session-scoped request without a session id cannot be reused: per request
+            return Scope(ScopeKind.REQUEST, f"{tenant}/{uuid.uuid4().hex}"), None
+        if tpol.trust_group is not None:
+            return Scope(ScopeKind.GROUP, tpol.trust_group), session and f"{tenant}/{session}"
+        return Scope(ScopeKind.TENANT, tenant), session and f"{tenant}/{session}"
+
+    # ------------------------------------------------------------------ prepare
+    async def prepare(
+        self,
+        endpoint: str,
+        tenant: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        request_id: str,
+        explain_only: bool = False,
+        strategy: Strategy | None = None,
+    ) -> Dispatch:
+        """Everything before the upstream call. Raises :class:`GatewayError`."""
+        assert self.pool is not None and self.tokenizers is not None and self.index is not None
+        st = self.stages
+        pol = self.policy
+        t0 = time.thread_time_ns()
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad_request("'model' is required and must be a string", "model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise bad_request("'stream' must be a boolean", "stream")
+        if endpoint == "chat" and not isinstance(body.get("messages"), list):
+            raise bad_request("'messages' is required and must be an array", "messages")
+        if endpoint == "completion" and "prompt" not in body:
+            raise bad_request("'prompt' is required", "prompt")
+        reps = self.pool.candidates(model)
+        if not reps:
+            if not any(r.serves(model) for r in self.pool.all()):
+                raise GatewayError(
+                    404, f"The model `{model}` does not exist.", code="model_not_found",
+                    param="model",
+                )  # fmt: skip
+            raise GatewayError(503, "no healthy replica serves this model", code="no_replica")
+        tpol = pol.tenant(tenant)
+        scope, session = self.resolve_scope(tenant, tpol, headers, body, model)
+        base_model, lora = self.pool.base_model(model, reps)
+        mpool = pol.models.pool(base_model)
+        bs = mpool.block_size
+        tokenizer = self.tokenizers.for_pool(base_model, mpool)
+        st.add("parse", time.thread_time_ns() - t0)
+
+        t0 = time.thread_time_ns()
+        if isinstance(tokenizer, LocalPromptTokenizer):
+            tokens = (
+                tokenizer.chat_sync(body) if endpoint == "chat" else tokenizer.completion_sync(body)
+            )
+        else:
+            tokens = await (
+                tokenizer.chat(body) if endpoint == "chat" else tokenizer.completion(body)
+            )
+        st.add("tokenize", time.thread_time_ns() - t0)
+        n_prompt = len(tokens)
+
+        t0 = time.thread_time_ns()
+        salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)
+        keys: list[list[BlockKey]] = []
+        if not scope.ephemeral:
+            keyer = self.keyer(bs)
+            cap = min(hit_cap_blocks(n_prompt, bs), pol.index.max_prompt_blocks)
+            keys = [keyer.keys(tokens, s, base_model, lora, max_blocks=cap) for s in salts]
+        st.add("keys", time.thread_time_ns() - t0)
+
+        t0 = time.thread_time_ns()
+        ids = [r.id for r in reps]
+        matches: list[dict[str, PrefixMatch]] = []
+        source = "none"
+        if keys and keys[0]:
+            now = _now_ms()
+            timeout = pol.index.lookup_timeout_ms / 1000.0
+            results: list[LookupResult]
+            if len(keys) == 1:
+                results = [await self.index.lookup(keys[0], ids, now, timeout)]
+            else:
+                results = list(
+                    await asyncio.gather(*(self.index.lookup(k, ids, now, timeout) for k in keys))
+                )
+            matches = [r.matches for r in results]
+            source = results[0].source
+        st.add("lookup", time.thread_time_ns() - t0)
+
+        t0 = time.thread_time_ns()
+        caps = {r.id: r.capacity for r in reps}
+        loads = self.load.views(ids, caps)
+        best_salt: dict[str, int] = {}
+        cands: list[Candidate] = []
+        for r in reps:
+            m, si = _best_match(r.id, matches)
+            best_salt[r.id] = si
+            cands.append(Candidate(r.id, loads[r.id], m, self.quarantine.is_quarantined(r.id)))
+        cold = None
+        k_cold = tpol.limits.cold_replica_count
+        if k_cold is not None and k_cold < len(ids):
+            ranked = sorted(ids, key=lambda rid: _hrw(tenant, rid))
+            cold = frozenset(ranked[-k_cold:])  # a stable per-tenant subset
+        if session is None and keys and keys[0]:
+            session_for_hash: str | None = f"{tenant}/{keys[0][0].hex()}"
+        else:
+            session_for_hash = session
+        req = RouteRequest(
+            prompt_tokens=n_prompt,
+            block_size=bs,
+            session_key=session_for_hash,
+            load_only=scope.ephemeral,
+            cold_replicas=cold,
+        )
+        decision = self.router.decide(
+            req, cands, self.fit.coefficients(), strategy or self.strategy_override
+        )
+        st.add("score", time.thread_time_ns() - t0)
+        d = Dispatch(
+            request_id=request_id,
+            tenant=tenant,
+            endpoint=endpoint,
+            path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
+            body=body,
+            stream=stream,
+            client_wants_usage=_wants_usage(body),
+            model=model,
+            prompt_tokens=n_prompt,
+            block_size=bs,
+            scope=scope,
+            salts=salts,
+            keys=keys,
+            matches=matches,
+            index_source=source,
+            candidates=cands,
+            decision=decision,
+            salt_index=best_salt.get(decision.replica, 0),
+        )
+        if explain_only:
+            return d
+        uncached = max(0, n_prompt - decision.predicted_cached_tokens)
+        rej = self.limiter.charge_uncached(tenant, tpol.limits, uncached, time.monotonic())
+        if rej is not None:
+            self.metrics.rate_limited.labels(tenant, rej.limit).inc()
+            raise rate_limited(rej.message, rej.retry_after_s, rej.limit)
+        self.metrics.decisions.labels(decision.strategy.value, decision.reason).inc()
+        return d
+
+    # ------------------------------------------------------------------ dispatch
+    def upstream_body(self, d: Dispatch) -> bytes:
+        """The body sent upstream: the client's fields, our cache_salt, usage requested."""
+        body = dict(d.body)
+        body["cache_salt"] = d.salts[d.salt_index]  # replaces any client-supplied salt
+        if d.stream:
+            opts = body.get("stream_options")
+            opts = dict(opts) if isinstance(opts, dict) else {}
+            opts["include_usage"] = True
+            body["stream_options"] = opts
+        return orjson.dumps(body)
+
+    def on_dispatch(self, d: Dispatch) -> None:
+        """Count the request against its replica and record the pending entries."""
+        assert self.index is not None
+        cand = next(c for c in d.candidates if c.replica == d.replica)
+        d.load_at_dispatch = cand.load
+        uncached = max(0, d.prompt_tokens - d.decision.predicted_cached_tokens)
+        d.ticket = self.inflight.dispatch(d.replica, uncached)
+        rep = self.pool.get(d.replica) if self.pool else None
+        if rep is not None:
+            rep.in_flight += 1
+        if not d.ephemeral and d.keys:
+            pol = self.policy
+            self.index.add_pending(
+                d.replica, d.keys[d.salt_index], pol.index.pending_ttl_ms, _now_ms()
+            )
+
+    def on_first_byte(self, d: Dispatch) -> None:
+        if d.ticket is not None:
+            self.inflight.first_token(d.ticket)
+
+    def reroute(self, d: Dispatch, failed: str) -> bool:
+        """After a connection failure before the first byte: pick another replica."""
+        self.on_release(d)
+        d.tried.append(failed)
+        rest = [c for c in d.candidates if c.replica not in d.tried]
+        if not rest or d.attempts >= self.settings.retries:
+            return False
+        assert self.pool is not None
+        routable = {r.id for r in self.pool.candidates(d.model)}
+        rest = [c for c in rest if c.replica in routable] or rest
+        req = RouteRequest(
+            prompt_tokens=d.prompt_tokens,
+            block_size=d.block_size,
+            session_key=None,
+            load_only=d.ephemeral,
+        )
+        d.decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
+        _, d.salt_index = _best_match(d.replica, d.matches)
+        d.attempts += 1
+        self.metrics.retries.inc()
+        return True
+
+    def on_release(self, d: Dispatch) -> None:
+        if d.ticket is not None:
+            self.inflight.done(d.ticket)
+            d.ticket = None
+            rep = self.pool.get(d.replica) if self.pool else None
+            if rep is not None:
+                rep.in_flight = max(0, rep.in_flight - 1)
+
+    def finish(self, d: Dispatch, out: Outcome) -> None:
+        """Account, measure precision, check claims, fit the cost model."""
+        self.on_release(d)
+        m = self.metrics
+        rid = d.replica
+        if out.ttft_s is not None:
+            m.ttft.labels(rid).observe(out.ttft_s)
+        m.e2e.labels(rid).observe(out.e2e_s)
+        if self.pool is not None:
+            if out.status < 500 and out.error is None:
+                self.pool.record_success(rid)
+            elif out.error is not None and out.error not in ("connect", "timeout"):
+                self.pool.record_failure(rid)  # connect failures were counted at the time
+        if out.cached_tokens is None or out.status != 200:
+            return
+        prompt = out.prompt_tokens if out.prompt_tokens is not None else d.prompt_tokens
+        if prompt != d.prompt_tokens:
+            self._warn_precision(
+                "prompt token count differs from the engine's: tokenizers are misaligned",
+                d, out,
+            )  # fmt: skip
+        if not d.ephemeral:
+            predicted = d.decision.predicted_cached_tokens
+            frac = m.observe_precision(rid, predicted, out.cached_tokens, prompt)
+            if frac > self.policy.precision.warn_error_fraction:
+                m.precision_warnings.inc()
+                self._warn_precision("predicted and actual cached tokens disagree", d, out)
+            self._check_claims(d, out.cached_tokens)
+        self._fit(d, out, prompt)
+
+    def _warn_precision(self, msg: str, d: Dispatch, out: Outcome) -> None:
+        now = time.monotonic()
+        if now - self._warn_at < self.policy.precision.warn_interval_s:
+            return
+        self._warn_at = now
+        log.warning(
+            msg,
+            extra={
+                "replica": d.replica,
+                "request_id": d.request_id,
+                "predicted_cached": d.decision.predicted_cached_tokens,
+                "actual_cached": out.cached_tokens,
+                "gateway_prompt_tokens": d.prompt_tokens,
+                "engine_prompt_tokens": out.prompt_tokens,
+            },
+        )
+
+    def _check_claims(self, d: Dispatch, cached_tokens: int) -> None:
+        if not self.policy.quarantine.enabled or not d.matches:
+            return
+        match = d.matches[d.salt_index].get(d.replica)
+        if match is None:
+            return
+        cap = hit_cap_blocks(d.prompt_tokens, d.block_size)
+        claimed = min(match.stored_blocks, cap)
+        if claimed < self.policy.quarantine.min_claimed_blocks:
+            return
+        self.spawn(self._recheck(d, claimed, cached_tokens // d.block_size))
+
+    async def _recheck(self, d: Dispatch, claimed: int, actual: int) -> None:
+        assert self.index is not None
+        still = claimed
+        if actual < claimed:  # only a disagreement needs the "no removal in between" check
+            keys = d.keys[d.salt_index][:claimed]
+            res = await self.index.lookup(
+                keys, [d.replica], _now_ms(), self.policy.index.lookup_timeout_ms / 1000.0
+            )
+            if res.source != "primary":
+                return  # cannot tell an eviction from a lie without the shared index
+            still = res.matches.get(d.replica, empty_match()).stored_blocks
+        changed = self.quarantine.observe(ClaimCheck(d.replica, claimed, actual, still))
+        if changed is not None:
+            self.metrics.quarantined.labels(d.replica).set(1 if changed else 0)
+            self.metrics.quarantine_changes.labels(d.replica, "in" if changed else "out").inc()
+            log.warning(
+                "replica quarantined: its index claims are wrong"
+                if changed
+                else "replica left quarantine",
+                extra={"replica": d.replica, "claimed": claimed, "actual": actual},
+            )
+
+    def _fit(self, d: Dispatch, out: Outcome, prompt: int) -> None:
+        pol = self.policy.cost.fit
+        if not pol.enabled or d.load_at_dispatch is None or out.cached_tokens is None:
+            return
+        if out.ttft_s is not None and d.stream:
+            ttft = out.ttft_s
+        elif not d.stream and (out.completion_tokens or 0) <= 1:
+            ttft = out.e2e_s  # a one-token answer: its latency is its TTFT
+        else:
+            return
+        x = features(max(0, prompt - out.cached_tokens), 0.0, d.load_at_dispatch)
+        self.fit.update(x, ttft * 1000.0)
+
+    # ------------------------------------------------------------------ admin views
+    def replicas_state(self) -> list[dict[str, object]]:
+        assert self.pool is not None
+        now = time.monotonic()
+        out = []
+        for r in self.pool.all():
+            st = r.state(now)
+            st["quarantined"] = self.quarantine.is_quarantined(r.id)
+            qt, qr, run = self.inflight.own(r.id)
+            st["own_queued_tokens"], st["own_queued_requests"], st["own_running"] = qt, qr, run
+            out.append(st)
+        return out
+
+    def replica(self, replica_id: str) -> Replica:
+        assert self.pool is not None
+        rep = self.pool.get(replica_id)
+        if rep is None:
+            raise GatewayError(404, f"unknown replica {replica_id!r}", code="unknown_replica")
+        return rep
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _stricter(a: str, b: str) -> str:
+    order = {"none": 0, "session": 1, "request": 2}
+    return a if order[a] >= order[b] else b
+
+
+def _wants_usage(body: Mapping[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+
+def _hrw(tenant: str, rid: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{tenant}\x00{rid}".encode())
+
+
+def _best_match(rid: str, matches: Sequence[Mapping[str, PrefixMatch]]) -> tuple[PrefixMatch, int]:
+    """The longest match of ``rid`` over the live salts (primary first on ties)."""
+    best, idx = empty_match(), 0
+    for i, per in enumerate(matches):
+        m = per.get(rid)
+        if m is None:
+            continue
+        if i == 0 or (m.pending_blocks, m.stored_blocks) > (
+            best.pending_blocks,
+            best.stored_blocks,
+        ):
+            best, idx = m, i
+    return best, idx

@@ -1,0 +1,331 @@
+"""The upstream exchange: send a routed request to its replica and relay the answer.
+
+An :class:`UpstreamExchange` is an ASGI response. It runs the exchange and a disconnect
+watcher side by side: when the client goes away, the exchange task is cancelled, which
+closes the upstream connection, which makes the engine abort the request. SSE is relayed
+event by event as it arrives (never buffered whole). Guarantees:
+
+* a connection failure before the first upstream byte is retried on another replica;
+* a replica dying mid-stream ends the client's stream with an SSE error event and
+  ``data: [DONE]``, never a hang;
+* the usage chunk the gateway asked for (to read ``cached_tokens``) reaches the client only
+  if the client asked for it too;
+* :meth:`Gateway.finish` runs exactly once per exchange, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from gateway.core import Dispatch, Gateway, Outcome
+from gateway.errors import error_body, sse_error_event
+
+log = logging.getLogger(__name__)
+
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_RETRYABLE = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.PoolTimeout,
+)
+_JSON = b"application/json"
+
+
+class _Usage:
+    __slots__ = ("cached", "completion", "prompt")
+
+    def __init__(self) -> None:
+        self.prompt: int | None = None
+        self.cached: int | None = None
+        self.completion: int | None = None
+
+    def read(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        self.prompt = p if isinstance(p, int) else self.prompt
+        self.completion = c if isinstance(c, int) else self.completion
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.cached = details["cached_tokens"]
+        elif self.prompt is not None and self.cached is None:
+            self.cached = None  # the engine does not report cached tokens
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class UpstreamExchange(Response):
+    """A Response subclass so web frameworks pass it through; it sends its own messages."""
+
+    def __init__(self, gw: Gateway, d: Dispatch, on_done: Callable[[], None]) -> None:
+        # deliberately not Response.__init__: there is no body to render up front
+        self.background = None
+        self.status_code = 200
+        self.gw = gw
+        self.d = d
+        self.on_done = on_done
+        self._finished = False
+        self.status = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self._run(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+            else:
+                watch.cancel()
+                work.result()
+        finally:
+            if not watch.done():
+                watch.cancel()
+            self.on_done()
+
+    # ------------------------------------------------------------------ helpers
+    def _finish(self, out: Outcome) -> None:
+        if not self._finished:
+            self._finished = True
+            self.gw.finish(self.d, out)
+
+    def _resp_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"content-type", content_type),
+            (b"x-request-id", self.d.request_id.encode()),
+            (b"x-kvgate-replica", self.d.replica.encode()),
+        ]
+
+    async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
+        self.status = status
+        body = orjson.dumps(error_body(status, message, code))
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", _JSON), (b"x-request-id", self.d.request_id.encode()),
+        ]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    # ------------------------------------------------------------------ exchange
+    async def _run(self, send: Send) -> None:
+        gw, d = self.gw, self.d
+        assert gw.client is not None and gw.pool is not None
+        s = gw.settings
+        timeout = httpx.Timeout(
+            connect=s.connect_timeout_s,
+            read=max(s.first_byte_timeout_s, s.read_timeout_s),
+            write=30.0,
+            pool=s.connect_timeout_s,
+        )
+        headers = {"content-type": "application/json", "x-request-id": d.request_id}
+        if s.upstream_api_key is not None:
+            headers["authorization"] = "Bearer " + s.upstream_api_key.get_secret_value()
+        t0 = d.t_start
+        resp: httpx.Response | None = None
+        try:
+            while True:
+                c0 = time.thread_time_ns()
+                rep = gw.pool.get(d.replica)
+                if rep is None:  # removed meanwhile
+                    if gw.reroute(d, d.replica):
+                        continue
+                    await self._send_error(send, 503, "no replica available", "no_replica")
+                    self._finish(Outcome(503, None, time.perf_counter() - t0, None, None, None))
+                    return
+                payload = gw.upstream_body(d)
+                gw.on_dispatch(d)
+                req = gw.client.build_request(
+                    "POST", rep.url + d.path, content=payload, headers=headers, timeout=timeout
+                )
+                gw.stages.add("proxy", time.thread_time_ns() - c0)
+                try:
+                    resp = await gw.client.send(req, stream=True)
+                    break
+                except _RETRYABLE as exc:
+                    failed = d.replica
+                    gw.pool.record_failure(failed, definitive=isinstance(exc, httpx.ConnectError))
+                    gw.metrics.upstream_errors.labels(failed, "connect").inc()
+                    log.warning(
+                        "upstream failed before the first byte",
+                        extra={"replica": failed, "request_id": d.request_id, "error": repr(exc)},
+                    )
+                    if gw.reroute(d, failed):
+                        continue
+                    await self._send_error(
+                        send, 502, f"upstream replica unreachable: {type(exc).__name__}",
+                        "upstream_unreachable",
+                    )  # fmt: skip
+                    self._finish(
+                        Outcome(502, None, time.perf_counter() - t0, None, None, None, "connect")
+                    )
+                    return
+                except httpx.TimeoutException:
+                    gw.metrics.upstream_errors.labels(d.replica, "timeout").inc()
+                    await self._send_error(send, 504, "upstream replica timed out", "timeout")
+                    self._finish(
+                        Outcome(504, None, time.perf_counter() - t0, None, None, None, "timeout")
+                    )
+                    return
+            gw.on_first_byte(d)
+            if resp.status_code != 200:
+                await self._relay_error(send, resp, t0)
+            elif d.stream:
+                await self._relay_stream(send, resp, t0)
+            else:
+                await self._relay_json(send, resp, t0)
+        except asyncio.CancelledError:  # the client went away
+            self._finish(Outcome(499, None, time.perf_counter() - t0, None, None, None, None))
+            raise
+        finally:
+            if resp is not None:
+                with contextlib.suppress(Exception):
+                    await resp.aclose()
+            if not self._finished:
+                self._finish(Outcome(500, None, time.perf_counter() - t0, None, None, None))
+
+    async def _relay_error(self, send: Send, resp: httpx.Response, t0: float) -> None:
+        raw = await resp.aread()
+        status = resp.status_code
+        try:
+            parsed = orjson.loads(raw)
+            ok = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
+        except orjson.JSONDecodeError:
+            ok = False
+        if not ok:
+            if status >= 500:
+                status = 502
+            raw = orjson.dumps(
+                error_body(status, f"upstream replica returned HTTP {resp.status_code}",
+                           "upstream_error")
+            )  # fmt: skip
+        if resp.status_code >= 500:
+            self.gw.metrics.upstream_errors.labels(self.d.replica, f"http_{resp.status_code}").inc()
+        self.status = status
+        await send(
+            {"type": "http.response.start", "status": status, "headers": self._resp_headers(_JSON)}
+        )
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None))
+
+    async def _relay_json(self, send: Send, resp: httpx.Response, t0: float) -> None:
+        d = self.d
+        try:
+            raw = await resp.aread()
+        except httpx.HTTPError as exc:
+            self.gw.metrics.upstream_errors.labels(d.replica, "read").inc()
+            await self._send_error(
+                send, 502, "upstream replica failed mid-response", "upstream_error"
+            )
+            self._finish(Outcome(502, None, time.perf_counter() - t0, None, None, None, repr(exc)))
+            return
+        c0 = time.thread_time_ns()
+        usage = _Usage()
+        try:
+            parsed = orjson.loads(raw)
+            if isinstance(parsed, dict):
+                usage.read(parsed.get("usage"))
+        except orjson.JSONDecodeError:
+            pass
+        self.status = 200
+        headers = self._resp_headers(_JSON)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        e2e = time.perf_counter() - t0
+        self.gw.stages.add("proxy", time.thread_time_ns() - c0)
+        self._finish(Outcome(200, None, e2e, usage.prompt, usage.cached, usage.completion))
+
+    async def _relay_stream(self, send: Send, resp: httpx.Response, t0: float) -> None:
+        d = self.d
+        self.status = 200
+        await send({
+            "type": "http.response.start", "status": 200,
+            "headers": [*self._resp_headers(b"text/event-stream"), (b"cache-control", b"no-cache")],
+        })  # fmt: skip
+        usage = _Usage()
+        ttft: float | None = None
+        buf = b""
+        error: str | None = None
+        saw_done = False
+        try:
+            async for chunk in resp.aiter_raw():
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                buf += chunk
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                ready, buf = buf[: cut + 2], buf[cut + 2 :]
+                if _USAGE.search(ready) is not None or b"[DONE]" in ready:
+                    ready, done = self._filter_events(ready, usage)
+                    saw_done = saw_done or done
+                if ready:
+                    await send({"type": "http.response.body", "body": ready, "more_body": True})
+        except httpx.HTTPError as exc:
+            error = repr(exc)
+        if buf.strip() and error is None:
+            tail, done = self._filter_events(buf, usage)
+            saw_done = saw_done or done
+            if tail:
+                await send({"type": "http.response.body", "body": tail, "more_body": True})
+        if error is not None or not saw_done:
+            error = error or "upstream stream ended without [DONE]"
+            self.gw.metrics.upstream_errors.labels(d.replica, "mid_stream").inc()
+            log.warning(
+                "upstream failed mid-stream",
+                extra={"replica": d.replica, "request_id": d.request_id, "error": error},
+            )
+            event = sse_error_event(502, "upstream replica failed mid-stream", "upstream_error")
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._finish(
+            Outcome(
+                200 if error is None else 502,
+                ttft,
+                time.perf_counter() - t0,
+                usage.prompt,
+                usage.cached,
+                usage.completion,
+                error,
+            )
+        )
+
+    def _filter_events(self, data: bytes, usage: _Usage) -> tuple[bytes, bool]:
+        """Read usage from complete events; drop the usage-only chunk unless the client
+        asked for it. Returns the bytes to forward and whether ``[DONE]`` was seen."""
+        out: list[bytes] = []
+        done = False
+        for event in data.split(b"\n\n"):
+            if not event.strip():
+                continue
+            payload = event[6:] if event.startswith(b"data: ") else event
+            if payload.strip() == b"[DONE]":
+                done = True
+            elif _USAGE.search(payload) is not None:
+                try:
+                    obj = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict):
+                    usage.read(obj.get("usage"))
+                    if not self.d.client_wants_usage and not obj.get("choices"):
+                        continue
+            out.append(event + b"\n\n")
+        return b"".join(out), done

@@ -1,0 +1,296 @@
+"""``kvgate serve``: run the gateway; plus the Python API to start one in-process or as a
+subprocess (tests, ``make demo``, ``kvgate bench gateway``).
+
+In-process::
+
+    settings = GatewaySettings(replicas=[url1, url2], open_access=True, port=free_port())
+    with GatewayServer(settings) as srv:        # own thread and event loop
+        ... srv.url, srv.gateway ...
+
+    async with serve_in_loop(build_gateway(settings)) as url:   # in the caller's loop
+        ...
+
+Subprocess: :func:`start_gateway_process` runs ``python -m gateway.cli serve ...`` and
+waits until it answers ``/health``.
+
+SIGTERM: the server stops accepting (``/health`` answers 503 and new requests get 503),
+lets in-flight requests and streams finish (up to ``drain_timeout_s``), then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from redis.asyncio import Redis
+
+from cachecore.index.base import PrefixIndex
+from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
+from cachecore.logs import configure_logging
+from gateway.app import create_app
+from gateway.auth import KeyStore, load_key_file
+from gateway.core import AgentHook, Gateway
+from gateway.replicas import parse_replica_spec
+from gateway.routing import Strategy
+from gateway.settings import GatewaySettings
+from policies.schema import Policy, PolicyError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_AGENT_MODULE = "cachecore.agent.embedded"
+EMBEDDED_AGENT_FUNCTION = "start_embedded_agents"
+
+
+def default_agent_hook() -> AgentHook | None:
+    """The embedded agent starter, if the agent package provides one: a coroutine function
+    ``start_embedded_agents(specs, index, load_store) -> stop()`` in
+    ``cachecore.agent.embedded``."""
+    try:
+        mod = importlib.import_module(EMBEDDED_AGENT_MODULE)
+    except ImportError:
+        return None
+    hook = getattr(mod, EMBEDDED_AGENT_FUNCTION, None)
+    return hook if callable(hook) else None
+
+
+def build_gateway(
+    settings: GatewaySettings,
+    *,
+    policy: Policy | None = None,
+    index: PrefixIndex | None = None,
+    load_store: LoadStore | None = None,
+    agent_hook: AgentHook | None = None,
+    key_store: KeyStore | None = None,
+    strategy: Strategy | None = None,
+    span_exporter: Any = None,
+) -> Gateway:
+    """Assemble a :class:`Gateway` from settings: replicas, keys, index, load store."""
+    specs = [parse_replica_spec(r) for r in settings.replicas]
+    if key_store is None:
+        keys = load_key_file(settings.api_keys_file) if settings.api_keys_file else {}
+        redis_keys = None
+        if settings.api_keys_redis:
+            if not settings.redis_url:
+                raise ValueError("api_keys_redis needs redis_url")
+            redis_keys = Redis.from_url(settings.redis_url, socket_timeout=0.25)
+        key_store = KeyStore(keys, redis_keys, open_access=settings.open_access)
+    if not key_store.configured:
+        raise ValueError(
+            "no API keys configured: pass --api-keys FILE, --api-keys-redis, or --open"
+        )
+    if index is None and settings.redis_url:
+        from cachecore.index.redis import RedisIndex
+
+        index = RedisIndex.from_url(settings.redis_url)
+    if load_store is None:
+        load_store = (
+            RedisLoadStore.from_url(settings.redis_url) if settings.redis_url else MemoryLoadStore()
+        )
+    gw = Gateway(
+        settings,
+        policy,
+        index=index,
+        load_store=load_store,
+        key_store=key_store,
+        agent_hook=agent_hook if agent_hook is not None else default_agent_hook(),
+        replica_specs=specs,
+        span_exporter=span_exporter,
+    )
+    gw.strategy_override = strategy
+    return gw
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn server that flips the gateway to draining the moment a stop is requested."""
+
+    def __init__(self, config: uvicorn.Config, gw: Gateway) -> None:
+        super().__init__(config)
+        self.gw = gw
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.gw.draining = True
+        super().handle_exit(sig, frame)
+
+
+class _InLoopServer(_DrainingServer):
+    """Runs inside someone else's event loop: leaves their signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def uvicorn_config(gw: Gateway, **overrides: Any) -> uvicorn.Config:
+    s = gw.settings
+    kwargs: dict[str, Any] = {
+        "host": s.host,
+        "port": s.port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "lifespan": "on",
+        "log_config": None,
+        "access_log": False,
+        "timeout_graceful_shutdown": int(s.drain_timeout_s),
+        "timeout_keep_alive": 75,
+        "backlog": 2048,
+    }
+    kwargs.update(overrides)
+    return uvicorn.Config(create_app(gw), **kwargs)
+
+
+class GatewayServer:
+    """A gateway on its own thread and event loop (for synchronous callers)."""
+
+    def __init__(self, settings: GatewaySettings | Gateway, **build: Any) -> None:
+        self.gateway = (
+            settings if isinstance(settings, Gateway) else build_gateway(settings, **build)
+        )
+        self._server = _DrainingServer(uvicorn_config(self.gateway, loop="asyncio"), self.gateway)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        s = self.gateway.settings
+        return f"http://{s.host}:{s.port}"
+
+    def start(self, timeout_s: float = 20.0) -> GatewayServer:
+        self._thread = threading.Thread(target=self._server.run, name="kvgate-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("gateway failed to start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.gateway.draining = True
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    def __enter__(self) -> GatewayServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.asynccontextmanager
+async def serve_in_loop(gw: Gateway, timeout_s: float = 20.0) -> AsyncIterator[str]:
+    """Run the gateway in the current event loop; yields its base URL."""
+    server = _InLoopServer(uvicorn_config(gw, loop="none"), gw)
+    task = asyncio.ensure_future(server.serve())
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("gateway exited during start-up")
+        if time.monotonic() > deadline:
+            raise TimeoutError("gateway did not start")
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://{gw.settings.host}:{gw.settings.port}"
+    finally:
+        gw.draining = True
+        server.should_exit = True
+        await task
+
+
+def start_gateway_process(
+    args: Sequence[str], port: int, env: dict[str, str] | None = None, timeout_s: float = 30.0
+) -> subprocess.Popen[bytes]:
+    """``kvgate serve ARGS --port PORT`` as a subprocess, returned once /health answers."""
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", *args, "--port", str(port)]
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, env=full_env)
+    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{port}/health"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return proc
+        time.sleep(0.1)
+    proc.terminate()
+    raise TimeoutError("gateway did not become healthy")
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", type=Path, help="policy YAML (default: policies/default.yaml)")
+    parser.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="[ID=]URL[=EVENTS,REPLAY]",
+        help="an engine replica; with EVENTS,REPLAY an embedded cache agent follows it",
+    )
+    parser.add_argument("--redis", dest="redis_url", help="redis://... for the shared index")
+    parser.add_argument("--api-keys", dest="api_keys_file", type=Path, help="API key hash file")
+    parser.add_argument("--api-keys-redis", action="store_true", help="API key hashes in Redis")
+    parser.add_argument("--open", dest="open_access", action="store_true", help="no API keys")
+    parser.add_argument("--admin-key", help="admin key (prefer KVGATE_ADMIN_KEY)")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--strategy", choices=[s.value for s in Strategy])
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--gateway-id")
+    parser.add_argument("--otel-endpoint")
+    parser.add_argument("--log-level")
+    parser.add_argument("--plain-logs", action="store_true", help="text logs instead of JSON")
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    overrides: dict[str, Any] = {}
+    for name in (
+        "policy", "redis_url", "api_keys_file", "admin_key", "host", "port", "seed",
+        "gateway_id", "otel_endpoint", "log_level",
+    ):  # fmt: skip
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    if args.replica:
+        overrides["replicas"] = list(args.replica)
+    if args.api_keys_redis:
+        overrides["api_keys_redis"] = True
+    if args.open_access:
+        overrides["open_access"] = True
+    if args.plain_logs:
+        overrides["log_json"] = False
+    return GatewaySettings(**overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, settings.log_json)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
+    try:
+        gw = build_gateway(settings, strategy=Strategy(args.strategy) if args.strategy else None)
+    except (PolicyError, ValueError, OSError) as exc:
+        log.error("cannot start the gateway", extra={"error": str(exc)})
+        print(f"kvgate serve: {exc}", file=sys.stderr)
+        return 2
+    if not gw.specs:
+        log.warning("no --replica given: every request will get 503 until replicas are added")
+    server = _DrainingServer(uvicorn_config(gw), gw)
+    server.run()
+    return 0
