@@ -61,6 +61,10 @@ def test_not_yaml_and_not_a_mapping() -> None:
         parse_policy_text("- a list")
 
 
+def current(store: PolicyStore) -> Strategy:
+    return store.policy.routing.strategy
+
+
 def _touch(path: Path, text: str) -> None:
     path.write_text(text)
     st = path.stat()
@@ -78,16 +82,14 @@ def test_store_reloads_on_change_and_keeps_old_on_error(tmp_path: Path) -> None:
     _touch(f, "routing: {strategy: least_loaded}\n")
     assert store.changed_on_disk()
     store.reload_file()
-    assert store.policy.routing.strategy is Strategy.LEAST_LOADED and seen == [
-        Strategy.LEAST_LOADED
-    ]
+    assert current(store) is Strategy.LEAST_LOADED and seen == [Strategy.LEAST_LOADED]
     _touch(f, "routing: {strategy: nonsense}\n")
     with pytest.raises(PolicyError):
         store.reload_file()
-    assert store.policy.routing.strategy is Strategy.LEAST_LOADED  # the old policy stays
+    assert current(store) is Strategy.LEAST_LOADED  # the old policy stays
     assert store.last_error and "routing.strategy" in store.last_error
     store.reload_text("routing: {strategy: random}")
-    assert store.policy.routing.strategy is Strategy.RANDOM
+    assert current(store) is Strategy.RANDOM
 
 
 async def test_watch_picks_up_a_file_change(tmp_path: Path) -> None:
