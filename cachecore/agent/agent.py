@@ -1,0 +1,566 @@
+"""The per-replica cache agent: engine KV events and load into the index, with recovery.
+
+One :class:`Agent` serves one engine (one event publisher; its DP rank, if any, is in the
+settings). It runs as asyncio tasks, standalone (``kvgate agent``, Redis index) or embedded
+in the gateway process (sharing the gateway's :class:`~cachecore.index.memory.MemoryIndex`).
+
+Tasks::
+
+    supervisor   waits for the engine, loads persisted state, starts the others
+    stream       SUB -> validate -> seq tracking / replay -> per-rank queues (EventStream)
+    sync (each)  per-rank worker: mirror -> coalesced IndexWrite -> index (ReplicaSync)
+    scraper      engine /metrics every scrape_interval_s: load record, restart and
+                 reachability detection
+    heartbeat    registration with a TTL (only URLs the operator declared are accepted)
+    checker      index still holds our state? (Redis restart: changed run_id / lost meta)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import zmq
+import zmq.asyncio
+
+from cachecore.agent.links import LoadLink, RegistryLink
+from cachecore.agent.metrics import AgentMetrics
+from cachecore.agent.replay import ReplayClient
+from cachecore.agent.scrape import EngineScraper, EngineSnapshot, ScrapeError
+from cachecore.agent.settings import AgentSettings
+from cachecore.agent.stream import EventStream
+from cachecore.agent.sync import (
+    CheckIndex,
+    ClearReplica,
+    ReplicaSync,
+    SetEngineReachable,
+    SyncKnobs,
+)
+from cachecore.agent.trace import TraceWriter
+from cachecore.index.base import PrefixIndex, ReplicaState
+from cachecore.index.layout import dp_replica_id
+from cachecore.keys import BlockKeyer
+from cachecore.lifecycle import ReplicaMirror
+from cachecore.loadstate import LoadStore
+from cachecore.registry import RegistryStore
+
+log = logging.getLogger(__name__)
+
+_START_TIME_TOLERANCE_S = 1e-3
+
+
+@runtime_checkable
+class HasInstanceId(Protocol):
+    """Index backends that can tell they lost their contents (Redis ``run_id``)."""
+
+    async def instance_id(self) -> str: ...
+
+
+def index_replica_id(name: str, dp_rank: int | None) -> str:
+    """Index id of one (replica, data-parallel rank): ``name`` for rank 0 or no rank,
+    ``name@dpN`` otherwise."""
+    return dp_replica_id(name, dp_rank or None)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the agent learnt of its engine at startup (and after each restart)."""
+
+    model: str
+    block_size: int
+    num_gpu_blocks: int | None
+    start_time: float
+
+
+class Agent:
+    """One engine's cache agent. ``await start()`` returns at once (the engine may not be up
+    yet); ``await stop()`` cancels everything and deregisters.
+
+    ``load_store`` and ``registry`` are optional (tests may run an agent without them).
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        index: PrefixIndex,
+        load_store: LoadStore | None = None,
+        registry: RegistryStore | None = None,
+        *,
+        zmq_context: zmq.asyncio.Context | None = None,
+        metrics: AgentMetrics | None = None,
+        trace: TraceWriter | None = None,
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.metrics = metrics or AgentMetrics()
+        self.trace = trace
+        if trace is None and settings.trace_out is not None:
+            self.trace = TraceWriter(settings.trace_out)
+            self._own_trace = True
+        else:
+            self._own_trace = False
+        self._own_ctx = zmq_context is None
+        self.ctx = zmq_context or zmq.asyncio.Context()
+        self.scraper = EngineScraper(settings.engine_url, settings.scrape_timeout_s)
+        self.load_link = LoadLink(load_store, settings) if load_store is not None else None
+        self.registry_link = RegistryLink(registry, settings) if registry is not None else None
+        self.engine: EngineInfo | None = None
+        self.last_snapshot: EngineSnapshot | None = None
+        self.engine_reachable = False
+        self._last_scrape_ok = 0.0
+        self.syncs: dict[int, ReplicaSync] = {}
+        self.stream: EventStream | None = None
+        self.ready = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._supervisor: asyncio.Task[None] | None = None
+        self._instance_id: str | None = None
+        self._stopped = False
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def replica_id(self) -> str:
+        return self.settings.replica_id
+
+    @property
+    def primary_id(self) -> str:
+        return index_replica_id(self.settings.replica_id, self.settings.data_parallel_rank)
+
+    async def start(self) -> None:
+        if self._supervisor is None:
+            self._supervisor = asyncio.create_task(
+                self._supervise(), name=f"agent-{self.primary_id}"
+            )
+
+    async def stop(self, deregister: bool = True) -> None:
+        self._stopped = True
+        tasks = [t for t in [self._supervisor, *self._tasks] if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        self._supervisor = None
+        for sync in self.syncs.values():
+            await sync.stop()
+        if deregister and self.registry_link is not None:
+            await self.registry_link.deregister(self.primary_id)
+        await self.scraper.close()
+        if self.trace is not None:
+            self.trace.flush()
+            if self._own_trace:
+                self.trace.close()
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until the startup catch-up is done (tests, embedded start)."""
+        await asyncio.wait_for(self.ready.wait(), timeout_s)
+
+    async def drain(self, timeout_s: float = 10.0) -> None:
+        """Until every queued command of every rank has been applied (tests)."""
+        async with asyncio.timeout(timeout_s):
+            for sync in list(self.syncs.values()):
+                await sync.drain()
+
+    def health(self) -> dict[str, Any]:
+        stream = self.stream
+        lat = self.metrics.latency
+        replicas = {}
+        for sync in self.syncs.values():
+            replicas[sync.replica_id] = {
+                "state": sync._published_state().value,
+                "epoch": sync.epoch,
+                "last_seq": sync.written_seq,
+                "received_seq": sync.received_seq,
+                "queued": sync.queued,
+                "mirror_blocks": len(sync.mirror),
+                "dirty": sync.dirty,
+                "lag_s": round(max(0.0, time.time() - sync.last_ts), 3) if sync.last_ts else None,
+            }
+        if not self.ready.is_set():
+            status = "starting"
+        elif any(s.dirty for s in self.syncs.values()) or not self.engine_reachable:
+            status = "degraded"
+        else:
+            status = "ok"
+        p50, p99 = lat.percentile(50), lat.percentile(99)
+        return {
+            "status": status,
+            "replica": self.replica_id,
+            "engine_url": self.settings.engine_url,
+            "engine_reachable": self.engine_reachable,
+            "engine_start": self.engine.start_time if self.engine else None,
+            "model": self.engine.model if self.engine else None,
+            "block_size": self.engine.block_size if self.engine else None,
+            "stream_last_seq": stream.last_seq if stream else None,
+            "replicas": replicas,
+            "event_to_index_ms": {
+                "p50": None if p50 is None else round(p50 * 1000, 3),
+                "p99": None if p99 is None else round(p99 * 1000, 3),
+                "samples": len(lat.values),
+            },
+        }
+
+    # ------------------------------------------------------------- supervisor
+
+    async def _supervise(self) -> None:
+        try:
+            snap = await self._wait_for_engine()
+            info = await self._engine_info(snap)
+            self.engine = info
+            self.engine_reachable = True
+            primary = await self._new_sync(self.settings.data_parallel_rank or 0)
+            loaded = await self._retry_index(primary.load, "load")
+            restart_first = False
+            if not loaded:
+                await primary.put(
+                    ClearReplica(ReplicaState.LIVE, info.start_time, "fresh", None, None)
+                )
+            else:
+                known = primary.engine_start
+                if known and abs(known - info.start_time) > _START_TIME_TOLERANCE_S:
+                    restart_first = True
+                elif not known and info.start_time:
+                    # a meta written by someone else (the gateway marks replicas live)
+                    primary.engine_start = info.start_time
+                    await self._retry_index(
+                        lambda: self._set_engine_start(primary.replica_id, info.start_time),
+                        "set_engine_start",
+                    )
+                # the engine answers: whatever state the index had, it is reachable now
+                await primary.put(CheckIndex())
+            self._instance_id = await self._instance()
+            stream = self.stream = self._make_stream()
+            stream.last_seq = primary.written_seq
+            stream.subscribe()
+            self._spawn(self._scrape_loop(), "scrape")
+            self._spawn(self._check_loop(), "check")
+            if self.registry_link is not None:
+                self._spawn(self._heartbeat_loop(), "heartbeat")
+            self._spawn(self._run_stream(stream, restart_first), "stream")
+            await stream.caught_up.wait()
+            self.ready.set()
+            log.info(
+                "agent ready",
+                extra={
+                    "replica": self.primary_id,
+                    "model": info.model,
+                    "block_size": info.block_size,
+                    "last_seq": stream.last_seq,
+                    "restored": loaded,
+                },
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("agent supervisor failed", extra={"replica": self.primary_id})
+            raise
+
+    def _spawn(self, coro: Awaitable[None], what: str) -> None:
+        async def guarded() -> None:
+            await coro
+
+        self._tasks.append(asyncio.create_task(guarded(), name=f"agent-{self.primary_id}-{what}"))
+
+    async def _run_stream(self, stream: EventStream, restart_first: bool) -> None:
+        """The stream never gives up: any unexpected failure restarts it after a pause,
+        and the restarted stream replays what it missed."""
+        first = True
+        while True:
+            try:
+                await stream.run(restart_first and first)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception(
+                    "event stream failed; restarting it", extra={"replica": self.primary_id}
+                )
+                await asyncio.sleep(0.5)
+            first = False
+
+    async def _wait_for_engine(self) -> EngineSnapshot:
+        t0 = time.monotonic()
+        marked = False
+        while True:
+            try:
+                snap = await self.scraper.metrics()
+            except ScrapeError as exc:
+                self.metrics.scrape_errors.inc()
+                self.metrics.engine_up.set(0)
+                if not marked and time.monotonic() - t0 >= self.settings.unavailable_after_s:
+                    marked = await self._mark_persisted_unavailable()
+                log.debug("engine not reachable yet", extra={"error": str(exc)})
+                await asyncio.sleep(self.settings.scrape_interval_s)
+                continue
+            if snap.start_time is None:
+                log.warning(
+                    "engine /metrics has no process_start_time_seconds: restarts are "
+                    "detected by sequence only",
+                    extra={"replica": self.primary_id},
+                )
+            self._scrape_ok(snap)
+            return snap
+
+    async def _mark_persisted_unavailable(self) -> bool:
+        """The engine is down at agent start: keep its entries but stop routing to them."""
+        try:
+            meta = await self.index.meta(self.primary_id)
+            if meta.state in (ReplicaState.LIVE, ReplicaState.COLD):
+                await self.index.set_state(self.primary_id, ReplicaState.UNAVAILABLE, _now_ms())
+            return True
+        except Exception as exc:
+            log.warning("index not reachable", extra={"error": repr(exc)})
+            return False
+
+    async def _engine_info(self, snap: EngineSnapshot) -> EngineInfo:
+        block_size = self.settings.block_size or snap.block_size
+        while block_size is None:
+            log.error(
+                "engine reports no block size (vllm:cache_config_info); pass --block-size",
+                extra={"replica": self.primary_id},
+            )
+            await asyncio.sleep(max(5.0, self.settings.scrape_interval_s))
+            try:
+                snap = await self.scraper.metrics()
+            except ScrapeError:
+                continue
+            block_size = snap.block_size
+        model = self.settings.model or await self.scraper.model() or snap.model_name
+        while model is None:
+            log.error(
+                "engine reports no model (/v1/models); pass --model",
+                extra={"replica": self.primary_id},
+            )
+            await asyncio.sleep(max(5.0, self.settings.scrape_interval_s))
+            model = await self.scraper.model()
+        return EngineInfo(model, block_size, snap.num_gpu_blocks, snap.start_time or 0.0)
+
+    async def _retry_index(self, call: Callable[[], Awaitable[bool]], what: str) -> bool:
+        delay = 0.1
+        while True:
+            try:
+                return await call()
+            except Exception as exc:
+                log.warning(
+                    "index not reachable at startup; retrying",
+                    extra={"replica": self.primary_id, "op": what, "error": repr(exc)},
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.index_retry_max_s)
+
+    async def _set_engine_start(self, replica: str, start: float) -> bool:
+        await self.index.set_engine_start(replica, start)
+        return True
+
+    async def _instance(self) -> str | None:
+        if not isinstance(self.index, HasInstanceId):
+            return None
+        try:
+            return await self.index.instance_id()
+        except Exception:
+            return None
+
+    # ------------------------------------------------------------------- ranks
+
+    async def _new_sync(self, rank: int) -> ReplicaSync:
+        assert self.engine is not None
+        s = self.settings
+        rid = index_replica_id(s.replica_id, rank)
+        mirror = ReplicaMirror(BlockKeyer(self.engine.block_size), self.engine.model)
+        knobs = SyncKnobs(
+            queue_size=s.queue_size,
+            max_coalesce_batches=s.max_coalesce_batches,
+            max_coalesce_blocks=s.max_coalesce_blocks,
+            resync_chunk_blocks=s.resync_chunk_blocks,
+            retry_max_s=s.index_retry_max_s,
+        )
+        sync = ReplicaSync(
+            rid,
+            self.index,
+            mirror,
+            self.metrics,
+            knobs,
+            self.trace,
+            attention_group=s.attention_group,
+        )
+        sync.engine_reachable = self.engine_reachable
+        sync.engine_start = self.engine.start_time
+        self.syncs[rank] = sync
+        sync.start()
+        return sync
+
+    async def _sync_for(self, rank: int) -> ReplicaSync:
+        sync = self.syncs.get(rank)
+        if sync is not None:
+            return sync
+        sync = await self._new_sync(rank)
+        assert self.engine is not None
+        loaded = await self._retry_index(sync.load, "load")
+        if not loaded:
+            await sync.put(ClearReplica(ReplicaState.LIVE, self.engine.start_time, "fresh"))
+        else:
+            # a rank we had not seen since the agent started: its seq history is unknown
+            # to this stream, so its persisted entries cannot be trusted
+            await sync.put(ClearReplica(ReplicaState.COLD, self.engine.start_time, "new_rank"))
+        return sync
+
+    def _make_stream(self) -> EventStream:
+        s = self.settings
+        replay = None
+        if s.replay:
+            replay = ReplayClient(
+                self.ctx,
+                s.replay,
+                first_reply_timeout_s=s.replay_timeout_s,
+                idle_timeout_s=s.replay_timeout_s,
+                total_timeout_s=s.replay_total_timeout_s,
+                max_batches=s.max_replay_batches,
+                max_payload_bytes=s.max_payload_bytes,
+            )
+        return EventStream(
+            name=self.primary_id,
+            ctx=self.ctx,
+            events_endpoint=s.events,
+            replay=replay,
+            topic=s.topic,
+            metrics=self.metrics,
+            sync_for=self._sync_for,
+            all_syncs=lambda: list(self.syncs.values()),
+            clear_command=self._clear_command,
+            start_time_changed=self._start_time_changed,
+            default_rank=s.data_parallel_rank or 0,
+            max_payload_bytes=s.max_payload_bytes,
+            max_tokens_per_event=s.max_tokens_per_event,
+            rcvhwm=s.rcvhwm,
+            stale_probe_cooldown_s=s.stale_probe_cooldown_s,
+        )
+
+    async def _clear_command(self, cause: str, state: ReplicaState) -> ClearReplica:
+        """The clear every rank gets. After a restart the engine may come back with another
+        model or block size: re-read both so the new keys are right."""
+        assert self.engine is not None
+        keyer: BlockKeyer | None = None
+        model: str | None = None
+        if cause == "engine_restart":
+            snap = self.last_snapshot
+            with contextlib.suppress(ScrapeError):
+                snap = await self.scraper.metrics()  # the new process's start time
+                self._scrape_ok(snap)
+            bs = self.settings.block_size or (snap.block_size if snap else None)
+            if bs is not None and bs != self.engine.block_size:
+                keyer = BlockKeyer(bs)
+            new_model = self.settings.model or await self.scraper.model()
+            if new_model is not None and new_model != self.engine.model:
+                model = new_model
+            start = snap.start_time if snap and snap.start_time else self.engine.start_time
+            self.engine = EngineInfo(
+                model or self.engine.model,
+                keyer.block_size if keyer else self.engine.block_size,
+                snap.num_gpu_blocks if snap else self.engine.num_gpu_blocks,
+                start,
+            )
+        return ClearReplica(state, self.engine.start_time, cause, keyer, model)
+
+    # ----------------------------------------------------------------- engine
+
+    def _scrape_ok(self, snap: EngineSnapshot) -> None:
+        self.last_snapshot = snap
+        self._last_scrape_ok = time.monotonic()
+        self.metrics.engine_up.set(1)
+
+    def _start_changed(self, snap: EngineSnapshot) -> bool:
+        return (
+            self.engine is not None
+            and snap.start_time is not None
+            and abs(snap.start_time - self.engine.start_time) > _START_TIME_TOLERANCE_S
+        )
+
+    async def _start_time_changed(self) -> bool:
+        try:
+            snap = await self.scraper.metrics()
+        except ScrapeError:
+            self.metrics.scrape_errors.inc()
+            return False
+        self._scrape_ok(snap)
+        return self._start_changed(snap)
+
+    async def _scrape_loop(self) -> None:
+        s = self.settings
+        stream = self.stream
+        assert stream is not None
+        while True:
+            await asyncio.sleep(s.scrape_interval_s)
+            try:
+                snap = await self.scraper.metrics()
+            except ScrapeError as exc:
+                self.metrics.scrape_errors.inc()
+                self.metrics.engine_up.set(0)
+                down_for = time.monotonic() - self._last_scrape_ok
+                if self.engine_reachable and down_for >= s.unavailable_after_s:
+                    self.engine_reachable = False
+                    log.warning(
+                        "engine unreachable: replica unavailable for routing",
+                        extra={"replica": self.primary_id, "error": str(exc)},
+                    )
+                    for sync in list(self.syncs.values()):
+                        await sync.put(SetEngineReachable(False))
+                continue
+            self._scrape_ok(snap)
+            if self.load_link is not None:
+                await self.load_link.publish(self.primary_id, snap, self.metrics)
+            # a new process first clears (still unroutable), only then becomes reachable:
+            # its old entries must never be routable, not even for a moment
+            if self._start_changed(snap):
+                async with stream.lock:
+                    if self._start_changed(snap):  # the stream may have handled it meanwhile
+                        await stream.restart("start_time")
+            if not self.engine_reachable:
+                self.engine_reachable = True
+                log.info("engine reachable again", extra={"replica": self.primary_id})
+                for sync in list(self.syncs.values()):
+                    await sync.put(SetEngineReachable(True))
+
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.index_check_interval_s)
+            current = await self._instance()
+            changed = (
+                current is not None
+                and self._instance_id is not None
+                and current != self._instance_id
+            )
+            if current is not None:
+                if changed:
+                    log.warning(
+                        "index instance changed (restart): rewriting from the mirror",
+                        extra={"replica": self.primary_id},
+                    )
+                self._instance_id = current
+            for sync in list(self.syncs.values()):
+                await sync.put(CheckIndex(server_changed=changed))
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.registry_link is not None and self.engine is not None
+        while True:
+            snap = self.last_snapshot
+            info = self.engine
+            await self.registry_link.heartbeat(
+                self.primary_id,
+                model=info.model,
+                block_size=info.block_size,
+                capacity_blocks=(snap.num_gpu_blocks if snap else None) or info.num_gpu_blocks,
+                metrics=self.metrics,
+            )
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

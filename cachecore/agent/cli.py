@@ -1,0 +1,160 @@
+"""``kvgate agent``: one engine's cache agent as its own process, writing to Redis.
+
+    kvgate agent --replica-id r0 --engine-url http://10.0.0.5:8000 \\
+        --events tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 \\
+        --redis redis://agent-r0:PASSWORD@redis:6379/0
+
+A standalone agent needs ``--redis`` (without it there is no index another process could
+read; the embedded in-memory index lives inside ``kvgate serve``). SIGTERM and SIGINT stop it
+cleanly: it deregisters its replica before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from cachecore.agent.agent import Agent
+from cachecore.agent.http import AgentHTTPServer
+from cachecore.agent.settings import AgentSettings
+from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
+from cachecore.logs import configure_logging
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HTTP_PORT = 9400
+
+# CLI flag -> settings field, for flags that map one to one
+_FIELDS = {
+    "replica_id": "replica_id",
+    "engine_url": "engine_url",
+    "events": "events",
+    "replay": "replay",
+    "redis": "redis",
+    "topic": "topic",
+    "model": "model",
+    "block_size": "block_size",
+    "data_parallel_rank": "data_parallel_rank",
+    "attention_group": "attention_group",
+    "scrape_interval": "scrape_interval_s",
+    "unavailable_after": "unavailable_after_s",
+    "heartbeat_interval": "heartbeat_interval_s",
+    "registration_ttl": "registration_ttl_s",
+    "replay_timeout": "replay_timeout_s",
+    "max_coalesce_batches": "max_coalesce_batches",
+    "http_host": "http_host",
+    "http_port": "http_port",
+    "trace_out": "trace_out",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--replica-id", help="index replica id (env KVGATE_AGENT_REPLICA_ID)")
+    p.add_argument("--engine-url", help="engine HTTP base URL, e.g. http://10.0.0.5:8000")
+    p.add_argument("--events", help="engine KV-event PUB endpoint, e.g. tcp://10.0.0.5:5557")
+    p.add_argument("--replay", help="engine replay ROUTER endpoint, e.g. tcp://10.0.0.5:5558")
+    p.add_argument("--redis", help="redis://[user:password@]host:port/db (required)")
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="Redis key namespace")
+    p.add_argument("--topic", help='ZMQ topic the engine publishes under (vLLM default "")')
+    p.add_argument("--model", help="model name override (default: the engine's /v1/models)")
+    p.add_argument("--block-size", type=int, help="override vllm:cache_config_info block_size")
+    p.add_argument("--data-parallel-rank", type=int, help="the engine's DP rank (index id R@dpN)")
+    p.add_argument(
+        "--attention-group", type=int, help="hybrid models: group_idx of the full-attention group"
+    )
+    p.add_argument("--scrape-interval", type=float, help="engine /metrics interval, s (1.0)")
+    p.add_argument(
+        "--unavailable-after", type=float, help="scrape failing this long: unavailable, s (5)"
+    )
+    p.add_argument("--heartbeat-interval", type=float, help="registration heartbeat, s (2)")
+    p.add_argument("--registration-ttl", type=float, help="registration TTL, s (10)")
+    p.add_argument("--replay-timeout", type=float, help="replay reply timeout, s (2)")
+    p.add_argument("--max-coalesce-batches", type=int, help="batches per index write (512)")
+    p.add_argument("--http-host", help="bind address of /metrics and /health (127.0.0.1)")
+    p.add_argument(
+        "--http-port", type=int, help=f"port of /metrics and /health ({DEFAULT_HTTP_PORT}; 0 any)"
+    )
+    p.add_argument("--trace-out", type=Path, help="JSON lines of applied changes (trace analysis)")
+    p.add_argument("--no-register", action="store_true", help="do not register the replica")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-text", action="store_true", help="plain text logs instead of JSON")
+
+
+def settings_from_args(args: argparse.Namespace) -> AgentSettings:
+    """Flags override ``KVGATE_AGENT_*`` environment variables."""
+    given: dict[str, Any] = {}
+    for flag, name in _FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            given[name] = value
+    given.setdefault("http_port", DEFAULT_HTTP_PORT)
+    return AgentSettings(**given)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, json_format=not args.log_text)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        print(f"kvgate agent: {exc}", file=sys.stderr)
+        return 2
+    if not settings.redis:
+        print(
+            "kvgate agent: --redis is required for a standalone agent (the embedded index "
+            "lives in `kvgate serve --replica URL=EVENTS,REPLAY`)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return asyncio.run(_main(settings, args.key_prefix, register=not args.no_register))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _main(settings: AgentSettings, key_prefix: str, register: bool) -> int:
+    from cachecore.index.redis import RedisIndex
+    from cachecore.loadstate import RedisLoadStore
+    from cachecore.registry import RedisRegistry
+
+    assert settings.redis is not None
+    layout = KeyLayout(key_prefix)
+    # writes are large and rare compared with gateway lookups: a longer timeout than theirs
+    index = RedisIndex.from_url(settings.redis, layout, socket_timeout_s=2.0, connect_timeout_s=1.0)
+    load_store = RedisLoadStore.from_url(settings.redis, layout)
+    registry = RedisRegistry.from_url(settings.redis, layout) if register else None
+    agent = Agent(settings, index, load_store, registry)
+    server: AgentHTTPServer | None = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if settings.http_port is not None:
+            server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
+            await server.start()
+            log.info(
+                "agent http listening", extra={"host": settings.http_host, "port": server.port}
+            )
+            print(
+                f"agent {settings.replica_id}: http://{settings.http_host}:{server.port}",
+                flush=True,
+            )
+        await agent.start()
+        await stop.wait()
+        log.info("agent stopping", extra={"replica": settings.replica_id})
+    finally:
+        await agent.stop(deregister=True)
+        if server is not None:
+            await server.stop()
+        for closable in (index, load_store, registry):
+            if closable is not None:
+                with contextlib.suppress(Exception):
+                    await closable.close()
+    return 0

@@ -1,0 +1,98 @@
+"""Embedded mode: agents as tasks inside the gateway process, sharing its index.
+
+``kvgate serve --replica URL=EVENTS,REPLAY ...`` hands the parsed specs to
+:func:`start_embedded_agents` (it matches ``gateway.core.AgentHook``)::
+
+    stop = await start_embedded_agents(specs, index, load_store)
+    ...
+    await stop()
+
+Each spec needs ``id``, ``url``, ``events`` and ``replay`` attributes (``gateway.replicas.
+ReplicaSpec``); specs without ``events`` are skipped. All agents share one ZMQ context and
+the gateway's index (a :class:`~cachecore.index.memory.MemoryIndex`, or a RedisIndex if the
+gateway has one). Registration is not needed in embedded mode: the gateway already knows its
+replicas from ``--replica``. Tunables come from ``KVGATE_AGENT_*`` environment variables or
+``overrides``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import zmq.asyncio
+
+from cachecore.agent.agent import Agent
+from cachecore.agent.settings import AgentSettings
+from cachecore.index.base import PrefixIndex
+from cachecore.loadstate import LoadStore
+from cachecore.registry import RegistryStore
+
+log = logging.getLogger(__name__)
+
+
+class AgentSpec(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def events(self) -> str | None: ...
+    @property
+    def replay(self) -> str | None: ...
+
+
+class EmbeddedAgents:
+    """The agents of one gateway process and their shared ZMQ context."""
+
+    def __init__(self, agents: list[Agent], ctx: zmq.asyncio.Context) -> None:
+        self.agents = agents
+        self.ctx = ctx
+
+    def by_replica(self) -> dict[str, Agent]:
+        return {a.replica_id: a for a in self.agents}
+
+    async def stop(self) -> None:
+        for agent in self.agents:
+            await agent.stop(deregister=True)
+        self.ctx.destroy(linger=0)
+
+
+def build_embedded_agents(
+    specs: Sequence[AgentSpec],
+    index: PrefixIndex,
+    load_store: LoadStore | None = None,
+    registry: RegistryStore | None = None,
+    **overrides: Any,
+) -> EmbeddedAgents:
+    """Construct (not start) one agent per spec that has event endpoints."""
+    ctx = zmq.asyncio.Context()
+    agents = []
+    for spec in specs:
+        if not spec.events:
+            continue
+        settings = AgentSettings(
+            replica_id=spec.id,
+            engine_url=spec.url,
+            events=spec.events,
+            replay=spec.replay,
+            **overrides,
+        )
+        agents.append(Agent(settings, index, load_store, registry, zmq_context=ctx))
+    return EmbeddedAgents(agents, ctx)
+
+
+async def start_embedded_agents(
+    specs: Sequence[AgentSpec],
+    index: PrefixIndex,
+    load_store: LoadStore | None = None,
+    **overrides: Any,
+) -> Callable[[], Awaitable[None]]:
+    """Start an agent per spec (returns at once; each waits for its engine on its own)
+    and return the coroutine function that stops them all."""
+    group = build_embedded_agents(specs, index, load_store, None, **overrides)
+    for agent in group.agents:
+        await agent.start()
+    log.info("embedded agents started", extra={"replicas": [a.replica_id for a in group.agents]})
+    return group.stop

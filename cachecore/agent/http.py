@@ -1,0 +1,64 @@
+"""The agent's own HTTP endpoints: ``/metrics`` (its per-agent registry, Prometheus text)
+and ``/health`` (JSON: status, state, last seq, mirror size, latency)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Sequence
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from cachecore.agent.agent import Agent
+
+
+def agent_app(agents: Sequence[Agent]) -> FastAPI:
+    app = FastAPI(title="kvgate agent", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = b"".join(a.metrics.exposition() for a in agents)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        items = [a.health() for a in agents]
+        ok = all(h["status"] == "ok" for h in items)
+        body = items[0] if len(items) == 1 else {"agents": items}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    return app
+
+
+class AgentHTTPServer:
+    """uvicorn in a task, bound before start() returns (``port`` 0 picks a free one)."""
+
+    def __init__(self, agents: Sequence[Agent], host: str, port: int) -> None:
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = int(self._sock.getsockname()[1])
+        config = uvicorn.Config(
+            agent_app(agents), log_level="warning", access_log=False, lifespan="off"
+        )
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        for _ in range(200):
+            if self._server.started:
+                return
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._task, 5.0)
+        self._sock.close()

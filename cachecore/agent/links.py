@@ -1,0 +1,104 @@
+"""The agent's two outward links besides the index: the engine load record (read by every
+gateway for queue-aware routing) and the replica registration (gateways discover replicas
+through it and accept only operator-declared URLs, see :mod:`cachecore.registry`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+from cachecore.agent.metrics import AgentMetrics
+from cachecore.agent.scrape import EngineSnapshot
+from cachecore.agent.settings import AgentSettings
+from cachecore.loadstate import EngineLoad, LoadStore
+from cachecore.registry import Registration, RegistryStore
+
+log = logging.getLogger(__name__)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def new_agent_id() -> str:
+    """Unique per agent process (the registry deregisters only its own registration, so a
+    restarted agent never removes its successor's)."""
+    return f"agent-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+class LoadLink:
+    def __init__(self, store: LoadStore, settings: AgentSettings) -> None:
+        self.store = store
+        self.ttl_ms = int(settings.load_ttl_s * 1000)
+        self._failing = False
+
+    async def publish(self, replica: str, snap: EngineSnapshot, metrics: AgentMetrics) -> None:
+        now = _now_ms()
+        load = EngineLoad(
+            num_running=max(0, int(snap.running)),
+            num_waiting=max(0, int(snap.waiting)),
+            kv_usage=min(1.0, max(0.0, snap.kv_usage)),
+            metrics_ts_ms=now,
+        )
+        try:
+            await self.store.publish_engine(replica, load, self.ttl_ms, now)
+        except Exception as exc:
+            metrics.load_publishes.labels("error").inc()
+            if not self._failing:
+                log.warning(
+                    "load record not published", extra={"replica": replica, "error": repr(exc)}
+                )
+            self._failing = True
+            return
+        self._failing = False
+        metrics.load_publishes.labels("ok").inc()
+
+
+class RegistryLink:
+    def __init__(self, store: RegistryStore, settings: AgentSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self.agent_id = new_agent_id()
+        self.ttl_ms = int(settings.registration_ttl_s * 1000)
+        self._failing = False
+
+    async def heartbeat(
+        self,
+        replica: str,
+        *,
+        model: str,
+        block_size: int,
+        capacity_blocks: int | None,
+        metrics: AgentMetrics,
+    ) -> None:
+        now = _now_ms()
+        try:
+            reg = Registration(
+                replica_id=replica,
+                url=self.settings.engine_url,
+                model=model,
+                block_size=block_size,
+                capacity_blocks=capacity_blocks or 0,
+                dp_rank=self.settings.data_parallel_rank,
+                agent_id=self.agent_id,
+                registered_ms=now,
+            )
+            await self.store.register(reg, self.ttl_ms, now)
+        except Exception as exc:
+            metrics.heartbeats.labels("error").inc()
+            if not self._failing:
+                log.warning(
+                    "registration heartbeat failed", extra={"replica": replica, "error": repr(exc)}
+                )
+            self._failing = True
+            return
+        self._failing = False
+        metrics.heartbeats.labels("ok").inc()
+
+    async def deregister(self, replica: str) -> None:
+        try:
+            await self.store.deregister(replica, self.agent_id)
+        except Exception as exc:
+            log.warning("deregistration failed", extra={"replica": replica, "error": repr(exc)})

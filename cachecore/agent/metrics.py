@@ -1,0 +1,151 @@
+"""The agent's own Prometheus metrics, in a per-agent :class:`CollectorRegistry` (never the
+process-wide default registry: the gateway runs several agents in one process)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+# Event-to-index latency lives in milliseconds to tens of milliseconds when healthy and in
+# seconds during a replay or an index outage: buckets cover both.
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+_WRITE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+LATENCY_WINDOW = 20_000
+"""Event-to-index latencies kept for exact percentiles in ``/health`` (bounded deque)."""
+
+
+@dataclass
+class LatencyWindow:
+    """The last :data:`LATENCY_WINDOW` event-to-index latencies, seconds (for exact p50/p99
+    where the histogram's buckets are too coarse, e.g. in ``kvgate bench ingest``)."""
+
+    values: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+
+    def add(self, seconds: float) -> None:
+        self.values.append(seconds)
+
+    def percentile(self, q: float) -> float | None:
+        if not self.values:
+            return None
+        ordered = sorted(self.values)
+        rank = max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))
+        return ordered[rank]
+
+    def clear(self) -> None:
+        self.values.clear()
+
+
+class AgentMetrics:
+    """Every counter the agent keeps. Labels: ``replica`` is the index replica id (with its
+    ``@dpN`` suffix), ``reason`` the drop reason of :class:`MalformedEventError` or the
+    agent's own checks."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.batches_received = Counter(
+            "kvgate_agent_batches_received", "Event batches received (live and replay)",
+            ["source"], registry=r,
+        )  # fmt: skip
+        self.events_applied = Counter(
+            "kvgate_agent_events_applied", "Engine events applied to the mirror", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.blocks_stored = Counter(
+            "kvgate_agent_blocks_stored", "Blocks indexed by BlockStored", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.blocks_removed = Counter(
+            "kvgate_agent_blocks_removed", "Blocks removed by BlockRemoved", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.blocks_dropped = Counter(
+            "kvgate_agent_blocks_dropped",
+            "Blocks not indexed: unscoped, ephemeral, unknown parent, other group",
+            ["replica", "reason"], registry=r,
+        )  # fmt: skip
+        self.messages_dropped = Counter(
+            "kvgate_agent_messages_dropped", "Messages dropped as malformed, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.stale_batches = Counter(
+            "kvgate_agent_stale_batches", "Batches ignored because seq <= last applied",
+            registry=r,
+        )  # fmt: skip
+        self.gaps = Counter("kvgate_agent_gaps", "Sequence gaps detected", registry=r)
+        self.replays = Counter(
+            "kvgate_agent_replays", "Replay requests, by outcome", ["outcome"], registry=r
+        )
+        self.replayed_batches = Counter(
+            "kvgate_agent_replayed_batches", "Batches received through replay", registry=r
+        )
+        self.clears = Counter(
+            "kvgate_agent_clears", "Replica clears (index epoch bumps), by cause",
+            ["replica", "cause"], registry=r,
+        )  # fmt: skip
+        self.resyncs = Counter(
+            "kvgate_agent_resyncs", "Index rewrites from the mirror, by cause",
+            ["replica", "cause"], registry=r,
+        )  # fmt: skip
+        self.engine_restarts = Counter(
+            "kvgate_agent_engine_restarts", "Engine restarts detected, by signal", ["signal"],
+            registry=r,
+        )  # fmt: skip
+        self.index_writes = Counter(
+            "kvgate_agent_index_writes", "Index write calls (coalesced batches)", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.index_errors = Counter(
+            "kvgate_agent_index_errors", "Failed index calls", ["replica", "op"], registry=r
+        )
+        self.index_write_seconds = Histogram(
+            "kvgate_agent_index_write_seconds", "Latency of one index write call",
+            buckets=_WRITE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.event_to_index_seconds = Histogram(
+            "kvgate_agent_event_to_index_seconds",
+            "Engine batch timestamp to the index write that covers it completing",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.lag_seconds = Gauge(
+            "kvgate_agent_lag_seconds", "now - ts of the last batch written to the index",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.seq_lag = Gauge(
+            "kvgate_agent_seq_lag", "last received seq - last seq written to the index",
+            ["replica"], registry=r,
+        )  # fmt: skip
+        self.last_seq = Gauge(
+            "kvgate_agent_last_seq", "Last engine seq written to the index", ["replica"],
+            registry=r,
+        )  # fmt: skip
+        self.mirror_blocks = Gauge(
+            "kvgate_agent_mirror_blocks", "Keys in the agent's mirror", ["replica"], registry=r
+        )
+        self.engine_up = Gauge(
+            "kvgate_agent_engine_up", "1 when the last engine scrape succeeded", registry=r
+        )
+        self.scrape_errors = Counter(
+            "kvgate_agent_scrape_errors", "Failed engine /metrics scrapes", registry=r
+        )
+        self.heartbeats = Counter(
+            "kvgate_agent_heartbeats", "Registration heartbeats, by outcome", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.load_publishes = Counter(
+            "kvgate_agent_load_publishes", "Load records published, by outcome", ["outcome"],
+            registry=r,
+        )  # fmt: skip
+        self.latency = LatencyWindow()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

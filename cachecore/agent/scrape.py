@@ -1,0 +1,120 @@
+"""Engine scraping: vLLM's Prometheus ``/metrics`` (facts §3) and ``/v1/models``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # vLLM v0 name, still seen in the wild
+CACHE_CONFIG = "vllm:cache_config_info"
+START_TIME = "process_start_time_seconds"
+MAX_METRICS_BYTES = 8 * 1024 * 1024
+
+
+class ScrapeError(RuntimeError):
+    """The engine did not answer, or answered something that is not its metrics."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What one scrape of the engine's ``/metrics`` says."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    start_time: float | None = None
+    model_name: str | None = None
+
+
+def _as_int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(float(text))
+    except ValueError:
+        return None
+
+
+def parse_metrics(text: str) -> EngineSnapshot:
+    """Read the few series a router needs; every metric is summed over its ``model_name``
+    labels (one engine serves one model, but be tolerant)."""
+    running = waiting = 0.0
+    kv_usage: float | None = None
+    kv_usage_old: float | None = None
+    block_size = num_blocks = None
+    start: float | None = None
+    model: str | None = None
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ScrapeError(f"unparseable metrics: {exc}") from exc
+    for fam in families:
+        for s in fam.samples:
+            value = float(s.value)
+            if math.isnan(value):
+                continue
+            name = s.name
+            if name == RUNNING:
+                running += value
+            elif name == WAITING:
+                waiting += value
+            elif name == KV_USAGE:
+                kv_usage = max(kv_usage or 0.0, value)
+            elif name == KV_USAGE_OLD:
+                kv_usage_old = max(kv_usage_old or 0.0, value)
+            elif name == CACHE_CONFIG:
+                block_size = _as_int(s.labels.get("block_size")) or block_size
+                num_blocks = _as_int(s.labels.get("num_gpu_blocks")) or num_blocks
+            elif name == START_TIME:
+                start = value
+            else:
+                continue
+            model = model or s.labels.get("model_name")
+    usage = kv_usage if kv_usage is not None else (kv_usage_old or 0.0)
+    return EngineSnapshot(running, waiting, usage, block_size, num_blocks, start, model)
+
+
+class EngineScraper:
+    """HTTP access to one engine. ``timeout_s`` bounds every call: an engine that hangs is
+    as unavailable as one that refuses."""
+
+    def __init__(self, engine_url: str, timeout_s: float = 2.0) -> None:
+        self.engine_url = engine_url.rstrip("/")
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def metrics(self) -> EngineSnapshot:
+        try:
+            resp = await self._client.get(f"{self.engine_url}/metrics")
+        except httpx.HTTPError as exc:
+            raise ScrapeError(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise ScrapeError(f"/metrics answered {resp.status_code}")
+        if len(resp.content) > MAX_METRICS_BYTES:
+            raise ScrapeError("metrics too large")
+        return parse_metrics(resp.text)
+
+    async def model(self) -> str | None:
+        """The first model id of ``/v1/models`` (None when the engine does not say)."""
+        try:
+            resp = await self._client.get(f"{self.engine_url}/v1/models")
+            body = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        if isinstance(body, dict):
+            data = body.get("data")
+            if isinstance(data, list) and data and isinstance(data[0], dict):
+                mid = data[0].get("id")
+                if isinstance(mid, str) and mid:
+                    return mid
+        return None
+
+    async def close(self) -> None:
+        await self._client.aclose()

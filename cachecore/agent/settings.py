@@ -1,0 +1,83 @@
+"""Agent settings (pydantic-settings, environment prefix ``KVGATE_AGENT_``; the CLI's flags
+override the environment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cachecore.index.layout import validate_replica_id
+
+
+class AgentSettings(BaseSettings):
+    """Everything one agent (one engine replica) needs."""
+
+    model_config = SettingsConfigDict(env_prefix="KVGATE_AGENT_", extra="ignore")
+
+    replica_id: str
+    engine_url: str
+    events: str = Field(description="engine KV-event PUB endpoint, e.g. tcp://10.0.0.5:5557")
+    replay: str | None = Field(default=None, description="engine replay ROUTER endpoint")
+    topic: str = ""
+    redis: str | None = None
+    model: str | None = Field(default=None, description="override /v1/models")
+    block_size: int | None = Field(default=None, gt=0, description="override cache_config_info")
+    data_parallel_rank: int | None = Field(default=None, ge=0)
+    attention_group: int | None = Field(
+        default=None, ge=0, description="hybrid models: the full-attention group_idx to index"
+    )
+
+    # engine watch
+    scrape_interval_s: float = Field(default=1.0, gt=0)
+    scrape_timeout_s: float = Field(default=2.0, gt=0)
+    unavailable_after_s: float = Field(default=5.0, gt=0)
+
+    # registration and load
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    registration_ttl_s: float = Field(default=10.0, gt=0)
+    load_ttl_s: float = Field(default=5.0, gt=0)
+
+    # replay and ordering
+    replay_timeout_s: float = Field(default=2.0, gt=0)
+    replay_total_timeout_s: float = Field(default=60.0, gt=0)
+    max_replay_batches: int = Field(default=1_000_000, gt=0)
+    stale_probe_cooldown_s: float = Field(default=1.0, ge=0)
+    queue_size: int = Field(default=10_000, gt=0)
+    rcvhwm: int = Field(default=100_000, ge=0)
+
+    # index writes
+    max_coalesce_batches: int = Field(default=512, gt=0)
+    max_coalesce_blocks: int = Field(default=20_000, gt=0)
+    resync_chunk_blocks: int = Field(default=5_000, gt=0)
+    index_check_interval_s: float = Field(default=2.0, gt=0)
+    index_retry_max_s: float = Field(default=5.0, gt=0)
+
+    # bad input
+    max_payload_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    max_tokens_per_event: int = Field(default=1024 * 1024, gt=0)
+
+    # own HTTP and trace
+    http_host: str = "127.0.0.1"
+    http_port: int | None = Field(default=None, ge=0, le=65535)
+    trace_out: Path | None = None
+
+    @field_validator("replica_id")
+    @classmethod
+    def _valid_id(cls, v: str) -> str:
+        return validate_replica_id(v)
+
+    @field_validator("engine_url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("engine_url must be an http(s) URL")
+        return v.rstrip("/")
+
+    @field_validator("events", "replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and "://" not in v:
+            raise ValueError(f"not a ZMQ endpoint: {v!r} (expected tcp://HOST:PORT)")
+        return v

@@ -1,0 +1,504 @@
+"""One (replica, data-parallel rank): the agent's mirror of its engine cache and the ordered
+writer that keeps the index equal to it.
+
+A :class:`ReplicaSync` owns one queue and one worker task. Everything that changes the
+replica's index state goes through that queue as a command, so batches, clears, state changes
+and index checks apply in exactly the order the event stream decided them, while several
+replicas (or ranks) progress concurrently. The worker coalesces consecutive batches into one
+:class:`~cachecore.lifecycle.IndexWrite` (one backend call) without reordering anything.
+
+Invariants (checked by the tests through :meth:`ReplicaSync.check_invariants`):
+
+* after the worker drained its queue and is not dirty, the index's blocks of the replica's
+  current epoch equal ``mirror.blocks()``, and the index's persisted mirror equals
+  ``mirror.snapshot()``;
+* ``written_seq`` is the seq of the last batch whose write completed and equals the index
+  meta's ``last_seq`` (or the index lost our state: the next check resyncs);
+* when an index call fails the replica is ``dirty`` and its next successful index call is a
+  complete rewrite from the mirror (RESYNC), so no write is ever lost, only delayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from cachecore.agent.metrics import AgentMetrics
+from cachecore.agent.trace import TraceWriter
+from cachecore.index.base import PrefixIndex, ReplicaState, StaleEpochError
+from cachecore.keys import BlockKeyer
+from cachecore.kvevents import BlockRemoved, BlockStored, EventBatch, KVEvent
+from cachecore.lifecycle import IndexWrite, MirrorCounters, ReplicaMirror
+
+log = logging.getLogger(__name__)
+
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
+"""``kv_cache_spec_kind`` values of full-attention groups. For hybrid models (sliding window,
+mamba) only a full-attention group describes a reusable prefix, so only it is indexed."""
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyBatch:
+    seq: int
+    batch: EventBatch
+    received: float  # time.time() when the agent received it
+
+
+@dataclass(frozen=True, slots=True)
+class ClearReplica:
+    """Bump the index epoch (drop every entry) and empty the mirror."""
+
+    state: ReplicaState
+    engine_start: float
+    cause: str
+    keyer: BlockKeyer | None = None  # a restarted engine may come back with a new config
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SetEngineReachable:
+    reachable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CheckIndex:
+    """Verify the index still holds our epoch and last seq (a Redis restart loses both, an
+    old snapshot rolls them back); resync from the mirror when it does not."""
+
+    server_changed: bool = False
+
+
+Command = ApplyBatch | ClearReplica | SetEngineReachable | CheckIndex
+
+
+@dataclass(frozen=True, slots=True)
+class SyncKnobs:
+    queue_size: int = 10_000
+    max_coalesce_batches: int = 512
+    max_coalesce_blocks: int = 20_000
+    resync_chunk_blocks: int = 5_000
+    retry_max_s: float = 5.0
+
+
+def _counter_deltas(now: MirrorCounters, before: MirrorCounters) -> dict[str, int]:
+    return {
+        name: getattr(now, name) - getattr(before, name)
+        for name in MirrorCounters.__dataclass_fields__
+        if getattr(now, name) != getattr(before, name)
+    }
+
+
+class ReplicaSync:
+    """Mirror + epoch + ordered index writer of one index replica id."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        index: PrefixIndex,
+        mirror: ReplicaMirror,
+        metrics: AgentMetrics,
+        knobs: SyncKnobs | None = None,
+        trace: TraceWriter | None = None,
+        clock_ms: Callable[[], int] | None = None,
+        attention_group: int | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.index = index
+        self.mirror = mirror
+        self.metrics = metrics
+        self.knobs = knobs or SyncKnobs()
+        self.trace = trace
+        self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
+        self.epoch = 0
+        self.state = ReplicaState.UNKNOWN  # the routable state (LIVE or COLD) we publish
+        self.engine_reachable = True
+        self.engine_start = 0.0
+        self.written_seq = -1
+        self.received_seq = -1
+        self.dirty = False  # an index call failed: the next one must be a full rewrite
+        self.last_ts = 0.0
+        self._pinned_group = attention_group
+        if attention_group is not None:
+            mirror.group_idx = attention_group
+        self._queue: asyncio.Queue[Command] = asyncio.Queue(self.knobs.queue_size)
+        self._task: asyncio.Task[None] | None = None
+        self._counters = replace(mirror.counters)
+        self._retry_s = 0.05
+        self._next_retry = 0.0
+        self._m_events = metrics.events_applied.labels(replica_id)
+        self._m_stored = metrics.blocks_stored.labels(replica_id)
+        self._m_removed = metrics.blocks_removed.labels(replica_id)
+        self._m_writes = metrics.index_writes.labels(replica_id)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def load(self) -> bool:
+        """Adopt the index's persisted state (agent restart). Returns False when the index
+        knows nothing of this replica."""
+        meta = await self.index.meta(self.replica_id)
+        if meta.state is ReplicaState.UNKNOWN:
+            return False
+        records = await self.index.load_mirror(self.replica_id)
+        self.mirror.restore(records)
+        self.epoch = meta.epoch
+        self.state = (
+            meta.state
+            if meta.state in (ReplicaState.LIVE, ReplicaState.COLD)
+            else ReplicaState.LIVE
+        )
+        self.engine_start = meta.engine_start
+        self.written_seq = self.received_seq = meta.last_seq
+        self._counters = replace(self.mirror.counters)
+        self.metrics.mirror_blocks.labels(self.replica_id).set(len(self.mirror))
+        log.info(
+            "agent state loaded from the index",
+            extra={
+                "replica": self.replica_id,
+                "epoch": self.epoch,
+                "last_seq": meta.last_seq,
+                "mirror_records": len(records),
+            },
+        )
+        return True
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"agent-sync-{self.replica_id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def put(self, cmd: Command) -> None:
+        if isinstance(cmd, ApplyBatch):
+            self.received_seq = cmd.seq
+        await self._queue.put(cmd)
+
+    async def drain(self) -> None:
+        """Wait until every queued command has been processed (tests, shutdown)."""
+        await self._queue.join()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    # ------------------------------------------------------------------- worker
+
+    async def _run(self) -> None:
+        while True:
+            first = await self._queue.get()
+            cmds = [first]
+            blocks = self._blocks_of(first)
+            while (
+                len(cmds) < self.knobs.max_coalesce_batches
+                and blocks < self.knobs.max_coalesce_blocks
+                and not self._queue.empty()
+            ):
+                cmd = self._queue.get_nowait()
+                cmds.append(cmd)
+                blocks += self._blocks_of(cmd)
+            try:
+                await self._process(cmds)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the worker must outlive any bug: count, mark dirty, go on
+                log.exception(
+                    "agent worker failed on a command group", extra={"replica": self.replica_id}
+                )
+                self.dirty = True
+            finally:
+                for _ in cmds:
+                    self._queue.task_done()
+
+    @staticmethod
+    def _blocks_of(cmd: Command) -> int:
+        if not isinstance(cmd, ApplyBatch):
+            return 0
+        n = 0
+        for ev in cmd.batch.events:
+            if isinstance(ev, BlockStored | BlockRemoved):
+                n += len(ev.block_hashes)
+        return n
+
+    async def _process(self, cmds: list[Command]) -> None:
+        acc = IndexWrite()
+        covered: list[ApplyBatch] = []
+        for cmd in cmds:
+            if isinstance(cmd, ApplyBatch):
+                write, cleared = self._apply_to_mirror(cmd)
+                if cleared:
+                    acc, covered = IndexWrite(), []
+                    if self.trace is not None:
+                        self.trace.clear(cmd.batch.ts, self.replica_id)
+                    await self._clear(ReplicaState.LIVE, self.engine_start, "all_blocks_cleared")
+                write.seq = cmd.seq
+                acc.merge(write)
+                covered.append(cmd)
+                if self.trace is not None:
+                    self.trace.blocks(cmd.batch.ts, self.replica_id, write.blocks)
+            else:
+                await self._flush(acc, covered)
+                acc, covered = IndexWrite(), []
+                if isinstance(cmd, ClearReplica):
+                    self._reconfigure(cmd)
+                    self.mirror.clear()
+                    if self.trace is not None:
+                        self.trace.clear(time.time(), self.replica_id)
+                    await self._clear(cmd.state, cmd.engine_start, cmd.cause)
+                elif isinstance(cmd, SetEngineReachable):
+                    await self._set_reachable(cmd.reachable)
+                else:
+                    await self._check_index(cmd)
+        await self._flush(acc, covered)
+        self._sync_counters()
+
+    def _reconfigure(self, cmd: ClearReplica) -> None:
+        if cmd.keyer is not None:
+            self.mirror.keyer = cmd.keyer
+        if cmd.model is not None:
+            self.mirror.model = cmd.model
+
+    def _filter(self, events: list[KVEvent]) -> list[KVEvent]:
+        """Events this replica indexes: the full-attention group of a hybrid model only, and
+        BlockStored of our block size only (keys of any other size would be wrong keys)."""
+        out: list[KVEvent] = []
+        bs = self.mirror.keyer.block_size
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                kind = ev.kv_cache_spec_kind
+                if kind is not None and kind.lower() not in FULL_ATTENTION_KINDS:
+                    self.metrics.blocks_dropped.labels(self.replica_id, "other_group").inc(
+                        len(ev.block_hashes)
+                    )
+                    continue
+                if (
+                    kind is not None
+                    and ev.group_idx is not None
+                    and self.mirror.group_idx is None
+                    and self._pinned_group is None
+                ):
+                    # learnt once: the first full-attention group seen is the one we index
+                    self.mirror.group_idx = ev.group_idx
+                if ev.block_size != bs and self.mirror._wanted_group(ev.group_idx):
+                    self.metrics.messages_dropped.labels("block_size_mismatch").inc()
+                    continue
+            elif isinstance(ev, BlockRemoved) and not ev.block_hashes:
+                continue
+            out.append(ev)
+        return out
+
+    def _apply_to_mirror(self, cmd: ApplyBatch) -> tuple[IndexWrite, bool]:
+        events = self._filter(cmd.batch.events)
+        try:
+            write, cleared = self.mirror.apply(events)
+        except Exception:
+            # The mirror may be half-updated: it no longer describes the engine. Forget it;
+            # the replica restarts from empty (cold), which under-claims but never lies.
+            log.exception("mirror rejected a batch; clearing", extra={"replica": self.replica_id})
+            self.metrics.messages_dropped.labels("apply_error").inc()
+            self.mirror.clear()
+            self.state = ReplicaState.COLD
+            return IndexWrite(), True
+        self._m_events.inc(len(events))
+        self.last_ts = cmd.batch.ts
+        return write, cleared
+
+    def _sync_counters(self) -> None:
+        deltas = _counter_deltas(self.mirror.counters, self._counters)
+        if not deltas:
+            return
+        self._counters = replace(self.mirror.counters)
+        rid = self.replica_id
+        for name, n in deltas.items():
+            if name == "stored_blocks":
+                self._m_stored.inc(n)
+            elif name == "removed_blocks":
+                self._m_removed.inc(n)
+            elif name.startswith("dropped_"):
+                self.metrics.blocks_dropped.labels(rid, name.removeprefix("dropped_")).inc(n)
+            elif name == "unknown_removed":
+                self.metrics.blocks_dropped.labels(rid, "unknown_removed").inc(n)
+        self.metrics.mirror_blocks.labels(rid).set(len(self.mirror))
+
+    # ------------------------------------------------------------- index calls
+
+    def _now_ms(self) -> int:
+        return self._clock_ms()
+
+    def _published_state(self) -> ReplicaState:
+        return self.state if self.engine_reachable else ReplicaState.UNAVAILABLE
+
+    async def _flush(self, acc: IndexWrite, covered: list[ApplyBatch]) -> None:
+        if not acc and not covered:
+            return
+        if self.dirty:
+            if not await self._try_resync("index_error"):
+                return
+        else:
+            t0 = time.perf_counter()
+            try:
+                await self.index.apply(self.replica_id, self.epoch, acc, self._now_ms())
+            except StaleEpochError:
+                self.metrics.index_errors.labels(self.replica_id, "stale_epoch").inc()
+                self.dirty = True
+                if not await self._try_resync("stale_epoch"):
+                    return
+            except Exception as exc:
+                self._index_failed("apply", exc)
+                return
+            else:
+                self.metrics.index_write_seconds.observe(time.perf_counter() - t0)
+                self._m_writes.inc()
+        if acc.seq is not None:
+            self.written_seq = acc.seq
+        self._observe_latency(covered)
+
+    def _observe_latency(self, covered: list[ApplyBatch]) -> None:
+        if not covered:
+            return
+        now = time.time()
+        hist = self.metrics.event_to_index_seconds
+        window = self.metrics.latency
+        for cmd in covered:
+            lat = max(0.0, now - cmd.batch.ts)
+            hist.observe(lat)
+            window.add(lat)
+        rid = self.replica_id
+        self.metrics.lag_seconds.labels(rid).set(max(0.0, now - covered[-1].batch.ts))
+        self.metrics.last_seq.labels(rid).set(self.written_seq)
+        self.metrics.seq_lag.labels(rid).set(max(0, self.received_seq - self.written_seq))
+
+    def _index_failed(self, op: str, exc: BaseException) -> None:
+        self.metrics.index_errors.labels(self.replica_id, op).inc()
+        if not self.dirty:
+            log.warning(
+                "index call failed; will resync from the mirror",
+                extra={"replica": self.replica_id, "op": op, "error": repr(exc)},
+            )
+        self.dirty = True
+        self._next_retry = time.monotonic() + self._retry_s
+        self._retry_s = min(self._retry_s * 2, self.knobs.retry_max_s)
+
+    async def _clear(self, state: ReplicaState, engine_start: float, cause: str) -> None:
+        self.state = state
+        self.engine_start = engine_start
+        self.metrics.clears.labels(self.replica_id, cause).inc()
+        log.info(
+            "replica cleared",
+            extra={"replica": self.replica_id, "cause": cause, "state": state.value},
+        )
+        if self.dirty:
+            await self._try_resync("index_error")  # rewrites from the (now empty) mirror
+            return
+        try:
+            self.epoch = await self.index.clear_replica(
+                self.replica_id, self._published_state(), self._now_ms(), engine_start
+            )
+            self.written_seq = (await self.index.meta(self.replica_id)).last_seq
+        except Exception as exc:
+            self._index_failed("clear", exc)
+
+    async def _set_reachable(self, reachable: bool) -> None:
+        if reachable == self.engine_reachable:
+            return
+        self.engine_reachable = reachable
+        if self.dirty:
+            await self._try_resync("index_error")
+            return
+        try:
+            await self.index.set_state(self.replica_id, self._published_state(), self._now_ms())
+        except Exception as exc:
+            self._index_failed("set_state", exc)
+
+    async def _check_index(self, cmd: CheckIndex) -> None:
+        if self.dirty:
+            await self._try_resync("index_error")
+            return
+        try:
+            meta = await self.index.meta(self.replica_id)
+        except Exception as exc:
+            self._index_failed("meta", exc)
+            return
+        cause = ""
+        if cmd.server_changed:
+            cause = "index_restarted"
+        elif meta.state is ReplicaState.UNKNOWN:
+            cause = "index_lost"
+        elif meta.epoch != self.epoch or meta.last_seq != self.written_seq:
+            cause = "index_diverged"
+        elif meta.state is not self._published_state():
+            try:  # only the state differs (e.g. marked unavailable while we were away)
+                await self.index.set_state(self.replica_id, self._published_state(), self._now_ms())
+            except Exception as exc:
+                self._index_failed("set_state", exc)
+            return
+        if cause:
+            self.dirty = True
+            await self._try_resync(cause)
+
+    async def _try_resync(self, cause: str) -> bool:
+        """Rewrite everything the index holds for this replica from the mirror: a new epoch,
+        then blocks + mirror records in chunks (the last chunk carries the seq). Returns
+        whether it succeeded; on failure the replica stays dirty and retries later."""
+        if time.monotonic() < self._next_retry:
+            return False
+        try:
+            epoch = await self.index.clear_replica(
+                self.replica_id, self._published_state(), self._now_ms(), self.engine_start
+            )
+            blocks = self.mirror.blocks()
+            records = self.mirror.snapshot()
+            chunk = self.knobs.resync_chunk_blocks
+            block_items = list(blocks.items())
+            record_items: list[tuple[int, bytes | None]] = list(records.items())
+            n = max(len(block_items), len(record_items))
+            for off in range(0, max(n, 1), chunk):
+                write = IndexWrite(
+                    blocks=dict(block_items[off : off + chunk]),
+                    mirror=dict(record_items[off : off + chunk]),
+                )
+                if off + chunk >= n:
+                    write.seq = self.written_seq
+                if write:
+                    await self.index.apply(self.replica_id, epoch, write, self._now_ms())
+        except Exception as exc:
+            self._index_failed("resync", exc)
+            return False
+        self.epoch = epoch
+        self.dirty = False
+        self._retry_s = 0.05
+        self._next_retry = 0.0
+        self.metrics.resyncs.labels(self.replica_id, cause).inc()
+        log.info(
+            "index rewritten from the mirror",
+            extra={
+                "replica": self.replica_id,
+                "cause": cause,
+                "blocks": len(blocks),
+                "epoch": epoch,
+            },
+        )
+        return True
+
+    # ------------------------------------------------------------------- checks
+
+    async def check_invariants(self) -> None:
+        """Assert the module invariants against the index (tests; call after drain())."""
+        assert not self.dirty, "replica is dirty"
+        held = await self.index.replica_blocks(self.replica_id)
+        want = self.mirror.blocks()
+        assert held == want, f"index holds {len(held)} blocks, mirror {len(want)}"
+        persisted = await self.index.load_mirror(self.replica_id)
+        assert persisted == self.mirror.snapshot(), "persisted mirror differs"
+        meta = await self.index.meta(self.replica_id)
+        assert meta.epoch == self.epoch and meta.last_seq == self.written_seq, meta

@@ -1,0 +1,64 @@
+"""``--trace-out``: JSON lines of what the agent applied to the index, the cache-event trace
+format of :mod:`cachecore.traceanalysis`::
+
+    {"ts": 1712.5, "replica": "r0", "op": "store", "key": "<32 hex>", "tier": "GPU|CPU"}
+    {"ts": 1713.0, "replica": "r0", "op": "remove", "key": "<32 hex>", "tier": ""}
+    {"ts": 1714.0, "replica": "r0", "op": "clear"}
+
+``store`` is written whenever a key's tier set becomes or stays non-empty (``tier`` names the
+complete set), ``remove`` when it becomes empty, ``clear`` when the replica was cleared
+(AllBlocksCleared, engine restart, unrecoverable gap). ``ts`` is the engine batch timestamp.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TextIO
+
+from cachecore.keys import BlockKey
+from cachecore.lifecycle import ALL_TIERS
+
+
+def tier_names(bits: int) -> str:
+    return "|".join(t.name or "" for t in ALL_TIERS if bits & int(t))
+
+
+class TraceWriter:
+    """Appends trace records to a file; one writer may serve several replicas (the file is
+    opened once, lines are written whole, so records of different replicas never mix)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh: TextIO | None = path.open("a", buffering=1024 * 1024)
+
+    def blocks(self, ts: float, replica: str, blocks: dict[BlockKey, int]) -> None:
+        if self._fh is None:
+            return
+        lines = []
+        for key, bits in blocks.items():
+            op = "store" if bits else "remove"
+            rec = {
+                "ts": ts,
+                "replica": replica,
+                "op": op,
+                "key": key.hex(),
+                "tier": tier_names(bits),
+            }
+            lines.append(json.dumps(rec, separators=(",", ":")))
+        if lines:
+            self._fh.write("\n".join(lines) + "\n")
+
+    def clear(self, ts: float, replica: str) -> None:
+        if self._fh is not None:
+            rec = {"ts": ts, "replica": replica, "op": "clear"}
+            self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

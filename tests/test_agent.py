@@ -1,0 +1,534 @@
+"""The cache agent against a vLLM-format event source it drives byte for byte: decoding,
+ordering, replay, clears, restarts, reachability, load, registration, trace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cachecore.agent.frames import parse_live, parse_replay
+from cachecore.agent.scrape import parse_metrics
+from cachecore.agent.testing import EngineStub
+from cachecore.index.base import ReplicaState
+from cachecore.index.memory import MemoryIndex
+from cachecore.kvevents import (
+    END_SEQ_BYTES,
+    AllBlocksCleared,
+    BlockStored,
+    Encoding,
+    MalformedEventError,
+    seq_to_bytes,
+)
+from cachecore.loadstate import MemoryLoadStore
+from cachecore.registry import MemoryRegistry
+from cachecore.traceanalysis import analyze_events, read_jsonl
+from tests.test_agent_helpers import BS, MODEL, Rig, batch, salt, until
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    r = Rig(MemoryIndex())
+    yield r
+    await r.close()
+
+
+def toks(start: int, n_blocks: int) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+# ------------------------------------------------------------------------ pure pieces
+
+
+def test_frames_live_reasons() -> None:
+    ok = parse_live([b"", seq_to_bytes(5), b"x"], b"", 10)
+    assert (ok.seq, ok.payload) == (5, b"x")
+    cases = [
+        ([b"", seq_to_bytes(1)], "bad_frames"),
+        ([b"", seq_to_bytes(1), b"x", b"y"], "bad_frames"),
+        ([b"kv-events-other", seq_to_bytes(1), b"x"], "bad_topic"),
+        ([b"", b"\x00" * 7, b"x"], "bad_seq"),
+        ([b"", seq_to_bytes(-3), b"x"], "bad_seq"),
+        ([b"", seq_to_bytes(1), b"x" * 11], "oversized"),
+    ]
+    for frames, reason in cases:
+        with pytest.raises(MalformedEventError) as info:
+            parse_live(frames, b"", 10)
+        assert info.value.reason == reason
+
+
+def test_frames_replay_both_shapes_and_end_marker() -> None:
+    assert parse_replay([b"", b"t", seq_to_bytes(3), b"p"], 10).seq == 3
+    assert parse_replay([b"", seq_to_bytes(3), b"p"], 10).payload == b"p"
+    assert parse_replay([b"", END_SEQ_BYTES, b""], 10).seq == -1
+    assert parse_replay([b"", b"t", END_SEQ_BYTES, b""], 10).seq == -1
+    with pytest.raises(MalformedEventError):
+        parse_replay([b"x", seq_to_bytes(3), b"p"], 10)
+    with pytest.raises(MalformedEventError):
+        parse_replay([b"", seq_to_bytes(3)], 10)
+
+
+def test_parse_metrics_reads_vllm_names() -> None:
+    stub = EngineStub(block_size=32, num_gpu_blocks=777)
+    stub.running, stub.waiting, stub.kv_usage = 3, 4, 0.25
+    snap = parse_metrics(stub.metrics_text())
+    stub._sock.close()
+    assert (snap.running, snap.waiting, snap.kv_usage) == (3, 4, 0.25)
+    assert (snap.block_size, snap.num_gpu_blocks) == (32, 777)
+    assert snap.start_time == pytest.approx(stub.start_time)
+    assert snap.model_name == "stub-model"
+
+
+# ------------------------------------------------------------------------ event flow
+
+
+@pytest.mark.parametrize("encoding", [Encoding.MAP, Encoding.ARRAY, Encoding.MIXED])
+async def test_stores_and_removes_in_every_encoding(rig: Rig, encoding: Encoding) -> None:
+    await rig.start()
+    eng = rig.engine
+    ev_a, ha = eng.store(toks(0, 3), tenant="a", hash_bytes=True)
+    ev_b, hb = eng.store(toks(100, 2), tenant=None, parent=ha[-1])
+    ev_lora, _ = eng.store(toks(0, 2), tenant="b", lora="adapter-1")
+    await rig.publish(ev_a, ev_b, encoding=encoding)
+    await rig.publish(ev_lora, encoding=encoding)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    assert len(eng.keys()) == 7
+    await rig.publish(eng.remove(hb[-1:]), encoding=encoding)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    assert rig.agent is not None
+    for sync in rig.agent.syncs.values():
+        await sync.check_invariants()
+
+
+async def test_same_tokens_different_salt_are_different_keys(rig: Rig) -> None:
+    await rig.start()
+    ev_a, _ = rig.engine.store(toks(0, 2), tenant="a")
+    ev_b, _ = rig.engine.store(toks(0, 2), tenant="b")
+    await rig.publish(ev_a, ev_b)
+    await rig.settle()
+    keys = await rig.index_keys()
+    assert len(keys) == 4 and keys == rig.engine.keys()
+
+
+async def test_unscoped_and_ephemeral_blocks_are_not_indexed(rig: Rig) -> None:
+    await rig.start()
+    eph = "kvg1:e:" + "0" * 64
+    ev = BlockStored([1, 2], None, toks(0, 2), BS, extra_keys=[(eph,), None])
+    ev_plain = BlockStored([3], None, toks(50, 1), BS)
+    ev_child = BlockStored([4], 1, toks(60, 1), BS)  # inherits the ephemeral parent's fate
+    await rig.publish(ev, ev_plain, ev_child)
+    await rig.settle()
+    assert await rig.index_keys() == set()
+    assert rig.agent is not None
+    exp = rig.agent.metrics.exposition().decode()
+    assert 'reason="ephemeral"' in exp and 'reason="unscoped"' in exp
+
+
+async def test_all_blocks_cleared_empties_the_replica_and_keeps_it_live(rig: Rig) -> None:
+    await rig.start()
+    ev, _ = rig.engine.store(toks(0, 3))
+    await rig.publish(ev)
+    await rig.settle()
+    epoch_before = (await rig.index.meta("r0")).epoch
+    rig.engine.clear()
+    ev2, _ = rig.engine.store(toks(200, 1))
+    await rig.publish(AllBlocksCleared(), ev2)
+    await rig.settle()
+    meta = await rig.index.meta("r0")
+    assert meta.epoch == epoch_before + 1 and meta.state is ReplicaState.LIVE
+    assert await rig.index_keys() == rig.engine.keys() and len(rig.engine.keys()) == 1
+
+
+async def test_unknown_parent_is_counted_and_dropped(rig: Rig) -> None:
+    await rig.start()
+    await rig.publish(BlockStored([77], 123456, toks(0, 1), BS))
+    await rig.settle()
+    assert await rig.index_keys() == set()
+    assert rig.agent is not None
+    assert 'reason="unknown_parent"' in rig.agent.metrics.exposition().decode()
+
+
+async def test_hybrid_model_indexes_only_the_full_attention_group(rig: Rig) -> None:
+    await rig.start()
+    eng = rig.engine
+    ev, hashes = eng.store(toks(0, 2))
+    full = replace(ev, group_idx=0, kv_cache_spec_kind="full_attention")
+    swa = replace(
+        ev, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=128
+    )
+    await rig.publish(full, swa)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    # the sliding-window group evicting the same engine hashes must not remove anything
+    from cachecore.kvevents import BlockRemoved
+
+    await rig.publish(BlockRemoved(hashes, "GPU", group_idx=1))
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    await rig.publish(BlockRemoved(hashes, "GPU", group_idx=0))
+    await rig.settle()
+    assert await rig.index_keys() == set()
+
+
+async def test_tiers_from_medium(rig: Rig) -> None:
+    await rig.start()
+    ev, hashes = rig.engine.store(toks(0, 1), medium="GPU")
+    cpu = replace(ev, medium="CPU")
+    await rig.publish(ev, cpu)
+    await rig.settle()
+    blocks = await rig.index.replica_blocks("r0")
+    assert set(blocks.values()) == {1 | 2}
+    from cachecore.kvevents import BlockRemoved
+
+    await rig.publish(BlockRemoved(hashes, "GPU"))
+    await rig.settle()
+    assert set((await rig.index.replica_blocks("r0")).values()) == {2}
+
+
+async def test_batches_are_coalesced_into_fewer_index_writes(rig: Rig) -> None:
+    await rig.start()
+    for i in range(300):
+        ev, _ = rig.engine.store(toks(i * 10, 1), tenant=f"t{i}")
+        await rig.source.publish_payload(rig.source.next_payload(batch(ev)))
+    await rig.settle()
+    assert await rig.index_keys() == rig.engine.keys()
+    assert rig.agent is not None
+    writes = rig.agent.metrics.index_writes.labels("r0")._value.get()
+    assert writes < 300
+
+
+# ------------------------------------------------------------------------ recovery
+
+
+async def test_gap_is_recovered_by_replay(rig: Rig) -> None:
+    await rig.start()
+    eng = rig.engine
+    ev, h = eng.store(toks(0, 2))
+    await rig.publish(ev)
+    lost, _ = eng.store(toks(100, 2), parent=None, tenant="b")
+    await rig.publish(lost, send=False)  # buffered for replay, lost on the wire
+    await rig.publish(eng.remove(h[-1:]), send=False)
+    ev3, _ = eng.store(toks(200, 1), tenant="c")
+    await rig.publish(ev3)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    assert rig.source.replay_requests, "no replay was requested"
+    meta = await rig.index.meta("r0")
+    assert meta.state is ReplicaState.LIVE
+
+
+async def test_gap_with_old_replay_format(rig: Rig) -> None:
+    rig.source.old_replay_format = True
+    await rig.start()
+    ev, _ = rig.engine.store(toks(0, 2))
+    await rig.publish(ev, send=False)
+    ev2, _ = rig.engine.store(toks(50, 1), tenant="z")
+    await rig.publish(ev2)
+    await rig.settle()
+    assert await rig.index_keys() == rig.engine.keys()
+
+
+async def test_gap_older_than_the_buffer_clears_and_marks_cold() -> None:
+    r = Rig(MemoryIndex(), buffer_steps=3)
+    try:
+        await r.start()
+        eng = r.engine
+        ev, _ = eng.store(toks(0, 2))
+        await r.publish(ev)
+        await r.settle()
+        for i in range(6):  # more than the buffer holds, all lost on the wire
+            lost, _ = eng.store(toks(1000 + 10 * i, 1), tenant=f"x{i}")
+            await r.publish(lost, send=False)
+        fresh, _ = eng.store(toks(5000, 1), tenant="y")
+        await r.publish(fresh)
+        await r.settle()
+        meta = await r.index.meta("r0")
+        assert meta.state is ReplicaState.COLD
+        held = await r.index_keys()
+        # what survives is exactly what the replay buffer and the live stream still showed
+        assert held <= eng.keys()
+        assert r.engine.held[max(r.engine.held)] in held  # the newest block is known
+        assert len(held) < len(eng.keys())
+    finally:
+        await r.close()
+
+
+async def test_gap_with_dead_replay_endpoint_clears_cold(rig: Rig) -> None:
+    await rig.start()
+    rig.source.replay_enabled = False
+    ev, _ = rig.engine.store(toks(0, 1))
+    await rig.publish(ev, send=False)
+    ev2, _ = rig.engine.store(toks(40, 1), tenant="q")
+    await rig.publish(ev2)
+    await rig.settle()
+    assert (await rig.index.meta("r0")).state is ReplicaState.COLD
+    assert await rig.index_keys() == {rig.engine.held[max(rig.engine.held)]}
+
+
+async def test_engine_restart_by_sequence_reset(rig: Rig) -> None:
+    await rig.start()
+    eng = rig.engine
+    for i in range(3):
+        ev, _ = eng.store(toks(i * 100, 2), tenant=f"t{i}")
+        await rig.publish(ev)
+    await rig.settle()
+    epoch = (await rig.index.meta("r0")).epoch
+    rig.source.restart()  # new process: seq 0, empty buffer; same start time on purpose
+    eng.clear()
+    ev, _ = eng.store(toks(900, 1), tenant="new")
+    await rig.publish(ev)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    meta = await rig.index.meta("r0")
+    assert meta.epoch > epoch and meta.state is ReplicaState.LIVE
+
+
+async def test_engine_restart_by_start_time_when_seq_passed_the_old_one(rig: Rig) -> None:
+    await rig.start()
+    eng = rig.engine
+    ev, _ = eng.store(toks(0, 2))
+    await rig.publish(ev)
+    await rig.settle()
+    # the new process publishes more batches than the old one did before we notice
+    rig.source.restart()
+    rig.stub.restart()
+    eng.clear()
+    for i in range(4):
+        ev, _ = eng.store(toks(100 + i * 10, 1), tenant=f"n{i}")
+        await rig.publish(ev, send=i >= 2)
+    await rig.settle()
+    await until(lambda: _restarts(rig) >= 1)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+
+
+def _restarts(rig: Rig) -> float:
+    assert rig.agent is not None
+    total = 0.0
+    for metric in rig.agent.metrics.engine_restarts.collect():
+        for s in metric.samples:
+            if s.name.endswith("_total"):
+                total += s.value
+    return total
+
+
+async def test_stale_replayed_batch_cannot_resurrect_an_evicted_block(rig: Rig) -> None:
+    await rig.start()
+    eng = rig.engine
+    ev, h = eng.store(toks(0, 2))
+    seq_stored = await rig.publish(ev)
+    await rig.publish(eng.remove(h))
+    await rig.settle()
+    assert await rig.index_keys() == set()
+    old_payload = next(p for s, p in rig.source.buffer if s == seq_stored)
+    # someone re-sends the old BlockStored with its old seq
+    await rig.source.send_raw([b"", seq_to_bytes(seq_stored), old_payload])
+    await asyncio.sleep(0.3)
+    ev2, _ = eng.store(toks(300, 1), tenant="later")
+    await rig.publish(ev2)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    assert rig.agent is not None
+    assert rig.agent.metrics.stale_batches._value.get() >= 1
+    assert _restarts(rig) == 0
+
+
+async def test_agent_restart_restores_the_mirror_and_replays(rig: Rig) -> None:
+    await rig.start()
+    eng = rig.engine
+    ev, h = eng.store(toks(0, 3))
+    await rig.publish(ev)
+    await rig.settle()
+    await rig.stop_agent()
+    # while the agent is down: a child block, an eviction, a new prefix
+    child, _ = eng.store(toks(500, 1), parent=h[-1], tenant=None)
+    await rig.publish(child)
+    await rig.publish(eng.remove(h[:1]))
+    ev3, _ = eng.store(toks(700, 2), tenant="c")
+    await rig.publish(ev3)
+    await rig.start()
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    assert rig.agent is not None
+    for sync in rig.agent.syncs.values():
+        await sync.check_invariants()
+
+
+async def test_engine_unavailable_then_back(rig: Rig) -> None:
+    await rig.start()
+    ev, _ = rig.engine.store(toks(0, 2))
+    await rig.publish(ev)
+    await rig.settle()
+    rig.stub.up = False
+
+    async def state() -> ReplicaState:
+        return (await rig.index.meta("r0")).state
+
+    async def is_(s: ReplicaState) -> bool:
+        return await state() is s
+
+    await until(lambda: is_(ReplicaState.UNAVAILABLE), 5.0)
+    match = await rig.index.lookup(list(rig.engine.keys()), ["r0"], 0)
+    assert match["r0"].stored_blocks == 0  # entries kept but not routable
+    assert await rig.index_keys() == rig.engine.keys()
+    rig.stub.up = True
+    await until(lambda: is_(ReplicaState.LIVE), 5.0)
+    assert await rig.index_keys() == rig.engine.keys()
+
+
+async def test_engine_back_as_a_new_process_is_cleared(rig: Rig) -> None:
+    await rig.start()
+    ev, _ = rig.engine.store(toks(0, 2))
+    await rig.publish(ev)
+    await rig.settle()
+    rig.stub.up = False
+    await until(lambda: _state_is(rig, ReplicaState.UNAVAILABLE), 5.0)
+    rig.stub.restart()
+    rig.source.restart()
+    rig.engine.clear()
+    rig.stub.up = True
+    await until(lambda: _state_is(rig, ReplicaState.LIVE), 5.0)
+    await rig.settle()
+    assert await rig.index_keys() == set()
+
+
+async def _state_is(rig: Rig, state: ReplicaState) -> bool:
+    return (await rig.index.meta("r0")).state is state
+
+
+async def test_data_parallel_ranks_are_separate_replicas(rig: Rig) -> None:
+    await rig.start()
+    ev0, _ = rig.engine.store(toks(0, 1), tenant="a")
+    await rig.publish(ev0, rank=0)
+    ev1, _ = rig.engine.store(toks(0, 1), tenant="b")
+    await rig.publish(ev1, rank=3)
+    await rig.settle()
+    k0 = await rig.index_keys("r0")
+    k3 = await rig.index_keys("r0@dp3")
+    assert len(k0) == 1 and len(k3) == 1 and k0 | k3 == rig.engine.keys()
+
+
+# ------------------------------------------------------------------------ collaborators
+
+
+async def test_load_record_and_registration() -> None:
+    load, registry = MemoryLoadStore(), MemoryRegistry()
+    r = Rig(MemoryIndex())
+    try:
+        r.stub.running, r.stub.waiting, r.stub.kv_usage = 2, 5, 0.5
+        await r.start(load_store=load, registry=registry)
+
+        async def have_load() -> bool:
+            rec = (await load.snapshot(["r0"], _now()))["r0"]
+            return rec.has_engine and rec.num_waiting == 5
+
+        await until(have_load)
+        rec = (await load.snapshot(["r0"], _now()))["r0"]
+        assert (rec.num_running, rec.kv_usage) == (2, 0.5)
+
+        async def registered() -> bool:
+            return bool(await registry.discover(_now()))
+
+        await until(registered)
+        reg = (await registry.discover(_now()))[0]
+        assert (reg.replica_id, reg.model, reg.block_size, reg.capacity_blocks) == (
+            "r0", MODEL, BS, 4096)  # fmt: skip
+        assert reg.url == r.stub.url
+        await r.stop_agent()
+        assert await registry.discover(_now()) == []  # deregistered on clean stop
+    finally:
+        await r.close()
+
+
+def _now() -> int:
+    import time
+
+    return int(time.time() * 1000)
+
+
+async def test_trace_out_feeds_trace_analysis(tmp_path: Path) -> None:
+    out = tmp_path / "agent.jsonl"
+    r = Rig(MemoryIndex(), trace_out=out)
+    try:
+        await r.start()
+        ev, h = r.engine.store(toks(0, 3))
+        await r.publish(ev)
+        await r.publish(r.engine.remove(h[-1:]))
+        await r.publish(AllBlocksCleared())
+        await r.settle()
+        await r.stop_agent()
+        events, _, bad = read_jsonl([out])
+        assert bad == 0
+        ops = [e["op"] for e in events]
+        assert ops.count("store") == 3 and ops.count("remove") == 1 and "clear" in ops
+        assert all(len(e["key"]) == 32 for e in events if e["op"] != "clear")
+        report = analyze_events(events)
+        assert report.occupancy["r0"].stores == 3
+        assert len(report.lifetimes_s) == 3  # one removed, two cleared
+    finally:
+        await r.close()
+
+
+async def test_health_and_metrics_endpoints(rig: Rig) -> None:
+    import httpx
+
+    from cachecore.agent.http import AgentHTTPServer
+
+    agent = await rig.start()
+    ev, _ = rig.engine.store(toks(0, 2))
+    await rig.publish(ev)
+    await rig.settle()
+    server = AgentHTTPServer([agent], "127.0.0.1", 0)
+    await server.start()
+    try:
+        async with httpx.AsyncClient() as client:
+            h = (await client.get(f"http://127.0.0.1:{server.port}/health")).json()
+            m = (await client.get(f"http://127.0.0.1:{server.port}/metrics")).text
+        assert h["status"] == "ok" and h["replicas"]["r0"]["mirror_blocks"] == 2
+        assert h["replicas"]["r0"]["last_seq"] == rig.source.next_seq - 1
+        assert "kvgate_agent_blocks_stored_total" in m
+        assert "kvgate_agent_event_to_index_seconds_bucket" in m
+    finally:
+        await server.stop()
+
+
+def test_cli_requires_redis() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "agent", "--replica-id", "r0",
+         "--engine-url", "http://127.0.0.1:1", "--events", "tcp://127.0.0.1:2"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--redis is required" in proc.stderr
+
+
+def test_trace_record_shape(tmp_path: Path) -> None:
+    from cachecore.agent.trace import TraceWriter
+
+    w = TraceWriter(tmp_path / "t.jsonl")
+    w.blocks(1.5, "r0", {b"\x01" * 16: 3, b"\x02" * 16: 0})
+    w.clear(2.0, "r0")
+    w.close()
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert lines[0] == {"ts": 1.5, "replica": "r0", "op": "store", "key": "01" * 16,
+                        "tier": "GPU|CPU"}  # fmt: skip
+    assert lines[1]["op"] == "remove" and lines[2] == {"ts": 2.0, "replica": "r0", "op": "clear"}
+
+
+async def test_salt_is_recognised_after_lora_items(rig: Rig) -> None:
+    await rig.start()
+    s = salt("a")
+    ev = BlockStored([1], None, toks(0, 1), BS, lora_name="l1", extra_keys=[("l1", "mm-1", s)])
+    await rig.publish(ev)
+    await rig.settle()
+    from cachecore.keys import BlockKeyer
+
+    assert await rig.index_keys() == set(BlockKeyer(BS).keys(toks(0, 1), s, MODEL, "l1"))
