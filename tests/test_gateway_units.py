@@ -1,0 +1,205 @@
+"""Gateway components on their own: keys, limits, quarantine, replica specs, scopes, load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from cachecore.keys import ScopeKind
+from gateway.auth import KeyFileError, KeyStore, check_admin, hash_key, load_key_file
+from gateway.core import Gateway
+from gateway.errors import GatewayError
+from gateway.limits import TenantLimiter, TokenBucket
+from gateway.load import InFlight, LoadTracker, SharedLoad
+from gateway.quarantine import ClaimCheck, QuarantineTracker
+from gateway.replicas import ReplicaSpecError, parse_replica_spec
+from gateway.settings import GatewaySettings
+from policies.schema import QuarantinePolicy, TenantLimits, parse_policy_text
+
+# ---------------------------------------------------------------- auth
+
+
+async def test_key_file_maps_hashes_to_tenants(tmp_path: Path) -> None:
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"keys:\n  - {{sha256: {hash_key('sk-a')}, tenant: acme}}\n")
+    store = KeyStore(load_key_file(f))
+    assert await store.tenant_for("Bearer sk-a") == "acme"
+    assert await store.tenant_for("Bearer sk-b") is None
+    assert await store.tenant_for("sk-a") is None  # not a bearer token
+    assert await store.tenant_for(None) is None
+    assert "sk-a" not in f.read_text()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["keys: [{sha256: abc, tenant: t}]", "keys: [{sha256: %s, tenant: 'bad name'}]" % ("a" * 64)],
+)
+def test_bad_key_files_are_rejected(tmp_path: Path, text: str) -> None:
+    f = tmp_path / "k.yaml"
+    f.write_text(text)
+    with pytest.raises(KeyFileError):
+        load_key_file(f)
+
+
+async def test_keys_in_redis(redis_url: str) -> None:
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(redis_url)
+    await r.hset("kvg:apikeys", hash_key("sk-r"), "beta")
+    store = KeyStore(redis=r)
+    assert await store.tenant_for("Bearer sk-r") == "beta"
+    assert await store.tenant_for("Bearer nope") is None
+    await r.aclose()
+
+
+def test_admin_key_check() -> None:
+    assert check_admin("Bearer s3cret", "s3cret") and check_admin("s3cret", "s3cret")
+    assert not check_admin("wrong", "s3cret") and not check_admin(None, "s3cret")
+    assert not check_admin("anything", None)  # no admin key: admin is closed
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_token_bucket_rate_burst_and_debt() -> None:
+    b = TokenBucket(rate=10, burst=20, now=0.0)
+    assert b.take(20, 0.0) == 0.0
+    assert b.take(1, 0.0) == pytest.approx(0.1)
+    assert b.take(1, 0.1) == 0.0
+    big = TokenBucket(rate=100, burst=50, now=0.0)
+    assert big.take(500, 0.0) == 0.0  # larger than burst: admitted on a full bucket, as debt
+    assert big.take(1, 1.0) > 0  # and paid for
+
+
+def test_tenant_limiter_rate_concurrency_tokens() -> None:
+    lim = TenantLimiter()
+    limits = TenantLimits(requests_per_s=1, requests_burst=2, max_concurrency=3)
+    assert lim.admit("t", limits, 0.0) is None
+    assert lim.admit("t", limits, 0.0) is None
+    rej = lim.admit("t", limits, 0.0)
+    assert rej is not None and rej.limit == "rate" and rej.retry_after_s == pytest.approx(1.0)
+    assert lim.admit("other", limits, 0.0) is None  # per tenant
+    conc = TenantLimits(max_concurrency=1)
+    assert lim.admit("c", conc, 0.0) is None
+    rej = lim.admit("c", conc, 0.0)
+    assert rej is not None and rej.limit == "concurrency"
+    lim.release("c")
+    assert lim.admit("c", conc, 0.0) is None
+    tok = TenantLimits(uncached_tokens_per_s=1000, uncached_tokens_burst=2000)
+    assert lim.charge_uncached("f", tok, 2000, 0.0) is None
+    rej = lim.charge_uncached("f", tok, 500, 0.0)
+    assert rej is not None and rej.limit == "uncached_tokens"
+    assert rej.retry_after_s == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- quarantine
+
+
+def test_quarantine_after_k_of_m_false_claims_and_recovery() -> None:
+    q = QuarantineTracker(QuarantinePolicy(missing_fraction=0.5, k=2, m=3, recover_after=2))
+    lie = ClaimCheck("r", claimed_blocks=10, actual_blocks=0, still_claimed_blocks=10)
+    truth = ClaimCheck("r", claimed_blocks=10, actual_blocks=10, still_claimed_blocks=10)
+    assert q.observe(lie) is None
+    assert q.observe(truth) is None
+    assert q.observe(lie) is True and q.is_quarantined("r")
+    assert q.observe(truth) is None
+    assert q.observe(truth) is False and not q.is_quarantined("r")
+
+
+def test_eviction_in_between_is_not_a_lie() -> None:
+    q = QuarantineTracker(QuarantinePolicy(k=1, m=1))
+    evicted = ClaimCheck("r", claimed_blocks=10, actual_blocks=0, still_claimed_blocks=3)
+    assert q.observe(evicted) is None and not q.is_quarantined("r")
+    small = ClaimCheck("r", claimed_blocks=1, actual_blocks=0, still_claimed_blocks=1)
+    assert q.observe(small) is None  # below min_claimed_blocks
+
+
+# ---------------------------------------------------------------- replica specs
+
+
+def test_replica_spec_syntax() -> None:
+    s = parse_replica_spec("http://127.0.0.1:8001/")
+    assert (s.id, s.url, s.events, s.replay) == (
+        "127.0.0.1-8001",
+        "http://127.0.0.1:8001",
+        None,
+        None,
+    )
+    s = parse_replica_spec("http://h:1=tcp://h:2,tcp://h:3")
+    assert (s.events, s.replay) == ("tcp://h:2", "tcp://h:3")
+    s = parse_replica_spec("gpu-0=http://h:1=tcp://h:2,tcp://h:3")
+    assert s.id == "gpu-0" and s.url == "http://h:1"
+    for bad in ("h:1", "http://h:1=tcp://h:2", "http://h:1=udp://a,tcp://b", "a:b=http://h:1"):
+        with pytest.raises(ReplicaSpecError):
+            parse_replica_spec(bad)
+
+
+# ---------------------------------------------------------------- scopes
+
+
+def gateway_with(policy_text: str) -> Gateway:
+    return Gateway(
+        GatewaySettings(salt_secrets=[SecretStr("x" * 32)], open_access=True),
+        parse_policy_text(policy_text),
+    )
+
+
+def test_scope_resolution() -> None:
+    gw = gateway_with(
+        """
+tenants:
+  a: {trust_group: g}
+  b: {}
+  s: {sensitive: {default: none, allow_header: true, models: [med]}}
+trust_groups: {g: [a, c]}
+"""
+    )
+    pol = gw.policy
+    scope, _ = gw.resolve_scope("a", pol.tenant("a"), {}, {}, "m")
+    assert scope.kind is ScopeKind.GROUP and scope.name == "g"
+    scope, _ = gw.resolve_scope("b", pol.tenant("b"), {}, {}, "m")
+    assert scope.kind is ScopeKind.TENANT and scope.name == "b"
+    with pytest.raises(GatewayError) as err:
+        gw.resolve_scope("b", pol.tenant("b"), {"x-kvgate-sensitive": "session"}, {}, "m")
+    assert err.value.status == 403
+    hdr = {"x-kvgate-sensitive": "session", "x-kvgate-session": "s1"}
+    scope, key = gw.resolve_scope("s", pol.tenant("s"), hdr, {}, "m")
+    assert scope.kind is ScopeKind.SESSION and scope.ephemeral and key == "s/s1"
+    assert gw.minter.salt(scope).startswith("kvg1:e:")
+    scope, key = gw.resolve_scope("s", pol.tenant("s"), {"x-kvgate-sensitive": "session"}, {}, "m")
+    assert scope.kind is ScopeKind.REQUEST and key is None  # no session id: per request
+    scope, _ = gw.resolve_scope("s", pol.tenant("s"), {}, {"user": "u"}, "med")
+    assert scope.kind is ScopeKind.SESSION  # the policy rule for model "med"
+    with pytest.raises(GatewayError):
+        gw.resolve_scope("s", pol.tenant("s"), {"x-kvgate-sensitive": "yes"}, {}, "m")
+
+
+def test_tenants_in_different_scopes_get_different_salts() -> None:
+    gw = gateway_with("tenants: {a: {}, b: {}}")
+    sa, _ = gw.resolve_scope("a", gw.policy.tenant("a"), {}, {}, "m")
+    sb, _ = gw.resolve_scope("b", gw.policy.tenant("b"), {}, {}, "m")
+    assert gw.minter.salt(sa) != gw.minter.salt(sb)
+
+
+# ---------------------------------------------------------------- load
+
+
+def test_inflight_accounting_and_shared_merge() -> None:
+    inf = InFlight()
+    t = inf.dispatch("r", 1000)
+    assert inf.own("r") == (1000, 1, 0)
+    inf.first_token(t)
+    assert inf.own("r") == (0, 0, 1)
+    inf.done(t)
+    inf.done(t)  # idempotent
+    assert inf.own("r") == (0, 0, 0)
+    assert inf.pending_deltas["r"] == [0, 0]
+    t2 = inf.dispatch("r", 500)
+    tracker = LoadTracker(
+        inf, lambda: {"r": SharedLoad(running=7, waiting=2, other_queued_tokens=300)}
+    )
+    v = tracker.views(["r", "q"], {"r": 16})["r"]
+    assert v.queued_prefill_tokens == 800 and v.running == 7 and v.waiting == 2 and v.capacity == 16
+    inf.done(t2)
