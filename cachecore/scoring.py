@@ -94,7 +94,7 @@ class LoadView:
 IDLE = LoadView()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per replica per request (frozen init is 3x slower)
 class HitPrediction:
     """How much of a prompt a replica is predicted to serve from cache, in tokens."""
 
@@ -141,28 +141,29 @@ def predict_hit(
     is charged at the fastest tier whose own prefix covers it (REMOTE when none does);
     blocks ``[stored, pending)`` are only pending.
     """
-    cap = hit_cap_blocks(prompt_tokens, block_size)
-    gpu = min(match.tier_blocks.get(Tier.GPU, 0), cap)
+    cap = (prompt_tokens - 1) // block_size if prompt_tokens > 0 else 0
+    tb = match.tier_blocks
+    gpu = min(tb.get(Tier.GPU, 0), cap)
     stored = max(gpu, min(match.stored_blocks, cap))
     pending = max(stored, min(match.pending_blocks, cap))
     loaded_weighted = 0.0
-    covered = gpu
-    for tier in (Tier.CPU, Tier.DISK, Tier.REMOTE):
-        if covered >= stored:
-            break
-        reach = min(match.tier_blocks.get(tier, 0), stored)
-        if tier is Tier.REMOTE:
-            reach = stored  # anything left is charged as the slowest tier
-        if reach > covered:
-            loaded_weighted += (reach - covered) * coeffs.tier_load_factor.get(tier, 10.0)
-            covered = reach
+    if stored > gpu:  # the uncommon case: hits beyond the GPU prefix
+        covered = gpu
+        factors = coeffs.tier_load_factor
+        for tier in (Tier.CPU, Tier.DISK, Tier.REMOTE):
+            if covered >= stored:
+                break
+            reach = stored if tier is Tier.REMOTE else min(tb.get(tier, 0), stored)
+            if reach > covered:
+                loaded_weighted += (reach - covered) * factors.get(tier, 10.0)
+                covered = reach
     return HitPrediction(
-        prompt_tokens=prompt_tokens,
-        gpu_tokens=gpu * block_size,
-        loaded_tokens=(stored - gpu) * block_size,
-        loaded_weighted=loaded_weighted * block_size,
-        pending_tokens=(pending - stored) * block_size,
-        pending_weight=coeffs.pending_weight,
+        prompt_tokens,
+        gpu * block_size,
+        (stored - gpu) * block_size,
+        loaded_weighted * block_size,
+        (pending - stored) * block_size,
+        coeffs.pending_weight,
     )
 
 
@@ -183,7 +184,7 @@ def dot(coeffs: Sequence[float], x: Sequence[float]) -> float:
     return math.fsum(c * v for c, v in zip(coeffs, x, strict=True))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen, as HitPrediction; treat as immutable
 class CostBreakdown:
     """One replica's cost, split into the parts an operator reads in route/explain."""
 
@@ -201,19 +202,24 @@ def cost(
     load: LoadView,
     coeffs: Coefficients,
 ) -> CostBreakdown:
-    """Expected TTFT (ms) of a request on a replica: see the module docstring."""
+    """Expected TTFT (ms) of a request on a replica: see the module docstring. Equal to
+    ``dot(coeffs.as_vector(), features(...))`` (a test holds it to that); written out
+    because the router calls it for every replica of every request."""
     hit = predict_hit(match, prompt_tokens, block_size, coeffs)
-    x = features(hit.uncached_tokens, hit.loaded_weighted, load)
-    c = coeffs.as_vector()
-    own_prefill = c[1] * max(0.0, hit.uncached_tokens)
-    load_ms = c[2] * x[2]
-    queue_ms = c[1] * load.queued_prefill_tokens + c[3] * x[3] + c[4] * x[4]
+    uncached: float = hit.prompt_tokens - hit.gpu_tokens - hit.loaded_tokens
+    uncached -= hit.pending_weight * hit.pending_tokens
+    if uncached < 0.0:
+        uncached = 0.0
+    ahead = load.queued_requests if load.queued_requests > load.waiting else load.waiting
+    over = load.running + ahead + 1 - load.capacity
+    pt = coeffs.prefill_ms_per_token
+    queue_ms = pt * load.queued_prefill_tokens + coeffs.decode_ms_per_running * load.running
+    if over > 0:
+        queue_ms += coeffs.saturation_ms * over
+    own_prefill = pt * uncached
+    load_ms = coeffs.load_ms_per_token * hit.loaded_weighted
     return CostBreakdown(
-        cost_ms=c[0] + queue_ms + own_prefill + load_ms,
-        queue_ms=queue_ms,
-        prefill_ms=own_prefill,
-        load_ms=load_ms,
-        hit=hit,
+        coeffs.overhead_ms + queue_ms + own_prefill + load_ms, queue_ms, own_prefill, load_ms, hit
     )
 
 

@@ -85,7 +85,7 @@ class RouteRequest:
     cold_replicas: frozenset[str] | None = None  # confine this tenant's cold traffic
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per replica per request: not frozen (3x cheaper); read-only
 class ReplicaScore:
     replica: str
     cost_ms: float
@@ -216,18 +216,19 @@ class Router:
         out: list[ReplicaScore] = []
         for c, b, note in parts:
             ok = confined is None or c.replica in confined
+            h = b.hit
             out.append(
                 ReplicaScore(
-                    replica=c.replica,
-                    cost_ms=b.cost_ms,
-                    queue_ms=b.queue_ms,
-                    prefill_ms=b.prefill_ms,
-                    load_ms=b.load_ms,
-                    matched_blocks=(b.hit.stored_tokens + b.hit.pending_tokens) // bs,
-                    predicted_cached_tokens=b.hit.predicted_cached_tokens,
-                    requests=c.load.requests,
-                    eligible=ok,
-                    note=note if ok else "cold_confined",
+                    c.replica,
+                    b.cost_ms,
+                    b.queue_ms,
+                    b.prefill_ms,
+                    b.load_ms,
+                    (h.gpu_tokens + h.loaded_tokens + h.pending_tokens) // bs,
+                    h.predicted_cached_tokens,
+                    c.load.requests,
+                    ok,
+                    note if ok else "cold_confined",
                 )
             )
         return out

@@ -9,6 +9,8 @@ match the engine's) or asks the engine itself (``/v1/chat/completions/render`` o
 from __future__ import annotations
 
 import logging
+import re
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,21 +56,102 @@ class PromptTokenizer(Protocol):
     async def completion(self, body: Mapping[str, Any]) -> list[int]: ...
 
 
+class SegmentCache:
+    """Exact, cached tokenization of text that contains special tokens.
+
+    HF tokenizers split the input at added special tokens (``normalized=False``, no
+    lstrip/rstrip) *before* pre-tokenization, so the ids of a rendered chat are the ids of
+    each segment between special tokens, concatenated with the special ids. Segments repeat
+    across requests (a shared system prompt is one segment), so caching them turns a 2,000-
+    token system prompt from milliseconds of BPE into one dict probe. Enabled only when the
+    tokenizer's added tokens qualify and a self-check on probes agrees with the plain path.
+
+    Invariant: ``encode(text) == tokenizer.encode(text)`` for every text (checked in tests).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_entries: int = 4096, min_chars: int = 256):
+        self.tok = tokenizer
+        self.max_entries = max_entries
+        self.min_chars = min_chars  # shorter segments are not worth a cache slot
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        hf = getattr(tokenizer, "_tok", None)
+        self._fast = getattr(hf, "encode_batch_fast", None)
+        specials: dict[str, int] = {}
+        ok = hf is not None
+        if hf is not None:
+            for tid, added in hf.get_added_tokens_decoder().items():
+                if added.lstrip or added.rstrip or added.normalized or added.single_word:
+                    ok = False
+                specials[str(added.content)] = int(tid)
+        self._specials = specials
+        self._split = (
+            re.compile(
+                "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
+            )
+            if specials
+            else None
+        )
+        self.enabled = ok and self._split is not None and self._self_check()
+
+    def _plain(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return list(self._fast([text], add_special_tokens=False)[0].ids)
+        return self.tok.encode(text)
+
+    def _self_check(self) -> bool:
+        probes = [PROBE_PROMPT, self.tok.apply_chat_template(PROBE_CHAT)]
+        return all(self._segmented(p) == self.tok.encode(p) for p in probes)
+
+    def _segment(self, piece: str) -> list[int]:
+        if len(piece) < self.min_chars:
+            return self._plain(piece)
+        got = self._cache.get(piece)
+        if got is not None:
+            self.hits += 1
+            self._cache.move_to_end(piece)
+            return got
+        self.misses += 1
+        ids = self._plain(piece)
+        self._cache[piece] = ids
+        if len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)
+        return ids
+
+    def _segmented(self, text: str) -> list[int]:
+        assert self._split is not None
+        out: list[int] = []
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:
+                out.append(self._specials[piece])
+            elif piece:
+                out.extend(self._segment(piece))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        if not self.enabled:
+            return self._plain(text)
+        return self._segmented(text)
+
+
 class LocalPromptTokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tok = tokenizer
         self.name = tokenizer.name
+        self.segments = SegmentCache(tokenizer)
 
     def chat_sync(self, body: Mapping[str, Any]) -> list[int]:
         add_gen = body.get("add_generation_prompt", True)
         try:
-            return self.tok.encode_chat(body.get("messages"), add_generation_prompt=bool(add_gen))  # type: ignore[arg-type]
+            text = self.tok.apply_chat_template(body.get("messages"), bool(add_gen))  # type: ignore[arg-type]
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None
+        return self.segments.encode(text)
 
     def completion_sync(self, body: Mapping[str, Any]) -> list[int]:
         prompt = completion_prompt(body)
-        return prompt if isinstance(prompt, list) else self.tok.encode(prompt)
+        return prompt if isinstance(prompt, list) else self.segments.encode(prompt)
 
     async def chat(self, body: Mapping[str, Any]) -> list[int]:
         return self.chat_sync(body)

@@ -14,6 +14,7 @@ from cachecore.scoring import (
     LoadView,
     OnlineFit,
     cost,
+    dot,
     features,
     hit_cap_blocks,
     predict_hit,
@@ -110,3 +111,23 @@ def test_online_fit_rejects_non_finite_and_uses_prior_until_warm() -> None:
     assert not fit.update([1, 0, 0, 0, 0], float("nan"))
     fit.update([1, 100, 0, 0, 0], 1000.0)
     assert fit.coefficients() == C
+
+
+def test_cost_equals_the_linear_model_the_fit_uses() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        g = rng.randrange(0, 50)
+        tiers = {Tier.GPU: g, Tier.CPU: g + rng.randrange(0, 5), Tier.DISK: 0, Tier.REMOTE: 0}
+        stored = tiers[Tier.CPU] + rng.randrange(0, 3)
+        m = PrefixMatch(tiers, stored, stored + rng.randrange(0, 4))
+        load = LoadView(
+            queued_prefill_tokens=rng.uniform(0, 5000),
+            queued_requests=rng.randrange(0, 5),
+            running=rng.randrange(0, 20),
+            waiting=rng.randrange(0, 5),
+            capacity=rng.randrange(1, 24),
+        )
+        prompt = rng.randrange(1, 1200)
+        b = cost(m, prompt, 16, load, C)
+        x = features(b.hit.uncached_tokens, b.hit.loaded_weighted, load)
+        assert b.cost_ms == pytest.approx(dot(C.as_vector(), x))
