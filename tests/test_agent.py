@@ -29,7 +29,7 @@ from cachecore.kvevents import (
 from cachecore.loadstate import MemoryLoadStore
 from cachecore.registry import MemoryRegistry
 from cachecore.traceanalysis import analyze_events, read_jsonl
-from tests.test_agent_helpers import BS, MODEL, Rig, batch, salt, until
+from tests.test_agent_helpers import BS, MODEL, Rig, batch, counter_total, salt, until
 
 
 @pytest.fixture
@@ -312,12 +312,7 @@ async def test_engine_restart_by_start_time_when_seq_passed_the_old_one(rig: Rig
 
 def _restarts(rig: Rig) -> float:
     assert rig.agent is not None
-    total = 0.0
-    for metric in rig.agent.metrics.engine_restarts.collect():
-        for s in metric.samples:
-            if s.name.endswith("_total"):
-                total += s.value
-    return total
+    return counter_total(rig.agent.metrics.engine_restarts)
 
 
 async def test_stale_replayed_batch_cannot_resurrect_an_evicted_block(rig: Rig) -> None:

@@ -108,6 +108,18 @@ class EngineModel:
         return set(self.held.values())
 
 
+def counter_total(counter: Any, **labels: str) -> float:
+    """Sum of a prometheus Counter's ``_total`` samples matching ``labels``."""
+    total = 0.0
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                total += sample.value
+    return total
+
+
 def batch(*events: KVEvent, rank: int | None = None) -> EventBatch:
     return EventBatch(ts=time.time(), events=list(events), data_parallel_rank=rank)
 

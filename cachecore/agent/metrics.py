@@ -82,6 +82,10 @@ class AgentMetrics:
             registry=r,
         )  # fmt: skip
         self.gaps = Counter("kvgate_agent_gaps", "Sequence gaps detected", registry=r)
+        self.resubscribes = Counter(
+            "kvgate_agent_resubscribes", "SUB sockets replaced after a lost connection",
+            registry=r,
+        )  # fmt: skip
         self.replays = Counter(
             "kvgate_agent_replays", "Replay requests, by outcome", ["outcome"], registry=r
         )

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from cachecore.agent.frames import Frame, RateLimitedLog, parse_live
 from cachecore.agent.metrics import AgentMetrics
@@ -102,6 +103,8 @@ class EventStream:
         self._stale_until = 0.0
         self._drop_log = RateLimitedLog()
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._poller = zmq.asyncio.Poller()
 
     # -------------------------------------------------------------------- run
 
@@ -112,18 +115,53 @@ class EventStream:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        # ZMQ drops the peer on a larger frame before buffering it: a hostile or broken
-        # publisher cannot make the agent allocate gigabytes
+        # ZMQ drops the peer on a larger frame before buffering it, so a broken publisher
+        # cannot make the agent allocate gigabytes. libzmq does not reconnect after such a
+        # drop: the monitor sees the disconnect and we resubscribe (then catch up).
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload_bytes + 1024)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.events_endpoint)
         self._sock = sock
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _close_sockets(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    async def _recv(self) -> list[bytes] | None:
+        """The next live message, or None after the connection was lost and replaced."""
+        assert self._sock is not None
+        try:  # the hot path: messages are waiting, no poll needed
+            return await self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            pass
+        ready = dict(await self._poller.poll())
+        if self._monitor is not None and self._monitor in ready:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.metrics.resubscribes.inc()
+                log.info("event stream disconnected; resubscribing", extra={"replica": self.name})
+                self._close_sockets()
+                await asyncio.sleep(0.05)
+                self.subscribe()
+                return None
+        if self._sock in ready:
+            return await self._sock.recv_multipart(copy=True)
+        return None
 
     async def run(self, restart_first: bool) -> None:
         """Catch up (replay from last + 1, or a restart from 0), then follow the live
         stream until cancelled."""
         self.subscribe()
-        assert self._sock is not None
         try:
             async with self.lock:
                 if restart_first:
@@ -132,7 +170,11 @@ class EventStream:
                     await self._replay_and_apply(self.last_seq + 1, verify=False)
             self.caught_up.set()
             while True:
-                frames = await self._sock.recv_multipart(copy=True)
+                frames = await self._recv()
+                if frames is None:
+                    async with self.lock:
+                        await self._after_reconnect()
+                    continue
                 self.metrics.batches_received.labels("live").inc()
                 try:
                     frame = parse_live(frames, self.topic, self.max_payload_bytes)
@@ -142,8 +184,19 @@ class EventStream:
                 async with self.lock:
                     await self._on_live(frame)
         finally:
-            self._sock.close(linger=0)
-            self._sock = None
+            self._close_sockets()
+
+    async def _after_reconnect(self) -> None:
+        """Whatever was published while we were not connected: replay it, verifying that
+        the engine is still the process we followed (a disconnect is often a restart)."""
+        if self._sock is None or self.replay is None:
+            return
+        if self.last_seq < 0:
+            await self._replay_and_apply(0, verify=False)
+            return
+        outcome = await self._replay_and_apply(self.last_seq, verify=True)
+        if outcome == "restarted":
+            await self.restart("replay_identity")
 
     # --------------------------------------------------------------- decoding
 

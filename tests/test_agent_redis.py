@@ -1,0 +1,217 @@
+"""The agent on a real Redis: persistence of the mirror across agent restarts, full resync
+after a Redis restart or outage, the agent's own ACL user, and the standalone CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis
+
+from cachecore.index.base import ReplicaState
+from cachecore.index.layout import KeyLayout, acl_setuser_args, agent_acl_rules
+from cachecore.index.redis import RedisIndex
+from cachecore.loadstate import RedisLoadStore
+from cachecore.registry import RedisRegistry
+from cachecore.testing import RedisServer, free_port
+from tests.test_agent_helpers import BS, Rig, counter_total, until
+
+pytestmark = pytest.mark.redis
+
+
+def toks(start: int, n_blocks: int) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+def _index(url: str) -> RedisIndex:
+    return RedisIndex.from_url(url, KeyLayout("kvgt"), socket_timeout_s=2.0)
+
+
+@pytest.fixture
+async def redis_rig(redis_url: str) -> AsyncIterator[Rig]:
+    index = _index(redis_url)
+    r = Rig(index)
+    yield r
+    await r.close()
+    await index.close()
+
+
+async def test_agent_restart_on_redis_restores_mirror_and_replays(redis_rig: Rig) -> None:
+    r = redis_rig
+    await r.start()
+    eng = r.engine
+    ev, h = eng.store(toks(0, 4))
+    await r.publish(ev)
+    await r.settle()
+    await r.stop_agent()
+    child, _ = eng.store(toks(300, 2), parent=h[-1], tenant=None)
+    await r.publish(child)
+    await r.publish(eng.remove(h[2:3]))
+    await r.start()
+    await r.settle()
+    assert await r.index_keys() == eng.keys()
+    assert r.agent is not None
+    for sync in r.agent.syncs.values():
+        await sync.check_invariants()
+
+
+async def test_redis_restart_is_resynced_from_the_mirror(redis_own: RedisServer) -> None:
+    index = _index(redis_own.url)
+    r = Rig(index)
+    try:
+        await r.start()
+        eng = r.engine
+        ev, _ = eng.store(toks(0, 3))
+        await r.publish(ev)
+        await r.settle()
+        redis_own.restart()  # all data lost, new run_id
+
+        async def resynced() -> bool:
+            try:
+                return await r.index_keys() == eng.keys()
+            except Exception:
+                return False
+
+        # no event arrives: the periodic check alone must notice the new run_id
+        await until(resynced, 10.0)
+        assert r.agent is not None
+        causes = {
+            c: counter_total(r.agent.metrics.resyncs, cause=c)
+            for c in ("index_restarted", "index_lost", "index_error")
+        }
+        assert sum(causes.values()) >= 1, causes
+        ev2, _ = eng.store(toks(100, 2), tenant="b")
+        await r.publish(ev2)
+        await r.settle()
+        assert await r.index_keys() == eng.keys()
+        for sync in r.agent.syncs.values():
+            await sync.check_invariants()
+        assert (await index.meta("r0")).state is ReplicaState.LIVE
+    finally:
+        await r.close()
+        await index.close()
+
+
+async def test_redis_outage_loses_no_write(redis_own: RedisServer) -> None:
+    index = _index(redis_own.url)
+    r = Rig(index)
+    try:
+        await r.start()
+        eng = r.engine
+        ev, h = eng.store(toks(0, 3))
+        await r.publish(ev)
+        await r.settle()
+        redis_own.stop()
+        for i in range(5):  # events keep coming while Redis is down
+            e, _ = eng.store(toks(1000 + 10 * i, 1), tenant=f"o{i}")
+            await r.publish(e)
+        await r.publish(eng.remove(h[-1:]))
+        await asyncio.sleep(0.5)
+        redis_own.start()
+
+        async def back() -> bool:
+            try:
+                return await r.index_keys() == eng.keys()
+            except Exception:
+                return False
+
+        await until(back, 15.0)
+        assert r.agent is not None
+        assert counter_total(r.agent.metrics.index_errors) >= 1
+        assert counter_total(r.agent.metrics.resyncs) >= 1
+    finally:
+        await r.close()
+        await index.close()
+
+
+async def test_agent_works_with_its_own_acl_user(redis_url: str) -> None:
+    layout = KeyLayout("kvgt")
+    admin = redis.Redis.from_url(redis_url)
+    password = uuid.uuid4().hex
+    admin.execute_command(*acl_setuser_args("agent-r0", password, agent_acl_rules("r0", layout)))  # type: ignore[no-untyped-call]
+    port = redis_url.split(":")[-1].split("/")[0]
+    url = f"redis://agent-r0:{password}@127.0.0.1:{port}/0"
+    index, load = _index(url), RedisLoadStore.from_url(url, layout)
+    registry = RedisRegistry.from_url(url, layout)
+    r = Rig(index)
+    try:
+        await r.start(load_store=load, registry=registry)
+        ev, _ = r.engine.store(toks(0, 2))
+        await r.publish(ev)
+        await r.settle()
+        assert await r.index_keys() == r.engine.keys()
+
+        async def registered() -> bool:
+            return bool(await registry.discover(int(time.time() * 1000), ["r0"]))
+
+        await until(registered)
+        # the same credentials cannot touch another replica
+        with pytest.raises(Exception, match=r"(?i)no permissions|NOPERM"):
+            await index.clear_replica("r1", ReplicaState.LIVE, 0)
+    finally:
+        await r.close()
+        for c in (index, load, registry):
+            await c.close()
+        admin.execute_command("ACL", "DELUSER", "agent-r0")  # type: ignore[no-untyped-call]
+        admin.close()
+
+
+async def test_cli_agent_process_end_to_end(redis_url: str) -> None:
+    r = Rig(_index(redis_url))
+    await r.stub.start()
+    http_port = free_port()
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "agent",
+        "--replica-id", "r0", "--engine-url", r.stub.url,
+        "--events", r.events_ep, "--replay", str(r.replay_ep),
+        "--redis", redis_url, "--key-prefix", "kvgt",
+        "--http-port", str(http_port), "--scrape-interval", "0.1",
+        "--heartbeat-interval", "0.2", "--log-level", "WARNING",
+    ]  # fmt: skip
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a child process, started once
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ
+    )
+    try:
+        async with httpx.AsyncClient() as client:
+
+            async def healthy() -> bool:
+                try:
+                    resp = await client.get(f"http://127.0.0.1:{http_port}/health")
+                except httpx.HTTPError:
+                    return False
+                return resp.status_code == 200
+
+            await until(healthy, 30.0, 0.1)
+            await asyncio.sleep(0.3)  # subscription reaches the PUB
+            ev, _ = r.engine.store(toks(0, 3))
+            await r.publish(ev)
+
+            async def indexed() -> bool:
+                return await r.index_keys() == r.engine.keys()
+
+            await until(indexed, 10.0)
+            registry = RedisRegistry.from_url(redis_url, KeyLayout("kvgt"))
+
+            async def registered() -> bool:
+                return bool(await registry.discover(int(time.time() * 1000), ["r0"]))
+
+            await until(registered, 10.0)
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 20) == 0
+            assert await registry.discover(int(time.time() * 1000), ["r0"]) == []
+            await registry.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        assert r.agent is None
+        await r.close()
+        await r.index.close()
