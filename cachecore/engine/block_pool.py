@@ -1,0 +1,324 @@
+"""The paged KV-cache block pool with automatic prefix caching (vLLM v1 semantics).
+
+A fixed set of ``num_blocks`` blocks of ``block_size`` token slots. A request holds a list of
+blocks; a FULL block whose content is known gets a hash and is registered in the hash map so
+later requests with the same prefix can reuse it. Free blocks (ref count 0) sit in an LRU
+queue; a free block that still has a hash is an eviction candidate: it stays addressable
+until the pool hands it out for new data, which evicts it (``BlockRemoved``).
+
+Ordering rules copied from vLLM:
+
+* allocation pops the HEAD of the free queue;
+* a freed block with a hash goes to the TAIL (most recently used, evicted last); a freed block
+  without a hash goes to the HEAD (it holds nothing reusable, so it is reused first);
+* callers free a request's blocks tail-first, so a request's last blocks are evicted before
+  its first ones (shared prefixes survive longest);
+* blocks are never de-duplicated: two requests that compute the same block each register
+  their own copy under the same hash; each copy's eviction emits its own ``BlockRemoved``.
+
+Invariants (checked by :meth:`BlockPool.check_invariants`):
+
+1. every block has ``ref_cnt >= 0``; a block is in the free queue iff ``ref_cnt == 0``;
+2. a block has a hash iff it is registered in the hash map, exactly once, under that hash;
+   only full blocks get a hash;
+3. a block in use (``ref_cnt > 0``) is never evicted: eviction only pops the free queue;
+4. each registration emits the block in exactly one ``BlockStored``; a registration ends by
+   eviction (one ``BlockRemoved`` for that copy) or by :meth:`reset` (``AllBlocksCleared``);
+5. ``num_cached_blocks`` equals the number of blocks that have a hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from cachecore.engine.hashing import EngineHash, ExtraKeys, WireHashFormat, int_hash, to_wire
+from cachecore.kvevents import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class BlockPoolError(RuntimeError):
+    """A caller broke the pool's contract (double free, touching a foreign block...)."""
+
+
+class NoFreeBlocksError(BlockPoolError):
+    """More blocks were requested than the free queue holds."""
+
+
+class KVBlock:
+    """One KV block. ``parent_hash``/``token_ids``/``extra_keys`` describe a cached block's
+    content (what its BlockStored carried) so the pool can be dumped and compared."""
+
+    __slots__ = ("block_hash", "block_id", "extra_keys", "parent_hash", "ref_cnt", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: EngineHash | None = None
+        self.parent_hash: EngineHash | None = None
+        self.token_ids: Sequence[int] = ()
+        self.extra_keys: ExtraKeys = None
+
+    def _clear_hash(self) -> None:
+        self.block_hash = None
+        self.parent_hash = None
+        self.token_ids = ()
+        self.extra_keys = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:12] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlockInfo:
+    """A cached block as ``GET /debug/blocks`` shows it."""
+
+    block_id: int
+    block_hash: int  # as decode_batch reports it (last 8 bytes of the digest)
+    parent_block_hash: int | None
+    digest: bytes  # the engine's full hash (what the events carry in bytes mode)
+    token_ids: list[int]
+    extra_keys: ExtraKeys
+    ref_cnt: int
+
+    @property
+    def in_use(self) -> bool:
+        return self.ref_cnt > 0
+
+
+def _wire_hashes(hashes: Iterable[EngineHash], fmt: WireHashFormat) -> list[int]:
+    # BlockStored/BlockRemoved are typed with the decoded (int) form; vLLM may also put the
+    # raw digest on the wire, which encode_batch passes through unchanged.
+    return cast("list[int]", [to_wire(h, fmt) for h in hashes])
+
+
+class BlockPool:
+    """Blocks, their ref counts, the free LRU queue and the hash map. Collects the KV events
+    of everything it does; the engine takes them once per step (:meth:`take_events`)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        wire_format: WireHashFormat = WireHashFormat.INT,
+        enable_events: bool = True,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.wire_format = wire_format
+        self.enable_events = enable_events
+        self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
+        # OrderedDict gives O(1) pop-head, append-tail, push-head and remove-by-id: the
+        # operations of vLLM's doubly linked FreeKVCacheBlockQueue.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # hash -> {block_id: block}; several ids when several requests computed the same block
+        self._cached: dict[EngineHash, dict[int, KVBlock]] = {}
+        self._num_cached = 0
+        self._events: list[KVEvent] = []
+        self.num_evictions = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._num_cached
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use by requests (vLLM's kv_cache_usage_perc, 0..1); free
+        blocks that still hold cached data count as free."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def get_cached_block(self, block_hash: EngineHash) -> KVBlock | None:
+        """A cached block with this hash (the first registered copy), or None."""
+        copies = self._cached.get(block_hash)
+        if not copies:
+            return None
+        return next(iter(copies.values()))
+
+    def is_cached(self, block_hash: EngineHash) -> bool:
+        return block_hash in self._cached
+
+    # ------------------------------------------------------------------ mutations
+    def allocate(self, n: int) -> list[KVBlock]:
+        """``n`` blocks from the head of the free queue, each with ref_cnt 1; cached ones are
+        evicted first (BlockRemoved)."""
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"need {n} blocks, {len(self._free)} free")
+        out: list[KVBlock] = []
+        pop = self._free.popitem
+        for _ in range(n):
+            _, blk = pop(last=False)
+            if blk.block_hash is not None:
+                self._evict(blk)
+            blk.ref_cnt = 1
+            out.append(blk)
+        return out
+
+    def _evict(self, blk: KVBlock) -> None:
+        h = blk.block_hash
+        assert h is not None and blk.ref_cnt == 0
+        copies = self._cached[h]
+        del copies[blk.block_id]
+        if not copies:
+            del self._cached[h]
+        blk._clear_hash()
+        self._num_cached -= 1
+        self.num_evictions += 1
+        if self.enable_events:
+            self._events.append(
+                BlockRemoved(block_hashes=_wire_hashes((h,), self.wire_format), medium=MEDIUM_GPU)
+            )
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """A cache hit: take a reference, pulling free blocks out of the eviction queue."""
+        free = self._free
+        for blk in blocks:
+            if blk.ref_cnt == 0:
+                if blk.block_hash is None:
+                    raise BlockPoolError(f"touching uncached free block {blk.block_id}")
+                del free[blk.block_id]
+            blk.ref_cnt += 1
+
+    def free(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the free queue in the
+        given order (first given = evicted first among them)."""
+        free = self._free
+        for blk in ordered_blocks:
+            if blk.ref_cnt <= 0:
+                raise BlockPoolError(f"double free of block {blk.block_id}")
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                free[blk.block_id] = blk
+                if blk.block_hash is None:
+                    free.move_to_end(blk.block_id, last=False)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVBlock],
+        block_hashes: Sequence[EngineHash],
+        parent_hash: EngineHash | None,
+        token_ids: Sequence[int],
+        extra_keys: Sequence[ExtraKeys],
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        """Register consecutive newly full blocks of one request (one BlockStored for all).
+
+        ``token_ids`` are the blocks' tokens concatenated; ``parent_hash`` is the hash of the
+        block before the first one in the request (None for a request's block 0)."""
+        n = len(blocks)
+        if not n:
+            return
+        bs = self.block_size
+        if len(block_hashes) != n or len(extra_keys) != n or len(token_ids) != n * bs:
+            raise BlockPoolError("cache_full_blocks: blocks, hashes, keys and tokens disagree")
+        parent = parent_hash
+        cached = self._cached
+        for i, blk in enumerate(blocks):
+            if blk.block_hash is not None:
+                raise BlockPoolError(f"block {blk.block_id} is already cached")
+            if blk.ref_cnt <= 0:
+                raise BlockPoolError(f"caching free block {blk.block_id}")
+            h = block_hashes[i]
+            blk.block_hash = h
+            blk.parent_hash = parent
+            blk.token_ids = token_ids[i * bs : (i + 1) * bs]
+            blk.extra_keys = extra_keys[i]
+            copies = cached.get(h)
+            if copies is None:
+                cached[h] = {blk.block_id: blk}
+            else:
+                copies[blk.block_id] = blk
+            parent = h
+        self._num_cached += n
+        if self.enable_events:
+            fmt = self.wire_format
+            has_extra = any(e is not None for e in extra_keys)
+            self._events.append(
+                BlockStored(
+                    block_hashes=_wire_hashes(block_hashes, fmt),
+                    parent_block_hash=None
+                    if parent_hash is None
+                    else cast("int", to_wire(parent_hash, fmt)),
+                    token_ids=list(token_ids),
+                    block_size=bs,
+                    lora_id=lora_id,
+                    medium=MEDIUM_GPU,
+                    lora_name=lora_name,
+                    extra_keys=list(extra_keys) if has_extra else None,
+                )
+            )
+
+    def reset(self) -> bool:
+        """Drop every cached hash (vLLM's reset_prefix_cache). Only when no block is in use:
+        returns False and changes nothing otherwise."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for copies in self._cached.values():
+            for blk in copies.values():
+                blk._clear_hash()
+        self._cached.clear()
+        self._num_cached = 0
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ introspection
+    def cached_blocks(self) -> list[CachedBlockInfo]:
+        out: list[CachedBlockInfo] = []
+        for h, copies in self._cached.items():
+            for blk in copies.values():
+                out.append(
+                    CachedBlockInfo(
+                        block_id=blk.block_id,
+                        block_hash=int_hash(h),
+                        parent_block_hash=None
+                        if blk.parent_hash is None
+                        else int_hash(blk.parent_hash),
+                        digest=h,
+                        token_ids=list(blk.token_ids),
+                        extra_keys=blk.extra_keys,
+                        ref_cnt=blk.ref_cnt,
+                    )
+                )
+        return out
+
+    def free_queue_ids(self) -> list[int]:
+        """Block ids in eviction order (head first). O(num_blocks): tests and debugging."""
+        return list(self._free)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when an invariant of the class docstring is broken.
+        O(num_blocks): for tests and debugging, never on the hot path."""
+        n_hashed = 0
+        for blk in self.blocks:
+            assert blk.ref_cnt >= 0, f"negative ref count on {blk}"
+            assert (blk.ref_cnt == 0) == (blk.block_id in self._free), f"free queue vs {blk}"
+            if blk.block_hash is not None:
+                n_hashed += 1
+                copies = self._cached.get(blk.block_hash)
+                assert copies is not None and copies.get(blk.block_id) is blk, f"unmapped {blk}"
+                assert len(blk.token_ids) == self.block_size, f"partial block cached: {blk}"
+        n_mapped = 0
+        for h, copies in self._cached.items():
+            assert copies, f"empty copy set for {h.hex()}"
+            for bid, blk in copies.items():
+                assert blk.block_id == bid and blk.block_hash == h, f"map entry {bid} is {blk}"
+                n_mapped += 1
+        assert n_hashed == n_mapped == self._num_cached, (n_hashed, n_mapped, self._num_cached)
+        assert len(self._free) == sum(1 for b in self.blocks if b.ref_cnt == 0)

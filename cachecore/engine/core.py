@@ -1,0 +1,454 @@
+"""The simulated engine core: vLLM v1's scheduler over the prefix-caching block pool, with
+a step-time model instead of a GPU. Clock-agnostic: callers pass ``now`` (any monotonic
+clock, real or virtual) and decide how long to wait for ``StepResult.duration_s``; nothing
+here sleeps, reads a clock or uses asyncio, so a real-time HTTP replica and a virtual-time
+fleet simulator run the same code.
+
+Scheduling policy (vLLM v1, FCFS, chunked prefill):
+
+1. RUNNING requests first, in admission order; each asks for all its missing tokens (one,
+   when decoding), capped by the step's remaining token budget (``max_num_batched_tokens``).
+   When the pool cannot hold them, the NEWEST running request is preempted (its blocks freed,
+   its cached blocks stay cached, it goes back to the FRONT of the waiting queue and is
+   recomputed later), repeatedly, until the allocation fits or the request preempted itself.
+2. If nobody was preempted, WAITING requests are admitted in order while the budget lasts and
+   fewer than ``max_num_seqs`` run: prefix-cache hit (longest cached prefix of full blocks,
+   at most ``num_tokens - 1`` tokens), then a chunk of the rest. The first one that does not
+   fit stops admission (no skipping: FCFS).
+3. A request whose known tokens are all computed samples one token. It finishes after exactly
+   ``max_tokens`` tokens; its blocks are freed tail-first and stay cached.
+
+All KV events of a step come back as one list (one vLLM event batch).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cachecore.engine.block_pool import BlockPool, CachedBlockInfo
+from cachecore.engine.hashing import EngineHasher, ExtraKeysFn, HashAlgo, WireHashFormat
+from cachecore.engine.kv_manager import KVCacheManager
+from cachecore.engine.latency import PROFILES, LatencyProfile
+from cachecore.engine.request import (
+    EngineRequest,
+    RequestOutput,
+    RequestRejectedError,
+    RequestState,
+    RequestStatus,
+)
+from cachecore.engine.tokens import OutputTokens, prompt_fingerprint
+from cachecore.kvevents import KVEvent
+
+if TYPE_CHECKING:
+    from cachecore.tokenizer import HFTokenizer
+
+DEFAULT_NUM_BLOCKS = 4096  # x 16 tokens = 65,536 tokens per replica
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine shape. ``None`` for max_num_seqs / max_num_batched_tokens takes the profile's.
+    ``max_model_len`` is capped to the pool's capacity (vLLM refuses to start otherwise), so
+    one request of any admissible length always fits alone and preemption always progresses.
+    """
+
+    profile: LatencyProfile = PROFILES["8b-h100"]
+    num_blocks: int = DEFAULT_NUM_BLOCKS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    hash_algo: HashAlgo = HashAlgo.SHA256
+    hash_seed: int | None = None  # None: random per engine instance, as vLLM
+    wire_hash_format: WireHashFormat = WireHashFormat.INT
+    lora_names: tuple[str, ...] = ()
+    enable_events: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 2:
+            raise ValueError("num_blocks, block_size must be >= 1 and max_model_len >= 2")
+        if len(set(self.lora_names)) != len(self.lora_names):
+            raise ValueError("duplicate LoRA names")
+
+    @property
+    def effective_max_num_seqs(self) -> int:
+        return self.max_num_seqs or self.profile.max_num_seqs
+
+    @property
+    def effective_max_num_batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or self.profile.max_num_batched_tokens
+
+    @property
+    def effective_max_model_len(self) -> int:
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    @property
+    def latency(self) -> LatencyProfile:
+        return self.profile.with_overrides(
+            max_num_seqs=self.effective_max_num_seqs,
+            max_num_batched_tokens=self.effective_max_num_batched_tokens,
+        )
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One engine step (or ``num_steps`` fast-forwarded decode steps)."""
+
+    duration_s: float
+    outputs: list[RequestOutput] = field(default_factory=list)
+    events: list[KVEvent] = field(default_factory=list)
+    num_steps: int = 1
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def idle(self) -> bool:
+        return self.num_prefill_tokens == 0 and self.num_decode_seqs == 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1, blocks in use by requests
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # tokens served from the prefix cache at admission
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens_computed: int
+    num_generation_tokens: int
+    num_finished: int
+    num_evictions: int
+
+
+def default_output_vocab(tokenizer: HFTokenizer | None = None) -> tuple[int, ...]:
+    """Ids of the tokenizer's single-token words (the built-in tokenizer by default)."""
+    if tokenizer is None:
+        from cachecore.tokenizer import builtin_tokenizer
+
+        tokenizer = builtin_tokenizer()
+    return tokenizer.word_vocabulary.ids
+
+
+class EngineCore:
+    """See the module docstring. Not thread-safe; one instance per simulated replica."""
+
+    def __init__(self, config: EngineConfig, output_vocab: Sequence[int] | None = None) -> None:
+        self.config = config
+        self.latency = config.latency
+        self.block_size = config.block_size
+        self.max_num_seqs = config.effective_max_num_seqs
+        self.max_num_batched_tokens = config.effective_max_num_batched_tokens
+        self.max_model_len = config.effective_max_model_len
+        self.hasher = EngineHasher(config.hash_algo, config.hash_seed)
+        self.pool = BlockPool(
+            config.num_blocks, config.block_size, config.wire_hash_format, config.enable_events
+        )
+        self.kv = KVCacheManager(self.pool, self.hasher)
+        self.tokens = OutputTokens(
+            output_vocab if output_vocab is not None else default_output_vocab()
+        )
+        self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_names)}
+        self.running: list[RequestState] = []
+        self.waiting: deque[RequestState] = deque()
+        self._requests: dict[str, RequestState] = {}
+        self._num_preemptions = 0
+        self._num_steps = 0
+        self._num_prompt_computed = 0
+        self._num_generated = 0
+        self._num_finished = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineRequest, now: float) -> None:
+        """Queue a request (FCFS). Raises RequestRejectedError for requests vLLM rejects."""
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt == 0:
+            raise RequestRejectedError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise RequestRejectedError("max_tokens must be at least 1")
+        if n_prompt + request.max_tokens > self.max_model_len:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n_prompt + request.max_tokens} tokens ({n_prompt} in the "
+                f"messages, {request.max_tokens} in the completion). Please reduce the length "
+                "of the messages or completion."
+            )
+        if request.request_id in self._requests:
+            raise RequestRejectedError(f"duplicate request id {request.request_id!r}")
+        lora_id = None
+        if request.lora_name is not None:
+            lora_id = self._lora_ids.get(request.lora_name)
+            if lora_id is None:
+                raise RequestRejectedError(f"unknown LoRA adapter {request.lora_name!r}")
+        if request.cache_salt is not None and not request.cache_salt:
+            raise RequestRejectedError("cache_salt must be a non-empty string")
+        state = RequestState(
+            request_id=request.request_id,
+            all_token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=n_prompt,
+            max_tokens=request.max_tokens,
+            extra_keys=ExtraKeysFn(request.lora_name, request.cache_salt),
+            fingerprint=prompt_fingerprint(request.prompt_token_ids),
+            arrival_time=now,
+            cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
+            lora_id=lora_id,
+        )
+        self._requests[request.request_id] = state
+        self.waiting.append(state)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its blocks are freed (cached ones stay cached)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.ABORTED
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_request(self, request_id: str) -> RequestState | None:
+        return self._requests.get(request_id)
+
+    # ------------------------------------------------------------------ stepping
+    def _preempt(self, req: RequestState) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def step(self, now: float) -> StepResult:
+        """Schedule and "execute" one step. ``now`` is the step's start time."""
+        kv = self.kv
+        running = self.running
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[RequestState, int]] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            scheduled_it = True
+            while not kv.allocate_slots(req, n):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    scheduled_it = False
+                    break
+            if not scheduled_it:
+                break
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        if not preempted:
+            waiting = self.waiting
+            stats = kv.prefix_stats
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                req = waiting[0]
+                hits, n_hit = kv.get_computed_blocks(req)
+                n = min(req.num_tokens - n_hit, budget)
+                if not kv.allocate_slots(req, n, hits):
+                    break
+                waiting.popleft()
+                stats.requests += 1
+                stats.queries += req.num_tokens
+                stats.hits += n_hit
+                req.status = RequestStatus.RUNNING
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = n_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+
+        return self._execute(scheduled, preempted)
+
+    def _execute(
+        self, scheduled: list[tuple[RequestState, int]], preempted: list[str]
+    ) -> StepResult:
+        n_prefill = 0
+        n_decode = 0
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        tok = self.tokens.token
+        for req, n in scheduled:
+            if n == 1 and req.is_decoding:
+                n_decode += 1
+            else:
+                n_prefill += n
+            req.num_computed_tokens += n
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            n_out = req.num_tokens - req.num_prompt_tokens
+            t = tok(req.fingerprint, n_out)
+            req.all_token_ids.append(t)
+            if n_out + 1 >= req.max_tokens:
+                self._finish(req)
+                any_finished = True
+            outputs.append(req.output([t], n_out == 0))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        self._num_steps += 1
+        self._num_prompt_computed += n_prefill
+        self._num_generated += len(outputs)
+        return StepResult(
+            duration_s=self.latency.step_time(n_prefill, n_decode),
+            outputs=outputs,
+            events=self.pool.take_events(),
+            num_prefill_tokens=n_prefill,
+            num_decode_seqs=n_decode,
+            preempted=preempted,
+        )
+
+    def _finish(self, req: RequestState) -> None:
+        req.status = RequestStatus.FINISHED
+        self.kv.free(req)
+        del self._requests[req.request_id]
+        self._num_finished += 1
+
+    # ------------------------------------------------------------------ fast forward
+    def decode_only(self) -> bool:
+        """True when the next steps are pure decode of the current batch: every running
+        request decodes and no waiting request can be admitted (none waits, or the batch is
+        full)."""
+        running = self.running
+        if not running or len(running) > self.max_num_batched_tokens:
+            return False
+        if self.waiting and len(running) < self.max_num_seqs:
+            return False
+        return all(r.is_decoding for r in running)
+
+    def fast_forward(
+        self, now: float, max_steps: int, max_duration_s: float | None = None
+    ) -> StepResult:
+        """Advance up to ``max_steps`` steps (and at most ``max_duration_s`` of step time,
+        but at least one step) at once when the batch is decode-only; else one :meth:`step`.
+
+        The outcome equals that many single steps: the same tokens, block allocations,
+        evictions, cached blocks and events (in the same order, as one list), the same
+        finishes. It stops before the step where a preemption would happen and at the step
+        where the first request finishes. Cost: O(batch + block boundaries crossed).
+        """
+        if max_steps <= 1 or not self.decode_only():
+            return self.step(now)
+        running = self.running
+        n = len(running)
+        t_step = self.latency.step_time(0, n)
+        k = min(max_steps, min(r.remaining_tokens for r in running))
+        if max_duration_s is not None and t_step > 0:
+            k = min(k, max(1, int(max_duration_s / t_step)))
+        bs = self.block_size
+        # Block-boundary crossings within steps 1..k, in single-step order: step, then
+        # position in the batch, then allocation (kind 0) before caching (kind 1).
+        crossings: list[tuple[int, int, int]] = []
+        for idx, r in enumerate(running):
+            c = r.num_computed_tokens  # step s computes the KV of position c + s - 1
+            s_alloc = (-c) % bs + 1
+            s_cache = (-c - 1) % bs + 1
+            crossings.extend((s, idx, 0) for s in range(s_alloc, k + 1, bs))
+            crossings.extend((s, idx, 1) for s in range(s_cache, k + 1, bs))
+        crossings.sort()
+        free = self.pool.num_free_blocks
+        n_alloc = 0
+        for pos, (s, _, kind) in enumerate(crossings):
+            if kind == 0:
+                n_alloc += 1
+                if n_alloc > free:  # this step would preempt: stop before it
+                    k = s - 1
+                    crossings = crossings[:pos]
+                    while crossings and crossings[-1][0] > k:
+                        crossings.pop()
+                    break
+        if k <= 1:
+            return self.step(now)
+        gen = self.tokens.tokens
+        new_tokens: list[list[int]] = []
+        for r in running:
+            toks = gen(r.fingerprint, r.num_output_tokens, k)
+            r.all_token_ids.extend(toks)
+            new_tokens.append(toks)
+        kv, pool = self.kv, self.pool
+        for s, idx, kind in crossings:
+            r = running[idx]
+            if kind == 0:
+                r.blocks.extend(pool.allocate(1))
+            else:
+                kv.cache_blocks(r, (r.num_computed_tokens + s) // bs)
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        for r, toks in zip(running, new_tokens, strict=True):
+            r.num_computed_tokens += k
+            if r.num_output_tokens >= r.max_tokens:
+                self._finish(r)
+                any_finished = True
+            outputs.append(r.output(toks, False))
+        if any_finished:
+            self.running = [r for r in running if r.status is RequestStatus.RUNNING]
+        self._num_steps += k
+        self._num_generated += n * k
+        return StepResult(
+            duration_s=k * t_step,
+            outputs=outputs,
+            events=self.pool.take_events(),
+            num_steps=k,
+            num_decode_seqs=n,
+        )
+
+    # ------------------------------------------------------------------ cache control
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache: succeeds (AllBlocksCleared) only when no block is in
+        use, i.e. no request is running."""
+        return self.pool.reset()
+
+    def take_events(self) -> list[KVEvent]:
+        """Events produced outside a step (e.g. by reset_prefix_cache)."""
+        return self.pool.take_events()
+
+    def cached_blocks(self) -> list[CachedBlockInfo]:
+        return self.pool.cached_blocks()
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> EngineStats:
+        pool = self.pool
+        ps = self.kv.prefix_stats
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=pool.usage(),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            prefix_cache_queries=ps.queries,
+            prefix_cache_hits=ps.hits,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+            num_prompt_tokens_computed=self._num_prompt_computed,
+            num_generation_tokens=self._num_generated,
+            num_finished=self._num_finished,
+            num_evictions=pool.num_evictions,
+        )
+
+    def num_tokens_in_flight(self) -> int:
+        """Tokens (prompt + generated) of every running and waiting request: /get_load."""
+        return sum(r.num_tokens for r in self.running) + sum(r.num_tokens for r in self.waiting)

@@ -1,0 +1,138 @@
+"""Engine-side block hashes, computed the way vLLM's prefix cache computes them.
+
+These are the ENGINE's hashes (what its events carry), not kvgate's block keys
+(:mod:`cachecore.keys`). They depend on the hash algorithm and on a per-process seed, exactly
+like vLLM's (``--prefix-caching-hash-algo``; ``NONE_HASH`` is random per process unless
+``PYTHONHASHSEED`` is set), so nothing outside the engine can or should reproduce them::
+
+    h_0 = H(ROOT(seed), tokens of block 0, extra_keys of block 0)
+    h_i = H(h_{i-1},    tokens of block i, extra_keys of block i)
+
+``extra_keys`` of a block: the LoRA name in every block, then the request's ``cache_salt`` in
+block 0 only (vLLM's ``generate_block_hash_extra_keys``); ``None`` when empty.
+
+Digests are bytes (32 for sha256, 16 for xxhash, as vLLM's ``BlockHash``). On the wire vLLM
+sends them as ints (the last 8 bytes, big-endian; ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, the
+default) or as the raw bytes: :class:`WireHashFormat`.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import os
+import sys
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Any
+
+import msgpack
+import xxhash
+
+EngineHash = bytes
+"""A block hash as the engine holds it (a digest)."""
+
+ExtraKeys = tuple[Any, ...] | None
+
+_NATIVE_LITTLE = sys.byteorder == "little"
+
+
+class HashAlgo(StrEnum):
+    SHA256 = "sha256"  # vLLM's default
+    XXHASH = "xxhash"  # vLLM's fast option (xxh3-128)
+
+
+class WireHashFormat(StrEnum):
+    INT = "int"  # 64-bit unsigned int: last 8 bytes of the digest, big-endian (vLLM default)
+    BYTES = "bytes"  # the raw digest
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    arr = array.array("I", tokens)
+    if not _NATIVE_LITTLE:  # pragma: no cover - big-endian hosts
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _extra_bytes(extra: ExtraKeys) -> bytes:
+    # Length-tagged so (tokens, extra) pairs cannot alias each other.
+    if not extra:
+        return b"\x00"
+    body: bytes = msgpack.packb(list(extra), use_bin_type=True)
+    return b"\x01" + len(body).to_bytes(4, "little") + body
+
+
+class EngineHasher:
+    """Chained block hashes for one engine process.
+
+    ``seed=None`` draws a random root per instance (vLLM's default behaviour: two engine
+    processes never agree on hashes); a fixed seed makes hashes reproducible across restarts.
+    """
+
+    def __init__(self, algo: HashAlgo = HashAlgo.SHA256, seed: int | None = None) -> None:
+        self.algo = HashAlgo(algo)
+        self.seed = seed
+        seed_material = os.urandom(32) if seed is None else f"kvgate-engine:{seed}".encode()
+        self._digest = (
+            (lambda data: hashlib.sha256(data).digest())
+            if self.algo is HashAlgo.SHA256
+            else xxhash.xxh3_128_digest
+        )
+        self.root: EngineHash = self._digest(b"root\x00" + seed_material)
+
+    def block_hash(
+        self, parent: EngineHash | None, tokens: Sequence[int], extra: ExtraKeys
+    ) -> EngineHash:
+        head = self.root if parent is None else parent
+        return self._digest(head + _token_bytes(tokens) + _extra_bytes(extra))
+
+    def chain(
+        self,
+        parent: EngineHash | None,
+        tokens: Sequence[int],
+        block_size: int,
+        first_block_index: int,
+        extra_of_block: ExtraKeysFn,
+    ) -> list[EngineHash]:
+        """Hashes of the consecutive full blocks of ``tokens`` (a multiple of block_size)
+        whose first block has index ``first_block_index`` in its request."""
+        out: list[EngineHash] = []
+        digest = self._digest
+        root = self.root
+        data = _token_bytes(tokens)
+        step = block_size * 4
+        h = parent
+        for i, off in enumerate(range(0, len(data) - step + 1, step)):
+            head = root if h is None else h
+            h = digest(
+                head + data[off : off + step] + _extra_bytes(extra_of_block(first_block_index + i))
+            )
+            out.append(h)
+        return out
+
+
+class ExtraKeysFn:
+    """The extra keys of each block of one request (LoRA name everywhere, salt in block 0)."""
+
+    __slots__ = ("first", "rest")
+
+    def __init__(self, lora_name: str | None, cache_salt: str | None) -> None:
+        base: tuple[Any, ...] = (lora_name,) if lora_name else ()
+        first = base + ((cache_salt,) if cache_salt else ())
+        self.first: ExtraKeys = first or None
+        self.rest: ExtraKeys = base or None
+
+    def __call__(self, block_index: int) -> ExtraKeys:
+        return self.first if block_index == 0 else self.rest
+
+
+def int_hash(h: EngineHash) -> int:
+    """The 64-bit int vLLM derives from a digest (and decoders derive from bytes hashes)."""
+    return int.from_bytes(h[-8:], "big")
+
+
+def to_wire(h: EngineHash, fmt: WireHashFormat) -> int | bytes:
+    """An engine hash as vLLM puts it into an event."""
+    if fmt is WireHashFormat.BYTES:
+        return h
+    return int_hash(h)

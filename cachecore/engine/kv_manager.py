@@ -1,0 +1,122 @@
+"""Per-request KV block bookkeeping on top of the :class:`BlockPool` (vLLM's
+KVCacheManager for one full-attention group): prefix-cache lookup, slot allocation, caching
+of newly full blocks, freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachecore.engine.block_pool import BlockPool, KVBlock
+from cachecore.engine.hashing import EngineHasher
+from cachecore.engine.request import RequestState
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative, in tokens (vLLM's prefix_cache_queries/hits)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, hasher: EngineHasher) -> None:
+        self.pool = pool
+        self.hasher = hasher
+        self.block_size = pool.block_size
+        self.prefix_stats = PrefixCacheStats()
+
+    def _ensure_hashes(self, req: RequestState, n_blocks: int) -> None:
+        """Compute the request's chained block hashes up to ``n_blocks`` full blocks."""
+        have = len(req.block_hashes)
+        if have >= n_blocks:
+            return
+        bs = self.block_size
+        parent = req.block_hashes[-1] if have else None
+        req.block_hashes.extend(
+            self.hasher.chain(
+                parent, req.all_token_ids[have * bs : n_blocks * bs], bs, have, req.extra_keys
+            )
+        )
+
+    def get_computed_blocks(self, req: RequestState) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks, capped so at least one prompt token is
+        computed (the last token's logits are needed: a fully cached block-aligned prompt
+        recomputes its last block). Returns the blocks and their token count. The caller
+        records ``prefix_stats`` once the request is admitted (a blocked queue head is looked
+        up again every step and must not count twice)."""
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hits: list[KVBlock] = []
+        get = self.pool.get_cached_block
+        hasher, hashes = self.hasher, req.block_hashes
+        for i in range(max_blocks):
+            if i >= len(hashes):
+                parent = hashes[i - 1] if i else None
+                hashes.append(
+                    hasher.block_hash(
+                        parent, req.all_token_ids[i * bs : (i + 1) * bs], req.extra_keys(i)
+                    )
+                )
+            blk = get(hashes[i])
+            if blk is None:
+                break
+            hits.append(blk)
+        return hits, len(hits) * bs
+
+    def num_blocks_needed(self, req: RequestState, num_new_tokens: int, num_hit_blocks: int) -> int:
+        total = req.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        return -(-total // self.block_size) - len(req.blocks) - num_hit_blocks
+
+    def allocate_slots(
+        self,
+        req: RequestState,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> bool:
+        """Reserve slots for ``num_new_tokens`` more tokens (after taking the prefix hit
+        ``new_computed_blocks``, for a request being admitted) and register the blocks that
+        become full. False, with nothing changed, when the free queue is too short."""
+        hits = new_computed_blocks or []
+        need = self.num_blocks_needed(req, num_new_tokens, len(hits))
+        # hit blocks that sit in the free queue are taken out of it by touch()
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if max(need, 0) + evictable_hits > self.pool.num_free_blocks:
+            return False
+        if hits:
+            self.pool.touch(hits)
+            req.blocks.extend(hits)
+            req.num_cached_blocks = len(req.blocks)
+            req.num_computed_tokens += len(hits) * self.block_size
+        if need > 0:
+            req.blocks.extend(self.pool.allocate(need))
+        n_full = min(req.num_computed_tokens + num_new_tokens, req.num_tokens) // self.block_size
+        self.cache_blocks(req, n_full)
+        return True
+
+    def cache_blocks(self, req: RequestState, n_full: int) -> None:
+        """Register the request's blocks ``num_cached_blocks .. n_full-1`` (now full)."""
+        start = req.num_cached_blocks
+        if n_full <= start:
+            return
+        bs = self.block_size
+        self._ensure_hashes(req, n_full)
+        xk = req.extra_keys
+        self.pool.cache_full_blocks(
+            req.blocks[start:n_full],
+            req.block_hashes[start:n_full],
+            req.block_hashes[start - 1] if start else None,
+            req.all_token_ids[start * bs : n_full * bs],
+            [xk(i) for i in range(start, n_full)],
+            lora_id=req.lora_id,
+            lora_name=req.lora_name,
+        )
+        req.num_cached_blocks = n_full
+
+    def free(self, req: RequestState) -> None:
+        """Release the request's blocks tail-first (its last blocks are evicted first)."""
+        if req.blocks:
+            self.pool.free(reversed(req.blocks))
+        req.blocks = []
+        req.num_cached_blocks = 0

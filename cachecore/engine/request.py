@@ -1,0 +1,125 @@
+"""Requests as the engine sees them: the caller's :class:`EngineRequest`, the engine's
+internal :class:`RequestState`, and the per-step :class:`RequestOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from cachecore.engine.block_pool import KVBlock
+from cachecore.engine.hashing import EngineHash, ExtraKeysFn
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class RequestRejectedError(ValueError):
+    """A request the engine cannot serve (too long for the model, bad parameters)."""
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV freed; recomputed later
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(StrEnum):
+    LENGTH = "length"  # max_tokens reached: the only way a simulated request ends
+    ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """What a caller submits. ``cache_salt`` enters block 0's extra keys only;
+    ``lora_name`` enters every block's (and must be one of the engine's adapters)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step (or one fast-forward) produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_output_tokens: int  # total generated so far, including new_token_ids
+    first_token: bool  # new_token_ids starts with the request's first output token
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # tokens served from the prefix cache at first scheduling
+    arrival_time: float
+    first_scheduled_time: float | None
+    num_preemptions: int
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """The engine's view of one request. ``all_token_ids`` = prompt + outputs so far; KV is
+    computed for the first ``num_computed_tokens`` of them; ``blocks`` hold that KV (the
+    first ``num_cached_blocks`` are registered in the prefix cache)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    extra_keys: ExtraKeysFn
+    fingerprint: int
+    arrival_time: float
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    block_hashes: list[EngineHash] = field(default_factory=list)
+    num_cached_tokens: int = -1  # set at first scheduling (vLLM's num_cached_tokens)
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_tokens - self.num_output_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Has an output token and only that last token's KV is missing."""
+        return (
+            self.num_tokens > self.num_prompt_tokens
+            and self.num_computed_tokens == self.num_tokens - 1
+        )
+
+    def output(self, new_token_ids: list[int], first_token: bool) -> RequestOutput:
+        finished = self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+        reason = None
+        if self.status is RequestStatus.FINISHED:
+            reason = FinishReason.LENGTH
+        elif self.status is RequestStatus.ABORTED:
+            reason = FinishReason.ABORT
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_token_ids,
+            num_output_tokens=self.num_output_tokens,
+            first_token=first_token,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,61 @@
+"""Deterministic output tokens: the simulated model's "sampling".
+
+Token ``j`` of a request's output is a pure function of the prompt and ``j`` (a splitmix64
+mix of a prompt fingerprint and the position), so identical prompts produce identical outputs
+(and identical decode blocks, which the prefix cache can then share across turns). Ids are
+drawn from the tokenizer's :class:`~cachecore.tokenizer.WordVocabulary`, so decoded text is a
+stream of real single-token words. No EOS is ever produced: a request generates exactly
+``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from cachecore.keys import tokens_to_bytes
+
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+_NUMPY_MIN = 48  # below this a Python loop beats numpy's call overhead
+
+
+def prompt_fingerprint(prompt_token_ids: Sequence[int]) -> int:
+    return xxhash.xxh3_64_intdigest(tokens_to_bytes(prompt_token_ids))
+
+
+class OutputTokens:
+    """Maps (prompt fingerprint, output position) to a vocabulary id."""
+
+    def __init__(self, vocab_ids: Sequence[int]) -> None:
+        if not vocab_ids:
+            raise ValueError("empty output vocabulary")
+        self.vocab_ids = tuple(int(i) for i in vocab_ids)
+        self._vocab_np = np.asarray(self.vocab_ids, dtype=np.int64)
+        self._n = len(self.vocab_ids)
+
+    def token(self, fingerprint: int, position: int) -> int:
+        x = (fingerprint + (position + 1) * _GOLDEN) & _M64
+        x = ((x ^ (x >> 30)) * _MIX1) & _M64
+        x = ((x ^ (x >> 27)) * _MIX2) & _M64
+        x ^= x >> 31
+        return self.vocab_ids[x % self._n]
+
+    def tokens(self, fingerprint: int, start: int, count: int) -> list[int]:
+        """Tokens at positions ``start .. start+count-1`` (same values as :meth:`token`)."""
+        if count < _NUMPY_MIN:
+            tok = self.token
+            return [tok(fingerprint, p) for p in range(start, start + count)]
+        pos = np.arange(start + 1, start + count + 1, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            x = np.uint64(fingerprint) + pos * np.uint64(_GOLDEN)
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
+            x ^= x >> np.uint64(31)
+        idx = (x % np.uint64(self._n)).astype(np.int64)
+        out: list[int] = self._vocab_np[idx].tolist()
+        return out
