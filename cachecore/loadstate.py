@@ -9,8 +9,8 @@ Two sources feed one :class:`LoadRecord` per replica:
   :meth:`LoadStore.add_inflight`, and keeps those counts alive with
   :meth:`LoadStore.heartbeat`. A gateway that crashes stops heartbeating; once its liveness
   lapses (``gateway_ttl_ms``) its counts are ignored and then pruned, so a crash never leaks
-  in-flight load. Counts of one gateway are clamped at zero when summed (a late completion
-  after a prune cannot make the total negative).
+  in-flight load. Counts are clamped at zero (a completion that arrives after its gateway's
+  counts were pruned is a no-op, and cannot hide later dispatches).
 
 :meth:`LoadStore.snapshot` returns every requested replica's record in one round trip. It
 is not on the per-request path: the gateway refreshes a local copy every ~50-100 ms and adds
@@ -196,8 +196,9 @@ class MemoryLoadStore:
     ) -> None:
         validate_gateway_id(gateway_id)
         g = self._rep(replica).gateways.setdefault(gateway_id, _GatewayCounts())
-        g.requests += d_requests
-        g.tokens += d_prefill_tokens
+        # clamped on write, as in Redis (a late completion after a prune is a no-op)
+        g.requests = max(0, g.requests + d_requests)
+        g.tokens = max(0, g.tokens + d_prefill_tokens)
         g.expires_ms = now_ms + self.gateway_ttl_ms
 
     async def heartbeat(self, gateway_id: str, replicas: Sequence[str], now_ms: int) -> None:
@@ -287,8 +288,14 @@ return out
 # KEYS[1] inflight hash. ARGV: gateway, d_req, d_tok, expires_ms, key_ttl_ms
 _ADD_INFLIGHT_LUA = """
 local g = ARGV[1]
-redis.call('HINCRBY', KEYS[1], g .. ':r', ARGV[2])
-redis.call('HINCRBY', KEYS[1], g .. ':t', ARGV[3])
+-- clamp at zero on write: a completion that arrives after this gateway's fields were pruned
+-- must not hide its later dispatches
+if redis.call('HINCRBY', KEYS[1], g .. ':r', ARGV[2]) < 0 then
+  redis.call('HSET', KEYS[1], g .. ':r', 0)
+end
+if redis.call('HINCRBY', KEYS[1], g .. ':t', ARGV[3]) < 0 then
+  redis.call('HSET', KEYS[1], g .. ':t', 0)
+end
 redis.call('HSET', KEYS[1], g .. ':x', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1

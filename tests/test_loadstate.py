@@ -1,0 +1,165 @@
+"""Shared load state: both stores answer identically; crashed gateways do not leak
+in-flight load; several gateway processes see one picture; one round trip per snapshot."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from cachecore.index.base import IndexError_
+from cachecore.loadstate import (
+    PRUNE_AFTER_MS,
+    EngineLoad,
+    LoadRecord,
+    LoadStore,
+    LoadStoreError,
+    MemoryLoadStore,
+    RedisLoadStore,
+    new_gateway_id,
+    validate_gateway_id,
+)
+from cachecore.testing import free_port
+
+TTL = 1000
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[LoadStore]:
+    s: LoadStore
+    if request.param == "memory":
+        s = MemoryLoadStore(gateway_ttl_ms=TTL)
+    else:
+        s = RedisLoadStore.from_url(request.getfixturevalue("redis_url"), gateway_ttl_ms=TTL)
+    yield s
+    await s.close()
+
+
+async def test_engine_load_and_freshness(store: LoadStore) -> None:
+    await store.publish_engine("a", EngineLoad(3, 7, 0.625, metrics_ts_ms=900), 500, 1000)
+    snap = await store.snapshot(["a", "b"], 1200)
+    a = snap["a"]
+    assert (a.num_running, a.num_waiting, a.kv_usage, a.metrics_ts_ms) == (3, 7, 0.625, 900)
+    assert a.fresh(1200, 300) and not a.fresh(1200, 299) and a.age_ms(1200) == 300
+    assert snap["b"] == LoadRecord("b")
+    assert not snap["b"].has_engine and snap["b"].age_ms(1) is None
+    # the engine report expires by the caller's clock (agent down)
+    gone = (await store.snapshot(["a"], 1500))["a"]
+    assert not gone.has_engine and gone.num_waiting == 0
+
+
+async def test_inflight_is_summed_across_gateways(store: LoadStore) -> None:
+    await store.add_inflight("gw1", "a", 1, 4000, 0)
+    await store.add_inflight("gw1", "a", 1, 1000, 0)
+    await store.add_inflight("gw2", "a", 1, 500, 10)
+    await store.add_inflight("gw2", "b", 2, 0, 10)
+    snap = await store.snapshot(["a", "b"], 20)
+    assert (snap["a"].inflight_requests, snap["a"].inflight_prefill_tokens) == (3, 5500)
+    assert snap["a"].gateways == 2 and snap["b"].inflight_requests == 2
+    # first token: prefill done; completion: request done
+    await store.add_inflight("gw1", "a", 0, -4000, 30)
+    await store.add_inflight("gw1", "a", -1, 0, 40)
+    snap = await store.snapshot(["a"], 50)
+    assert (snap["a"].inflight_requests, snap["a"].inflight_prefill_tokens) == (2, 1500)
+
+
+async def test_crashed_gateway_counts_expire_and_are_pruned(store: LoadStore) -> None:
+    await store.add_inflight("alive", "a", 2, 100, 0)
+    await store.add_inflight("crashed", "a", 5, 9000, 0)
+    for t in (400, 800, 1200, 1600):  # only "alive" heartbeats
+        await store.heartbeat("alive", ["a"], t)
+    snap = (await store.snapshot(["a"], 1700))["a"]
+    assert (snap.inflight_requests, snap.inflight_prefill_tokens, snap.gateways) == (2, 100, 1)
+    # a completion reported after the prune is a no-op; later dispatches count in full
+    late = TTL + PRUNE_AFTER_MS + 10
+    await store.heartbeat("alive", ["a"], late)
+    await store.add_inflight("crashed", "a", -5, -9000, late + 10)
+    await store.add_inflight("crashed", "a", 1, 10, late + 20)
+    snap = (await store.snapshot(["a"], late + 30))["a"]
+    assert (snap.inflight_requests, snap.inflight_prefill_tokens) == (3, 110)
+
+
+async def test_lapsed_gateway_fields_are_pruned(redis_url: str) -> None:
+    mem = MemoryLoadStore(gateway_ttl_ms=TTL)
+    red = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        for s in (mem, red):
+            await s.add_inflight("crashed", "a", 5, 9000, 0)
+            await s.heartbeat("alive", ["a"], TTL + PRUNE_AFTER_MS - 1)  # not yet
+        assert "crashed" in mem._replicas["a"].gateways
+        assert await admin.hexists("kvg:{r:a}:gw:inflight", "crashed:r")
+        for s in (mem, red):
+            await s.heartbeat("alive", ["a"], TTL + PRUNE_AFTER_MS + 1)
+        assert set(mem._replicas["a"].gateways) == {"alive"}
+        fields = await admin.hkeys("kvg:{r:a}:gw:inflight")
+        assert sorted(fields) == [b"alive:x"]
+        assert await admin.pttl("kvg:{r:a}:gw:inflight") > 0  # garbage-collected if idle
+    finally:
+        await red.close()
+        await admin.aclose()
+
+
+async def test_clean_shutdown_drops_counts(store: LoadStore) -> None:
+    await store.add_inflight("gw1", "a", 3, 30, 0)
+    await store.add_inflight("gw1", "b", 1, 10, 0)
+    await store.drop_gateway("gw1", ["a", "b"])
+    snap = await store.snapshot(["a", "b"], 1)
+    assert snap["a"].inflight_requests == snap["b"].inflight_requests == 0
+
+
+async def test_bad_input(store: LoadStore) -> None:
+    with pytest.raises(ValueError):
+        await store.add_inflight("bad:gw", "a", 1, 1, 0)
+    with pytest.raises(ValueError):
+        await store.snapshot(["bad replica"], 0)
+    with pytest.raises(ValueError):
+        EngineLoad(-1, 0, 0.0, 0)
+    with pytest.raises(ValueError):
+        EngineLoad(0, 0, 1.5, 0)
+    assert await store.snapshot([], 0) == {}
+
+
+def test_gateway_ids() -> None:
+    a, b = new_gateway_id(), new_gateway_id()
+    assert a != b and validate_gateway_id(a) == a
+
+
+async def test_two_gateway_processes_share_one_picture(redis_url: str) -> None:
+    g1 = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
+    g2 = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        replicas = [f"r{i}" for i in range(16)]
+        for i, r in enumerate(replicas):
+            await g1.publish_engine(r, EngineLoad(i, i * 2, i / 16, 5), 10_000, 5)
+            await g1.add_inflight("gw-1", r, 1, 100 * i, 5)
+            await g2.add_inflight("gw-2", r, 2, 10, 5)
+        await g2.snapshot(replicas, 6)  # loads the script
+        before = (await admin.info("commandstats"))["cmdstat_evalsha_ro"]["calls"]
+        trips = g2.round_trips
+        s1, s2 = await g1.snapshot(replicas, 6), await g2.snapshot(replicas, 6)
+        assert s1 == s2
+        assert g2.round_trips - trips == 1
+        after = (await admin.info("commandstats"))["cmdstat_evalsha_ro"]["calls"]
+        assert after - before == 2  # one per snapshot, whatever the number of replicas
+        assert [s1[r].inflight_requests for r in replicas] == [3] * 16
+        assert s1["r5"].inflight_prefill_tokens == 510 and s1["r5"].num_waiting == 10
+    finally:
+        await g1.close()
+        await g2.close()
+        await admin.aclose()
+
+
+async def test_redis_unreachable_raises() -> None:
+    s = RedisLoadStore.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        with pytest.raises(LoadStoreError):
+            await s.snapshot(["a"], 0)
+        with pytest.raises(IndexError_):
+            await s.add_inflight("g", "a", 1, 1, 0)
+        with pytest.raises(LoadStoreError):
+            await s.heartbeat("g", ["a"], 0)
+    finally:
+        await s.close()
