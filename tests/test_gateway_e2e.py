@@ -1,0 +1,321 @@
+"""End to end: the real openai SDK -> the gateway -> real simulated replicas."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessageParam
+
+from cachecore.keys import Scope, ScopeKind
+from gateway.auth import hash_key
+from tests.test_gateway_support import Stack, kill_replica, stack, words
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def chat(system: str, user: str) -> list[ChatCompletionMessageParam]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def cached(usage: CompletionUsage | None) -> int:
+    """The engine-reported cached tokens of a response (which must report them)."""
+    assert usage is not None and usage.prompt_tokens_details is not None
+    n = usage.prompt_tokens_details.cached_tokens
+    assert isinstance(n, int)
+    return n
+
+
+def decisions(st: Stack) -> float:
+    total = 0.0
+    for metric in st.gw.metrics.decisions.collect():
+        total += sum(x.value for x in metric.samples if x.name.endswith("_total"))
+    return total
+
+
+async def test_repeated_prefix_goes_to_its_replica_and_is_cached() -> None:
+    async with stack(count=3) as st:
+        c = st.client()
+        system = words(1500, 1)
+        replicas: list[str] = []
+        hits: list[int] = []
+        for i in range(5):
+            raw = await c.chat.completions.with_raw_response.create(
+                model=st.model, messages=chat(system, words(20, 100 + i)), max_tokens=4
+            )
+            replicas.append(raw.headers["x-kvgate-replica"])
+            hits.append(cached(raw.parse().usage))
+            assert raw.headers["x-request-id"]
+        assert len(set(replicas)) == 1  # every repeat followed the prefix
+        assert hits[0] == 0 and all(x >= 1488 for x in hits[1:])
+        abs_err, prompt = st.gw.metrics.precision
+        assert prompt > 7000 and abs_err / prompt <= 0.03
+
+
+async def test_streaming_through_the_sdk_and_usage_only_when_asked() -> None:
+    async with stack(count=2) as st:
+        c = st.client()
+        system = words(600, 2)
+        stream = await c.chat.completions.create(
+            model=st.model, messages=chat(system, "hello"), max_tokens=6, stream=True
+        )
+        chunks = [ch async for ch in stream]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text and all(ch.usage is None for ch in chunks)  # we asked upstream, not them
+        stream = await c.chat.completions.create(
+            model=st.model,
+            messages=chat(system, "again"),
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [ch async for ch in stream]
+        assert cached(chunks[-1].usage) >= 592
+        # the precision check saw the stream's usage too
+        assert st.gw.metrics.precision[1] >= 2 * 600
+
+
+async def test_completions_json_and_stream_and_unknown_fields_pass() -> None:
+    async with stack(count=2) as st:
+        c = st.client()
+        prompt = words(300, 3)
+        r = await c.completions.create(
+            model=st.model, prompt=prompt, max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text and r.usage is not None
+        r2 = await c.completions.create(model=st.model, prompt=prompt, max_tokens=3)
+        assert cached(r2.usage) >= 288
+        s = await c.completions.create(model=st.model, prompt=prompt, max_tokens=3, stream=True)
+        assert "".join([ch.choices[0].text async for ch in s if ch.choices])
+        models = await c.models.list()
+        assert [m.id for m in models.data] == [st.model]
+
+
+async def test_error_objects(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"keys:\n  - {{sha256: {hash_key('sk-good')}, tenant: acme}}\n")
+    policy = "tenants: {acme: {limits: {requests_per_s: 1, requests_burst: 4}}}"
+    async with stack(count=1, api_keys_file=keys, policy=policy, max_body_bytes=20_000) as st:
+        msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError) as e401:
+            await st.client("sk-bad").chat.completions.create(model=st.model, messages=msgs)
+        assert e401.value.code == "invalid_api_key"
+        good = st.client("sk-good")
+        with pytest.raises(openai.NotFoundError) as e404:
+            await good.chat.completions.create(model="no-such-model", messages=msgs)
+        assert e404.value.code == "model_not_found"
+        async with st.http() as h:
+            auth = {"authorization": "Bearer sk-good"}
+            r = await h.post("/v1/chat/completions", content=b"{not json", headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            r = await h.post("/v1/chat/completions", json={"model": st.model}, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            big = {"model": st.model, "messages": [{"role": "user", "content": "x" * 30_000}]}
+            r = await h.post("/v1/chat/completions", json=big, headers=auth)
+            assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+            r = await h.get("/v1/nowhere", headers=auth)
+            assert r.status_code == 404 and "error" in r.json()
+        # burst of 4 then 429 with Retry-After (the 404 and 400s above spent 4 tokens... reset)
+        with pytest.raises(openai.RateLimitError) as e429:
+            for _ in range(8):
+                await good.chat.completions.create(model=st.model, messages=msgs, max_tokens=1)
+        assert e429.value.response.headers["retry-after"] == "1"
+        assert e429.value.code == "rate"
+
+
+async def test_client_cache_salt_has_no_effect() -> None:
+    policy = "tenants: {a: {}, b: {}}"
+    async with stack(count=1, policy=policy) as st:
+        gw = st.gw
+        prompt = words(800, 4)
+        salt_a = gw.minter.salt(Scope(ScopeKind.TENANT, "anonymous"))
+        c = st.client()
+        r1 = await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
+        # same tenant, an arbitrary client salt: still our salt, still a hit
+        r2 = await c.completions.create(
+            model=st.model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "mine"}
+        )
+        assert cached(r1.usage) == 0 and cached(r2.usage) >= 784
+        # the engine cache is scoped by salt: a different scope's salt from a client of
+        # another scope would hit; the gateway overwrites it, so it cannot
+        scope_b = Scope(ScopeKind.TENANT, "someone-else")
+        gw.key_store.open_access = True
+        spoof = {"cache_salt": salt_a}
+        body = {"model": st.model, "prompt": prompt, "max_tokens": 1, **spoof}
+        d = await gw.prepare("completion", "someone-else", dict(body), {}, "t", True)
+        sent = orjson.loads(gw.upstream_body(d))
+        assert sent["cache_salt"] == gw.minter.salt(scope_b) != salt_a
+
+
+async def test_tenant_spoofing_a_salt_gets_no_hit(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        f"  - {{sha256: {hash_key('sk-a')}, tenant: a}}\n"
+        f"  - {{sha256: {hash_key('sk-b')}, tenant: b}}\n"
+    )
+    async with stack(count=1, api_keys_file=keys) as st:
+        prompt = words(800, 5)
+        a, b = st.client("sk-a"), st.client("sk-b")
+        await a.completions.create(model=st.model, prompt=prompt, max_tokens=1)
+        salt_a = st.gw.minter.salt(Scope(ScopeKind.TENANT, "a"))
+        rb = await b.completions.create(
+            model=st.model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt_a}
+        )
+        assert cached(rb.usage) == 0
+        ra = await a.completions.create(model=st.model, prompt=prompt, max_tokens=1)
+        assert cached(ra.usage) >= 784
+
+
+async def test_sensitive_requests_are_not_indexed_and_stay_in_their_session() -> None:
+    policy = "default_tenant: {sensitive: {allow_header: true}}"
+    async with stack(count=3, policy=policy) as st:
+        gw, c = st.gw, st.client()
+        system = words(700, 6)
+        hdr = {"x-kvgate-sensitive": "session", "x-kvgate-session": "s-1"}
+        seen: list[str] = []
+        hits: list[int] = []
+        for i in range(4):
+            raw = await c.chat.completions.with_raw_response.create(
+                model=st.model, messages=chat(system, words(10, 200 + i)), max_tokens=2,
+                extra_headers=hdr,
+            )  # fmt: skip
+            seen.append(raw.headers["x-kvgate-replica"])
+            hits.append(cached(raw.parse().usage))
+        assert len(set(seen)) == 1 and hits[0] == 0 and min(hits[1:]) >= 688
+        assert gw.index is not None
+        await gw.index.settle()
+        stats = await gw.index.primary.stats()
+        assert stats.pending_entries == 0 and stats.stored_entries == 0
+        # a non-sensitive request of the same tenant sees no trace of the session's prefix
+        r = await c.chat.completions.create(
+            model=st.model, messages=chat(system, words(10, 300)), max_tokens=1
+        )
+        assert cached(r.usage) == 0
+        # the header is refused where the policy does not allow it
+        gw.policies.reload_text("default_tenant: {sensitive: {allow_header: false}}")
+        with pytest.raises(openai.PermissionDeniedError):
+            await c.chat.completions.create(
+                model=st.model, messages=chat(system, "x"), max_tokens=1, extra_headers=hdr
+            )
+
+
+async def test_retry_on_another_replica_before_the_first_byte() -> None:
+    # slow health checks: only the retry path can save requests sent to the dead replica
+    policy = "routing: {strategy: round_robin}\nhealth: {interval_s: 60, eject_s: 60}"
+    async with stack(count=2, policy=policy) as st:
+        await kill_replica(st.fleet, 0)
+        c = st.client()
+        for i in range(6):
+            r = await c.completions.create(model=st.model, prompt=words(50, 400 + i), max_tokens=1)
+            assert r.choices
+        assert st.gw.metrics.retries._value.get() >= 1
+        state = {r["id"]: r for r in st.gw.replicas_state()}
+        assert state[st.replica_id(0)]["routable"] is False  # ejected at the refused connect
+
+
+async def test_replica_dying_mid_stream_gives_an_error_event_and_a_clean_end() -> None:
+    async with stack(count=1) as st:
+        async with st.http() as h:
+            body = {"model": st.model, "prompt": words(100, 7), "max_tokens": 400, "stream": True}
+            async with h.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                got = b""
+                killed = False
+                async with asyncio.timeout(15):
+                    async for chunk in resp.aiter_bytes():
+                        got += chunk
+                        if not killed and got.count(b"\n\n") >= 3:
+                            await kill_replica(st.fleet, 0)
+                            killed = True
+        events = [e for e in got.split(b"\n\n") if e.strip()]
+        assert events[-1] == b"data: [DONE]"
+        err = orjson.loads(events[-2][len(b"data: ") :])
+        assert err["error"]["code"] == "upstream_error"
+
+
+async def test_client_disconnect_cancels_the_upstream_request() -> None:
+    async with stack(count=1) as st:
+        url = st.fleet.urls[0]
+        async with st.http() as h:
+            body = {"model": st.model, "prompt": words(50, 8), "max_tokens": 2000, "stream": True}
+            async with h.stream("POST", "/v1/completions", json=body) as resp:
+                async for _ in resp.aiter_bytes():
+                    break
+            load = (await h.get(url + "/get_load")).json()[0]
+            assert load["num_reqs"] == 1
+            for _ in range(100):  # bounded: 5 s
+                await asyncio.sleep(0.05)
+                if (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 0:
+                    break
+            assert (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 0
+
+
+async def test_admin_policy_reload_explain_cordon() -> None:
+    async with stack(count=2) as st, st.http() as h:
+        adm = st.admin_headers()
+        r = await h.post("/admin/policy", content=b"routing: {temperature: -1}", headers=adm)
+        assert r.status_code == 400 and "routing.temperature" in r.json()["error"]["fields"]
+        assert st.gw.policy.routing.strategy.value == "expected_latency"
+        r = await h.post("/admin/policy", content=b"routing: {strategy: least_loaded}")
+        assert r.status_code == 401
+        r = await h.post("/admin/policy", content=b"routing: {strategy: least_loaded}", headers=adm)
+        assert r.status_code == 200 and st.gw.policy.routing.strategy.value == "least_loaded"
+        before = decisions(st)
+        body = {"model": st.model, "messages": [{"role": "user", "content": words(64, 9)}]}
+        r = await h.post("/admin/route/explain", json=body, headers=adm)
+        ex = r.json()
+        assert r.status_code == 200 and ex["prompt_tokens"] > 64
+        assert {s["replica"] for s in ex["decision"]["scores"]} == {
+            st.replica_id(0),
+            st.replica_id(1),
+        }
+        assert decisions(st) == before  # nothing was sent
+        r = await h.post(f"/admin/replicas/{st.replica_id(0)}/cordon", headers=adm)
+        assert r.json()["cordoned"] is True
+        c = st.client()
+        served: Counter[str] = Counter()
+        for i in range(4):
+            raw = await c.completions.with_raw_response.create(
+                model=st.model, prompt=words(20, 500 + i), max_tokens=1
+            )
+            served[raw.headers["x-kvgate-replica"]] += 1
+        assert served == Counter({st.replica_id(1): 4})
+        r = await h.get("/admin/replicas")
+        assert r.status_code == 401
+        metrics = (await h.get("/metrics")).text
+        assert "kvgate_route_decisions_total" in metrics
+        assert 'kvgate_stage_cpu_seconds_total{stage="keys"}' in metrics
+
+
+async def test_redis_stopped_mid_run_fails_no_request(redis_own: object) -> None:
+    from cachecore.testing import RedisServer
+
+    assert isinstance(redis_own, RedisServer)
+    async with stack(count=2, redis_url=redis_own.url) as st:
+        c = st.client()
+        system = words(400, 10)
+        for i in range(3):
+            await c.chat.completions.create(
+                model=st.model, messages=chat(system, words(5, 600 + i)), max_tokens=1
+            )
+        redis_own.stop()
+        results = []
+        for i in range(6):
+            r = await c.chat.completions.create(
+                model=st.model, messages=chat(system, words(5, 700 + i)), max_tokens=1
+            )
+            results.append(r)
+        assert len(results) == 6 and st.gw.index is not None and st.gw.index.fallbacks >= 6
+        # the local index of its own decisions still steers the prefix
+        assert cached(results[-1].usage) >= 384
+        redis_own.start()
+        r = await c.chat.completions.create(
+            model=st.model, messages=chat(system, "back"), max_tokens=1
+        )
+        assert r.choices
