@@ -247,8 +247,9 @@ async def test_client_disconnect_cancels_the_upstream_request() -> None:
             async with h.stream("POST", "/v1/completions", json=body) as resp:
                 async for _ in resp.aiter_bytes():
                     break
-            load = (await h.get(url + "/get_load")).json()[0]
-            assert load["num_reqs"] == 1
+                load = (await h.get(url + "/get_load")).json()[0]
+                assert load["num_reqs"] == 1  # running while the client reads
+            # the client closed its stream: the engine must stop generating
             for _ in range(100):  # bounded: 5 s
                 await asyncio.sleep(0.05)
                 if (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 0:
