@@ -242,10 +242,21 @@ class EngineCore:
         scheduled: list[tuple[RequestState, int]] = []
         preempted: list[str] = []
 
+        bs = self.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            c = req.num_computed_tokens
+            n = min(len(req.all_token_ids) - c, budget)
+            if n == 1 and c % bs:
+                # decode fast path: the token's slot is in the last block; register that
+                # block if this token fills it (same outcome as allocate_slots)
+                if (c + 1) % bs == 0:
+                    kv.cache_blocks(req, (c + 1) // bs)
+                scheduled.append((req, 1))
+                budget -= 1
+                i += 1
+                continue
             scheduled_it = True
             while not kv.allocate_slots(req, n):
                 victim = running.pop()
@@ -293,16 +304,20 @@ class EngineCore:
         any_finished = False
         tok = self.tokens.token
         for req, n in scheduled:
-            if n == 1 and req.is_decoding:
+            ids = req.all_token_ids
+            n_tokens = len(ids)
+            n_out = n_tokens - req.num_prompt_tokens
+            c = req.num_computed_tokens
+            if n == 1 and n_out > 0 and c == n_tokens - 1:
                 n_decode += 1
             else:
                 n_prefill += n
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
+            c += n
+            req.num_computed_tokens = c
+            if c < n_tokens:
                 continue  # a prefill chunk: nothing sampled yet
-            n_out = req.num_tokens - req.num_prompt_tokens
             t = tok(req.fingerprint, n_out)
-            req.all_token_ids.append(t)
+            ids.append(t)
             if n_out + 1 >= req.max_tokens:
                 self._finish(req)
                 any_finished = True

@@ -104,22 +104,23 @@ class RequestState:
         )
 
     def output(self, new_token_ids: list[int], first_token: bool) -> RequestOutput:
-        finished = self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+        status = self.status
         reason = None
-        if self.status is RequestStatus.FINISHED:
+        if status is RequestStatus.FINISHED:
             reason = FinishReason.LENGTH
-        elif self.status is RequestStatus.ABORTED:
+        elif status is RequestStatus.ABORTED:
             reason = FinishReason.ABORT
+        cached = self.num_cached_tokens
         return RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=new_token_ids,
-            num_output_tokens=self.num_output_tokens,
-            first_token=first_token,
-            finished=finished,
-            finish_reason=reason,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=max(self.num_cached_tokens, 0),
-            arrival_time=self.arrival_time,
-            first_scheduled_time=self.first_scheduled_time,
-            num_preemptions=self.num_preemptions,
+            self.request_id,
+            new_token_ids,
+            len(self.all_token_ids) - self.num_prompt_tokens,
+            first_token,
+            reason is not None,
+            reason,
+            self.num_prompt_tokens,
+            cached if cached > 0 else 0,
+            self.arrival_time,
+            self.first_scheduled_time,
+            self.num_preemptions,
         )
