@@ -1,0 +1,429 @@
+"""The HTTP face of a simulated replica: vLLM's OpenAI-compatible endpoints plus the
+SGLang/router helper endpoints and kvgate's debug/chaos endpoints.
+
+Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/models``,
+``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
+``/v1/completions/render``, ``/get_load``, ``/get_server_info`` (``/server_info``),
+``/get_model_info`` (``/model_info``), ``/flush_cache`` and ``/reset_prefix_cache``,
+``/version``; debug: ``GET /debug/blocks``, ``POST /debug/restart``, ``/debug/drop_events``,
+``/debug/pause``, ``/debug/health``. See docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from cachecore.engine import EngineRequest, RequestOutput, RequestRejectedError
+from cachecore.replica.driver import EngineDriver, EngineStoppedError, RequestHandle
+from cachecore.replica.protocol import (
+    SSE_DONE,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_prompt_ids,
+    completion_response,
+    error_body,
+    now_s,
+    sse,
+    usage,
+    usage_chunk,
+    validate_common,
+)
+from cachecore.replica.server import SimReplica
+from cachecore.tokenizer import TokenizerError
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise APIError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise APIError(f"{loc}: {first.get('msg')}", param=loc or None) from exc
+
+
+def create_app(replica: SimReplica) -> FastAPI:
+    app = FastAPI(title=f"kvgate simulated replica {replica.index}", docs_url=None, redoc_url=None)
+    tok = replica.tokenizer
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    def check_model(name: str | None) -> str | None:
+        try:
+            return replica.resolve_model(name)
+        except KeyError:
+            raise APIError(
+                f"The model `{name}` does not exist.", 404, "NotFoundError", "model"
+            ) from None
+
+    def submit(
+        prefix: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        salt: str | None,
+        lora: str | None,
+        rid: str | None,
+    ) -> tuple[EngineDriver, RequestHandle]:
+        driver = replica.driver
+        request_id = f"{prefix}-{rid or uuid.uuid4().hex}"
+        try:
+            handle = driver.submit(
+                EngineRequest(request_id, prompt_ids, max_tokens, cache_salt=salt, lora_name=lora)
+            )
+        except RequestRejectedError as exc:
+            raise APIError(str(exc)) from exc
+        return driver, handle
+
+    async def collect(driver: EngineDriver, handle: RequestHandle) -> tuple[str, RequestOutput]:
+        ids: list[int] = []
+        last: RequestOutput | None = None
+        try:
+            async for out in handle.outputs():
+                ids.extend(out.new_token_ids)
+                last = out
+        except EngineStoppedError as exc:
+            raise APIError(str(exc), 503) from exc
+        finally:
+            driver.abort(handle.request_id)  # no-op once finished; frees on cancellation
+        assert last is not None
+        return replica.token_text(ids), last
+
+    async def stream(
+        driver: EngineDriver,
+        handle: RequestHandle,
+        model: str,
+        chat: bool,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[str]:
+        created = now_s()
+        rid = handle.request_id
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        last: RequestOutput | None = None
+        try:
+            if chat:
+                yield sse(
+                    chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
+                )
+            async for out in handle.outputs():
+                last = out
+                text = replica.token_text(out.new_token_ids)
+                finish = out.finish_reason.value if out.finish_reason else None
+                chunk = (
+                    chat_chunk(rid, model, created, {"content": text}, finish)
+                    if chat
+                    else completion_chunk(rid, model, created, text, finish)
+                )
+                if continuous_usage:
+                    chunk["usage"] = usage(out)
+                yield sse(chunk)
+            if include_usage and last is not None:
+                yield sse(usage_chunk(rid, model, created, obj, last))
+        except EngineStoppedError as exc:
+            yield sse(error_body(str(exc), 503, "ServiceUnavailableError"))
+        finally:
+            driver.abort(rid)
+        yield SSE_DONE
+
+    def stream_flags(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+        so = req.stream_options
+        if so is None:
+            return False, False
+        return bool(so.include_usage), bool(so.continuous_usage_stats)
+
+    def chat_prompt(req: ChatCompletionRequest) -> list[int]:
+        try:
+            return tok.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+        except TokenizerError as exc:
+            raise APIError(str(exc), param="messages") from exc
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        lora = check_model(req.model)
+        salt = validate_common(req)
+        ids = chat_prompt(req)
+        model = req.model or replica.model
+        driver, handle = submit(
+            "chatcmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id
+        )
+        if req.stream:
+            inc, cont = stream_flags(req)
+            return StreamingResponse(
+                stream(driver, handle, model, True, inc, cont), media_type="text/event-stream"
+            )
+        text, last = await collect(driver, handle)
+        return JSONResponse(chat_response(handle.request_id, model, text, last, now_s()))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        lora = check_model(req.model)
+        salt = validate_common(req)
+        ids = completion_prompt_ids(req.prompt, tok.encode, tok.vocab_size)
+        model = req.model or replica.model
+        driver, handle = submit("cmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id)
+        if req.stream:
+            inc, cont = stream_flags(req)
+            return StreamingResponse(
+                stream(driver, handle, model, False, inc, cont), media_type="text/event-stream"
+            )
+        text, last = await collect(driver, handle)
+        return JSONResponse(completion_response(handle.request_id, model, text, last, now_s()))
+
+    # ------------------------------------------------------------------ tokenization
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request) -> dict[str, Any]:
+        req = await _parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        validate_common(req)
+        ids = chat_prompt(req)
+        return {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request) -> dict[str, Any]:
+        req = await _parse(request, CompletionRequest)
+        check_model(req.model)
+        ids = completion_prompt_ids(req.prompt, tok.encode, tok.vocab_size)
+        return {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, TokenizeRequest)
+        check_model(req.model)
+        if req.messages is not None:
+            try:
+                ids = tok.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+            except TokenizerError as exc:
+                raise APIError(str(exc), param="messages") from exc
+        elif req.prompt is not None:
+            ids = tok.encode(req.prompt)
+        else:
+            raise APIError("either 'prompt' or 'messages' is required")
+        strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": replica.core.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, DetokenizeRequest)
+        check_model(req.model)
+        if any(not 0 <= t < tok.vocab_size for t in req.tokens):
+            raise APIError(f"token ids must be in [0, {tok.vocab_size})", param="tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    # ------------------------------------------------------------------ info
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = int(replica.start_time)
+        max_len = replica.core.max_model_len
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": name,
+                "parent": None if name == replica.model else replica.model,
+                "max_model_len": max_len,
+            }
+            for name in replica.served_models
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        return Response(status_code=200 if replica.healthy else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": "kvgate-sim"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(replica.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        core = replica.core
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": len(core.running) + len(core.waiting),
+                "num_waiting_reqs": len(core.waiting),
+                "num_tokens": core.num_tokens_in_flight(),
+            }
+        ]
+
+    def server_info() -> dict[str, Any]:
+        core, s = replica.core, replica.settings
+        return {
+            "model_path": replica.model,
+            "served_model_name": replica.model,
+            "tokenizer_path": tok.name,
+            "profile": s.profile,
+            "block_size": core.block_size,
+            "page_size": core.block_size,
+            "num_gpu_blocks": core.pool.num_blocks,
+            "max_num_seqs": core.max_num_seqs,
+            "max_running_requests": core.max_num_seqs,
+            "max_num_batched_tokens": core.max_num_batched_tokens,
+            "chunked_prefill_size": core.max_num_batched_tokens,
+            "max_model_len": core.max_model_len,
+            "context_length": core.max_model_len,
+            "time_scale": s.time_scale,
+            "prefix_caching_hash_algo": s.hash_algo.value,
+            "hash_seed": s.hash_seed,
+            "lora": list(s.lora),
+            "dp_size": 1,
+            "tp_size": 1,
+            "process_start_time": replica.start_time,
+            "kv_events": {
+                "endpoint": replica.endpoints.events_endpoint,
+                "replay_endpoint": replica.endpoints.replay_endpoint,
+                "topic": s.events_topic,
+                "encoding": s.event_encoding.value,
+                "hash_format": s.event_hash_format.value,
+                "enabled": s.publish_events,
+            },
+        }
+
+    app.get("/get_server_info")(server_info)
+    app.get("/server_info")(server_info)
+
+    def model_info() -> dict[str, Any]:
+        return {"model_path": replica.model, "tokenizer_path": tok.name, "is_generation": True}
+
+    app.get("/get_model_info")(model_info)
+    app.get("/model_info")(model_info)
+
+    # ------------------------------------------------------------------ cache control
+    async def flush() -> dict[str, Any]:
+        core = replica.core
+        if not core.reset_prefix_cache():
+            raise APIError(
+                "Cache not flushed: "
+                f"{len(core.running)} running request(s) still hold KV blocks; retry when idle.",
+                400,
+            )
+        await replica.driver.publish_now()
+        return {"flushed": True, "message": "Cache flushed."}
+
+    app.api_route("/flush_cache", methods=["GET", "POST"])(flush)
+    app.post("/reset_prefix_cache")(flush)
+
+    # ------------------------------------------------------------------ debug / chaos
+    @app.get("/debug/blocks")
+    async def debug_blocks() -> dict[str, Any]:
+        core = replica.core
+        pool = core.pool
+        blocks = [
+            {
+                "block_id": b.block_id,
+                "block_hash": b.block_hash,
+                "block_hash_hex": b.digest.hex(),
+                "parent_block_hash": b.parent_block_hash,
+                "token_ids": b.token_ids,
+                "extra_keys": list(b.extra_keys) if b.extra_keys is not None else None,
+                "ref_cnt": b.ref_cnt,
+                "in_use": b.in_use,
+            }
+            for b in core.cached_blocks()
+        ]
+        pub = replica.publisher
+        return {
+            "replica": replica.index,
+            "model": replica.model,
+            "block_size": core.block_size,
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "num_cached_blocks": pool.num_cached_blocks,
+            "hash_algo": core.config.hash_algo.value,
+            "event_hash_format": core.config.wire_hash_format.value,
+            "process_start_time": replica.start_time,
+            "next_event_seq": pub.next_seq if pub is not None else None,
+            "num_running": len(core.running),
+            "num_waiting": len(core.waiting),
+            "blocks": blocks,
+        }
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise APIError(f"invalid JSON body: {exc}") from exc
+        if not isinstance(data, dict):
+            raise APIError("the request body must be a JSON object")
+        return data
+
+    def number(data: dict[str, Any], key: str, default: float | None = None) -> float:
+        value = data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise APIError(f"'{key}' must be a non-negative number", param=key)
+        return float(value)
+
+    @app.post("/debug/restart")
+    async def debug_restart() -> dict[str, Any]:
+        await replica.restart()
+        return {"restarted": True, "process_start_time": replica.start_time}
+
+    @app.post("/debug/drop_events")
+    async def debug_drop_events(request: Request) -> dict[str, Any]:
+        n = int(number(await json_body(request), "n", 1))
+        if replica.publisher is None:
+            raise APIError("events are disabled on this replica", 409)
+        replica.publisher.drop_next(n)
+        return {"dropping": n, "next_seq": replica.publisher.next_seq}
+
+    @app.post("/debug/pause")
+    async def debug_pause(request: Request) -> dict[str, Any]:
+        seconds = number(await json_body(request), "seconds")
+        replica.driver.pause(seconds)
+        return {"paused_s": seconds}
+
+    @app.post("/debug/health")
+    async def debug_health(request: Request) -> dict[str, Any]:
+        healthy = (await json_body(request)).get("healthy", True)
+        if not isinstance(healthy, bool):
+            raise APIError("'healthy' must be a boolean", param="healthy")
+        replica.healthy = healthy
+        return {"healthy": healthy}
+
+    @app.get("/", response_class=PlainTextResponse)
+    async def root() -> str:
+        return f"kvgate simulated replica {replica.index} serving {replica.model}\n"
+
+    return app

@@ -1,0 +1,164 @@
+"""``kvgate replica``: serve N simulated vLLM-compatible replicas from one process.
+
+Replica i listens on HTTP port P+i, publishes KV events on tcp://EVENTS_HOST:P+1000+i and
+answers replay on P+2000+i (P = --base-port). Flags override ``KVGATE_REPLICA_*`` env vars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
+from cachecore.kvevents import Encoding
+from cachecore.logs import configure_logging
+from cachecore.replica.fleet import run_fleet
+from cachecore.replica.settings import ReplicaPorts, ReplicaSettings
+
+DEFAULT_BASE_PORT = 9100
+
+# flag dest -> ReplicaSettings field
+_SETTINGS_FLAGS = {
+    "host": "host",
+    "events_host": "events_host",
+    "model": "model",
+    "profile": "profile",
+    "blocks": "num_blocks",
+    "block_size": "block_size",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_model_len": "max_model_len",
+    "time_scale": "time_scale",
+    "hash_algo": "hash_algo",
+    "hash_seed": "hash_seed",
+    "event_hash_format": "event_hash_format",
+    "event_encoding": "event_encoding",
+    "events_topic": "events_topic",
+    "replay_buffer_steps": "replay_buffer_steps",
+    "lora": "lora",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--count", type=int, default=1, help="number of replicas (default 1)")
+    a("--base-port", type=int, default=DEFAULT_BASE_PORT, help="HTTP port of replica 0 (9100)")
+    a("--http-ports", help="comma-separated HTTP ports (overrides --base-port)")
+    a("--events-ports", help="comma-separated KV-event PUB ports (default P+1000+i)")
+    a("--replay-ports", help="comma-separated replay ROUTER ports (default P+2000+i)")
+    a("--host", help="HTTP bind host (default 127.0.0.1)")
+    a("--events-host", help="ZMQ bind host (default 127.0.0.1; '*' for all interfaces)")
+    a("--model", help="served model name (default kvgate-sim-8b)")
+    a("--profile", choices=sorted(PROFILES), help="latency profile (default 8b-h100)")
+    a("--blocks", type=int, help="KV blocks per replica (default 4096)")
+    a("--block-size", type=int, help="tokens per block (default 16)")
+    a("--max-num-seqs", type=int, help="max running requests (default: the profile's)")
+    a("--max-num-batched-tokens", type=int, help="per-step token budget (default 8192)")
+    a("--max-model-len", type=int, help="max prompt+output tokens (default 32768, capped)")
+    a("--time-scale", type=float, help="multiply modelled durations (0.1 = 10x faster)")
+    a("--hash-algo", choices=[h.value for h in HashAlgo], help="engine block hash (sha256)")
+    a("--hash-seed", type=int, help="fixed engine hash seed (default: random per process)")
+    a(
+        "--event-hash-format",
+        choices=[f.value for f in WireHashFormat],
+        help="block hashes in events: 64-bit ints (default) or raw digest bytes",
+    )
+    a(
+        "--event-encoding",
+        choices=[e.value for e in Encoding],
+        help="map (default, newest vLLM), array (older) or mixed",
+    )
+    a("--events-topic", help="ZMQ topic (default kv-events)")
+    a("--replay-buffer-steps", type=int, help="batches kept for replay (default 10000)")
+    a("--legacy-replay-reply", action="store_true", help="reply [b'', seq, payload] on replay")
+    a("--no-events", action="store_true", help="do not publish KV events")
+    a("--lora", action="append", metavar="NAME", help="serve a LoRA adapter name (repeatable)")
+    a("--access-log", action="store_true", help="log every HTTP request (debugging)")
+    a("--log-level", default="INFO")
+    a("--plain-logs", action="store_true", help="human-readable logs instead of JSON lines")
+
+
+def _ports(arg: str | None, name: str, count: int) -> list[int] | None:
+    if arg is None:
+        return None
+    try:
+        ports = [int(p) for p in arg.split(",") if p.strip()]
+    except ValueError:
+        raise SystemExit(f"--{name} must be comma-separated integers") from None
+    if len(ports) != count:
+        raise SystemExit(f"--{name} needs {count} ports, got {len(ports)}")
+    return ports
+
+
+def build_settings(args: argparse.Namespace) -> ReplicaSettings:
+    overrides: dict[str, Any] = {
+        field: getattr(args, flag)
+        for flag, field in _SETTINGS_FLAGS.items()
+        if getattr(args, flag, None) is not None
+    }
+    if args.legacy_replay_reply:
+        overrides["legacy_replay_reply"] = True
+    if args.access_log:
+        overrides["access_log"] = True
+    if args.no_events:
+        overrides["publish_events"] = False
+    return ReplicaSettings(**overrides)
+
+
+def build_ports(args: argparse.Namespace) -> list[ReplicaPorts]:
+    n = args.count
+    base = [ReplicaPorts.from_base(args.base_port, i) for i in range(n)]
+    http = _ports(args.http_ports, "http-ports", n) or [p.http for p in base]
+    events = _ports(args.events_ports, "events-ports", n) or [p.events for p in base]
+    replay = _ports(args.replay_ports, "replay-ports", n) or [p.replay for p in base]
+    return [ReplicaPorts(h, e, r) for h, e, r in zip(http, events, replay, strict=True)]
+
+
+async def _serve(settings: ReplicaSettings, ports: list[ReplicaPorts]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with run_fleet(settings, len(ports), ports=ports) as fleet:
+        for ep in fleet.endpoints:
+            print(
+                f"replica {ep.index}: {ep.url}  events {ep.events_endpoint}  "
+                f"replay {ep.replay_endpoint}  model {ep.model}",
+                flush=True,
+            )
+        print(
+            "ready "
+            + json.dumps(
+                {
+                    "profile": settings.profile,
+                    "time_scale": settings.time_scale,
+                    "replicas": [e.as_dict() for e in fleet.endpoints],
+                }
+            ),
+            flush=True,
+        )
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, json_format=not args.plain_logs)
+    if args.access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    if args.count < 1:
+        print("--count must be >= 1", file=sys.stderr)
+        return 2
+    settings = build_settings(args)
+    ports = build_ports(args)
+    try:
+        asyncio.run(_serve(settings, ports))
+    except OSError as exc:  # a port in use
+        print(f"kvgate replica: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,228 @@
+"""Running a fleet of simulated replicas: in the current event loop (tests), or as a
+``kvgate replica`` subprocess (benchmarks). Both give the replicas' endpoints.
+
+In-process::
+
+    async with run_fleet(ReplicaSettings(time_scale=0.1), count=2) as fleet:
+        url = fleet.endpoints[0].url
+
+Subprocess::
+
+    with launch_fleet(2, ["--profile", "8b-h100-fast"]) as proc:
+        urls = [e.url for e in proc.endpoints]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import uvicorn
+import zmq.asyncio
+
+from cachecore.replica.app import create_app
+from cachecore.replica.server import SimReplica, TokenText
+from cachecore.replica.settings import (
+    ReplicaEndpoints,
+    ReplicaPorts,
+    ReplicaSettings,
+    endpoints_for,
+)
+from cachecore.testing import free_ports
+from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to its owner (several servers share one
+    event loop; uvicorn's own handlers would let only the last one see Ctrl-C)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+@dataclass
+class Fleet:
+    settings: ReplicaSettings
+    replicas: list[SimReplica]
+    servers: list[uvicorn.Server] = field(default_factory=list)
+
+    @property
+    def endpoints(self) -> list[ReplicaEndpoints]:
+        return [r.endpoints for r in self.replicas]
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.endpoints.url for r in self.replicas]
+
+
+def plan_ports(
+    count: int, base_port: int | None = None, ports: Sequence[ReplicaPorts] | None = None
+) -> list[ReplicaPorts]:
+    """Explicit ports, or P+i / P+1000+i / P+2000+i from a base port, or free ports."""
+    if ports is not None:
+        if len(ports) != count:
+            raise ValueError("one ReplicaPorts per replica")
+        return list(ports)
+    if base_port is not None:
+        return [ReplicaPorts.from_base(base_port, i) for i in range(count)]
+    free = free_ports(3 * count)
+    return [ReplicaPorts(free[3 * i], free[3 * i + 1], free[3 * i + 2]) for i in range(count)]
+
+
+@contextlib.asynccontextmanager
+async def run_fleet(
+    settings: ReplicaSettings | None = None,
+    count: int = 1,
+    base_port: int | None = None,
+    ports: Sequence[ReplicaPorts] | None = None,
+    tokenizer: HFTokenizer | None = None,
+) -> AsyncIterator[Fleet]:
+    """Start ``count`` replicas (HTTP + ZMQ) in the running event loop; stop them on exit."""
+    settings = settings or ReplicaSettings()
+    tokenizer = tokenizer or builtin_tokenizer()
+    text = TokenText(tokenizer)
+    vocab = tokenizer.word_vocabulary.ids
+    ctx = zmq.asyncio.Context()
+    replicas = [
+        SimReplica(i, settings, p, tokenizer, ctx, text, vocab)
+        for i, p in enumerate(plan_ports(count, base_port, ports))
+    ]
+    fleet = Fleet(settings, replicas)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for rep in replicas:
+            await rep.start()
+            config = uvicorn.Config(
+                create_app(rep),
+                host=settings.host,
+                port=rep.ports.http,
+                lifespan="off",
+                access_log=settings.access_log,
+                log_config=None,
+                timeout_graceful_shutdown=2,
+                timeout_keep_alive=30,
+            )
+            server = _Server(config)
+            fleet.servers.append(server)
+            tasks.append(asyncio.create_task(server.serve(), name=f"http-{rep.index}"))
+        deadline = time.monotonic() + 15
+        while not all(s.started for s in fleet.servers):
+            for t in tasks:
+                if t.done():
+                    t.result()  # re-raise the bind error
+                    raise RuntimeError("a replica server exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError("replica servers did not start")
+            await asyncio.sleep(0.01)
+        yield fleet
+    finally:
+        for s in fleet.servers:
+            s.should_exit = True
+        for t in tasks:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await t
+        for rep in replicas:
+            await rep.stop()
+        ctx.term()
+
+
+@dataclass
+class FleetProcess:
+    """A ``kvgate replica`` subprocess and the endpoints of its replicas."""
+
+    proc: subprocess.Popen[bytes]
+    endpoints: list[ReplicaEndpoints]
+    log_path: Path | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.endpoints]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=timeout_s)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], urls: Sequence[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    with httpx.Client(timeout=1.0) as client:
+        while pending:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvgate replica exited with code {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas not ready after {timeout_s}s: {pending}")
+            url = pending[0]
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    pending.pop(0)
+                    continue
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def launch_fleet(
+    count: int,
+    extra_args: Sequence[str] = (),
+    settings: ReplicaSettings | None = None,
+    ports: Sequence[ReplicaPorts] | None = None,
+    timeout_s: float = 60.0,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[FleetProcess]:
+    """Run ``kvgate replica`` in a subprocess on free ports (or ``ports``), wait until every
+    replica answers /health, and stop it on exit. ``extra_args`` are passed through (e.g.
+    ``["--profile", "8b-h100-fast", "--time-scale", "0.1"]``); ``settings`` only informs the
+    returned endpoints (host, model) and should match them."""
+    settings = settings or ReplicaSettings()
+    planned = plan_ports(count, ports=ports)
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "replica",
+        "--count", str(count),
+        "--http-ports", ",".join(str(p.http) for p in planned),
+        "--events-ports", ",".join(str(p.events) for p in planned),
+        "--replay-ports", ",".join(str(p.replay) for p in planned),
+        *extra_args,
+    ]  # fmt: skip
+    model = settings.model
+    if "--model" in extra_args:
+        model = extra_args[list(extra_args).index("--model") + 1]
+    endpoints = [
+        endpoints_for(settings.model_copy(update={"model": model}), i, p)
+        for i, p in enumerate(planned)
+    ]
+    log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=log_file if log_file is not None else subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    fp = FleetProcess(proc, endpoints, log_path)
+    try:
+        _wait_ready(proc, [e.url for e in endpoints], timeout_s)
+        yield fp
+    finally:
+        fp.stop()
+        if log_file is not None:
+            log_file.close()

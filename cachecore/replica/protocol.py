@@ -1,0 +1,257 @@
+"""The OpenAI-compatible request and response shapes of a simulated replica (vLLM's
+flavour): request parsing that ignores unknown fields, OpenAI error objects, usage with
+``prompt_tokens_details.cached_tokens``, and the JSON/SSE bodies."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error object."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = HTTPStatus.BAD_REQUEST,
+        err_type: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.err_type = err_type or _default_type(self.status)
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, self.err_type, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _default_type(status: int) -> str:
+    return {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        409: "ConflictError",
+        422: "BadRequestError",
+        503: "ServiceUnavailableError",
+    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+
+
+def error_body(
+    message: str, status: int, err_type: str, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: Any = None  # validated by hand: vLLM's own message on a bad salt
+    n: int | None = 1
+    request_id: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[Any] = Field(default_factory=list)
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int:
+        return _max_tokens(self.max_completion_tokens, self.max_tokens)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Any = None
+
+    def requested_max_tokens(self) -> int:
+        return _max_tokens(None, self.max_tokens)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+def _max_tokens(primary: int | None, fallback: int | None) -> int:
+    value = primary if primary is not None else fallback
+    if value is None:
+        return DEFAULT_MAX_TOKENS
+    if value < 1:
+        raise APIError(f"max_tokens must be at least 1, got {value}.", param="max_tokens")
+    return value
+
+
+def validate_common(req: _GenerationRequest) -> str | None:
+    """Checks shared by both generation endpoints; returns the cache salt."""
+    if req.n not in (None, 1):
+        raise APIError("the simulated replica only supports n=1", param="n")
+    salt = req.cache_salt
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise APIError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    return salt
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def chat_response(
+    request_id: str, model: str, text: str, last: RequestOutput, created: int
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": last.finish_reason.value if last.finish_reason else None,
+                "stop_reason": None,
+            }
+        ],
+        "usage": usage(last),
+        "prompt_logprobs": None,
+    }
+
+
+def completion_response(
+    request_id: str, model: str, text: str, last: RequestOutput, created: int
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": last.finish_reason.value if last.finish_reason else None,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        ],
+        "usage": usage(last),
+    }
+
+
+def chat_chunk(
+    request_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, created: int, text: str, finish: str | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+        ],
+    }
+
+
+def usage_chunk(
+    request_id: str, model: str, created: int, obj: str, last: RequestOutput
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(last),
+    }
+
+
+def completion_prompt_ids(prompt: Any, encode: Any, vocab_size: int) -> list[int]:
+    """A /v1/completions ``prompt``: a string, a list of token ids, or a one-element list
+    of either (batched prompts are not simulated)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        ids: list[int] = encode(prompt)
+        return ids
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if any(isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt):
+            raise APIError(f"token ids must be in [0, {vocab_size})", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise APIError("batched prompts are not supported by the simulated replica", param="prompt")
+    raise APIError("prompt must be a string or a list of token ids", param="prompt")
+
+
+def joined_text(texts: Sequence[str]) -> str:
+    return "".join(texts)

@@ -1,0 +1,127 @@
+"""Settings of a simulated replica fleet (``kvgate replica``), env prefix ``KVGATE_REPLICA_``;
+command-line flags override them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cachecore.engine import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_NUM_BLOCKS,
+    EngineConfig,
+    HashAlgo,
+    WireHashFormat,
+    get_profile,
+)
+from cachecore.kvevents import Encoding
+
+DEFAULT_MODEL = "kvgate-sim-8b"
+DEFAULT_TOPIC = "kv-events"
+EVENTS_PORT_OFFSET = 1000
+REPLAY_PORT_OFFSET = 2000
+
+
+class ReplicaSettings(BaseSettings):
+    """Everything the replicas of one fleet share."""
+
+    model_config = SettingsConfigDict(env_prefix="KVGATE_REPLICA_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    events_host: str = "127.0.0.1"
+    model: str = DEFAULT_MODEL
+    profile: str = "8b-h100"
+    num_blocks: Annotated[int, Field(ge=1)] = DEFAULT_NUM_BLOCKS
+    block_size: Annotated[int, Field(ge=1)] = DEFAULT_BLOCK_SIZE
+    max_num_seqs: Annotated[int | None, Field(ge=1)] = None
+    max_num_batched_tokens: Annotated[int | None, Field(ge=1)] = None
+    max_model_len: Annotated[int, Field(ge=2)] = DEFAULT_MAX_MODEL_LEN
+    time_scale: Annotated[float, Field(gt=0)] = 1.0
+    hash_algo: HashAlgo = HashAlgo.SHA256
+    hash_seed: int | None = None
+    event_hash_format: WireHashFormat = WireHashFormat.INT
+    event_encoding: Encoding = Encoding.MAP
+    events_topic: str = DEFAULT_TOPIC
+    publish_events: bool = True
+    replay_buffer_steps: Annotated[int, Field(ge=1)] = 10000
+    legacy_replay_reply: bool = False  # answer replay as [b"", seq, payload] (older vLLM)
+    lora: list[str] = Field(default_factory=list)
+    access_log: bool = False  # uvicorn access log (debugging which endpoints peers call)
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        get_profile(v)
+        return v
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            profile=get_profile(self.profile),
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            hash_algo=self.hash_algo,
+            hash_seed=self.hash_seed,
+            wire_hash_format=self.event_hash_format,
+            lora_names=tuple(self.lora),
+            enable_events=self.publish_events,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaPorts:
+    http: int
+    events: int
+    replay: int
+
+    @classmethod
+    def from_base(cls, base_port: int, index: int) -> ReplicaPorts:
+        return cls(
+            http=base_port + index,
+            events=base_port + EVENTS_PORT_OFFSET + index,
+            replay=base_port + REPLAY_PORT_OFFSET + index,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEndpoints:
+    """Where one replica listens: what agents, gateways and benchmarks connect to."""
+
+    index: int
+    url: str
+    events_endpoint: str
+    replay_endpoint: str
+    model: str
+    http_port: int
+    events_port: int
+    replay_port: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "index": self.index,
+            "url": self.url,
+            "events_endpoint": self.events_endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "model": self.model,
+        }
+
+
+def endpoints_for(settings: ReplicaSettings, index: int, ports: ReplicaPorts) -> ReplicaEndpoints:
+    ev_host = "127.0.0.1" if settings.events_host in ("0.0.0.0", "*") else settings.events_host
+    http_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    return ReplicaEndpoints(
+        index=index,
+        url=f"http://{http_host}:{ports.http}",
+        events_endpoint=f"tcp://{ev_host}:{ports.events}",
+        replay_endpoint=f"tcp://{ev_host}:{ports.replay}",
+        model=settings.model,
+        http_port=ports.http,
+        events_port=ports.events,
+        replay_port=ports.replay,
+    )
