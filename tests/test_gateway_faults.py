@@ -1,0 +1,242 @@
+"""Gateway behaviour under faults and operations: dead replicas, false index claims,
+flooding limits, LoRA placement, secret rotation, SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pydantic import SecretStr
+
+from cachecore.index.base import ReplicaState
+from cachecore.index.memory import MemoryIndex
+from cachecore.keys import Scope, ScopeKind
+from cachecore.lifecycle import IndexWrite, Tier
+from cachecore.replica.fleet import launch_fleet, run_fleet
+from cachecore.replica.settings import ReplicaSettings
+from cachecore.testing import free_port
+from gateway.core import Gateway
+from gateway.serve import build_gateway, serve_in_loop, start_gateway_process
+from gateway.settings import GatewaySettings
+from tests.test_gateway_support import ADMIN, FAST, SECRET, kill_replica, stack, words
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def test_killed_replica_is_avoided_within_two_seconds() -> None:
+    async with stack(count=3) as st:
+        c = st.client()
+        dead = st.replica_id(0)
+        await kill_replica(st.fleet, 0)
+        t_kill = time.monotonic()
+        late: Counter[str] = Counter()
+        failures = 0
+        i = 0
+        while time.monotonic() - t_kill < 3.0 and i < 300:  # bounded in time and count
+            i += 1
+            await asyncio.sleep(0.01)
+            try:
+                raw = await c.completions.with_raw_response.create(
+                    model=st.model, prompt=words(30, 1000 + i), max_tokens=1
+                )
+            except openai.APIError:
+                failures += 1
+                continue
+            if time.monotonic() - t_kill >= 2.0:
+                late[raw.headers["x-kvgate-replica"]] += 1
+        assert failures == 0
+        assert sum(late.values()) > 0 and dead not in late
+        state = {r["id"]: r for r in st.gw.replicas_state()}
+        assert state[dead]["healthy"] is False
+
+
+def prompt_keys(gw: Gateway, prompt: str, model: str) -> list[bytes]:
+    assert gw.tokenizers is not None
+    tokens = gw.tokenizers.local(gw.policy.models.default).segments.encode(prompt)
+    salt = gw.minter.salt(Scope(ScopeKind.TENANT, "anonymous"))
+    return gw.keyer(16).keys(tokens, salt, model)
+
+
+async def claim(gw: Gateway, replica: str, keys: list[bytes]) -> None:
+    """Write index claims for ``replica`` the way its agent would."""
+    assert gw.index is not None
+    index = gw.index.primary
+    epoch = (await index.meta(replica)).epoch
+    write = IndexWrite(blocks={k: int(Tier.GPU) for k in keys})
+    await index.apply(replica, epoch, write, int(time.time() * 1000))
+
+
+async def test_false_claims_quarantine_a_replica_and_truth_releases_it() -> None:
+    policy = (
+        "quarantine: {missing_fraction: 0.5, k: 2, m: 3, min_claimed_blocks: 2, recover_after: 2}"
+    )
+    async with stack(count=2, policy=policy) as st:
+        gw, c = st.gw, st.client()
+        liar, other = st.replica_id(0), st.replica_id(1)
+        for i in range(2):  # k = 2 bad requests
+            assert not gw.quarantine.is_quarantined(liar)
+            prompt = words(400, 2000 + i)
+            await claim(gw, liar, prompt_keys(gw, prompt, st.model))  # a rogue agent's lie
+            raw = await c.completions.with_raw_response.create(
+                model=st.model, prompt=prompt, max_tokens=1
+            )
+            assert raw.headers["x-kvgate-replica"] == liar  # the lie attracts the request
+            await asyncio.sleep(0.05)  # the claim check runs after the response
+        assert gw.quarantine.is_quarantined(liar)
+        async with st.http() as h:
+            q = (await h.get("/admin/quarantine", headers={"x-admin-key": ADMIN})).json()
+            assert q["quarantined"] == [liar]
+            assert (
+                f'kvgate_replica_quarantined{{replica="{liar}"}} 1.0'
+                in (await h.get("/metrics")).text
+            )
+        # once quarantined its claims are ignored: routed by load only
+        prompt = words(400, 2100)
+        await claim(gw, liar, prompt_keys(gw, prompt, st.model))
+        body = {"model": st.model, "prompt": prompt}
+        d = await gw.prepare("completion", "anonymous", body, {}, "x", explain_only=True)
+        liar_score = next(s for s in d.decision.scores if s.replica == liar)
+        assert liar_score.note == "quarantined" and liar_score.matched_blocks == 0
+        # honest claims (the engine really holds the prefix) release it
+        assert gw.pool is not None
+        gw.pool.cordon(other)
+        for i in range(2):
+            prompt = words(400, 2200 + i)
+            await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
+            await claim(gw, liar, prompt_keys(gw, prompt, st.model))  # the truth, this time
+            await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
+            await asyncio.sleep(0.05)
+        assert not gw.quarantine.is_quarantined(liar)
+
+
+async def test_uncached_token_budget_and_concurrency_limits() -> None:
+    policy = (
+        "default_tenant:\n"
+        "  limits: {uncached_tokens_per_s: 100, uncached_tokens_burst: 1000, max_concurrency: 1}"
+    )
+    async with stack(count=1, policy=policy) as st:
+        c = st.client()
+        prompt = words(900, 3000)
+        await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
+        # a repeat is (predicted) cached: cheap for the budget
+        await asyncio.sleep(0.2)
+        await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as err:
+            await c.completions.create(model=st.model, prompt=words(900, 3001), max_tokens=1)
+        assert err.value.code == "uncached_tokens"
+        assert int(err.value.response.headers["retry-after"]) >= 1
+        # concurrency: a second request while a long stream is open
+        long = {"model": st.model, "prompt": prompt, "max_tokens": 300, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=st.url, timeout=30) as h,
+            h.stream("POST", "/v1/completions", json=long) as resp,
+        ):
+            async for _ in resp.aiter_bytes():
+                break
+            r = await h.post("/v1/completions", json={**long, "stream": False})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency"
+
+
+async def test_lora_requests_go_only_to_replicas_with_the_adapter() -> None:
+    with_lora = ReplicaSettings(time_scale=0.05, lora=["adapter-x"])
+    async with run_fleet(with_lora, count=1) as fa, run_fleet(FAST, count=2) as fb:
+        urls = fa.urls + fb.urls
+        s = GatewaySettings(
+            replicas=urls, port=free_port(), open_access=True, salt_secrets=[SecretStr(SECRET)]
+        )
+        gw = build_gateway(s)
+        async with serve_in_loop(gw) as url:
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            lora_home = gw.specs[0].id
+            for i in range(5):
+                raw = await c.completions.with_raw_response.create(
+                    model="adapter-x", prompt=words(40, 4000 + i), max_tokens=1
+                )
+                assert raw.headers["x-kvgate-replica"] == lora_home
+            d = await gw.prepare(
+                "completion",
+                "anonymous",
+                {"model": "adapter-x", "prompt": "hi there"},
+                {},
+                "e",
+                True,
+            )
+            assert [cand.replica for cand in d.candidates] == [lora_home]
+            models = {m.id: m for m in (await c.models.list()).data}
+            assert set(models) == {fa.endpoints[0].model, "adapter-x"}
+
+
+async def test_two_live_secrets_keep_the_cache_through_a_rotation() -> None:
+    shared = MemoryIndex()
+    async with run_fleet(FAST, count=2) as fleet:
+        old, new = SecretStr(SECRET), SecretStr("rotated-secret-fedcba9876543210")
+
+        def settings(secrets: list[SecretStr]) -> GatewaySettings:
+            return GatewaySettings(
+                replicas=fleet.urls, port=free_port(), open_access=True, salt_secrets=secrets
+            )
+
+        prompt = words(600, 5000)
+        gw1 = build_gateway(settings([old]), index=shared)
+        async with serve_in_loop(gw1) as url:
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            await c.completions.create(model=fleet.endpoints[0].model, prompt=prompt, max_tokens=1)
+            await gw1.index.settle() if gw1.index else None
+        for rid in [g.id for g in gw1.specs]:
+            assert (await shared.meta(rid)).state is ReplicaState.LIVE
+        gw2 = build_gateway(settings([new, old]), index=shared)
+        async with serve_in_loop(gw2) as url:
+            c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            r = await c.completions.create(
+                model=fleet.endpoints[0].model, prompt=prompt, max_tokens=1
+            )
+            assert r.usage and r.usage.prompt_tokens_details
+            hit = r.usage.prompt_tokens_details.cached_tokens
+            assert hit is not None and hit >= 592  # the old salt was sent: still cached
+            body = {"model": fleet.endpoints[0].model, "prompt": prompt}
+            d = await gw2.prepare("completion", "anonymous", body, {}, "e", True)
+            assert d.salt_index == 1  # the longer match is under the old secret
+            d = await gw2.prepare(
+                "completion", "anonymous", {**body, "prompt": words(600, 5001)}, {}, "e", True
+            )
+            assert d.salt_index == 0  # new prefixes use the new secret
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(tmp_path: Path) -> None:
+    with launch_fleet(1, ["--time-scale", "0.05"]) as fleet:
+        port = free_port()
+        proc = start_gateway_process(
+            ["--open", "--replica", fleet.urls[0], "--plain-logs"],
+            port,
+            env={"KVGATE_SALT_SECRETS": SECRET},
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            body = {"model": fleet.endpoints[0].model, "prompt": "hello there", "max_tokens": 60,
+                    "stream": True}  # fmt: skip
+            got = b""
+            with httpx.Client(base_url=url, timeout=20) as h:
+                with h.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    for chunk in resp.iter_bytes():
+                        if not got:
+                            proc.send_signal(signal.SIGTERM)
+                        got += chunk
+                assert got.rstrip().endswith(b"data: [DONE]")  # the stream finished
+                assert b'"error"' not in got
+                with contextlib.suppress(httpx.HTTPError):
+                    r = h.get("/health", timeout=2)
+                    assert r.status_code == 503
+            # uvicorn re-raises the signal after a clean drain: terminated by SIGTERM
+            assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
