@@ -498,6 +498,8 @@ class Gateway:
             self.metrics.rate_limited.labels(tenant, rej.limit).inc()
             raise rate_limited(rej.message, rej.retry_after_s, rej.limit)
         self.metrics.decisions.labels(decision.strategy.value, decision.reason).inc()
+        # count it and write its pending entries now, before any other request's lookup
+        await self.on_dispatch(d)
         return d
 
     # ------------------------------------------------------------------ dispatch
@@ -512,7 +514,7 @@ class Gateway:
             body["stream_options"] = opts
         return orjson.dumps(body)
 
-    def on_dispatch(self, d: Dispatch) -> None:
+    async def on_dispatch(self, d: Dispatch) -> None:
         """Count the request against its replica and record the pending entries."""
         assert self.index is not None
         cand = next(c for c in d.candidates if c.replica == d.replica)
@@ -524,7 +526,7 @@ class Gateway:
             rep.in_flight += 1
         if not d.ephemeral and d.keys:
             pol = self.policy
-            self.index.add_pending(
+            await self.index.add_pending(
                 d.replica, d.keys[d.salt_index], pol.index.pending_ttl_ms, _now_ms()
             )
 

@@ -64,6 +64,11 @@ class GatewayIndex:
                 matches = await asyncio.wait_for(
                     self.primary.lookup(keys, replicas, now_ms), timeout_s
                 )
+            if self.local is not None and self._local_live:
+                # read-your-writes: our own pending writes may not have reached the shared
+                # index yet; the local copy holds them at once
+                own = await self.local.lookup(keys, replicas, now_ms)
+                matches = {r: _longer(m, own.get(r)) for r, m in matches.items()}
             dt = time.perf_counter() - t0
             self.metrics.lookup.labels("primary").observe(dt)
             return LookupResult(matches, "primary", dt)
@@ -79,7 +84,7 @@ class GatewayIndex:
         self.metrics.index_fallbacks.labels(reason).inc()
         if self.local is None:
             return LookupResult({}, "none", time.perf_counter() - t0)
-        self._ensure_live(replicas, now_ms)
+        await self._ensure_live(replicas, now_ms)
         matches = await self.local.lookup(keys, replicas, now_ms)
         dt = time.perf_counter() - t0
         self.metrics.lookup.labels("local").observe(dt)
@@ -93,21 +98,27 @@ class GatewayIndex:
                 "index lookup failed; routing from local decisions", extra={"error": repr(exc)}
             )
 
-    def _ensure_live(self, replicas: Sequence[str], now_ms: int) -> None:
+    async def _ensure_live(self, replicas: Sequence[str], now_ms: int) -> None:
         # the local index has no agent: its replicas are "live" as far as pending goes
         assert self.local is not None
         for r in replicas:
             if r not in self._local_live:
                 self._local_live.add(r)
-                self._spawn(self.local.set_state(r, ReplicaState.LIVE, now_ms))
+                await self.local.set_state(r, ReplicaState.LIVE, now_ms)
 
-    def add_pending(self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int) -> None:
-        """Record a dispatch in the background (the request does not wait for it)."""
+    async def add_pending(
+        self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
+    ) -> None:
+        """Record a dispatch: at once in-process (the next lookup must see it, or two
+        concurrent requests of one prefix would miss each other), in the background for a
+        shared index (the request never waits for Redis)."""
         if not keys:
             return
-        if self.local is not None:
-            self._ensure_live([replica], now_ms)
-            self._spawn(self.local.add_pending(replica, keys, ttl_ms, now_ms))
+        if self.local is None:
+            await self.primary.add_pending(replica, keys, ttl_ms, now_ms)
+            return
+        await self._ensure_live([replica], now_ms)
+        await self.local.add_pending(replica, keys, ttl_ms, now_ms)
         self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
 
     async def _primary_pending(
@@ -141,3 +152,10 @@ class GatewayIndex:
             await self.primary.close()
         if self.local is not None:
             await self.local.close()
+
+
+def _longer(a: PrefixMatch, b: PrefixMatch | None) -> PrefixMatch:
+    """``a`` with its pending length raised to ``b``'s (stored state stays the primary's)."""
+    if b is None or b.pending_blocks <= a.pending_blocks:
+        return a
+    return PrefixMatch(a.tier_blocks, a.stored_blocks, b.pending_blocks, a.state)

@@ -151,7 +151,8 @@ class UpstreamExchange(Response):
                     self._finish(Outcome(503, None, time.perf_counter() - t0, None, None, None))
                     return
                 payload = gw.upstream_body(d)
-                gw.on_dispatch(d)
+                if d.ticket is None:  # a retry: the first dispatch was counted in prepare
+                    await gw.on_dispatch(d)
                 req = gw.client.build_request(
                     "POST", rep.url + d.path, content=payload, headers=headers, timeout=timeout
                 )
