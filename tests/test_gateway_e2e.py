@@ -320,3 +320,33 @@ async def test_redis_stopped_mid_run_fails_no_request(redis_own: object) -> None
             model=st.model, messages=chat(system, "back"), max_tokens=1
         )
         assert r.choices
+
+
+async def test_precision_with_embedded_agents_on_a_shared_prefix_workload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the simulated replicas publish on topic "kv-events"; embedded agents read settings
+    # from KVGATE_AGENT_* (their default topic is vLLM's empty one)
+    monkeypatch.setenv("KVGATE_AGENT_TOPIC", "kv-events")
+    rng_seed = 11
+    async with stack(count=4, agents=True) as st:
+        c = st.client()
+        groups = [words(1024, rng_seed + g) for g in range(8)]
+        order = [(i * 5 + i // 8) % 8 for i in range(64)]
+
+        async def one(i: int) -> int:
+            r = await c.chat.completions.create(
+                model=st.model, messages=chat(groups[order[i]], words(64, 9000 + i)), max_tokens=4
+            )
+            return cached(r.usage)
+
+        hits: list[int] = []
+        for batch in range(8):  # 8 waves of 8 concurrent requests
+            hits += await asyncio.gather(*(one(batch * 8 + j) for j in range(8)))
+        abs_err, prompt = st.gw.metrics.precision
+        assert prompt >= 64 * 1088
+        assert abs_err / prompt <= 0.03  # the acceptance bound
+        assert sum(h > 0 for h in hits) >= 48  # the shared prefixes were reused
+        assert st.gw.index is not None
+        stats = await st.gw.index.primary.stats()
+        assert stats.stored_entries > 0  # the agents confirmed blocks from engine events
