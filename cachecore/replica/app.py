@@ -11,6 +11,7 @@ Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/mo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -49,6 +50,7 @@ from cachecore.tokenizer import TokenizerError
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+_INLINE_TOKENIZE_CHARS = 4096
 
 
 async def _parse(request: Request, model: type[M]) -> M:
@@ -128,11 +130,12 @@ def create_app(replica: SimReplica) -> FastAPI:
         obj = "chat.completion.chunk" if chat else "text_completion"
         last: RequestOutput | None = None
         try:
-            if chat:
-                yield sse(
-                    chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None)
-                )
             async for out in handle.outputs():
+                if chat and last is None:
+                    # like vLLM: the role chunk goes out with the first token, so the time
+                    # to the first chunk is the time to first token
+                    role = {"role": "assistant", "content": ""}
+                    yield sse(chat_chunk(rid, model, created, role, None))
                 last = out
                 text = replica.token_text(out.new_token_ids)
                 finish = out.finish_reason.value if out.finish_reason else None
@@ -158,11 +161,25 @@ def create_app(replica: SimReplica) -> FastAPI:
             return False, False
         return bool(so.include_usage), bool(so.continuous_usage_stats)
 
-    def chat_prompt(req: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(req: ChatCompletionRequest) -> list[int]:
         try:
-            return tok.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+            text = tok.apply_chat_template(req.messages, req.add_generation_prompt)
         except TokenizerError as exc:
             raise APIError(str(exc), param="messages") from exc
+        return await encode(text)
+
+    async def completion_ids(req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, str) and len(prompt) >= _INLINE_TOKENIZE_CHARS:
+            prompt = await encode(prompt)
+        return completion_prompt_ids(prompt, tok.encode, tok.vocab_size)
+
+    async def encode(text: str) -> list[int]:
+        # ~3 us per token in Rust, partly without the GIL: long prompts go to a thread so
+        # one replica's tokenization does not stall every engine loop in the process
+        if len(text) < _INLINE_TOKENIZE_CHARS:
+            return tok.encode(text)
+        return await asyncio.to_thread(tok.encode, text)
 
     # ------------------------------------------------------------------ generation
     @app.post("/v1/chat/completions", response_model=None)
@@ -170,7 +187,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         lora = check_model(req.model)
         salt = validate_common(req)
-        ids = chat_prompt(req)
+        ids = await chat_prompt(req)
         model = req.model or replica.model
         driver, handle = submit(
             "chatcmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id
@@ -188,7 +205,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         req = await _parse(request, CompletionRequest)
         lora = check_model(req.model)
         salt = validate_common(req)
-        ids = completion_prompt_ids(req.prompt, tok.encode, tok.vocab_size)
+        ids = await completion_ids(req)
         model = req.model or replica.model
         driver, handle = submit("cmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id)
         if req.stream:
@@ -205,14 +222,14 @@ def create_app(replica: SimReplica) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         check_model(req.model)
         validate_common(req)
-        ids = chat_prompt(req)
+        ids = await chat_prompt(req)
         return {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
 
     @app.post("/v1/completions/render")
     async def render_completion(request: Request) -> dict[str, Any]:
         req = await _parse(request, CompletionRequest)
         check_model(req.model)
-        ids = completion_prompt_ids(req.prompt, tok.encode, tok.vocab_size)
+        ids = await completion_ids(req)
         return {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
 
     @app.post("/tokenize")
@@ -221,11 +238,12 @@ def create_app(replica: SimReplica) -> FastAPI:
         check_model(req.model)
         if req.messages is not None:
             try:
-                ids = tok.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+                text = tok.apply_chat_template(req.messages, req.add_generation_prompt)
             except TokenizerError as exc:
                 raise APIError(str(exc), param="messages") from exc
+            ids = await encode(text)
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt)
+            ids = await encode(req.prompt)
         else:
             raise APIError("either 'prompt' or 'messages' is required")
         strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None

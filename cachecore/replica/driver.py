@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine went away (simulated restart or shutdown) with the request in flight."""
+    """The request ended without finishing: aborted, or the engine went away (simulated
+    restart or shutdown) with it in flight."""
 
 
 @dataclass(eq=False)
@@ -94,9 +95,12 @@ class EngineDriver:
         self._wake.set()
         return handle
 
-    def abort(self, request_id: str) -> None:
-        if self._handles.pop(request_id, None) is not None:
+    def abort(self, request_id: str, reason: str = "request aborted") -> None:
+        """Drop a request; whoever still reads its outputs gets EngineStoppedError."""
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
             self.core.abort(request_id)
+            handle.queue.put_nowait(EngineStoppedError(reason))
 
     def pause(self, seconds: float) -> None:
         """Chaos: no engine step for ``seconds`` (a hung engine; HTTP keeps answering)."""

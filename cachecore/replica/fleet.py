@@ -193,7 +193,8 @@ def launch_fleet(
     """Run ``kvgate replica`` in a subprocess on free ports (or ``ports``), wait until every
     replica answers /health, and stop it on exit. ``extra_args`` are passed through (e.g.
     ``["--profile", "8b-h100-fast", "--time-scale", "0.1"]``); ``settings`` only informs the
-    returned endpoints (host, model) and should match them."""
+    returned endpoints (host, model) and should match them. ``log_path`` receives the
+    process's stdout (the endpoint lines) and logs."""
     settings = settings or ReplicaSettings()
     planned = plan_ports(count, ports=ports)
     cmd = [
@@ -214,8 +215,8 @@ def launch_fleet(
     log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
     proc = subprocess.Popen(
         cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=log_file if log_file is not None else subprocess.DEVNULL,
+        stdout=log_file if log_file is not None else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if log_file is not None else subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
     fp = FleetProcess(proc, endpoints, log_path)

@@ -87,6 +87,7 @@ class _EngineCollector(Collector):
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig.",
             labels=[
+                "model_name",
                 "block_size",
                 "num_gpu_blocks",
                 "enable_prefix_caching",
@@ -94,7 +95,8 @@ class _EngineCollector(Collector):
             ],
         )
         info.add_metric(
-            [str(cfg.block_size), str(cfg.num_blocks), "True", cfg.hash_algo.value], 1.0
+            [self._model, str(cfg.block_size), str(cfg.num_blocks), "True", cfg.hash_algo.value],
+            1.0,
         )
         yield info
         yield GaugeMetricFamily(

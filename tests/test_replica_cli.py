@@ -1,0 +1,66 @@
+"""``kvgate replica`` as a process: four replicas from one command, their printed endpoints,
+and the acceptance check (8b-h100: a second request sharing a 2,048-token prefix reports
+cached_tokens >= 2048 - block_size and a TTFT at least 3x lower)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+
+from cachecore.replica import launch_fleet
+from cachecore.tokenizer import builtin_tokenizer
+
+TIME_SCALE = 0.25  # 4x faster than real time; the first TTFT is still ~0.14 s
+
+
+async def _ttft_and_cached(client: AsyncOpenAI, system: str, question: str) -> tuple[float, int]:
+    msgs: Any = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    t0 = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model="kvgate-sim-8b", messages=msgs, max_tokens=3, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    ttft: float | None = None
+    cached = -1
+    async for chunk in stream:
+        if ttft is None and chunk.choices:
+            ttft = time.perf_counter() - t0
+        if chunk.usage is not None and chunk.usage.prompt_tokens_details is not None:
+            cached = chunk.usage.prompt_tokens_details.cached_tokens or 0
+    assert ttft is not None
+    return ttft, cached
+
+
+def test_four_replicas_from_one_process(tmp_path: Path) -> None:
+    log = tmp_path / "replica.log"
+    args = ["--profile", "8b-h100", "--time-scale", str(TIME_SCALE), "--plain-logs"]
+    with launch_fleet(4, args, log_path=log) as fleet:
+        out = log.read_text()
+        for ep in fleet.endpoints:
+            assert (
+                f"replica {ep.index}: {ep.url}  events {ep.events_endpoint}  "
+                f"replay {ep.replay_endpoint}"
+            ) in out
+        with httpx.Client(timeout=10) as http:
+            for ep in fleet.endpoints:
+                assert http.get(f"{ep.url}/v1/models").json()["data"][0]["id"] == "kvgate-sim-8b"
+        system = builtin_tokenizer().word_vocabulary.text_from_ids(range(7, 7 + 2048))
+
+        async def acceptance() -> None:
+            async with AsyncOpenAI(
+                base_url=f"{fleet.urls[0]}/v1", api_key="x", max_retries=0
+            ) as client:
+                first, cached1 = await _ttft_and_cached(client, system, "what is in the text?")
+                second, cached2 = await _ttft_and_cached(client, system, "summarise it.")
+            assert cached1 == 0 and cached2 >= 2048 - 16
+            assert first / second >= 3, (first, second)
+            # the profile's TTFT for the first request (alone on the replica), scaled
+            assert first >= (0.030 + 2048 * 250e-6) * TIME_SCALE
+
+        asyncio.run(acceptance())
+    assert fleet.proc.returncode is not None  # stopped on exit
