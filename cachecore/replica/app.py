@@ -170,8 +170,10 @@ def create_app(replica: SimReplica) -> FastAPI:
 
     async def completion_ids(req: CompletionRequest) -> list[int]:
         prompt = req.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
         if isinstance(prompt, str) and len(prompt) >= _INLINE_TOKENIZE_CHARS:
-            prompt = await encode(prompt)
+            return await encode(prompt)
         return completion_prompt_ids(prompt, tok.encode, tok.vocab_size)
 
     async def encode(text: str) -> list[int]:
@@ -310,7 +312,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         return {
             "model_path": replica.model,
             "served_model_name": replica.model,
-            "tokenizer_path": tok.name,
+            "tokenizer_path": replica.tokenizer_path,
             "profile": s.profile,
             "block_size": core.block_size,
             "page_size": core.block_size,
@@ -342,7 +344,11 @@ def create_app(replica: SimReplica) -> FastAPI:
     app.get("/server_info")(server_info)
 
     def model_info() -> dict[str, Any]:
-        return {"model_path": replica.model, "tokenizer_path": tok.name, "is_generation": True}
+        return {
+            "model_path": replica.model,
+            "tokenizer_path": replica.tokenizer_path,
+            "is_generation": True,
+        }
 
     app.get("/get_model_info")(model_info)
     app.get("/model_info")(model_info)

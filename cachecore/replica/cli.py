@@ -42,6 +42,7 @@ _SETTINGS_FLAGS = {
     "events_topic": "events_topic",
     "replay_buffer_steps": "replay_buffer_steps",
     "lora": "lora",
+    "tokenizer_dir": "tokenizer_dir",
 }
 
 
@@ -79,6 +80,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--legacy-replay-reply", action="store_true", help="reply [b'', seq, payload] on replay")
     a("--no-events", action="store_true", help="do not publish KV events")
     a("--lora", action="append", metavar="NAME", help="serve a LoRA adapter name (repeatable)")
+    a(
+        "--tokenizer-dir",
+        help="HF model dir with tokenizer.json + chat template (default: the built-in one)",
+    )
     a("--access-log", action="store_true", help="log every HTTP request (debugging)")
     a("--log-level", default="INFO")
     a("--plain-logs", action="store_true", help="human-readable logs instead of JSON lines")

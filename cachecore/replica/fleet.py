@@ -38,7 +38,7 @@ from cachecore.replica.settings import (
     endpoints_for,
 )
 from cachecore.testing import free_ports
-from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
+from cachecore.tokenizer import HFTokenizer, TokenizerError, builtin_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,15 @@ class Fleet:
         return [r.endpoints.url for r in self.replicas]
 
 
+def output_vocabulary(tokenizer: HFTokenizer) -> tuple[int, ...]:
+    """The single-token words the simulated model "generates"; a tokenizer without enough
+    of them (e.g. SentencePiece) falls back to a plain id range above its special tokens."""
+    try:
+        return tokenizer.word_vocabulary.ids
+    except TokenizerError:
+        return tuple(range(256, min(tokenizer.vocab_size, 32_000)))
+
+
 def plan_ports(
     count: int, base_port: int | None = None, ports: Sequence[ReplicaPorts] | None = None
 ) -> list[ReplicaPorts]:
@@ -91,9 +100,14 @@ async def run_fleet(
 ) -> AsyncIterator[Fleet]:
     """Start ``count`` replicas (HTTP + ZMQ) in the running event loop; stop them on exit."""
     settings = settings or ReplicaSettings()
-    tokenizer = tokenizer or builtin_tokenizer()
+    if tokenizer is None:
+        tokenizer = (
+            HFTokenizer.from_dir(Path(settings.tokenizer_dir))
+            if settings.tokenizer_dir
+            else builtin_tokenizer()
+        )
     text = TokenText(tokenizer)
-    vocab = tokenizer.word_vocabulary.ids
+    vocab = output_vocabulary(tokenizer)
     ctx = zmq.asyncio.Context()
     replicas = [
         SimReplica(i, settings, p, tokenizer, ctx, text, vocab)

@@ -63,6 +63,7 @@ class SimReplica:
         self.tokenizer = tokenizer
         self.token_text = token_text or TokenText(tokenizer)
         self.output_vocab = tuple(output_vocab or tokenizer.word_vocabulary.ids)
+        self.tokenizer_path = settings.tokenizer_dir or tokenizer.name
         self.model = settings.model
         self.served_models: tuple[str, ...] = (settings.model, *settings.lora)
         self.healthy = True

@@ -50,6 +50,7 @@ class ReplicaSettings(BaseSettings):
     replay_buffer_steps: Annotated[int, Field(ge=1)] = 10000
     legacy_replay_reply: bool = False  # answer replay as [b"", seq, payload] (older vLLM)
     lora: list[str] = Field(default_factory=list)
+    tokenizer_dir: str | None = None  # HF model dir (tokenizer.json + chat template)
     access_log: bool = False  # uvicorn access log (debugging which endpoints peers call)
 
     @field_validator("profile")
