@@ -40,7 +40,7 @@ from redis.asyncio import Redis
 from cachecore.index.base import PrefixIndex
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
-from gateway.app import create_app
+from gateway.app import create_asgi
 from gateway.auth import KeyStore, load_key_file
 from gateway.core import AgentHook, Gateway
 from gateway.replicas import parse_replica_spec
@@ -148,7 +148,7 @@ def uvicorn_config(gw: Gateway, **overrides: Any) -> uvicorn.Config:
         "backlog": 2048,
     }
     kwargs.update(overrides)
-    return uvicorn.Config(create_app(gw), **kwargs)
+    return uvicorn.Config(create_asgi(gw), **kwargs)
 
 
 class GatewayServer:

@@ -8,6 +8,7 @@ match the engine's) or asks the engine itself (``/v1/chat/completions/render`` o
 
 from __future__ import annotations
 
+import array
 import logging
 import re
 from collections import OrderedDict
@@ -30,21 +31,32 @@ PROBE_CHAT: list[dict[str, str]] = [
 ]
 
 
+def _token_ids(value: Any) -> list[int] | None:
+    """``value`` as token ids if it is a list of non-negative 32-bit ints (checked in C)."""
+    if not isinstance(value, list) or not value or isinstance(value[0], bool):
+        return None
+    try:
+        array.array("I", value)
+    except (TypeError, OverflowError):
+        return None
+    return value
+
+
 def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
     """The prompt that decides routing. A batch of prompts routes by its first one."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
+    ids = _token_ids(prompt)
+    if ids is not None:
+        return ids
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
         first = prompt[0]
         if isinstance(first, str):
             return first
-        if isinstance(first, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in first
-        ):
-            return list(first)
+        ids = _token_ids(first)
+        if ids is not None:
+            return ids
     raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
 
 
@@ -160,13 +172,13 @@ class LocalPromptTokenizer:
         return self.completion_sync(body)
 
 
-def _token_ids(payload: Any) -> list[int] | None:
+def _response_ids(payload: Any) -> list[int] | None:
     """Token ids from a /tokenize or render response (vLLM shapes: ``{"tokens": [...]}``,
     ``{"prompt_token_ids": [...]}``, or a list of such objects)."""
     if isinstance(payload, list):
         if payload and all(isinstance(t, int) for t in payload):
             return list(payload)
-        return _token_ids(payload[0]) if payload else None
+        return _response_ids(payload[0]) if payload else None
     if isinstance(payload, Mapping):
         for key in ("tokens", "prompt_token_ids", "token_ids"):
             v = payload.get(key)
@@ -174,7 +186,7 @@ def _token_ids(payload: Any) -> list[int] | None:
                 return list(v)
         for key in ("engine_prompt", "prompt", "data"):
             if key in payload:
-                got = _token_ids(payload[key])
+                got = _response_ids(payload[key])
                 if got is not None:
                     return got
     return None
@@ -208,7 +220,7 @@ class EnginePromptTokenizer:
             raise bad_request(f"the engine rejected the prompt: {r.text[:500]}")
         if r.status_code != 200:
             raise GatewayError(502, f"engine tokenization returned {r.status_code}")
-        ids = _token_ids(r.json())
+        ids = _response_ids(r.json())
         if ids is None:
             raise GatewayError(502, "engine tokenization returned no token ids")
         return ids
@@ -290,7 +302,7 @@ async def check_alignment(
                 "replica has no /tokenize: alignment unchecked", extra={"replica": replica_url}
             )
             return []
-        theirs = _token_ids(r.json()) if r.status_code == 200 else None
+        theirs = _response_ids(r.json()) if r.status_code == 200 else None
         if theirs is None:
             problems.append(f"{name}: /tokenize returned {r.status_code}")
         elif theirs != ours:
