@@ -350,3 +350,31 @@ async def test_precision_with_embedded_agents_on_a_shared_prefix_workload(
         assert st.gw.index is not None
         stats = await st.gw.index.primary.stats()
         assert stats.stored_entries > 0  # the agents confirmed blocks from engine events
+
+
+async def test_each_request_is_a_span_with_the_routing_attributes() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    async with stack(count=2, build={"span_exporter": exporter}) as st:
+        c = st.client()
+        raw = await c.completions.with_raw_response.create(
+            model=st.model,
+            prompt=words(100, 12),
+            max_tokens=1,
+            extra_headers={"x-request-id": "req-42"},
+        )
+        assert raw.headers["x-request-id"] == "req-42"  # accepted and echoed
+        provider = st.gw._tracer_provider
+        assert provider is not None
+        provider.force_flush()
+        spans = [s for s in exporter.get_finished_spans() if s.name == "kvgate.request"]
+        assert len(spans) == 1
+        attrs = dict(spans[0].attributes or {})
+        assert attrs["kvgate.request_id"] == "req-42"
+        assert attrs["kvgate.replica"] == raw.headers["x-kvgate-replica"]
+        assert attrs["kvgate.strategy"] == "expected_latency"
+        assert attrs["kvgate.prompt_tokens"] == 100 and attrs["http.status_code"] == 200
+        assert {"kvgate.reason", "kvgate.predicted_cached_tokens", "kvgate.index_source"} <= set(
+            attrs
+        )

@@ -67,6 +67,7 @@ async def stack(
     policy: str | None = None,
     agents: bool = False,
     extra_replicas: list[str] | None = None,
+    build: dict[str, Any] | None = None,
     **settings: Any,
 ) -> AsyncIterator[Stack]:
     async with run_fleet(replica, count=count) as fleet:
@@ -83,7 +84,8 @@ async def stack(
             seed=7,
             **settings,
         )
-        gw = build_gateway(gs, policy=parse_policy_text(policy) if policy is not None else None)
+        pol = parse_policy_text(policy) if policy is not None else None
+        gw = build_gateway(gs, policy=pol, **(build or {}))
         async with serve_in_loop(gw) as url:
             yield Stack(fleet, gw, url)
 
