@@ -27,8 +27,10 @@ from cachecore.index.base import PrefixIndex, PrefixMatch, ReplicaState, empty_m
 from cachecore.index.memory import MemoryIndex
 from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
 from cachecore.loadstate import LoadStore
+from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
 from gateway.auth import KeyStore
+from gateway.discovery import Discovery
 from gateway.errors import GatewayError, bad_request, rate_limited
 from gateway.indexing import GatewayIndex, LookupResult
 from gateway.limits import TenantLimiter
@@ -127,6 +129,7 @@ class Gateway:
         agent_hook: AgentHook | None = None,
         replica_specs: Sequence[ReplicaSpec] = (),
         span_exporter: Any = None,
+        registry: RegistryStore | None = None,
     ) -> None:
         self.settings = settings
         self.policies = PolicyStore(settings.policy if policy is None else None, policy)
@@ -161,6 +164,8 @@ class Gateway:
         self.tokenizers: TokenizerPools | None = None
         self.refresher: SharedLoadRefresher | None = None
         self.specs = list(replica_specs)
+        self.registry = registry
+        self.discovery: Discovery | None = None
         self.draining = False
         self.strategy_override: Strategy | None = None  # e.g. kvgate serve --strategy
         self.in_flight = 0
@@ -237,6 +242,16 @@ class Gateway:
                 log.warning("replica agent endpoints given but no embedded agent is wired")
             else:
                 self._agents_stop = await self.agent_hook(agent_specs, primary, self._load_store)
+        if self.registry is not None:
+            allow = ReplicaAllowlist(
+                [f"{sp.id}={sp.url}" for sp in self.specs] + list(s.replica_allowlist)
+            )
+            self.discovery = Discovery(
+                self.registry, allow, self.pool, {sp.id for sp in self.specs},
+                on_added=lambda sp: self.metrics.healthy.labels(sp.id).set(1),
+            )  # fmt: skip
+            await self.discovery.refresh_once()
+            self.discovery.start()
         await self.pool.check_once(refresh_models=True)
         self.pool.start()
         self.policies.start(s.policy_poll_s, self._on_reload_result)
@@ -278,6 +293,8 @@ class Gateway:
                 "drain timeout: closing with requests in flight", extra={"n": self.in_flight}
             )
         await self.policies.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.pool is not None:
             await self.pool.stop()
         if self._agents_stop is not None:

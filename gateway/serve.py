@@ -99,6 +99,13 @@ def build_gateway(
         load_store = (
             RedisLoadStore.from_url(settings.redis_url) if settings.redis_url else MemoryLoadStore()
         )
+    registry = None
+    if settings.discover:
+        if not settings.redis_url:
+            raise ValueError("--discover needs --redis (agents register there)")
+        from cachecore.registry import RedisRegistry
+
+        registry = RedisRegistry.from_url(settings.redis_url)
     gw = Gateway(
         settings,
         policy,
@@ -108,6 +115,7 @@ def build_gateway(
         agent_hook=agent_hook if agent_hook is not None else default_agent_hook(),
         replica_specs=specs,
         span_exporter=span_exporter,
+        registry=registry,
     )
     gw.strategy_override = strategy
     return gw
@@ -245,6 +253,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="an engine replica; with EVENTS,REPLAY an embedded cache agent follows it",
     )
     parser.add_argument("--redis", dest="redis_url", help="redis://... for the shared index")
+    parser.add_argument(
+        "--discover", action="store_true", help="add replicas that agents register in Redis"
+    )
+    parser.add_argument(
+        "--allow", action="append", default=[], metavar="[ID=]URL",
+        help="a replica URL agents may register (besides the --replica ones)",
+    )  # fmt: skip
     parser.add_argument("--api-keys", dest="api_keys_file", type=Path, help="API key hash file")
     parser.add_argument("--api-keys-redis", action="store_true", help="API key hashes in Redis")
     parser.add_argument("--open", dest="open_access", action="store_true", help="no API keys")
@@ -270,6 +285,10 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
             overrides[name] = value
     if args.replica:
         overrides["replicas"] = list(args.replica)
+    if args.allow:
+        overrides["replica_allowlist"] = list(args.allow)
+    if args.discover:
+        overrides["discover"] = True
     if args.api_keys_redis:
         overrides["api_keys_redis"] = True
     if args.open_access:

@@ -39,6 +39,8 @@ class GatewaySettings(BaseSettings):
     upstream_api_key: SecretStr | None = None  # sent to replicas (the client's key never is)
     salt_secrets: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    discover: bool = False  # add replicas that agents register (allowlisted URLs only)
+    replica_allowlist: Annotated[list[str], NoDecode] = Field(default_factory=list)
     gateway_id: str | None = None
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 300.0
@@ -53,7 +55,7 @@ class GatewaySettings(BaseSettings):
     log_json: bool = True
     seed: int | None = None  # routing RNG seed (tests, benchmarks)
 
-    @field_validator("salt_secrets", "replicas", mode="before")
+    @field_validator("salt_secrets", "replicas", "replica_allowlist", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)

@@ -203,3 +203,36 @@ def test_inflight_accounting_and_shared_merge() -> None:
     v = tracker.views(["r", "q"], {"r": 16})["r"]
     assert v.queued_prefill_tokens == 800 and v.running == 7 and v.waiting == 2 and v.capacity == 16
     inf.done(t2)
+
+
+# ---------------------------------------------------------------- discovery
+
+
+async def test_discovery_adds_allowlisted_replicas_only_and_drops_expired() -> None:
+    import httpx
+
+    from cachecore.registry import MemoryRegistry, Registration, ReplicaAllowlist
+    from gateway.discovery import Discovery
+    from gateway.replicas import ReplicaPool, ReplicaSpec
+    from policies.schema import HealthPolicy
+
+    def reg(rid: str, url: str) -> Registration:
+        return Registration(
+            replica_id=rid, url=url, model="m", block_size=16, capacity_blocks=100,
+            agent_id=f"agent-{rid}", registered_ms=0,
+        )  # fmt: skip
+
+    registry = MemoryRegistry()
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(client, HealthPolicy())
+        pool.add(ReplicaSpec("static-1", "http://10.0.0.1:8000"))
+        allow = ReplicaAllowlist(["http://10.0.0.2:8000", "pinned=http://10.0.0.3:8000"])
+        disc = Discovery(registry, allow, pool, {"static-1"})
+        await registry.register(reg("gpu-2", "http://10.0.0.2:8000"), 1000, now_ms=0)
+        await registry.register(reg("rogue", "http://evil.example:80"), 1000, now_ms=0)
+        await registry.register(reg("thief", "http://10.0.0.3:8000"), 1000, now_ms=0)
+        await disc.refresh_once(now_ms=10)
+        assert sorted(pool.ids()) == ["gpu-2", "static-1"]
+        assert disc.rejected == 2  # not allowlisted; pinned to another id
+        await disc.refresh_once(now_ms=5000)  # every registration expired
+        assert pool.ids() == ["static-1"]  # static replicas stay

@@ -1,0 +1,91 @@
+"""Replica discovery from agent registrations, restricted to the operator's allowlist.
+
+Agents register their replica (URL, model, block size, capacity) with a TTL. A gateway
+started with discovery adds every registration whose URL the operator declared (static
+``--replica`` URLs and ``KVGATE_REPLICA_ALLOWLIST`` entries, ``[id=]URL``) and removes a
+discovered replica when its registration expires. A rogue agent cannot point the gateway
+at an undeclared URL: such registrations are rejected and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from cachecore.registry import Registration, RegistryStore, ReplicaAllowlist
+from gateway.replicas import ReplicaPool, ReplicaSpec
+
+log = logging.getLogger(__name__)
+
+
+class Discovery:
+    def __init__(
+        self,
+        registry: RegistryStore,
+        allowlist: ReplicaAllowlist,
+        pool: ReplicaPool,
+        static_ids: set[str],
+        on_added: Callable[[ReplicaSpec], None] | None = None,
+        interval_s: float = 2.0,
+    ) -> None:
+        self.registry = registry
+        self.allowlist = allowlist
+        self.pool = pool
+        self.static_ids = static_ids  # never removed by discovery
+        self.on_added = on_added
+        self.interval_s = interval_s
+        self.discovered: dict[str, Registration] = {}
+        self.rejected = 0
+        self.errors = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh_once(self, now_ms: int | None = None) -> None:
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        try:
+            regs = await self.registry.discover(now_ms)
+        except Exception as exc:  # keep the replicas we have
+            self.errors += 1
+            log.warning("replica discovery failed", extra={"error": repr(exc)})
+            return
+        accepted, rejected = self.allowlist.accept(regs)
+        self.rejected += len(rejected)
+        seen = set()
+        for reg in accepted:
+            seen.add(reg.replica_id)
+            rep = self.pool.get(reg.replica_id)
+            if rep is None:
+                spec = ReplicaSpec(reg.replica_id, reg.url.rstrip("/"))
+                rep = self.pool.add(spec)
+                log.info("replica discovered", extra={"replica": reg.replica_id, "url": reg.url})
+                if self.on_added is not None:
+                    self.on_added(spec)
+            elif (
+                rep.url.rstrip("/") != reg.url.rstrip("/") and reg.replica_id not in self.static_ids
+            ):
+                log.warning("replica URL changed: ignored", extra={"replica": reg.replica_id})
+            rep.block_size = reg.block_size
+            self.discovered[reg.replica_id] = reg
+        for rid in [r for r in self.discovered if r not in seen]:
+            del self.discovered[rid]
+            if rid not in self.static_ids:
+                self.pool.remove(rid)
+                log.info("replica registration expired: removed", extra={"replica": rid})
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh_once()
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
