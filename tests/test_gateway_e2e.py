@@ -378,3 +378,21 @@ async def test_each_request_is_a_span_with_the_routing_attributes() -> None:
         assert {"kvgate.reason", "kvgate.predicted_cached_tokens", "kvgate.index_source"} <= set(
             attrs
         )
+
+
+@pytest.mark.parametrize("kind", ["engine_tokenize", "engine_render"])
+async def test_engine_side_tokenization(kind: str) -> None:
+    async with stack(count=2, policy=f"models: {{default: {{tokenizer: {kind}}}}}") as st:
+        c = st.client()
+        system = words(500, 13)
+        hits = []
+        for i in range(3):
+            r = await c.chat.completions.create(
+                model=st.model, messages=chat(system, words(8, 1300 + i)), max_tokens=1
+            )
+            hits.append(cached(r.usage))
+        p = await c.completions.create(model=st.model, prompt=system, max_tokens=1)
+        assert p.choices
+        assert hits[0] == 0 and min(hits[1:]) >= 496
+        abs_err, prompt = st.gw.metrics.precision
+        assert abs_err / prompt <= 0.03
