@@ -270,13 +270,17 @@ class OnlineFit:
         self.samples = 0
         self.skipped = 0
         self._resid_var = 0.0
+        self._cached: Coefficients | None = None  # coefficients() between two updates
 
     def coefficients(self) -> Coefficients:
         """The fitted coefficients once enough samples arrived, else the prior."""
         if self.samples < self.min_samples:
             return self.prior
-        scales = self._SCALES
-        return self.prior.with_vector([t * s for t, s in zip(self._theta, scales, strict=True)])
+        if self._cached is None:
+            scales = self._SCALES
+            vec = [t * s for t, s in zip(self._theta, scales, strict=True)]
+            self._cached = self.prior.with_vector(vec)
+        return self._cached
 
     def predict(self, x: Sequence[float]) -> float:
         return dot(self.coefficients().as_vector(), x)
@@ -314,4 +318,5 @@ class OnlineFit:
             resid * resid if self.samples == 0 else 0.98 * self._resid_var + 0.02 * resid * resid
         )
         self.samples += 1
+        self._cached = None
         return True
