@@ -34,6 +34,7 @@ from gateway.errors import error_body, sse_error_event
 log = logging.getLogger(__name__)
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_EVENT_SEP = re.compile(rb"\r?\n\r?\n")
 _RETRYABLE = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -272,10 +273,10 @@ class UpstreamExchange(Response):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 buf += chunk
-                cut = buf.rfind(b"\n\n")
+                cut = _event_end(buf)
                 if cut < 0:
                     continue
-                ready, buf = buf[: cut + 2], buf[cut + 2 :]
+                ready, buf = buf[:cut], buf[cut:]
                 if _USAGE.search(ready) is not None or b"[DONE]" in ready:
                     ready, done = self._filter_events(ready, usage)
                     saw_done = saw_done or done
@@ -315,10 +316,10 @@ class UpstreamExchange(Response):
         asked for it. Returns the bytes to forward and whether ``[DONE]`` was seen."""
         out: list[bytes] = []
         done = False
-        for event in data.split(b"\n\n"):
+        for event in _EVENT_SEP.split(data):
             if not event.strip():
                 continue
-            payload = event[6:] if event.startswith(b"data: ") else event
+            payload = event[5:].lstrip() if event.startswith(b"data:") else event
             if payload.strip() == b"[DONE]":
                 done = True
             elif _USAGE.search(payload) is not None:
@@ -332,3 +333,13 @@ class UpstreamExchange(Response):
                         continue
             out.append(event + b"\n\n")
         return b"".join(out), done
+
+
+def _event_end(buf: bytes) -> int:
+    """Index just past the last complete SSE event in ``buf`` (-1 if none). Engines end
+    events with a blank line: ``\n\n`` (vLLM, SGLang) or ``\r\n\r\n``."""
+    lf = buf.rfind(b"\n\n")
+    crlf = buf.rfind(b"\r\n\r\n")
+    if crlf >= 0 and crlf + 4 > lf + 2:
+        return crlf + 4
+    return lf + 2 if lf >= 0 else -1
