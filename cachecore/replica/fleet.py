@@ -142,6 +142,10 @@ async def run_fleet(
             await asyncio.sleep(0.01)
         yield fleet
     finally:
+        # end in-flight requests first (streams get an error chunk and [DONE]) so the HTTP
+        # servers have no open responses to wait for
+        for rep in replicas:
+            await rep.driver.stop("replica shutting down")
         for s in fleet.servers:
             s.should_exit = True
         for t in tasks:
