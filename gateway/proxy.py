@@ -46,7 +46,7 @@ _RETRYABLE = (
 _JSON = b"application/json"
 
 
-class _Usage:
+class Usage:
     __slots__ = ("cached", "completion", "prompt")
 
     def __init__(self) -> None:
@@ -239,7 +239,7 @@ class UpstreamExchange(Response):
             self._finish(Outcome(502, None, time.perf_counter() - t0, None, None, None, repr(exc)))
             return
         c0 = time.perf_counter_ns()
-        usage = _Usage()
+        usage = Usage()
         try:
             parsed = orjson.loads(raw)
             if isinstance(parsed, dict):
@@ -263,7 +263,7 @@ class UpstreamExchange(Response):
             "type": "http.response.start", "status": 200,
             "headers": [*self._resp_headers(b"text/event-stream"), (b"cache-control", b"no-cache")],
         })  # fmt: skip
-        usage = _Usage()
+        usage = Usage()
         ttft: float | None = None
         buf = b""
         error: str | None = None
@@ -278,14 +278,14 @@ class UpstreamExchange(Response):
                     continue
                 ready, buf = buf[:cut], buf[cut:]
                 if _USAGE.search(ready) is not None or b"[DONE]" in ready:
-                    ready, done = self._filter_events(ready, usage)
+                    ready, done = filter_events(ready, usage, d.client_wants_usage)
                     saw_done = saw_done or done
                 if ready:
                     await send({"type": "http.response.body", "body": ready, "more_body": True})
         except httpx.HTTPError as exc:
             error = repr(exc)
         if buf.strip() and error is None:
-            tail, done = self._filter_events(buf, usage)
+            tail, done = filter_events(buf, usage, d.client_wants_usage)
             saw_done = saw_done or done
             if tail:
                 await send({"type": "http.response.body", "body": tail, "more_body": True})
@@ -311,28 +311,30 @@ class UpstreamExchange(Response):
             )
         )
 
-    def _filter_events(self, data: bytes, usage: _Usage) -> tuple[bytes, bool]:
-        """Read usage from complete events; drop the usage-only chunk unless the client
-        asked for it. Returns the bytes to forward and whether ``[DONE]`` was seen."""
-        out: list[bytes] = []
-        done = False
-        for event in _EVENT_SEP.split(data):
-            if not event.strip():
-                continue
-            payload = event[5:].lstrip() if event.startswith(b"data:") else event
-            if payload.strip() == b"[DONE]":
-                done = True
-            elif _USAGE.search(payload) is not None:
-                try:
-                    obj = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    obj = None
-                if isinstance(obj, dict):
-                    usage.read(obj.get("usage"))
-                    if not self.d.client_wants_usage and not obj.get("choices"):
-                        continue
-            out.append(event + b"\n\n")
-        return b"".join(out), done
+
+def filter_events(data: bytes, usage: Usage, keep_usage: bool) -> tuple[bytes, bool]:
+    """Read usage from complete SSE events; drop the usage-only chunk unless the client
+    asked for it (``keep_usage``). Returns the bytes to forward and whether ``[DONE]`` was
+    seen."""
+    out: list[bytes] = []
+    done = False
+    for event in _EVENT_SEP.split(data):
+        if not event.strip():
+            continue
+        payload = event[5:].lstrip() if event.startswith(b"data:") else event
+        if payload.strip() == b"[DONE]":
+            done = True
+        elif _USAGE.search(payload) is not None:
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict):
+                usage.read(obj.get("usage"))
+                if not keep_usage and not obj.get("choices"):
+                    continue
+        out.append(event + b"\n\n")
+    return b"".join(out), done
 
 
 def _event_end(buf: bytes) -> int:

@@ -236,3 +236,26 @@ async def test_discovery_adds_allowlisted_replicas_only_and_drops_expired() -> N
         assert disc.rejected == 2  # not allowlisted; pinned to another id
         await disc.refresh_once(now_ms=5000)  # every registration expired
         assert pool.ids() == ["static-1"]  # static replicas stay
+
+
+# ---------------------------------------------------------------- SSE relay
+
+
+def test_sse_filter_reads_usage_and_drops_the_chunk_nobody_asked_for() -> None:
+    from gateway.proxy import Usage, filter_events
+
+    usage_chunk = (
+        b'data: {"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,'
+        b'"prompt_tokens_details":{"cached_tokens":32}}}'
+    )
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' + usage_chunk + b"\n\ndata: [DONE]\n\n"
+    )
+    u = Usage()
+    out, done = filter_events(stream, u, keep_usage=False)
+    assert done and b"usage" not in out and b'"content":"a"' in out and out.endswith(b"[DONE]\n\n")
+    assert (u.prompt, u.cached, u.completion) == (40, 32, 2)
+    kept, _ = filter_events(stream.replace(b"\n\n", b"\r\n\r\n"), Usage(), keep_usage=True)
+    assert b'"cached_tokens":32' in kept
+    nospace, done = filter_events(b"data:[DONE]\n\n", Usage(), keep_usage=False)
+    assert done and nospace == b"data:[DONE]\n\n"
