@@ -259,3 +259,27 @@ def test_sse_filter_reads_usage_and_drops_the_chunk_nobody_asked_for() -> None:
     assert b'"cached_tokens":32' in kept
     nospace, done = filter_events(b"data:[DONE]\n\n", Usage(), keep_usage=False)
     assert done and nospace == b"data:[DONE]\n\n"
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+def test_segment_cache_is_exact() -> None:
+    import random
+
+    from cachecore.tokenizer import builtin_tokenizer
+    from gateway.tokenization import LocalPromptTokenizer
+
+    tok = builtin_tokenizer()
+    lp = LocalPromptTokenizer(tok)
+    assert lp.segments.enabled
+    rng = random.Random(5)
+    vocab = tok.word_vocabulary
+    pieces = ["héllo wörld ✓", "\n\n", "  spaced  ", "<|im_end|>", "<|endoftext|>x", "数字 123"]
+    system = vocab.text(300, rng)
+    for i in range(40):
+        user = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 6))) + vocab.text(20, rng)
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        assert lp.chat_sync({"messages": msgs}) == tok.encode_chat(msgs), i
+        assert lp.completion_sync({"prompt": system + user}) == tok.encode(system + user)
+    assert lp.segments.hits >= 39  # the shared system prompt was tokenized once
