@@ -15,6 +15,8 @@ import signal
 import sys
 from typing import Any
 
+import zmq
+
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
@@ -163,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
     ports = build_ports(args)
     try:
         asyncio.run(_serve(settings, ports))
-    except OSError as exc:  # a port in use
+    except (OSError, zmq.ZMQError) as exc:  # a port in use
         print(f"kvgate replica: {exc}", file=sys.stderr)
         return 1
+    except SystemExit as exc:  # uvicorn exits on a bind error (after logging it)
+        return int(exc.code or 1)
     return 0
