@@ -459,7 +459,7 @@ class Gateway:
         st.add("lookup", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()
-        caps = {r.id: r.capacity for r in reps}
+        caps = {r.id: r.capacity or mpool.max_num_seqs for r in reps}
         loads = self.load.views(ids, caps)
         best_salt: dict[str, int] = {}
         cands: list[Candidate] = []

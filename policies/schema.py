@@ -114,6 +114,7 @@ class ModelPool(_Section):
     tokenizer: TokenizerKind = "builtin"
     tokenizer_dir: str | None = None
     block_size: Annotated[int, Field(gt=0)] = 16
+    max_num_seqs: Annotated[int, Field(gt=0)] = 256  # the engine's concurrent sequences
     alignment_check: bool = True
 
     @model_validator(mode="after")

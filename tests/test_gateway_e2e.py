@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -396,3 +398,37 @@ async def test_engine_side_tokenization(kind: str) -> None:
         assert hits[0] == 0 and min(hits[1:]) >= 496
         abs_err, prompt = st.gw.metrics.precision
         assert abs_err / prompt <= 0.03
+
+
+async def test_misaligned_tokenizer_is_reported_at_start_up(tmp_path: Path) -> None:
+    from cachecore.tokenizer import export_builtin
+
+    export_builtin(tmp_path)
+    template = tmp_path / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> ", 1))
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{tmp_path}'}}}}"
+    async with stack(count=1, policy=policy) as st:
+        problems = st.gw.alignment_problems
+        assert problems and all("chat" in p for p in problems)  # the prompt probe agrees
+        async with st.http() as h:
+            text = (await h.get("/metrics")).text
+        assert "kvgate_tokenizer_alignment_mismatches_total 1.0" in text
+
+
+async def test_policy_file_change_is_picked_up_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "policy.yaml"
+    f.write_text("routing: {strategy: round_robin}\n")
+    async with stack(count=2, policy_file=f) as st:
+        assert st.gw.policy.routing.strategy.value == "round_robin"
+        c = st.client()
+        for step, text in enumerate(["routing: {strategy: least_loaded}\n", "routing: {x: 1}\n"]):
+            f.write_text(text)
+            os.utime(f, ns=(time.time_ns(), time.time_ns() + (step + 1) * 1_000_000_000))
+            for _ in range(60):  # bounded: 3 s
+                if st.gw.policies.reloads > step or st.gw.policies.last_error:
+                    break
+                # requests keep flowing during reloads
+                await c.completions.create(model=st.model, prompt="hello", max_tokens=1)
+                await asyncio.sleep(0.05)
+        assert st.gw.policy.routing.strategy.value == "least_loaded"  # the bad file was refused
+        assert st.gw.policies.last_error and "routing.x" in st.gw.policies.last_error

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -68,6 +69,7 @@ async def stack(
     agents: bool = False,
     extra_replicas: list[str] | None = None,
     build: dict[str, Any] | None = None,
+    policy_file: Path | None = None,
     **settings: Any,
 ) -> AsyncIterator[Stack]:
     async with run_fleet(replica, count=count) as fleet:
@@ -76,6 +78,8 @@ async def stack(
             for e in fleet.endpoints
         ]
         settings.setdefault("open_access", "api_keys_file" not in settings)
+        if policy_file is not None:
+            settings.update(policy=policy_file, policy_poll_s=0.05)
         gs = GatewaySettings(
             replicas=specs + (extra_replicas or []),
             port=free_port(),

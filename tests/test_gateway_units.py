@@ -283,3 +283,19 @@ def test_segment_cache_is_exact() -> None:
         assert lp.chat_sync({"messages": msgs}) == tok.encode_chat(msgs), i
         assert lp.completion_sync({"prompt": system + user}) == tok.encode(system + user)
     assert lp.segments.hits >= 39  # the shared system prompt was tokenized once
+
+
+def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_SALT_SECRETS", "first-secret-0123456789, second-secret-0123456789")
+    monkeypatch.setenv("KVGATE_REPLICAS", "http://a:1,gpu=http://b:2")
+    monkeypatch.setenv("KVGATE_PORT", "9123")
+    monkeypatch.setenv("KVGATE_ADMIN_KEY", "zq-admin-7731")
+    s = GatewaySettings()
+    assert [x.get_secret_value() for x in s.salt_secrets] == [
+        "first-secret-0123456789",
+        "second-secret-0123456789",
+    ]
+    assert s.replicas == ["http://a:1", "gpu=http://b:2"] and s.port == 9123
+    assert s.admin_key is not None and "zq-admin-7731" not in repr(s)  # secrets never print
+    gw = Gateway(s, parse_policy_text(""))
+    assert gw.minter.n_secrets == 2
