@@ -225,7 +225,9 @@ class UpstreamExchange(Response):
             {"type": "http.response.start", "status": status, "headers": self._resp_headers(_JSON)}
         )
         await send({"type": "http.response.body", "body": raw, "more_body": False})
-        self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None))
+        # an engine 5xx counts towards passive outlier ejection; a 4xx is the client's
+        err = f"http_{resp.status_code}" if resp.status_code >= 500 else None
+        self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, err))
 
     async def _relay_json(self, send: Send, resp: httpx.Response, t0: float) -> None:
         d = self.d

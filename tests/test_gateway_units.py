@@ -299,3 +299,32 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.admin_key is not None and "zq-admin-7731" not in repr(s)  # secrets never print
     gw = Gateway(s, parse_policy_text(""))
     assert gw.minter.n_secrets == 2
+
+
+async def test_passive_ejection_and_return() -> None:
+    import httpx
+
+    from gateway.replicas import ReplicaPool, ReplicaSpec
+    from policies.schema import HealthPolicy
+
+    now = [100.0]
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(
+            client, HealthPolicy(eject_after_failures=3, eject_s=5), clock=lambda: now[0]
+        )
+        pool.add(ReplicaSpec("a", "http://10.0.0.1:1"))
+        pool.add(ReplicaSpec("b", "http://10.0.0.2:1"))
+        for _ in range(2):
+            pool.record_failure("a")
+        pool.record_success("a")  # consecutive only
+        for _ in range(2):
+            pool.record_failure("a")
+        assert [r.id for r in pool.candidates("m")] == ["a", "b"]
+        pool.record_failure("a")
+        assert [r.id for r in pool.candidates("m")] == ["b"]
+        now[0] += 5.1
+        assert [r.id for r in pool.candidates("m")] == ["a", "b"]
+        pool.record_failure("b", definitive=True)  # a refused connection: out at once
+        assert [r.id for r in pool.candidates("m")] == ["a"]
+        pool.cordon("a")
+        assert pool.candidates("m") == []
