@@ -133,7 +133,7 @@ def tokenizer() -> Iterator[HFTokenizer]:
 async def fleet_and_subscriber(
     tokenizer: HFTokenizer, **settings: Any
 ) -> AsyncIterator[tuple[Fleet, FactsSubscriber, httpx.AsyncClient]]:
-    s = ReplicaSettings(time_scale=0.01, **settings)
+    s = ReplicaSettings(**{"time_scale": 0.01, **settings})
     async with run_fleet(s, count=1, tokenizer=tokenizer) as fleet:
         ep = fleet.endpoints[0]
         ctx = zmq.asyncio.Context()
@@ -303,3 +303,25 @@ async def test_restart_resets_seq_and_hashes(tokenizer: HFTokenizer) -> None:
         metrics = text_string_to_metric_families((await client.get("/metrics")).text)
         (start,) = [m.samples[0].value for m in metrics if m.name == "process_start_time_seconds"]
         assert start == pytest.approx(info1["process_start_time"])
+
+
+async def test_flush_during_a_step_is_ordered_after_that_steps_events(
+    tokenizer: HFTokenizer,
+) -> None:
+    """vLLM resets the prefix cache between steps: a flush that arrives while the last
+    request's step runs waits for it, so its BlockStored comes before AllBlocksCleared."""
+    async with fleet_and_subscriber(tokenizer, time_scale=1.0) as (fleet, sub, client):
+        core = fleet.replicas[0].core
+        done = core.stats().num_finished
+        task = asyncio.create_task(complete(client, tokenizer, 400, seed=40))  # ~130 ms step
+        for _ in range(500):
+            if core.stats().num_finished > done:
+                break  # stepped: blocks already free, the step's time not yet elapsed
+            await asyncio.sleep(0.002)
+        r = await client.post("/flush_cache")
+        assert r.status_code == 200
+        await task
+        first, second = await sub.recv(), await sub.recv()
+        assert [e["type"] for e in first.events] == ["BlockStored"]
+        assert second.events == [{"type": "AllBlocksCleared"}] and second.seq == first.seq + 1
+        assert (await client.get("/debug/blocks")).json()["blocks"] == []

@@ -355,6 +355,7 @@ def create_app(replica: SimReplica) -> FastAPI:
 
     # ------------------------------------------------------------------ cache control
     async def flush() -> dict[str, Any]:
+        await replica.driver.between_steps()
         core = replica.core
         if not core.reset_prefix_cache():
             raise APIError(

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from cachecore.engine import EngineCore, EngineRequest, RequestOutput
+from cachecore.engine import EngineCore, EngineRequest, RequestOutput, StepResult
 from cachecore.replica.events import KVEventPublisher
 from cachecore.replica.metrics import ReplicaMetrics
 
@@ -68,6 +68,9 @@ class EngineDriver:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._paused_until = 0.0
+        self._inflight: StepResult | None = None  # stepped, its duration not yet elapsed
+        self._between_steps = asyncio.Event()
+        self._between_steps.set()
         self._loop = asyncio.get_running_loop()
 
     # ------------------------------------------------------------------ lifecycle
@@ -107,10 +110,21 @@ class EngineDriver:
         self._paused_until = self._loop.time() + seconds
         self._wake.set()
 
+    async def between_steps(self) -> None:
+        """Wait until no step is in flight (vLLM runs utility calls such as
+        reset_prefix_cache between engine steps, after the step's outputs and events)."""
+        await self._between_steps.wait()
+
     async def publish_now(self) -> None:
-        """Publish events produced outside a step (reset_prefix_cache) at once."""
+        """Publish events produced outside a step (reset_prefix_cache). While a step is in
+        flight they join that step's batch, after its events: publishing them at once would
+        let the step's earlier BlockStored arrive after the clear."""
         events = self.core.take_events()
-        if events and self.publisher is not None:
+        if not events:
+            return
+        if self._inflight is not None:
+            self._inflight.events.extend(events)
+        elif self.publisher is not None:
             await self.publisher.publish(events, time.time())
 
     # ------------------------------------------------------------------ loop
@@ -129,19 +143,23 @@ class EngineDriver:
                     await self._wake.wait()
                     continue
                 start = loop.time()
-                result = core.step(start)
+                self._between_steps.clear()
+                result = self._inflight = core.step(start)
                 target = start + result.duration_s * self.time_scale
                 delay = target - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 end = loop.time()
                 lag.observe(max(0.0, end - target))
+                self._inflight = None
                 if result.events and self.publisher is not None:
                     await self.publisher.publish(result.events, time.time())
                 self._deliver(result.outputs, end)
+                self._between_steps.set()
                 if result.idle:
                     await asyncio.sleep(0)  # nothing schedulable this step: let others run
         except asyncio.CancelledError:
+            self._between_steps.set()
             raise
         except Exception:
             logger.exception("engine loop crashed", extra={"replica": self.name})
