@@ -398,7 +398,10 @@ def create_app(replica: SimReplica) -> FastAPI:
             "hash_algo": core.config.hash_algo.value,
             "event_hash_format": core.config.wire_hash_format.value,
             "process_start_time": replica.start_time,
+            # the dump includes every published batch (seq < next_event_seq) and, when
+            # step_in_flight, the events of that step, published next
             "next_event_seq": pub.next_seq if pub is not None else None,
+            "step_in_flight": replica.driver.step_in_flight,
             "num_running": len(core.running),
             "num_waiting": len(core.waiting),
             "blocks": blocks,

@@ -187,3 +187,9 @@ class EngineDriver:
     @property
     def num_in_flight(self) -> int:
         return len(self._handles)
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A step was taken whose duration has not elapsed: the engine state already
+        includes it, its events are not published yet."""
+        return self._inflight is not None
