@@ -93,7 +93,6 @@ class Dispatch:
     ticket: Ticket | None = None
     t_start: float = 0.0
     load_at_dispatch: LoadView | None = None
-    released: bool = False
 
     @property
     def replica(self) -> str:
