@@ -536,7 +536,13 @@ class Gateway:
         cand = next(c for c in d.candidates if c.replica == d.replica)
         d.load_at_dispatch = cand.load
         uncached = max(0, d.prompt_tokens - d.decision.predicted_cached_tokens)
-        d.ticket = self.inflight.dispatch(d.replica, uncached)
+        ticket = d.ticket = self.inflight.dispatch(d.replica, uncached)
+        if not d.stream:
+            # a JSON answer arrives whole, long after its first token: assume the prefill
+            # is done when its predicted TTFT has passed, so a long generation does not
+            # count as queued prefill work all along
+            ttft_s = max(0.001, d.decision.chosen.cost_ms / 1000.0)
+            asyncio.get_running_loop().call_later(ttft_s, self.inflight.first_token, ticket)
         rep = self.pool.get(d.replica) if self.pool else None
         if rep is not None:
             rep.in_flight += 1
