@@ -111,11 +111,10 @@ class UpstreamExchange(Response):
             self.gw.finish(self.d, out)
 
     def _resp_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        return [
-            (b"content-type", content_type),
-            (b"x-request-id", self.d.request_id.encode()),
-            (b"x-kvgate-replica", self.d.replica.encode()),
-        ]
+        headers = [(b"content-type", content_type), (b"x-request-id", self.d.request_id.encode())]
+        if self.gw.settings.expose_replica:
+            headers.append((b"x-kvgate-replica", self.d.replica.encode()))
+        return headers
 
     async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
         self.status = status

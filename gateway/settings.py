@@ -54,6 +54,7 @@ class GatewaySettings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = True
     seed: int | None = None  # routing RNG seed (tests, benchmarks)
+    expose_replica: bool = True  # x-kvgate-replica response header (which replica served)
 
     @field_validator("salt_secrets", "replicas", "replica_allowlist", mode="before")
     @classmethod
