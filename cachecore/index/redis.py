@@ -9,7 +9,7 @@ Round trips:
 
 * :meth:`RedisIndex.lookup`: ONE ``EVALSHA`` for all replicas on standalone Redis; on
   Cluster one per shard, sent concurrently. The script reads each replica's meta (epoch,
-  state), scans its current-epoch block hash with chunked ``HMGET`` (chunks double from
+  state), scans its current-epoch block hash with chunked ``HMGET`` (chunks grow 4x from
   ``first_chunk`` to ``max_chunk``), consults the pending zset with ``ZMSCORE`` only once a
   key is not stored, and stops at the first key that is neither;
 * :meth:`RedisIndex.apply`: one ``EVALSHA`` per write (a write of more than
@@ -50,7 +50,8 @@ from cachecore.index.layout import (
     engine_hash_from_field,
     group_by_shard,
 )
-from cachecore.keys import BlockKey
+from cachecore.index.memory import check_tier_bits
+from cachecore.keys import KEY_BYTES, BlockKey
 from cachecore.lifecycle import ALL_TIERS, IndexWrite
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,17 @@ RedisClient = aioredis.Redis | RedisCluster
 # Scripts derive the b:/m:/gw:p: key names from the meta key (":meta" is 4 chars) and the
 # epoch they read, so that no caller can pass a stale epoch's key name.
 
+# KEYS: one meta key per replica. ARGV: now_ms, first chunk, max chunk, the request's block
+# keys concatenated (16 bytes each: one argument, so the client encodes one blob, not n).
 LOOKUP_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
 local now = tonumber(ARGV[1])
 local chunk0 = tonumber(ARGV[2])
 local max_chunk = tonumber(ARGV[3])
-local n = #ARGV - 3
+local blob = ARGV[4]
+local n = math.floor(#blob / 16)
+local ks = {}
+local split = 0  -- keys split out of the blob so far: only as far as some replica needs
+local sub = string.sub
 local band = bit.band
 local out = {}
 for r = 1, #KEYS do
@@ -85,8 +92,8 @@ for r = 1, #KEYS do
     local epoch = m[1] or '0'
     local bkey = base .. 'b:' .. epoch
     local pkey = false
-    local has_pending = false
     local open = 15
+    local fast = nil  -- a value string known to carry every still-open tier (never false)
     local tl = {0, 0, 0, 0}
     local stored = -1
     local pend = n
@@ -96,45 +103,50 @@ for r = 1, #KEYS do
     while i < n and not done do
       local j = i + chunk
       if j > n then j = n end
-      local vals = redis.call('HMGET', bkey, unpack(ARGV, 4 + i, 3 + j))
+      while split < j do
+        split = split + 1
+        ks[split] = sub(blob, 16 * split - 15, 16 * split)
+      end
+      local vals = redis.call('HMGET', bkey, unpack(ks, i + 1, j))
       local ps = nil
       local ps_off = 0
       for q = 1, j - i do
         local v = vals[q]
-        local b = 0
-        if v then b = tonumber(v) end
-        if b == 0 or band(b, open) ~= open then
-          if open ~= 0 then
-            for t = 0, 3 do
-              local tb = bit.lshift(1, t)
-              if band(open, tb) ~= 0 and band(b, tb) == 0 then tl[t + 1] = i + q - 1 end
+        if v ~= fast then
+          local b = 0
+          if v then b = tonumber(v) end
+          if b ~= 0 and band(b, open) == open then
+            fast = v
+          else
+            if open ~= 0 then
+              for t = 0, 3 do
+                local tb = bit.lshift(1, t)
+                if band(open, tb) ~= 0 and band(b, tb) == 0 then tl[t + 1] = i + q - 1 end
+              end
+              open = band(open, b)
             end
-            open = band(open, b)
-          end
-          if b == 0 then
-            if stored < 0 then stored = i + q - 1 end
-            if not pkey then
-              pkey = base .. 'gw:p:' .. epoch
-              has_pending = redis.call('EXISTS', pkey) == 1
-            end
-            local s = false
-            if has_pending then
+            if b ~= 0 then
+              fast = v
+            else
+              if stored < 0 then stored = i + q - 1 end
+              if not pkey then pkey = base .. 'gw:p:' .. epoch end
               if ps == nil then
-                ps = redis.call('ZMSCORE', pkey, unpack(ARGV, 3 + i + q, 3 + j))
+                -- a missing zset answers nils: no EXISTS round inside the script needed
+                ps = redis.call('ZMSCORE', pkey, unpack(ks, i + q, j))
                 ps_off = q - 1
               end
-              s = ps[q - ps_off]
-            end
-            if (not s) or tonumber(s) <= now then
-              pend = i + q - 1
-              done = true
-              break
+              local s = ps[q - ps_off]
+              if (not s) or tonumber(s) <= now then
+                pend = i + q - 1
+                done = true
+                break
+              end
             end
           end
         end
       end
       i = j
-      chunk = chunk * 2
+      chunk = chunk * 4
       if chunk > max_chunk then chunk = max_chunk end
     end
     if stored < 0 then stored = n end
@@ -350,13 +362,13 @@ class RedisIndex:
         *,
         max_pending_per_replica: int = DEFAULT_MAX_PENDING_PER_REPLICA,
         max_write_fields: int = DEFAULT_MAX_WRITE_FIELDS,
-        first_chunk: int = 16,
-        max_chunk: int = 256,
+        first_chunk: int = 1,
+        max_chunk: int = 512,
     ) -> None:
         if max_pending_per_replica <= 0 or max_write_fields <= 0:
             raise ValueError("bounds must be positive")
-        if not 1 <= first_chunk <= max_chunk <= 4096:
-            raise ValueError("need 1 <= first_chunk <= max_chunk <= 4096")
+        if not 1 <= first_chunk <= max_chunk <= 2048:  # unpack() stack limit in Lua
+            raise ValueError("need 1 <= first_chunk <= max_chunk <= 2048")
         self.client = client
         self.layout = layout or KeyLayout()
         self.max_pending_per_replica = max_pending_per_replica
@@ -418,7 +430,10 @@ class RedisIndex:
     ) -> dict[str, PrefixMatch]:
         if not replicas:
             return {}
-        args = [now_ms, self.first_chunk, self.max_chunk, *keys]
+        blob = b"".join(keys)
+        if len(blob) != KEY_BYTES * len(keys):
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes")
+        args = [now_ms, self.first_chunk, self.max_chunk, blob]
         try:
             rows, calls = await call_per_replica(
                 self.client, self._lookup, self.layout, replicas, self.layout.meta, args
@@ -439,6 +454,7 @@ class RedisIndex:
     def _write_parts(self, epoch: int, write: IndexWrite, now_ms: int) -> list[list[Any]]:
         """ARGV lists of the apply script, split so no call carries more than
         ``max_write_fields`` entries; ``last_seq`` goes with the last part."""
+        check_tier_bits(write)
         bset = [(k, v) for k, v in write.blocks.items() if v]
         bdel = [k for k, v in write.blocks.items() if not v]
         mset = [(engine_hash_field(h), r) for h, r in write.mirror.items() if r is not None]
