@@ -179,7 +179,15 @@ class _EngineBlock:
         return out
 
     def encode(self) -> bytes:
-        counts = bytes(min(self.copies.get(t, 0), 255) for t in ALL_TIERS)
+        c = self.copies.get  # written out, not a generator: this runs once per stored block
+        counts = bytes(
+            (
+                min(c(Tier.GPU, 0), 255),
+                min(c(Tier.CPU, 0), 255),
+                min(c(Tier.DISK, 0), 255),
+                min(c(Tier.REMOTE, 0), 255),
+            )
+        )
         return (self.key or b"") + counts
 
     @classmethod

@@ -205,7 +205,11 @@ def cost(
     """Expected TTFT (ms) of a request on a replica: see the module docstring. Equal to
     ``dot(coeffs.as_vector(), features(...))`` (a test holds it to that); written out
     because the router calls it for every replica of every request."""
-    hit = predict_hit(match, prompt_tokens, block_size, coeffs)
+    return cost_of_hit(predict_hit(match, prompt_tokens, block_size, coeffs), load, coeffs)
+
+
+def cost_of_hit(hit: HitPrediction, load: LoadView, coeffs: Coefficients) -> CostBreakdown:
+    """:func:`cost` for an already predicted hit (replicas without any match share one)."""
     uncached: float = hit.prompt_tokens - hit.gpu_tokens - hit.loaded_tokens
     uncached -= hit.pending_weight * hit.pending_tokens
     if uncached < 0.0:

@@ -23,7 +23,15 @@ from typing import Any
 import xxhash
 
 from cachecore.index.base import PrefixMatch, empty_match
-from cachecore.scoring import Coefficients, CostBreakdown, LoadView, cost
+from cachecore.scoring import (
+    Coefficients,
+    CostBreakdown,
+    HitPrediction,
+    LoadView,
+    cost,
+    cost_of_hit,
+    predict_hit,
+)
 
 
 class Strategy(StrEnum):
@@ -198,6 +206,7 @@ class Router:
     ) -> list[ReplicaScore]:
         bs = req.block_size
         parts: list[tuple[Candidate, CostBreakdown, str]] = []
+        no_hit: HitPrediction | None = None  # every replica without a match predicts this
         for c in candidates:
             note = ""
             match = c.match
@@ -205,7 +214,12 @@ class Router:
                 match, note = _EMPTY, "load_only"
             elif c.quarantined:
                 match, note = _EMPTY, "quarantined"
-            parts.append((c, cost(match, req.prompt_tokens, bs, c.load, coeffs), note))
+            if match.pending_blocks == 0:  # pending >= stored >= any tier: nothing matched
+                if no_hit is None:
+                    no_hit = predict_hit(_EMPTY, req.prompt_tokens, bs, coeffs)
+                parts.append((c, cost_of_hit(no_hit, c.load, coeffs), note))
+            else:
+                parts.append((c, cost(match, req.prompt_tokens, bs, c.load, coeffs), note))
         confined: frozenset[str] | None = None
         if req.cold_replicas is not None and not req.load_only:
             best = max(p[1].hit.predicted_cached_tokens for p in parts)

@@ -86,6 +86,9 @@ class SegmentCache:
         self.max_entries = max_entries
         self.min_chars = min_chars  # shorter segments are not worth a cache slot
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        # admission on second sight: one-off segments (a unique user question) must not
+        # evict the shared ones (a system prompt) that make the cache worth having
+        self._seen_once: OrderedDict[int, None] = OrderedDict()
         self.hits = 0
         self.misses = 0
         hf = getattr(tokenizer, "_tok", None)
@@ -126,6 +129,13 @@ class SegmentCache:
             return got
         self.misses += 1
         ids = self._plain(piece)
+        h = hash(piece)
+        if h not in self._seen_once:
+            self._seen_once[h] = None
+            if len(self._seen_once) > 4 * self.max_entries:
+                self._seen_once.popitem(last=False)
+            return ids
+        del self._seen_once[h]
         self._cache[piece] = ids
         if len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)

@@ -1,0 +1,601 @@
+"""``kvgate simulate``: the fleet in virtual time, with the real engine and routing code.
+
+Nothing here re-implements what it measures. Each replica is a
+:class:`~cachecore.engine.core.EngineCore` (the same engine the HTTP replicas run); each
+replica's KV events go through a :class:`~cachecore.lifecycle.ReplicaMirror` (the agent's
+code) into a :class:`~cachecore.index.memory.MemoryIndex`; requests are tokenized by the
+gateway's :class:`~gateway.tokenization.LocalPromptTokenizer`, keyed by
+:class:`~cachecore.keys.BlockKeyer` under the tenant's salt, scored by
+:mod:`cachecore.scoring` with the gateway's :class:`~gateway.load.LoadTracker` in-flight
+accounting and routed by :class:`~gateway.routing.Router` with the policy's parameters;
+coefficients are fitted online from observed TTFT as the gateway does.
+
+Event driven: arrivals, engine steps (decode-only stretches are fast-forwarded
+analytically by the engine until the next arrival), delayed index updates and periodic
+load scrapes. Two delays make it honest (without them precise routing looks perfect):
+
+* ``--event-delay-ms``: a step's KV events reach the index this long after the step ends
+  (ZMQ, the agent, the Redis write);
+* ``--scrape-interval-ms``: the engine load the router sees (running, waiting, KV usage)
+  is refreshed only this often; between scrapes only the gateway's own in-flight
+  accounting is current.
+
+Reported per strategy: token hit rate, TTFT mean/p50/p90/p99, e2e p99, load imbalance,
+preemptions, index size, decision cost (wall microseconds: keys + lookup + score), and the
+simulator's own speed (simulated seconds per wall second, tokens simulated per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import math
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cachecore.engine.core import EngineConfig, EngineCore, StepResult, default_output_vocab
+from cachecore.engine.hashing import HashAlgo
+from cachecore.engine.latency import get_profile
+from cachecore.engine.request import EngineRequest, RequestOutput
+from cachecore.index.base import ReplicaState
+from cachecore.index.memory import MemoryIndex
+from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
+from cachecore.lifecycle import ReplicaMirror
+from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
+from cachecore.tokenizer import builtin_tokenizer
+from cachecore.traceanalysis import percentile
+from gateway.load import InFlight, LoadTracker, SharedLoad, Ticket
+from gateway.routing import Candidate, Router, RouteRequest, Strategy
+from gateway.tokenization import LocalPromptTokenizer
+from loadtest.workloads import TextSource, WorkItem, Workload, build
+from policies.schema import Policy, builtin_policy_path, load_policy
+
+MODEL = "kvgate-sim-8b"
+_SIM_SECRET = b"kvgate-simulator-salt-secret-0000"
+
+STEP_DONE, FF_DONE, INDEX, SCRAPE = 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    replicas: int = 64
+    profile: str = "8b-h100"
+    num_blocks: int = 4096
+    block_size: int = 16
+    strategy: Strategy = Strategy.EXPECTED_LATENCY
+    event_delay_s: float = 0.020
+    scrape_interval_s: float = 0.5
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class _InFlightReq:
+    item: WorkItem
+    arrival: float
+    replica: int
+    ticket: Ticket
+    prompt_tokens: int
+    predicted_cached: int
+    load_at_dispatch: LoadView
+    ttft: float | None = None
+
+
+@dataclass(slots=True)
+class SimResult:
+    strategy: str
+    replicas: int
+    requests: int
+    sim_seconds: float
+    wall_seconds: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    predicted_error_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    decision_us: list[float] = field(default_factory=list)
+    per_replica_requests: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    index_entries_peak: int = 0
+    index_entries_end: int = 0
+    rejected: int = 0
+
+    def row(self) -> dict[str, float]:
+        per = self.per_replica_requests
+        mean_per = sum(per) / len(per) if per else 0.0
+        return {
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "ttft_mean": statistics.fmean(self.ttft) if self.ttft else math.nan,
+            "ttft_p50": percentile(self.ttft, 50),
+            "ttft_p90": percentile(self.ttft, 90),
+            "ttft_p99": percentile(self.ttft, 99),
+            "e2e_p99": percentile(self.e2e, 99),
+            "imbalance": max(per) / mean_per if mean_per else math.nan,
+            "pred_error": self.predicted_error_tokens / self.prompt_tokens
+            if self.prompt_tokens
+            else 0.0,
+            "decision_p50_us": percentile(self.decision_us, 50),
+            "decision_p99_us": percentile(self.decision_us, 99),
+            "speedup": self.sim_seconds / self.wall_seconds if self.wall_seconds else math.nan,
+            "tokens_per_wall_s": (self.prompt_tokens + self.generated_tokens) / self.wall_seconds
+            if self.wall_seconds
+            else 0.0,
+        }
+
+
+class FleetSimulator:
+    """One run: one workload through one strategy on a fresh fleet."""
+
+    def __init__(self, cfg: SimConfig, policy: Policy, workload: Workload) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.workload = workload
+        profile = get_profile(cfg.profile)
+        vocab = default_output_vocab()
+        self.engines = [
+            EngineCore(
+                EngineConfig(
+                    profile=profile,
+                    num_blocks=cfg.num_blocks,
+                    block_size=cfg.block_size,
+                    hash_seed=cfg.seed * 1000 + i,
+                    hash_algo=HashAlgo.XXHASH,  # engine hashes never reach our keys: fastest
+                ),
+                vocab,
+            )
+            for i in range(cfg.replicas)
+        ]
+        self.ids = [f"r{i}" for i in range(cfg.replicas)]
+        self._pos = {rid: i for i, rid in enumerate(self.ids)}
+        self.keyer = BlockKeyer(cfg.block_size)
+        self.mirrors = [ReplicaMirror(self.keyer, MODEL) for _ in range(cfg.replicas)]
+        self.index = MemoryIndex(max_entries=max(1_000_000, 4 * cfg.replicas * cfg.num_blocks))
+        self.minter = SaltMinter([_SIM_SECRET])
+        self.tokenizer = LocalPromptTokenizer(builtin_tokenizer())
+        self.inflight = InFlight()
+        self._snapshot: dict[str, SharedLoad] = {}
+        self.tracker = LoadTracker(self.inflight, lambda: self._snapshot)
+        self.router = Router(policy.routing.params(), random.Random(cfg.seed))
+        fit_pol = policy.cost.fit
+        self.fit = OnlineFit(
+            policy.cost.coefficients(),
+            bound=fit_pol.bound,
+            forgetting=fit_pol.forgetting,
+            min_samples=fit_pol.min_samples,
+        )
+        self.fit_enabled = fit_pol.enabled
+        self.capacity = {rid: e.max_num_seqs for rid, e in zip(self.ids, self.engines, strict=True)}
+        self.salts: dict[str, str] = {}
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._busy = [False] * cfg.replicas
+        self._ff: list[tuple[float, float] | None] = [None] * cfg.replicas  # (start, t_step)
+        self._version = [0] * cfg.replicas
+        self._reqs: dict[str, _InFlightReq] = {}
+        self.result = SimResult(cfg.strategy.value, cfg.replicas, len(workload.items), 0.0, 0.0)
+        self.result.per_replica_requests = [0] * cfg.replicas
+
+    def _push(self, t: float, kind: int, data: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, data))
+
+    def _salt(self, tenant: str) -> str:
+        salt = self.salts.get(tenant)
+        if salt is None:
+            salt = self.salts[tenant] = self.minter.salt(Scope(ScopeKind.TENANT, tenant))
+        return salt
+
+    def _tokens(self, item: WorkItem) -> list[int]:
+        body = item.body(MODEL, stream=False)
+        if item.api == "chat":
+            return self.tokenizer.chat_sync(body)
+        return self.tokenizer.completion_sync(body)
+
+    # ------------------------------------------------------------------ routing
+    async def _route(self, i: int, item: WorkItem, now: float) -> None:
+        tokens = self._tokens(item)
+        n = len(tokens)
+        bs = self.cfg.block_size
+        t0 = time.perf_counter()
+        salt = self._salt(item.tenant)
+        cap = min(hit_cap_blocks(n, bs), self.policy.index.max_prompt_blocks)
+        keys: list[BlockKey] = self.keyer.keys(tokens, salt, MODEL, None, max_blocks=cap)
+        now_ms = int(now * 1000)
+        matches = await self.index.lookup(keys, self.ids, now_ms) if keys else {}
+        loads = self.tracker.views(self.ids, self.capacity)
+        cands = [
+            Candidate(rid, loads[rid], matches[rid])
+            if rid in matches
+            else Candidate(rid, loads[rid])
+            for rid in self.ids
+        ]
+        session = item.session or (f"{item.tenant}/{keys[0].hex()}" if keys else None)
+        req = RouteRequest(prompt_tokens=n, block_size=bs, session_key=session)
+        decision = self.router.decide(req, cands, self.fit.coefficients(), self.cfg.strategy)
+        self.result.decision_us.append((time.perf_counter() - t0) * 1e6)
+        rid = decision.replica
+        r = self._pos[rid]
+        predicted = decision.predicted_cached_tokens
+        ticket = self.inflight.dispatch(rid, max(0, n - predicted))
+        match = matches.get(rid)
+        start = match.stored_blocks if match is not None else 0
+        if start < len(keys):
+            await self.index.add_pending(
+                rid, keys[start:], self.policy.index.pending_ttl_ms, now_ms
+            )
+        req_id = f"q{i}"
+        engine = self.engines[r]
+        deferred = self._ff[r] is not None
+        clock = self._materialize(r, now) if deferred else now
+        try:
+            engine.add_request(EngineRequest(req_id, tokens, item.max_tokens, salt), now)
+        except ValueError:
+            self.inflight.done(ticket)
+            self.result.rejected += 1
+            if deferred:
+                self._kick(r, clock)
+            return
+        self._reqs[req_id] = _InFlightReq(item, now, r, ticket, n, predicted, loads[rid])
+        self.result.per_replica_requests[r] += 1
+        if deferred or not self._busy[r]:
+            # a cancelled decode stretch or an idle replica: schedule its next work now
+            self._kick(r, clock)
+
+    # ------------------------------------------------------------------ engine
+    def _kick(self, r: int, now: float) -> None:
+        """Start replica r's next unit of work at ``now``: a normal step (executed now,
+        delivered at its end), or, for a decode-only batch, a deferred fast-forward to the
+        step where its first request finishes (materialised early if a request arrives)."""
+        engine = self.engines[r]
+        if not engine.has_work():
+            self._busy[r] = False
+            return
+        self._busy[r] = True
+        if engine.decode_only():
+            t_step = engine.latency.step_time(0, len(engine.running))
+            k = min(req.remaining_tokens for req in engine.running)
+            if k > 1 and t_step > 0:
+                self._version[r] += 1
+                self._ff[r] = (now, t_step)
+                self._push(now + k * t_step, FF_DONE, (r, self._version[r]))
+                return
+        res = engine.step(now)
+        dur = res.duration_s if res.duration_s > 0 else 1e-4  # never spin at one instant
+        self._push(now + dur, STEP_DONE, (r, res))
+
+    def _materialize(self, r: int, until: float) -> float:
+        """Run replica r's deferred decode stretch up to the first step boundary at or after
+        ``until`` (the analytic fast-forward, in as few engine calls as possible); return
+        the replica's clock."""
+        ff = self._ff[r]
+        assert ff is not None
+        clock, t_step = ff
+        self._ff[r] = None
+        self._version[r] += 1
+        engine = self.engines[r]
+        while clock < until - 1e-12 and engine.decode_only():
+            steps = max(1, math.ceil((until - clock) / t_step - 1e-9))
+            res = engine.fast_forward(clock, steps)
+            clock += res.duration_s
+            self._delivered(r, res, clock)
+        return clock
+
+    def _delivered(self, r: int, res: StepResult, now: float) -> None:
+        self._outputs(r, res.outputs, now)
+        if res.events:
+            write, _cleared = self.mirrors[r].apply(res.events)
+            if write:
+                self._push(now + self.cfg.event_delay_s, INDEX, (r, write))
+        self.result.preemptions += len(res.preempted)
+
+    def _outputs(self, r: int, outputs: Sequence[RequestOutput], now: float) -> None:
+        res = self.result
+        for out in outputs:
+            st = self._reqs.get(out.request_id)
+            if st is None:
+                continue
+            if out.first_token:
+                st.ttft = now - st.arrival
+                res.ttft.append(st.ttft)
+                self.inflight.first_token(st.ticket)
+                if self.fit_enabled:
+                    x = features(
+                        max(0, st.prompt_tokens - out.num_cached_tokens), 0.0, st.load_at_dispatch
+                    )
+                    self.fit.update(x, st.ttft * 1000.0)
+            if out.finished:
+                self.inflight.done(st.ticket)
+                res.e2e.append(now - st.arrival)
+                res.prompt_tokens += out.num_prompt_tokens
+                res.cached_tokens += out.num_cached_tokens
+                res.generated_tokens += out.num_output_tokens
+                res.predicted_error_tokens += abs(st.predicted_cached - out.num_cached_tokens)
+                del self._reqs[out.request_id]
+
+    def _scrape(self) -> None:
+        snap: dict[str, SharedLoad] = {}
+        for rid, e in zip(self.ids, self.engines, strict=True):
+            s = e.stats()
+            snap[rid] = SharedLoad(s.num_running, s.num_waiting, s.kv_cache_usage, e.max_num_seqs)
+        self._snapshot = snap
+
+    # ------------------------------------------------------------------ loop
+    async def run(self) -> SimResult:
+        items = self.workload.items
+        for rid in self.ids:
+            await self.index.clear_replica(rid, ReplicaState.LIVE, 0)
+        epochs = [(await self.index.meta(rid)).epoch for rid in self.ids]
+        self._scrape()
+        self._push(self.cfg.scrape_interval_s, SCRAPE, None)
+        pos = 0
+        wall0 = time.perf_counter()
+        now = 0.0
+        heap = self._heap
+        # every request finishes well within a day of sim time after the last arrival
+        horizon = (items[-1].t if items else 0.0) + 86_400.0
+        while pos < len(items) or heap:
+            if pos < len(items) and (not heap or items[pos].t <= heap[0][0]):
+                now = items[pos].t
+                item = items[pos]
+                pos += 1
+                await self._route(pos - 1, item, now)
+                continue
+            if not heap:
+                break
+            now, _, kind, data = heapq.heappop(heap)
+            if now > horizon:
+                raise RuntimeError(
+                    f"simulation did not drain by t={horizon:.0f}s: "
+                    f"{len(self._reqs)} requests stuck"
+                )
+            if kind == STEP_DONE:
+                r, res = data
+                self._delivered(r, res, now)
+                self._kick(r, now)
+            elif kind == FF_DONE:
+                r, version = data
+                if version == self._version[r]:
+                    self._kick(r, self._materialize(r, now))
+            elif kind == INDEX:
+                r, write = data
+                await self.index.apply(self.ids[r], epochs[r], write, int(now * 1000))
+            elif kind == SCRAPE:
+                self._scrape()
+                # the index holds exactly the mirrors' keys (plus pending): O(replicas)
+                entries = sum(len(m) for m in self.mirrors)
+                self.result.index_entries_peak = max(self.result.index_entries_peak, entries)
+                if pos < len(items) or self._reqs:
+                    self._push(now + self.cfg.scrape_interval_s, SCRAPE, None)
+        self.result.wall_seconds = time.perf_counter() - wall0
+        self.result.sim_seconds = now
+        self.result.index_entries_end = (await self.index.stats()).stored_entries
+        return self.result
+
+
+# ------------------------------------------------------------------------- workloads
+
+
+def scaled_workload(
+    name: str, requests: int, replicas: int, rate: float, seed: int, text: TextSource
+) -> Workload:
+    """``requests`` requests of workload ``name`` at ``rate`` req/s, with its sharing
+    structure scaled to the fleet (more prefix groups for more replicas)."""
+    if name == "shared-prefix":
+        groups = max(8, 6 * replicas)
+        per = max(1, math.ceil(requests / groups))
+        w = build(
+            name,
+            text,
+            groups=groups,
+            prompts_per_group=per,
+            rate=rate,
+            seed=seed,
+            output_tokens=128,
+        )
+    elif name == "hot-prefix":
+        w = build(name, text, n=requests, cold_groups=max(16, 8 * replicas), rate=rate, seed=seed)
+    elif name in ("short-unique", "long-prefix-pressure", "tenant-mix", "rag"):
+        w = build(name, text, n=requests, rate=rate, seed=seed)
+    elif name == "mooncake":
+        w = tiled_mooncake(text, requests, rate, seed)
+    else:
+        raise ValueError(f"workload {name!r} is not available in the simulator")
+    return w.head(requests)
+
+
+def tiled_mooncake(text: TextSource, requests: int, rate: float, seed: int) -> Workload:
+    """The Mooncake trace tiled to ``requests`` rows: each copy gets its own hash-id space
+    (no sharing across copies) and a random time offset, then arrivals are rescaled to the
+    wanted mean rate. Rows keep their order and sharing within a copy."""
+    base = build("mooncake", text, max_input_tokens=16384, output_cap=256)
+    rng = random.Random(seed)
+    span = base.duration_s or 1.0
+    copies = math.ceil(requests / len(base.items))
+    items: list[WorkItem] = []
+    for c in range(copies):
+        off = rng.uniform(0, span)
+        tag = f" copy{c}" if c else ""
+        for it in base.items:
+            prompt = (it.prompt or "") if not tag else _retag(it.prompt or "", c, text)
+            items.append(replace(it, t=it.t + off, prompt=prompt, group=f"{it.group}{tag}"))
+    items.sort(key=lambda it: it.t)
+    items = items[:requests]
+    dur = items[-1].t - items[0].t if len(items) > 1 else 1.0
+    factor = (len(items) / dur) / rate
+    t0 = items[0].t
+    scaled = tuple(replace(it, t=(it.t - t0) / factor) for it in items)
+    return Workload("mooncake-tiled", scaled, f"Mooncake x{copies} copies at {rate}/s")
+
+
+def _retag(prompt: str, copy: int, text: TextSource) -> str:
+    """A copy-specific variant with the same token count and the same prefix structure:
+    every word is shifted by a per-copy offset in the single-token vocabulary."""
+    vocab = text.vocab
+    index = {w: i for i, w in enumerate(vocab.words)}
+    shift = 7919 * copy
+    return vocab.text_from_ids((index[w] + shift) for w in prompt.split())
+
+
+# ------------------------------------------------------------------------- calibration
+
+
+async def calibrate_capacity(
+    cfg: SimConfig, policy: Policy, workload: str, text: TextSource, requests: int
+) -> float:
+    """Completed requests per second of least_loaded when offered far more than the fleet
+    can take: the throughput knee the load factor is relative to."""
+    probe = scaled_workload(
+        workload, requests, cfg.replicas, rate=1e6, seed=cfg.seed + 99, text=text
+    )
+    sim = FleetSimulator(replace(cfg, strategy=Strategy.LEAST_LOADED), policy, probe)
+    res = await sim.run()
+    return res.requests / res.sim_seconds if res.sim_seconds > 0 else math.inf
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", default="64", help="fleet size, or a list: 8,16,64")
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument(
+        "--workload",
+        default="shared-prefix",
+        choices=[
+            "shared-prefix",
+            "hot-prefix",
+            "short-unique",
+            "rag",
+            "long-prefix-pressure",
+            "tenant-mix",
+            "mooncake",
+        ],
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=0.7,
+        help="offered load as a fraction of least_loaded's capacity",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="offered req/s (skips the capacity calibration)"
+    )
+    parser.add_argument(
+        "--strategies",
+        default="expected_latency,least_loaded,prefix_affinity",
+        help="comma-separated strategies, run on the same workload",
+    )
+    parser.add_argument("--profile", default="8b-h100")
+    parser.add_argument("--blocks", type=int, default=4096, help="KV blocks per replica")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--event-delay-ms", type=float, default=20.0)
+    parser.add_argument("--scrape-interval-ms", type=float, default=500.0)
+    parser.add_argument("--policy", type=Path, default=None, help="policy YAML (default: shipped)")
+    parser.add_argument("--calibration-requests", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=None, help="write a scaling plot here")
+
+
+def format_rows(rows: Sequence[tuple[SimResult, dict[str, float]]]) -> str:
+    out = [
+        "| replicas | strategy | requests | hit rate | TTFT mean s | p50 | p90 | p99 | e2e p99 | "
+        "imbalance | preempt | pred. err | index peak | decision p50/p99 us | sim s | wall s | "
+        "speedup | tokens/wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res, row in rows:
+        out.append(
+            f"| {res.replicas} | {res.strategy} | {res.requests} | {row['hit_rate']:.1%} | "
+            f"{row['ttft_mean']:.3f} | {row['ttft_p50']:.3f} | {row['ttft_p90']:.3f} | "
+            f"{row['ttft_p99']:.3f} | {row['e2e_p99']:.2f} | {row['imbalance']:.2f} | "
+            f"{res.preemptions} | {row['pred_error']:.2%} | {res.index_entries_peak:,} | "
+            f"{row['decision_p50_us']:.0f}/{row['decision_p99_us']:.0f} | "
+            f"{res.sim_seconds:.0f} | {res.wall_seconds:.0f} | {row['speedup']:.1f}x | "
+            f"{row['tokens_per_wall_s']:,.0f} |"
+        )
+    return "\n".join(out)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    policy = load_policy(args.policy or builtin_policy_path("default"))
+    text = TextSource()
+    strategies = [Strategy(s.strip()) for s in args.strategies.split(",") if s.strip()]
+    sizes = [int(x) for x in str(args.replicas).split(",")]
+    rows: list[tuple[SimResult, dict[str, float]]] = []
+    for n in sizes:
+        cfg = SimConfig(
+            replicas=n, profile=args.profile, num_blocks=args.blocks,
+            block_size=args.block_size, event_delay_s=args.event_delay_ms / 1000.0,
+            scrape_interval_s=args.scrape_interval_ms / 1000.0, seed=args.seed,
+        )  # fmt: skip
+        rate = args.rate
+        if rate is None:
+            n_cal = args.calibration_requests or max(2000, min(args.requests // 5, 20 * n * 16))
+            t0 = time.perf_counter()
+            capacity = await calibrate_capacity(cfg, policy, args.workload, text, n_cal)
+            rate = args.load * capacity
+            print(
+                f"# {n} replicas: least_loaded capacity {capacity:.1f} req/s "
+                f"({n_cal} requests, {time.perf_counter() - t0:.0f} s wall); "
+                f"offering {args.load:.0%} = {rate:.1f} req/s",
+                flush=True,
+            )
+        workload = scaled_workload(args.workload, args.requests, n, rate, args.seed, text)
+        for strategy in strategies:
+            sim = FleetSimulator(replace(cfg, strategy=strategy), policy, workload)
+            res = await sim.run()
+            rows.append((res, res.row()))
+            print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(
+        f"workload {args.workload}, profile {args.profile}, {args.blocks} blocks x "
+        f"{args.block_size} tokens per replica, event delay {args.event_delay_ms} ms, "
+        f"scrape {args.scrape_interval_ms} ms, seed {args.seed}"
+    )
+    print(format_rows(rows))
+    if args.plot is not None and len(sizes) > 1:
+        plot_scaling(rows, args.plot)
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+def plot_scaling(rows: Sequence[tuple[SimResult, dict[str, float]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    by: dict[str, list[tuple[SimResult, dict[str, float]]]] = {}
+    for res, row in rows:
+        by.setdefault(res.strategy, []).append((res, row))
+    for strategy, pts in by.items():
+        xs = [r.replicas for r, _ in pts]
+        axes[0].plot(xs, [row["hit_rate"] for _, row in pts], "o-", label=strategy)
+        axes[1].plot(xs, [row["ttft_p99"] for _, row in pts], "o-", label=strategy)
+        axes[2].plot(xs, [r.index_entries_peak for r, _ in pts], "o-", label=strategy)
+        axes[3].plot(xs, [row["decision_p99_us"] for _, row in pts], "o-", label=strategy)
+    for ax, title in zip(
+        axes,
+        ("token hit rate", "TTFT p99 (s)", "index entries (peak)", "decision p99 (us)"),
+        strict=True,
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("replicas")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_main(args))
