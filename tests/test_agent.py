@@ -47,19 +47,20 @@ def toks(start: int, n_blocks: int) -> list[int]:
 
 
 def test_frames_live_reasons() -> None:
-    ok = parse_live([b"", seq_to_bytes(5), b"x"], b"", 10)
+    ok = parse_live([b"kv-events", seq_to_bytes(5), b"x"], b"kv-events", 10)
     assert (ok.seq, ok.payload) == (5, b"x")
+    assert parse_live([b"any-topic", seq_to_bytes(5), b"x"], b"", 10).seq == 5
     cases = [
-        ([b"", seq_to_bytes(1)], "bad_frames"),
-        ([b"", seq_to_bytes(1), b"x", b"y"], "bad_frames"),
+        ([b"kv-events", seq_to_bytes(1)], "bad_frames"),
+        ([b"kv-events", seq_to_bytes(1), b"x", b"y"], "bad_frames"),
         ([b"kv-events-other", seq_to_bytes(1), b"x"], "bad_topic"),
-        ([b"", b"\x00" * 7, b"x"], "bad_seq"),
-        ([b"", seq_to_bytes(-3), b"x"], "bad_seq"),
-        ([b"", seq_to_bytes(1), b"x" * 11], "oversized"),
+        ([b"kv-events", b"\x00" * 7, b"x"], "bad_seq"),
+        ([b"kv-events", seq_to_bytes(-3), b"x"], "bad_seq"),
+        ([b"kv-events", seq_to_bytes(1), b"x" * 11], "oversized"),
     ]
     for frames, reason in cases:
         with pytest.raises(MalformedEventError) as info:
-            parse_live(frames, b"", 10)
+            parse_live(frames, b"kv-events", 10)
         assert info.value.reason == reason
 
 

@@ -31,8 +31,9 @@ def parse_live(frames: Sequence[bytes], topic: bytes, max_payload_bytes: int) ->
     if len(frames) != 3:
         raise MalformedEventError("bad_frames", f"{len(frames)} frames")
     got_topic, raw_seq, payload = frames
-    if got_topic != topic:
-        # SUB filters by prefix only: "kv" also receives "kv-events"
+    if topic and got_topic != topic:
+        # SUB filters by prefix only: "kv" also receives "kv-events". An empty topic (vLLM's
+        # default) subscribes to everything the engine publishes, whatever its topic.
         raise MalformedEventError("bad_topic", repr(bytes(got_topic[:32])))
     seq = seq_from_bytes(raw_seq)
     if seq < 0:

@@ -129,6 +129,7 @@ class ReplicaSync:
             mirror.group_idx = attention_group
         self._queue: asyncio.Queue[Command] = asyncio.Queue(self.knobs.queue_size)
         self._task: asyncio.Task[None] | None = None
+        self._inflight: asyncio.Task[None] | None = None
         self._counters = replace(mirror.counters)
         self._retry_s = 0.05
         self._next_retry = 0.0
@@ -173,6 +174,11 @@ class ReplicaSync:
             self._task = asyncio.create_task(self._run(), name=f"agent-sync-{self.replica_id}")
 
     async def stop(self) -> None:
+        if self._inflight is not None:
+            self._inflight.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._inflight
+            self._inflight = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -209,6 +215,8 @@ class ReplicaSync:
                 blocks += self._blocks_of(cmd)
             try:
                 await self._process(cmds)
+                if self._queue.empty():
+                    await self._settle()  # idle: complete the write before drain() returns
             except asyncio.CancelledError:
                 raise
             except Exception:  # the worker must outlive any bug: count, mark dirty, go on
@@ -338,11 +346,25 @@ class ReplicaSync:
     def _published_state(self) -> ReplicaState:
         return self.state if self.engine_reachable else ReplicaState.UNAVAILABLE
 
+    async def _settle(self) -> None:
+        """Wait for the write in flight (at most one: writes stay in order)."""
+        task = self._inflight
+        if task is not None:
+            self._inflight = None
+            with contextlib.suppress(Exception):
+                await task
+
     async def _flush(self, acc: IndexWrite, covered: list[ApplyBatch]) -> None:
+        """Send ``acc`` without waiting for it: the mirror work of the next command group
+        overlaps this write's round trip. The previous write completes first."""
         if not acc and not covered:
             return
+        await self._settle()
+        self._inflight = asyncio.create_task(self._write(acc, covered))
+
+    async def _write(self, acc: IndexWrite, covered: list[ApplyBatch]) -> None:
         if self.dirty:
-            if not await self._try_resync("index_error"):
+            if not await self._resync("index_error"):
                 return
         else:
             t0 = time.perf_counter()
@@ -351,7 +373,7 @@ class ReplicaSync:
             except StaleEpochError:
                 self.metrics.index_errors.labels(self.replica_id, "stale_epoch").inc()
                 self.dirty = True
-                if not await self._try_resync("stale_epoch"):
+                if not await self._resync("stale_epoch"):
                     return
             except Exception as exc:
                 self._index_failed("apply", exc)
@@ -390,6 +412,7 @@ class ReplicaSync:
         self._retry_s = min(self._retry_s * 2, self.knobs.retry_max_s)
 
     async def _clear(self, state: ReplicaState, engine_start: float, cause: str) -> None:
+        await self._settle()
         self.state = state
         self.engine_start = engine_start
         self.metrics.clears.labels(self.replica_id, cause).inc()
@@ -409,6 +432,7 @@ class ReplicaSync:
             self._index_failed("clear", exc)
 
     async def _set_reachable(self, reachable: bool) -> None:
+        await self._settle()
         if reachable == self.engine_reachable:
             return
         self.engine_reachable = reachable
@@ -421,6 +445,7 @@ class ReplicaSync:
             self._index_failed("set_state", exc)
 
     async def _check_index(self, cmd: CheckIndex) -> None:
+        await self._settle()
         if self.dirty:
             await self._try_resync("index_error")
             return
@@ -447,6 +472,10 @@ class ReplicaSync:
             await self._try_resync(cause)
 
     async def _try_resync(self, cause: str) -> bool:
+        await self._settle()
+        return await self._resync(cause)
+
+    async def _resync(self, cause: str) -> bool:
         """Rewrite everything the index holds for this replica from the mirror: a new epoch,
         then blocks + mirror records in chunks (the last chunk carries the seq). Returns
         whether it succeeded; on failure the replica stays dirty and retries later."""
