@@ -528,3 +528,57 @@ async def test_salt_is_recognised_after_lora_items(rig: Rig) -> None:
     from cachecore.keys import BlockKeyer
 
     assert await rig.index_keys() == set(BlockKeyer(BS).keys(toks(0, 1), s, MODEL, "l1"))
+
+
+def _vllm_like_payloads(s: str, tokens: list[int]) -> list[bytes]:
+    """Batches as vLLM's own msgspec encoder writes them (built here by hand, not with our
+    encoder): sha256-digest bytes hashes, the salt after the LoRA name in block 0's extra
+    keys, the LoRA name in every block, fields we do not know, omitted defaults."""
+    import hashlib
+
+    import msgpack
+
+    digests = [hashlib.sha256(f"blk{i}".encode()).digest() for i in range(4)]
+    first = {
+        "type": "BlockStored",
+        "block_hashes": digests[:2],
+        "parent_block_hash": None,
+        "token_ids": tokens[: 2 * BS],
+        "block_size": BS,
+        "lora_id": 7,
+        "medium": "GPU",
+        "lora_name": "sql-lora",
+        "extra_keys": [["sql-lora", s], ["sql-lora"]],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        "locality": "local",  # a newer field: ignored
+    }
+    second_array = [
+        "BlockStored", digests[2:], digests[1], tokens[2 * BS :], BS, 7, "GPU", "sql-lora",
+        [["sql-lora"], ["sql-lora"]],
+    ]  # fmt: skip
+    removed_map = {"type": "BlockRemoved", "block_hashes": [digests[3]], "medium": "GPU"}
+    return [
+        msgpack.packb({"ts": 1.0, "events": [first]}, use_bin_type=True),  # newest: all maps
+        msgpack.packb([2.0, [second_array], None], use_bin_type=True),  # array_like
+        msgpack.packb([3.0, [removed_map]], use_bin_type=True),  # 0.2x: array batch, map events
+    ]
+
+
+async def test_real_vllm_shaped_batches(rig: Rig) -> None:
+    from cachecore.keys import BlockKeyer
+
+    await rig.start()
+    s = salt("acme")
+    tokens = toks(0, 4)
+    p1, p2, p3 = _vllm_like_payloads(s, tokens)
+    await rig.source.publish_payload(p1)
+    await rig.source.publish_payload(p2)
+    await rig.settle()
+    want = BlockKeyer(BS).keys(tokens, s, MODEL, "sql-lora")
+    assert await rig.index_keys() == set(want)
+    await rig.source.publish_payload(p3)
+    await rig.settle()
+    assert await rig.index_keys() == set(want[:3])
+    assert rig.agent is not None
+    assert counter_total(rig.agent.metrics.messages_dropped) == 0
