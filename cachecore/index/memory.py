@@ -65,6 +65,9 @@ del _t
 _TIER_BITS: tuple[tuple[Tier, int], ...] = tuple((t, int(t)) for t in ALL_TIERS)
 
 
+_EMPTY_LIVE = empty_match(ReplicaState.LIVE)
+
+
 class _Pending:
     """Pending block keys of one replica and epoch, with Redis sorted-set semantics: adding
     keeps the later expiry (``ZADD GT``), expired entries are trimmed on write, and when over
@@ -270,6 +273,11 @@ class MemoryIndex:
                 continue
             if rep.state not in ROUTABLE_STATES:
                 out[rid] = empty_match(rep.state)
+                continue
+            if not keys or (keys[0] not in rep.blocks and rep.pending.get(keys[0]) <= now_ms):
+                # the common case on a big fleet: the first block is neither stored nor
+                # pending here, so nothing matches (shared immutable empty answer)
+                out[rid] = _EMPTY_LIVE if rep.state is ReplicaState.LIVE else empty_match(rep.state)
                 continue
             tiers, stored, pending = scan_replica(rep.blocks, rep.pending, keys, now_ms)
             out[rid] = PrefixMatch(tiers, stored, pending, rep.state)
