@@ -114,6 +114,11 @@ class UpstreamExchange(Response):
         headers = [(b"content-type", content_type), (b"x-request-id", self.d.request_id.encode())]
         if self.gw.settings.expose_replica:
             headers.append((b"x-kvgate-replica", self.d.replica.encode()))
+            if not self.d.ephemeral:
+                # the prediction under the caller's own scope: lets benchmarks measure the
+                # precision per request (sensitive requests have none)
+                predicted = str(self.d.decision.predicted_cached_tokens).encode()
+                headers.append((b"x-kvgate-predicted-cached-tokens", predicted))
         return headers
 
     async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:

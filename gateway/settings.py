@@ -54,7 +54,8 @@ class GatewaySettings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = True
     seed: int | None = None  # routing RNG seed (tests, benchmarks)
-    expose_replica: bool = True  # x-kvgate-replica response header (which replica served)
+    # x-kvgate-replica (which replica served) and x-kvgate-predicted-cached-tokens headers
+    expose_replica: bool = True
 
     @field_validator("salt_secrets", "replicas", "replica_allowlist", mode="before")
     @classmethod
