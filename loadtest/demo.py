@@ -1,0 +1,272 @@
+"""``kvgate demo`` (``make demo``): the whole system on the embedded defaults, in one command.
+
+1. starts 4 simulated vLLM-compatible replicas (``kvgate replica``, a subprocess, 8B/H100
+   profile) with their ZMQ KV-event streams;
+2. starts the gateway (``kvgate serve``, a subprocess) on 127.0.0.1:8000 with the embedded
+   in-memory index and one embedded cache agent per replica;
+3. replays a built-in shared-prefix workload (eight assistants, each with a long
+   system prompt) through ``round_robin`` and then ``expected_latency``, resetting the
+   replicas' caches in between, and prints the comparison (engine-reported token hit rate,
+   TTFT p50/p99, predicted-vs-actual cached tokens);
+4. keeps serving until Ctrl-C and prints a curl and an ``openai`` SDK example that work as
+   shown. With ``DEMO_SERVE=0`` it prints the comparison and exits (for automated checks).
+
+Environment: ``DEMO_SERVE`` (1), ``DEMO_PORT`` (8000), ``DEMO_TIME_SCALE`` (1.0: the engine
+model runs in real time), ``DEMO_SEED`` (0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from cachecore.replica.fleet import FleetProcess, launch_fleet
+from gateway.auth import hash_key
+from gateway.serve import start_gateway_process
+from loadtest.replay import ReplayReport, format_table, replay
+from loadtest.workloads import TextSource, Workload, build
+from policies.schema import builtin_policy_path
+
+MODEL = "kvgate-sim-8b"
+DEMO_KEY = "kvgate-demo-key"
+DEMO_TENANT = "demo"
+REPLICAS = 4
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=int(os.environ.get("DEMO_PORT", "8000")))
+    parser.add_argument(
+        "--serve",
+        type=int,
+        default=int(os.environ.get("DEMO_SERVE", "1")),
+        help="1: keep serving after the comparison (Ctrl-C to stop); 0: exit",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=float(os.environ.get("DEMO_TIME_SCALE", "1.0"))
+    )
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("DEMO_SEED", "0")))
+    parser.add_argument("--requests", type=int, default=120)
+
+
+def demo_workload(seed: int, requests: int) -> Workload:
+    """Eight assistants (2,048-token system prompts), short questions and answers, Poisson
+    arrivals at a rate that keeps four 8B/H100 replicas busy but not saturated."""
+    groups = 8
+    per = max(1, -(-requests // groups))
+    return build(
+        "shared-prefix",
+        TextSource(),
+        groups=groups,
+        prompts_per_group=per,
+        system_tokens=2048,
+        question_tokens=64,
+        output_tokens=24,
+        rate=5.0,
+        seed=seed,
+        tenant=DEMO_TENANT,
+    ).head(requests)
+
+
+def demo_policy(strategy: str, time_scale: float) -> str:
+    """The shipped default policy with the strategy set and the cost coefficients scaled to
+    the replicas' time scale (they are in ms of engine time)."""
+    data: dict[str, Any] = yaml.safe_load(builtin_policy_path("default").read_text())
+    data["routing"]["strategy"] = strategy
+    cost = data["cost"]
+    for name in (
+        "overhead_ms",
+        "prefill_ms_per_token",
+        "load_ms_per_token",
+        "decode_ms_per_running",
+        "saturation_ms",
+    ):
+        cost[name] = cost[name] * time_scale
+    data["index"]["pending_ttl_ms"] = max(200, int(data["index"]["pending_ttl_ms"] * time_scale))
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _gateway(
+    fleet: FleetProcess, port: int, policy: Path, keys: Path, admin_key: str
+) -> Iterator[None]:
+    args = [
+        "--policy",
+        str(policy),
+        "--api-keys",
+        str(keys),
+        "--plain-logs",
+        "--log-level",
+        "WARNING",
+    ]
+    for e in fleet.endpoints:
+        args += ["--replica", f"r{e.index}={e.url}={e.events_endpoint},{e.replay_endpoint}"]
+    env = {
+        "KVGATE_ADMIN_KEY": admin_key,
+        "KVGATE_AGENT_TOPIC": "kv-events",
+        "KVGATE_SALT_SECRETS": secrets.token_hex(32),
+    }
+    proc = start_gateway_process(args, port, env=env, timeout_s=60)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except Exception:
+            proc.kill()
+
+
+async def _reset_caches(client: httpx.AsyncClient, fleet: FleetProcess) -> None:
+    """Flush every replica (retrying while a request still holds blocks) and wait until
+    they all report an empty prefix cache; agents see AllBlocksCleared."""
+    deadline = time.monotonic() + 30
+    pending = list(fleet.urls)
+    while pending and time.monotonic() < deadline:
+        left = []
+        for url in pending:
+            r = await client.post(url + "/flush_cache")
+            if r.status_code != 200:
+                left.append(url)
+        pending = left
+        if pending:
+            await asyncio.sleep(0.2)
+    if pending:
+        raise RuntimeError(f"could not flush {pending}")
+
+
+async def _set_strategy(
+    client: httpx.AsyncClient, base: str, admin_key: str, strategy: str, time_scale: float
+) -> None:
+    r = await client.post(
+        base + "/admin/policy",
+        content=demo_policy(strategy, time_scale),
+        headers={"authorization": f"Bearer {admin_key}"},
+    )
+    r.raise_for_status()
+
+
+async def _compare(
+    args: argparse.Namespace, fleet: FleetProcess, base: str, admin_key: str
+) -> list[tuple[str, ReplayReport]]:
+    workload = demo_workload(args.seed, args.requests)
+    out = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for strategy in ("round_robin", "expected_latency"):
+            await _set_strategy(client, base, admin_key, strategy, args.time_scale)
+            await _reset_caches(client, fleet)
+            await asyncio.sleep(max(0.5, 2.5 * args.time_scale))  # let pending entries expire
+            print(f"replaying {len(workload.items)} requests through {strategy} ...", flush=True)
+            report = await replay(
+                workload, base, MODEL, {DEMO_TENANT: DEMO_KEY}, time_scale=args.time_scale
+            )
+            out.append((strategy, report))
+    return out
+
+
+def _print_comparison(results: list[tuple[str, ReplayReport]]) -> None:
+    rows = [(name, rep.summary()) for name, rep in results]
+    print()
+    print(
+        "TTFT in seconds of engine time (wall / time scale); hit rate = engine-reported "
+        "cached prompt tokens / prompt tokens"
+    )
+    print(format_table(rows))
+    base, ours = rows[0][1], rows[1][1]
+    print()
+    print(
+        f"expected_latency vs round_robin: hit rate {ours['token_hit_rate']:.1%} vs "
+        f"{base['token_hit_rate']:.1%}, TTFT p50 {ours['ttft_p50_s']:.3f} vs "
+        f"{base['ttft_p50_s']:.3f} s, p99 {ours['ttft_p99_s']:.3f} vs "
+        f"{base['ttft_p99_s']:.3f} s, prefill tokens computed "
+        f"{ours['prefill_tokens']:,.0f} vs {base['prefill_tokens']:,.0f}"
+    )
+    errors = sum(int(s["errors"]) for _, s in rows)
+    if errors:
+        print(f"WARNING: {errors} requests failed")
+
+
+def _print_examples(port: int) -> None:
+    base = f"http://127.0.0.1:{port}"
+    print(
+        f"""
+kvgate is serving on {base} (4 simulated replicas, embedded index and agents).
+
+  curl -s {base}/v1/chat/completions \\
+    -H 'authorization: Bearer {DEMO_KEY}' -H 'content-type: application/json' \\
+    -d '{{"model": "{MODEL}", "max_tokens": 16,
+         "messages": [{{"role": "user", "content": "hello there"}}]}}'
+
+  .venv/bin/python -c "
+from openai import OpenAI
+c = OpenAI(base_url='{base}/v1', api_key='{DEMO_KEY}')
+r = c.chat.completions.create(model='{MODEL}', max_tokens=16,
+    messages=[{{'role': 'user', 'content': 'hello there'}}])
+print(r.choices[0].message.content, r.usage)"
+
+  metrics: curl -s {base}/metrics | grep kvgate_
+Ctrl-C to stop.""",
+        flush=True,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not _port_free(args.port):
+        print(f"kvgate demo: port {args.port} is in use (set DEMO_PORT)", file=sys.stderr)
+        return 2
+    admin_key = "demo-admin-" + secrets.token_hex(8)
+    with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp:
+        policy = Path(tmp) / "policy.yaml"
+        policy.write_text(demo_policy("expected_latency", args.time_scale))
+        keys = Path(tmp) / "keys.yaml"
+        keys.write_text(
+            yaml.safe_dump({"keys": [{"sha256": hash_key(DEMO_KEY), "tenant": DEMO_TENANT}]})
+        )
+        print(
+            f"starting {REPLICAS} simulated replicas (8b-h100, time scale {args.time_scale}) ...",
+            flush=True,
+        )
+        fleet_args = [
+            "--profile",
+            "8b-h100",
+            "--time-scale",
+            str(args.time_scale),
+            "--model",
+            MODEL,
+        ]
+        with launch_fleet(REPLICAS, fleet_args, log_path=Path(tmp) / "fleet.log") as fleet:
+            print(f"starting the gateway on 127.0.0.1:{args.port} ...", flush=True)
+            with _gateway(fleet, args.port, policy, keys, admin_key):
+                base = f"http://127.0.0.1:{args.port}"
+                results = asyncio.run(_compare(args, fleet, base, admin_key))
+                _print_comparison(results)
+                if not args.serve:
+                    return 0
+                _print_examples(args.port)
+                with contextlib.suppress(KeyboardInterrupt):
+                    while True:
+                        time.sleep(3600)
+    return 0
