@@ -1,0 +1,13 @@
+# kvgate: one image for every role (gateway, agent, simulated replica); the command picks it.
+FROM python:3.11-slim
+WORKDIR /app
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+COPY pyproject.toml README.md ./
+COPY cachecore ./cachecore
+COPY gateway ./gateway
+COPY policies ./policies
+COPY loadtest ./loadtest
+RUN pip install --no-cache-dir .
+EXPOSE 8000
+ENTRYPOINT ["kvgate"]
+CMD ["serve", "--host", "0.0.0.0"]
