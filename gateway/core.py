@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 SENSITIVE_HEADER = "x-kvgate-sensitive"
 SESSION_HEADERS = ("x-kvgate-session", "x-session-id")
+DEBUG_SHARED_SCOPE = "*debug-unsafe-shared*"
+"""The one scope of every non-sensitive request under ``debug_unsafe_shared_scope`` (not a
+valid tenant name, so it cannot collide with a real tenant's scope)."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 
 AgentHook = Callable[
@@ -147,6 +150,11 @@ class Gateway:
                 "survive a gateway restart and several gateways will not share them"
             )
         self.minter = SaltMinter(secrets)
+        if settings.debug_unsafe_shared_scope:
+            log.warning(
+                "KVGATE_DEBUG_UNSAFE_SHARED_SCOPE is on: ALL TENANTS SHARE ONE CACHE SCOPE "
+                "(no isolation); for the attack suite's positive controls only"
+            )
         self._keyers: dict[int, BlockKeyer] = {}
         self.limiter = TenantLimiter()
         self.quarantine = QuarantineTracker(pol.quarantine)
@@ -372,6 +380,8 @@ class Gateway:
         if kind in ("session", "request"):
             # a session-scoped request without a session id cannot be reused: per request
             return Scope(ScopeKind.REQUEST, f"{tenant}/{uuid.uuid4().hex}"), None
+        if self.settings.debug_unsafe_shared_scope:
+            return Scope(ScopeKind.TENANT, DEBUG_SHARED_SCOPE), session and f"{tenant}/{session}"
         if tpol.trust_group is not None:
             return Scope(ScopeKind.GROUP, tpol.trust_group), session and f"{tenant}/{session}"
         return Scope(ScopeKind.TENANT, tenant), session and f"{tenant}/{session}"
@@ -420,8 +430,12 @@ class Gateway:
 
         t0 = time.perf_counter_ns()
         if isinstance(tokenizer, LocalPromptTokenizer):
+            # the segment cache is per scope (a shared one is a cross-tenant timing channel)
+            cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
             tokens = (
-                tokenizer.chat_sync(body) if endpoint == "chat" else tokenizer.completion_sync(body)
+                tokenizer.chat_sync(body, cs)
+                if endpoint == "chat"
+                else tokenizer.completion_sync(body, cs)
             )
         else:
             tokens = await (

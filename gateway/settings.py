@@ -56,6 +56,10 @@ class GatewaySettings(BaseSettings):
     seed: int | None = None  # routing RNG seed (tests, benchmarks)
     # x-kvgate-replica (which replica served) and x-kvgate-predicted-cached-tokens headers
     expose_replica: bool = True
+    # DEBUG ONLY, never in production: every tenant (and trust group) shares ONE cache scope,
+    # so tenants hit each other's prefixes. It exists for the attack suite's positive
+    # controls (``kvgate attack``), which must show that their probes detect a shared cache.
+    debug_unsafe_shared_scope: bool = False
 
     @field_validator("salt_secrets", "replicas", "replica_allowlist", mode="before")
     @classmethod

@@ -78,14 +78,21 @@ class SegmentCache:
     token system prompt from milliseconds of BPE into one dict probe. Enabled only when the
     tokenizer's added tokens qualify and a self-check on probes agrees with the plain path.
 
-    Invariant: ``encode(text) == tokenizer.encode(text)`` for every text (checked in tests).
+    Invariant: ``encode(text, scope) == tokenizer.encode(text)`` for every text and scope
+    (checked in tests).
+
+    Isolation: entries are keyed by the request's isolation scope. A hit is ~10x faster than
+    a miss (a 2,000-token system prompt: ~3 ms saved), so one cache for every tenant would
+    tell tenant B, through its TTFT, that another tenant recently sent the same text (the
+    timing side channel the engine's salt closes, reopened in the gateway). ``scope=None``
+    (a per-request scope, which can never reuse) is never cached.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_entries: int = 4096, min_chars: int = 256):
         self.tok = tokenizer
         self.max_entries = max_entries
         self.min_chars = min_chars  # shorter segments are not worth a cache slot
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         # admission on second sight: one-off segments (a unique user question) must not
         # evict the shared ones (a system prompt) that make the cache worth having
         self._seen_once: OrderedDict[int, None] = OrderedDict()
@@ -119,42 +126,44 @@ class SegmentCache:
         probes = [PROBE_PROMPT, self.tok.apply_chat_template(PROBE_CHAT)]
         return all(self._segmented(p) == self.tok.encode(p) for p in probes)
 
-    def _segment(self, piece: str) -> list[int]:
-        if len(piece) < self.min_chars:
+    def _segment(self, piece: str, scope: str | None) -> list[int]:
+        if len(piece) < self.min_chars or scope is None:
             return self._plain(piece)
-        got = self._cache.get(piece)
+        key = (scope, piece)
+        got = self._cache.get(key)
         if got is not None:
             self.hits += 1
-            self._cache.move_to_end(piece)
+            self._cache.move_to_end(key)
             return got
         self.misses += 1
         ids = self._plain(piece)
-        h = hash(piece)
+        h = hash(key)
         if h not in self._seen_once:
             self._seen_once[h] = None
             if len(self._seen_once) > 4 * self.max_entries:
                 self._seen_once.popitem(last=False)
             return ids
         del self._seen_once[h]
-        self._cache[piece] = ids
+        self._cache[key] = ids
         if len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
         return ids
 
-    def _segmented(self, text: str) -> list[int]:
+    def _segmented(self, text: str, scope: str | None = "") -> list[int]:
         assert self._split is not None
         out: list[int] = []
         for i, piece in enumerate(self._split.split(text)):
             if i % 2:
                 out.append(self._specials[piece])
             elif piece:
-                out.extend(self._segment(piece))
+                out.extend(self._segment(piece, scope))
         return out
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, scope: str | None = "") -> list[int]:
+        """Token ids of ``text``; ``scope`` namespaces the cache (see the class doc)."""
         if not self.enabled:
             return self._plain(text)
-        return self._segmented(text)
+        return self._segmented(text, scope)
 
 
 class LocalPromptTokenizer:
@@ -163,17 +172,17 @@ class LocalPromptTokenizer:
         self.name = tokenizer.name
         self.segments = SegmentCache(tokenizer)
 
-    def chat_sync(self, body: Mapping[str, Any]) -> list[int]:
+    def chat_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
         add_gen = body.get("add_generation_prompt", True)
         try:
             text = self.tok.apply_chat_template(body.get("messages"), bool(add_gen))  # type: ignore[arg-type]
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None
-        return self.segments.encode(text)
+        return self.segments.encode(text, scope)
 
-    def completion_sync(self, body: Mapping[str, Any]) -> list[int]:
+    def completion_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
         prompt = completion_prompt(body)
-        return prompt if isinstance(prompt, list) else self.segments.encode(prompt)
+        return prompt if isinstance(prompt, list) else self.segments.encode(prompt, scope)
 
     async def chat(self, body: Mapping[str, Any]) -> list[int]:
         return self.chat_sync(body)
