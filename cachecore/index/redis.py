@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -52,7 +53,7 @@ from cachecore.index.layout import (
 )
 from cachecore.index.memory import check_tier_bits
 from cachecore.keys import KEY_BYTES, BlockKey
-from cachecore.lifecycle import ALL_TIERS, IndexWrite
+from cachecore.lifecycle import IndexWrite, Tier
 
 log = logging.getLogger(__name__)
 
@@ -70,90 +71,124 @@ RedisClient = aioredis.Redis | RedisCluster
 
 # KEYS: one meta key per replica. ARGV: now_ms, first chunk, max chunk, the request's block
 # keys concatenated (16 bytes each: one argument, so the client encodes one blob, not n).
+#
+# Cost model (measured, docs/benchmarks.md "Index"): almost all of a lookup is per key read
+# (argument conversion, the hash probe, the reply's conversion to Lua: ~0.3-0.7 us here),
+# so the script reads as few keys as it can: each replica's stored run in HMGET chunks
+# growing 4x from ``first chunk``; then, from the first key not stored, the pending zset in
+# ZMSCORE chunks growing 4x from ONE key (most first misses are not pending either, and
+# reading the rest of a 512-key chunk there was a third of the script's time); a key past
+# the stored run that is not pending is looked up in the block hash (from the values
+# already read when it lies in the last chunk). Keys are split out of the blob lazily, once
+# per lookup, only as far as some replica needs them.
 LOOKUP_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
 local now = tonumber(ARGV[1])
 local chunk0 = tonumber(ARGV[2])
 local max_chunk = tonumber(ARGV[3])
 local blob = ARGV[4]
 local n = math.floor(#blob / 16)
+local call, unpack, sub, band = redis.call, unpack, string.sub, bit.band
 local ks = {}
-local split = 0  -- keys split out of the blob so far: only as far as some replica needs
-local sub = string.sub
-local band = bit.band
+local split = 0
+local function need(j)
+  while split < j do
+    split = split + 1
+    ks[split] = sub(blob, 16 * split - 15, 16 * split)
+  end
+end
 local out = {}
 for r = 1, #KEYS do
   local meta = KEYS[r]
-  local m = redis.call('HMGET', meta, 'epoch', 'state')
+  local m = call('HMGET', meta, 'epoch', 'state')
   local state = m[2] or 'unknown'
   if state ~= 'live' and state ~= 'cold' then
     out[r] = {state, 0, 0, 0, 0, 0, 0}
   else
-    local base = string.sub(meta, 1, -5)
+    local base = sub(meta, 1, -5)
     local epoch = m[1] or '0'
     local bkey = base .. 'b:' .. epoch
-    local pkey = false
+    -- 1. the stored run: per-tier lengths while tiers stay open
     local open = 15
     local fast = nil  -- a value string known to carry every still-open tier (never false)
-    local tl = {0, 0, 0, 0}
-    local stored = -1
-    local pend = n
+    local t1, t2, t3, t4 = n, n, n, n
+    local stored = n
     local i = 0
     local chunk = chunk0
-    local done = false
-    while i < n and not done do
+    local vals, va, vb = nil, 0, 0  -- the last HMGET reply, for keys va .. vb - 1
+    while i < n do
       local j = i + chunk
       if j > n then j = n end
-      while split < j do
-        split = split + 1
-        ks[split] = sub(blob, 16 * split - 15, 16 * split)
-      end
-      local vals = redis.call('HMGET', bkey, unpack(ks, i + 1, j))
-      local ps = nil
-      local ps_off = 0
+      need(j)
+      vals = call('HMGET', bkey, unpack(ks, i + 1, j))
+      va, vb = i, j
       for q = 1, j - i do
         local v = vals[q]
         if v ~= fast then
           local b = 0
           if v then b = tonumber(v) end
-          if b ~= 0 and band(b, open) == open then
-            fast = v
-          else
-            if open ~= 0 then
-              for t = 0, 3 do
-                local tb = bit.lshift(1, t)
-                if band(open, tb) ~= 0 and band(b, tb) == 0 then tl[t + 1] = i + q - 1 end
-              end
-              open = band(open, b)
-            end
-            if b ~= 0 then
-              fast = v
-            else
-              if stored < 0 then stored = i + q - 1 end
-              if not pkey then pkey = base .. 'gw:p:' .. epoch end
-              if ps == nil then
-                -- a missing zset answers nils: no EXISTS round inside the script needed
-                ps = redis.call('ZMSCORE', pkey, unpack(ks, i + q, j))
-                ps_off = q - 1
-              end
-              local s = ps[q - ps_off]
-              if (not s) or tonumber(s) <= now then
-                pend = i + q - 1
-                done = true
-                break
-              end
-            end
+          if b == 0 then
+            stored = i + q - 1
+            break
           end
+          local kept = band(open, b)
+          if kept ~= open then
+            local pos = i + q - 1
+            if band(open, 1) ~= 0 and band(b, 1) == 0 then t1 = pos end
+            if band(open, 2) ~= 0 and band(b, 2) == 0 then t2 = pos end
+            if band(open, 4) ~= 0 and band(b, 4) == 0 then t3 = pos end
+            if band(open, 8) ~= 0 and band(b, 8) == 0 then t4 = pos end
+            open = kept
+          end
+          fast = v
         end
       end
+      if stored < n then break end
       i = j
       chunk = chunk * 4
       if chunk > max_chunk then chunk = max_chunk end
     end
-    if stored < 0 then stored = n end
-    for t = 0, 3 do
-      if band(open, bit.lshift(1, t)) ~= 0 then tl[t + 1] = n end
+    if stored < n then  -- every tier still open ends where the stored run ends
+      if band(open, 1) ~= 0 then t1 = stored end
+      if band(open, 2) ~= 0 then t2 = stored end
+      if band(open, 4) ~= 0 then t3 = stored end
+      if band(open, 8) ~= 0 then t4 = stored end
     end
-    out[r] = {state, tl[1], tl[2], tl[3], tl[4], stored, pend}
+    -- 2. past the stored run a key counts if it is pending (unexpired) or stored
+    local t = stored
+    if t < n then
+      local pkey = base .. 'gw:p:' .. epoch
+      local ps, pa, pb = nil, 0, 0
+      local pchunk = 1
+      local schunk = chunk0
+      while t < n do
+        if t >= pb then
+          pa = t
+          pb = t + pchunk
+          if pb > n then pb = n end
+          need(pb)
+          -- a missing zset answers nils: no EXISTS needed
+          ps = call('ZMSCORE', pkey, unpack(ks, pa + 1, pb))
+          pchunk = pchunk * 4
+          if pchunk > max_chunk then pchunk = max_chunk end
+        end
+        local s = ps[t - pa + 1]
+        if not s or tonumber(s) <= now then
+          if t >= vb then
+            local e = t + schunk
+            if e > n then e = n end
+            need(e)
+            vals = call('HMGET', bkey, unpack(ks, t + 1, e))
+            va, vb = t, e
+            schunk = schunk * 4
+            if schunk > max_chunk then schunk = max_chunk end
+          end
+          local v = vals[t - va + 1]
+          if not v or tonumber(v) == 0 then break end
+        end
+        t = t + 1
+      end
+    end
+    out[r] = {state, t1, t2, t3, t4, stored, t}
   end
 end
 return out
@@ -344,6 +379,11 @@ def _state(raw: Any) -> ReplicaState:
         return ReplicaState.UNKNOWN
 
 
+_STATE_OF: Mapping[Any, ReplicaState] = MappingProxyType(
+    {s.value.encode(): s for s in ReplicaState}
+)
+
+
 def _int(raw: Any, default: int) -> int:
     return default if raw is None else int(raw)
 
@@ -380,6 +420,7 @@ class RedisIndex:
         self._clear = RedisScript(CLEAR_LUA)
         self._add_pending = RedisScript(ADD_PENDING_LUA)
         self._sweep = RedisScript(SWEEP_LUA)
+        self._meta_keys: dict[str, str] = {}
         self.round_trips = 0  # network calls issued (for benchmarks and tests)
 
     @classmethod
@@ -436,7 +477,7 @@ class RedisIndex:
         args = [now_ms, self.first_chunk, self.max_chunk, blob]
         try:
             rows, calls = await call_per_replica(
-                self.client, self._lookup, self.layout, replicas, self.layout.meta, args
+                self.client, self._lookup, self.layout, replicas, self._meta_key, args
             )
             self.round_trips += calls
         except RedisError as exc:
@@ -445,10 +486,25 @@ class RedisIndex:
             raise IndexError_(f"lookup: {exc}") from exc
         out: dict[str, PrefixMatch] = {}
         for rid, row in zip(replicas, rows, strict=True):
-            state = _state(row[0])
-            tiers = dict(zip(ALL_TIERS, (int(x) for x in row[1:5]), strict=True))
-            out[rid] = PrefixMatch(tiers, int(row[5]), int(row[6]), state)
+            state = _STATE_OF.get(row[0]) or _state(row[0])
+            g, c, d, r, stored, pend = row[1:7]
+            if not (g or c or d or r):  # the common miss: no dict per replica
+                out[rid] = PrefixMatch(EMPTY_TIERS, int(stored), int(pend), state)
+            else:
+                tiers = {Tier.GPU: int(g), Tier.CPU: int(c), Tier.DISK: int(d), Tier.REMOTE: int(r)}
+                out[rid] = PrefixMatch(tiers, int(stored), int(pend), state)
         return out
+
+    def _meta_key(self, replica: str) -> str:
+        """The replica's meta key, validated once: lookups name the same replicas over and
+        over, and building + validating 16 names was a tenth of a lookup's client CPU."""
+        key = self._meta_keys.get(replica)
+        if key is None:
+            key = self.layout.meta(replica)
+            if len(self._meta_keys) >= 65_536:  # bounded: ids come from the fleet
+                self._meta_keys.clear()
+            self._meta_keys[replica] = key
+        return key
 
     # ------------------------------------------------------------------ writes
     def _write_parts(self, epoch: int, write: IndexWrite, now_ms: int) -> list[list[Any]]:
