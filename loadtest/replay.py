@@ -130,9 +130,12 @@ async def send_one(
     res: RequestResult,
     headers: Mapping[str, str],
     stream: bool,
+    body: Mapping[str, Any] | None = None,
 ) -> None:
+    """Send one request and record what came back in ``res``. ``body`` overrides the
+    item's own body (a request with extra fields, e.g. the attack suite's spoofed salts)."""
     path = "/v1/chat/completions" if item.api == "chat" else "/v1/completions"
-    body = item.body(model, stream)
+    body = dict(body) if body is not None else item.body(model, stream)
     t0 = time.perf_counter()
     res.t_sent = t0
     try:

@@ -402,6 +402,79 @@ def tenant_mix(
     )
 
 
+def cache_flood(
+    text: TextSource,
+    duration_s: float = 3.0,
+    victims: Sequence[str] = ("acme", "globex"),
+    prefixes_per_tenant: int = 3,
+    prefix_tokens: int = 512,
+    question_tokens: int = 32,
+    victim_rate: float = 12.0,
+    flood_tenant: str = "mallory",
+    flood_rate: float = 40.0,
+    flood_tokens: int = 1024,
+    flood: bool = True,
+    output_tokens: int = 1,
+    seed: int = 0,
+) -> Workload:
+    """Victim tenants reuse a few system prompts each (Poisson ``victim_rate``); with
+    ``flood`` one tenant sends unique ``flood_tokens``-token prompts at ``flood_rate``, the
+    cache-flushing attack (``kvgate attack``). Victim items have ``group`` = their prefix,
+    flood items ``group="flood"``. ``meta["warmup"]`` lists one request per victim prefix
+    (send them first, unmeasured, so the measured hit rate is one of retention)."""
+    rng = random.Random(seed)
+    prefixes = [(v, p) for v in victims for p in range(prefixes_per_tenant)]
+
+    def system(v: str, p: int) -> str:
+        return text.block(f"cf-{seed}-{v}-{p}", prefix_tokens)
+
+    def victim_item(t: float, i: int, v: str, p: int) -> WorkItem:
+        return WorkItem(
+            t=t,
+            api="chat",
+            max_tokens=output_tokens,
+            messages=(
+                {"role": "system", "content": system(v, p)},
+                {"role": "user", "content": text.block(f"cf-{seed}-q-{i}", question_tokens)},
+            ),
+            tenant=v,
+            group=f"{v}:{p}",
+        )
+
+    n_victim = max(1, round(duration_s * victim_rate))
+    items = [
+        victim_item(t, i, *prefixes[rng.randrange(len(prefixes))])
+        for i, t in enumerate(_poisson_times(n_victim, victim_rate, rng))
+    ]
+    if flood:
+        n_flood = max(1, round(duration_s * flood_rate))
+        for j, t in enumerate(_poisson_times(n_flood, flood_rate, rng)):
+            items.append(
+                WorkItem(
+                    t=t,
+                    api="completions",
+                    max_tokens=output_tokens,
+                    prompt=text.block(f"cf-{seed}-flood-{j}", flood_tokens),
+                    tenant=flood_tenant,
+                    group="flood",
+                )
+            )
+    warmup = tuple(victim_item(0.0, -1 - k, v, p) for k, (v, p) in enumerate(prefixes))
+    tenants = (*victims, flood_tenant) if flood else tuple(victims)
+    return Workload(
+        "cache-flood",
+        _sorted(items),
+        f"{len(victims)} victim tenants x {prefixes_per_tenant} prefixes at {victim_rate}/s"
+        + (
+            f", {flood_tenant} floods {flood_tokens}-token unique prompts at {flood_rate}/s"
+            if flood
+            else ", no flood"
+        ),
+        tenants,
+        {"warmup": warmup},
+    )
+
+
 # ------------------------------------------------------------------------------ traces
 
 
@@ -501,6 +574,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "hot-prefix": hot_prefix,
     "long-prefix-pressure": long_prefix_pressure,
     "tenant-mix": tenant_mix,
+    "cache-flood": cache_flood,
     "mooncake": mooncake,
     "azure-conv": lambda text, **kw: azure(text, "conv", **kw),
     "azure-code": lambda text, **kw: azure(text, "code", **kw),

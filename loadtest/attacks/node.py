@@ -1,0 +1,568 @@
+"""Attacks 3 (poisoning) and 5 (malformed-event flood): a GPU node's agent, or anyone on the
+node's event network, against the shared index.
+
+The rig is production-shaped: a real redis-server, one ACL user per agent
+(``agent_acl_rules``) and one for the gateway (``gateway_acl_rules``), standalone agents
+with their own credentials following two simulated replicas, and the real gateway reading
+the index with its own credentials. Replica r0's event stream passes through an
+:class:`~loadtest.attacks.common.EventRelay` (an attacker who can publish on that stream).
+
+* 3a: with r0's agent credentials, write r1's entries (index API, raw commands, EVAL),
+  forge pending entries or r1's load: every call must be refused by Redis and r1's state
+  must be unchanged.
+* 3b: with r0's credentials, claim blocks r0's engine does not hold (tenant A's prompts,
+  keys computed from A's salt, which every agent sees in its engine's events). The gateway's
+  claim check must quarantine r0 within the policy's bound (K requests whose claims prove
+  >= X% missing, within the last M), ignore r0's claims while quarantined, and release it
+  after ``recover_after`` agreeing requests once the lies stop.
+* 3c: record a batch of r0's real events, let the engine evict those blocks, replay the old
+  batch onto the stream: the index must not regain the evicted keys and must equal the
+  engine's blocks.
+* 5: flood r0's stream with malformed, truncated and oversized messages interleaved with
+  real traffic: the agent keeps running, counts every drop, and the index stays exactly the
+  engine's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgpack
+import redis.asyncio as aioredis
+import zmq.asyncio
+from redis.exceptions import RedisError
+
+from cachecore.agent import Agent, AgentSettings
+from cachecore.index.base import IndexError_, ReplicaState
+from cachecore.index.layout import (
+    KeyLayout,
+    acl_setuser_args,
+    agent_acl_rules,
+    gateway_acl_rules,
+)
+from cachecore.index.redis import RedisIndex
+from cachecore.keys import BlockKeyer, Scope, ScopeKind
+from cachecore.kvevents import BlockStored, Encoding, EventBatch, encode_batch, seq_to_bytes
+from cachecore.lifecycle import IndexWrite, Tier
+from cachecore.loadstate import EngineLoad, RedisLoadStore
+from cachecore.replica.fleet import Fleet, run_fleet
+from cachecore.replica.settings import ReplicaSettings
+from cachecore.testing import RedisServer
+from cachecore.tokenizer import builtin_tokenizer
+from loadtest.attacks.common import (
+    AttackResult,
+    EventRelay,
+    GatewayHandle,
+    Outcome,
+    Tenants,
+    Words,
+    engine_dump,
+    engine_index_keys,
+    running_gateway,
+    send,
+    until,
+)
+
+VICTIM = "victim"
+TOPIC = "kv-events"
+# the default policy's quarantine rule, written out: the bound we state is K
+Q_MISSING, Q_K, Q_M, Q_MIN_CLAIMED, Q_RECOVER = 0.5, 3, 5, 2, 3
+POLICY = (
+    f"quarantine: {{missing_fraction: {Q_MISSING}, k: {Q_K}, m: {Q_M}, "
+    f"min_claimed_blocks: {Q_MIN_CLAIMED}, recover_after: {Q_RECOVER}}}"
+)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    time_scale: float = 0.05
+    num_blocks: int = 64  # small: the stale-replay attack needs real evictions
+    prompt_words: int = 320
+    max_payload_bytes: int = 256 * 1024
+    max_tokens_per_event: int = 4096
+    flood_rounds: int = 30  # malformed kinds x rounds messages
+    flood_requests: int = 24  # real requests while flooding
+    oversized_frames: int = 2  # beyond ZMQ's MAXMSGSIZE: the connection is dropped
+
+
+def _counter_total(counter: Any, **labels: str) -> float:
+    total = 0.0
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                total += sample.value
+    return total
+
+
+def agent_alive(agent: Agent) -> bool:
+    """The supervisor finished its start-up without an exception and every task it spawned
+    (stream, scraper, index checker) is still running."""
+    sup = agent._supervisor
+    started = sup is None or (sup.done() and not sup.cancelled() and sup.exception() is None)
+    return started and bool(agent._tasks) and all(not t.done() for t in agent._tasks)
+
+
+def _user_url(url: str, user: str, password: str) -> str:
+    return url.replace("redis://", f"redis://{user}:{password}@")
+
+
+@dataclass
+class NodeStack:
+    cfg: NodeConfig
+    fleet: Fleet
+    redis: RedisServer
+    layout: KeyLayout
+    admin: aioredis.Redis
+    agent_urls: dict[str, str]  # replica -> redis URL with that agent's credentials
+    agents: dict[str, Agent]
+    relay: EventRelay
+    g: GatewayHandle
+    http: httpx.AsyncClient
+    words: Words = field(default_factory=lambda: Words(7))
+
+    @property
+    def model(self) -> str:
+        return self.fleet.endpoints[0].model
+
+    def url(self, rid: str) -> str:
+        return self.fleet.urls[int(rid[1:])]
+
+    def victim_keys(self, prompt: str) -> list[bytes]:
+        """Tenant A's block keys of a completion prompt: what a rogue agent can compute,
+        since A's salt is in every BlockStored its engine publishes."""
+        tokens = builtin_tokenizer().encode(prompt)
+        salt = self.g.gw.minter.salt(Scope(ScopeKind.TENANT, VICTIM))
+        return BlockKeyer(16).keys(tokens, salt, self.model)
+
+    async def ask(self, prompt: str, tenant: str = VICTIM) -> str:
+        r = await send(
+            self.http, self.g.url, self.g.tenants.headers(tenant), self.model, prompt=prompt,
+            stream=False,
+        )  # fmt: skip
+        if not r.ok or r.replica is None:
+            raise RuntimeError(f"request failed: {r.status} {r.error}")
+        return r.replica
+
+    async def settled(self, rid: str, timeout_s: float = 10.0) -> bool:
+        """Until r's agent applied every batch its engine published."""
+        dump = await engine_dump(self.http, self.url(rid))
+        last = int(dump["next_event_seq"]) - 1
+        agent = self.agents[rid]
+
+        def caught_up() -> bool:
+            st = agent.stream
+            return (
+                st is not None
+                and st.last_seq >= last
+                and all(s.queued == 0 and not s.dirty for s in agent.syncs.values())
+            )
+
+        ok = await until(caught_up, timeout_s)
+        if ok:
+            await agent.drain(timeout_s)
+        return ok
+
+    async def index_exact(self, rid: str) -> tuple[bool, int, int]:
+        """(index == engine, keys in the index, keys the engine holds) for replica r."""
+        await self.settled(rid)
+        dump = await engine_dump(self.http, self.url(rid))
+        want = engine_index_keys(dump, self.model)
+        index = self.g.gw.index
+        assert index is not None
+        held = set((await index.primary.replica_blocks(rid)).keys())
+        return held == want, len(held), len(want)
+
+
+@contextlib.asynccontextmanager
+async def node_stack(cfg: NodeConfig | None = None) -> AsyncIterator[NodeStack]:
+    cfg = cfg or NodeConfig()
+    layout = KeyLayout(f"kvga{secrets.token_hex(3)}")
+    settings = ReplicaSettings(
+        time_scale=cfg.time_scale, num_blocks=cfg.num_blocks, events_topic=TOPIC
+    )
+    ctx = zmq.asyncio.Context()
+    with RedisServer() as srv:
+        admin = aioredis.Redis.from_url(srv.url)
+        passwords = {rid: secrets.token_urlsafe(16) for rid in ("r0", "r1", "gw")}
+        for rid in ("r0", "r1"):
+            args = acl_setuser_args(f"agent-{rid}", passwords[rid], agent_acl_rules(rid, layout))
+            await admin.execute_command(*args)  # type: ignore[no-untyped-call]
+        args = acl_setuser_args("gateway", passwords["gw"], gateway_acl_rules(layout))
+        await admin.execute_command(*args)  # type: ignore[no-untyped-call]
+        agent_urls = {
+            rid: _user_url(srv.url, f"agent-{rid}", passwords[rid]) for rid in ("r0", "r1")
+        }
+        gw_url = _user_url(srv.url, "gateway", passwords["gw"])
+        async with run_fleet(settings, count=2) as fleet, httpx.AsyncClient(timeout=30) as http:
+            eps = fleet.endpoints
+            relay = await EventRelay(ctx, eps[0].events_endpoint).start()
+            agents: dict[str, Agent] = {}
+            for i, rid in enumerate(("r0", "r1")):
+                a_settings = AgentSettings(
+                    replica_id=rid,
+                    engine_url=eps[i].url,
+                    events=relay.endpoint if i == 0 else eps[i].events_endpoint,
+                    replay=eps[i].replay_endpoint,
+                    topic=TOPIC,
+                    scrape_interval_s=0.2,
+                    index_check_interval_s=0.5,
+                    replay_timeout_s=1.0,
+                    stale_probe_cooldown_s=0.0,
+                    max_payload_bytes=cfg.max_payload_bytes,
+                    max_tokens_per_event=cfg.max_tokens_per_event,
+                )
+                agents[rid] = Agent(
+                    a_settings,
+                    RedisIndex.from_url(agent_urls[rid], layout),
+                    RedisLoadStore.from_url(agent_urls[rid], layout),
+                    zmq_context=ctx,
+                )
+                await agents[rid].start()
+            try:
+                for a in agents.values():
+                    await a.wait_ready(15.0)
+                specs = [f"r{i}={e.url}" for i, e in enumerate(eps)]
+                async with running_gateway(
+                    specs,
+                    Tenants.make(VICTIM),
+                    policy=POLICY,
+                    index=RedisIndex.from_url(gw_url, layout),
+                    load_store=RedisLoadStore.from_url(gw_url, layout),
+                ) as g:
+                    yield NodeStack(
+                        cfg, fleet, srv, layout, admin, agent_urls, agents, relay, g, http
+                    )
+            finally:
+                for a in agents.values():
+                    await a.stop()
+                    await a.index.close()
+                await relay.close()
+        await admin.aclose()
+    ctx.destroy(linger=0)
+
+
+# ------------------------------------------------------------------------ 3a: foreign writes
+
+
+async def rogue_writes(st: NodeStack) -> AttackResult:
+    """r0's agent credentials against r1's entries and the gateway-owned keys."""
+    lay = st.layout
+    rogue_index = RedisIndex.from_url(st.agent_urls["r0"], lay)
+    rogue_raw = aioredis.Redis.from_url(st.agent_urls["r0"])
+    rogue_load = RedisLoadStore(rogue_raw, lay)
+    await st.ask(st.words.text(64))  # something real in the index
+    await st.settled("r0")
+    await st.settled("r1")
+    assert st.g.gw.index is not None
+    index = st.g.gw.index.primary
+    before = (await index.meta("r1"), await index.replica_blocks("r1"))
+    epoch = before[0].epoch
+    key = secrets.token_bytes(16)
+    now = int(time.time() * 1000)
+    attempts: dict[str, Callable[[], Any]] = {
+        "apply r1 entries": lambda: rogue_index.apply(
+            "r1", epoch, IndexWrite({key: int(Tier.GPU)}), now
+        ),
+        "clear r1": lambda: rogue_index.clear_replica("r1", ReplicaState.LIVE, now),
+        "mark r1 unavailable": lambda: rogue_index.set_state("r1", ReplicaState.UNAVAILABLE, now),
+        "HSET r1 blocks": lambda: rogue_raw.hset(lay.blocks("r1", epoch), key, 1),
+        "EVAL HSET r1 meta": lambda: rogue_raw.eval(
+            "return redis.call('HSET', KEYS[1], 'epoch', '0')", 1, lay.meta("r1")
+        ),
+        "forge own pending": lambda: rogue_index.add_pending("r0", [key], 60_000, now),
+        "forge r1 load": lambda: rogue_load.publish_engine(
+            "r1", EngineLoad(999, 999, 1.0, now), 60_000, now
+        ),
+        "DEL r1 meta": lambda: rogue_raw.delete(lay.meta("r1")),
+        "FLUSHALL": lambda: rogue_raw.flushall(),
+    }
+    denied: list[str] = []
+    allowed: list[str] = []
+    for name, call in attempts.items():
+        try:
+            await call()
+        except (IndexError_, RedisError) as exc:
+            if "NOPERM" in str(exc) or "permission" in str(exc).lower():
+                denied.append(name)
+            else:
+                allowed.append(f"{name} ({type(exc).__name__})")
+        else:
+            allowed.append(name)
+    after = (await index.meta("r1"), await index.replica_blocks("r1"))
+    unchanged = before[0].epoch == after[0].epoch and before[1] == after[1]
+    await rogue_index.close()
+    await rogue_raw.aclose()
+    ok = not allowed and unchanged
+    return AttackResult(
+        "3 poisoning: rogue agent writes another replica",
+        f"{len(attempts)} write kinds",
+        Outcome.HELD if ok else Outcome.BROKEN,
+        f"NOPERM {len(denied)}/{len(attempts)}"
+        + (f"; NOT refused: {', '.join(allowed)}" if allowed else "")
+        + f"; r1 index {'unchanged' if unchanged else 'CHANGED'} ({len(after[1])} entries)",
+        {"denied": denied, "allowed": allowed},
+    )
+
+
+# ------------------------------------------------------------------------ 3b: false claims
+
+
+async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
+    gw = st.g.gw
+    liar = "r1"  # r0's stream carries the relay attacks: keep its index clean
+    rogue = RedisIndex.from_url(st.agent_urls[liar], st.layout)
+    k = Q_K
+    try:
+
+        async def lie(prompt: str) -> None:
+            epoch = (await rogue.meta(liar)).epoch
+            keys = st.victim_keys(prompt)
+            await rogue.apply(
+                liar, epoch, IndexWrite({x: int(Tier.GPU) for x in keys}), int(time.time() * 1000)
+            )
+
+        misrouted = 0
+        requests_until = 0
+        for _ in range(3 * Q_M):  # bounded: the bound is K, allow 3M
+            if gw.quarantine.is_quarantined(liar):
+                break
+            prompt = st.words.text(st.cfg.prompt_words)
+            await lie(prompt)
+            requests_until += 1
+            if await st.ask(prompt) == liar:
+                misrouted += 1
+            await until(lambda: not gw._bg, 2.0)  # the claim check runs after the response
+        quarantined = gw.quarantine.is_quarantined(liar)
+        admin = (
+            await st.http.get(st.g.url + "/admin/quarantine", headers=st.g.admin_headers)
+        ).json()
+        # while quarantined, the lies steer nothing: r0's match is ignored
+        ignored = 0
+        lies_while = 5
+        for _ in range(lies_while):
+            prompt = st.words.text(st.cfg.prompt_words)
+            await lie(prompt)
+            body = {"model": st.model, "prompt": prompt, "max_tokens": 1}
+            d = await gw.prepare("completion", VICTIM, body, {}, "explain", explain_only=True)
+            score = next(s for s in d.decision.scores if s.replica == liar)
+            ignored += int(score.note == "quarantined" and score.matched_blocks == 0)
+        # the liar stops; honest traffic (each prompt twice) until the claims agree again
+        honest = 0
+        while gw.quarantine.is_quarantined(liar) and honest < max_honest:
+            prompt = st.words.text(st.cfg.prompt_words // 2)
+            await st.ask(prompt)
+            await st.settled("r0", 5.0)
+            await st.settled("r1", 5.0)
+            await st.ask(prompt)
+            honest += 2
+            await until(lambda: not gw._bg, 2.0)
+        released = not gw.quarantine.is_quarantined(liar)
+    finally:
+        await rogue.close()
+    ok = quarantined and requests_until <= k and ignored == lies_while and released
+    held = Outcome.HELD if ok else Outcome.BROKEN
+    return AttackResult(
+        "3 poisoning: false claims for its own replica",
+        f"{requests_until} lies, {lies_while} while quarantined, {honest} honest",
+        held,
+        f"quarantined after {requests_until} requests (bound K={k}: X={Q_MISSING:.0%} "
+        f"missing on K of the last M={Q_M}), {misrouted} misrouted; "
+        f"admin sees {admin.get('quarantined')}; lies ignored while quarantined "
+        f"{ignored}/{lies_while}; released after {honest} honest requests"
+        f" (recover_after={Q_RECOVER})",
+    )
+
+
+# ------------------------------------------------------------------------ 3c: stale replay
+
+
+async def stale_replay(st: NodeStack) -> AttackResult:
+    gw = st.g.gw
+    assert gw.pool is not None and gw.index is not None
+    agent = st.agents["r0"]
+    gw.pool.cordon("r1", True)  # operator tooling: everything to r0 for this attack
+    try:
+        await st.settled("r0")
+        victim = st.words.text(st.cfg.prompt_words)
+        await st.ask(victim)
+        await st.settled("r0")
+        old = list(st.relay.recorded)  # every batch so far, the victim's last
+        keys = st.victim_keys(victim)
+        held = await gw.index.primary.replica_blocks("r0")
+        stored_before = sum(1 for x in keys if x in held)
+        # evict it: more distinct blocks than the engine holds
+        n_fill = 2 + st.cfg.num_blocks * 16 // max(1, st.cfg.prompt_words)
+        for _ in range(n_fill):
+            await st.ask(st.words.text(st.cfg.prompt_words))
+        await st.settled("r0")
+        held = await gw.index.primary.replica_blocks("r0")
+        evicted = sum(1 for x in keys if x not in held)
+        stale_before = _counter_total(agent.metrics.stale_batches)
+        for frames in old:  # the old batches, as they were, onto the live stream
+            await st.relay.inject(frames)
+        await asyncio.sleep(0.3)
+        exact, n_index, n_engine = await st.index_exact("r0")
+        held = await gw.index.primary.replica_blocks("r0")
+        resurrected = sum(1 for x in keys if x in held)
+        stale = _counter_total(agent.metrics.stale_batches) - stale_before
+    finally:
+        gw.pool.cordon("r1", False)
+    ok = stored_before > 0 and evicted == len(keys) and resurrected == 0 and exact
+    return AttackResult(
+        "3 poisoning: replayed old events",
+        f"{len(old)} old batches replayed (the victim's last)",
+        Outcome.HELD if ok else Outcome.BROKEN,
+        f"{stored_before} keys indexed, {evicted} evicted by the engine, {resurrected} "
+        f"resurrected after the replay; agent counted {stale:.0f} stale; index == engine "
+        f"{'yes' if exact else 'NO'} ({n_index} / {n_engine} keys)",
+    )
+
+
+# ------------------------------------------------------------------------ 5: malformed flood
+
+
+def malformed_messages(seq: int, cfg: NodeConfig) -> list[tuple[str, list[bytes]]]:
+    """One of each kind of bad message, claiming the seq the next real batch will have."""
+    t = TOPIC.encode()
+    s = seq_to_bytes(seq)
+    good = encode_batch(
+        EventBatch(
+            ts=time.time(),
+            events=[
+                BlockStored(
+                    block_hashes=[123456789],
+                    parent_block_hash=None,
+                    token_ids=list(range(16)),
+                    block_size=16,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    extra_keys=None,
+                )
+            ],
+        ),
+        Encoding.MAP,
+    )
+
+    def stored(**over: Any) -> bytes:
+        ev: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+            "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "GPU",
+        }  # fmt: skip
+        ev.update(over)
+        return bytes(msgpack.packb({"ts": 1.0, "events": [ev]}))
+
+    huge_tokens = list(range(cfg.max_tokens_per_event + 16))
+    return [
+        ("one frame", [t]),
+        ("two frames", [t, s]),
+        ("four frames", [t, s, good, b"x"]),
+        ("foreign topic", [t + b"-evil", s, good]),
+        ("7-byte seq", [t, s[:7], good]),
+        ("negative seq", [t, (-5).to_bytes(8, "big", signed=True), good]),
+        ("not msgpack", [t, s, b"\xc1\xc1 definitely not msgpack"]),
+        ("truncated", [t, s, good[: len(good) // 2]]),
+        ("empty payload", [t, s, b""]),
+        ("map without events", [t, s, bytes(msgpack.packb({"ts": 1.0}))]),
+        ("events not a list", [t, s, bytes(msgpack.packb([1.0, "events"]))]),
+        ("bad hashes", [t, s, stored(block_hashes="nope")]),
+        ("bool hash", [t, s, stored(block_hashes=[True])]),
+        ("negative block size", [t, s, stored(block_size=-16)]),
+        ("token flood", [t, s, stored(token_ids=huge_tokens, block_hashes=[1])]),
+        ("unknown event", [t, s, bytes(msgpack.packb({"ts": 1.0, "events": [["Nope", 1]]}))]),
+        (
+            "absurd dp rank",
+            [t, s, bytes(msgpack.packb({"ts": 1.0, "events": [], "data_parallel_rank": 10**6}))],
+        ),
+        ("deep nesting", [t, s, b"\x91" * 50_000 + b"\xc0"]),
+        ("huge array header", [t, s, b"\xdd\xff\xff\xff\xff"]),
+        ("oversized payload", [t, s, b"\x00" * (cfg.max_payload_bytes + 1)]),
+    ]
+
+
+async def malformed_flood(st: NodeStack) -> AttackResult:
+    agent = st.agents["r0"]
+    gw = st.g.gw
+    assert gw.pool is not None
+    gw.pool.cordon("r1", True)
+    m = agent.metrics
+    try:
+        await st.settled("r0")
+        dropped_before = _counter_total(m.messages_dropped)
+        resub_before = _counter_total(m.resubscribes)
+        kinds: Counter[str] = Counter()
+        stop = asyncio.Event()
+
+        async def traffic() -> int:
+            n = 0
+            while n < st.cfg.flood_requests and not stop.is_set():
+                await st.ask(st.words.text(st.cfg.prompt_words // 2))
+                n += 1
+            return n
+
+        async def flood() -> int:
+            sent = 0
+            for _ in range(st.cfg.flood_rounds):
+                rec = st.relay.recorded
+                last = int.from_bytes(rec[-1][1], "big") if rec else 0
+                for name, frames in malformed_messages(last + 1, st.cfg):
+                    await st.relay.inject(frames)
+                    kinds[name] += 1
+                    sent += 1
+                await asyncio.sleep(0.005)  # interleave with the real events
+            return sent
+
+        sent, n_requests = await asyncio.gather(flood(), traffic())
+        stop.set()
+        await st.settled("r0")
+        counted = _counter_total(m.messages_dropped) - dropped_before
+        # beyond ZMQ's MAXMSGSIZE: libzmq drops the connection; the agent must resubscribe
+        # and recover what it missed by replay, with real traffic in between
+        big = [TOPIC.encode(), seq_to_bytes(0), b"\x00" * (st.cfg.max_payload_bytes + 4096)]
+        for _ in range(st.cfg.oversized_frames):
+            await st.relay.inject(big)
+            await st.ask(st.words.text(st.cfg.prompt_words // 2))
+            await asyncio.sleep(0.2)
+        resubs = _counter_total(m.resubscribes) - resub_before
+        exact, n_index, n_engine = await st.index_exact("r0")
+        alive = agent_alive(agent)
+        status = agent.health()["status"]
+    finally:
+        gw.pool.cordon("r1", False)
+    ok = alive and status == "ok" and counted == sent and exact and resubs >= 1
+    by_reason = {
+        s.labels["reason"]: int(s.value)
+        for metric in m.messages_dropped.collect()
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+    return AttackResult(
+        "5 malformed-event flood",
+        f"{sent} bad messages ({len(kinds)} kinds) + {st.cfg.oversized_frames} over MAXMSGSIZE,"
+        f" {n_requests} real requests",
+        Outcome.HELD if ok else Outcome.BROKEN,
+        f"agent {'alive' if alive else 'DEAD'} ({status}); drops counted {counted:.0f}/{sent}"
+        f" ({len(by_reason)} reasons); resubscribed {resubs:.0f}x; index == engine "
+        f"{'yes' if exact else 'NO'} ({n_index} / {n_engine} keys)",
+        {"by_reason": by_reason},
+    )
+
+
+async def run_node(cfg: NodeConfig | None = None) -> list[AttackResult]:
+    async with node_stack(cfg) as st:
+        return [
+            await rogue_writes(st),
+            await false_claims(st),
+            await stale_replay(st),
+            await malformed_flood(st),
+        ]
