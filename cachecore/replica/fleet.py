@@ -198,6 +198,18 @@ def _wait_ready(proc: subprocess.Popen[bytes], urls: Sequence[str], timeout_s: f
             time.sleep(0.05)
 
 
+def _wait_ready_line(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
+    """Wait for the process's ``ready {...}`` line: /health answers as soon as uvicorn is up,
+    a moment before the endpoint lines are printed."""
+    deadline = time.monotonic() + timeout_s
+    while b"\nready {" not in b"\n" + log_path.read_bytes():
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvgate replica exited with code {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no ready line in {log_path} after {timeout_s}s")
+        time.sleep(0.02)
+
+
 @contextlib.contextmanager
 def launch_fleet(
     count: int,
@@ -240,6 +252,8 @@ def launch_fleet(
     fp = FleetProcess(proc, endpoints, log_path)
     try:
         _wait_ready(proc, [e.url for e in endpoints], timeout_s)
+        if log_path is not None:
+            _wait_ready_line(proc, log_path, timeout_s)
         yield fp
     finally:
         fp.stop()
