@@ -185,6 +185,7 @@ class Reply:
     prompt_tokens: int
     replica: str | None
     error: str | None
+    predicted_cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -223,6 +224,7 @@ async def send(
         res.prompt_tokens,
         res.replica,
         res.error,
+        res.predicted_cached_tokens,
     )
 
 

@@ -63,6 +63,7 @@ class RoutingConfig:
     user_words: int = 8
     pc_words: int = 24
     seed: int = 0
+    unsafe_shared_scope: bool = False  # misconfigure the defended arm (suite self-test)
 
 
 def fisher_p(probe_home: int, control_home: int, n: int) -> float:
@@ -188,8 +189,9 @@ async def measure(cfg: RoutingConfig) -> RoutingReport:
         specs = [f"{e.url}={e.events_endpoint},{e.replay_endpoint}" for e in fleet.endpoints]
         cross: list[RoutingSample] = []
         async with running_gateway(
-            specs, tenants, seed=cfg.seed, agent_hook=start_embedded_agents
-        ) as g:
+            specs, tenants, seed=cfg.seed, agent_hook=start_embedded_agents,
+            debug_shared_scope=cfg.unsafe_shared_scope,
+        ) as g:  # fmt: skip
             cross.append(await _probe(g, http, model, full, n, cfg.seed))
             if cross[0].p <= cfg.alpha_null:  # replicate once before calling it a leak
                 cross.append(await _probe(g, http, model, full, n, cfg.seed + 100))

@@ -79,6 +79,8 @@ class TimingConfig:
     gateway_path_words: int = 1500
     gateway_path_n: int = 30
     seed: int = 0
+    # Misconfigure the defended arms (scoping off) to show the suite catches a leak.
+    unsafe_shared_scope: bool = False
 
 
 # ------------------------------------------------------------------------------ power
@@ -174,24 +176,18 @@ def plan_n(
     sims: int,
     seed: int = 0,
 ) -> PowerPlan:
-    """Power calculation: the smallest n in [n_min, n_max] reaching ``target`` (power is
-    monotone in n; binary search), or n_max with whatever power it has."""
+    """Power calculation: the smallest n in [n_min, n_max] reaching ``target``, or n_max
+    with whatever power it has. A linear scan: the exact KS test's power is not monotone
+    in n (the critical D = k/n moves in steps), so a bisection could overshoot."""
     rng = np.random.default_rng(seed)
     res = np.asarray(noise, dtype=float)
     iqr = float(np.subtract(*np.percentile(res, [75, 25])))
-    lo, hi = n_min, n_max
-    best_n, best_p = n_max, ks_power(noise, effect_s, n_max, alpha, sims, rng)
-    if best_p >= target:
-        while lo < hi:
-            mid = (lo + hi) // 2
-            p = ks_power(noise, effect_s, mid, alpha, sims, rng)
-            if p >= target:
-                hi, best_n, best_p = mid, mid, p
-            else:
-                lo = mid + 1
-        if best_n != lo:
-            best_n, best_p = lo, ks_power(noise, effect_s, lo, alpha, sims, rng)
-    return PowerPlan(best_n, best_p, effect_s, iqr, len(res), alpha, target)
+    power = 0.0
+    for n in range(n_min, n_max + 1):
+        power = ks_power(noise, effect_s, n, alpha, sims, rng)
+        if power >= target:
+            return PowerPlan(n, power, effect_s, iqr, len(res), alpha, target)
+    return PowerPlan(n_max, power, effect_s, iqr, len(res), alpha, target)
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -456,7 +452,9 @@ async def measure(cfg: TimingConfig) -> TimingReport:
     pc = one_block_shape(cfg.pc_words, cfg.user_words, cfg.block_size)
     async with run_fleet(replica, count=1) as fleet, httpx.AsyncClient(timeout=60) as http:
         model = fleet.endpoints[0].model
-        async with running_gateway(fleet.urls, tenants, seed=cfg.seed) as g:
+        async with running_gateway(
+            fleet.urls, tenants, seed=cfg.seed, debug_shared_scope=cfg.unsafe_shared_scope
+        ) as g:
             rig = TimingRig(g, http, model, cfg, cfg.seed)
             noise = await rig.pilot(pc)
             plan = plan_n(
