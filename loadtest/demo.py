@@ -22,25 +22,27 @@ import asyncio
 import contextlib
 import os
 import secrets
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
-import yaml
 
 from cachecore.replica.fleet import FleetProcess, launch_fleet
-from gateway.auth import hash_key
-from gateway.serve import start_gateway_process
+from loadtest.harness import (
+    MODEL,
+    gateway,
+    pending_settle_s,
+    port_free,
+    reset_caches,
+    scaled_policy,
+    set_strategy,
+    write_api_keys,
+)
 from loadtest.replay import ReplayReport, format_table, replay
 from loadtest.workloads import TextSource, Workload, build
-from policies.schema import builtin_policy_path
 
-MODEL = "kvgate-sim-8b"
 DEMO_KEY = "kvgate-demo-key"
 DEMO_TENANT = "demo"
 REPLICAS = 4
@@ -80,95 +82,6 @@ def demo_workload(seed: int, requests: int) -> Workload:
     ).head(requests)
 
 
-def demo_policy(strategy: str, time_scale: float) -> str:
-    """The shipped default policy with the strategy set and the cost coefficients scaled to
-    the replicas' time scale (they are in ms of engine time)."""
-    data: dict[str, Any] = yaml.safe_load(builtin_policy_path("default").read_text())
-    data["routing"]["strategy"] = strategy
-    cost = data["cost"]
-    for name in (
-        "overhead_ms",
-        "prefill_ms_per_token",
-        "load_ms_per_token",
-        "decode_ms_per_running",
-        "saturation_ms",
-    ):
-        cost[name] = cost[name] * time_scale
-    data["index"]["pending_ttl_ms"] = max(200, int(data["index"]["pending_ttl_ms"] * time_scale))
-    return yaml.safe_dump(data, sort_keys=False)
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-@contextlib.contextmanager
-def _gateway(
-    fleet: FleetProcess, port: int, policy: Path, keys: Path, admin_key: str
-) -> Iterator[None]:
-    args = [
-        "--policy",
-        str(policy),
-        "--api-keys",
-        str(keys),
-        "--plain-logs",
-        "--log-level",
-        "WARNING",
-    ]
-    for e in fleet.endpoints:
-        args += ["--replica", f"r{e.index}={e.url}={e.events_endpoint},{e.replay_endpoint}"]
-    env = {
-        "KVGATE_ADMIN_KEY": admin_key,
-        "KVGATE_AGENT_TOPIC": "kv-events",
-        "KVGATE_SALT_SECRETS": secrets.token_hex(32),
-    }
-    proc = start_gateway_process(args, port, env=env, timeout_s=60)
-    try:
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except Exception:
-            proc.kill()
-
-
-async def _reset_caches(client: httpx.AsyncClient, fleet: FleetProcess) -> None:
-    """Flush every replica (retrying while a request still holds blocks) and wait until
-    they all report an empty prefix cache; agents see AllBlocksCleared."""
-    deadline = time.monotonic() + 30
-    pending = list(fleet.urls)
-    while pending and time.monotonic() < deadline:
-        left = []
-        for url in pending:
-            r = await client.post(url + "/flush_cache")
-            if r.status_code != 200:
-                left.append(url)
-        pending = left
-        if pending:
-            await asyncio.sleep(0.2)
-    if pending:
-        raise RuntimeError(f"could not flush {pending}")
-
-
-async def _set_strategy(
-    client: httpx.AsyncClient, base: str, admin_key: str, strategy: str, time_scale: float
-) -> None:
-    r = await client.post(
-        base + "/admin/policy",
-        content=demo_policy(strategy, time_scale),
-        headers={"authorization": f"Bearer {admin_key}"},
-    )
-    r.raise_for_status()
-
-
 async def _compare(
     args: argparse.Namespace, fleet: FleetProcess, base: str, admin_key: str
 ) -> list[tuple[str, ReplayReport]]:
@@ -176,9 +89,9 @@ async def _compare(
     out = []
     async with httpx.AsyncClient(timeout=60) as client:
         for strategy in ("round_robin", "expected_latency"):
-            await _set_strategy(client, base, admin_key, strategy, args.time_scale)
-            await _reset_caches(client, fleet)
-            await asyncio.sleep(max(0.5, 2.5 * args.time_scale))  # let pending entries expire
+            await set_strategy(client, base, admin_key, strategy, args.time_scale)
+            await reset_caches(client, fleet.urls)
+            await asyncio.sleep(pending_settle_s(args.time_scale))  # let pending entries expire
             print(f"replaying {len(workload.items)} requests through {strategy} ...", flush=True)
             report = await replay(
                 workload, base, MODEL, {DEMO_TENANT: DEMO_KEY}, time_scale=args.time_scale
@@ -234,17 +147,15 @@ Ctrl-C to stop.""",
 
 
 def run(args: argparse.Namespace) -> int:
-    if not _port_free(args.port):
+    if not port_free(args.port):
         print(f"kvgate demo: port {args.port} is in use (set DEMO_PORT)", file=sys.stderr)
         return 2
     admin_key = "demo-admin-" + secrets.token_hex(8)
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp:
         policy = Path(tmp) / "policy.yaml"
-        policy.write_text(demo_policy("expected_latency", args.time_scale))
+        policy.write_text(scaled_policy("expected_latency", args.time_scale))
         keys = Path(tmp) / "keys.yaml"
-        keys.write_text(
-            yaml.safe_dump({"keys": [{"sha256": hash_key(DEMO_KEY), "tenant": DEMO_TENANT}]})
-        )
+        write_api_keys(keys, {DEMO_TENANT: DEMO_KEY})
         print(
             f"starting {REPLICAS} simulated replicas (8b-h100, time scale {args.time_scale}) ...",
             flush=True,
@@ -259,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         with launch_fleet(REPLICAS, fleet_args, log_path=Path(tmp) / "fleet.log") as fleet:
             print(f"starting the gateway on 127.0.0.1:{args.port} ...", flush=True)
-            with _gateway(fleet, args.port, policy, keys, admin_key):
-                base = f"http://127.0.0.1:{args.port}"
+            with gateway(fleet, args.port, policy, keys, admin_key) as base:
                 results = asyncio.run(_compare(args, fleet, base, admin_key))
                 _print_comparison(results)
                 if not args.serve:

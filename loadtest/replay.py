@@ -246,15 +246,22 @@ async def replay(
     return ReplayReport(workload.name, results, wall, time_scale, late)
 
 
-def format_table(rows: Sequence[tuple[str, Mapping[str, float]]]) -> str:
-    """One markdown table row per system (TTFT in trace seconds, i.e. wall / time_scale)."""
+def format_table(
+    rows: Sequence[tuple[str, Mapping[str, float]]],
+    extra: Sequence[tuple[str, Sequence[str]]] = (),
+) -> str:
+    """One markdown table row per system (TTFT in trace seconds, i.e. wall / time_scale).
+    ``extra``: more columns, each a header and one cell per row."""
+    heads = [h for h, _ in extra]
     head = (
         "| system | hit rate | prefill tokens | TTFT mean | p50 | p90 | p99 | e2e p99 | "
-        "req/s | errors | imbalance | pred. error |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "req/s | errors | imbalance | pred. error |"
+        + "".join(f" {h} |" for h in heads)
+        + "\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + "---|" * len(heads)
     )
     lines = [head]
-    for name, s in rows:
+    for i, (name, s) in enumerate(rows):
         pe = s.get("cached_pred_error", math.nan)
         lines.append(
             f"| {name} | {s['token_hit_rate']:.1%} | {s['prefill_tokens']:,.0f} | "
@@ -262,5 +269,6 @@ def format_table(rows: Sequence[tuple[str, Mapping[str, float]]]) -> str:
             f"{s['ttft_p99_s']:.3f} | {s['e2e_p99_s']:.3f} | {s['throughput_rps']:.2f} | "
             f"{s['errors']:.0f} | {s['load_imbalance']:.2f} | "
             f"{'-' if math.isnan(pe) else f'{pe:.2%}'} |"
+            + "".join(f" {cells[i]} |" for _, cells in extra)
         )
     return "\n".join(lines)

@@ -468,13 +468,19 @@ def _retag(prompt: str, copy: int, text: TextSource) -> str:
 
 
 async def calibrate_capacity(
-    cfg: SimConfig, policy: Policy, workload: str, text: TextSource, requests: int
+    cfg: SimConfig, policy: Policy, workload: str | Workload, text: TextSource, requests: int
 ) -> float:
     """Completed requests per second of least_loaded when offered far more than the fleet
-    can take: the throughput knee the load factor is relative to."""
-    probe = scaled_workload(
-        workload, requests, cfg.replicas, rate=1e6, seed=cfg.seed + 99, text=text
-    )
+    can take: the throughput knee the load factor is relative to. ``workload`` is a name
+    (scaled to the fleet here) or a built workload (its first ``requests`` items)."""
+    if isinstance(workload, Workload):
+        probe = replace(workload.head(requests), items=tuple(
+            replace(it, t=k * 1e-6) for k, it in enumerate(workload.items[:requests])
+        ))  # fmt: skip
+    else:
+        probe = scaled_workload(
+            workload, requests, cfg.replicas, rate=1e6, seed=cfg.seed + 99, text=text
+        )
     sim = FleetSimulator(replace(cfg, strategy=Strategy.LEAST_LOADED), policy, probe)
     res = await sim.run()
     return res.requests / res.sim_seconds if res.sim_seconds > 0 else math.inf

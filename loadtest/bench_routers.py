@@ -1,0 +1,818 @@
+"""``kvgate bench routers``: every kvgate strategy and the peer routers on ONE simulated fleet.
+
+One ``kvgate replica`` fleet runs for the whole benchmark. Per seed, the same workload is
+replayed open loop (:func:`loadtest.replay.replay`) through each system in turn, with every
+replica's prefix cache flushed in between:
+
+* kvgate: ``round_robin``, ``random``, ``least_loaded``, ``consistent_hash``,
+  ``prefix_affinity``, ``expected_latency``, through one gateway per seed whose strategy is
+  switched by admin policy reload;
+* vllm-router ``round_robin``, ``consistent_hash``, ``power_of_two``, ``cache_aware`` and
+  ``kv_aware`` (fed with the replicas' KV events), sglang-router ``cache_aware``: each
+  installed from PyPI into its own venv under ``.peers/`` (:mod:`loadtest.peers`) and
+  started fresh for its run.
+
+The kvgate systems and the peers run as two blocks in alternating order (ABBA over seeds,
+and reversed inside each block on odd seeds); the gateway lives only while its block runs,
+so its agents' event ingest does not share the CPU with a peer's run.
+
+Before each measured run a warm-up (one shared 600-token system prompt, sent replicas + 2
+times in a row) must get engine-reported hits above zero, otherwise the system is marked
+``misconfigured`` and its figures do not count. A run whose replicas' event-loop lag p99
+exceeds 5 ms is marked ``lag`` (the Python fleet shares the CPU with the router).
+
+The offered rate is ``--load`` times the throughput knee of least_loaded on this fleet,
+found in virtual time by the simulator (:func:`loadtest.simulate.calibrate_capacity`,
+same engine model), unless ``--rate`` is given. The workload's bounds are computed with
+:mod:`cachecore.traceanalysis`: the infinite-cache hit rate and the hit rate of one
+block-level LRU with the pooled capacity of the fleet (blocks x replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachecore.keys import BlockKeyer
+from cachecore.replica.fleet import FleetProcess, launch_fleet
+from cachecore.scoring import hit_cap_blocks
+from cachecore.testing import free_port, free_ports
+from cachecore.tokenizer import builtin_tokenizer
+from cachecore.traceanalysis import RequestBlocks, lru_bound
+from gateway.routing import Strategy
+from gateway.tokenization import LocalPromptTokenizer
+from loadtest.harness import (
+    MODEL,
+    gateway,
+    pending_settle_s,
+    reset_caches,
+    scaled_policy,
+    set_strategy,
+    write_api_keys,
+)
+from loadtest.peers import (
+    PEERS_DIR,
+    PeerStatus,
+    ensure_peers,
+    ensure_tokenizer,
+    router_command,
+    running_router,
+    wait_router_ready,
+)
+from loadtest.replay import ReplayReport, format_table, replay
+from loadtest.simulate import SimConfig, calibrate_capacity, scaled_workload
+from loadtest.workloads import TextSource, WorkItem, Workload, build
+from policies.schema import builtin_policy_path, load_policy
+
+BLOCK_SIZE = 16
+LAG_LIMIT_MS = 5.0
+LOAD_SAMPLE_S = 0.25
+WARMUP_TOKENS = 600
+KVGATE_SYSTEMS = tuple(s.value for s in Strategy)
+PEER_SYSTEMS = (
+    "vllm-router:round_robin",
+    "vllm-router:consistent_hash",
+    "vllm-router:power_of_two",
+    "vllm-router:cache_aware",
+    "vllm-router:kv_aware",
+    "sglang-router:cache_aware",
+)
+ALL_SYSTEMS = KVGATE_SYSTEMS + PEER_SYSTEMS
+WORKLOAD_CHOICES = (
+    "shared-prefix",
+    "mooncake",
+    "short-unique",
+    "hot-prefix",
+    "long-prefix-pressure",
+    "tenant-mix",
+    "rag",
+)
+SHARED_TARGET_WORKLOADS = ("shared-prefix", "mooncake")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--workload", default="shared-prefix", choices=WORKLOAD_CHOICES)
+    a("--replicas", type=int, default=4)
+    a("--requests", type=int, default=200, help="requests per system and seed")
+    a("--rate", type=float, default=None, help="offered req/s in trace time (skips --load)")
+    a("--load", type=float, default=0.85, help="offered load, fraction of least_loaded's knee")
+    a("--seeds", default="0,1,2", help="comma-separated workload seeds")
+    a("--systems", default="all", help="comma list of systems, or all / kvgate / peers")
+    a("--time-scale", type=float, default=0.5, help="replicas' and replay's time scale")
+    a("--profile", default="8b-h100", help="replicas' latency profile")
+    a("--blocks", type=int, default=4096, help="KV blocks per replica")
+    a("--no-install", action="store_true", help="do not install peers (absent ones are skipped)")
+    a("--peers-dir", type=Path, default=PEERS_DIR)
+    a("--out", type=Path, default=None, help="directory for the PNG plots")
+    a("--json", type=Path, default=None, help="write the results as JSON here ('-': stdout)")
+
+
+# ------------------------------------------------------------------------ data
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    name: str
+
+    @property
+    def peer(self) -> str | None:
+        return self.name.split(":", 1)[0] if ":" in self.name else None
+
+    @property
+    def policy(self) -> str:
+        return self.name.split(":", 1)[1] if ":" in self.name else self.name
+
+
+@dataclass(slots=True)
+class SystemRun:
+    system: str
+    seed: int
+    status: str  # ok | lag | misconfigured | skipped: ... | failed: ...
+    summary: dict[str, float] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
+    per_replica: list[int] = field(default_factory=list)
+    load_samples: list[tuple[float, list[int]]] = field(default_factory=list)
+    warm_hits: int = 0
+    lag_p99_ms: float = math.nan
+
+    @property
+    def counts(self) -> bool:
+        """Figures that count (ran, correctly set up; a lag-flagged run is kept, marked)."""
+        return self.status in ("ok", "lag")
+
+
+@dataclass(slots=True)
+class Bounds:
+    infinite: float
+    fleet_lru: float
+    capacity_blocks: int
+
+
+def parse_systems(spec: str) -> list[System]:
+    out: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        names = {"all": ALL_SYSTEMS, "kvgate": KVGATE_SYSTEMS, "peers": PEER_SYSTEMS}.get(part)
+        if names is None:
+            if part not in ALL_SYSTEMS:
+                raise ValueError(f"unknown system {part!r}; known: {', '.join(ALL_SYSTEMS)}")
+            names = (part,)
+        out += [n for n in names if n not in out]
+    return [System(n) for n in out]
+
+
+# ------------------------------------------------------------------------ workloads
+
+
+def _at_rate(w: Workload, rate: float) -> Workload:
+    """Arrivals rescaled so the mean rate is ``rate`` (order and gaps' shape kept)."""
+    if len(w.items) < 2:
+        return w
+    t0 = w.items[0].t
+    span = (w.items[-1].t - t0) or 1.0
+    factor = (len(w.items) / span) / rate
+    return replace(w, items=tuple(replace(it, t=(it.t - t0) / factor) for it in w.items))
+
+
+def make_workload(
+    name: str, requests: int, replicas: int, rate: float, seed: int, text: TextSource
+) -> Workload:
+    """The simulator's fleet-scaled synthesizers; Mooncake: seed k replays the trace's k-th
+    window of ``requests`` rows, its arrivals rescaled to ``rate``."""
+    if name == "mooncake":
+        base = build(
+            "mooncake",
+            text,
+            max_requests=(seed + 1) * requests,
+            max_input_tokens=8192,
+            output_cap=128,
+        )
+        window = replace(base, items=base.items[seed * requests :])
+        return _at_rate(window, rate)
+    return scaled_workload(name, requests, replicas, rate, seed, text)
+
+
+def workload_bounds(w: Workload, capacity_blocks: int) -> Bounds:
+    """Infinite-cache and pooled-fleet LRU token hit rates (engine hit cap applied), over the
+    prompts as the engine tokenizes them; tenants never share (one key space each)."""
+    tok = LocalPromptTokenizer(builtin_tokenizer())
+    keyer = BlockKeyer(BLOCK_SIZE)
+    reqs = []
+    for it in w.items:
+        body = it.body(MODEL, stream=False)
+        tokens = tok.chat_sync(body) if it.api == "chat" else tok.completion_sync(body)
+        cap = hit_cap_blocks(len(tokens), BLOCK_SIZE)
+        keys = list(keyer.keys(tokens, it.tenant, MODEL, None, max_blocks=cap))
+        reqs.append(RequestBlocks(keys, len(tokens), BLOCK_SIZE))
+    return Bounds(
+        lru_bound(reqs, None).hit_rate, lru_bound(reqs, capacity_blocks).hit_rate, capacity_blocks
+    )
+
+
+def warmup_items(text: TextSource, n: int) -> Workload:
+    system = text.block("bench-routers-warmup", WARMUP_TOKENS)
+    items = tuple(
+        WorkItem(
+            t=0.0,
+            api="chat",
+            max_tokens=2,
+            messages=(
+                {"role": "system", "content": system},
+                {"role": "user", "content": text.block(f"bench-routers-warmup-q{i}", 8)},
+            ),
+        )
+        for i in range(n)
+    )
+    return Workload("warmup", items)
+
+
+# ------------------------------------------------------------------------ replica metrics
+
+
+async def scrape(client: httpx.AsyncClient, urls: Sequence[str]) -> list[dict[str, float]]:
+    """Per replica: request_success, prompt tokens computed, prefix hits/queries, and the
+    loop-lag histogram's cumulative buckets (``lag_le_<bound>``)."""
+    out = []
+    for url in urls:
+        r = await client.get(url + "/metrics")
+        r.raise_for_status()
+        row: dict[str, float] = {}
+        for fam in text_string_to_metric_families(r.text):
+            for s in fam.samples:
+                if s.name == "kvgate_replica_loop_lag_seconds_bucket":
+                    row[f"lag_le_{s.labels['le']}"] = s.value
+                elif s.name.startswith("vllm:"):
+                    row[s.name] = row.get(s.name, 0.0) + s.value
+        out.append(row)
+    return out
+
+
+def lag_p99_ms(
+    before: Sequence[Mapping[str, float]], after: Sequence[Mapping[str, float]]
+) -> float:
+    """p99 of the loop lag over the run, all replicas pooled (a bucket's upper bound)."""
+    cum: dict[float, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for k, v in a.items():
+            if k.startswith("lag_le_"):
+                le = float(k[7:])
+                cum[le] = cum.get(le, 0.0) + v - b.get(k, 0.0)
+    total = cum.get(math.inf, 0.0)
+    if total <= 0:
+        return math.nan
+    for le in sorted(cum):
+        if cum[le] >= 0.99 * total:
+            return le * 1000.0
+    return math.inf
+
+
+def _delta(
+    before: Sequence[Mapping[str, float]], after: Sequence[Mapping[str, float]], name: str
+) -> list[int]:
+    return [int(a.get(name, 0.0) - b.get(name, 0.0)) for b, a in zip(before, after, strict=True)]
+
+
+async def _sample_load(
+    client: httpx.AsyncClient,
+    urls: Sequence[str],
+    t0: float,
+    out: list[tuple[float, list[int]]],
+    stop: asyncio.Event,
+) -> None:
+    while not stop.is_set():
+        row = []
+        for url in urls:
+            try:
+                r = await client.get(url + "/get_load")
+                row.append(int(r.json()[0]["num_reqs"]))
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                row.append(0)
+        out.append((time.perf_counter() - t0, row))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), LOAD_SAMPLE_S)
+
+
+# ------------------------------------------------------------------------ one system
+
+
+@dataclass(slots=True)
+class Bench:
+    args: argparse.Namespace
+    fleet: FleetProcess
+    tmp: Path
+    text: TextSource
+    peers: dict[str, PeerStatus]
+    tokenizer_dir: Path | None
+    client: httpx.AsyncClient
+    admin_key: str = field(default_factory=lambda: "bench-admin-" + secrets.token_hex(8))
+
+    async def measure(
+        self,
+        system: System,
+        base: str,
+        workload: Workload,
+        api_keys: Mapping[str, str] | None,
+        prepare: Any,
+    ) -> SystemRun:
+        ts = self.args.time_scale
+        urls = self.fleet.urls
+        await prepare()
+        warm_w = warmup_items(self.text, len(urls) + 2)
+        warm_keys = None if api_keys is None else {"default": api_keys["default"]}
+        warm_hits = 0
+        for it in warm_w.items:  # one at a time: the router sees each before the next
+            one = await replay(replace(warm_w, items=(it,)), base, MODEL, warm_keys, ts)
+            warm_hits += sum(r.cached_tokens for r in one.ok_results())
+        await prepare()
+        before = await scrape(self.client, urls)
+        samples: list[tuple[float, list[int]]] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(
+            _sample_load(self.client, urls, time.perf_counter(), samples, stop)
+        )
+        try:
+            report = await replay(workload, base, MODEL, api_keys, time_scale=ts)
+        finally:
+            stop.set()
+            await sampler
+        after = await scrape(self.client, urls)
+        return self._result(system, workload, report, before, after, samples, warm_hits)
+
+    def _result(
+        self,
+        system: System,
+        workload: Workload,
+        report: ReplayReport,
+        before: list[dict[str, float]],
+        after: list[dict[str, float]],
+        samples: list[tuple[float, list[int]]],
+        warm_hits: int,
+    ) -> SystemRun:
+        summary = report.summary()
+        if system.peer is None:
+            ids = [f"r{e.index}" for e in self.fleet.endpoints]
+            seen = Counter(r.replica for r in report.ok_results())
+            per = [seen.get(i, 0) for i in ids]
+        else:
+            per = _delta(before, after, "vllm:request_success_total")
+            if not any(per):
+                per = _delta(before, after, "vllm:request_success")
+        mean = sum(per) / len(per) if per else 0.0
+        summary["load_imbalance"] = max(per) / mean if mean else math.nan
+        summary["engine_prefill_tokens"] = float(
+            sum(_delta(before, after, "vllm:prompt_tokens_total"))
+        )
+        lag = lag_p99_ms(before, after)
+        status = "ok"
+        if warm_hits <= 0:
+            status = "misconfigured"
+        elif lag > LAG_LIMIT_MS:
+            status = "lag"
+        scale = report.time_scale or 1.0
+        ttft = [r.ttft_s / scale for r in report.ok_results() if r.ttft_s is not None]
+        return SystemRun(
+            system.name,
+            -1,
+            status,
+            summary,
+            ttft,
+            per,
+            samples,
+            warm_hits,
+            lag,
+        )
+
+    async def run_kvgate_block(
+        self, systems: Sequence[System], workload: Workload
+    ) -> list[SystemRun]:
+        ts = self.args.time_scale
+        keys = {t: f"bench-{t}-" + secrets.token_hex(6) for t in {*workload.tenants, "default"}}
+        policy = self.tmp / "policy.yaml"
+        policy.write_text(scaled_policy("expected_latency", ts))
+        keys_path = self.tmp / "keys.yaml"
+        write_api_keys(keys_path, keys)
+        out = []
+        with gateway(self.fleet, free_port(), policy, keys_path, self.admin_key) as base:
+            for system in systems:
+
+                async def prepare(s: System = system, b: str = base) -> None:
+                    await set_strategy(self.client, b, self.admin_key, s.policy, ts)
+                    await reset_caches(self.client, self.fleet.urls)
+                    await asyncio.sleep(pending_settle_s(ts))
+
+                print(f"  {system.name} ...", flush=True)
+                out.append(await self.measure(system, base, workload, keys, prepare))
+        return out
+
+    async def run_peer(self, system: System, workload: Workload) -> SystemRun:
+        assert system.peer is not None
+        status = self.peers.get(system.peer)
+        if status is None or not status.ok or self.tokenizer_dir is None:
+            why = status.message if status is not None else "skipped: not set up"
+            return SystemRun(system.name, -1, why)
+        port, prom = free_ports(2)
+        cmd, env = router_command(
+            system.peer,
+            system.policy,
+            status.venv,
+            port,
+            prom,
+            self.fleet.endpoints,
+            self.tokenizer_dir,
+            MODEL,
+        )
+        base = f"http://127.0.0.1:{port}"
+        log = self.tmp / f"{system.name.replace(':', '-')}.log"
+        print(f"  {system.name} ...", flush=True)
+
+        async def prepare() -> None:
+            await reset_caches(self.client, self.fleet.urls)
+
+        with running_router(cmd, env, log) as proc:
+            try:
+                await asyncio.to_thread(wait_router_ready, base, proc)
+            except (RuntimeError, TimeoutError) as exc:
+                tail = " / ".join(log.read_text(errors="replace").strip().splitlines()[-2:])
+                return SystemRun(system.name, -1, f"failed: {exc} ({tail[:200]})")
+            return await self.measure(system, base, workload, None, prepare)
+
+
+# ------------------------------------------------------------------------ the benchmark
+
+
+def block_order(systems: Sequence[System], seed_index: int) -> list[list[System]]:
+    """kvgate block then peers on even seed indexes, reversed (blocks and inside) on odd."""
+    kv = [s for s in systems if s.peer is None]
+    peers = [s for s in systems if s.peer is not None]
+    blocks = [b for b in (kv, peers) if b]
+    if seed_index % 2:
+        blocks = [list(reversed(b)) for b in reversed(blocks)]
+    return blocks
+
+
+async def _bench(
+    args: argparse.Namespace,
+    systems: Sequence[System],
+    fleet: FleetProcess,
+    tmp: Path,
+    peers: dict[str, PeerStatus],
+    tokenizer_dir: Path | None,
+    workloads: Mapping[int, Workload],
+) -> list[SystemRun]:
+    runs: list[SystemRun] = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        bench = Bench(args, fleet, tmp, TextSource(), peers, tokenizer_dir, client)
+        for k, (seed, workload) in enumerate(workloads.items()):
+            print(f"seed {seed}: {len(workload.items)} requests per system", flush=True)
+            for block in block_order(systems, k):
+                if block[0].peer is None:
+                    got = await bench.run_kvgate_block(block, workload)
+                else:
+                    got = [await bench.run_peer(s, workload) for s in block]
+                for r in got:
+                    r.seed = seed
+                runs += got
+    return runs
+
+
+def _rate(args: argparse.Namespace, text: TextSource) -> tuple[float, float | None]:
+    if args.rate is not None:
+        return args.rate, None
+    cfg = SimConfig(
+        replicas=args.replicas, profile=args.profile, num_blocks=args.blocks,
+        block_size=BLOCK_SIZE, seed=0,
+    )  # fmt: skip
+    n = max(200, 40 * args.replicas)
+    probe = make_workload(args.workload, n, args.replicas, 1e6, 99, text)
+    policy = load_policy(builtin_policy_path("default"))
+    knee = asyncio.run(calibrate_capacity(cfg, policy, probe, text, n))
+    return args.load * knee, knee
+
+
+# ------------------------------------------------------------------------ reporting
+
+_SUMMARY_KEYS = (
+    ("token_hit_rate", "hit rate", "{:.1%}"),
+    ("ttft_mean_s", "TTFT mean s", "{:.3f}"),
+    ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+    ("e2e_p99_s", "e2e p99 s", "{:.3f}"),
+    ("throughput_rps", "req/s", "{:.2f}"),
+    ("load_imbalance", "imbalance", "{:.2f}"),
+    ("cached_pred_error", "pred. error", "{:.2%}"),
+)
+
+
+def seed_table(runs: Sequence[SystemRun]) -> str:
+    done = [r for r in runs if r.summary]
+    rows = [(r.system, r.summary) for r in done]
+    extra = [
+        ("status", [r.status for r in done]),
+        ("warm-up hits", [str(r.warm_hits) for r in done]),
+        ("loop lag p99 ms", [f"{r.lag_p99_ms:.1f}" for r in done]),
+    ]
+    text = format_table(rows, extra)
+    notes = [f"- {r.system}: {r.status}" for r in runs if not r.summary]
+    return text + ("\n" + "\n".join(notes) if notes else "")
+
+
+def aggregate(runs: Sequence[SystemRun]) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per system that counts: (mean, min, max) over seeds of each summary figure."""
+    by: dict[str, list[SystemRun]] = {}
+    for r in runs:
+        if r.counts:
+            by.setdefault(r.system, []).append(r)
+    out: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for name, rs in by.items():
+        agg = {}
+        for key, _, _ in _SUMMARY_KEYS:
+            vals = [r.summary[key] for r in rs if not math.isnan(r.summary.get(key, math.nan))]
+            agg[key] = (statistics.fmean(vals), min(vals), max(vals)) if vals else (math.nan,) * 3
+        out[name] = agg
+    return out
+
+
+def summary_table(agg: Mapping[str, Mapping[str, tuple[float, float, float]]], n: int) -> str:
+    head = "| system | seeds | " + " | ".join(h for _, h, _ in _SUMMARY_KEYS) + " |"
+    lines = [head, "|---|---|" + "---|" * len(_SUMMARY_KEYS)]
+    for name, a in agg.items():
+        cells = []
+        for key, _, fmt in _SUMMARY_KEYS:
+            mean, lo, hi = a[key]
+            cells.append(
+                "-"
+                if math.isnan(mean)
+                else f"{fmt.format(mean)} ({fmt.format(lo)}–{fmt.format(hi)})"
+            )
+        lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(
+    workload: str,
+    agg: Mapping[str, Mapping[str, tuple[float, float, float]]],
+    fleet_bound: float,
+    lag_flagged: int,
+) -> list[str]:
+    """The issue's targets on the seed means: 'met' / 'MISSED' / 'not evaluated'."""
+    out: list[str] = []
+    el = agg.get("expected_latency")
+
+    def line(ok: bool, text: str) -> None:
+        out.append(f"- {'met' if ok else 'MISSED'}: {text}")
+
+    if el is None:
+        return ["- not evaluated: expected_latency did not run"]
+    p99, mean, hit = el["ttft_p99_s"][0], el["ttft_mean_s"][0], el["token_hit_rate"][0]
+    if workload in SHARED_TARGET_WORKLOADS:
+        peers = {k: v for k, v in agg.items() if ":" in k}
+        if peers:
+            bp = min(peers, key=lambda k: peers[k]["ttft_p99_s"][0])
+            bm = min(peers, key=lambda k: peers[k]["ttft_mean_s"][0])
+            bp99, bmean = peers[bp]["ttft_p99_s"][0], peers[bm]["ttft_mean_s"][0]
+            line(
+                p99 <= 0.7 * bp99,
+                f"expected_latency TTFT p99 {p99:.3f} s <= 0.7 x best peer's ({bp} "
+                f"{bp99:.3f} s -> {0.7 * bp99:.3f} s); ratio {p99 / bp99:.2f}",
+            )
+            line(
+                mean <= bmean,
+                f"expected_latency mean TTFT {mean:.3f} s <= best peer's ({bm} {bmean:.3f} s)",
+            )
+        else:
+            out.append("- not evaluated: no peer router ran (peer targets)")
+        line(
+            hit >= 0.9 * fleet_bound,
+            f"expected_latency hit rate {hit:.1%} >= 90% of the fleet-capacity bound "
+            f"({fleet_bound:.1%} -> {0.9 * fleet_bound:.1%})",
+        )
+    ll = agg.get("least_loaded")
+    if workload in ("short-unique", "hot-prefix"):
+        if ll is None:
+            out.append("- not evaluated: least_loaded did not run")
+        else:
+            lp99 = ll["ttft_p99_s"][0]
+            limit = 1.05 * lp99 if workload == "short-unique" else lp99
+            what = "within 5% of" if workload == "short-unique" else "<="
+            line(
+                p99 <= limit,
+                f"expected_latency TTFT p99 {p99:.3f} s {what} least_loaded's ({lp99:.3f} s); "
+                f"ratio {p99 / lp99:.2f}",
+            )
+    if lag_flagged:
+        out.append(
+            f"- note: {lag_flagged} run(s) had replica loop-lag p99 > {LAG_LIMIT_MS:.0f} ms "
+            "(status `lag`): the fleet was CPU-starved there; by the issue's rule such a "
+            "run is not a valid reference"
+        )
+    return out
+
+
+def plot(
+    runs: Sequence[SystemRun], bounds: Mapping[int, Bounds], workload: str, out: Path
+) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    good = [r for r in runs if r.counts]
+    names = list(dict.fromkeys(r.system for r in good))
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in names:
+        ttft = sorted(t for r in good if r.system == name for t in r.ttft)
+        if ttft:
+            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+            ax.plot(ttft, ys, label=name, lw=1.2, ls="--" if ":" in name else "-")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, engine time)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"{workload}: TTFT CDF, all seeds pooled")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / f"{workload}-ttft-cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    means, los, his = [], [], []
+    for name in names:
+        vals = [r.summary["token_hit_rate"] for r in good if r.system == name]
+        m = statistics.fmean(vals)
+        means.append(m)
+        los.append(m - min(vals))
+        his.append(max(vals) - m)
+    xs = list(range(len(names)))
+    ax.bar(xs, means, yerr=[los, his], capsize=3, color=["C1" if ":" in n else "C0" for n in names])
+    inf = statistics.fmean(b.infinite for b in bounds.values())
+    lru = statistics.fmean(b.fleet_lru for b in bounds.values())
+    ax.axhline(inf, color="k", ls=":", label=f"infinite cache {inf:.1%}")
+    ax.axhline(lru, color="r", ls="--", label=f"fleet-capacity LRU {lru:.1%}")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("engine-reported token hit rate")
+    ax.set_title(f"{workload}: hit rate (mean, min–max over seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / f"{workload}-hit-rate.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    first_seed = good[0].seed if good else 0
+    shown = [r for r in good if r.seed == first_seed]
+    if shown:
+        cols = 3
+        rows = math.ceil(len(shown) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.4 * rows), squeeze=False)
+        for ax, r in zip(axes.flat, shown, strict=False):
+            if r.load_samples:
+                ts = [t for t, _ in r.load_samples]
+                for i in range(len(r.load_samples[0][1])):
+                    ax.plot(ts, [row[i] for _, row in r.load_samples], lw=0.8, label=f"r{i}")
+            ax.set_title(r.system, fontsize=8)
+            ax.tick_params(labelsize=6)
+        for ax in list(axes.flat)[len(shown) :]:
+            ax.axis("off")
+        axes[0][0].legend(fontsize=6)
+        fig.suptitle(
+            f"{workload}: running+waiting requests per replica (seed {first_seed}, wall s)"
+        )
+        fig.tight_layout()
+        paths.append(out / f"{workload}-load.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        systems = parse_systems(args.systems)
+        seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
+    except ValueError as exc:
+        print(f"kvgate bench routers: {exc}", file=sys.stderr)
+        return 2
+    needed = sorted({s.peer for s in systems if s.peer is not None})
+    peers = ensure_peers(needed, args.peers_dir, install=not args.no_install)
+    for st in peers.values():
+        print(f"peer {st.name}: {st.message}", flush=True)
+    tokenizer_dir = ensure_tokenizer(args.peers_dir) if any(p.ok for p in peers.values()) else None
+    text = TextSource()
+    rate, knee = _rate(args, text)
+    if knee is not None:
+        print(
+            f"least_loaded knee on {args.replicas} x {args.profile} (simulated): {knee:.2f} req/s;"
+            f" offering {args.load:.0%} = {rate:.2f} req/s",
+            flush=True,
+        )
+    workloads = {
+        s: make_workload(args.workload, args.requests, args.replicas, rate, s, text) for s in seeds
+    }
+    capacity = args.blocks * args.replicas
+    bounds = {s: workload_bounds(w, capacity) for s, w in workloads.items()}
+    fleet_args = [
+        "--profile", args.profile, "--time-scale", str(args.time_scale), "--model", MODEL,
+        "--blocks", str(args.blocks), "--block-size", str(BLOCK_SIZE), "--log-level", "WARNING",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-routers-") as tmp:
+        log = Path(tmp) / "fleet.log"
+        with launch_fleet(args.replicas, fleet_args, log_path=log) as fleet:
+            runs = asyncio.run(
+                _bench(args, systems, fleet, Path(tmp), peers, tokenizer_dir, workloads)
+            )
+    wall = time.perf_counter() - t0
+
+    print()
+    print(
+        f"## {args.workload}: {args.replicas} replicas ({args.profile}, {args.blocks} blocks x "
+        f"{BLOCK_SIZE} tokens), {args.requests} requests at {rate:.2f} req/s, time scale "
+        f"{args.time_scale}, seeds {','.join(map(str, seeds))} ({wall:.0f} s wall)"
+    )
+    print(
+        "TTFT/e2e in seconds of engine time (wall / time scale); hit rate = engine-reported "
+        "cached prompt tokens / prompt tokens; imbalance = max/mean requests per replica"
+    )
+    for s in seeds:
+        b = bounds[s]
+        print(
+            f"\n### seed {s}: bounds: infinite cache {b.infinite:.1%}, one LRU of the fleet's "
+            f"{b.capacity_blocks} blocks {b.fleet_lru:.1%}\n"
+        )
+        print(seed_table([r for r in runs if r.seed == s]))
+    agg = aggregate(runs)
+    fleet_bound = statistics.fmean(b.fleet_lru for b in bounds.values())
+    print(f"\n### summary over {len(seeds)} seeds: mean (min–max)\n")
+    print(summary_table(agg, len(seeds)))
+    print(
+        f"\nbounds (mean over seeds): infinite cache "
+        f"{statistics.fmean(b.infinite for b in bounds.values()):.1%}, fleet-capacity LRU "
+        f"{fleet_bound:.1%}"
+    )
+    flagged = sum(1 for r in runs if r.status == "lag")
+    ver = verdicts(args.workload, agg, fleet_bound, flagged)
+    print("\n### targets\n")
+    print("\n".join(ver))
+    errors = sum(int(r.summary.get("errors", 0)) for r in runs)
+    if errors:
+        print(f"\nWARNING: {errors} requests failed")
+    paths = plot(runs, bounds, args.workload, args.out) if args.out is not None else []
+    for p in paths:
+        print(f"plot: {p}")
+    if args.json is not None:
+        doc = {
+            "workload": args.workload,
+            "replicas": args.replicas,
+            "requests": args.requests,
+            "rate": rate,
+            "knee": knee,
+            "time_scale": args.time_scale,
+            "seeds": seeds,
+            "wall_s": wall,
+            "bounds": {str(s): vars_of(b) for s, b in bounds.items()},
+            "runs": [
+                {
+                    "system": r.system,
+                    "seed": r.seed,
+                    "status": r.status,
+                    "summary": r.summary,
+                    "per_replica": r.per_replica,
+                    "warm_hits": r.warm_hits,
+                    "lag_p99_ms": r.lag_p99_ms,
+                }
+                for r in runs
+            ],
+            "verdicts": ver,
+            "plots": [str(p) for p in paths],
+        }
+        text_out = json.dumps(doc, indent=1, default=str)
+        if str(args.json) == "-":
+            print(text_out)
+        else:
+            args.json.write_text(text_out)
+    return 0
+
+
+def vars_of(b: Bounds) -> dict[str, Any]:
+    return {"infinite": b.infinite, "fleet_lru": b.fleet_lru, "capacity_blocks": b.capacity_blocks}
