@@ -1,0 +1,113 @@
+"""`kvgate bench routers` end to end at a small size: a real fleet subprocess, a real gateway,
+kvgate strategies only and --no-install (CI has no peers; the peer systems asked for are
+reported as skipped), plus the pure helpers (system parsing, ABBA order, lag percentile,
+verdicts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench_routers import (
+    ALL_SYSTEMS,
+    System,
+    block_order,
+    lag_p99_ms,
+    parse_systems,
+    verdicts,
+    workload_bounds,
+)
+from loadtest.peers import ensure_peer
+from loadtest.workloads import TextSource, build
+
+
+def test_parse_systems_and_abba_order() -> None:
+    assert [s.name for s in parse_systems("all")] == list(ALL_SYSTEMS)
+    got = parse_systems("kvgate,vllm-router:kv_aware,round_robin")
+    assert got[-1] == System("vllm-router:kv_aware") and len(got) == 7
+    with pytest.raises(ValueError):
+        parse_systems("nginx")
+    systems = parse_systems("round_robin,expected_latency,sglang-router:cache_aware")
+    even = [[s.name for s in b] for b in block_order(systems, 0)]
+    odd = [[s.name for s in b] for b in block_order(systems, 1)]
+    assert even == [["round_robin", "expected_latency"], ["sglang-router:cache_aware"]]
+    assert odd == [["sglang-router:cache_aware"], ["expected_latency", "round_robin"]]
+
+
+def test_lag_percentile_from_bucket_deltas() -> None:
+    before = [{"lag_le_0.001": 10.0, "lag_le_0.005": 10.0, "lag_le_+Inf": 10.0}]
+    after = [{"lag_le_0.001": 108.0, "lag_le_0.005": 110.0, "lag_le_+Inf": 110.0}]
+    assert lag_p99_ms(before, after) == pytest.approx(5.0)
+    assert math.isnan(lag_p99_ms(before, before))
+
+
+def test_verdicts_report_missed_targets() -> None:
+    agg = {
+        "expected_latency": {
+            "ttft_p99_s": (1.0, 1.0, 1.0),
+            "ttft_mean_s": (0.5, 0.5, 0.5),
+            "token_hit_rate": (0.5, 0.5, 0.5),
+        },
+        "vllm-router:cache_aware": {
+            "ttft_p99_s": (1.2, 1.2, 1.2),
+            "ttft_mean_s": (0.6, 0.6, 0.6),
+            "token_hit_rate": (0.4, 0.4, 0.4),
+        },
+    }
+    lines = verdicts("shared-prefix", agg, 0.6, 0)
+    assert lines[0].startswith("- MISSED") and "ratio 0.83" in lines[0]  # 1.0 > 0.7 x 1.2
+    assert lines[1].startswith("- met")  # mean 0.5 <= 0.6
+    assert lines[2].startswith("- MISSED")  # 50% < 90% of 60%
+
+
+def test_no_install_skips_an_absent_peer(tmp_path: Path) -> None:
+    st = ensure_peer("sglang-router", tmp_path, install=False)
+    assert not st.ok and "skipped" in st.message and not (tmp_path / "sglang-router").exists()
+
+
+def test_bounds_are_ordered() -> None:
+    w = build("shared-prefix", TextSource(), groups=4, prompts_per_group=3, system_tokens=256)
+    b = workload_bounds(w, capacity_blocks=10_000)
+    small = workload_bounds(w, capacity_blocks=20)
+    # 8 of 12 prompts reuse a 256-token system prompt (+128-token question, template)
+    assert 0.35 < b.infinite == b.fleet_lru < 0.5
+    assert small.fleet_lru < b.fleet_lru
+
+
+@pytest.mark.slow
+def test_bench_routers_kvgate_only(tmp_path: Path) -> None:
+    out = tmp_path / "plots"
+    js = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "bench", "routers",
+         "--systems", "round_robin,least_loaded,expected_latency,vllm-router:cache_aware",
+         "--workload", "shared-prefix", "--requests", "48", "--rate", "3", "--seeds", "0",
+         "--time-scale", "0.2", "--no-install", "--peers-dir", str(tmp_path / "peers"),
+         "--out", str(out), "--json", str(js)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(js.read_text())
+    runs = {r["system"]: r for r in doc["runs"]}
+    assert runs["vllm-router:cache_aware"]["status"].startswith("skipped")
+    kv = [runs[n] for n in ("round_robin", "least_loaded", "expected_latency")]
+    for r in kv:
+        assert r["status"] in ("ok", "lag"), r  # warm-up got engine-reported hits
+        assert r["summary"]["errors"] == 0 and r["summary"]["requests"] == 48
+        assert sum(r["per_replica"]) == 48
+    hit = {r["system"]: r["summary"]["token_hit_rate"] for r in kv}
+    assert hit["expected_latency"] > hit["round_robin"]
+    bound = doc["bounds"]["0"]
+    assert bound["infinite"] >= bound["fleet_lru"] >= max(hit.values())
+    for name in ("round_robin", "least_loaded", "expected_latency"):
+        assert f"| {name} |" in proc.stdout
+    assert "vllm-router:cache_aware: skipped" in proc.stdout
+    assert "### targets" in proc.stdout
+    for p in ("ttft-cdf", "hit-rate", "load"):
+        f = out / f"shared-prefix-{p}.png"
+        assert f.exists() and f.stat().st_size > 1000
