@@ -12,12 +12,12 @@ Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/mo
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -56,7 +56,7 @@ _INLINE_TOKENIZE_CHARS = 4096
 async def _parse(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
-        data = json.loads(raw) if raw else {}
+        data = orjson.loads(raw) if raw else {}
     except ValueError as exc:
         raise APIError(f"invalid JSON body: {exc}") from exc
     if not isinstance(data, dict):
@@ -410,7 +410,7 @@ def create_app(replica: SimReplica) -> FastAPI:
     async def json_body(request: Request) -> dict[str, Any]:
         raw = await request.body()
         try:
-            data = json.loads(raw) if raw else {}
+            data = orjson.loads(raw) if raw else {}
         except ValueError as exc:
             raise APIError(f"invalid JSON body: {exc}") from exc
         if not isinstance(data, dict):

@@ -244,8 +244,11 @@ def completion_prompt_ids(prompt: Any, encode: Any, vocab_size: int) -> list[int
             raise APIError("prompt must not be empty", param="prompt")
         ids: list[int] = encode(prompt)
         return ids
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        if any(isinstance(t, bool) or not 0 <= t < vocab_size for t in prompt):
+    # type() per element, then min/max, all in C: a per-token Python check was a tenth of
+    # the replica's CPU for a 2k-token prompt
+    kinds = set(map(type, prompt)) if isinstance(prompt, list) and prompt else None
+    if kinds is not None and kinds <= {int, bool}:
+        if bool in kinds or min(prompt) < 0 or max(prompt) >= vocab_size:
             raise APIError(f"token ids must be in [0, {vocab_size})", param="prompt")
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
