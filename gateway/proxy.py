@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.core import Dispatch, Gateway, Outcome
 from gateway.errors import error_body, sse_error_event
+from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,16 @@ _RETRYABLE = (
     httpx.PoolTimeout,
 )
 _JSON = b"application/json"
+
+
+def _timeouts(s: GatewaySettings) -> dict[str, float]:
+    """httpcore's per-request timeouts (the ``timeout`` request extension)."""
+    return {
+        "connect": s.connect_timeout_s,
+        "read": max(s.first_byte_timeout_s, s.read_timeout_s),
+        "write": 30.0,
+        "pool": s.connect_timeout_s,
+    }
 
 
 class Usage:
@@ -132,17 +143,13 @@ class UpstreamExchange(Response):
     # ------------------------------------------------------------------ exchange
     async def _run(self, send: Send) -> None:
         gw, d = self.gw, self.d
-        assert gw.client is not None and gw.pool is not None
+        assert gw.upstream is not None and gw.pool is not None
         s = gw.settings
-        timeout = httpx.Timeout(
-            connect=s.connect_timeout_s,
-            read=max(s.first_byte_timeout_s, s.read_timeout_s),
-            write=30.0,
-            pool=s.connect_timeout_s,
-        )
-        headers = {"content-type": "application/json", "x-request-id": d.request_id}
+        extensions = {"timeout": _timeouts(s)}
+        headers = [(b"content-type", _JSON), (b"x-request-id", d.request_id.encode())]
         if s.upstream_api_key is not None:
-            headers["authorization"] = "Bearer " + s.upstream_api_key.get_secret_value()
+            auth = "Bearer " + s.upstream_api_key.get_secret_value()
+            headers.append((b"authorization", auth.encode()))
         t0 = d.t_start
         resp: httpx.Response | None = None
         try:
@@ -158,12 +165,13 @@ class UpstreamExchange(Response):
                 payload = gw.upstream_body(d)
                 if d.ticket is None:  # a retry: the first dispatch was counted in prepare
                     await gw.on_dispatch(d)
-                req = gw.client.build_request(
-                    "POST", rep.url + d.path, content=payload, headers=headers, timeout=timeout
-                )
+                req = httpx.Request(
+                    "POST", rep.url + d.path, content=payload, headers=headers,
+                    extensions=extensions,
+                )  # fmt: skip
                 gw.stages.add("proxy", time.perf_counter_ns() - c0)
                 try:
-                    resp = await gw.client.send(req, stream=True)
+                    resp = await gw.upstream.handle_async_request(req)
                     break
                 except _RETRYABLE as exc:
                     failed = d.replica
