@@ -188,7 +188,7 @@ def _at_rate(w: Workload, rate: float) -> Workload:
         return w
     t0 = w.items[0].t
     span = (w.items[-1].t - t0) or 1.0
-    factor = (len(w.items) / span) / rate
+    factor = rate / (len(w.items) / span)  # > 1: denser
     return replace(w, items=tuple(replace(it, t=(it.t - t0) / factor) for it in w.items))
 
 
@@ -198,14 +198,9 @@ def make_workload(
     """The simulator's fleet-scaled synthesizers; Mooncake: seed k replays the trace's k-th
     window of ``requests`` rows, its arrivals rescaled to ``rate``."""
     if name == "mooncake":
-        base = build(
-            "mooncake",
-            text,
-            max_requests=(seed + 1) * requests,
-            max_input_tokens=8192,
-            output_cap=128,
-        )
-        window = replace(base, items=base.items[seed * requests :])
+        base = build("mooncake", text, max_input_tokens=8192, output_cap=128)
+        start = (seed * requests) % max(1, len(base.items) - requests + 1)
+        window = replace(base, items=base.items[start : start + requests])
         return _at_rate(window, rate)
     return scaled_workload(name, requests, replicas, rate, seed, text)
 
@@ -504,6 +499,8 @@ def _rate(args: argparse.Namespace, text: TextSource) -> tuple[float, float | No
     probe = make_workload(args.workload, n, args.replicas, 1e6, 99, text)
     policy = load_policy(builtin_policy_path("default"))
     knee = asyncio.run(calibrate_capacity(cfg, policy, probe, text, n))
+    if not knee > 0:
+        raise ValueError(f"calibration found no throughput for {args.workload}; pass --rate")
     return args.load * knee, knee
 
 
@@ -719,7 +716,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"peer {st.name}: {st.message}", flush=True)
     tokenizer_dir = ensure_tokenizer(args.peers_dir) if any(p.ok for p in peers.values()) else None
     text = TextSource()
-    rate, knee = _rate(args, text)
+    try:
+        rate, knee = _rate(args, text)
+    except ValueError as exc:
+        print(f"kvgate bench routers: {exc}", file=sys.stderr)
+        return 2
     if knee is not None:
         print(
             f"least_loaded knee on {args.replicas} x {args.profile} (simulated): {knee:.2f} req/s;"
