@@ -9,10 +9,10 @@ Environment:
     KVGATE_LOCUST_STREAM    1 (default) to stream and record TTFT, 0 for plain JSON
 
 Each user class is one traffic shape; pick some with Locust's class selection (``locust ...
-SharedSystemPromptChat ShortUnique``) or run them all. Streamed requests report two
-extra entries in the CSV: ``TTFT <class>`` (time to the first content chunk) and
-``cached_tokens <class>`` (engine-reported cached prompt tokens, reported as "response
-length" so the CSV's average column is the mean cached tokens per request).
+SharedSystemPromptChat ShortUnique``) or run them all. Streamed requests report an
+extra entry per class in the CSV: ``TTFT <class>``, the time to the first content chunk,
+whose "response length" is the engine-reported cached prompt tokens (so the CSV's
+"Average Content Size" of a TTFT row is the mean cached tokens per request).
 """
 
 from __future__ import annotations
