@@ -9,7 +9,7 @@ Three measurements (issue 5, "Precisions"):
    goes first. Every pair uses a fresh prompt, so both arms are cache misses on the replica
    and the replica does the same work for both. Optionally a third arm (``--bare``) goes
    through a bare passthrough proxy (uvicorn + httptools + uvloop and one shared
-   ``httpx.AsyncClient``, nothing else: the floor of any Python proxy on this machine).
+   the gateway's upstream transport, nothing else: the floor of a Python proxy here).
    The load is paced so the benchmark's processes together stay under ``--cpu-cap`` of the
    machine (CPU read from ``/proc/<pid>/task/*/schedstat``, nanoseconds, every thread).
    Reported: latency p50/p99 of each arm and the added p50/p99 (gateway minus direct, per
@@ -259,18 +259,20 @@ def start_fleet(args: argparse.Namespace) -> Fleet:
 
 
 def bare_proxy_main(port: int, upstream: str) -> None:
-    """The floor: an ASGI app that forwards the body to ``upstream`` with one shared
-    ``httpx.AsyncClient`` and returns the answer, on uvicorn + httptools + uvloop."""
+    """The floor: an ASGI app that forwards the body to ``upstream`` through the transport
+    the gateway uses (aiohttp's, under httpx's API) and returns the answer, on uvicorn +
+    httptools + uvloop."""
     import uvicorn
+    from httpx_aiohttp import AiohttpTransport
 
-    state: dict[str, httpx.AsyncClient] = {}
+    state: dict[str, AiohttpTransport] = {}
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
-                    state["c"] = httpx.AsyncClient(timeout=30.0)
+                    state["c"] = AiohttpTransport()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
                     await state["c"].aclose()
@@ -282,13 +284,16 @@ def bare_proxy_main(port: int, upstream: str) -> None:
             msg = await receive()
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
-        resp = await state["c"].post(
-            upstream + scope["path"], content=b"".join(chunks),
-            headers={"content-type": "application/json"},
+        req = httpx.Request(
+            "POST", upstream + scope["path"], content=b"".join(chunks),
+            headers=[(b"content-type", b"application/json")],
         )  # fmt: skip
+        resp = await state["c"].handle_async_request(req)
+        body = await resp.aread()
+        await resp.aclose()
         await send({"type": "http.response.start", "status": resp.status_code,
                     "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": resp.content})
+        await send({"type": "http.response.body", "body": body})
 
     uvicorn.run(
         app, host="127.0.0.1", port=port, loop="uvloop", http="httptools",
