@@ -659,8 +659,8 @@ def plot(
         vals = [r.summary["token_hit_rate"] for r in good if r.system == name]
         m = statistics.fmean(vals)
         means.append(m)
-        los.append(m - min(vals))
-        his.append(max(vals) - m)
+        los.append(max(0.0, m - min(vals)))  # fmean of equal values can overshoot by 1 ulp
+        his.append(max(0.0, max(vals) - m))
     xs = list(range(len(names)))
     ax.bar(xs, means, yerr=[los, his], capsize=3, color=["C1" if ":" in n else "C0" for n in names])
     inf = statistics.fmean(b.infinite for b in bounds.values())
@@ -778,9 +778,6 @@ def run(args: argparse.Namespace) -> int:
     errors = sum(int(r.summary.get("errors", 0)) for r in runs)
     if errors:
         print(f"\nWARNING: {errors} requests failed")
-    paths = plot(runs, bounds, args.workload, args.out) if args.out is not None else []
-    for p in paths:
-        print(f"plot: {p}")
     if args.json is not None:
         doc = {
             "workload": args.workload,
@@ -805,13 +802,15 @@ def run(args: argparse.Namespace) -> int:
                 for r in runs
             ],
             "verdicts": ver,
-            "plots": [str(p) for p in paths],
         }
         text_out = json.dumps(doc, indent=1, default=str)
         if str(args.json) == "-":
             print(text_out)
         else:
             args.json.write_text(text_out)
+    # last: a plotting failure must not lose the figures above
+    for p in plot(runs, bounds, args.workload, args.out) if args.out is not None else []:
+        print(f"plot: {p}", file=sys.stderr if str(args.json) == "-" else sys.stdout)
     return 0
 
 
