@@ -23,9 +23,11 @@ disagree on lifecycle semantics.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntFlag, StrEnum
+from itertools import repeat
+from typing import cast
 
 from cachecore.keys import BlockKey, BlockKeyer, is_ephemeral_salt
 from cachecore.kvevents import (
@@ -159,41 +161,26 @@ class IndexWrite:
             self.seq = later.seq
 
 
-@dataclass(slots=True)
-class _EngineBlock:
-    """One engine hash: our key (None for blocks we never index) and copies per tier.
+# A mirror record, the value the index persists per engine hash: our key (empty for blocks
+# we never index) then the hash's copy count per tier (GPU, CPU, DISK, REMOTE), one byte
+# each, clipped at 255.
+_COUNT_BYTES = len(ALL_TIERS)
+_TIER_POS: Mapping[int, int] = {int(t): i for i, t in enumerate(ALL_TIERS)}
+_ONE_COPY: Mapping[int, bytes] = {
+    int(t): bytes(1 if j == i else 0 for j in range(_COUNT_BYTES)) for i, t in enumerate(ALL_TIERS)
+}
+"""Per tier bit: the count bytes of a hash held once, on that tier only."""
+_KEY_PART = slice(None, -_COUNT_BYTES)
 
-    vLLM does not de-duplicate blocks: two requests computing the same prefix at once each
-    cache a copy and each copy's eviction emits its own BlockRemoved, so the tier holds the
-    hash while any copy remains.
-    """
 
-    key: BlockKey | None
-    copies: dict[Tier, int]
-
-    def tiers(self) -> int:
-        out = 0
-        for t, n in self.copies.items():
-            if n > 0:
-                out |= int(t)
-        return out
-
-    def encode(self) -> bytes:
-        c = self.copies.get  # written out, not a generator: this runs once per stored block
-        counts = bytes(
-            (
-                min(c(Tier.GPU, 0), 255),
-                min(c(Tier.CPU, 0), 255),
-                min(c(Tier.DISK, 0), 255),
-                min(c(Tier.REMOTE, 0), 255),
-            )
-        )
-        return (self.key or b"") + counts
-
-    @classmethod
-    def decode(cls, raw: bytes) -> _EngineBlock:
-        key, counts = raw[:-4], raw[-4:]
-        return cls(key or None, {t: c for t, c in zip(ALL_TIERS, counts, strict=True) if c})
+def _record_tiers(rec: bytes) -> int:
+    """The tier bits of a mirror record (a clipped count is still non-zero)."""
+    out = 0
+    base = len(rec) - _COUNT_BYTES
+    for i in range(_COUNT_BYTES):
+        if rec[base + i]:
+            out |= 1 << i
+    return out
 
 
 @dataclass(slots=True)
@@ -211,20 +198,36 @@ class MirrorCounters:
 class ReplicaMirror:
     """The agent's mirror of one engine's prefix cache (one replica and DP rank).
 
+    State per engine hash: its mirror record (``_engine[h]``: our key, empty for blocks we
+    never index, then the copy count per tier, exactly what the index persists), and the
+    exact counts in ``_wide[h]`` for the rare hash of which some tier holds more than 255
+    copies (the record's bytes are clipped). vLLM does not de-duplicate blocks: two requests
+    computing the same prefix at once each cache a copy and each copy's eviction emits its
+    own BlockRemoved, so the tier holds the hash while any copy remains.
+
+    ``_by_key[k]`` is the engine hash holding key ``k`` (an int: the usual case) or the set
+    of two or more hashes holding it.
+
     Invariants:
 
-    * ``_by_key[k]`` is exactly the set of engine hashes ``h`` with ``_engine[h].key == k``;
+    * ``_by_key[k]`` is exactly the engine hashes ``h`` whose record's key is ``k``;
     * a key's tier set is the union of its engine hashes' tiers, and it is in the index iff
       that set is non-empty;
     * every IndexWrite returned describes the complete new state of each key it touches.
+
+    Events whose blocks are all new (BlockStored) or all held once, on the event's tier
+    only, by a hash that alone holds the key (BlockRemoved), the steady state of an engine,
+    are applied with dict operations over the whole event (C loops); anything else goes
+    block by block. Both paths produce the same state and the same writes.
     """
 
     def __init__(self, keyer: BlockKeyer, model: str, group_idx: int | None = None) -> None:
         self.keyer = keyer
         self.model = model
         self.group_idx = group_idx  # the full-attention group to index (None: any/only one)
-        self._engine: dict[int, _EngineBlock] = {}
-        self._by_key: dict[BlockKey, set[int]] = {}
+        self._engine: dict[int, bytes] = {}
+        self._wide: dict[int, list[int]] = {}
+        self._by_key: dict[BlockKey, int | set[int]] = {}
         self.counters = MirrorCounters()
 
     # ---- queries
@@ -232,9 +235,14 @@ class ReplicaMirror:
         return len(self._by_key)
 
     def key_tiers(self, key: BlockKey) -> int:
+        holders = self._by_key.get(key)
+        if holders is None:
+            return 0
+        if isinstance(holders, int):
+            return _record_tiers(self._engine[holders])
         out = 0
-        for h in self._by_key.get(key, ()):
-            out |= self._engine[h].tiers()
+        for h in holders:
+            out |= _record_tiers(self._engine[h])
         return out
 
     def state_of(self, key: BlockKey) -> BlockState:
@@ -245,20 +253,24 @@ class ReplicaMirror:
         return {k: t for k in self._by_key if (t := self.key_tiers(k))}
 
     def engine_hashes(self) -> set[int]:
-        return {h for h, b in self._engine.items() if b.tiers()}
+        return {h for h, rec in self._engine.items() if _record_tiers(rec)}
 
     def snapshot(self) -> dict[int, bytes]:
-        return {h: b.encode() for h, b in self._engine.items()}
+        return dict(self._engine)
 
     # ---- restore
     def restore(self, records: Mapping[int, bytes]) -> None:
         self._engine.clear()
+        self._wide.clear()
         self._by_key.clear()
         for h, raw in records.items():
-            blk = _EngineBlock.decode(raw)
-            self._engine[h] = blk
-            if blk.key is not None:
-                self._by_key.setdefault(blk.key, set()).add(h)
+            if len(raw) < _COUNT_BYTES:
+                raise ValueError(f"mirror record of {len(raw)} bytes")
+            rec = bytes(raw)
+            self._engine[h] = rec
+            key = rec[_KEY_PART]
+            if key:
+                self._hold(key, h)
 
     # ---- events
     def apply(self, events: Iterable[KVEvent]) -> tuple[IndexWrite, bool]:
@@ -279,87 +291,178 @@ class ReplicaMirror:
 
     def clear(self) -> None:
         self._engine.clear()
+        self._wide.clear()
         self._by_key.clear()
         self.counters.cleared += 1
 
     def _wanted_group(self, group_idx: int | None) -> bool:
         return self.group_idx is None or group_idx is None or group_idx == self.group_idx
 
-    def _stored(self, ev: BlockStored, write: IndexWrite) -> None:
-        if not self._wanted_group(ev.group_idx):
-            self.counters.dropped_other_group += len(ev.block_hashes)
+    # ---- records and holders
+    def _counts(self, h: int, rec: bytes) -> list[int]:
+        wide = self._wide.get(h)
+        return list(wide) if wide is not None else list(rec[-_COUNT_BYTES:])
+
+    def _put(self, h: int, key: BlockKey | None, counts: list[int]) -> bytes:
+        if max(counts) > 255:
+            self._wide[h] = counts
+            tail = bytes(min(c, 255) for c in counts)
+        else:
+            self._wide.pop(h, None)
+            tail = bytes(counts)
+        rec = self._engine[h] = (key or b"") + tail
+        return rec
+
+    def _hold(self, key: BlockKey, h: int) -> None:
+        holders = self._by_key.get(key)
+        if holders is None:
+            self._by_key[key] = h
+        elif isinstance(holders, int):
+            if holders != h:
+                self._by_key[key] = {holders, h}
+        else:
+            holders.add(h)
+
+    def _release(self, key: BlockKey, h: int) -> None:
+        holders = self._by_key.get(key)
+        if holders is None:
             return
-        tier = tier_of_medium(ev.medium)
+        if isinstance(holders, int):
+            if holders == h:
+                del self._by_key[key]
+            return
+        holders.discard(h)
+        if len(holders) == 1:
+            self._by_key[key] = next(iter(holders))
+
+    # ---- events, per kind
+    def _stored(self, ev: BlockStored, write: IndexWrite) -> None:
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if not self._wanted_group(ev.group_idx):
+            self.counters.dropped_other_group += n
+            return
+        tier = int(tier_of_medium(ev.medium))
         parent_key: BlockKey | None = None
         salt: str | None = None
         index_it = True
         if ev.parent_block_hash is None:
             salt = salt_from_extra_keys(ev.extra_keys[0] if ev.extra_keys else None)
             if salt is None:
-                self.counters.dropped_unscoped += len(ev.block_hashes)
+                self.counters.dropped_unscoped += n
                 index_it = False
             elif is_ephemeral_salt(salt):
-                self.counters.dropped_ephemeral += len(ev.block_hashes)
+                self.counters.dropped_ephemeral += n
                 index_it = False
         else:
             parent = self._engine.get(ev.parent_block_hash)
             if parent is None:
-                self.counters.dropped_unknown_parent += len(ev.block_hashes)
+                self.counters.dropped_unknown_parent += n
                 return
-            if parent.key is None:
+            parent_key = parent[_KEY_PART] or None
+            if parent_key is None:
                 # child of an unscoped or ephemeral block: inherit its fate
                 index_it = False
-            parent_key = parent.key
-        keys: list[BlockKey | None]
-        if index_it:
-            keys = list(self.keyer.chain(parent_key, ev.token_ids, salt, self.model, ev.lora_name))
-        else:
-            keys = [None] * len(ev.block_hashes)
-        if len(keys) != len(ev.block_hashes):
-            self.counters.dropped_unknown_parent += len(ev.block_hashes)
+        engine = self._engine
+        tail = _ONE_COPY[tier]
+        if not index_it:
+            if engine.keys().isdisjoint(hashes) and len(set(hashes)) == n:
+                new = dict.fromkeys(hashes, tail)
+                engine.update(new)
+                write.mirror.update(new)
+                return
+            self._stored_blocks(hashes, [None] * n, tier, write)
             return
-        for h, k in zip(ev.block_hashes, keys, strict=True):
-            blk = self._engine.get(h)
-            if blk is None:
-                blk = self._engine[h] = _EngineBlock(k, {})
-            elif blk.key != k:
+        keys = self.keyer.chain(parent_key, ev.token_ids, salt, self.model, ev.lora_name)
+        if len(keys) != n:
+            self.counters.dropped_unknown_parent += n
+            return
+        by_key = self._by_key
+        if (
+            engine.keys().isdisjoint(hashes)
+            and by_key.keys().isdisjoint(keys)
+            and len(set(hashes)) == n
+            and len(set(keys)) == n
+        ):
+            recs = list(map(bytes.__add__, keys, repeat(tail)))
+            engine.update(zip(hashes, recs, strict=True))
+            write.mirror.update(zip(hashes, recs, strict=True))
+            by_key.update(zip(keys, hashes, strict=True))
+            write.blocks.update(dict.fromkeys(keys, tier))
+            self.counters.stored_blocks += n
+            return
+        self._stored_blocks(hashes, keys, tier, write)
+
+    def _stored_blocks(
+        self, hashes: list[int], keys: Sequence[BlockKey | None], tier: int, write: IndexWrite
+    ) -> None:
+        pos = _TIER_POS[tier]
+        engine = self._engine
+        for h, k in zip(hashes, keys, strict=True):
+            rec = engine.get(h)
+            if rec is None:
+                counts = [0] * _COUNT_BYTES
+            elif (rec[_KEY_PART] or None) != k:
                 # the engine reused a hash for different content: the newer claim wins
                 self._forget(h, write)
-                blk = self._engine[h] = _EngineBlock(k, {})
-            blk.copies[tier] = blk.copies.get(tier, 0) + 1
-            write.mirror[h] = blk.encode()
+                counts = [0] * _COUNT_BYTES
+            else:
+                counts = self._counts(h, rec)
+            counts[pos] += 1
+            write.mirror[h] = self._put(h, k, counts)
             if k is not None:
-                self._by_key.setdefault(k, set()).add(h)
+                self._hold(k, h)
                 write.blocks[k] = self.key_tiers(k)
                 self.counters.stored_blocks += 1
 
     def _removed(self, ev: BlockRemoved, write: IndexWrite) -> None:
         if not self._wanted_group(ev.group_idx):
             return
-        tier = tier_of_medium(ev.medium)
-        for h in ev.block_hashes:
-            blk = self._engine.get(h)
-            if blk is None or blk.copies.get(tier, 0) == 0:
+        tier = int(tier_of_medium(ev.medium))
+        hashes = ev.block_hashes
+        n = len(hashes)
+        engine = self._engine
+        tail = _ONE_COPY[tier]
+        found = list(map(engine.get, hashes))
+        ok = None not in found and len(set(hashes)) == n
+        recs = cast("list[bytes]", found) if ok else []
+        if recs and all(map(bytes.endswith, recs, repeat(tail))):
+            # every hash held once, on this tier only: each removal forgets its hash
+            keys = [rec[:-_COUNT_BYTES] for rec in recs]
+            if recs.count(tail) == n or list(map(self._by_key.get, keys)) == hashes:
+                # ... and each key is empty (never indexed) or held by that hash alone
+                for h in hashes:
+                    del engine[h]
+                by_key = self._by_key
+                for k in keys:
+                    if k:
+                        del by_key[k]
+                write.mirror.update(dict.fromkeys(hashes))
+                write.blocks.update(dict.fromkeys(filter(None, keys), 0))
+                self.counters.removed_blocks += n
+                return
+        pos = _TIER_POS[tier]
+        for h in hashes:
+            rec = engine.get(h)
+            if rec is None or rec[len(rec) - _COUNT_BYTES + pos] == 0:
                 self.counters.unknown_removed += 1
                 continue
-            blk.copies[tier] -= 1
-            if blk.copies[tier] == 0:
-                del blk.copies[tier]
-            if blk.tiers():
-                write.mirror[h] = blk.encode()
-                if blk.key is not None:
-                    write.blocks[blk.key] = self.key_tiers(blk.key)
+            counts = self._counts(h, rec)
+            counts[pos] -= 1
+            if any(counts):
+                key = rec[_KEY_PART] or None
+                write.mirror[h] = self._put(h, key, counts)
+                if key is not None:
+                    write.blocks[key] = self.key_tiers(key)
             else:
                 self._forget(h, write)
             self.counters.removed_blocks += 1
 
     def _forget(self, h: int, write: IndexWrite) -> None:
-        blk = self._engine.pop(h)
+        rec = self._engine.pop(h)
+        self._wide.pop(h, None)
         write.mirror[h] = None
-        if blk.key is not None:
-            holders = self._by_key.get(blk.key)
-            if holders is not None:
-                holders.discard(h)
-                if not holders:
-                    del self._by_key[blk.key]
-            write.blocks[blk.key] = self.key_tiers(blk.key)
+        key = rec[_KEY_PART]
+        if key:
+            self._release(key, h)
+            write.blocks[key] = self.key_tiers(key)
