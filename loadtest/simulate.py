@@ -449,7 +449,7 @@ def tiled_mooncake(text: TextSource, requests: int, rate: float, seed: int) -> W
     items.sort(key=lambda it: it.t)
     items = items[:requests]
     dur = items[-1].t - items[0].t if len(items) > 1 else 1.0
-    factor = (len(items) / dur) / rate
+    factor = rate / (len(items) / dur)  # > 1 compresses time: a higher rate
     t0 = items[0].t
     scaled = tuple(replace(it, t=(it.t - t0) / factor) for it in items)
     return Workload("mooncake-tiled", scaled, f"Mooncake x{copies} copies at {rate}/s")

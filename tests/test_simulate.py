@@ -9,7 +9,13 @@ from dataclasses import replace
 import pytest
 
 from gateway.routing import Strategy
-from loadtest.simulate import FleetSimulator, SimConfig, SimResult, scaled_workload
+from loadtest.simulate import (
+    FleetSimulator,
+    SimConfig,
+    SimResult,
+    scaled_workload,
+    tiled_mooncake,
+)
 from loadtest.workloads import TextSource
 from policies.schema import builtin_policy_path, load_policy
 
@@ -50,3 +56,11 @@ def test_every_request_finishes_under_overload(text: TextSource) -> None:
     cfg = SimConfig(replicas=2, num_blocks=512, strategy=Strategy.LEAST_LOADED)
     res = _run(cfg, "short-unique", 200, 200.0, text)
     assert len(res.e2e) + res.rejected == 200
+
+
+def test_tiled_mooncake_arrives_at_the_wanted_rate() -> None:
+    for rate in (2.0, 40.0):
+        w = tiled_mooncake(TextSource(), requests=400, rate=rate, seed=0)
+        assert len(w.items) == 400
+        achieved = (len(w.items) - 1) / (w.items[-1].t - w.items[0].t)
+        assert achieved == pytest.approx(rate, rel=0.01)
