@@ -199,16 +199,20 @@ def _opt_str(value: Any, name: str) -> str | None:
     return value
 
 
-def _fields(raw: Any, names: Sequence[str], required: int) -> dict[str, Any]:
-    if isinstance(raw, Mapping):
-        return {n: raw.get(n) for n in names} | {
-            "_missing": [n for n in names[:required] if n not in raw]
-        }
-    values = list(raw[1:])
+def _fields(raw: Any, names: Sequence[str], required: int) -> list[Any]:
+    """The event's fields in ``names`` order (None when absent); raises on a missing
+    required one. ``raw`` is a map or a tagged array (the tag at index 0)."""
+    if type(raw) is dict or isinstance(raw, Mapping):
+        if not all(map(raw.__contains__, names[:required])):
+            missing = [n for n in names[:required] if n not in raw]
+            raise MalformedEventError("missing_field", ",".join(missing))
+        return list(map(raw.get, names))
+    values = list(raw[1 : len(names) + 1])
     if len(values) < required:
-        return {"_missing": list(names[len(values) : required])}
-    vals = dict(zip(names, values, strict=False))
-    return {n: vals.get(n) for n in names} | {"_missing": []}
+        raise MalformedEventError("missing_field", ",".join(names[len(values) : required]))
+    if len(values) < len(names):
+        values += [None] * (len(names) - len(values))
+    return values
 
 
 def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
@@ -223,35 +227,40 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag == "BlockRemoved":
-        f = _fields(raw, _REMOVED_FIELDS, 1)
-        if f["_missing"]:
-            raise MalformedEventError("missing_field", ",".join(f["_missing"]))
+        r_hashes, r_medium, r_group = _fields(raw, _REMOVED_FIELDS, 1)
         return BlockRemoved(
-            block_hashes=_hash_list(f["block_hashes"]),
-            medium=_opt_str(f["medium"], "medium"),
-            group_idx=_opt_int(f["group_idx"], "group_idx"),
+            block_hashes=_hash_list(r_hashes),
+            medium=_opt_str(r_medium, "medium"),
+            group_idx=_opt_int(r_group, "group_idx"),
         )
     if tag == "BlockStored":
-        f = _fields(raw, _STORED_FIELDS, _STORED_REQUIRED)
-        if f["_missing"]:
-            raise MalformedEventError("missing_field", ",".join(f["_missing"]))
-        hashes = _hash_list(f["block_hashes"])
-        tokens = f["token_ids"]
+        (
+            raw_hashes,
+            parent,
+            tokens,
+            raw_block_size,
+            lora_id,
+            medium,
+            lora_name,
+            extra,
+            group_idx,
+            spec_kind,
+            sliding_window,
+        ) = _fields(raw, _STORED_FIELDS, _STORED_REQUIRED)
+        hashes = _hash_list(raw_hashes)
         if not isinstance(tokens, list) or len(tokens) > max_tokens:
             raise MalformedEventError("bad_field", "token_ids")
         try:  # C-speed check that every id is an int in [0, 2**32)
             array.array("I", tokens)
         except (TypeError, OverflowError) as exc:
             raise MalformedEventError("bad_field", "token_ids values") from exc
-        block_size = _opt_int(f["block_size"], "block_size")
+        block_size = _opt_int(raw_block_size, "block_size")
         if block_size is None or block_size <= 0:
             raise MalformedEventError("bad_field", "block_size")
         if len(tokens) != block_size * len(hashes):
             raise MalformedEventError(
                 "token_count_mismatch", f"{len(tokens)} tokens for {len(hashes)} blocks"
             )
-        parent = f["parent_block_hash"]
-        extra = f["extra_keys"]
         extra_keys: list[tuple[Any, ...] | None] | None = None
         if extra is not None:
             if not isinstance(extra, list) or len(extra) != len(hashes):
@@ -262,22 +271,25 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             parent_block_hash=None if parent is None else normalize_hash(parent),
             token_ids=tokens,
             block_size=block_size,
-            lora_id=_opt_int(f["lora_id"], "lora_id"),
-            medium=_opt_str(f["medium"], "medium"),
-            lora_name=_opt_str(f["lora_name"], "lora_name"),
+            lora_id=_opt_int(lora_id, "lora_id"),
+            medium=_opt_str(medium, "medium"),
+            lora_name=_opt_str(lora_name, "lora_name"),
             extra_keys=extra_keys,
-            group_idx=_opt_int(f["group_idx"], "group_idx"),
-            kv_cache_spec_kind=_opt_str(f["kv_cache_spec_kind"], "kv_cache_spec_kind"),
-            kv_cache_spec_sliding_window=_opt_int(
-                f["kv_cache_spec_sliding_window"], "kv_cache_spec_sliding_window"
-            ),
+            group_idx=_opt_int(group_idx, "group_idx"),
+            kv_cache_spec_kind=_opt_str(spec_kind, "kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=_opt_int(sliding_window, "kv_cache_spec_sliding_window"),
         )
     raise MalformedEventError("unknown_event", str(tag)[:64])
+
+
+_JUST_INT = {int}
 
 
 def _hash_list(raw: Any) -> list[int]:
     if not isinstance(raw, list) or not raw:
         raise MalformedEventError("bad_field", "block_hashes")
+    if set(map(type, raw)) == _JUST_INT:  # the usual case, checked at C speed
+        return raw
     return [normalize_hash(h) for h in raw]
 
 
