@@ -47,6 +47,13 @@ _RETRYABLE = (
 _JSON = b"application/json"
 
 
+def _refused(exc: Exception) -> bool:
+    """The connection could not be made at all (a definitive failure for ejection). The
+    aiohttp transport reports a refused connection as ``ConnectTimeout`` whose cause is an
+    ``OSError`` (``aiohttp.ClientConnectorError``)."""
+    return isinstance(exc, httpx.ConnectError) or isinstance(exc.__cause__, OSError)
+
+
 def _timeouts(s: GatewaySettings) -> dict[str, float]:
     """httpcore's per-request timeouts (the ``timeout`` request extension)."""
     return {
@@ -175,7 +182,7 @@ class UpstreamExchange(Response):
                     break
                 except _RETRYABLE as exc:
                     failed = d.replica
-                    gw.pool.record_failure(failed, definitive=isinstance(exc, httpx.ConnectError))
+                    gw.pool.record_failure(failed, definitive=_refused(exc))
                     gw.metrics.upstream_errors.labels(failed, "connect").inc()
                     log.warning(
                         "upstream failed before the first byte",

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
+from httpx_aiohttp import AiohttpTransport
 from pydantic import SecretStr
 
 from cachecore.keys import ScopeKind
+from cachecore.testing import free_port
 from gateway.auth import KeyFileError, KeyStore, check_admin, hash_key, load_key_file
 from gateway.core import Gateway
 from gateway.errors import GatewayError
 from gateway.limits import TenantLimiter, TokenBucket
 from gateway.load import InFlight, LoadTracker, SharedLoad
+from gateway.proxy import _refused
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import ReplicaSpecError, parse_replica_spec
 from gateway.settings import GatewaySettings
@@ -347,3 +351,22 @@ async def test_passive_ejection_and_return() -> None:
         assert [r.id for r in pool.candidates("m")] == ["a"]
         pool.cordon("a")
         assert pool.candidates("m") == []
+
+
+async def test_a_refused_upstream_connection_is_a_definitive_failure() -> None:
+    """The proxy's transport reports a refused connection as ConnectTimeout (aiohttp's
+    ClientConnectorError, an OSError, as its cause): it must still count as definitive for
+    outlier ejection, while a read timeout must not."""
+    t = AiohttpTransport()
+    timeouts = {"connect": 1.0, "read": 1.0, "write": 1.0, "pool": 1.0}
+    req = httpx.Request(
+        "POST", f"http://127.0.0.1:{free_port()}/v1/completions", content=b"{}",
+        extensions={"timeout": timeouts},
+    )  # fmt: skip
+    try:
+        with pytest.raises(httpx.TransportError) as info:
+            await t.handle_async_request(req)
+    finally:
+        await t.aclose()
+    assert _refused(info.value)
+    assert not _refused(httpx.ReadTimeout("slow engine"))
