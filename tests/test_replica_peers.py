@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,42 +20,11 @@ from openai import AsyncOpenAI
 from cachecore.replica import Fleet, ReplicaSettings, run_fleet
 from cachecore.testing import free_ports
 from cachecore.tokenizer import builtin_tokenizer, export_builtin
+from loadtest.peers import PEERS_DIR, router_command, running_router
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_ROUTER = ROOT / ".peers/vllm-router/bin/vllm-router"
-SGLANG_PY = ROOT / ".peers/sglang-router/bin/python"
+VLLM_ROUTER = PEERS_DIR / "vllm-router/bin/vllm-router"
+SGLANG_PY = PEERS_DIR / "sglang-router/bin/python"
 MODEL = "kvgate-sim-8b"
-
-
-def _cmd(kind: str, port: int, prom: int, workers: list[str], tok_dir: Path) -> list[str]:
-    if kind == "vllm-router":
-        return [
-            str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *workers, "--policy", "cache_aware",
-            "--prometheus-port", str(prom),
-        ]  # fmt: skip
-    return [
-        str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-        "--port", str(port), "--worker-urls", *workers, "--policy", "cache_aware",
-        "--prometheus-port", str(prom), "--model-path", str(tok_dir),
-        "--tokenizer-path", str(tok_dir),
-    ]  # fmt: skip
-
-
-@contextlib.contextmanager
-def _router(cmd: list[str], cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
-    log = open(cwd / "router.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
 
 
 async def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
@@ -87,7 +56,11 @@ async def test_peer_router_in_front_of_two_replicas(
     export_builtin(tok_dir)
     port, prom = free_ports(2)
     url = f"http://127.0.0.1:{port}"
-    with _router(_cmd(kind, port, prom, fleet.urls, tok_dir), tmp_path) as proc:
+    # the same command line and process handling as `kvgate bench routers`
+    cmd, env = router_command(
+        kind, "cache_aware", PEERS_DIR / kind, port, prom, fleet.endpoints, tok_dir, MODEL
+    )
+    with running_router(cmd, env, tmp_path / "router.log") as proc:
         await _wait_ready(url, proc)
         async with AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
             msgs: Any = [{"role": "user", "content": "say something"}]
