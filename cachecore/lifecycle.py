@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntFlag, StrEnum
-from itertools import repeat
+from itertools import pairwise, repeat
 from typing import cast
 
-from cachecore.keys import BlockKey, BlockKeyer, is_ephemeral_salt
+from cachecore.keys import KEY_BYTES, BlockKey, BlockKeyer, is_ephemeral_salt
 from cachecore.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -49,6 +49,76 @@ class Tier(IntFlag):
 
 
 ALL_TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.REMOTE)
+
+# ------------------------------------------------------------------------ entry values
+# An index entry (replica, key) holds one small int: the key's tier bits, plus run
+# certificates that let a lookup verify a whole prefix from a few probes instead of reading
+# every key of it (docs/index.md "Entry values"):
+#
+#   bits 0-3  tiers holding the block (Tier bits)
+#   bits 4-7  "run broken" per tier: the block is on tier t but some ancestor is not
+#   bit  8    "stored run broken": some ancestor is not stored on any tier
+#
+# A chain stored whole on one tier (the common case) has no broken bit set, so its values
+# are plain tier bits. The agent's mirror knows every key's parent and keeps the bits exact
+# as blocks come and go (a change cascades to the descendants whose run it changes), so
+# "key i is in an unbroken run" is monotone along a request's chain and a binary search
+# finds where each run ends.
+
+TIER_MASK = 0xF
+BROKEN_SHIFT = 4
+STORED_BROKEN = 0x100
+MAX_ENTRY_VALUE = 0x1FF
+
+
+def run_tiers(value: int) -> int:
+    """The tiers on which the entry's block ends an unbroken run from the chain's root."""
+    return value & TIER_MASK & ~(value >> BROKEN_SHIFT)
+
+
+def in_stored_run(value: int) -> bool:
+    """Whether the block and every ancestor are stored (on some tier)."""
+    return bool(value & TIER_MASK) and not value & STORED_BROKEN
+
+
+def entry_value(tiers: int, parent: int | None) -> int:
+    """The entry value of a block on ``tiers`` whose parent's entry value is ``parent``
+    (None: the first block of a chain; 0: a parent that is not stored)."""
+    if not tiers:
+        return 0
+    if parent is None:
+        return tiers
+    value = tiers | ((tiers & ~run_tiers(parent)) << BROKEN_SHIFT)
+    if not in_stored_run(parent):
+        value |= STORED_BROKEN
+    return value
+
+
+def chain_values(tiers: Sequence[int], parent: int | None = None) -> list[int]:
+    """Entry values along one chain from the tier bits of each block (0 = not stored):
+    what the mirror writes for such a chain. Benchmarks and tests build index contents
+    with it."""
+    out: list[int] = []
+    for t in tiers:
+        value = entry_value(t, parent)
+        out.append(value)
+        parent = value
+    return out
+
+
+def check_entry_values(values: Iterable[int]) -> None:
+    """Raise ValueError unless every value is 0 (delete) or a valid entry value: tier bits
+    set, broken bits only for tiers held."""
+    vals = list(values)
+    if not vals:
+        return
+    if min(vals) < 0 or max(vals) > MAX_ENTRY_VALUE:
+        raise ValueError("entry value out of range")
+    if max(vals) > TIER_MASK:
+        for v in vals:
+            if v and (not v & TIER_MASK or (v >> BROKEN_SHIFT) & TIER_MASK & ~v):
+                raise ValueError(f"invalid entry value {v:#x}")
+
 
 _MEDIUM_TO_TIER: Mapping[str, Tier] = {
     "GPU": Tier.GPU,
@@ -161,16 +231,27 @@ class IndexWrite:
             self.seq = later.seq
 
 
-# A mirror record, the value the index persists per engine hash: our key (empty for blocks
-# we never index) then the hash's copy count per tier (GPU, CPU, DISK, REMOTE), one byte
-# each, clipped at 255.
+# A mirror record, the value the index persists per engine hash: our key and its parent's
+# key (both empty for blocks we never index; no parent for the first block of a chain),
+# then the hash's copy count per tier (GPU, CPU, DISK, REMOTE), one byte each, clipped at
+# 255. Lengths: 4 (not indexed), 20 (key), 36 (key + parent).
 _COUNT_BYTES = len(ALL_TIERS)
+_ROOT_REC = KEY_BYTES + _COUNT_BYTES
+_CHILD_REC = 2 * KEY_BYTES + _COUNT_BYTES
 _TIER_POS: Mapping[int, int] = {int(t): i for i, t in enumerate(ALL_TIERS)}
 _ONE_COPY: Mapping[int, bytes] = {
     int(t): bytes(1 if j == i else 0 for j in range(_COUNT_BYTES)) for i, t in enumerate(ALL_TIERS)
 }
 """Per tier bit: the count bytes of a hash held once, on that tier only."""
-_KEY_PART = slice(None, -_COUNT_BYTES)
+
+
+def _rec_key(rec: bytes) -> BlockKey:
+    """The record's key (b"" for a block we never index)."""
+    return rec[:KEY_BYTES] if len(rec) == _CHILD_REC else rec[:-_COUNT_BYTES]
+
+
+def _rec_parent(rec: bytes) -> BlockKey | None:
+    return rec[KEY_BYTES : 2 * KEY_BYTES] if len(rec) == _CHILD_REC else None
 
 
 def _record_tiers(rec: bytes) -> int:
@@ -193,32 +274,44 @@ class MirrorCounters:
     dropped_unknown_parent: int = 0
     dropped_other_group: int = 0  # hybrid models: only the full-attention group is indexed
     unknown_removed: int = 0
+    run_updates: int = 0  # descendants rewritten because an ancestor's run changed
 
 
 class ReplicaMirror:
     """The agent's mirror of one engine's prefix cache (one replica and DP rank).
 
-    State per engine hash: its mirror record (``_engine[h]``: our key, empty for blocks we
-    never index, then the copy count per tier, exactly what the index persists), and the
-    exact counts in ``_wide[h]`` for the rare hash of which some tier holds more than 255
-    copies (the record's bytes are clipped). vLLM does not de-duplicate blocks: two requests
-    computing the same prefix at once each cache a copy and each copy's eviction emits its
-    own BlockRemoved, so the tier holds the hash while any copy remains.
+    State per engine hash: its mirror record (``_engine[h]``: our key and its parent's key,
+    empty for blocks we never index, then the copy count per tier, exactly what the index
+    persists), and the exact counts in ``_wide[h]`` for the rare hash of which some tier
+    holds more than 255 copies (the record's bytes are clipped). vLLM does not de-duplicate
+    blocks: two requests computing the same prefix at once each cache a copy and each copy's
+    eviction emits its own BlockRemoved, so the tier holds the hash while any copy remains.
 
-    ``_by_key[k]`` is the engine hash holding key ``k`` (an int: the usual case) or the set
-    of two or more hashes holding it.
+    Per held key (a key some engine hash holds): ``_by_key[k]`` is the engine hash holding
+    it (an int: the usual case) or the set of two or more hashes; ``_parent[k]`` its
+    parent's key (absent for a chain's first block); ``_value[k]`` its index entry value
+    (tier bits and run certificates, :func:`entry_value`). ``_children[p]`` is the held
+    key, or set of held keys, whose parent is ``p`` (``p`` itself may not be held: an
+    evicted parent's children wait there for it to come back).
 
-    Invariants:
+    Invariants (``check_invariants``):
 
     * ``_by_key[k]`` is exactly the engine hashes ``h`` whose record's key is ``k``;
     * a key's tier set is the union of its engine hashes' tiers, and it is in the index iff
       that set is non-empty;
+    * ``_value[k] == entry_value(tiers(k), _value.get(parent) or 0 / None for a root)``
+      for every held key: the run certificates are exact;
+    * ``_children`` is the inverse of ``_parent``;
     * every IndexWrite returned describes the complete new state of each key it touches.
 
     Events whose blocks are all new (BlockStored) or all held once, on the event's tier
     only, by a hash that alone holds the key (BlockRemoved), the steady state of an engine,
     are applied with dict operations over the whole event (C loops); anything else goes
-    block by block. Both paths produce the same state and the same writes.
+    block by block. Both paths produce the same state and the same writes. A block whose
+    run certificate changes while it has children (a parent evicted before its child, a
+    tier copy arriving after the child's) rewrites the descendants whose runs change: rare
+    on vLLM, whose free queue evicts a request's blocks tail first and never frees a parent
+    before its children.
     """
 
     def __init__(self, keyer: BlockKeyer, model: str, group_idx: int | None = None) -> None:
@@ -228,6 +321,9 @@ class ReplicaMirror:
         self._engine: dict[int, bytes] = {}
         self._wide: dict[int, list[int]] = {}
         self._by_key: dict[BlockKey, int | set[int]] = {}
+        self._parent: dict[BlockKey, BlockKey] = {}
+        self._children: dict[BlockKey, BlockKey | set[BlockKey]] = {}
+        self._value: dict[BlockKey, int] = {}
         self.counters = MirrorCounters()
 
     # ---- queries
@@ -245,12 +341,16 @@ class ReplicaMirror:
             out |= _record_tiers(self._engine[h])
         return out
 
+    def key_value(self, key: BlockKey) -> int:
+        """The key's index entry value (0: not held)."""
+        return self._value.get(key, 0)
+
     def state_of(self, key: BlockKey) -> BlockState:
         return BlockState.STORED if self.key_tiers(key) else BlockState.ABSENT
 
     def blocks(self) -> dict[BlockKey, int]:
-        """Every indexed key and its tiers: what the index must hold for this replica."""
-        return {k: t for k in self._by_key if (t := self.key_tiers(k))}
+        """Every indexed key and its entry value: what the index must hold for this replica."""
+        return dict(self._value)
 
     def engine_hashes(self) -> set[int]:
         return {h for h, rec in self._engine.items() if _record_tiers(rec)}
@@ -258,19 +358,61 @@ class ReplicaMirror:
     def snapshot(self) -> dict[int, bytes]:
         return dict(self._engine)
 
+    def check_invariants(self) -> None:
+        """Assert the documented invariants (tests)."""
+        holders: dict[BlockKey, set[int]] = {}
+        for h, rec in self._engine.items():
+            k = _rec_key(rec)
+            if k:
+                holders.setdefault(k, set()).add(h)
+        got = {k: ({v} if isinstance(v, int) else set(v)) for k, v in self._by_key.items()}
+        assert got == holders, "by_key"
+        assert set(self._value) == set(self._by_key), "value keys"
+        for k in self._by_key:
+            p = self._parent.get(k)
+            want = entry_value(self.key_tiers(k), None if p is None else self._value.get(p, 0))
+            assert self._value[k] == want, (k.hex(), self._value[k], want)
+        inverse: dict[BlockKey, set[BlockKey]] = {}
+        for c, p in self._parent.items():
+            inverse.setdefault(p, set()).add(c)
+        kids = {p: ({v} if isinstance(v, bytes) else set(v)) for p, v in self._children.items()}
+        assert kids == inverse, "children"
+        assert set(self._parent) <= set(self._by_key), "parent of an unheld key"
+
     # ---- restore
     def restore(self, records: Mapping[int, bytes]) -> None:
-        self._engine.clear()
-        self._wide.clear()
-        self._by_key.clear()
+        self._reset()
+        parents: dict[BlockKey, BlockKey] = {}
         for h, raw in records.items():
             if len(raw) < _COUNT_BYTES:
                 raise ValueError(f"mirror record of {len(raw)} bytes")
             rec = bytes(raw)
             self._engine[h] = rec
-            key = rec[_KEY_PART]
+            key = _rec_key(rec)
             if key:
                 self._hold(key, h)
+                parent = _rec_parent(rec)
+                if parent is not None:
+                    parents[key] = parent
+        for key, parent in parents.items():
+            self._link(key, parent)
+        self._recompute_values()
+
+    def _recompute_values(self) -> None:
+        """Every held key's entry value, parents before children (restore)."""
+        value, parent, held = self._value, self._parent, self._by_key
+        value.clear()
+        for k in held:
+            if k in value:
+                continue
+            path: list[BlockKey] = []
+            x: BlockKey | None = k
+            while x is not None and x not in value and x in held and len(path) <= len(held):
+                path.append(x)
+                x = parent.get(x)
+            for y in reversed(path):
+                p = parent.get(y)
+                value[y] = entry_value(self.key_tiers(y), None if p is None else value.get(p, 0))
 
     # ---- events
     def apply(self, events: Iterable[KVEvent]) -> tuple[IndexWrite, bool]:
@@ -290,10 +432,16 @@ class ReplicaMirror:
         return write, cleared
 
     def clear(self) -> None:
+        self._reset()
+        self.counters.cleared += 1
+
+    def _reset(self) -> None:
         self._engine.clear()
         self._wide.clear()
         self._by_key.clear()
-        self.counters.cleared += 1
+        self._parent.clear()
+        self._children.clear()
+        self._value.clear()
 
     def _wanted_group(self, group_idx: int | None) -> bool:
         return self.group_idx is None or group_idx is None or group_idx == self.group_idx
@@ -303,37 +451,120 @@ class ReplicaMirror:
         wide = self._wide.get(h)
         return list(wide) if wide is not None else list(rec[-_COUNT_BYTES:])
 
-    def _put(self, h: int, key: BlockKey | None, counts: list[int]) -> bytes:
+    def _put(
+        self, h: int, key: BlockKey | None, parent: BlockKey | None, counts: list[int]
+    ) -> bytes:
         if max(counts) > 255:
             self._wide[h] = counts
             tail = bytes(min(c, 255) for c in counts)
         else:
             self._wide.pop(h, None)
             tail = bytes(counts)
-        rec = self._engine[h] = (key or b"") + tail
+        head = b"" if key is None else key + (parent or b"")
+        rec = self._engine[h] = head + tail
         return rec
 
-    def _hold(self, key: BlockKey, h: int) -> None:
+    def _hold(self, key: BlockKey, h: int) -> bool:
+        """Add ``h`` to the holders of ``key``; True if ``key`` was not held before."""
         holders = self._by_key.get(key)
         if holders is None:
             self._by_key[key] = h
-        elif isinstance(holders, int):
+            return True
+        if isinstance(holders, int):
             if holders != h:
                 self._by_key[key] = {holders, h}
         else:
             holders.add(h)
+        return False
 
-    def _release(self, key: BlockKey, h: int) -> None:
+    def _release(self, key: BlockKey, h: int) -> bool:
+        """Remove ``h`` from the holders of ``key``; True if ``key`` is no longer held."""
         holders = self._by_key.get(key)
         if holders is None:
-            return
+            return False
         if isinstance(holders, int):
             if holders == h:
                 del self._by_key[key]
-            return
+                return True
+            return False
         holders.discard(h)
         if len(holders) == 1:
             self._by_key[key] = next(iter(holders))
+        return False
+
+    # ---- the key tree (parents, children) and entry values
+    def _link(self, key: BlockKey, parent: BlockKey) -> None:
+        self._parent[key] = parent
+        kids = self._children.get(parent)
+        if kids is None:
+            self._children[parent] = key
+        elif isinstance(kids, bytes):
+            if kids != key:
+                self._children[parent] = {kids, key}
+        else:
+            kids.add(key)
+
+    def _unlink(self, key: BlockKey) -> None:
+        """``key`` is no longer held: forget its link to its parent (its own children keep
+        waiting under it). Its value goes in :meth:`_settle`, which needs the old one."""
+        parent = self._parent.pop(key, None)
+        if parent is None:
+            return
+        kids = self._children.get(parent)
+        if kids is None:
+            return
+        if isinstance(kids, bytes):
+            if kids == key:
+                del self._children[parent]
+            return
+        kids.discard(key)
+        if len(kids) == 1:
+            self._children[parent] = next(iter(kids))
+
+    def _kids(self, key: BlockKey) -> tuple[BlockKey, ...] | set[BlockKey]:
+        kids = self._children.get(key)
+        if kids is None:
+            return ()
+        return (kids,) if isinstance(kids, bytes) else set(kids)
+
+    def _settle(self, touched: Iterable[BlockKey], write: IndexWrite) -> None:
+        """Recompute the entry value of every touched key (each goes into ``write``), then
+        of the descendants of any key whose run certificate changed."""
+        value, parent = self._value, self._parent
+        work: list[BlockKey] = []
+        for k in touched:
+            old = value.get(k, 0)
+            new = self._fresh_value(k)
+            write.blocks[k] = new
+            if new:
+                value[k] = new
+            else:
+                value.pop(k, None)
+            if (run_tiers(old), in_stored_run(old)) != (run_tiers(new), in_stored_run(new)):
+                work.extend(self._kids(k))
+        i = 0
+        while i < len(work):
+            k = work[i]
+            i += 1
+            if k not in self._by_key:
+                continue
+            old = value[k]
+            p = parent.get(k)
+            new = entry_value(self.key_tiers(k), None if p is None else value.get(p, 0))
+            if new == old:
+                continue
+            value[k] = new
+            write.blocks[k] = new
+            self.counters.run_updates += 1
+            if (run_tiers(old), in_stored_run(old)) != (run_tiers(new), in_stored_run(new)):
+                work.extend(self._kids(k))
+
+    def _fresh_value(self, key: BlockKey) -> int:
+        tiers = self.key_tiers(key)
+        if not tiers:
+            return 0
+        p = self._parent.get(key)
+        return entry_value(tiers, None if p is None else self._value.get(p, 0))
 
     # ---- events, per kind
     def _stored(self, ev: BlockStored, write: IndexWrite) -> None:
@@ -359,7 +590,7 @@ class ReplicaMirror:
             if parent is None:
                 self.counters.dropped_unknown_parent += n
                 return
-            parent_key = parent[_KEY_PART] or None
+            parent_key = _rec_key(parent) or None
             if parent_key is None:
                 # child of an unscoped or ephemeral block: inherit its fate
                 index_it = False
@@ -371,7 +602,7 @@ class ReplicaMirror:
                 engine.update(new)
                 write.mirror.update(new)
                 return
-            self._stored_blocks(hashes, [None] * n, tier, write)
+            self._stored_blocks(hashes, [None] * n, None, tier, write)
             return
         keys = self.keyer.chain(parent_key, ev.token_ids, salt, self.model, ev.lora_name)
         if len(keys) != n:
@@ -381,39 +612,65 @@ class ReplicaMirror:
         if (
             engine.keys().isdisjoint(hashes)
             and by_key.keys().isdisjoint(keys)
+            and self._children.keys().isdisjoint(keys)
             and len(set(hashes)) == n
             and len(set(keys)) == n
         ):
-            recs = list(map(bytes.__add__, keys, repeat(tail)))
+            # a new branch: every block on this tier only, no child waiting under any of
+            # them, so each block's entry value is the first one's (see entry_value)
+            parents = [parent_key or b"", *keys[:-1]]
+            heads = list(map(bytes.__add__, keys, parents))
+            recs = list(map(bytes.__add__, heads, repeat(tail)))
             engine.update(zip(hashes, recs, strict=True))
             write.mirror.update(zip(hashes, recs, strict=True))
             by_key.update(zip(keys, hashes, strict=True))
-            write.blocks.update(dict.fromkeys(keys, tier))
+            if parent_key is None:
+                value = tier
+            else:
+                value = entry_value(tier, self._value.get(parent_key, 0))
+                self._link(keys[0], parent_key)
+            self._parent.update(zip(keys[1:], keys, strict=False))
+            self._children.update(pairwise(keys))
+            values = dict.fromkeys(keys, value)
+            self._value.update(values)
+            write.blocks.update(values)
             self.counters.stored_blocks += n
             return
-        self._stored_blocks(hashes, keys, tier, write)
+        self._stored_blocks(hashes, keys, parent_key, tier, write)
 
     def _stored_blocks(
-        self, hashes: list[int], keys: Sequence[BlockKey | None], tier: int, write: IndexWrite
+        self,
+        hashes: list[int],
+        keys: Sequence[BlockKey | None],
+        parent_key: BlockKey | None,
+        tier: int,
+        write: IndexWrite,
     ) -> None:
         pos = _TIER_POS[tier]
         engine = self._engine
+        touched: list[BlockKey] = []
+        parent = parent_key
         for h, k in zip(hashes, keys, strict=True):
             rec = engine.get(h)
             if rec is None:
                 counts = [0] * _COUNT_BYTES
-            elif (rec[_KEY_PART] or None) != k:
+            elif (_rec_key(rec) or None) != k:
                 # the engine reused a hash for different content: the newer claim wins
-                self._forget(h, write)
+                old_key = self._forget(h, write)
+                if old_key is not None:
+                    touched.append(old_key)
                 counts = [0] * _COUNT_BYTES
             else:
                 counts = self._counts(h, rec)
             counts[pos] += 1
-            write.mirror[h] = self._put(h, k, counts)
+            write.mirror[h] = self._put(h, k, parent, counts)
             if k is not None:
-                self._hold(k, h)
-                write.blocks[k] = self.key_tiers(k)
+                if self._hold(k, h) and parent is not None:
+                    self._link(k, parent)
+                touched.append(k)
                 self.counters.stored_blocks += 1
+            parent = k
+        self._settle(touched, write)
 
     def _removed(self, ev: BlockRemoved, write: IndexWrite) -> None:
         if not self._wanted_group(ev.group_idx):
@@ -428,20 +685,29 @@ class ReplicaMirror:
         recs = cast("list[bytes]", found) if ok else []
         if recs and all(map(bytes.endswith, recs, repeat(tail))):
             # every hash held once, on this tier only: each removal forgets its hash
-            keys = [rec[:-_COUNT_BYTES] for rec in recs]
+            keys = list(map(_rec_key, recs))
             if recs.count(tail) == n or list(map(self._by_key.get, keys)) == hashes:
                 # ... and each key is empty (never indexed) or held by that hash alone
                 for h in hashes:
                     del engine[h]
                 by_key = self._by_key
+                orphaned: list[BlockKey] = []
+                children = self._children
                 for k in keys:
                     if k:
                         del by_key[k]
+                        self._value.pop(k, None)
+                        self._unlink(k)
+                        if k in children:  # a parent before its children: rare on vLLM
+                            orphaned.extend(self._kids(k))
                 write.mirror.update(dict.fromkeys(hashes))
                 write.blocks.update(dict.fromkeys(filter(None, keys), 0))
                 self.counters.removed_blocks += n
+                if orphaned:
+                    self._settle_descendants(orphaned, write)
                 return
         pos = _TIER_POS[tier]
+        touched: list[BlockKey] = []
         for h in hashes:
             rec = engine.get(h)
             if rec is None or rec[len(rec) - _COUNT_BYTES + pos] == 0:
@@ -450,19 +716,29 @@ class ReplicaMirror:
             counts = self._counts(h, rec)
             counts[pos] -= 1
             if any(counts):
-                key = rec[_KEY_PART] or None
-                write.mirror[h] = self._put(h, key, counts)
+                key = _rec_key(rec) or None
+                write.mirror[h] = self._put(h, key, _rec_parent(rec), counts)
                 if key is not None:
-                    write.blocks[key] = self.key_tiers(key)
+                    touched.append(key)
             else:
-                self._forget(h, write)
+                old_key = self._forget(h, write)
+                if old_key is not None:
+                    touched.append(old_key)
             self.counters.removed_blocks += 1
+        self._settle(touched, write)
 
-    def _forget(self, h: int, write: IndexWrite) -> None:
+    def _settle_descendants(self, keys: list[BlockKey], write: IndexWrite) -> None:
+        """Recompute held ``keys`` whose parent changed (they are not in ``write`` yet)."""
+        self._settle([k for k in dict.fromkeys(keys) if k in self._by_key], write)
+
+    def _forget(self, h: int, write: IndexWrite) -> BlockKey | None:
+        """Drop engine hash ``h``; returns its key (to settle) if it had one."""
         rec = self._engine.pop(h)
         self._wide.pop(h, None)
         write.mirror[h] = None
-        key = rec[_KEY_PART]
-        if key:
-            self._release(key, h)
-            write.blocks[key] = self.key_tiers(key)
+        key = _rec_key(rec)
+        if not key:
+            return None
+        if self._release(key, h):
+            self._unlink(key)
+        return key

@@ -21,7 +21,7 @@ from cachecore.index.layout import InvalidReplicaIdError, KeyLayout
 from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKeyer
-from cachecore.lifecycle import IndexWrite, Tier
+from cachecore.lifecycle import IndexWrite, Tier, chain_values
 from cachecore.testing import RedisServer, free_port
 
 G, C, D, R = int(Tier.GPU), int(Tier.CPU), int(Tier.DISK), int(Tier.REMOTE)
@@ -53,9 +53,10 @@ def tiers(m: object) -> tuple[int, int, int, int]:
 async def test_lookup_per_tier_stored_and_pending(index: PrefixIndex) -> None:
     await live(index, "a", "b")
     bits = [G | C] * 3 + [G] * 2 + [C] + [0, 0] + [G]
-    write = IndexWrite({k: b for k, b in zip(KEYS, bits, strict=False) if b})
+    values = chain_values(bits)  # what the agent's mirror writes for this chain
+    write = IndexWrite({k: v for k, v in zip(KEYS, values, strict=False) if v})
     await index.apply("a", 0, write, 10)
-    await index.add_pending("a", [KEYS[6]], 100, 10)
+    await index.add_pending("a", KEYS[:7], 100, 10)  # a request's keys: a root path
     res = await index.lookup(KEYS[:12], ["a", "b"], 50)
     a = res["a"]
     # per tier: GPU 5, CPU 3 (key 3 has no CPU), DISK/REMOTE 0
@@ -63,8 +64,7 @@ async def test_lookup_per_tier_stored_and_pending(index: PrefixIndex) -> None:
     assert a.stored_blocks == 6 and a.pending_blocks == 7 and a.state == ReplicaState.LIVE
     assert a.gpu_blocks == 5
     # the shared scan gives the same answer
-    pend = [False] * 12
-    pend[6] = True
+    pend = [i < 7 for i in range(12)]
     ref = longest_prefix([*bits, 0, 0, 0], pend)
     assert (tuple(ref[0].values()), ref[1], ref[2]) == (tiers(a), 6, 7)
     assert res["b"].stored_blocks == 0 and res["b"].pending_blocks == 0
@@ -256,7 +256,9 @@ async def test_redis_lookup_is_one_round_trip(redis_url: str) -> None:
         delta = {k: v for k, v in delta.items() if v and k != "info"}
         # exactly one top-level command; the rest ran inside the script
         assert delta.pop("evalsha_ro") == 1
-        assert set(delta) <= {"hmget", "zmscore", "exists"}
+        assert set(delta) <= {"hmget", "hget", "zscore"}
+        # the binary search reads O(log n) keys per replica, not the whole prefix
+        assert delta.get("hget", 0) + delta.get("zscore", 0) <= 16 * 2 * 8
         assert [res[r].stored_blocks for r in replicas] == [4 * i for i in range(16)]
         assert [res[r].pending_blocks for r in replicas] == [4 * i + 2 for i in range(16)]
     finally:

@@ -6,24 +6,32 @@ hold no lifecycle logic of their own. Stored entries change only through
 :class:`~cachecore.lifecycle.ReplicaMirror`; pending entries only through
 :meth:`PrefixIndex.add_pending`, written by the gateway at dispatch.
 
-Lookup semantics (identical in every backend; a property test holds them to it). For each
-requested replica, over the request's chained keys ``k_0 .. k_{n-1}``:
+Lookup semantics (identical in every backend; a property test holds them to it). An entry's
+value carries its tier bits and run certificates (:func:`cachecore.lifecycle.entry_value`):
+whether the block ends an unbroken run from the chain's root on each tier, and on any tier.
+For each requested replica, over the request's chained keys ``k_0 .. k_{n-1}``:
 
-* ``tier_blocks[t]``: length of the longest prefix whose every key is stored on tier ``t``;
-* ``stored_blocks``: longest prefix whose every key is stored on at least one tier;
-* ``pending_blocks``: longest prefix whose every key is stored or pending (expiry > now);
+* ``stored_blocks``: the end of the stored run: the first ``i`` whose entry is not in an
+  unbroken stored run (:func:`~cachecore.lifecycle.in_stored_run`);
+* ``tier_blocks[t]``: the end of tier ``t``'s run within it;
+* ``pending_blocks``: the stored run extended by the pending (unexpired) keys after it;
 * a replica whose state is not ``live`` or ``cold`` answers zeros, with its state.
+
+Each end is found by the binary search :func:`run_end`, from O(log n) probes. The answers are
+exact (equal to :func:`longest_prefix` over the tier bits) when the certificates are, which the
+agent's mirror guarantees, and when pending keys are written as whole chains from the root (a
+request's keys), which keeps expiries non-increasing along every chain.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from cachecore.keys import BlockKey
-from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier
+from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier, in_stored_run, run_tiers
 
 
 class ReplicaState(StrEnum):
@@ -132,27 +140,67 @@ class PrefixIndex(Protocol):
     async def close(self) -> None: ...
 
 
+def run_end(ok: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The first ``i`` in ``[lo, hi]`` with ``not ok(i)`` (``hi`` if none), for a predicate
+    that holds below some point and fails from there on, ``ok`` assumed true below ``lo``.
+    Probes ``lo``, then ``hi - 1``, then bisects: a run that is empty or complete costs one or
+    two probes, any other O(log n). The Redis lookup script runs the same steps."""
+    if lo >= hi or not ok(lo):
+        return lo
+    if ok(hi - 1):
+        return hi
+    lo, hi = lo + 1, hi - 1  # ok(lo - 1) holds, ok(hi) fails: the end is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def search_prefix(
+    value_at: Callable[[int], int], expiry_at: Callable[[int], int], n: int, now_ms: int
+) -> tuple[dict[Tier, int], int, int]:
+    """The lookup of one replica over ``n`` keys: ``value_at(i)`` is key i's entry value
+    (0: absent), ``expiry_at(i)`` its pending expiry (0: none). Returns (tier lengths,
+    stored length, pending length)."""
+    seen: dict[int, int] = {}
+
+    def value(i: int) -> int:
+        v = seen.get(i)
+        if v is None:
+            v = seen[i] = value_at(i)
+        return v
+
+    def on_tier_run(bit: int) -> Callable[[int], bool]:
+        return lambda i: bool(run_tiers(value(i)) & bit)
+
+    stored = run_end(lambda i: in_stored_run(value(i)), 0, n)
+    tiers = {t: run_end(on_tier_run(int(t)), 0, stored) for t in ALL_TIERS}
+    pending = run_end(lambda i: expiry_at(i) > now_ms, stored, n)
+    return tiers, stored, pending
+
+
 def longest_prefix(
     stored: Sequence[int], pending: Sequence[bool]
 ) -> tuple[dict[Tier, int], int, int]:
-    """Shared scan: ``stored[i]`` is key i's tier bits (0 = not stored), ``pending[i]``
-    whether it is pending and unexpired. Used by every backend that scans on the client."""
-    tier_len = dict.fromkeys(ALL_TIERS, 0)
-    open_tiers = set(ALL_TIERS)
-    stored_len = pending_len = 0
-    stored_open = True
-    for i, bits in enumerate(stored):
-        if bits == 0 and not pending[i]:
-            break
-        pending_len = i + 1
-        if stored_open:
-            if bits:
-                stored_len = i + 1
-            else:
-                stored_open = False
-        for t in list(open_tiers):
-            if bits & int(t):
-                tier_len[t] = i + 1
-            else:
-                open_tiers.discard(t)
+    """The exact definition the search answers when certificates are exact: ``stored[i]``
+    is key i's tier bits (0 = not stored), ``pending[i]`` whether it is pending and
+    unexpired. Tier and stored lengths are longest prefixes held; the pending length
+    extends the stored one through the pending keys that follow it. Tests compare the
+    backends with it."""
+    n = len(stored)
+    tier_len: dict[Tier, int] = {}
+    for t in ALL_TIERS:
+        end = 0
+        while end < n and stored[end] & int(t):
+            end += 1
+        tier_len[t] = end
+    stored_len = 0
+    while stored_len < n and stored[stored_len]:
+        stored_len += 1
+    pending_len = stored_len
+    while pending_len < n and pending[pending_len]:
+        pending_len += 1
     return tier_len, stored_len, pending_len

@@ -2,19 +2,19 @@
 
 Structure (per replica, one :class:`_Replica`)::
 
-    blocks   OrderedDict  block key -> tier bits       (current epoch; LRU order, oldest first)
+    blocks   OrderedDict  block key -> entry value     (current epoch; LRU order, oldest first)
     mirror   dict         engine hash -> mirror record (current epoch; the agent's persistence)
     pending  _Pending     block key -> expiry ms       (current epoch; gateway-owned)
 
-Lookup walks the request's keys once per routable replica and stops at the first key that
-is neither stored nor pending there, so its cost is O(matched prefix) per replica, and a
-replica that holds nothing of the prompt costs one dict probe.
+Lookup runs the shared binary search (:func:`cachecore.index.base.search_prefix`) per
+routable replica over the entry values' run certificates: O(log n) dict probes per replica,
+and a replica that holds nothing of the prompt costs one.
 
 Invariants (checked by :meth:`MemoryIndex.check_invariants` in tests):
 
 * ``_n_blocks == sum(len(r.blocks)) + graveyard entries``, and after every public call
   ``_n_blocks <= max_entries``;
-* every stored value is a non-zero tier bit set (0 means "delete", never stored);
+* every stored value is a valid non-zero entry value (0 means "delete", never stored);
 * ``pending._expiry`` holds exactly the unexpired-or-not-yet-trimmed entries, and every one of
   them has a heap item ``(expiry, key)`` (stale heap items are skipped lazily).
 
@@ -22,7 +22,10 @@ Clearing a replica is O(1): it bumps the epoch and moves the old epoch's contain
 graveyard that later calls free in bounded steps (freeing a million-entry dict at once would
 stall the event loop for tens of milliseconds). Memory bound: at most ``max_entries`` stored
 (replica, key) entries; when exceeded, the replica holding the most entries loses its least
-recently used ones (LRU within a replica, so one busy replica cannot flush the others).
+recently used ones (LRU within a replica, so one busy replica cannot flush the others). Such
+an eviction does not rewrite the certificates of the evicted entries' descendants (the index
+does not know the chain), so a lookup may then count a prefix through a key evicted here;
+recency order makes that rare, because a chain loses its tail first.
 Recency is what the engine's own LRU sees: an entry is touched when the engine stores it
 (apply) and when the gateway routes a request over it (add_pending), parents after children
 so a chain is evicted from its tail, as vLLM does.
@@ -38,7 +41,6 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 from cachecore.index.base import (
@@ -49,29 +51,26 @@ from cachecore.index.base import (
     ReplicaState,
     StaleEpochError,
     empty_match,
+    search_prefix,
 )
 from cachecore.index.layout import validate_replica_id
 from cachecore.keys import BlockKey
-from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier
+from cachecore.lifecycle import IndexWrite, check_entry_values
 
 DEFAULT_MAX_ENTRIES = 2_000_000
 DEFAULT_MAX_PENDING_PER_REPLICA = 262_144
 _GRAVEYARD_STEP = 4096  # entries freed per mutating call
-_FIRST_CHUNK = 8  # keys probed before knowing whether a replica holds the prompt at all
-_ALL_BITS = 0
-for _t in ALL_TIERS:
-    _ALL_BITS |= int(_t)
-del _t
-_TIER_BITS: tuple[tuple[Tier, int], ...] = tuple((t, int(t)) for t in ALL_TIERS)
 
 
 _EMPTY_LIVE = empty_match(ReplicaState.LIVE)
 
 
 class _Pending:
-    """Pending block keys of one replica and epoch, with Redis sorted-set semantics: adding
-    keeps the later expiry (``ZADD GT``), expired entries are trimmed on write, and when over
-    ``cap`` the entries with the lowest (expiry, key) go first (a zset's order)."""
+    """Pending block keys of one replica and epoch, with the Redis backend's sorted-set
+    semantics: adding keeps the later expiry (``ZADD GT``), expired entries are trimmed on
+    write, and when over ``cap`` the entries with the lowest expiries go, every entry of the
+    cut-off expiry with them (``ZREMRANGEBYSCORE`` up to it): trimming never splits a
+    request's keys, which share one expiry, so expiries stay non-increasing along a chain."""
 
     __slots__ = ("_expiry", "_heap")
 
@@ -93,15 +92,17 @@ class _Pending:
             if old is None or expiry > old:
                 exp[k] = expiry
                 heapq.heappush(heap, (expiry, k))
-        # Trim in (expiry, key) order: expired entries first, then the lowest while over
-        # the cap, exactly what ZREMRANGEBYSCORE + ZREMRANGEBYRANK do to a zset.
+        # Trim in expiry order: expired entries, then the lowest expiries while over the
+        # cap, and with the last one trimmed every entry sharing its expiry.
+        cut = now_ms
         while heap:
             e, k = heap[0]
             if exp.get(k) != e:  # stale item: the key was extended or removed since
                 heapq.heappop(heap)
-            elif e <= now_ms or len(exp) > cap:
+            elif e <= cut or len(exp) > cap:
                 heapq.heappop(heap)
                 del exp[k]
+                cut = max(cut, e)
             else:
                 break
         if len(heap) > 2 * len(exp) + 1024:  # too many stale items: rebuild
@@ -129,68 +130,25 @@ class _Replica:
         )
 
 
-def check_tier_bits(write: IndexWrite) -> None:
-    """Every value of ``write.blocks`` must be a tier set (0 deletes); checked before any
-    change so a bad write changes nothing."""
+def check_write_values(write: IndexWrite) -> None:
+    """Every value of ``write.blocks`` must be an entry value (0 deletes;
+    :func:`cachecore.lifecycle.check_entry_values`); checked before any change so a bad
+    write changes nothing."""
     if write.blocks:
-        vals = write.blocks.values()
-        if min(vals) < 0 or max(vals) > _ALL_BITS:
-            raise ValueError("tier bits out of range")
+        check_entry_values(write.blocks.values())
 
 
-def scan_replica(
-    blocks: dict[BlockKey, int], pending: _Pending, keys: Sequence[BlockKey], now_ms: int
-) -> tuple[dict[Tier, int], int, int]:
-    """The lookup semantics of :func:`cachecore.index.base.longest_prefix`, fused with the
-    probes and stopping at the first key neither stored nor pending (hence O(prefix)).
+def _search(rep: _Replica, keys: Sequence[BlockKey], now_ms: int) -> PrefixMatch:
+    blocks, pending = rep.blocks, rep.pending
 
-    Keys are probed in chunks growing 4x, each chunk at C speed (``bytes(map(get, ...))``:
-    tier bits fit a byte), and runs of equal tier bits are skipped with ``lstrip``, so a
-    long hit costs about one dict probe per key and a miss costs one small chunk."""
-    get = blocks.get
-    open_bits = _ALL_BITS
-    tier_len = dict.fromkeys(ALL_TIERS, 0)
-    n = len(keys)
-    stored_len = -1
-    pending_len = n
-    i = 0
-    chunk = _FIRST_CHUNK
-    while i < n:
-        j = min(n, i + chunk)
-        vals = bytes(map(get, keys[i:j], repeat(0, j - i)))
-        m = j - i
-        p = 0
-        while p < m:
-            b = vals[p]
-            if b and b & open_bits == open_bits:  # the common case: a run of equal tiers
-                rest = vals[p:]
-                p += m - p - len(rest.lstrip(rest[:1]))
-                continue
-            at = i + p
-            if open_bits:
-                for t, tb in _TIER_BITS:
-                    if open_bits & tb and not b & tb:
-                        tier_len[t] = at
-                open_bits &= b
-            if b == 0:
-                if stored_len < 0:
-                    stored_len = at
-                if pending.get(keys[at]) <= now_ms:
-                    pending_len = at
-                    n = -1  # done
-                    break
-            p += 1
-        if n < 0:
-            break
-        i = j
-        chunk *= 4
-    n = len(keys)
-    if stored_len < 0:
-        stored_len = n
-    for t, tb in _TIER_BITS:
-        if open_bits & tb:
-            tier_len[t] = n
-    return tier_len, stored_len, pending_len
+    def value_at(i: int) -> int:
+        return blocks.get(keys[i], 0)
+
+    def expiry_at(i: int) -> int:
+        return pending.get(keys[i])
+
+    tiers, stored, pend = search_prefix(value_at, expiry_at, len(keys), now_ms)
+    return PrefixMatch(tiers, stored, pend, rep.state)
 
 
 class MemoryIndex:
@@ -279,8 +237,7 @@ class MemoryIndex:
                 # pending here, so nothing matches (shared immutable empty answer)
                 out[rid] = _EMPTY_LIVE if rep.state is ReplicaState.LIVE else empty_match(rep.state)
                 continue
-            tiers, stored, pending = scan_replica(rep.blocks, rep.pending, keys, now_ms)
-            out[rid] = PrefixMatch(tiers, stored, pending, rep.state)
+            out[rid] = _search(rep, keys, now_ms)
         return out
 
     async def add_pending(
@@ -298,7 +255,7 @@ class MemoryIndex:
         rep = self._rep(replica)
         if epoch != rep.epoch:
             raise StaleEpochError(f"replica {replica}: epoch {epoch} != current {rep.epoch}")
-        check_tier_bits(write)
+        check_write_values(write)
         blocks = rep.blocks
         added = 0
         for k, bits in reversed(write.blocks.items()):

@@ -1,7 +1,7 @@
 """The production prefix index on Redis (standalone or Cluster), via server-side Lua.
 
 Key layout: :mod:`cachecore.index.layout` (documented in ``docs/index.md``). Requirements:
-Redis >= 7.0 (``ZMSCORE`` needs 6.2; script flags and the ``%R~``/``%RW~`` ACL selectors
+Redis >= 7.0 (script flags and the ``%R~``/``%RW~`` ACL selectors
 need 7.0) and ``maxmemory-policy noeviction`` (or a ``volatile-*`` policy: only TTL'd soft
 state may ever be evicted, never a meta, block or mirror hash).
 
@@ -9,9 +9,9 @@ Round trips:
 
 * :meth:`RedisIndex.lookup`: ONE ``EVALSHA`` for all replicas on standalone Redis; on
   Cluster one per shard, sent concurrently. The script reads each replica's meta (epoch,
-  state), scans its current-epoch block hash with chunked ``HMGET`` (chunks grow 4x from
-  ``first_chunk`` to ``max_chunk``), consults the pending zset with ``ZMSCORE`` only once a
-  key is not stored, and stops at the first key that is neither;
+  state), then finds the end of the stored run, of each tier's run and of the pending keys
+  after them by binary search over the entries' run certificates (``HGET``/``ZSCORE`` per
+  probe, O(log n) per replica; the steps of :func:`cachecore.index.base.search_prefix`);
 * :meth:`RedisIndex.apply`: one ``EVALSHA`` per write (a write of more than
   ``max_write_fields`` entries is split, and the parts pipelined in one round trip), which
   checks the epoch and applies the block and mirror changes and ``last_seq`` atomically;
@@ -54,7 +54,7 @@ from cachecore.index.layout import (
     engine_hash_from_field,
     group_by_shard,
 )
-from cachecore.index.memory import check_tier_bits
+from cachecore.index.memory import check_write_values
 from cachecore.keys import KEY_BYTES, BlockKey
 from cachecore.lifecycle import IndexWrite, Tier
 
@@ -77,32 +77,39 @@ RedisClient = aioredis.Redis | RedisCluster
 # Scripts derive the b:/m:/gw:p: key names from the meta key (":meta" is 4 chars) and the
 # epoch they read, so that no caller can pass a stale epoch's key name.
 
-# KEYS: one meta key per replica. ARGV: now_ms, first chunk, max chunk, the request's block
-# keys concatenated (16 bytes each: one argument, so the client encodes one blob, not n).
+# KEYS: one meta key per replica. ARGV: now_ms, the request's block keys concatenated (16
+# bytes each: one argument, so the client encodes one blob, not n).
 #
-# Cost model (measured, docs/benchmarks.md "Index"): almost all of a lookup is per key read
-# (argument conversion, the hash probe, the reply's conversion to Lua: ~0.3-0.7 us here),
-# so the script reads as few keys as it can: each replica's stored run in HMGET chunks
-# growing 4x from ``first chunk``; then, from the first key not stored, the pending zset in
-# ZMSCORE chunks growing 4x from ONE key (most first misses are not pending either, and
-# reading the rest of a 512-key chunk there was a third of the script's time); a key past
-# the stored run that is not pending is looked up in the block hash (from the values
-# already read when it lies in the last chunk). Keys are split out of the blob lazily, once
-# per lookup, only as far as some replica needs them.
+# The same steps as cachecore.index.base.search_prefix / run_end, so both backends answer
+# alike even on inconsistent data: per replica, the end of the stored run (entries whose
+# "stored run broken" bit is clear), each tier's run within it, then the pending keys after
+# it, each end found by probing the run's first key, its last, then bisecting. Almost all
+# of a lookup's cost is per Redis call the script issues (~1 us each here), so a replica
+# that holds nothing costs three (meta, first key, its pending score), a complete hit three,
+# a partial one O(log n). Probed values are cached per replica.
 LOOKUP_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
 local now = tonumber(ARGV[1])
-local chunk0 = tonumber(ARGV[2])
-local max_chunk = tonumber(ARGV[3])
-local blob = ARGV[4]
+local blob = ARGV[2]
 local n = math.floor(#blob / 16)
-local call, unpack, sub, band = redis.call, unpack, string.sub, bit.band
-local ks = {}
-local split = 0
-local function need(j)
-  while split < j do
-    split = split + 1
-    ks[split] = sub(blob, 16 * split - 15, 16 * split)
+local call, sub, band, bnot, rshift = redis.call, string.sub, bit.band, bit.bnot, bit.rshift
+local keys = {}
+local function key(i)  -- 0-based
+  local k = keys[i]
+  if k == nil then
+    k = sub(blob, 16 * i + 1, 16 * i + 16)
+    keys[i] = k
   end
+  return k
+end
+local function run_end(ok, lo, hi)
+  if lo >= hi or not ok(lo) then return lo end
+  if ok(hi - 1) then return hi end
+  lo, hi = lo + 1, hi - 1
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if ok(mid) then lo = mid + 1 else hi = mid end
+  end
+  return lo
 end
 local out = {}
 for r = 1, #KEYS do
@@ -115,88 +122,38 @@ for r = 1, #KEYS do
     local base = sub(meta, 1, -5)
     local epoch = m[1] or '0'
     local bkey = base .. 'b:' .. epoch
-    -- 1. the stored run: per-tier lengths while tiers stay open
-    local open = 15
-    local fast = nil  -- a value string known to carry every still-open tier (never false)
-    local t1, t2, t3, t4 = n, n, n, n
-    local stored = n
-    local i = 0
-    local chunk = chunk0
-    local vals, va, vb = nil, 0, 0  -- the last HMGET reply, for keys va .. vb - 1
-    while i < n do
-      local j = i + chunk
-      if j > n then j = n end
-      need(j)
-      vals = call('HMGET', bkey, unpack(ks, i + 1, j))
-      va, vb = i, j
-      for q = 1, j - i do
-        local v = vals[q]
-        if v ~= fast then
-          local b = 0
-          if v then b = tonumber(v) end
-          if b == 0 then
-            stored = i + q - 1
-            break
-          end
-          local kept = band(open, b)
-          if kept ~= open then
-            local pos = i + q - 1
-            if band(open, 1) ~= 0 and band(b, 1) == 0 then t1 = pos end
-            if band(open, 2) ~= 0 and band(b, 2) == 0 then t2 = pos end
-            if band(open, 4) ~= 0 and band(b, 4) == 0 then t3 = pos end
-            if band(open, 8) ~= 0 and band(b, 8) == 0 then t4 = pos end
-            open = kept
-          end
-          fast = v
-        end
+    local seen = {}
+    local function value(i)
+      local v = seen[i]
+      if v == nil then
+        local raw = call('HGET', bkey, key(i))
+        if raw then v = tonumber(raw) else v = 0 end
+        seen[i] = v
       end
-      if stored < n then break end
-      i = j
-      chunk = chunk * 4
-      if chunk > max_chunk then chunk = max_chunk end
+      return v
     end
-    if stored < n then  -- every tier still open ends where the stored run ends
-      if band(open, 1) ~= 0 then t1 = stored end
-      if band(open, 2) ~= 0 then t2 = stored end
-      if band(open, 4) ~= 0 then t3 = stored end
-      if band(open, 8) ~= 0 then t4 = stored end
+    local function in_stored_run(i)
+      local v = value(i)
+      return band(v, 15) ~= 0 and band(v, 256) == 0
     end
-    -- 2. past the stored run a key counts if it is pending (unexpired) or stored
-    local t = stored
-    if t < n then
+    local stored = run_end(in_stored_run, 0, n)
+    local t = {}
+    for b = 1, 4 do
+      local tb = ({1, 2, 4, 8})[b]
+      t[b] = run_end(function(i)
+        local v = value(i)
+        return band(band(v, tb), bnot(rshift(v, 4))) ~= 0
+      end, 0, stored)
+    end
+    local pend = stored
+    if stored < n then
       local pkey = base .. 'gw:p:' .. epoch
-      local ps, pa, pb = nil, 0, 0
-      local pchunk = 1
-      local schunk = chunk0
-      while t < n do
-        if t >= pb then
-          pa = t
-          pb = t + pchunk
-          if pb > n then pb = n end
-          need(pb)
-          -- a missing zset answers nils: no EXISTS needed
-          ps = call('ZMSCORE', pkey, unpack(ks, pa + 1, pb))
-          pchunk = pchunk * 4
-          if pchunk > max_chunk then pchunk = max_chunk end
-        end
-        local s = ps[t - pa + 1]
-        if not s or tonumber(s) <= now then
-          if t >= vb then
-            local e = t + schunk
-            if e > n then e = n end
-            need(e)
-            vals = call('HMGET', bkey, unpack(ks, t + 1, e))
-            va, vb = t, e
-            schunk = schunk * 4
-            if schunk > max_chunk then schunk = max_chunk end
-          end
-          local v = vals[t - va + 1]
-          if not v or tonumber(v) == 0 then break end
-        end
-        t = t + 1
-      end
+      pend = run_end(function(i)
+        local sc = call('ZSCORE', pkey, key(i))  -- a missing zset answers nil
+        return sc and tonumber(sc) > now
+      end, stored, n)
     end
-    out[r] = {state, t1, t2, t3, t4, stored, t}
+    out[r] = {state, t[1], t[2], t[3], t[4], stored, pend}
   end
 end
 return out
@@ -283,8 +240,10 @@ end
 redis.call('ZREMRANGEBYSCORE', pkey, '-inf', now)
 local card = redis.call('ZCARD', pkey)
 if card > cap then
-  redis.call('ZREMRANGEBYRANK', pkey, 0, card - cap - 1)
-  card = cap
+  -- trim whole expiry groups (a request's keys share one expiry), never part of one
+  local cut = redis.call('ZRANGE', pkey, card - cap - 1, card - cap - 1, 'WITHSCORES')
+  redis.call('ZREMRANGEBYSCORE', pkey, '-inf', cut[2])
+  card = redis.call('ZCARD', pkey)
 end
 if card > 0 then
   local top = redis.call('ZRANGE', pkey, -1, -1, 'WITHSCORES')
@@ -442,19 +401,13 @@ class RedisIndex:
         *,
         max_pending_per_replica: int = DEFAULT_MAX_PENDING_PER_REPLICA,
         max_write_fields: int = DEFAULT_MAX_WRITE_FIELDS,
-        first_chunk: int = 1,
-        max_chunk: int = 512,
     ) -> None:
         if max_pending_per_replica <= 0 or max_write_fields <= 0:
             raise ValueError("bounds must be positive")
-        if not 1 <= first_chunk <= max_chunk <= 2048:  # unpack() stack limit in Lua
-            raise ValueError("need 1 <= first_chunk <= max_chunk <= 2048")
         self.client = client
         self.layout = layout or KeyLayout()
         self.max_pending_per_replica = max_pending_per_replica
         self.max_write_fields = max_write_fields
-        self.first_chunk = first_chunk
-        self.max_chunk = max_chunk
         self._lookup = RedisScript(LOOKUP_LUA, readonly=True)
         self._apply = RedisScript(APPLY_LUA)
         self._clear = RedisScript(CLEAR_LUA)
@@ -516,7 +469,7 @@ class RedisIndex:
         blob = b"".join(keys)
         if len(blob) != KEY_BYTES * len(keys):
             raise ValueError(f"block keys must be {KEY_BYTES} bytes")
-        args = [now_ms, self.first_chunk, self.max_chunk, blob]
+        args = [now_ms, blob]
         try:
             rows, calls = await call_per_replica(
                 self.client, self._lookup, self.layout, replicas, self._meta_key, args
@@ -553,7 +506,7 @@ class RedisIndex:
         """ARGV lists of the apply script, split so no call carries more than
         ``max_write_fields`` entries; ``last_seq`` goes with the last part. Built with C
         loops (compress, zip, chain): a write carries up to tens of thousands of entries."""
-        check_tier_bits(write)
+        check_write_values(write)
         blocks = write.blocks
         bset: list[Any]
         bdel: list[Any]
