@@ -138,9 +138,7 @@ class Model:
                 out[r] = empty_match(st_)
                 continue
             s, p = self.stored.get(r, {}), self.pending.get(r, {})
-            tiers, stored, pend = search_prefix(
-                lambda i, s=s: s.get(keys[i], 0), lambda i, p=p: p.get(keys[i], 0), len(keys), now
-            )
+            tiers, stored, pend = search_prefix(_getter(s, keys), _getter(p, keys), len(keys), now)
             out[r] = PrefixMatch(tiers, stored, pend, st_)
             if r in exact_for:
                 ref = longest_prefix(
@@ -148,6 +146,10 @@ class Model:
                 )
                 assert (tiers, stored, pend) == ref, (r, (tiers, stored, pend), ref)
         return out
+
+
+def _getter(d: dict[BlockKey, int], keys: Sequence[BlockKey]) -> Any:
+    return lambda i: d.get(keys[i], 0)
 
 
 # entry values for raw writes: plain tier bits and valid values with broken-run bits
