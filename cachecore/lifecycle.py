@@ -369,8 +369,7 @@ class ReplicaMirror:
         assert got == holders, "by_key"
         assert set(self._value) == set(self._by_key), "value keys"
         for k in self._by_key:
-            p = self._parent.get(k)
-            want = entry_value(self.key_tiers(k), None if p is None else self._value.get(p, 0))
+            want = self._fresh_value(k)
             assert self._value[k] == want, (k.hex(), self._value[k], want)
         inverse: dict[BlockKey, set[BlockKey]] = {}
         for c, p in self._parent.items():
@@ -411,8 +410,7 @@ class ReplicaMirror:
                 path.append(x)
                 x = parent.get(x)
             for y in reversed(path):
-                p = parent.get(y)
-                value[y] = entry_value(self.key_tiers(y), None if p is None else value.get(p, 0))
+                value[y] = self._fresh_value(y)
 
     # ---- events
     def apply(self, events: Iterable[KVEvent]) -> tuple[IndexWrite, bool]:
@@ -530,7 +528,7 @@ class ReplicaMirror:
     def _settle(self, touched: Iterable[BlockKey], write: IndexWrite) -> None:
         """Recompute the entry value of every touched key (each goes into ``write``), then
         of the descendants of any key whose run certificate changed."""
-        value, parent = self._value, self._parent
+        value = self._value
         work: list[BlockKey] = []
         for k in touched:
             old = value.get(k, 0)
@@ -549,8 +547,7 @@ class ReplicaMirror:
             if k not in self._by_key:
                 continue
             old = value[k]
-            p = parent.get(k)
-            new = entry_value(self.key_tiers(k), None if p is None else value.get(p, 0))
+            new = self._fresh_value(k)
             if new == old:
                 continue
             value[k] = new
