@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import orjson
 import xxhash
-from httpx_aiohttp import AiohttpTransport
 
 from cachecore.index.base import PrefixIndex, PrefixMatch, ReplicaState, empty_match
 from cachecore.index.memory import MemoryIndex
@@ -44,6 +43,7 @@ from gateway.routing import Candidate, Decision, Router, RouteRequest, Strategy
 from gateway.settings import GatewaySettings
 from gateway.tokenization import LocalPromptTokenizer, TokenizerPools, check_alignment
 from gateway.tracing import make_provider, make_tracer
+from gateway.upstream import LeanTransport
 from policies.schema import Policy, TenantPolicy
 
 log = logging.getLogger(__name__)
@@ -171,7 +171,7 @@ class Gateway:
         # httpcore's pure-Python h11 + anyio cost ~0.6 ms more CPU per request here, and
         # the client's layers (cookie jar, auth, redirects, hooks) ~0.4 ms; a proxy must
         # not keep one tenant's upstream cookies for the next anyway.
-        self.upstream: httpx.AsyncBaseTransport | None = None
+        self.upstream: LeanTransport | None = None
         self.pool: ReplicaPool | None = None
         self.index: GatewayIndex | None = None
         self.tokenizers: TokenizerPools | None = None
@@ -227,7 +227,7 @@ class Gateway:
             keepalive_expiry=60.0,
         )
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(s.connect_timeout_s))
-        self.upstream = AiohttpTransport(limits=limits)
+        self.upstream = LeanTransport(max_connections=s.max_connections)
         self.pool = ReplicaPool(self.client, self.policy.health, on_change=self._on_health)
         self.tokenizers = TokenizerPools(self.client, self._any_replica_url)
         for spec in self.specs:

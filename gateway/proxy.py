@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.core import Dispatch, Gateway, Outcome
 from gateway.errors import error_body, sse_error_event
 from gateway.settings import GatewaySettings
+from gateway.upstream import UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def _refused(exc: Exception) -> bool:
 
 
 def _timeouts(s: GatewaySettings) -> dict[str, float]:
-    """httpcore's per-request timeouts (the ``timeout`` request extension)."""
+    """Per-request upstream timeouts (httpx's ``timeout`` extension keys)."""
     return {
         "connect": s.connect_timeout_s,
         "read": max(s.first_byte_timeout_s, s.read_timeout_s),
@@ -144,6 +145,7 @@ class UpstreamExchange(Response):
         body = orjson.dumps(error_body(status, message, code))
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", _JSON), (b"x-request-id", self.d.request_id.encode()),
+            (b"content-length", b"%d" % len(body)),
         ]})  # fmt: skip
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -152,13 +154,13 @@ class UpstreamExchange(Response):
         gw, d = self.gw, self.d
         assert gw.upstream is not None and gw.pool is not None
         s = gw.settings
-        extensions = {"timeout": _timeouts(s)}
+        timeouts = _timeouts(s)
         headers = [(b"content-type", _JSON), (b"x-request-id", d.request_id.encode())]
         if s.upstream_api_key is not None:
             auth = "Bearer " + s.upstream_api_key.get_secret_value()
             headers.append((b"authorization", auth.encode()))
         t0 = d.t_start
-        resp: httpx.Response | None = None
+        resp: UpstreamResponse | None = None
         try:
             while True:
                 c0 = time.perf_counter_ns()
@@ -172,13 +174,9 @@ class UpstreamExchange(Response):
                 payload = gw.upstream_body(d)
                 if d.ticket is None:  # a retry: the first dispatch was counted in prepare
                     await gw.on_dispatch(d)
-                req = httpx.Request(
-                    "POST", rep.url + d.path, content=payload, headers=headers,
-                    extensions=extensions,
-                )  # fmt: skip
                 gw.stages.add("proxy", time.perf_counter_ns() - c0)
                 try:
-                    resp = await gw.upstream.handle_async_request(req)
+                    resp = await gw.upstream.post(rep.url, d.path, headers, payload, timeouts)
                     break
                 except _RETRYABLE as exc:
                     failed = d.replica
@@ -222,7 +220,7 @@ class UpstreamExchange(Response):
             if not self._finished:
                 self._finish(Outcome(500, None, time.perf_counter() - t0, None, None, None))
 
-    async def _relay_error(self, send: Send, resp: httpx.Response, t0: float) -> None:
+    async def _relay_error(self, send: Send, resp: UpstreamResponse, t0: float) -> None:
         raw = await resp.aread()
         status = resp.status_code
         try:
@@ -240,15 +238,14 @@ class UpstreamExchange(Response):
         if resp.status_code >= 500:
             self.gw.metrics.upstream_errors.labels(self.d.replica, f"http_{resp.status_code}").inc()
         self.status = status
-        await send(
-            {"type": "http.response.start", "status": status, "headers": self._resp_headers(_JSON)}
-        )
+        headers = [*self._resp_headers(_JSON), (b"content-length", b"%d" % len(raw))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": raw, "more_body": False})
         # an engine 5xx counts towards passive outlier ejection; a 4xx is the client's
         err = f"http_{resp.status_code}" if resp.status_code >= 500 else None
         self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, err))
 
-    async def _relay_json(self, send: Send, resp: httpx.Response, t0: float) -> None:
+    async def _relay_json(self, send: Send, resp: UpstreamResponse, t0: float) -> None:
         d = self.d
         try:
             raw = await resp.aread()
@@ -269,6 +266,7 @@ class UpstreamExchange(Response):
             pass
         self.status = 200
         headers = self._resp_headers(_JSON)
+        headers.append((b"content-length", b"%d" % len(raw)))
         spent = time.perf_counter_ns() - c0  # the sends below are the server's, not ours
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": raw, "more_body": False})
@@ -277,7 +275,7 @@ class UpstreamExchange(Response):
         self._finish(Outcome(200, None, e2e, usage.prompt, usage.cached, usage.completion))
         self.gw.stages.add("proxy", spent + time.perf_counter_ns() - c0)
 
-    async def _relay_stream(self, send: Send, resp: httpx.Response, t0: float) -> None:
+    async def _relay_stream(self, send: Send, resp: UpstreamResponse, t0: float) -> None:
         d = self.d
         self.status = 200
         await send({

@@ -16,7 +16,8 @@ Invariants (checked by :meth:`MemoryIndex.check_invariants` in tests):
   ``_n_blocks <= max_entries``;
 * every stored value is a valid non-zero entry value (0 means "delete", never stored);
 * ``pending._expiry`` holds exactly the unexpired-or-not-yet-trimmed entries, and every one of
-  them has a heap item ``(expiry, key)`` (stale heap items are skipped lazily).
+  them is in a heap item ``(expiry, seq, keys)`` of its own expiry (one item per add; keys
+  whose expiry moved on are skipped lazily when their old item pops).
 
 Clearing a replica is O(1): it bumps the epoch and moves the old epoch's containers to a
 graveyard that later calls free in bounded steps (freeing a million-entry dict at once would
@@ -72,11 +73,16 @@ class _Pending:
     cut-off expiry with them (``ZREMRANGEBYSCORE`` up to it): trimming never splits a
     request's keys, which share one expiry, so expiries stay non-increasing along a chain."""
 
-    __slots__ = ("_expiry", "_heap")
+    __slots__ = ("_expiry", "_heap", "_heap_keys", "_max_expiry", "_seq")
 
     def __init__(self) -> None:
         self._expiry: dict[BlockKey, int] = {}
-        self._heap: list[tuple[int, BlockKey]] = []
+        # one heap item per add() call: its keys share one expiry, so a request costs one
+        # push and one pop instead of one per block (the gateway's hottest write)
+        self._heap: list[tuple[int, int, Sequence[BlockKey]]] = []
+        self._heap_keys = 0  # keys held by heap items, stale ones included
+        self._max_expiry = 0
+        self._seq = 0  # tie-breaker: heap items never compare their key lists
 
     def __len__(self) -> int:
         return len(self._expiry)
@@ -86,28 +92,38 @@ class _Pending:
 
     def add(self, keys: Sequence[BlockKey], expiry: int, now_ms: int, cap: int) -> None:
         exp = self._expiry
-        heap = self._heap
-        for k in keys:
-            old = exp.get(k)
-            if old is None or expiry > old:
-                exp[k] = expiry
-                heapq.heappush(heap, (expiry, k))
+        if expiry >= self._max_expiry:  # no key can hold a later expiry: a C-speed update
+            self._max_expiry = expiry
+            exp.update(dict.fromkeys(keys, expiry))
+        else:
+            for k in keys:
+                old = exp.get(k)
+                if old is None or expiry > old:
+                    exp[k] = expiry
+        if keys:
+            self._seq += 1
+            heapq.heappush(self._heap, (expiry, self._seq, tuple(keys)))
+            self._heap_keys += len(keys)
         # Trim in expiry order: expired entries, then the lowest expiries while over the
-        # cap, and with the last one trimmed every entry sharing its expiry.
+        # cap, and with the last one trimmed every entry sharing its expiry. A key is
+        # dropped only by the item of its current expiry (older items of it are stale).
+        heap = self._heap
         cut = now_ms
-        while heap:
-            e, k = heap[0]
-            if exp.get(k) != e:  # stale item: the key was extended or removed since
-                heapq.heappop(heap)
-            elif e <= cut or len(exp) > cap:
-                heapq.heappop(heap)
-                del exp[k]
-                cut = max(cut, e)
-            else:
-                break
-        if len(heap) > 2 * len(exp) + 1024:  # too many stale items: rebuild
-            self._heap = [(e, k) for k, e in exp.items()]
+        while heap and (heap[0][0] <= cut or len(exp) > cap):
+            e, _, group = heapq.heappop(heap)
+            self._heap_keys -= len(group)
+            for k in group:
+                if exp.get(k) == e:
+                    del exp[k]
+            cut = max(cut, e)
+        if self._heap_keys > 2 * len(exp) + 1024:  # too many stale keys held: rebuild
+            by_expiry: dict[int, list[BlockKey]] = {}
+            for k, e in exp.items():
+                by_expiry.setdefault(e, []).append(k)
+            self._heap = [(e, i, ks) for i, (e, ks) in enumerate(by_expiry.items())]
             heapq.heapify(self._heap)
+            self._seq = len(self._heap)
+            self._heap_keys = len(exp)
 
     def unexpired(self, now_ms: int) -> int:
         return sum(1 for e in self._expiry.values() if e > now_ms)
@@ -360,5 +376,6 @@ class MemoryIndex:
         assert self._n_blocks <= self.max_entries
         for r in self._replicas.values():
             assert all(b != 0 for b in r.blocks.values())
-            heap_items = set(r.pending._heap)
-            assert all((e, k) in heap_items for k, e in r.pending._expiry.items())
+            held = {(e, k) for e, _, keys in r.pending._heap for k in keys}
+            assert all((e, k) in held for k, e in r.pending._expiry.items())
+            assert r.pending._heap_keys == sum(len(keys) for _, _, keys in r.pending._heap)
