@@ -11,10 +11,47 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
+from prometheus_client import Histogram as _Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+
+class _CachedLabels:
+    """``labels()`` answered from a dict once a label set has been seen: prometheus-client
+    validates the values and takes a lock on every call, ~5 us each, several per request.
+    The gateway never removes a label set, so a cached child stays the registered one."""
+
+    _children: dict[tuple[str, ...], Any]
+
+    def labels(self, *values: Any, **by_name: Any) -> Any:
+        if by_name:
+            return super().labels(*values, **by_name)  # type: ignore[misc]
+        try:
+            return self._children[values]
+        except AttributeError:
+            self._children = {}
+        except KeyError:
+            pass
+        child = self._children[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+
+class Counter(_CachedLabels, _Counter):
+    pass
+
+
+class Gauge(_CachedLabels, _Gauge):
+    pass
+
+
+class Histogram(_CachedLabels, _Histogram):
+    pass
+
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,

@@ -104,21 +104,35 @@ class UpstreamExchange(Response):
         self.d = d
         self.on_done = on_done
         self._finished = False
+        self._settled = False  # the last message is being sent: a disconnect is normal now
         self.status = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.ensure_future(self._run(send))
+        # The exchange runs in this task; a watcher task cancels it if the client goes
+        # away first. (One extra task, no asyncio.wait: a second task and the wait cost
+        # more than the rest of the relay.) ``_settled`` is set before the last send, after
+        # which the server reports a "disconnect" for every finished response.
+        me = asyncio.current_task()
+        assert me is not None
         watch = asyncio.ensure_future(_wait_disconnect(receive))
+        cancelled_by_us = False
+
+        def on_disconnect(_: object) -> None:
+            nonlocal cancelled_by_us
+            if not self._settled and not watch.cancelled():
+                cancelled_by_us = True
+                me.cancel()
+
+        watch.add_done_callback(on_disconnect)
         try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-            else:
-                watch.cancel()
-                work.result()
+            await self._run(send)
+        except asyncio.CancelledError:
+            if not cancelled_by_us:
+                raise  # the server's own cancellation (shutdown): not ours to swallow
+            me.uncancel()
         finally:
+            self._settled = True
+            watch.remove_done_callback(on_disconnect)
             if not watch.done():
                 watch.cancel()
             self.on_done()
@@ -143,6 +157,7 @@ class UpstreamExchange(Response):
     async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
         self.status = status
         body = orjson.dumps(error_body(status, message, code))
+        self._settled = True
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", _JSON), (b"x-request-id", self.d.request_id.encode()),
             (b"content-length", b"%d" % len(body)),
@@ -239,6 +254,7 @@ class UpstreamExchange(Response):
             self.gw.metrics.upstream_errors.labels(self.d.replica, f"http_{resp.status_code}").inc()
         self.status = status
         headers = [*self._resp_headers(_JSON), (b"content-length", b"%d" % len(raw))]
+        self._settled = True
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": raw, "more_body": False})
         # an engine 5xx counts towards passive outlier ejection; a 4xx is the client's
@@ -268,6 +284,7 @@ class UpstreamExchange(Response):
         headers = self._resp_headers(_JSON)
         headers.append((b"content-length", b"%d" % len(raw)))
         spent = time.perf_counter_ns() - c0  # the sends below are the server's, not ours
+        self._settled = True
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": raw, "more_body": False})
         e2e = time.perf_counter() - t0
@@ -317,6 +334,7 @@ class UpstreamExchange(Response):
             )
             event = sse_error_event(502, "upstream replica failed mid-stream", "upstream_error")
             await send({"type": "http.response.body", "body": event, "more_body": True})
+        self._settled = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._finish(
             Outcome(

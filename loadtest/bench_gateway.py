@@ -6,10 +6,11 @@ Three measurements (issue 5, "Precisions"):
    prompts, alternately straight to a simulated replica (``kvgate replica``, its own
    process) and through the gateway (``kvgate serve``, its own process, embedded index, the
    default policy), request by request, the order flipped every pair so neither arm always
-   goes first. Every pair uses a fresh prompt, so both arms are cache misses on the replica
-   and the replica does the same work for both. Optionally a third arm (``--bare``) goes
-   through a bare passthrough proxy (uvicorn + httptools + uvloop and one shared
-   the gateway's upstream transport, nothing else: the floor of a Python proxy here).
+   goes first. Every request uses a fresh prompt of the same length, so every arm's request
+   is a cache miss on the replica and the replica does the same work for each. Optionally
+   a third arm (``--bare``) goes through a bare passthrough proxy (uvicorn + httptools +
+   uvloop and the gateway's upstream transport, nothing else: the floor of a Python proxy
+   here).
    The load is paced so the benchmark's processes together stay under ``--cpu-cap`` of the
    machine (CPU read from ``/proc/<pid>/task/*/schedstat``, nanoseconds, every thread).
    Reported: latency p50/p99 of each arm and the added p50/p99 (gateway minus direct, per
@@ -265,14 +266,17 @@ def bare_proxy_main(port: int, upstream: str) -> None:
     import uvicorn
     from httpx_aiohttp import AiohttpTransport
 
-    state: dict[str, AiohttpTransport] = {}
+    from gateway.upstream import LeanTransport
+
+    state: dict[str, Any] = {}
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
-                    state["c"] = AiohttpTransport()
+                    lean = os.environ.get("BARE_T", "lean") == "lean"
+                    state["c"] = LeanTransport() if lean else AiohttpTransport()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
                     await state["c"].aclose()
@@ -379,11 +383,12 @@ async def run_ab(args: argparse.Namespace, fleet: Fleet) -> AbResult:
     gc.disable()
     try:
         for i in range(args.requests):
-            p = prompt()
             order = names if i % 2 == 0 else names[::-1]
             got: dict[str, float] = {}
             for name in order:
-                got[name] = await one(name, p)
+                # a fresh prompt per arm: the bare proxy forwards the body unchanged, so an
+                # arm sharing the direct arm's prompt would hit the cache the other filled
+                got[name] = await one(name, prompt())
                 lat[name].append(got[name])
             added.append(got["gateway"] - got["direct"])
             if "bare" in got:
