@@ -206,6 +206,9 @@ class UpstreamResponse:
         self.body = body
 
     async def aread(self) -> bytes:
+        conn = self.body.conn
+        if conn.complete:  # the whole answer came with its head: no iteration needed
+            return conn.take() if conn.chunks else b""
         chunks = [chunk async for chunk in self.body]
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
