@@ -252,9 +252,11 @@ class MemoryLoadStore:
 
 _SNAPSHOT_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
 local now = tonumber(ARGV[1])
+local lkeys, first = KEYS, 0
+if #KEYS == 0 then lkeys, first = ARGV, 1 end  -- Cluster: undeclared keys, after the ARGV
 local out = {}
-for r = 1, #KEYS do
-  local lkey = KEYS[r]
+for r = 1, #lkeys - first do
+  local lkey = lkeys[first + r]
   local ikey = string.sub(lkey, 1, -5) .. 'gw:inflight'
   local l = redis.call('HMGET', lkey, 'running', 'waiting', 'kv_usage', 'metrics_ts_ms',
                        'expires_ms')
@@ -409,13 +411,13 @@ class RedisLoadStore:
             # on standalone Redis; redis-py splits a cluster pipeline per node.
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
-                pipe.evalsha(self._heartbeat.sha, 1, key, *args)
+                self._heartbeat.queue(pipe, [key], args)
             results = await pipe.execute(raise_on_error=False)
             if any(isinstance(r, NoScriptError) for r in results):
                 await self.client.script_load(self._heartbeat.source)
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:
-                    pipe.evalsha(self._heartbeat.sha, 1, key, *args)
+                    self._heartbeat.queue(pipe, [key], args)
                 results = await pipe.execute(raise_on_error=False)
             for r in results:
                 if isinstance(r, Exception):

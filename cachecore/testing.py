@@ -1,12 +1,14 @@
 """Helpers that start real components on loopback for tests and benchmarks.
 
 Nothing here fakes a component: :class:`RedisServer` runs the real ``redis-server`` binary on
-a free loopback port with persistence off and stops it afterwards.
+a free loopback port with persistence off and stops it afterwards; :class:`RedisClusterServers`
+runs several of them as a real Redis Cluster (created with ``redis-cli --cluster create``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import socket
 import subprocess
@@ -14,6 +16,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import redis
 
 
 def free_port() -> int:
@@ -50,14 +54,20 @@ class RedisServer:
     """A real redis-server on a free loopback port. ``restart()`` keeps the port but loses
     all data (persistence is off), which is what a Redis restart looks like to kvgate."""
 
-    def __init__(self, port: int | None = None, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        directory: Path | None = None,
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not on PATH")
         self.binary = binary
         self.port = port or free_port()
         self.extra_args = extra_args or []
-        self._dir = Path(tempfile.mkdtemp(prefix="kvgate-redis-"))
+        self._own_dir = directory is None
+        self._dir = directory or Path(tempfile.mkdtemp(prefix="kvgate-redis-"))
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -104,9 +114,131 @@ class RedisServer:
 
     def close(self) -> None:
         self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._own_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def redis_server_version(binary: str = "redis-server") -> tuple[int, ...]:
+    """``(major, minor, patch)`` of a redis-server binary (``redis-server --version``)."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    found = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out.stdout)
+    if found is None:
+        raise RuntimeError(f"cannot read the version of {binary}: {out.stdout!r}")
+    return tuple(int(g) for g in found.groups())
+
+
+class ClusterUnsupportedError(RuntimeError):
+    """The ``redis-server`` binary cannot run in cluster mode."""
+
+
+class RedisClusterServers:
+    """A real Redis Cluster of ``primaries`` redis-servers (no replicas) on free loopback
+    ports, slots spread evenly by ``redis-cli --cluster create``. Each node gets an explicit
+    cluster bus port (``cluster-port``, Redis >= 7.0): the default, port + 10000, may be taken
+    or beyond 65535 for an ephemeral port. ``start`` returns once every node reports
+    ``cluster_state:ok`` with every node known and all 16384 slots assigned, or raises after
+    ``timeout_s``."""
+
+    def __init__(self, primaries: int = 3, timeout_s: float = 10.0) -> None:
+        if primaries < 3:
+            raise ValueError("redis-cli --cluster create needs at least 3 primaries")
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not on PATH")
+        self.cli = cli
+        self.timeout_s = timeout_s
+        self._dir = Path(tempfile.mkdtemp(prefix="kvgate-redis-cluster-"))
+        ports = free_ports(2 * primaries)
+        self.servers: list[RedisServer] = []
+        for port, bus in zip(ports[:primaries], ports[primaries:], strict=True):
+            node_dir = self._dir / str(port)
+            node_dir.mkdir()
+            args = [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", str(node_dir / f"nodes-{port}.conf"),
+                "--cluster-port", str(bus),
+                "--cluster-node-timeout", "5000",
+            ]  # fmt: skip
+            self.servers.append(RedisServer(port, args, directory=node_dir))
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        """A seed node's URL (cluster clients discover the others)."""
+        return self.servers[0].url
+
+    def start(self) -> RedisClusterServers:
+        try:
+            version = redis_server_version(self.servers[0].binary)
+            if version < (7, 0):  # no cluster-port, no allow-cross-slot-keys script flag
+                raise ClusterUnsupportedError(f"redis-server {version} < 7.0")
+            for srv in self.servers:
+                srv.start()
+                with redis.Redis("127.0.0.1", srv.port, socket_timeout=2) as client:
+                    info = client.info("cluster")
+                if info.get("cluster_enabled") != 1:
+                    raise ClusterUnsupportedError(f"{srv.binary} runs without cluster support")
+            nodes = [f"127.0.0.1:{p}" for p in self.ports]
+            create = [self.cli, "--cluster", "create", *nodes, "--cluster-replicas", "0"]
+            done = subprocess.run(
+                [*create, "--cluster-yes"], capture_output=True, text=True, timeout=self.timeout_s
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}")
+            self._wait_ok()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _wait_ok(self) -> None:
+        """Poll ``CLUSTER INFO`` on every node (bounded in count and in time) until each
+        reports state ok, every node known and every slot assigned."""
+        want = {
+            "cluster_state": "ok",
+            "cluster_known_nodes": str(len(self.servers)),
+            "cluster_slots_assigned": "16384",
+        }
+        deadline = time.monotonic() + self.timeout_s
+        behind: list[str] = []
+        for _ in range(1000):
+            behind = []
+            for port in self.ports:
+                with redis.Redis("127.0.0.1", port, socket_timeout=1, decode_responses=True) as c:
+                    text = str(c.execute_command("CLUSTER", "INFO"))
+                fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+                got = {k: fields.get(k) for k in want}
+                if got != want:
+                    behind.append(f"{port}: {got}")
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"cluster not ok after {self.timeout_s}s: {'; '.join(behind)}")
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.stop()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisClusterServers:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from cachecore.testing import RedisServer
+from cachecore.testing import ClusterUnsupportedError, RedisClusterServers, RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +33,27 @@ def redis_own() -> Iterator[RedisServer]:
     """A redis-server of the test's own, for tests that stop or restart it."""
     with RedisServer() as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    """A real 3-primary Redis Cluster for the session (tests flush it via ``cluster_url``).
+    Skipped only when redis-server cannot run a cluster; any other failure to start errors."""
+    try:
+        cluster = RedisClusterServers(primaries=3).start()
+    except ClusterUnsupportedError as exc:
+        pytest.skip(f"redis-server lacks Redis Cluster support: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: RedisClusterServers) -> str:
+    """A seed node's URL of the session's cluster, every node flushed."""
+    for url in redis_cluster.urls:
+        client = redis.Redis.from_url(url)
+        client.flushall()
+        client.close()
+    return redis_cluster.url

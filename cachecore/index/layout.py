@@ -189,14 +189,19 @@ def group_by_shard(
 
 # Commands an agent needs: its own scripts (apply, clear, mirror load), plain reads of its
 # keys for resync and debugging, registration/load writes, and INFO for Redis run_id (a
-# changed run_id means Redis restarted and the agent must rewrite its mirror).
+# changed run_id means Redis restarted and the agent must rewrite its mirror). On Redis
+# Cluster, redis-py's client loads the slot map (CLUSTER SLOTS) and the command table
+# (COMMAND) when it connects, and reports "cluster mode is not enabled" when refused.
+_CLUSTER_CLIENT_COMMANDS: tuple[str, ...] = ("+cluster|slots", "+command")
 _AGENT_COMMANDS: tuple[str, ...] = (
+    *_CLUSTER_CLIENT_COMMANDS,
     "+ping", "+hello", "+client|setname", "+client|id", "+select", "+info",
     "+evalsha", "+eval", "+evalsha_ro", "+eval_ro", "+script|load", "+script|exists",
     "+hset", "+hget", "+hmget", "+hgetall", "+hscan", "+hdel", "+hlen", "+hincrby", "+hexists",
     "+get", "+set", "+del", "+unlink", "+exists", "+pexpire", "+expire", "+pttl", "+time",
 )  # fmt: skip
 _GATEWAY_COMMANDS: tuple[str, ...] = (
+    *_CLUSTER_CLIENT_COMMANDS,
     "+ping", "+hello", "+client|setname", "+client|id", "+select", "+info",
     "+evalsha", "+eval", "+evalsha_ro", "+eval_ro", "+script|load", "+script|exists",
     "+scan", "+time",

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import is_not, not_
@@ -78,7 +79,8 @@ RedisClient = aioredis.Redis | RedisCluster
 # epoch they read, so that no caller can pass a stale epoch's key name.
 
 # KEYS: one meta key per replica. ARGV: now_ms, the request's block keys concatenated (16
-# bytes each: one argument, so the client encodes one blob, not n).
+# bytes each: one argument, so the client encodes one blob, not n). On Cluster no KEYS and
+# the meta keys after those two ARGV (see call_per_replica).
 #
 # The same steps as cachecore.index.base.search_prefix / run_end, so both backends answer
 # alike even on inconsistent data: per replica, the end of the stored run (entries whose
@@ -111,9 +113,11 @@ local function run_end(ok, lo, hi)
   end
   return lo
 end
+local metas, first = KEYS, 0
+if #KEYS == 0 then metas, first = ARGV, 2 end  -- Cluster: undeclared keys, after the ARGV
 local out = {}
-for r = 1, #KEYS do
-  local meta = KEYS[r]
+for r = 1, #metas - first do
+  local meta = metas[first + r]
   local m = call('HMGET', meta, 'epoch', 'state')
   local state = m[2] or 'unknown'
   if state ~= 'live' and state ~= 'cold' then
@@ -319,13 +323,20 @@ class RedisScript:
     async def call_on_node(
         self, cluster: RedisCluster, node: Any, keys: Sequence[Any], args: Sequence[Any]
     ) -> Any:
-        """Cluster: run on the node that owns ``keys`` (they may span slots of that node)."""
+        """Cluster: run on ``node``, which must own ``keys`` (declared keys must also share
+        one slot: Redis refuses CROSSSLOT declared keys even with allow-cross-slot-keys)."""
         cmd = (self.command, self.sha, len(keys), *keys, *args)
         try:
             return await cluster.execute_command(*cmd, target_nodes=node)
         except NoScriptError:
             await cluster.execute_command("SCRIPT", "LOAD", self.source, target_nodes=node)
             return await cluster.execute_command(*cmd, target_nodes=node)
+
+    def queue(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
+        """Queue a call by SHA on a pipeline (a NOSCRIPT reply is the caller's to handle).
+        Through ``execute_command``: redis-py's cluster pipeline refuses its ``evalsha``
+        method, yet routes the raw command by its keys (which must share one slot)."""
+        pipe.execute_command(self.command, self.sha, len(keys), *keys, *args)
 
 
 async def call_per_replica(
@@ -338,11 +349,20 @@ async def call_per_replica(
 ) -> tuple[list[Any], int]:
     """Run a read script whose KEYS are one key per replica (``key_of(replica)``) and
     whose reply is one row per key, in ONE call on standalone Redis and one call per shard,
-    concurrently, on Cluster (the script needs ``allow-cross-slot-keys``). Returns the rows
-    in ``replicas`` order and the number of calls made."""
+    concurrently, on Cluster. Returns the rows in ``replicas`` order and the number of calls
+    made.
+
+    On Cluster a shard's keys span several slots, and Redis refuses declared keys of
+    different slots (CROSSSLOT) whatever the script's flags; so there the call declares no
+    keys and passes them after ``args`` in ARGV, where the script (flagged
+    ``allow-cross-slot-keys``, which lets it reach undeclared keys of several slots of its
+    node) must look for them when ``#KEYS == 0``."""
     keys = [key_of(r) for r in replicas]  # validates every id
     if not isinstance(client, RedisCluster):
         return list(await script.call(client, keys, args)), 1
+    # the slot map is loaded lazily by the first command, or reloaded after a connection
+    # error; without this a fresh client's first lookup raised a bare KeyError (no map)
+    await client.initialize()  # a no-op once loaded
     nodes: dict[str, Any] = {}
 
     def shard_of_slot(slot: int) -> str:
@@ -353,7 +373,7 @@ async def call_per_replica(
     groups = group_by_shard(replicas, layout, shard_of_slot)
     results = await asyncio.gather(
         *(
-            script.call_on_node(client, nodes[name], [key_of(r) for r in group], args)
+            script.call_on_node(client, nodes[name], [], [*args, *map(key_of, group)])
             for name, group in groups.items()
         )
     )
@@ -567,7 +587,7 @@ class RedisIndex:
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for argv in parts:
-                pipe.evalsha(self._apply.sha, 1, meta, *argv)
+                self._apply.queue(pipe, [meta], argv)  # one slot: one node, in order
             self.round_trips += 1
             results = await pipe.execute(raise_on_error=False)
             errors = [r for r in results if isinstance(r, Exception)]
@@ -683,7 +703,12 @@ class RedisIndex:
         data), which tells agents to rewrite their mirror (issue 4)."""
         try:
             self.round_trips += 1
-            info = await self.client.info("server")
+            if isinstance(self.client, RedisCluster):
+                # redis-py sends INFO to one node by default; every primary's run_id is
+                # needed (a restarted or failed-over primary lost, or may lack, writes)
+                info = await self.client.info("server", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                info = await self.client.info("server")
         except (RedisError, OSError) as exc:
             raise IndexError_(f"instance_id: {exc}") from exc
         if isinstance(self.client, RedisCluster):  # one dict per node
@@ -716,10 +741,13 @@ class RedisIndex:
                 epoch = (await self.meta(rid)).epoch
                 self.round_trips += 1
                 pending += int(await self.client.zcard(self.layout.pending(rid, epoch)))
-            info = await self.client.info("memory")
+            if isinstance(self.client, RedisCluster):  # INFO goes to one node by default
+                per_node = await self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                used = sum(int(v.get("used_memory", 0)) for v in per_node.values())
+            else:
+                used = (await self.client.info("memory")).get("used_memory", 0)
         except (RedisError, OSError) as exc:
             raise IndexError_(f"stats: {exc}") from exc
-        used = info.get("used_memory", 0) if isinstance(info, dict) else 0
         return IndexStats(
             replicas=len(rids),
             stored_entries=stored,
@@ -754,14 +782,14 @@ class RedisIndex:
         return removed
 
     async def ping_ms(self) -> float:
-        """One PING round trip in milliseconds (health checks and benchmarks)."""
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        """One PING round trip in milliseconds (health checks and benchmarks). The clock is
+        perf_counter: uvloop's ``loop.time()`` ticks in whole milliseconds."""
+        t0 = time.perf_counter()
         try:
             await self.client.ping()
         except (RedisError, OSError) as exc:
             raise IndexError_(f"ping: {exc}") from exc
-        return (loop.time() - t0) * 1000.0
+        return (time.perf_counter() - t0) * 1000.0
 
     async def close(self) -> None:
         try:
