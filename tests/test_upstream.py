@@ -1,0 +1,254 @@
+"""The gateway's upstream transport (gateway/upstream.py) against real loopback servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from cachecore.testing import free_port
+from gateway.upstream import LeanTransport
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+TIMEOUTS = {"connect": 1.0, "read": 1.0, "pool": 1.0}
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A loopback server; yields its base URL and a list that counts its connections."""
+    conns: list[int] = []
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(1)
+        try:
+            await handler(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", conns
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+def json_answer(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+
+
+async def echo_forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    for _ in range(100):  # bounded: a test sends a handful of requests per connection
+        req = await read_request(reader)
+        writer.write(json_answer(req.split(b"\r\n\r\n", 1)[1]))
+        await writer.drain()
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_the_body() -> None:
+    t = LeanTransport()
+    async with server(echo_forever) as (url, conns):
+        for i in range(5):
+            body = b'{"n": %d}' % i
+            resp = await t.post(url, "/v1/completions", [(b"x-a", b"1")], body, TIMEOUTS)
+            assert resp.status_code == 200
+            assert (b"content-type", b"application/json") in resp.headers
+            assert await resp.aread() == body
+            await resp.aclose()
+        assert len(conns) == 1
+    await t.aclose()
+
+
+async def test_chunked_stream_arrives_chunk_by_chunk() -> None:
+    gate = asyncio.Event()
+
+    async def sse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        writer.write(b"7\r\ndata: 1\r\n")
+        await writer.drain()
+        await gate.wait()  # the client must see the first event before the second exists
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read(1)
+
+    t = LeanTransport()
+    async with server(sse) as (url, _):
+        resp = await t.post(url, "/x", [], b"{}", TIMEOUTS)
+        it = resp.aiter_raw()
+        assert await anext(it) == b"data: 1"
+        gate.set()
+        assert b"".join([c async for c in it]) == b"data: 2"
+        await resp.aclose()
+    await t.aclose()
+
+
+async def test_stale_keep_alive_connection_is_retried_on_a_fresh_one() -> None:
+    async def one_per_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        req = await read_request(reader)
+        writer.write(json_answer(req.split(b"\r\n\r\n", 1)[1]))
+        await writer.drain()
+        await read_request(reader)  # a second request on this connection: hang up unanswered
+
+    t = LeanTransport()
+    async with server(one_per_conn) as (url, conns):
+        for body in (b"a", b"b", b"c"):
+            resp = await t.post(url, "/x", [], body, TIMEOUTS)
+            assert await resp.aread() == body
+            await resp.aclose()
+        assert len(conns) == 3  # requests 2 and 3 each failed on a reused one first
+    await t.aclose()
+
+
+async def test_a_fresh_connection_closed_unanswered_is_not_retried() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    t = LeanTransport()
+    async with server(hang_up) as (url, conns):
+        with pytest.raises(httpx.RemoteProtocolError):
+            await t.post(url, "/x", [], b"{}", TIMEOUTS)
+        assert len(conns) == 1  # a POST is re-sent only when the connection was stale
+    await t.aclose()
+
+
+async def test_close_mid_body_is_a_read_error_and_the_connection_is_not_reused() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await writer.drain()
+
+    t = LeanTransport()
+    async with server(cut) as (url, conns):
+        resp = await t.post(url, "/x", [], b"{}", TIMEOUTS)
+        with pytest.raises(httpx.ReadError):
+            await resp.aread()
+        await resp.aclose()
+        resp = await t.post(url, "/x", [], b"{}", TIMEOUTS)
+        with pytest.raises(httpx.ReadError):
+            await resp.aread()
+        await resp.aclose()
+        assert len(conns) == 2
+    await t.aclose()
+
+
+async def test_silence_is_a_read_timeout() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(2.0)
+
+    t = LeanTransport()
+    async with server(silent) as (url, _):
+        with pytest.raises(httpx.ReadTimeout):
+            await t.post(url, "/x", [], b"{}", {"connect": 1.0, "read": 0.2})
+    await t.aclose()
+
+
+async def test_refused_connection_is_a_connect_error() -> None:
+    t = LeanTransport()
+    with pytest.raises(httpx.ConnectError):
+        await t.post(f"http://127.0.0.1:{free_port()}", "/x", [], b"{}", TIMEOUTS)
+    await t.aclose()
+
+
+async def test_malformed_response_is_a_protocol_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        await reader.read(1)
+
+    t = LeanTransport()
+    async with server(garbage) as (url, _):
+        with pytest.raises(httpx.RemoteProtocolError):
+            await t.post(url, "/x", [], b"{}", TIMEOUTS)
+    await t.aclose()
+
+
+async def test_cancelled_exchange_closes_its_connection() -> None:
+    closed = asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if await reader.read(1) == b"":  # EOF: the client closed the connection
+            closed.set()
+
+    t = LeanTransport()
+    async with server(slow) as (url, _):
+        task = asyncio.ensure_future(t.post(url, "/x", [], b"{}", TIMEOUTS))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(closed.wait(), 2.0)
+    await t.aclose()
+
+
+async def test_large_body_with_backpressure_arrives_whole() -> None:
+    big = bytes(range(256)) * 16_384  # 4 MiB: past the transport's 1 MiB high-water mark
+
+    async def send_big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big))
+        writer.write(big)
+        await writer.drain()
+        await reader.read(1)
+
+    t = LeanTransport()
+    async with server(send_big) as (url, _):
+        resp = await t.post(url, "/x", [], b"{}", TIMEOUTS)
+        got = []
+        async for chunk in resp.aiter_raw():
+            got.append(chunk)
+            await asyncio.sleep(0)  # a slow consumer
+        assert b"".join(got) == big
+        await resp.aclose()
+    await t.aclose()
+
+
+async def test_pool_bound_waits_then_times_out() -> None:
+    release = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await release.wait()
+        writer.write(json_answer(b"{}"))
+        await writer.drain()
+        await reader.read(1)
+
+    t = LeanTransport(max_connections=1)
+    async with server(held) as (url, _):
+        first = asyncio.ensure_future(t.post(url, "/x", [], b"{}", TIMEOUTS))
+        await asyncio.sleep(0.05)
+        with pytest.raises(httpx.PoolTimeout):
+            await t.post(url, "/x", [], b"{}", {"connect": 1.0, "read": 1.0, "pool": 0.2})
+        release.set()
+        resp = await first
+        assert await resp.aread() == b"{}"
+        await resp.aclose()
+    await t.aclose()
+
+
+async def test_httpx_transport_api() -> None:
+    t = LeanTransport()
+    async with server(echo_forever) as (url, _), httpx.AsyncClient(transport=t) as client:
+        resp = await client.post(url + "/v1/x", content=b'{"a": 1}')
+        assert resp.status_code == 200
+        assert resp.json() == {"a": 1}
