@@ -36,12 +36,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
 from cachecore.index.base import IndexError_
 from cachecore.index.layout import KeyLayout, validate_replica_id
-from cachecore.index.redis import RedisClient, RedisScript, call_per_replica
+from cachecore.index.redis import (
+    REDIS_FAILURES,
+    RedisClient,
+    RedisScript,
+    call_per_replica,
+    redis_client,
+)
 
 DEFAULT_GATEWAY_TTL_MS = 5_000
 GARBAGE_GRACE_MS = 60_000
@@ -350,10 +355,11 @@ class RedisLoadStore:
         self.round_trips = 0
 
     @classmethod
-    def from_url(cls, url: str, layout: KeyLayout | None = None, **kwargs: Any) -> RedisLoadStore:
-        client = aioredis.Redis.from_url(
-            url, decode_responses=False, socket_timeout=0.5, socket_connect_timeout=0.5
-        )
+    def from_url(
+        cls, url: str, layout: KeyLayout | None = None, *, cluster: bool = False, **kwargs: Any
+    ) -> RedisLoadStore:
+        """Connect to ``redis://...``, or with ``cluster`` to the Redis Cluster it seeds."""
+        client = redis_client(url, cluster=cluster, socket_timeout_s=0.5, connect_timeout_s=0.5)
         return cls(client, layout, **kwargs)
 
     @property
@@ -364,7 +370,7 @@ class RedisLoadStore:
         self.round_trips += 1
         try:
             return await script.call(self.client, [key], args)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise LoadStoreError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
     async def publish_engine(
@@ -422,7 +428,7 @@ class RedisLoadStore:
             for r in results:
                 if isinstance(r, Exception):
                     raise r
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise LoadStoreError(f"heartbeat: {type(exc).__name__}: {exc}") from exc
 
     async def drop_gateway(self, gateway_id: str, replicas: Sequence[str]) -> None:
@@ -436,7 +442,7 @@ class RedisLoadStore:
             for rid in replicas:
                 pipe.hdel(self.layout.inflight(rid), *fields)
             await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise LoadStoreError(f"drop_gateway: {type(exc).__name__}: {exc}") from exc
 
     async def snapshot(self, replicas: Sequence[str], now_ms: int) -> dict[str, LoadRecord]:
@@ -446,7 +452,7 @@ class RedisLoadStore:
             rows, calls = await call_per_replica(
                 self.client, self._snapshot, self.layout, replicas, self.layout.load, [now_ms]
             )
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise LoadStoreError(f"snapshot: {type(exc).__name__}: {exc}") from exc
         self.round_trips += calls
         out: dict[str, LoadRecord] = {}
@@ -464,5 +470,5 @@ class RedisLoadStore:
         return out
 
     async def close(self) -> None:
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_FAILURES):
             await self.client.aclose()

@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from redis.exceptions import RedisError
 
 from cachecore.index.base import IndexError_
 from cachecore.index.layout import REPLICA_ID_PATTERN, KeyLayout, validate_replica_id
-from cachecore.index.redis import RedisClient, RedisScript
+from cachecore.index.redis import REDIS_FAILURES, RedisClient, RedisScript, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -276,10 +274,12 @@ class RedisRegistry:
         self._deregister = RedisScript(_DEREGISTER_LUA)
 
     @classmethod
-    def from_url(cls, url: str, layout: KeyLayout | None = None) -> RedisRegistry:
-        client = aioredis.Redis.from_url(
-            url, decode_responses=False, socket_timeout=1.0, socket_connect_timeout=1.0
-        )
+    def from_url(
+        cls, url: str, layout: KeyLayout | None = None, *, cluster: bool = False
+    ) -> RedisRegistry:
+        """Connect to ``redis://...``, or with ``cluster`` to the Redis Cluster it seeds
+        (``discover`` then scans every primary: redis-py's cluster ``scan_iter`` does)."""
+        client = redis_client(url, cluster=cluster, socket_timeout_s=1.0, connect_timeout_s=1.0)
         return cls(client, layout)
 
     async def register(self, reg: Registration, ttl_ms: int, now_ms: int) -> None:
@@ -289,14 +289,14 @@ class RedisRegistry:
             await self.client.set(
                 self.layout.registration(reg.replica_id), reg.to_json(), px=ttl_ms
             )
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise RegistryError(f"register {reg.replica_id}: {exc}") from exc
 
     async def deregister(self, replica_id: str, agent_id: str) -> bool:
         key = self.layout.registration(replica_id)
         try:
             return bool(await self._deregister.call(self.client, [key], [agent_id]))
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise RegistryError(f"deregister {replica_id}: {exc}") from exc
 
     async def discover(
@@ -319,7 +319,7 @@ class RedisRegistry:
             for k in keys:
                 pipe.get(k)
             values = await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise RegistryError(f"discover: {exc}") from exc
         out: list[Registration] = []
         for k, raw in zip(keys, values, strict=True):
@@ -334,7 +334,7 @@ class RedisRegistry:
         return out
 
     async def close(self) -> None:
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_FAILURES):
             await self.client.aclose()
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class KeyStore:
     def __init__(
         self,
         keys: Mapping[str, str] | None = None,
-        redis: Redis | None = None,
+        redis: Redis | RedisCluster | None = None,
         redis_hash: str = "kvg:apikeys",
         open_access: bool = False,
         cache_ttl_s: float = 5.0,
@@ -114,7 +115,8 @@ class KeyStore:
             return hit[0]
         try:
             raw = await self._redis.hget(self._redis_hash, digest)
-        except (RedisError, OSError) as exc:
+        # RedisClusterException (no RedisError): a cluster client that reaches no node
+        except (RedisError, RedisClusterException, OSError) as exc:
             self.redis_errors += 1
             log.warning("api key lookup in redis failed", extra={"error": str(exc)})
             return hit[0] if hit is not None else None

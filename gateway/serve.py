@@ -35,10 +35,10 @@ from typing import Any, cast
 
 import httpx
 import uvicorn
-from redis.asyncio import Redis
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from cachecore.index.base import PrefixIndex
+from cachecore.index.redis import RedisIndex, redis_client
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from gateway.app import create_asgi
@@ -80,33 +80,35 @@ def build_gateway(
 ) -> Gateway:
     """Assemble a :class:`Gateway` from settings: replicas, keys, index, load store."""
     specs = [parse_replica_spec(r) for r in settings.replicas]
+    url, cluster = settings.redis_url, settings.redis_cluster
+    if cluster and not url:
+        raise ValueError("redis_cluster (--redis-cluster) needs redis_url (--redis)")
     if key_store is None:
         keys = load_key_file(settings.api_keys_file) if settings.api_keys_file else {}
         redis_keys = None
         if settings.api_keys_redis:
-            if not settings.redis_url:
+            if not url:
                 raise ValueError("api_keys_redis needs redis_url")
-            redis_keys = Redis.from_url(settings.redis_url, socket_timeout=0.25)
+            # one hash, one slot: plain HGETs, alike on standalone and Cluster
+            redis_keys = redis_client(
+                url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25
+            )
         key_store = KeyStore(keys, redis_keys, open_access=settings.open_access)
     if not key_store.configured:
         raise ValueError(
             "no API keys configured: pass --api-keys FILE, --api-keys-redis, or --open"
         )
-    if index is None and settings.redis_url:
-        from cachecore.index.redis import RedisIndex
-
-        index = RedisIndex.from_url(settings.redis_url)
+    if index is None and url:
+        index = RedisIndex.from_url(url, cluster=cluster)
     if load_store is None:
-        load_store = (
-            RedisLoadStore.from_url(settings.redis_url) if settings.redis_url else MemoryLoadStore()
-        )
+        load_store = RedisLoadStore.from_url(url, cluster=cluster) if url else MemoryLoadStore()
     registry = None
     if settings.discover:
-        if not settings.redis_url:
+        if not url:
             raise ValueError("--discover needs --redis (agents register there)")
         from cachecore.registry import RedisRegistry
 
-        registry = RedisRegistry.from_url(settings.redis_url)
+        registry = RedisRegistry.from_url(url, cluster=cluster)
     gw = Gateway(
         settings,
         policy,
@@ -300,6 +302,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--redis", dest="redis_url", help="redis://... for the shared index")
     parser.add_argument(
+        "--redis-cluster", action="store_true",
+        help="--redis is a seed node of a Redis Cluster (env KVGATE_REDIS_CLUSTER)",
+    )  # fmt: skip
+    parser.add_argument(
         "--discover", action="store_true", help="add replicas that agents register in Redis"
     )
     parser.add_argument(
@@ -337,6 +343,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         overrides["discover"] = True
     if args.api_keys_redis:
         overrides["api_keys_redis"] = True
+    if args.redis_cluster:
+        overrides["redis_cluster"] = True
     if args.open_access:
         overrides["open_access"] = True
     if args.plain_logs:

@@ -32,6 +32,9 @@ class GatewaySettings(BaseSettings):
     policy: Path = Field(default_factory=lambda: builtin_policy_path("default"))
     policy_poll_s: float = 2.0
     redis_url: str | None = None
+    # redis_url is a seed node of a Redis Cluster: the index, load store, registry and API
+    # key hash all go through a cluster client (which discovers the other nodes)
+    redis_cluster: bool = False
     api_keys_file: Path | None = None
     api_keys_redis: bool = False  # look API key hashes up in Redis hash <prefix>:apikeys
     open_access: bool = False  # no API keys: every request is tenant "anonymous"

@@ -5,7 +5,8 @@
         --redis redis://agent-r0:PASSWORD@redis:6379/0
 
 A standalone agent needs ``--redis`` (without it there is no index another process could
-read; the embedded in-memory index lives inside ``kvgate serve``). SIGTERM and SIGINT stop it
+read; the embedded in-memory index lives inside ``kvgate serve``); on a Redis Cluster, give
+one node's URL (database 0) and ``--redis-cluster``. SIGTERM and SIGINT stop it
 cleanly: it deregisters its replica before exiting.
 """
 
@@ -19,13 +20,18 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachecore.agent.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.logs import configure_logging
+
+if TYPE_CHECKING:  # imported when run: `kvgate agent --help` stays fast
+    from cachecore.index.redis import RedisIndex
+    from cachecore.loadstate import RedisLoadStore
+    from cachecore.registry import RedisRegistry
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,7 @@ _FIELDS = {
     "events": "events",
     "replay": "replay",
     "redis": "redis",
+    "redis_cluster": "redis_cluster",
     "topic": "topic",
     "model": "model",
     "block_size": "block_size",
@@ -63,6 +70,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--events", help="engine KV-event PUB endpoint, e.g. tcp://10.0.0.5:5557")
     p.add_argument("--replay", help="engine replay ROUTER endpoint, e.g. tcp://10.0.0.5:5558")
     p.add_argument("--redis", help="redis://[user:password@]host:port/db (required)")
+    p.add_argument(
+        "--redis-cluster", action="store_true", default=None,  # None: the environment's
+        help="--redis is a seed node of a Redis Cluster (env KVGATE_AGENT_REDIS_CLUSTER)",
+    )  # fmt: skip
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="Redis key namespace")
     p.add_argument("--topic", help='ZMQ topic the engine publishes under (vLLM default "")')
     p.add_argument("--model", help="model name override (default: the engine's /v1/models)")
@@ -131,6 +142,27 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
+def redis_stores(
+    settings: AgentSettings, key_prefix: str = DEFAULT_PREFIX, register: bool = True
+) -> tuple[RedisIndex, RedisLoadStore, RedisRegistry | None]:
+    """The standalone agent's index, load store and (with ``register``) registry on
+    ``settings.redis``, a Redis Cluster's seed node with ``settings.redis_cluster``."""
+    from cachecore.index.redis import RedisIndex
+    from cachecore.loadstate import RedisLoadStore
+    from cachecore.registry import RedisRegistry
+
+    if not settings.redis:
+        raise ValueError("the agent's redis URL is not set")
+    url, cluster, layout = settings.redis, settings.redis_cluster, KeyLayout(key_prefix)
+    # writes are large and rare compared with gateway lookups: a longer timeout than theirs
+    index = RedisIndex.from_url(
+        url, layout, cluster=cluster, socket_timeout_s=2.0, connect_timeout_s=1.0
+    )
+    load_store = RedisLoadStore.from_url(url, layout, cluster=cluster)
+    registry = RedisRegistry.from_url(url, layout, cluster=cluster) if register else None
+    return index, load_store, registry
+
+
 async def _gc_freezer(interval_s: float) -> None:
     """The mirror is millions of small long-lived objects. CPython's full (gen 2) collection
     walks all of them: 70-130 ms pauses at ~100k blocks, growing with the mirror, which were
@@ -145,16 +177,11 @@ async def _gc_freezer(interval_s: float) -> None:
 async def _main(
     settings: AgentSettings, key_prefix: str, register: bool, gc_freeze_interval_s: float = 0.0
 ) -> int:
-    from cachecore.index.redis import RedisIndex
-    from cachecore.loadstate import RedisLoadStore
-    from cachecore.registry import RedisRegistry
-
-    assert settings.redis is not None
-    layout = KeyLayout(key_prefix)
-    # writes are large and rare compared with gateway lookups: a longer timeout than theirs
-    index = RedisIndex.from_url(settings.redis, layout, socket_timeout_s=2.0, connect_timeout_s=1.0)
-    load_store = RedisLoadStore.from_url(settings.redis, layout)
-    registry = RedisRegistry.from_url(settings.redis, layout) if register else None
+    try:
+        index, load_store, registry = redis_stores(settings, key_prefix, register)
+    except ValueError as exc:  # a URL the client refuses, e.g. a database on a cluster
+        print(f"kvgate agent: {exc}", file=sys.stderr)
+        return 2
     agent = Agent(settings, index, load_store, registry)
     server: AgentHTTPServer | None = None
     stop = asyncio.Event()

@@ -22,6 +22,8 @@ class AgentSettings(BaseSettings):
     replay: str | None = Field(default=None, description="engine replay ROUTER endpoint")
     topic: str = ""
     redis: str | None = None
+    # the redis URL is a seed node of a Redis Cluster (the agent discovers the others)
+    redis_cluster: bool = False
     model: str | None = Field(default=None, description="override /v1/models")
     block_size: int | None = Field(default=None, gt=0, description="override cache_config_info")
     data_parallel_rank: int | None = Field(default=None, ge=0)

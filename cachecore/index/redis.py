@@ -38,7 +38,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from cachecore.index.base import (
     EMPTY_TIERS,
@@ -73,6 +73,10 @@ PENDING_KEY_GRACE_MS = 60_000
 clock, so skew between gateway and Redis clocks cannot expire live entries early)."""
 
 RedisClient = aioredis.Redis | RedisCluster
+REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+"""What a failing Redis raises. The cluster client raises RedisClusterException, which is
+not a RedisError, when it reaches no node or a slot has none (where standalone raises
+ConnectionError): callers must degrade alike on both."""
 
 # ---------------------------------------------------------------------------- Lua scripts
 # Scripts derive the b:/m:/gw:p: key names from the meta key (":meta" is 4 chars) and the
@@ -301,6 +305,62 @@ def c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     return packed
 
 
+# Unbounded, as redis-py's standalone pool is by default. RedisCluster's own default (100
+# per node) raises MaxConnectionsError, not waits, on a burst the standalone pool absorbs.
+_UNBOUNDED_CONNECTIONS = 2**31
+
+
+def redis_client(
+    url: str,
+    *,
+    cluster: bool = False,
+    socket_timeout_s: float,
+    connect_timeout_s: float,
+    max_connections: int | None = None,
+    c_pack: bool = False,
+) -> RedisClient:
+    """A standalone client of ``url``, or with ``cluster`` a Redis Cluster client seeded by
+    it, with the same options either way: timeouts, ``max_connections`` (on Cluster a limit
+    per node, each node having its own pool; ``None``: unbounded) and, with ``c_pack``,
+    hiredis command packing (:func:`c_packing`). A URL that Cluster refuses (a database
+    other than 0, a unix socket) raises ValueError here, at start-up, rather than at the
+    first command (the client connects lazily)."""
+    limit = _UNBOUNDED_CONNECTIONS if max_connections is None else max_connections
+    if not cluster:
+        client = aioredis.Redis.from_url(
+            url,
+            decode_responses=False,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            max_connections=limit,
+        )
+        if c_pack:
+            pool = client.connection_pool
+            pool.connection_class = c_packing(pool.connection_class)
+        return client
+    try:
+        cluster_client = RedisCluster.from_url(
+            url,
+            decode_responses=False,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            max_connections=limit,
+        )
+    except RedisClusterException as exc:
+        raise ValueError(f"redis_cluster is on, but: {exc}") from None
+    if c_pack:
+        # RedisCluster takes no connection_class: it creates every node (those it discovers
+        # later too) from its shared connection_kwargs, which nothing has used yet (the
+        # client connects lazily). Safe to pack in C: ClusterNode sends commands and
+        # pipelines through Connection.pack_command / pack_commands, as standalone does,
+        # and routing reads the arguments before packing, never the packed bytes.
+        conn_kwargs = cluster_client.connection_kwargs
+        conn_kwargs["connection_class"] = c_packing(conn_kwargs["connection_class"])
+        for node in cluster_client.nodes_manager.startup_nodes.values():
+            node.connection_class = conn_kwargs["connection_class"]
+    return cluster_client
+
+
 class RedisScript:
     """A Lua script called by SHA; loaded on first NOSCRIPT (a Redis restart or failover
     empties the script cache) and retried once. ``readonly`` scripts run with
@@ -451,24 +511,14 @@ class RedisIndex:
         """Connect to ``redis://[user:password@]host:port/db`` (or a cluster seed node).
         The short socket timeout bounds how long a lookup can stall a request before the
         gateway degrades to load-only routing."""
-        client: RedisClient
-        if cluster:
-            client = RedisCluster.from_url(
-                url,
-                decode_responses=False,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=connect_timeout_s,
-            )
-        else:
-            client = aioredis.Redis.from_url(
-                url,
-                decode_responses=False,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=connect_timeout_s,
-                max_connections=max_connections,
-            )
-            pool = client.connection_pool
-            pool.connection_class = c_packing(pool.connection_class)
+        client = redis_client(
+            url,
+            cluster=cluster,
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections,
+            c_pack=True,
+        )
         return cls(client, layout, **kwargs)
 
     @property
@@ -497,7 +547,7 @@ class RedisIndex:
             self.round_trips += calls
         except RedisError as exc:
             raise _stale_or_index_error(exc, "lookup") from exc
-        except OSError as exc:
+        except (RedisClusterException, OSError) as exc:
             raise IndexError_(f"lookup: {exc}") from exc
         out: dict[str, PrefixMatch] = {}
         for rid, row in zip(replicas, rows, strict=True):
@@ -580,7 +630,7 @@ class RedisIndex:
             await self._apply_pipelined(meta, parts)
         except RedisError as exc:
             raise _stale_or_index_error(exc, f"apply {replica}") from exc
-        except OSError as exc:
+        except (RedisClusterException, OSError) as exc:
             raise IndexError_(f"apply {replica}: {exc}") from exc
 
     async def _apply_pipelined(self, meta: str, parts: list[list[Any]]) -> None:
@@ -606,7 +656,7 @@ class RedisIndex:
             new = await self._call(
                 self._clear, [meta], [state.value, now_ms, repr(float(engine_start))]
             )
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"clear {replica}") from exc
         return int(new)
 
@@ -615,7 +665,7 @@ class RedisIndex:
         try:
             self.round_trips += 1
             await self.client.hset(meta, mapping={"state": state.value, "updated_ms": now_ms})
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"set_state {replica}") from exc
 
     async def set_engine_start(self, replica: str, engine_start: float) -> None:
@@ -623,7 +673,7 @@ class RedisIndex:
         try:
             self.round_trips += 1
             await self.client.hset(meta, "engine_start", repr(float(engine_start)))
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"set_engine_start {replica}") from exc
 
     async def add_pending(
@@ -639,7 +689,7 @@ class RedisIndex:
         ]
         try:
             await self._call(self._add_pending, [anchor], args)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"add_pending {replica}") from exc
 
     # ------------------------------------------------------------------ reads
@@ -650,7 +700,7 @@ class RedisIndex:
             raw = await self.client.hmget(
                 key, ["epoch", "state", "last_seq", "engine_start", "updated_ms"]
             )
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"meta {replica}") from exc
         epoch, state, last_seq, engine_start, updated = raw
         return ReplicaMeta(
@@ -684,7 +734,7 @@ class RedisIndex:
                         break
                 self.round_trips += 1
                 again = _int(await self.client.hget(meta, "epoch"), 0)
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 raise _stale_or_index_error(exc, f"scan {replica}") from exc
             if again == epoch:
                 return out
@@ -709,7 +759,7 @@ class RedisIndex:
                 info = await self.client.info("server", target_nodes=RedisCluster.PRIMARIES)
             else:
                 info = await self.client.info("server")
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise IndexError_(f"instance_id: {exc}") from exc
         if isinstance(self.client, RedisCluster):  # one dict per node
             ids = sorted(str(v.get("run_id")) for v in info.values() if isinstance(v, dict))
@@ -724,7 +774,7 @@ class RedisIndex:
                 parsed = self.layout.parse(raw.decode())
                 if parsed is not None:
                     out.append(parsed[0])
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise IndexError_(f"replicas: {exc}") from exc
         return sorted(out)
 
@@ -746,7 +796,7 @@ class RedisIndex:
                 used = sum(int(v.get("used_memory", 0)) for v in per_node.values())
             else:
                 used = (await self.client.info("memory")).get("used_memory", 0)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise IndexError_(f"stats: {exc}") from exc
         return IndexStats(
             replicas=len(rids),
@@ -775,7 +825,7 @@ class RedisIndex:
                     continue
                 rid, _, epoch = parsed
                 removed += int(await self._call(self._sweep, [self.layout.meta(rid), raw], [epoch]))
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise IndexError_(f"sweep: {exc}") from exc
         if removed:
             log.info("swept orphaned epoch keys", extra={"removed": removed})
@@ -787,14 +837,14 @@ class RedisIndex:
         t0 = time.perf_counter()
         try:
             await self.client.ping()
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             raise IndexError_(f"ping: {exc}") from exc
         return (time.perf_counter() - t0) * 1000.0
 
     async def close(self) -> None:
         try:
             await self.client.aclose()
-        except (RedisError, OSError):  # closing a broken connection must not raise
+        except REDIS_FAILURES:  # closing a broken connection must not raise
             log.debug("redis close failed", exc_info=True)
 
 
