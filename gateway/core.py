@@ -238,6 +238,8 @@ class Gateway:
         primary: PrefixIndex = self._index_arg if self._index_arg is not None else MemoryIndex()
         local = None if isinstance(primary, MemoryIndex) else MemoryIndex()
         self.index = GatewayIndex(primary, self.metrics, local)
+        if local is not None and self.specs:
+            await self._warm_index(primary)
         if embedded or isinstance(primary, MemoryIndex):
             # no agent reports these replicas' state to an in-process index; pending
             # entries (the gateway's own decisions) must still count
@@ -271,6 +273,17 @@ class Gateway:
         self.pool.start()
         self.policies.start(s.policy_poll_s, self._on_reload_result)
         await self._check_alignment()
+
+    async def _warm_index(self, primary: PrefixIndex) -> None:
+        """One throw-away lookup before serving: it loads the lookup script and, on Redis
+        Cluster, the slot map and command table (~10 ms on loopback), which would otherwise
+        land on the first requests and overrun their lookup budget. A failure only logs:
+        requests fall back to local decisions until the index answers."""
+        ids = [sp.id for sp in self.specs]
+        try:
+            await asyncio.wait_for(primary.lookup([bytes(16)], ids, _now_ms()), 5.0)
+        except Exception as exc:
+            log.warning("index warm-up lookup failed", extra={"error": repr(exc)})
 
     def _on_reload_result(self, ok: bool, error: str) -> None:
         if not ok:

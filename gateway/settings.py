@@ -57,6 +57,9 @@ class GatewaySettings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = True
     seed: int | None = None  # routing RNG seed (tests, benchmarks)
+    # `kvgate serve`: after start-up, move the start-up heap into the GC's permanent
+    # generation (gc.freeze) so full collections scan only what requests allocate
+    gc_freeze: bool = True
     # x-kvgate-replica (which replica served) and x-kvgate-predicted-cached-tokens headers
     expose_replica: bool = True
     # DEBUG ONLY, never in production: every tenant (and trust group) shares ONE cache scope,

@@ -490,7 +490,7 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     from cachecore.keys import BlockKeyer, SaltMinter, Scope, ScopeKind
     from cachecore.lifecycle import IndexWrite, Tier
     from cachecore.testing import RedisServer
-    from gateway.serve import build_gateway
+    from gateway.serve import build_gateway, freeze_startup_heap
     from gateway.settings import GatewaySettings
 
     rng = random.Random(args.seed + 1)
@@ -535,6 +535,8 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         )
         gw = build_gateway(settings, index=index)
         await gw.start()
+        if settings.gc_freeze:
+            freeze_startup_heap()  # as `kvgate serve` does once started
         try:
             body = {"model": MODEL, "prompt": tokens, "max_tokens": 1}
             samples: dict[str, list[float]] = {"keys": [], "lookup": [], "score": []}
