@@ -22,6 +22,9 @@ Contract (the parts of :class:`httpx.AsyncBaseTransport` the gateway uses):
   ``httpx.ReadError``; no byte within the read timeout -> ``httpx.ReadTimeout``; a malformed
   response -> ``httpx.RemoteProtocolError``; no connection free within the pool timeout ->
   ``httpx.PoolTimeout``.
+* Bodies must be framed (``content-length`` or chunked), as engines' HTTP/1.1 servers
+  (uvicorn, SGLang's) always frame them; a body delimited only by the connection closing is
+  reported as ``httpx.ReadError``.
 
 Invariants: a connection is in at most one of {idle deque, in use}; ``_active[host]`` counts
 the connections of that host in use or being opened, never more than ``max_connections``.
