@@ -168,10 +168,9 @@ class Gateway:
         self._index_arg = index
         self._load_store = load_store
         self.client: httpx.AsyncClient | None = None
-        # Proxied completions go straight to a transport, aiohttp's under httpx's API:
-        # httpcore's pure-Python h11 + anyio cost ~0.6 ms more CPU per request here, and
-        # the client's layers (cookie jar, auth, redirects, hooks) ~0.4 ms; a proxy must
-        # not keep one tenant's upstream cookies for the next anyway.
+        # Proxied completions go straight to our own HTTP/1.1 transport (gateway/upstream.py,
+        # decision D8): general clients cost more CPU per request than the routing work, and
+        # a proxy must not keep one tenant's upstream cookies for the next anyway.
         self.upstream: LeanTransport | None = None
         self.pool: ReplicaPool | None = None
         self.index: GatewayIndex | None = None

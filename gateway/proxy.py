@@ -49,9 +49,10 @@ _JSON = b"application/json"
 
 
 def _refused(exc: Exception) -> bool:
-    """The connection could not be made at all (a definitive failure for ejection). The
-    aiohttp transport reports a refused connection as ``ConnectTimeout`` whose cause is an
-    ``OSError`` (``aiohttp.ClientConnectorError``)."""
+    """The connection could not be made at all (a definitive failure for ejection): the
+    upstream transport raises ``ConnectError`` for a refused or failed connect, with the
+    ``OSError`` as its cause (also accepted alone, for transports that wrap it in a
+    timeout type)."""
     return isinstance(exc, httpx.ConnectError) or isinstance(exc.__cause__, OSError)
 
 

@@ -261,22 +261,20 @@ def start_fleet(args: argparse.Namespace) -> Fleet:
 
 def bare_proxy_main(port: int, upstream: str) -> None:
     """The floor: an ASGI app that forwards the body to ``upstream`` through the transport
-    the gateway uses (aiohttp's, under httpx's API) and returns the answer, on uvicorn +
+    the gateway uses (:class:`gateway.upstream.LeanTransport`) and returns the answer, on uvicorn +
     httptools + uvloop."""
     import uvicorn
-    from httpx_aiohttp import AiohttpTransport
 
     from gateway.upstream import LeanTransport
 
-    state: dict[str, Any] = {}
+    state: dict[str, LeanTransport] = {}
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             while True:
                 msg = await receive()
                 if msg["type"] == "lifespan.startup":
-                    lean = os.environ.get("BARE_T", "lean") == "lean"
-                    state["c"] = LeanTransport() if lean else AiohttpTransport()
+                    state["c"] = LeanTransport()
                     await send({"type": "lifespan.startup.complete"})
                 elif msg["type"] == "lifespan.shutdown":
                     await state["c"].aclose()

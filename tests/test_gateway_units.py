@@ -6,7 +6,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from httpx_aiohttp import AiohttpTransport
 from pydantic import SecretStr
 
 from cachecore.keys import ScopeKind
@@ -20,6 +19,7 @@ from gateway.proxy import _refused
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import ReplicaSpecError, parse_replica_spec
 from gateway.settings import GatewaySettings
+from gateway.upstream import LeanTransport
 from policies.schema import QuarantinePolicy, TenantLimits, parse_policy_text
 
 # ---------------------------------------------------------------- auth
@@ -354,18 +354,13 @@ async def test_passive_ejection_and_return() -> None:
 
 
 async def test_a_refused_upstream_connection_is_a_definitive_failure() -> None:
-    """The proxy's transport reports a refused connection as ConnectTimeout (aiohttp's
-    ClientConnectorError, an OSError, as its cause): it must still count as definitive for
-    outlier ejection, while a read timeout must not."""
-    t = AiohttpTransport()
+    """The proxy's transport reports a refused connection as a ConnectError (the OSError
+    as its cause): it must count as definitive for outlier ejection, a read timeout not."""
+    t = LeanTransport()
     timeouts = {"connect": 1.0, "read": 1.0, "write": 1.0, "pool": 1.0}
-    req = httpx.Request(
-        "POST", f"http://127.0.0.1:{free_port()}/v1/completions", content=b"{}",
-        extensions={"timeout": timeouts},
-    )  # fmt: skip
     try:
         with pytest.raises(httpx.TransportError) as info:
-            await t.handle_async_request(req)
+            await t.post(f"http://127.0.0.1:{free_port()}", "/v1/completions", [], b"{}", timeouts)
     finally:
         await t.aclose()
     assert _refused(info.value)
