@@ -1,0 +1,36 @@
+"""`kvgate bench gateway` end to end at smoke size: every part runs for real (a replica,
+the gateway and the bare proxy as processes; a private redis-server for the decision part)
+and prints its tables. Figures are not checked here: performance lives in the benchmark."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.redis
+
+
+def test_bench_gateway_smoke_run_prints_every_part() -> None:
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "bench", "gateway", "--requests", "10",
+        "--warmup", "2", "--idle-s", "0.5", "--decision-lookups", "20", "--rate", "50",
+        "--rate-seconds", "1", "--bare",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    text = out.stdout
+    for arm in ("direct", "gateway", "bare"):
+        assert re.search(rf"^\| {arm} \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|$", text, re.M), arm
+    assert re.search(r"^\| gateway \| [0-9,]+ \| [0-9,]+ \| [0-9,]+ \|$", text, re.M)  # CPU
+    for stage in ("parse", "tokenize", "keys", "lookup", "score", "proxy"):
+        assert re.search(rf"^\| {stage} \| [0-9,]+ \|$", text, re.M), stage
+    assert re.search(r"^\| keys \+ lookup \+ score \| [0-9.]+ \| [0-9.]+ \|$", text, re.M)
+    # the rate part: both arms answered every request they were sent
+    rows = re.findall(r"^\| (direct|gateway) \| (\d+) \| \d+ \| [0-9.]+ \| [0-9.]+ \| (\d+) \|$",
+                      text, re.M)  # fmt: skip
+    assert {r[0] for r in rows} == {"direct", "gateway"}
+    assert all(int(sent) > 0 and int(errors) == 0 for _, sent, errors in rows)
+    assert text.count("target:") >= 4
