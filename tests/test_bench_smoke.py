@@ -1,6 +1,6 @@
-"""`kvgate bench gateway` end to end at smoke size: every part runs for real (a replica,
-the gateway and the bare proxy as processes; a private redis-server for the decision part)
-and prints its tables. Figures are not checked here: performance lives in the benchmark."""
+"""Smoke runs of `kvgate bench gateway` and `kvgate bench index`: every part runs for real
+(replica, gateway and bare proxy as processes; private redis-servers) and prints its
+tables. Figures are not checked here: performance lives in the benchmarks."""
 
 from __future__ import annotations
 
@@ -34,3 +34,18 @@ def test_bench_gateway_smoke_run_prints_every_part() -> None:
     assert {r[0] for r in rows} == {"direct", "gateway"}
     assert all(int(sent) > 0 and int(errors) == 0 for _, sent, errors in rows)
     assert text.count("target:") >= 4
+
+
+def test_bench_index_quick_run_proves_one_call_per_lookup() -> None:
+    """`kvgate bench index --quick`: both backends, every table; each Redis row made
+    exactly one top-level call per lookup (the benchmark reads INFO commandstats)."""
+    cmd = [sys.executable, "-m", "gateway.cli", "bench", "index", "--quick"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    text = out.stdout
+    redis_rows = re.findall(r"^\| redis \| (?:shared|uniform) \|.*\| ([0-9.]+) \| [0-9.]+ \|$",
+                            text, re.M)  # fmt: skip
+    assert len(redis_rows) >= 4 and all(calls == "1.00" for calls in redis_rows), redis_rows
+    assert re.search(r"^\| memory \| (?:shared|uniform) \| ", text, re.M)
+    assert re.search(r"^\| redis \| \d+ \| \d+ \| [0-9,]+ \|$", text, re.M)  # writes
+    assert "used_memory delta / indexed block" in text
