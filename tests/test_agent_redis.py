@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -164,7 +165,7 @@ async def test_agent_works_with_its_own_acl_user(redis_url: str) -> None:
         admin.close()
 
 
-async def test_cli_agent_process_end_to_end(redis_url: str) -> None:
+async def test_cli_agent_process_end_to_end(redis_url: str, tmp_path: Path) -> None:
     r = Rig(_index(redis_url))
     await r.stub.start()
     http_port = free_port()
@@ -176,8 +177,12 @@ async def test_cli_agent_process_end_to_end(redis_url: str) -> None:
         "--http-port", str(http_port), "--scrape-interval", "0.1",
         "--heartbeat-interval", "0.2", "--log-level", "WARNING",
     ]  # fmt: skip
+    # stderr to a file, not a pipe nobody reads: a full pipe would block the agent's
+    # logging (and with it the agent); the file is shown if the agent fails to stop
+    err_path = tmp_path / "agent.stderr"
+    err = err_path.open("wb")
     proc = subprocess.Popen(  # noqa: ASYNC220 - a child process, started once
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ
+        cmd, stdout=subprocess.DEVNULL, stderr=err, env=os.environ
     )
     try:
         async with httpx.AsyncClient() as client:
@@ -205,13 +210,18 @@ async def test_cli_agent_process_end_to_end(redis_url: str) -> None:
 
             await until(registered, 10.0)
             proc.send_signal(signal.SIGTERM)
-            assert await asyncio.to_thread(proc.wait, 20) == 0
+            try:
+                code = await asyncio.to_thread(proc.wait, 20)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code == 0, err_path.read_text(errors="replace")[-4000:]
             assert await registry.discover(int(time.time() * 1000), ["r0"]) == []
             await registry.close()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        err.close()
         assert r.agent is None
         await r.close()
         await r.index.close()
