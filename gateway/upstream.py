@@ -35,7 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from itertools import chain
 from typing import cast
 
 import httptools
@@ -240,7 +241,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
         url = request.url
         resp = await self.send(
             (url.host, url.port or 80),
-            _request_bytes(request, request.content),
+            _request_bytes(
+                request.method.encode("ascii"),
+                request.url.raw_path,
+                request.headers.raw,
+                request.content,
+            ),
             request.extensions.get("timeout") or {},
         )
         return httpx.Response(
@@ -270,12 +276,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._host_header[key] = f"{url.host}:{key[1]}".encode("ascii")
         prefix = base_url[len("http://") :].split("/", 1)
         target = ("/" + prefix[1].rstrip("/") if len(prefix) > 1 else "") + path
-        lines = [b"POST ", target.encode("ascii"), b" HTTP/1.1\r\nhost: ", self._host_header[key],
-                 b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]  # fmt: skip
-        for name, value in headers:
-            lines += (name, b": ", value, b"\r\n")
-        lines += (b"\r\n", body)
-        return await self.send(key, b"".join(lines), timeouts)
+        framing = [(b"host", self._host_header[key]), (b"content-length", b"%d" % len(body))]
+        data = _request_bytes(b"POST", target.encode("ascii"), chain(framing, headers), body)
+        return await self.send(key, data, timeouts)
 
     async def send(
         self, key: _HostKey, data: bytes, timeouts: dict[str, float]
@@ -312,12 +315,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
     async def _acquire(
         self, key: _HostKey, connect_s: float, pool_s: float, loop: asyncio.AbstractEventLoop
     ) -> _Conn:
-        idle = self._idle.get(key)
-        while idle:
-            conn = idle.pop()  # most recently used: the least likely to be idle-closed
-            if not conn.closed:
-                self._active[key] = self._active.get(key, 0) + 1
-                return conn
+        conn = self._take_idle(key)
+        if conn is not None:
+            return conn
         while self._active.get(key, 0) >= self.max_connections:
             fut: asyncio.Future[None] = loop.create_future()
             self._waiting.setdefault(key, deque()).append(fut)
@@ -325,12 +325,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 await asyncio.wait_for(fut, pool_s)
             except TimeoutError:
                 raise httpx.PoolTimeout("no upstream connection free in time") from None
-            idle = self._idle.get(key)
-            while idle:
-                conn = idle.pop()
-                if not conn.closed:
-                    self._active[key] = self._active.get(key, 0) + 1
-                    return conn
+            conn = self._take_idle(key)
+            if conn is not None:
+                return conn
         self._active[key] = self._active.get(key, 0) + 1
         try:
             async with asyncio.timeout(connect_s):
@@ -345,6 +342,16 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._release(key, None)
             raise
         return proto
+
+    def _take_idle(self, key: _HostKey) -> _Conn | None:
+        """An open idle connection to ``key``, counted as in use (closed ones are dropped)."""
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()  # most recently used: the least likely to be idle-closed
+            if not conn.closed:
+                self._active[key] = self._active.get(key, 0) + 1
+                return conn
+        return None
 
     def _release(self, key: _HostKey, conn: _Conn | None) -> None:
         self._active[key] = self._active.get(key, 1) - 1
@@ -370,11 +377,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
             await asyncio.sleep(0)  # let the transports run their close callbacks
 
 
-def _request_bytes(request: httpx.Request, body: bytes) -> bytes:
-    """The request head and body as one buffer: one write, usually one packet."""
-    target = request.url.raw_path
-    lines = [request.method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
-    for name, value in request.headers.raw:
+def _request_bytes(
+    method: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    """The request head and body as one buffer: one write, usually one packet. ``headers``
+    must include the framing (host, content-length)."""
+    lines = [method, b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in headers:
         lines += (name, b": ", value, b"\r\n")
     lines += (b"\r\n", body)
     return b"".join(lines)
