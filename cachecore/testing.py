@@ -180,6 +180,16 @@ class RedisClusterServers:
         """A seed node's URL (cluster clients discover the others)."""
         return self.servers[0].url
 
+    def on_every_node(self, *command: str) -> None:
+        """Run one command on every primary (FLUSHALL, SCRIPT FLUSH: cluster clients send
+        such commands to one node only)."""
+        for url in self.urls:
+            client = redis.Redis.from_url(url)
+            try:
+                client.execute_command(*command)  # type: ignore[no-untyped-call]
+            finally:
+                client.close()
+
     def start(self) -> RedisClusterServers:
         try:
             version = redis_server_version(self.servers[0].binary)

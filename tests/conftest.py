@@ -52,8 +52,5 @@ def redis_cluster() -> Iterator[RedisClusterServers]:
 @pytest.fixture
 def cluster_url(redis_cluster: RedisClusterServers) -> str:
     """A seed node's URL of the session's cluster, every node flushed."""
-    for url in redis_cluster.urls:
-        client = redis.Redis.from_url(url)
-        client.flushall()
-        client.close()
+    redis_cluster.on_every_node("FLUSHALL")
     return redis_cluster.url

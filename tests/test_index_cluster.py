@@ -38,7 +38,7 @@ from cachecore.lifecycle import IndexWrite, Tier, chain_values
 from cachecore.loadstate import EngineLoad, MemoryLoadStore, RedisLoadStore
 from cachecore.testing import RedisClusterServers
 from tests.test_index_property import REPLICAS as PROPERTY_REPLICAS
-from tests.test_index_property import Driver, op
+from tests.test_index_property import Driver, fixed_program, op
 
 pytestmark = pytest.mark.redis
 
@@ -123,12 +123,7 @@ async def commandstats(admins: dict[int, aioredis.Redis]) -> dict[int, dict[str,
 
 
 async def flush_scripts(cluster: RedisClusterServers) -> None:
-    for port in cluster.ports:
-        client = aioredis.Redis(host="127.0.0.1", port=port)
-        try:
-            await client.script_flush()
-        finally:
-            await client.aclose()
+    cluster.on_every_node("SCRIPT", "FLUSH")
 
 
 async def both(indexes: Sequence[Any], name: str, *args: Any) -> Any:
@@ -461,12 +456,7 @@ async def test_acl_users_on_cluster(
 
 
 async def _drive(cluster: RedisClusterServers, ops: list[tuple[Any, ...]]) -> Driver:
-    for port in cluster.ports:
-        client = aioredis.Redis(host="127.0.0.1", port=port)
-        try:
-            await client.flushall()
-        finally:
-            await client.aclose()
+    cluster.on_every_node("FLUSHALL")
     red = RedisIndex.from_url(cluster.url, cluster=True)
     mem = MemoryIndex()
     try:
@@ -489,16 +479,7 @@ def test_property_replicas_span_every_shard(redis_cluster: RedisClusterServers) 
 def test_fixed_program_agrees_on_cluster(redis_cluster: RedisClusterServers) -> None:
     """test_index_property's fixed program (mirror-driven writes from engine events, pending,
     removals, lookups over all three replicas, one per shard) on the cluster."""
-    ops: list[tuple[Any, ...]] = []
-    for i in range(30):
-        ops.append(("ev", i % 3, [("s", i - 1 if i % 4 else -1, 3, i * 977, i, i)]))
-        ops.append(("pend", (i + 1) % 3, i, i * 13, 1000))
-        ops.append(("look", i, i * 5, 7))
-        ops.append(("adv", 300))
-        if i % 9 == 8:
-            ops.append(("ev", i % 3, [("x", i, -1), ("x", i + 1, 1)]))
-            ops.append(("clr", i % 3, 0))
-    d = asyncio.run(_drive(redis_cluster, ops))
+    d = asyncio.run(_drive(redis_cluster, fixed_program(30, clears=True)))
     assert d.lookups == 30 and d.hits >= 5, (d.lookups, d.hits)
 
 

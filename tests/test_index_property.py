@@ -363,16 +363,27 @@ def test_memory_and_redis_agree(redis_url: str, ops: list[tuple[Any, ...]]) -> N
     asyncio.run(_run(redis_url, ops))
 
 
-def test_a_long_fixed_program_has_hits(redis_url: str) -> None:
-    """Guards the property test's power: a fixed program must produce real hits."""
-    ops: list[tuple[Any, ...]] = [("state", i, 0) for i in range(3)]
-    for i in range(40):
+def fixed_program(iterations: int, clears: bool) -> list[tuple[Any, ...]]:
+    """A deterministic program over the three replicas: stored chains from engine events,
+    pending entries, lookups, time advancing, every ninth step removals (and, with
+    ``clears``, a replica clear). Shared with the cluster test."""
+    ops: list[tuple[Any, ...]] = []
+    for i in range(iterations):
         ops.append(("ev", i % 3, [("s", i - 1 if i % 4 else -1, 3, i * 977, i, i)]))
         ops.append(("pend", (i + 1) % 3, i, i * 13, 1000))
         ops.append(("look", i, i * 5, 7))
         ops.append(("adv", 300))
         if i % 9 == 8:
             ops.append(("ev", i % 3, [("x", i, -1), ("x", i + 1, 1)]))
+            if clears:
+                ops.append(("clr", i % 3, 0))
+    return ops
+
+
+def test_a_long_fixed_program_has_hits(redis_url: str) -> None:
+    """Guards the property test's power: a fixed program must produce real hits."""
+    ops: list[tuple[Any, ...]] = [("state", i, 0) for i in range(3)]
+    ops += fixed_program(40, clears=False)
     d = asyncio.run(_run(redis_url, ops))
     assert d.lookups == 40
     assert d.hits >= 10, d.hits
