@@ -118,6 +118,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--time-scale", type=float, default=0.5, help="replicas' and replay's time scale")
     a("--profile", default="8b-h100", help="replicas' latency profile")
     a("--blocks", type=int, default=4096, help="KV blocks per replica")
+    a(
+        "--shared-process",
+        action="store_true",
+        help="run the replicas in one process (default: one process each, so one replica's "
+        "work cannot delay another's step timers)",
+    )
     a("--no-install", action="store_true", help="do not install peers (absent ones are skipped)")
     a("--peers-dir", type=Path, default=PEERS_DIR)
     a("--out", type=Path, default=None, help="directory for the PNG plots")
@@ -739,7 +745,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-routers-") as tmp:
         log = Path(tmp) / "fleet.log"
-        with launch_fleet(args.replicas, fleet_args, log_path=log) as fleet:
+        with launch_fleet(
+            args.replicas, fleet_args, log_path=log, process_per_replica=not args.shared_process
+        ) as fleet:
             runs = asyncio.run(
                 _bench(args, systems, fleet, Path(tmp), peers, tokenizer_dir, workloads)
             )

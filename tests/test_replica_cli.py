@@ -64,3 +64,21 @@ def test_four_replicas_from_one_process(tmp_path: Path) -> None:
 
         asyncio.run(acceptance())
     assert fleet.proc.returncode is not None  # stopped on exit
+
+
+def test_one_process_per_replica(tmp_path: Path) -> None:
+    """``process_per_replica``: each replica is its own process (its own event loop), every
+    one answers, and leaving the block stops them all."""
+    log = tmp_path / "replica.log"
+    args = ["--time-scale", "0.05", "--plain-logs"]
+    with launch_fleet(3, args, log_path=log, process_per_replica=True) as fleet:
+        assert len(fleet.procs) == 3 and len({p.pid for p in fleet.procs}) == 3
+        assert ("\n" + log.read_text()).count("\nready {") == 3
+        with httpx.Client(timeout=10) as http:
+            for url in fleet.urls:
+                r = http.post(
+                    f"{url}/v1/completions",
+                    json={"model": "kvgate-sim-8b", "prompt": [5] * 40, "max_tokens": 2},
+                )
+                assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 40
+    assert all(p.returncode is not None for p in fleet.procs)

@@ -45,12 +45,11 @@ from cachecore.replica.protocol import (
     validate_common,
 )
 from cachecore.replica.server import SimReplica
-from cachecore.tokenizer import TokenizerError
+from cachecore.tokenizer import UNLOCKED_ENCODE_CHARS, TokenizerError
 
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
-_INLINE_TOKENIZE_CHARS = 4096
 
 
 async def _parse(request: Request, model: type[M]) -> M:
@@ -172,14 +171,14 @@ def create_app(replica: SimReplica) -> FastAPI:
         prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if isinstance(prompt, str) and len(prompt) >= _INLINE_TOKENIZE_CHARS:
+        if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
             return await encode(prompt)
         return completion_prompt_ids(prompt, tok.encode, tok.vocab_size)
 
     async def encode(text: str) -> list[int]:
-        # ~3 us per token in Rust, partly without the GIL: long prompts go to a thread so
-        # one replica's tokenization does not stall every engine loop in the process
-        if len(text) < _INLINE_TOKENIZE_CHARS:
+        # ~3 us per token in Rust, without the GIL from UNLOCKED_ENCODE_CHARS on: long
+        # prompts go to a thread so tokenization does not stall the engine loop
+        if len(text) < UNLOCKED_ENCODE_CHARS:
             return tok.encode(text)
         return await asyncio.to_thread(tok.encode, text)
 

@@ -158,34 +158,48 @@ async def run_fleet(
 
 @dataclass
 class FleetProcess:
-    """A ``kvgate replica`` subprocess and the endpoints of its replicas."""
+    """The ``kvgate replica`` subprocess(es) of a fleet and the endpoints of its replicas:
+    one process for all of them, or one per replica (``procs[i]`` serves ``endpoints[i]``)."""
 
-    proc: subprocess.Popen[bytes]
+    procs: list[subprocess.Popen[bytes]]
     endpoints: list[ReplicaEndpoints]
     log_path: Path | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The first (with one process per fleet, the only) process."""
+        return self.procs[0]
 
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self.endpoints]
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=timeout_s)
+        running = [p for p in self.procs if p.poll() is None]
+        for p in running:
+            p.terminate()
+        for p in running:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=timeout_s)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], urls: Sequence[str], timeout_s: float) -> None:
+def _check_alive(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is not None:
+            raise RuntimeError(f"kvgate replica exited with code {p.returncode}")
+
+
+def _wait_ready(
+    procs: Sequence[subprocess.Popen[bytes]], urls: Sequence[str], timeout_s: float
+) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     with httpx.Client(timeout=1.0) as client:
         while pending:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvgate replica exited with code {proc.returncode}")
+            _check_alive(procs)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not ready after {timeout_s}s: {pending}")
             url = pending[0]
@@ -198,13 +212,14 @@ def _wait_ready(proc: subprocess.Popen[bytes], urls: Sequence[str], timeout_s: f
             time.sleep(0.05)
 
 
-def _wait_ready_line(proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
-    """Wait for the process's ``ready {...}`` line: /health answers as soon as uvicorn is up,
-    a moment before the endpoint lines are printed."""
+def _wait_ready_lines(
+    procs: Sequence[subprocess.Popen[bytes]], log_path: Path, timeout_s: float
+) -> None:
+    """Wait for every process's ``ready {...}`` line: /health answers as soon as uvicorn is
+    up, a moment before the endpoint lines are printed."""
     deadline = time.monotonic() + timeout_s
-    while b"\nready {" not in b"\n" + log_path.read_bytes():
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvgate replica exited with code {proc.returncode}")
+    while (b"\n" + log_path.read_bytes()).count(b"\nready {") < len(procs):
+        _check_alive(procs)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no ready line in {log_path} after {timeout_s}s")
         time.sleep(0.02)
@@ -219,22 +234,21 @@ def launch_fleet(
     timeout_s: float = 60.0,
     log_path: Path | None = None,
     env: dict[str, str] | None = None,
+    process_per_replica: bool = False,
 ) -> Iterator[FleetProcess]:
     """Run ``kvgate replica`` in a subprocess on free ports (or ``ports``), wait until every
     replica answers /health, and stop it on exit. ``extra_args`` are passed through (e.g.
     ``["--profile", "8b-h100-fast", "--time-scale", "0.1"]``); ``settings`` only informs the
     returned endpoints (host, model) and should match them. ``log_path`` receives the
-    process's stdout (the endpoint lines) and logs."""
+    process's stdout (the endpoint lines) and logs.
+
+    ``process_per_replica`` starts one process per replica: replicas that share a process
+    share its event loop, so one replica's prefill step or request parse delays the others'
+    step timers (loop lag that stretches their modelled time); benchmarks that need each
+    replica's clock to hold use it."""
     settings = settings or ReplicaSettings()
     planned = plan_ports(count, ports=ports)
-    cmd = [
-        sys.executable, "-m", "gateway.cli", "replica",
-        "--count", str(count),
-        "--http-ports", ",".join(str(p.http) for p in planned),
-        "--events-ports", ",".join(str(p.events) for p in planned),
-        "--replay-ports", ",".join(str(p.replay) for p in planned),
-        *extra_args,
-    ]  # fmt: skip
+    groups = [[p] for p in planned] if process_per_replica else [planned]
     model = settings.model
     if "--model" in extra_args:
         model = extra_args[list(extra_args).index("--model") + 1]
@@ -243,17 +257,29 @@ def launch_fleet(
         for i, p in enumerate(planned)
     ]
     log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log_file if log_file is not None else subprocess.DEVNULL,
-        stderr=subprocess.STDOUT if log_file is not None else subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-    )
-    fp = FleetProcess(proc, endpoints, log_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    fp = FleetProcess(procs, endpoints, log_path)
     try:
-        _wait_ready(proc, [e.url for e in endpoints], timeout_s)
+        for group in groups:
+            cmd = [
+                sys.executable, "-m", "gateway.cli", "replica",
+                "--count", str(len(group)),
+                "--http-ports", ",".join(str(p.http) for p in group),
+                "--events-ports", ",".join(str(p.events) for p in group),
+                "--replay-ports", ",".join(str(p.replay) for p in group),
+                *extra_args,
+            ]  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=log_file if log_file is not None else subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT if log_file is not None else subprocess.DEVNULL,
+                    env={**os.environ, **(env or {})},
+                )
+            )
+        _wait_ready(procs, [e.url for e in endpoints], timeout_s)
         if log_path is not None:
-            _wait_ready_line(proc, log_path, timeout_s)
+            _wait_ready_lines(procs, log_path, timeout_s)
         yield fp
     finally:
         fp.stop()
