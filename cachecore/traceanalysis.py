@@ -54,6 +54,7 @@ class BoundResult:
     hit_tokens: int
     prompt_tokens: int
     evictions: int
+    request_hits: tuple[int, ...] = ()  # hit tokens of each request, in order
 
     @property
     def hit_rate(self) -> float:
@@ -66,6 +67,7 @@ def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) ->
     its full blocks become most recently used (evicting from the LRU end)."""
     cache: OrderedDict[bytes, None] = OrderedDict()
     hit = total = evictions = 0
+    hits: list[int] = []
     for req in requests:
         total += req.prompt_tokens
         matched = 0
@@ -73,7 +75,8 @@ def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) ->
             if k not in cache:
                 break
             matched += 1
-        hit += capped_hit_tokens(matched, req.prompt_tokens, req.block_size)
+        hits.append(capped_hit_tokens(matched, req.prompt_tokens, req.block_size))
+        hit += hits[-1]
         for k in req.keys:
             if k in cache:
                 cache.move_to_end(k)
@@ -83,7 +86,7 @@ def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) ->
             while len(cache) > capacity_blocks:
                 cache.popitem(last=False)
                 evictions += 1
-    return BoundResult(hit, total, evictions)
+    return BoundResult(hit, total, evictions, tuple(hits))
 
 
 # ----------------------------------------------------------------------- event traces

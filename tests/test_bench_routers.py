@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from cachecore.engine.latency import get_profile
+from cachecore.tokenizer import builtin_tokenizer
+from gateway.tokenization import LocalPromptTokenizer
 from loadtest.bench_routers import (
     ALL_SYSTEMS,
     System,
+    _floor_note,
     block_order,
     lag_p99_ms,
     parse_systems,
@@ -77,6 +81,32 @@ def test_bounds_are_ordered() -> None:
     # 8 of 12 prompts reuse a 256-token system prompt (+128-token question, template)
     assert 0.35 < b.infinite == b.fleet_lru < 0.5
     assert small.fleet_lru < b.fleet_lru
+    assert math.isnan(b.ttft_floor_p99_s)  # no profile, no floor
+
+
+def test_ttft_floor_is_each_request_alone_with_the_infinite_cache() -> None:
+    prof = get_profile("8b-h100")
+    w = build("shared-prefix", TextSource(), groups=2, prompts_per_group=50, system_tokens=512)
+    b = workload_bounds(w, capacity_blocks=10_000, profile=prof)
+    tok = LocalPromptTokenizer(builtin_tokenizer())
+    lens = [len(tok.chat_sync(it.body("kvgate-sim-8b", stream=False))) for it in w.items]
+    first: dict[str, int] = {}  # system prompt -> its group's first request (cold)
+    for i, it in enumerate(w.items):
+        first.setdefault(str(it.messages[0]["content"]), i)
+    assert len(first) == 2
+    # every other request reuses its group's 512-token system prompt, so the two cold ones
+    # have the two highest floors and the nearest-rank p99 of 100 is the lower of them
+    cold = sorted(prof.ttft_alone(lens[i]) for i in first.values())
+    assert b.ttft_floor_p99_s == pytest.approx(cold[0])
+    warm = [prof.ttft_alone(n, 512) for i, n in enumerate(lens) if i not in first.values()]
+    assert b.ttft_floor_mean_s <= (sum(cold) + sum(warm)) / len(lens)  # hits >= 512 tokens
+    assert b.ttft_floor_mean_s > prof.prefill_overhead_s
+
+
+def test_floor_note_says_when_a_target_is_out_of_reach() -> None:
+    assert "unreachable by any router" in _floor_note(0.4, 0.578, "p99")
+    assert "unreachable" not in _floor_note(0.7, 0.578, "p99")
+    assert _floor_note(0.7, math.nan, "p99") == ""
 
 
 @pytest.mark.slow

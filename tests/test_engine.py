@@ -339,6 +339,18 @@ def test_cached_prefix_makes_ttft_cheap() -> None:
     assert t1 / t2 > 3
 
 
+def test_ttft_alone_matches_the_engine_over_several_chunks() -> None:
+    """A prompt longer than one step's token budget is prefilled in chunks, one step
+    overhead each: ttft_alone (the benchmark's TTFT floor) says what the engine does."""
+    prof = PROFILES["8b-h100"].with_overrides(max_num_batched_tokens=1024)
+    for prompt in (1000, 1024, 1025, 3000):
+        core = EngineCore(EngineConfig(profile=prof, hash_seed=0), VOCAB)
+        core.add_request(EngineRequest("a", toks(prompt), max_tokens=1), 0.0)
+        assert run(core)[1] == pytest.approx(prof.ttft_alone(prompt))
+    assert prof.ttft_alone(3000) == pytest.approx(3 * 0.030 + 3000 * 250e-6)
+    assert prof.ttft_alone(100, 100) == 0.0
+
+
 def test_decode_slows_with_batch_size() -> None:
     prof = PROFILES["8b-h100-fast"]
     assert prof.decode_time(1) == pytest.approx(prof.inter_token_latency_s)

@@ -52,8 +52,13 @@ class LatencyProfile:
         return self.prefill_time(prefill_tokens) + self.decode_time(decode_seqs)
 
     def ttft_alone(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
-        """TTFT of a request alone on the engine (prompt within one step's budget)."""
-        return self.prefill_time(prompt_tokens - cached_tokens)
+        """TTFT of a request alone on the engine: its uncached tokens in chunks of
+        ``max_num_batched_tokens``, one step (and one step overhead) per chunk."""
+        n = prompt_tokens - cached_tokens
+        if n <= 0:
+            return 0.0
+        steps = -(-n // self.max_num_batched_tokens)
+        return steps * self.prefill_overhead_s + n * self.prefill_per_token_s
 
     def with_overrides(self, **changes: object) -> LatencyProfile:
         return replace(self, **changes)  # type: ignore[arg-type]
