@@ -77,6 +77,9 @@ def is_ephemeral_salt(salt: str) -> bool:
     return salt.startswith(EPHEMERAL_SALT_PREFIX)
 
 
+SALT_CACHE_SCOPES = 4096
+
+
 class SaltMinter:
     """Derives the engine ``cache_salt`` of a scope from server-side secrets.
 
@@ -92,6 +95,9 @@ class SaltMinter:
             if len(s) < 16:
                 raise KeyMaterialError("a salt secret must be at least 16 bytes")
         self._secrets = tuple(secrets)
+        # salts of long-lived scopes (tenants, groups), computed once: an HMAC per request
+        # and secret is measurable on the gateway's hot path; bounded by clearing when full
+        self._cache: dict[str, list[str]] = {}
 
     @property
     def n_secrets(self) -> int:
@@ -104,8 +110,16 @@ class SaltMinter:
         return (EPHEMERAL_SALT_PREFIX if scope.ephemeral else SALT_PREFIX) + mac
 
     def salts(self, scope: Scope) -> list[str]:
-        """Salts under every live secret, primary first."""
-        return [self.salt(scope, i) for i in range(len(self._secrets))]
+        """Salts under every live secret, primary first (a new list each call)."""
+        if scope.ephemeral:  # one-off names (per request): never cached
+            return [self.salt(scope, i) for i in range(len(self._secrets))]
+        name = scope.canonical()
+        cached = self._cache.get(name)
+        if cached is None:
+            if len(self._cache) >= SALT_CACHE_SCOPES:
+                self._cache.clear()
+            cached = self._cache[name] = [self.salt(scope, i) for i in range(len(self._secrets))]
+        return list(cached)
 
 
 def tokens_to_bytes(tokens: Sequence[int]) -> bytes:

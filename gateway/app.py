@@ -166,6 +166,7 @@ def create_app(gw: Gateway) -> FastAPI:
                 span.end()
             raise
         d.t_start = t_start
+        d.raw_body = raw
         exchange: UpstreamExchange
 
         def on_done() -> None:

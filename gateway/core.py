@@ -98,6 +98,7 @@ class Dispatch:
     ticket: Ticket | None = None
     t_start: float = 0.0
     load_at_dispatch: LoadView | None = None
+    raw_body: bytes | None = None  # the client's bytes, when they parsed to ``body``
 
     @property
     def replica(self) -> str:
@@ -550,15 +551,23 @@ class Gateway:
             self.metrics.rate_limited.labels(tenant, rej.limit).inc()
             raise rate_limited(rej.message, rej.retry_after_s, rej.limit)
         self.metrics.decisions.labels(decision.strategy.value, decision.reason).inc()
-        # count it and write its pending entries now, before any other request's lookup
-        await self.on_dispatch(d)
+        # the exchange counts it and writes its pending entries (on_dispatch) right after
+        # the upstream write, in the same loop tick: before any other request's lookup
         return d
 
     # ------------------------------------------------------------------ dispatch
     def upstream_body(self, d: Dispatch) -> bytes:
         """The body sent upstream: the client's fields, our cache_salt, usage requested."""
+        salt = d.salts[d.salt_index]
+        raw = d.raw_body
+        if raw is not None and not d.stream and d.body and "cache_salt" not in d.body:
+            # nothing to replace: append the salt to the client's own bytes instead of
+            # re-serializing the body (its prompt can be thousands of token ids)
+            end = raw.rstrip()
+            if end.endswith(b"}"):
+                return b"".join((end[:-1], b',"cache_salt":', orjson.dumps(salt), b"}"))
         body = dict(d.body)
-        body["cache_salt"] = d.salts[d.salt_index]  # replaces any client-supplied salt
+        body["cache_salt"] = salt  # replaces any client-supplied salt
         if d.stream:
             opts = body.get("stream_options")
             opts = dict(opts) if isinstance(opts, dict) else {}
@@ -566,8 +575,10 @@ class Gateway:
             body["stream_options"] = opts
         return orjson.dumps(body)
 
-    async def on_dispatch(self, d: Dispatch) -> None:
-        """Count the request against its replica and record the pending entries."""
+    def on_dispatch(self, d: Dispatch) -> None:
+        """Count the request against its replica and record the pending entries. No await:
+        the caller runs it in the loop tick that sends the request, so no other request's
+        lookup can come between the dispatch and its record."""
         assert self.index is not None
         cand = next(c for c in d.candidates if c.replica == d.replica)
         d.load_at_dispatch = cand.load
@@ -590,7 +601,7 @@ class Gateway:
             keys = d.keys[d.salt_index]
             if start < len(keys):
                 ttl = self.policy.index.pending_ttl_ms
-                await self.index.add_pending(d.replica, keys[start:], ttl, _now_ms())
+                self.index.add_pending(d.replica, keys[start:], ttl, _now_ms())
 
     def on_first_byte(self, d: Dispatch) -> None:
         if d.ticket is not None:

@@ -99,26 +99,31 @@ class GatewayIndex:
             )
 
     async def _ensure_live(self, replicas: Sequence[str], now_ms: int) -> None:
+        self._ensure_live_now(replicas, now_ms)
+
+    def _ensure_live_now(self, replicas: Sequence[str], now_ms: int) -> None:
         # the local index has no agent: its replicas are "live" as far as pending goes
         assert self.local is not None
         for r in replicas:
             if r not in self._local_live:
                 self._local_live.add(r)
-                await self.local.set_state(r, ReplicaState.LIVE, now_ms)
+                self.local.set_state_now(r, ReplicaState.LIVE, now_ms)
 
-    async def add_pending(
-        self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
-    ) -> None:
-        """Record a dispatch: at once in-process (the next lookup must see it, or two
-        concurrent requests of one prefix would miss each other), in the background for a
-        shared index (the request never waits for Redis)."""
+    def add_pending(self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int) -> None:
+        """Record a dispatch, synchronously in-process (the next lookup must see it, or two
+        concurrent requests of one prefix would miss each other; no await, so it lands in
+        the same loop tick as the upstream write), in the background for a shared index
+        (the request never waits for Redis)."""
         if not keys:
             return
         if self.local is None:
-            await self.primary.add_pending(replica, keys, ttl_ms, now_ms)
+            if isinstance(self.primary, MemoryIndex):
+                self.primary.add_pending_now(replica, keys, ttl_ms, now_ms)
+            else:  # a shared index without a local copy: nothing to write at once
+                self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
             return
-        await self._ensure_live([replica], now_ms)
-        await self.local.add_pending(replica, keys, ttl_ms, now_ms)
+        self._ensure_live_now([replica], now_ms)
+        self.local.add_pending_now(replica, keys, ttl_ms, now_ms)
         self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
 
     async def _primary_pending(

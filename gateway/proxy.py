@@ -139,6 +139,13 @@ class UpstreamExchange(Response):
             self.on_done()
 
     # ------------------------------------------------------------------ helpers
+    def _dispatched(self) -> None:
+        """The request is on its way to (or connecting to) ``d.replica``: count it there and
+        record its pending entries (every attempt; a failed one was released by reroute)."""
+        c0 = time.perf_counter_ns()
+        self.gw.on_dispatch(self.d)
+        self.gw.stages.add("proxy", time.perf_counter_ns() - c0)
+
     def _finish(self, out: Outcome) -> None:
         if not self._finished:
             self._finished = True
@@ -188,11 +195,11 @@ class UpstreamExchange(Response):
                     self._finish(Outcome(503, None, time.perf_counter() - t0, None, None, None))
                     return
                 payload = gw.upstream_body(d)
-                if d.ticket is None:  # a retry: the first dispatch was counted in prepare
-                    await gw.on_dispatch(d)
                 gw.stages.add("proxy", time.perf_counter_ns() - c0)
                 try:
-                    resp = await gw.upstream.post(rep.url, d.path, headers, payload, timeouts)
+                    resp = await gw.upstream.post(
+                        rep.url, d.path, headers, payload, timeouts, self._dispatched
+                    )
                     break
                 except _RETRYABLE as exc:
                     failed = d.replica

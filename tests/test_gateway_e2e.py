@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from cachecore.keys import Scope, ScopeKind
 from gateway.auth import hash_key
-from tests.test_gateway_support import Stack, kill_replica, stack, words
+from tests.test_gateway_support import FAST, Stack, kill_replica, stack, words
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,6 +152,27 @@ async def test_client_cache_salt_has_no_effect() -> None:
         d = await gw.prepare("completion", "someone-else", dict(body), {}, "t", True)
         sent = orjson.loads(gw.upstream_body(d))
         assert sent["cache_salt"] == gw.minter.salt(scope_b) != salt_a
+        # with the client's bytes at hand the salt is appended to them: the same fields,
+        # our salt, whatever the spacing; a client salt or a stream still re-serializes
+        salt_b = gw.minter.salt(scope_b)
+        base = {"model": st.model, "prompt": [5, 6, 7], "max_tokens": 1, "x_unknown": {"a": 1}}
+        for raw, body in (
+            (orjson.dumps(base), base),
+            (b' {"model": "%s", "prompt": [5,6,7],"max_tokens":1, "x_unknown":{"a":1}}\r\n '
+             % st.model.encode(), base),
+            (orjson.dumps({**base, "cache_salt": salt_a}), {**base, "cache_salt": salt_a}),
+            (orjson.dumps({**base, "stream": True}), {**base, "stream": True}),
+        ):  # fmt: skip
+            d = await gw.prepare("completion", "someone-else", orjson.loads(raw), {}, "t", True)
+            d.raw_body = raw
+            out = gw.upstream_body(d)
+            sent = orjson.loads(out)
+            assert sent.pop("cache_salt") == salt_b
+            if body.get("stream"):
+                assert sent.pop("stream_options") == {"include_usage": True}
+            assert sent == {k: v for k, v in body.items() if k != "cache_salt"}
+            if raw.startswith(b" "):  # the client's own spacing survives: spliced, not re-dumped
+                assert out.startswith(raw.rstrip()[:-1])
 
 
 async def test_tenant_spoofing_a_salt_gets_no_hit(tmp_path: Path) -> None:
@@ -432,3 +453,30 @@ async def test_policy_file_change_is_picked_up_and_a_bad_one_is_refused(tmp_path
                 await asyncio.sleep(0.05)
         assert st.gw.policy.routing.strategy.value == "least_loaded"  # the bad file was refused
         assert st.gw.policies.last_error and "routing.x" in st.gw.policies.last_error
+
+
+async def test_a_dispatch_is_recorded_while_its_request_is_in_flight() -> None:
+    """The exchange records the dispatch (in-flight count, queued prefill, pending entries)
+    as it sends the request: the next lookup sees it long before the answer, and the
+    record is released when the answer is in."""
+    slow = FAST.model_copy(update={"time_scale": 1.0})  # a 1,600-token prefill: ~0.43 s
+    async with stack(count=1, replica=slow) as st:
+        gw, c = st.gw, st.client()
+        assert gw.index is not None and gw.pool is not None
+        rid = gw.pool.all()[0].id
+        task = asyncio.create_task(
+            c.completions.create(model=st.model, prompt=words(1600, 77), max_tokens=1)
+        )
+        for _ in range(200):  # bounded: 2 s
+            queued, requests, running = gw.inflight.own(rid)
+            if requests + running == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert requests + running == 1 and not task.done()
+        if requests == 1:  # before its predicted first token: its whole prefill is queued
+            assert queued >= 1584
+        stats = await gw.index.primary.stats()
+        assert stats.pending_entries >= 99  # its full blocks, pending on that replica
+        r = await task
+        assert r.usage is not None and r.usage.prompt_tokens >= 1600
+        assert gw.inflight.own(rid)[1:] == (0, 0)

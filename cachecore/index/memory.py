@@ -262,6 +262,13 @@ class MemoryIndex:
     async def add_pending(
         self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
     ) -> None:
+        self.add_pending_now(replica, keys, ttl_ms, now_ms)
+
+    def add_pending_now(
+        self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
+    ) -> None:
+        """:meth:`add_pending` without the coroutine: the gateway records a dispatch in
+        the same loop tick as its upstream write, with no await in between."""
         rep = self._rep(replica)
         rep.pending.add(keys, now_ms + ttl_ms, now_ms, self.max_pending_per_replica)
         blocks = rep.blocks
@@ -322,6 +329,9 @@ class MemoryIndex:
         return rep.epoch
 
     async def set_state(self, replica: str, state: ReplicaState, now_ms: int) -> None:
+        self.set_state_now(replica, state, now_ms)
+
+    def set_state_now(self, replica: str, state: ReplicaState, now_ms: int) -> None:
         rep = self._rep(replica)
         rep.state = state
         rep.updated_ms = now_ms
