@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import importlib
 import logging
 import os
@@ -43,6 +42,7 @@ from cachecore.index.base import PrefixIndex
 from cachecore.index.redis import RedisIndex, redis_client
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
+from cachecore.process import freeze_startup_heap
 from gateway.app import create_asgi
 from gateway.auth import KeyStore, load_key_file
 from gateway.core import AgentHook, Gateway
@@ -124,16 +124,6 @@ def build_gateway(
     )
     gw.strategy_override = strategy
     return gw
-
-
-def freeze_startup_heap() -> None:
-    """Collect, then move every object alive after start-up (modules, policy, tokenizer,
-    clients, replica tables) into the GC's permanent generation (``gc.freeze``): full
-    collections then traverse only what requests allocate, which keeps their pauses out of
-    the routing tail (measured: decision p99 in ``kvgate bench gateway``, docs/benchmarks.md).
-    Frozen objects are still freed by reference counting; only cycles among them leak."""
-    gc.collect()
-    gc.freeze()
 
 
 class _DrainingServer(uvicorn.Server):

@@ -487,8 +487,9 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     from cachecore.index.redis import RedisIndex
     from cachecore.keys import BlockKeyer, SaltMinter, Scope, ScopeKind
     from cachecore.lifecycle import IndexWrite, Tier
+    from cachecore.process import freeze_startup_heap
     from cachecore.testing import RedisServer
-    from gateway.serve import build_gateway, freeze_startup_heap
+    from gateway.serve import build_gateway
     from gateway.settings import GatewaySettings
 
     rng = random.Random(args.seed + 1)

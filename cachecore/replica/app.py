@@ -68,6 +68,10 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise APIError(f"{loc}: {first.get('msg')}", param=loc or None) from exc
 
 
+def _json_bytes(data: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(data), media_type="application/json")
+
+
 def create_app(replica: SimReplica) -> FastAPI:
     app = FastAPI(title=f"kvgate simulated replica {replica.index}", docs_url=None, redoc_url=None)
     tok = replica.tokenizer
@@ -123,7 +127,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         chat: bool,
         include_usage: bool,
         continuous_usage: bool,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         created = now_s()
         rid = handle.request_id
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -218,23 +222,30 @@ def create_app(replica: SimReplica) -> FastAPI:
         return JSONResponse(completion_response(handle.request_id, model, text, last, now_s()))
 
     # ------------------------------------------------------------------ tokenization
-    @app.post("/v1/chat/completions/render")
-    async def render_chat(request: Request) -> dict[str, Any]:
+    # token-id answers are serialized by orjson: FastAPI's encoder walks every id in Python
+    # (milliseconds for a long prompt, on the engine loop; a router that renders every
+    # request on every replica makes that the replicas' largest cost)
+    @app.post("/v1/chat/completions/render", response_model=None)
+    async def render_chat(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
         check_model(req.model)
         validate_common(req)
         ids = await chat_prompt(req)
-        return {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
+        return _json_bytes(
+            {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
+        )
 
-    @app.post("/v1/completions/render")
-    async def render_completion(request: Request) -> dict[str, Any]:
+    @app.post("/v1/completions/render", response_model=None)
+    async def render_completion(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
         check_model(req.model)
         ids = await completion_ids(req)
-        return {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
+        return _json_bytes(
+            {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
+        )
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(request: Request) -> Response:
         req = await _parse(request, TokenizeRequest)
         check_model(req.model)
         if req.messages is not None:
@@ -248,12 +259,14 @@ def create_app(replica: SimReplica) -> FastAPI:
         else:
             raise APIError("either 'prompt' or 'messages' is required")
         strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
-        return {
-            "count": len(ids),
-            "max_model_len": replica.core.max_model_len,
-            "tokens": ids,
-            "token_strs": strs,
-        }
+        return _json_bytes(
+            {
+                "count": len(ids),
+                "max_model_len": replica.core.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:

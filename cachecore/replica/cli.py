@@ -20,6 +20,7 @@ import zmq
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
+from cachecore.process import freeze_startup_heap
 from cachecore.replica.fleet import run_fleet
 from cachecore.replica.settings import ReplicaPorts, ReplicaSettings
 
@@ -134,6 +135,7 @@ async def _serve(settings: ReplicaSettings, ports: list[ReplicaPorts]) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     async with run_fleet(settings, len(ports), ports=ports) as fleet:
+        freeze_startup_heap()  # a full collection would otherwise stall the engine loops
         for ep in fleet.endpoints:
             print(
                 f"replica {ep.index}: {ep.url}  events {ep.events_endpoint}  "
