@@ -51,6 +51,11 @@ class NoCandidateError(LookupError):
 class RoutingParams:
     """Strategy knobs (from the policy's ``routing`` section).
 
+    ``tie_epsilon_ms`` / ``tie_fraction``: costs within ``tie_epsilon_ms`` of the best are
+    ties, taken in turn (the tied replica picked least recently); when no replica holds any
+    of the prompt, within ``max(tie_epsilon_ms, tie_fraction * best)``: the costs then
+    differ only by load estimates, whose noise should not decide, and rotation spreads such
+    requests as evenly as round_robin (measured: short-unique p99 at 85% load).
     ``temperature``: 0 picks the lowest cost; > 0 samples with weights
     ``exp(-(cost - best) / (temperature * best))`` (dimensionless, relative to the best).
     ``spill_queue_ms``: when the cheapest replica holds a prefix match and its queue wait
@@ -67,6 +72,7 @@ class RoutingParams:
     strategy: Strategy = Strategy.EXPECTED_LATENCY
     temperature: float = 0.0
     tie_epsilon_ms: float = 0.5
+    tie_fraction: float = 0.1
     spill_queue_ms: float | None = 2000.0
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
@@ -163,6 +169,8 @@ class Router:
         self.params = params
         self.rng = rng
         self._rr = 0
+        self._picks = 0
+        self._picked_at: dict[str, int] = {}  # replica -> when a tie last went to it
 
     def decide(
         self,
@@ -248,14 +256,24 @@ class Router:
         return out
 
     # ------------------------------------------------------------------ strategies
-    def _ties(self, scores: Sequence[ReplicaScore], value: float, key: str) -> list[ReplicaScore]:
-        eps = self.params.tie_epsilon_ms if key == "cost_ms" else 0.0
-        return [s for s in scores if getattr(s, key) <= value + eps]
-
     def _lowest_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, bool]:
+        p = self.params
         best = min(s.cost_ms for s in scores)
-        ties = self._ties(scores, best, "cost_ms")
-        return (ties[0], False) if len(ties) == 1 else (self.rng.choice(ties), True)
+        eps = p.tie_epsilon_ms
+        if p.tie_fraction > 0 and not any(s.matched_blocks for s in scores):
+            # no replica holds any of the prompt: the costs differ by load estimates only
+            eps = max(eps, p.tie_fraction * best)
+        bound = best + eps
+        ties = [s for s in scores if s.cost_ms <= bound]
+        if len(ties) == 1:
+            return ties[0], False
+        # in turn: the tied replica that a tie went to least recently (never: first, in
+        # random order so a fresh router does not favour the first listed)
+        at = self._picked_at
+        pick = min(ties, key=lambda s: (at.get(s.replica, -1), self.rng.random()))
+        self._picks += 1
+        at[pick.replica] = self._picks
+        return pick, True
 
     def _expected_latency(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
         p = self.params
@@ -277,7 +295,7 @@ class Router:
                 alt, _ = self._lowest_cost(under)
                 return alt.replica, "spill"
         if tied:
-            return pick.replica, "tie_random"
+            return pick.replica, "tie_rotation"
         return pick.replica, "prefix_hit" if pick.matched_blocks > 0 else "lowest_cost"
 
     def _least_loaded(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:

@@ -42,6 +42,7 @@ class RoutingPolicy(_Section):
     strategy: Strategy = Strategy.EXPECTED_LATENCY
     temperature: NonNegFloat = 0.0
     tie_epsilon_ms: NonNegFloat = 0.5
+    tie_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
     spill_queue_ms: PositiveFloat | None = 2000.0
     cold_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
     prefix_affinity: PrefixAffinityPolicy = PrefixAffinityPolicy()
@@ -53,6 +54,7 @@ class RoutingPolicy(_Section):
             strategy=self.strategy,
             temperature=self.temperature,
             tie_epsilon_ms=self.tie_epsilon_ms,
+            tie_fraction=self.tie_fraction,
             spill_queue_ms=self.spill_queue_ms,
             cache_threshold=pa.cache_threshold,
             balance_abs_threshold=pa.balance_abs_threshold,

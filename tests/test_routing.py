@@ -65,6 +65,23 @@ def test_ties_are_broken_at_random_and_reproducibly() -> None:
     assert a == b
 
 
+def test_ties_rotate_and_load_noise_ties_only_when_nothing_matches() -> None:
+    r = router()
+    cands = fleet()
+    cands[0] = Candidate("r0", LoadView(queued_prefill_tokens=100))  # +25 ms of ~540: < 10%
+    picks = [r.decide(REQ, cands, C) for _ in range(12)]
+    # no replica holds the prompt: all four are tied, taken in turn (each once per round)
+    for k in range(3):
+        assert sorted(d.replica for d in picks[4 * k : 4 * k + 4]) == ["r0", "r1", "r2", "r3"]
+    assert {d.reason for d in picks} == {"tie_rotation"}
+    # without the relative band the 25 ms decide: r0 is never picked
+    strict = router(tie_fraction=0.0)
+    assert "r0" not in {strict.decide(REQ, cands, C).replica for _ in range(12)}
+    # a match anywhere (here 16 tokens, 4 ms) switches the band off: that replica wins
+    cands[1] = Candidate("r1", LoadView(), match(1))
+    assert {r.decide(REQ, cands, C).replica for _ in range(12)} == {"r1"}
+
+
 def test_spill_replicates_a_hot_prefix() -> None:
     req = RouteRequest(prompt_tokens=16_384, block_size=16)
     cands = fleet(3)
