@@ -52,10 +52,10 @@ class RoutingParams:
     """Strategy knobs (from the policy's ``routing`` section).
 
     ``tie_epsilon_ms`` / ``tie_fraction``: costs within ``tie_epsilon_ms`` of the best are
-    ties, taken in turn (the tied replica picked least recently); when no replica holds any
+    ties, taken in random rounds (each tied replica once per round); when no replica holds any
     of the prompt, within ``max(tie_epsilon_ms, tie_fraction * best)``: the costs then
     differ only by load estimates, whose noise should not decide, and rotation spreads such
-    requests as evenly as round_robin (measured: short-unique p99 at 85% load).
+    requests about as evenly as round_robin (measured: short-unique p99 at 85% load).
     ``temperature``: 0 picks the lowest cost; > 0 samples with weights
     ``exp(-(cost - best) / (temperature * best))`` (dimensionless, relative to the best).
     ``spill_queue_ms``: when the cheapest replica holds a prefix match and its queue wait
@@ -169,8 +169,8 @@ class Router:
         self.params = params
         self.rng = rng
         self._rr = 0
-        self._picks = 0
-        self._picked_at: dict[str, int] = {}  # replica -> when a tie last went to it
+        self._round: set[str] = set()  # replicas a tie went to in the current round
+        self._last_tie = ""  # the replica the last tie went to
 
     def decide(
         self,
@@ -267,12 +267,17 @@ class Router:
         ties = [s for s in scores if s.cost_ms <= bound]
         if len(ties) == 1:
             return ties[0], False
-        # in turn: the tied replica that a tie went to least recently (never: first, in
-        # random order so a fresh router does not favour the first listed)
-        at = self._picked_at
-        pick = min(ties, key=lambda s: (at.get(s.replica, -1), self.rng.random()))
-        self._picks += 1
-        at[pick.replica] = self._picks
+        # in rounds: at random among the tied replicas no tie went to in this round (a new
+        # round when there are none), so ties spread as evenly as round_robin, in an order
+        # nobody can predict: a fixed rotation would let one tenant's placements reveal how
+        # many cold requests the others sent, and line them up with theirs
+        fresh = [s for s in ties if s.replica not in self._round]
+        if not fresh:  # a new round, not starting where the last one ended (back to back)
+            self._round.clear()
+            fresh = [s for s in ties if s.replica != self._last_tie] or ties
+        pick = self.rng.choice(fresh)
+        self._round.add(pick.replica)
+        self._last_tie = pick.replica
         return pick, True
 
     def _expected_latency(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
@@ -295,7 +300,7 @@ class Router:
                 alt, _ = self._lowest_cost(under)
                 return alt.replica, "spill"
         if tied:
-            return pick.replica, "tie_rotation"
+            return pick.replica, "tie_round"
         return pick.replica, "prefix_hit" if pick.matched_blocks > 0 else "lowest_cost"
 
     def _least_loaded(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
