@@ -170,7 +170,6 @@ class Router:
         self.rng = rng
         self._rr = 0
         self._round: set[str] = set()  # replicas a tie went to in the current round
-        self._last_tie = ""  # the replica the last tie went to
 
     def decide(
         self,
@@ -272,12 +271,11 @@ class Router:
         # nobody can predict: a fixed rotation would let one tenant's placements reveal how
         # many cold requests the others sent, and line them up with theirs
         fresh = [s for s in ties if s.replica not in self._round]
-        if not fresh:  # a new round, not starting where the last one ended (back to back)
+        if not fresh:
             self._round.clear()
-            fresh = [s for s in ties if s.replica != self._last_tie] or ties
+            fresh = ties
         pick = self.rng.choice(fresh)
         self._round.add(pick.replica)
-        self._last_tie = pick.replica
         return pick, True
 
     def _expected_latency(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections import Counter
 
@@ -76,7 +75,6 @@ def test_ties_rotate_and_load_noise_ties_only_when_nothing_matches() -> None:
     rounds = [tuple(d.replica for d in picks[4 * k : 4 * k + 4]) for k in range(10)]
     assert all(sorted(rd) == ["r0", "r1", "r2", "r3"] for rd in rounds)
     assert len(set(rounds)) > 3
-    assert all(a != b for a, b in itertools.pairwise(d.replica for d in picks))  # no repeat
     assert {d.reason for d in picks} == {"tie_round"}
     # without the relative band the 25 ms decide: r0 is never picked
     strict = router(tie_fraction=0.0)
