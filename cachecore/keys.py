@@ -111,14 +111,14 @@ class SaltMinter:
 
     def salts(self, scope: Scope) -> list[str]:
         """Salts under every live secret, primary first (a new list each call)."""
-        if scope.ephemeral:  # one-off names (per request): never cached
-            return [self.salt(scope, i) for i in range(len(self._secrets))]
         name = scope.canonical()
         cached = self._cache.get(name)
         if cached is None:
-            if len(self._cache) >= SALT_CACHE_SCOPES:
-                self._cache.clear()
-            cached = self._cache[name] = [self.salt(scope, i) for i in range(len(self._secrets))]
+            cached = [self.salt(scope, i) for i in range(len(self._secrets))]
+            if not scope.ephemeral:  # one-off names (per request) are never cached
+                if len(self._cache) >= SALT_CACHE_SCOPES:
+                    self._cache.clear()
+                self._cache[name] = cached
         return list(cached)
 
 

@@ -84,7 +84,7 @@ class GatewayIndex:
         self.metrics.index_fallbacks.labels(reason).inc()
         if self.local is None:
             return LookupResult({}, "none", time.perf_counter() - t0)
-        await self._ensure_live(replicas, now_ms)
+        self._ensure_live(replicas, now_ms)
         matches = await self.local.lookup(keys, replicas, now_ms)
         dt = time.perf_counter() - t0
         self.metrics.lookup.labels("local").observe(dt)
@@ -98,10 +98,7 @@ class GatewayIndex:
                 "index lookup failed; routing from local decisions", extra={"error": repr(exc)}
             )
 
-    async def _ensure_live(self, replicas: Sequence[str], now_ms: int) -> None:
-        self._ensure_live_now(replicas, now_ms)
-
-    def _ensure_live_now(self, replicas: Sequence[str], now_ms: int) -> None:
+    def _ensure_live(self, replicas: Sequence[str], now_ms: int) -> None:
         # the local index has no agent: its replicas are "live" as far as pending goes
         assert self.local is not None
         for r in replicas:
@@ -122,7 +119,7 @@ class GatewayIndex:
             else:  # a shared index without a local copy: nothing to write at once
                 self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
             return
-        self._ensure_live_now([replica], now_ms)
+        self._ensure_live([replica], now_ms)
         self.local.add_pending_now(replica, keys, ttl_ms, now_ms)
         self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
 

@@ -54,7 +54,7 @@ class RoutingParams:
     ``tie_epsilon_ms`` / ``tie_fraction``: costs within ``tie_epsilon_ms`` of the best are
     ties, taken in random rounds (each tied replica once per round); when no replica holds any
     of the prompt, within ``max(tie_epsilon_ms, tie_fraction * best)``: the costs then
-    differ only by load estimates, whose noise should not decide, and rotation spreads such
+    differ only by load estimates, whose noise should not decide, and the rounds spread such
     requests about as evenly as round_robin (measured: short-unique p99 at 85% load).
     ``temperature``: 0 picks the lowest cost; > 0 samples with weights
     ``exp(-(cost - best) / (temperature * best))`` (dimensionless, relative to the best).

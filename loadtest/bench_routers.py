@@ -42,7 +42,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -835,7 +835,7 @@ def run(args: argparse.Namespace) -> int:
             "time_scale": args.time_scale,
             "seeds": seeds,
             "wall_s": wall,
-            "bounds": {str(s): vars_of(b) for s, b in bounds.items()},
+            "bounds": {str(s): asdict(b) for s, b in bounds.items()},
             "runs": [
                 {
                     "system": r.system,
@@ -859,13 +859,3 @@ def run(args: argparse.Namespace) -> int:
     for p in plot(runs, bounds, args.workload, args.out) if args.out is not None else []:
         print(f"plot: {p}", file=sys.stderr if str(args.json) == "-" else sys.stdout)
     return 0
-
-
-def vars_of(b: Bounds) -> dict[str, Any]:
-    return {
-        "infinite": b.infinite,
-        "fleet_lru": b.fleet_lru,
-        "capacity_blocks": b.capacity_blocks,
-        "ttft_floor_p99_s": b.ttft_floor_p99_s,
-        "ttft_floor_mean_s": b.ttft_floor_mean_s,
-    }
