@@ -10,25 +10,26 @@ from __future__ import annotations
 
 import array
 import logging
-import re
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from cachecore.tokenizer import HFTokenizer, Tokenizer, TokenizerError, builtin_tokenizer
+from cachecore.tokenizer import (
+    PROBE_CHAT,
+    PROBE_PROMPT,
+    HFTokenizer,
+    SegmentCache,
+    Tokenizer,
+    TokenizerError,
+    builtin_tokenizer,
+)
 from gateway.errors import GatewayError, bad_request
 from policies.schema import ModelPool
 
 log = logging.getLogger(__name__)
 
-PROBE_PROMPT = "kvgate alignment probe: the quick brown fox jumps over 13 lazy dogs."
-PROBE_CHAT: list[dict[str, str]] = [
-    {"role": "system", "content": "You are a terse assistant."},
-    {"role": "user", "content": "kvgate alignment probe: say hello."},
-]
 
 
 def _token_ids(value: Any) -> list[int] | None:
@@ -66,104 +67,6 @@ class PromptTokenizer(Protocol):
     async def chat(self, body: Mapping[str, Any]) -> list[int]: ...
 
     async def completion(self, body: Mapping[str, Any]) -> list[int]: ...
-
-
-class SegmentCache:
-    """Exact, cached tokenization of text that contains special tokens.
-
-    HF tokenizers split the input at added special tokens (``normalized=False``, no
-    lstrip/rstrip) *before* pre-tokenization, so the ids of a rendered chat are the ids of
-    each segment between special tokens, concatenated with the special ids. Segments repeat
-    across requests (a shared system prompt is one segment), so caching them turns a 2,000-
-    token system prompt from milliseconds of BPE into one dict probe. Enabled only when the
-    tokenizer's added tokens qualify and a self-check on probes agrees with the plain path.
-
-    Invariant: ``encode(text, scope) == tokenizer.encode(text)`` for every text and scope
-    (checked in tests).
-
-    Isolation: entries are keyed by the request's isolation scope. A hit is ~10x faster than
-    a miss (a 2,000-token system prompt: ~3 ms saved), so one cache for every tenant would
-    tell tenant B, through its TTFT, that another tenant recently sent the same text (the
-    timing side channel the engine's salt closes, reopened in the gateway). ``scope=None``
-    (a per-request scope, which can never reuse) is never cached.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, max_entries: int = 4096, min_chars: int = 256):
-        self.tok = tokenizer
-        self.max_entries = max_entries
-        self.min_chars = min_chars  # shorter segments are not worth a cache slot
-        self._cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
-        # admission on second sight: one-off segments (a unique user question) must not
-        # evict the shared ones (a system prompt) that make the cache worth having
-        self._seen_once: OrderedDict[int, None] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-        hf = getattr(tokenizer, "_tok", None)
-        self._fast = getattr(hf, "encode_batch_fast", None)
-        specials: dict[str, int] = {}
-        ok = hf is not None
-        if hf is not None:
-            for tid, added in hf.get_added_tokens_decoder().items():
-                if added.lstrip or added.rstrip or added.normalized or added.single_word:
-                    ok = False
-                specials[str(added.content)] = int(tid)
-        self._specials = specials
-        self._split = (
-            re.compile(
-                "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
-            )
-            if specials
-            else None
-        )
-        self.enabled = ok and self._split is not None and self._self_check()
-
-    def _plain(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return list(self._fast([text], add_special_tokens=False)[0].ids)
-        return self.tok.encode(text)
-
-    def _self_check(self) -> bool:
-        probes = [PROBE_PROMPT, self.tok.apply_chat_template(PROBE_CHAT)]
-        return all(self._segmented(p) == self.tok.encode(p) for p in probes)
-
-    def _segment(self, piece: str, scope: str | None) -> list[int]:
-        if len(piece) < self.min_chars or scope is None:
-            return self._plain(piece)
-        key = (scope, piece)
-        got = self._cache.get(key)
-        if got is not None:
-            self.hits += 1
-            self._cache.move_to_end(key)
-            return got
-        self.misses += 1
-        ids = self._plain(piece)
-        h = hash(key)
-        if h not in self._seen_once:
-            self._seen_once[h] = None
-            if len(self._seen_once) > 4 * self.max_entries:
-                self._seen_once.popitem(last=False)
-            return ids
-        del self._seen_once[h]
-        self._cache[key] = ids
-        if len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
-        return ids
-
-    def _segmented(self, text: str, scope: str | None = "") -> list[int]:
-        assert self._split is not None
-        out: list[int] = []
-        for i, piece in enumerate(self._split.split(text)):
-            if i % 2:
-                out.append(self._specials[piece])
-            elif piece:
-                out.extend(self._segment(piece, scope))
-        return out
-
-    def encode(self, text: str, scope: str | None = "") -> list[int]:
-        """Token ids of ``text``; ``scope`` namespaces the cache (see the class doc)."""
-        if not self.enabled:
-            return self._plain(text)
-        return self._segmented(text, scope)
 
 
 class LocalPromptTokenizer:

@@ -286,3 +286,27 @@ async def test_restart_fails_in_flight_requests(fleet: Fleet, http: httpx.AsyncC
     assert '"error"' in lines[-2] and lines[-1] == "data: [DONE]"
     assert time.monotonic() - t0 < 5
     assert fleet.replicas[0].num_restarts == 1
+
+
+async def test_render_caches_long_segments_per_salt(
+    http: httpx.AsyncClient, fleet: Fleet, tokenizer: HFTokenizer
+) -> None:
+    # a router that renders every request on every replica: the shared system prompt is
+    # tokenized once per scope, the answer stays exact
+    system = text_of(tokenizer, 1500)
+    assert len(system) > 4096  # the threaded, cached path
+    app = fleet.servers[0].config.app
+    segments = app.state.segments
+    for k in range(3):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"q{k}"}]
+        r = await http.post("/v1/chat/completions/render", json={"model": MODEL, "messages": msgs})
+        assert r.json()["token_ids"] == tokenizer.encode_chat(msgs)
+    assert segments.hits == 1  # admitted on second sight, hit on the third
+    # another cache salt is another scope: no hit on the unsalted entry
+    misses = segments.misses
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "q"}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 1, "cache_salt": "tenant-b"}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode_chat(msgs))
+    assert segments.hits == 1 and segments.misses > misses
