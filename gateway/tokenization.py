@@ -31,7 +31,6 @@ from policies.schema import ModelPool
 log = logging.getLogger(__name__)
 
 
-
 def _token_ids(value: Any) -> list[int] | None:
     """``value`` as token ids if it is a list of non-negative 32-bit ints (checked in C)."""
     if not isinstance(value, list) or not value or isinstance(value[0], bool):
