@@ -19,10 +19,13 @@ from gateway.tokenization import LocalPromptTokenizer
 from loadtest.bench_routers import (
     ALL_SYSTEMS,
     System,
+    SystemRun,
     _floor_note,
+    aggregate,
     block_order,
     lag_p99_ms,
     parse_systems,
+    seed_p99_ratios,
     verdicts,
     workload_bounds,
 )
@@ -69,6 +72,27 @@ def test_verdicts_report_missed_targets() -> None:
     assert lines[2].startswith("- MISSED")  # 50% < 90% of 60%
 
 
+def test_verdicts_give_the_p99_ratio_seed_by_seed() -> None:
+    def run(system: str, seed: int, p99: float, status: str = "ok") -> SystemRun:
+        return SystemRun(system, seed, status, summary={"ttft_p99_s": p99})
+
+    runs = [
+        run("expected_latency", 0, 1.2),
+        run("sglang-router:cache_aware", 0, 1.0),
+        run("vllm-router:cache_aware", 0, 1.5),
+        run("least_loaded", 0, 0.5),  # not a peer: kvgate's own strategy
+        run("expected_latency", 1, 0.8),
+        run("sglang-router:cache_aware", 1, 2.0),
+        run("expected_latency", 2, 0.9),
+        run("sglang-router:cache_aware", 2, 1.0, status="misconfigured"),  # does not count
+    ]
+    ratios = seed_p99_ratios(runs)
+    assert ratios == pytest.approx([1.2, 0.4])
+    agg = aggregate(runs)
+    line = verdicts("shared-prefix", agg, 0.6, 0, seed_ratios=ratios)[0]
+    assert line.endswith("seed by seed vs that seed's best peer: 1.20, 0.40 (median 0.80)")
+
+
 def test_no_install_skips_an_absent_peer(tmp_path: Path) -> None:
     st = ensure_peer("sglang-router", tmp_path, install=False)
     assert not st.ok and "skipped" in st.message and not (tmp_path / "sglang-router").exists()
@@ -92,6 +116,7 @@ def test_ttft_floor_is_each_request_alone_with_the_infinite_cache() -> None:
     lens = [len(tok.chat_sync(it.body("kvgate-sim-8b", stream=False))) for it in w.items]
     first: dict[str, int] = {}  # system prompt -> its group's first request (cold)
     for i, it in enumerate(w.items):
+        assert it.messages is not None
         first.setdefault(str(it.messages[0]["content"]), i)
     assert len(first) == 2
     # every other request reuses its group's 512-token system prompt, so the two cold ones

@@ -292,8 +292,7 @@ def test_segment_cache_is_exact() -> None:
 def test_segment_cache_keeps_shared_segments_under_unique_traffic() -> None:
     import random
 
-    from cachecore.tokenizer import builtin_tokenizer
-    from gateway.tokenization import SegmentCache
+    from cachecore.tokenizer import SegmentCache, builtin_tokenizer
 
     tok = builtin_tokenizer()
     cache = SegmentCache(tok, max_entries=8)

@@ -18,12 +18,12 @@ from cachecore.agent.embedded import EmbeddedAgents, build_embedded_agents
 from cachecore.index.base import PrefixIndex
 from cachecore.keys import ScopeKind
 from cachecore.loadstate import LoadStore
-from cachecore.tokenizer import builtin_tokenizer
+from cachecore.tokenizer import SegmentCache, builtin_tokenizer
 from gateway.auth import KeyStore, hash_key
 from gateway.core import DEBUG_SHARED_SCOPE, Gateway
 from gateway.replicas import ReplicaSpec
 from gateway.settings import GatewaySettings
-from gateway.tokenization import LocalPromptTokenizer, SegmentCache
+from gateway.tokenization import LocalPromptTokenizer
 from policies.schema import parse_policy_text
 from tests.test_gateway_support import ADMIN, SECRET, stack, words
 

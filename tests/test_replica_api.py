@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -296,6 +297,7 @@ async def test_render_caches_long_segments_per_salt(
     system = text_of(tokenizer, 1500)
     assert len(system) > 4096  # the threaded, cached path
     app = fleet.servers[0].config.app
+    assert isinstance(app, FastAPI)
     segments = app.state.segments
     for k in range(3):
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"q{k}"}]
