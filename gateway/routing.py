@@ -52,11 +52,10 @@ class RoutingParams:
     """Strategy knobs (from the policy's ``routing`` section).
 
     ``tie_epsilon_ms`` / ``tie_fraction``: costs within ``tie_epsilon_ms`` of the best are
-    ties, taken in random rounds (each tied replica once per round); when no replica holds at
-    least ``cold_fraction`` of the prompt, within ``max(tie_epsilon_ms, tie_fraction *
-    best)``: the costs then differ by load estimates (and a few shared blocks), whose noise
-    should not decide, and the rounds spread such requests about as evenly as round_robin
-    (measured: short-unique p99 at 85% load; Mooncake's end-to-end tail, D9).
+    ties, taken in random rounds (each tied replica once per round); when no replica holds any
+    of the prompt, within ``max(tie_epsilon_ms, tie_fraction * best)``: the costs then
+    differ only by load estimates, whose noise should not decide, and the rounds spread such
+    requests about as evenly as round_robin (measured: short-unique p99 at 85% load).
     ``temperature``: 0 picks the lowest cost; > 0 samples with weights
     ``exp(-(cost - best) / (temperature * best))`` (dimensionless, relative to the best).
     ``spill_queue_ms``: when the cheapest replica holds a prefix match and its queue wait
@@ -67,7 +66,7 @@ class RoutingParams:
     load-only cost is within ``best * (1 + slack) + slack_ms``; among those its session
     hashes to a fixed one (reuse within the session, no cross-scope signal).
     ``cold_fraction``: a request whose best match covers less than this fraction of its
-    prompt is "cold" (for confining a flooding tenant's cold traffic, and for the tie band).
+    prompt is "cold" (for confining a flooding tenant's cold traffic).
     """
 
     strategy: Strategy = Strategy.EXPECTED_LATENCY
