@@ -188,7 +188,7 @@ class Router:
         if req.load_only:
             pick, reason = self._load_only(req, eligible)
         elif strat is Strategy.EXPECTED_LATENCY:
-            pick, reason = self._expected_latency(eligible, req.prompt_tokens)
+            pick, reason = self._expected_latency(eligible)
         elif strat is Strategy.PREFIX_AFFINITY:
             pick, reason = self._prefix_affinity(req, eligible, candidates)
         elif strat is Strategy.LEAST_LOADED:
@@ -255,16 +255,12 @@ class Router:
         return out
 
     # ------------------------------------------------------------------ strategies
-    def _lowest_cost(
-        self, scores: Sequence[ReplicaScore], prompt_tokens: int
-    ) -> tuple[ReplicaScore, bool]:
+    def _lowest_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, bool]:
         p = self.params
         best = min(s.cost_ms for s in scores)
         eps = p.tie_epsilon_ms
-        cached = max(s.predicted_cached_tokens for s in scores)
-        if p.tie_fraction > 0 and cached < p.cold_fraction * prompt_tokens:
-            # no replica holds a meaningful part of the prompt (a shared first block or two
-            # of a long prompt saves milliseconds): the costs differ by load estimates
+        if p.tie_fraction > 0 and not any(s.matched_blocks for s in scores):
+            # no replica holds any of the prompt: the costs differ by load estimates only
             eps = max(eps, p.tie_fraction * best)
         bound = best + eps
         ties = [s for s in scores if s.cost_ms <= bound]
@@ -282,9 +278,7 @@ class Router:
         self._round.add(pick.replica)
         return pick, True
 
-    def _expected_latency(
-        self, scores: Sequence[ReplicaScore], prompt_tokens: int
-    ) -> tuple[str, str]:
+    def _expected_latency(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
         p = self.params
         if p.temperature > 0 and len(scores) > 1:
             best = min(s.cost_ms for s in scores)
@@ -292,7 +286,7 @@ class Router:
             weights = [math.exp(-(s.cost_ms - best) / scale) for s in scores]
             pick = self.rng.choices(list(scores), weights=weights, k=1)[0]
             return pick.replica, "softmax"
-        pick, tied = self._lowest_cost(scores, prompt_tokens)
+        pick, tied = self._lowest_cost(scores)
         if (
             p.spill_queue_ms is not None
             and pick.matched_blocks > 0
@@ -301,7 +295,7 @@ class Router:
             others = [s for s in scores if s.replica != pick.replica and s.queue_ms < pick.queue_ms]
             under = [s for s in others if s.queue_ms <= p.spill_queue_ms]
             if under:
-                alt, _ = self._lowest_cost(under, prompt_tokens)
+                alt, _ = self._lowest_cost(under)
                 return alt.replica, "spill"
         if tied:
             return pick.replica, "tie_round"
@@ -342,7 +336,7 @@ class Router:
             bound = best * (1.0 + p.sticky_slack) + p.sticky_slack_ms
             ok = [s.replica for s in scores if s.cost_ms <= bound]
             return rendezvous(req.session_key, ok), "sensitive_sticky"
-        pick, _ = self._lowest_cost(scores, req.prompt_tokens)
+        pick, _ = self._lowest_cost(scores)
         return pick.replica, "sensitive_load"
 
 

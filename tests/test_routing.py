@@ -65,7 +65,7 @@ def test_ties_are_broken_at_random_and_reproducibly() -> None:
     assert a == b
 
 
-def test_ties_rotate_and_load_noise_ties_only_when_no_meaningful_match() -> None:
+def test_ties_rotate_and_load_noise_ties_only_when_nothing_matches() -> None:
     r = router()
     cands = fleet()
     cands[0] = Candidate("r0", LoadView(queued_prefill_tokens=100))  # +25 ms of ~540: < 10%
@@ -79,15 +79,9 @@ def test_ties_rotate_and_load_noise_ties_only_when_no_meaningful_match() -> None
     # without the relative band the 25 ms decide: r0 is never picked
     strict = router(tie_fraction=0.0)
     assert "r0" not in {strict.decide(REQ, cands, C).replica for _ in range(12)}
-    # a match of a meaningful part of the prompt (>= cold_fraction, 10%: here 208 of 2,048
-    # tokens, 52 ms) switches the band off: that replica wins
-    cands[1] = Candidate("r1", LoadView(), match(13))
+    # a match anywhere (here 16 tokens, 4 ms) switches the band off: that replica wins
+    cands[1] = Candidate("r1", LoadView(), match(1))
     assert {r.decide(REQ, cands, C).replica for _ in range(12)} == {"r1"}
-    # a block or two of a long prompt (a shared preamble) saves milliseconds: still ties
-    cands[1] = Candidate("r1", LoadView(), match(2))
-    near = [r.decide(REQ, cands, C) for _ in range(12)]
-    assert {d.replica for d in near} == {"r0", "r1", "r2", "r3"}
-    assert {d.reason for d in near} == {"tie_round"}
 
 
 def test_spill_replicates_a_hot_prefix() -> None:
