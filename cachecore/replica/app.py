@@ -165,21 +165,20 @@ def create_app(replica: SimReplica) -> FastAPI:
             return False, False
         return bool(so.include_usage), bool(so.continuous_usage_stats)
 
-    async def chat_prompt(req: ChatCompletionRequest) -> list[int]:
+    # ``salt``: the request's cache salt as validate_common returned it (the cache scope)
+    async def chat_prompt(req: ChatCompletionRequest, salt: str | None) -> list[int]:
         try:
             text = tok.apply_chat_template(req.messages, req.add_generation_prompt)
         except TokenizerError as exc:
             raise APIError(str(exc), param="messages") from exc
-        salt = req.cache_salt
-        return await encode(text, salt if isinstance(salt, str) else "")
+        return await encode(text, salt or "")
 
-    async def completion_ids(req: CompletionRequest) -> list[int]:
+    async def completion_ids(req: CompletionRequest, salt: str | None) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
-            salt = req.cache_salt
-            return await encode(prompt, salt if isinstance(salt, str) else "")
+            return await encode(prompt, salt or "")
         return completion_prompt_ids(prompt, tok.encode, tok.vocab_size)
 
     # A router that renders every request on every replica (vllm-router ``cache_aware``)
@@ -207,7 +206,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         lora = check_model(req.model)
         salt = validate_common(req)
-        ids = await chat_prompt(req)
+        ids = await chat_prompt(req, salt)
         model = req.model or replica.model
         driver, handle = submit(
             "chatcmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id
@@ -225,7 +224,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         req = await _parse(request, CompletionRequest)
         lora = check_model(req.model)
         salt = validate_common(req)
-        ids = await completion_ids(req)
+        ids = await completion_ids(req, salt)
         model = req.model or replica.model
         driver, handle = submit("cmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id)
         if req.stream:
@@ -244,8 +243,7 @@ def create_app(replica: SimReplica) -> FastAPI:
     async def render_chat(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
         check_model(req.model)
-        validate_common(req)
-        ids = await chat_prompt(req)
+        ids = await chat_prompt(req, validate_common(req))
         return _json_bytes(
             {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
         )
@@ -254,7 +252,8 @@ def create_app(replica: SimReplica) -> FastAPI:
     async def render_completion(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
         check_model(req.model)
-        ids = await completion_ids(req)
+        salt = req.cache_salt  # not validated on this endpoint: a bad one is no scope
+        ids = await completion_ids(req, salt if isinstance(salt, str) else None)
         return _json_bytes(
             {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
         )
