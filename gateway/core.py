@@ -603,7 +603,12 @@ class Gateway:
                 ttl = self.policy.index.pending_ttl_ms
                 self.index.add_pending(d.replica, keys[start:], ttl, _now_ms())
 
-    def on_first_byte(self, d: Dispatch) -> None:
+    def on_first_token(self, d: Dispatch) -> None:
+        """The request's prefill is over: its prefill tokens leave the replica's queue.
+        For a stream that is its first body chunk, never its response headers: engines
+        (vLLM, the simulated replica) send a stream's headers when they accept it, before
+        the prefill, and a queue emptied at the headers hides every prefill still waiting
+        from expected_latency (it then sees only running requests)."""
         if d.ticket is not None:
             self.inflight.first_token(d.ticket)
 

@@ -226,7 +226,8 @@ class UpstreamExchange(Response):
                         Outcome(504, None, time.perf_counter() - t0, None, None, None, "timeout")
                     )
                     return
-            gw.on_first_byte(d)
+            if resp.status_code != 200 or not d.stream:
+                gw.on_first_token(d)  # a JSON answer (or error) arrives whole
             if resp.status_code != 200:
                 await self._relay_error(send, resp, t0)
             elif d.stream:
@@ -319,6 +320,7 @@ class UpstreamExchange(Response):
             async for chunk in resp.aiter_raw():
                 if ttft is None:
                     ttft = time.perf_counter() - t0
+                    self.gw.on_first_token(d)
                 buf += chunk
                 cut = _event_end(buf)
                 if cut < 0:

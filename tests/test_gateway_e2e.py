@@ -480,3 +480,30 @@ async def test_a_dispatch_is_recorded_while_its_request_is_in_flight() -> None:
         r = await task
         assert r.usage is not None and r.usage.prompt_tokens >= 1600
         assert gw.inflight.own(rid)[1:] == (0, 0)
+
+
+async def test_a_stream_counts_as_queued_prefill_until_its_first_token() -> None:
+    """A stream's headers come back when the engine accepts it, before its prefill: its
+    prefill tokens must stay in the replica's queue until the first chunk, or every
+    prefill still waiting there is invisible to expected_latency."""
+    slow = FAST.model_copy(update={"time_scale": 1.0})  # a 1,600-token prefill: ~0.43 s
+    async with stack(count=1, replica=slow) as st:
+        gw, c = st.gw, st.client()
+        assert gw.pool is not None
+        rid = gw.pool.all()[0].id
+        t0 = time.perf_counter()
+        stream = await c.completions.create(
+            model=st.model, prompt=words(1600, 78), max_tokens=4, stream=True
+        )
+        headers_s = time.perf_counter() - t0
+        queued, requests, running = gw.inflight.own(rid)
+        assert headers_s < 0.3  # the headers did come before the prefill was over
+        assert (requests, running) == (1, 0) and queued >= 1584
+        chunks = 0
+        async for _ in stream:
+            chunks += 1
+            if chunks == 1:
+                queued, requests, running = gw.inflight.own(rid)
+                assert (requests, running) == (0, 1) and queued == 0
+        assert chunks >= 2
+        assert gw.inflight.own(rid) == (0.0, 0, 0)
