@@ -429,7 +429,8 @@ class Bench:
         ts = self.args.time_scale
         keys = {t: f"bench-{t}-" + secrets.token_hex(6) for t in {*workload.tenants, "default"}}
         policy = self.tmp / "policy.yaml"
-        policy.write_text(scaled_policy("expected_latency", ts))
+        seqs = get_profile(self.args.profile).max_num_seqs
+        policy.write_text(scaled_policy("expected_latency", ts, seqs))
         keys_path = self.tmp / "keys.yaml"
         write_api_keys(keys_path, keys)
         out = []
@@ -437,7 +438,7 @@ class Bench:
             for system in systems:
 
                 async def prepare(s: System = system, b: str = base) -> None:
-                    await set_strategy(self.client, b, self.admin_key, s.policy, ts)
+                    await set_strategy(self.client, b, self.admin_key, s.policy, ts, seqs)
                     await reset_caches(self.client, self.fleet.urls)
                     await asyncio.sleep(pending_settle_s(ts))
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from cachecore.engine.latency import get_profile
 from cachecore.replica.fleet import FleetProcess, launch_fleet
 from loadtest.harness import (
     MODEL,
@@ -46,6 +47,8 @@ from loadtest.workloads import TextSource, Workload, build
 DEMO_KEY = "kvgate-demo-key"
 DEMO_TENANT = "demo"
 REPLICAS = 4
+PROFILE = "8b-h100"
+SLOTS = get_profile(PROFILE).max_num_seqs  # the policy declares the replicas' sequence slots
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +92,7 @@ async def _compare(
     out = []
     async with httpx.AsyncClient(timeout=60) as client:
         for strategy in ("round_robin", "expected_latency"):
-            await set_strategy(client, base, admin_key, strategy, args.time_scale)
+            await set_strategy(client, base, admin_key, strategy, args.time_scale, SLOTS)
             await reset_caches(client, fleet.urls)
             await asyncio.sleep(pending_settle_s(args.time_scale))  # let pending entries expire
             print(f"replaying {len(workload.items)} requests through {strategy} ...", flush=True)
@@ -153,16 +156,16 @@ def run(args: argparse.Namespace) -> int:
     admin_key = "demo-admin-" + secrets.token_hex(8)
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp:
         policy = Path(tmp) / "policy.yaml"
-        policy.write_text(scaled_policy("expected_latency", args.time_scale))
+        policy.write_text(scaled_policy("expected_latency", args.time_scale, SLOTS))
         keys = Path(tmp) / "keys.yaml"
         write_api_keys(keys, {DEMO_TENANT: DEMO_KEY})
         print(
-            f"starting {REPLICAS} simulated replicas (8b-h100, time scale {args.time_scale}) ...",
+            f"starting {REPLICAS} simulated replicas ({PROFILE}, time scale {args.time_scale}) ...",
             flush=True,
         )
         fleet_args = [
             "--profile",
-            "8b-h100",
+            PROFILE,
             "--time-scale",
             str(args.time_scale),
             "--model",

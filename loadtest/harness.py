@@ -26,11 +26,15 @@ MODEL = "kvgate-sim-8b"
 FLUSH_TIMEOUT_S = 30.0
 
 
-def scaled_policy(strategy: str, time_scale: float) -> str:
+def scaled_policy(strategy: str, time_scale: float, max_num_seqs: int | None = None) -> str:
     """The shipped default policy with the strategy set and the cost coefficients scaled to
-    the replicas' time scale (they are in ms of engine time)."""
+    the replicas' time scale (they are in ms of engine time). ``max_num_seqs``: the
+    replicas' sequence slots, which an operator declares in the policy (engines do not
+    publish it); left at the policy's 256, a 16-slot engine never looks saturated."""
     data: dict[str, Any] = yaml.safe_load(builtin_policy_path("default").read_text())
     data["routing"]["strategy"] = strategy
+    if max_num_seqs is not None:
+        data["models"]["default"]["max_num_seqs"] = max_num_seqs
     cost = data["cost"]
     for name in (
         "overhead_ms",
@@ -122,12 +126,17 @@ async def reset_caches(client: httpx.AsyncClient, urls: Sequence[str]) -> None:
 
 
 async def set_strategy(
-    client: httpx.AsyncClient, base: str, admin_key: str, strategy: str, time_scale: float
+    client: httpx.AsyncClient,
+    base: str,
+    admin_key: str,
+    strategy: str,
+    time_scale: float,
+    max_num_seqs: int | None = None,
 ) -> None:
     """Switch the gateway's routing strategy by an admin policy reload."""
     r = await client.post(
         base + "/admin/policy",
-        content=scaled_policy(strategy, time_scale),
+        content=scaled_policy(strategy, time_scale, max_num_seqs),
         headers={"authorization": f"Bearer {admin_key}"},
     )
     r.raise_for_status()

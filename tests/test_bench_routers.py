@@ -166,3 +166,18 @@ def test_bench_routers_kvgate_only(tmp_path: Path) -> None:
     for p in ("ttft-cdf", "hit-rate", "load"):
         f = out / f"shared-prefix-{p}.png"
         assert f.exists() and f.stat().st_size > 1000
+
+
+def test_the_benchmark_policy_declares_the_replicas_slots() -> None:
+    """The gateway learns a replica's sequence slots from the policy (engines do not
+    publish them): the benchmark and the demo must declare their profile's, or a 16-slot
+    replica is scored as if it had 256 and never looks saturated."""
+    from loadtest.harness import scaled_policy
+    from policies.schema import parse_policy_text
+
+    slots = get_profile("8b-h100").max_num_seqs
+    pol = parse_policy_text(scaled_policy("least_loaded", 0.5, slots))
+    assert pol.models.default.max_num_seqs == slots == 16
+    assert pol.routing.strategy.value == "least_loaded"
+    assert pol.cost.overhead_ms == pytest.approx(15.0)  # scaled with the time scale
+    assert parse_policy_text(scaled_policy("random", 1.0)).models.default.max_num_seqs == 256
