@@ -11,6 +11,17 @@ The cost of sending a request to a replica is the time to its first token there,
 Every term is linear in its coefficient, so the coefficients start from the policy and are
 refitted online from observed TTFT by :class:`OnlineFit` (bounded recursive least squares).
 
+The router ranks replicas by that TTFT plus one term that is not the request's own latency::
+
+    stall = stall_weight * own_prefill_ms * running
+
+A prefill chunk runs in the same engine steps as the replica's decodes, so each of its
+``running`` requests waits for this request's prefill (vLLM's chunked prefill; the simulated
+engine's step model). Routing on its own TTFT alone, a long miss lands on a replica full of
+decoding requests as readily as on an idle one (it barely slows its own first token) and
+stalls all of them; the term charges it part of that. It is small for hits (little prefill)
+and not fitted: it is a cost to other requests, which no TTFT observation measures.
+
 The engine's hit cap: vLLM never serves the last prompt token from cache (it needs logits),
 so at most ``(prompt_len - 1) // block_size`` full blocks hit. Every prediction applies it.
 
@@ -41,6 +52,7 @@ class Coefficients:
     decode_ms_per_running: float = 0.5
     saturation_ms: float = 200.0
     pending_weight: float = 0.8
+    stall_weight: float = 0.15  # not fitted (see the module docstring)
     tier_load_factor: Mapping[Tier, float] = field(
         default_factory=lambda: {Tier.CPU: 1.0, Tier.DISK: 4.0, Tier.REMOTE: 10.0}
     )
@@ -186,13 +198,20 @@ def dot(coeffs: Sequence[float], x: Sequence[float]) -> float:
 
 @dataclass(slots=True)  # not frozen, as HitPrediction; treat as immutable
 class CostBreakdown:
-    """One replica's cost, split into the parts an operator reads in route/explain."""
+    """One replica's cost, split into the parts an operator reads in route/explain.
+    ``cost_ms`` is the predicted TTFT plus ``stall_ms``."""
 
     cost_ms: float
     queue_ms: float  # wait caused by work already on the replica
     prefill_ms: float  # this request's own uncached prefill
     load_ms: float  # this request's hits on slower tiers
     hit: HitPrediction
+    stall_ms: float = 0.0  # weighted decode stall this prefill imposes on running requests
+
+    @property
+    def ttft_ms(self) -> float:
+        """The predicted time to first token (what the online fit compares with)."""
+        return self.cost_ms - self.stall_ms
 
 
 def cost(
@@ -202,9 +221,9 @@ def cost(
     load: LoadView,
     coeffs: Coefficients,
 ) -> CostBreakdown:
-    """Expected TTFT (ms) of a request on a replica: see the module docstring. Equal to
-    ``dot(coeffs.as_vector(), features(...))`` (a test holds it to that); written out
-    because the router calls it for every replica of every request."""
+    """Routing cost (ms) of a request on a replica: see the module docstring. Its
+    ``ttft_ms`` equals ``dot(coeffs.as_vector(), features(...))`` (a test holds it to
+    that); written out because the router calls it for every replica of every request."""
     return cost_of_hit(predict_hit(match, prompt_tokens, block_size, coeffs), load, coeffs)
 
 
@@ -222,8 +241,14 @@ def cost_of_hit(hit: HitPrediction, load: LoadView, coeffs: Coefficients) -> Cos
         queue_ms += coeffs.saturation_ms * over
     own_prefill = pt * uncached
     load_ms = coeffs.load_ms_per_token * hit.loaded_weighted
+    stall_ms = coeffs.stall_weight * own_prefill * load.running
     return CostBreakdown(
-        coeffs.overhead_ms + queue_ms + own_prefill + load_ms, queue_ms, own_prefill, load_ms, hit
+        coeffs.overhead_ms + queue_ms + own_prefill + load_ms + stall_ms,
+        queue_ms,
+        own_prefill,
+        load_ms,
+        hit,
+        stall_ms,
     )
 
 

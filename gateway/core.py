@@ -588,7 +588,7 @@ class Gateway:
             # a JSON answer arrives whole, long after its first token: assume the prefill
             # is done when its predicted TTFT has passed, so a long generation does not
             # count as queued prefill work all along
-            ttft_s = max(0.001, d.decision.chosen.cost_ms / 1000.0)
+            ttft_s = max(0.001, d.decision.chosen.ttft_ms / 1000.0)
             asyncio.get_running_loop().call_later(ttft_s, self.inflight.first_token, ticket)
         rep = self.pool.get(d.replica) if self.pool else None
         if rep is not None:

@@ -111,6 +111,11 @@ class ReplicaScore:
     requests: int
     eligible: bool
     note: str = ""
+    stall_ms: float = 0.0  # cost_ms = predicted TTFT + stall_ms (cachecore.scoring)
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.cost_ms - self.stall_ms
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -119,6 +124,7 @@ class ReplicaScore:
             "queue_ms": round(self.queue_ms, 3),
             "prefill_ms": round(self.prefill_ms, 3),
             "load_ms": round(self.load_ms, 3),
+            "stall_ms": round(self.stall_ms, 3),
             "matched_blocks": self.matched_blocks,
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "requests": self.requests,
@@ -250,6 +256,7 @@ class Router:
                     c.load.requests,
                     ok,
                     note if ok else "cold_confined",
+                    b.stall_ms,
                 )
             )
         return out

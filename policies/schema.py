@@ -85,6 +85,7 @@ class CostPolicy(_Section):
     decode_ms_per_running: NonNegFloat = 0.5
     saturation_ms: NonNegFloat = 200.0
     pending_weight: Annotated[float, Field(ge=0, le=1)] = 0.8
+    stall_weight: Annotated[float, Field(ge=0, le=10)] = 0.15
     tier_load_factor: TierLoadFactor = TierLoadFactor()
     fit: FitPolicy = FitPolicy()
 
@@ -97,6 +98,7 @@ class CostPolicy(_Section):
             decode_ms_per_running=self.decode_ms_per_running,
             saturation_ms=self.saturation_ms,
             pending_weight=self.pending_weight,
+            stall_weight=self.stall_weight,
             tier_load_factor={Tier.CPU: t.cpu, Tier.DISK: t.disk, Tier.REMOTE: t.remote},
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -130,4 +131,24 @@ def test_cost_equals_the_linear_model_the_fit_uses() -> None:
         prompt = rng.randrange(1, 1200)
         b = cost(m, prompt, 16, load, C)
         x = features(b.hit.uncached_tokens, b.hit.loaded_weighted, load)
-        assert b.cost_ms == pytest.approx(dot(C.as_vector(), x))
+        assert b.ttft_ms == pytest.approx(dot(C.as_vector(), x))
+        # the routing cost adds the decode stall this prefill imposes on the running ones
+        assert b.stall_ms == pytest.approx(C.stall_weight * b.prefill_ms * load.running)
+        assert b.cost_ms == pytest.approx(b.ttft_ms + b.stall_ms)
+
+
+def test_a_long_miss_prefers_the_replica_with_fewer_decoding_requests() -> None:
+    """Two replicas with no queued prefill and no match: on its own TTFT a 4,000-token miss
+    hardly minds 12 decoding requests (12 x 0.5 ms); with the stall term it goes to the
+    replica with 2, since its ~1 s prefill would hold up every one of them. A hit (little
+    prefill) still goes to its replica however many decode there."""
+    busy = LoadView(running=12, capacity=16)
+    idle = LoadView(running=2, capacity=16)
+    none = gpu_match(0)
+    own = replace(C, stall_weight=0.0)
+    gap = cost(none, 4000, 16, busy, own).cost_ms - cost(none, 4000, 16, idle, own).cost_ms
+    assert gap == pytest.approx(5.0)
+    b, i = cost(none, 4000, 16, busy, C), cost(none, 4000, 16, idle, C)
+    assert b.cost_ms - i.cost_ms == pytest.approx(5.0 + C.stall_weight * 1000.0 * 10)
+    assert b.ttft_ms - i.ttft_ms == pytest.approx(5.0)  # what the fit predicts is unchanged
+    assert cost(gpu_match(240), 4000, 16, busy, C).cost_ms < i.cost_ms
