@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 from fastapi import FastAPI
@@ -19,7 +19,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from gateway.auth import check_admin
 from gateway.core import Gateway, request_id_from
@@ -61,93 +60,61 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-HotHandler = Callable[[Request], Awaitable[Response]]
+Refusal = tuple[GatewayError, str]
+"""An answer the gateway gives itself instead of going upstream, with the request id."""
 
 
-class HotPathApp:
-    """ASGI entry point: the two completion endpoints go straight to their handlers, the
-    rest (models, health, metrics, admin, lifespan) through FastAPI. The completion path is
-    the hot one; FastAPI's middleware stack would add a dozen layers to every request."""
+class Completions:
+    """The two completion endpoints, independent of the HTTP server that carries them:
+    :func:`create_app`'s FastAPI routes and the gateway's own protocol
+    (:mod:`gateway.hotpath`) both call :meth:`handle`."""
 
-    def __init__(self, app: FastAPI, hot: dict[str, HotHandler]) -> None:
-        self.app = app
-        self.hot = hot
+    ENDPOINTS: ClassVar[dict[str, str]] = {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completion",
+    }
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.hot.get(scope["path"])
-            if handler is not None:
-                try:
-                    response = await handler(Request(scope, receive))
-                except Exception:
-                    log.exception("unhandled error on the completion path")
-                    response = GatewayError(500, "internal gateway error").response()
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
 
-
-def create_asgi(gw: Gateway) -> HotPathApp:
-    """What the server runs: :func:`create_app` plus the direct completion path."""
-    app = create_app(gw)
-    return HotPathApp(app, app.state.hot_handlers)
-
-
-def create_app(gw: Gateway) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gw.start()
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    app = FastAPI(
-        title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
-    app.state.gateway = gw
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return GatewayError(exc.status_code, str(exc.detail)).response(
-            request.headers.get("x-request-id")
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return bad_request(str(exc)).response()
-
-    async def completion(request: Request, endpoint: str) -> Response:
+    async def handle(
+        self,
+        endpoint: str,
+        headers: Mapping[str, str],
+        read_body: Callable[[int], Awaitable[bytes]],
+    ) -> UpstreamExchange | Refusal:
+        """Authenticate, parse, admit and route one request. Returns the exchange to run
+        (which owns the admission from then on) or the error to answer with.
+        ``read_body(limit)`` returns the whole body or raises a 413 :class:`GatewayError`."""
+        gw = self.gw
         t_start = time.perf_counter()
-        rid = request_id_from(request.headers)
+        rid = request_id_from(headers)
         m = gw.metrics
         if gw.draining:
             m.requests.labels(endpoint, "503").inc()
-            return GatewayError(503, "the gateway is shutting down", code="draining").response(rid)
-        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
+            return GatewayError(503, "the gateway is shutting down", code="draining"), rid
+        tenant = await gw.key_store.tenant_for(headers.get("authorization"))
         if tenant is None:
             m.requests.labels(endpoint, "401").inc()
-            return GatewayError(
-                401, "Incorrect or missing API key.", code="invalid_api_key"
-            ).response(rid)
+            return GatewayError(401, "Incorrect or missing API key.", code="invalid_api_key"), rid
         try:
-            raw = await read_body(request, gw.settings.max_body_bytes)
+            raw = await read_body(gw.settings.max_body_bytes)
             c0 = time.perf_counter_ns()
             body = parse_json_object(raw)
             gw.stages.add("parse", time.perf_counter_ns() - c0)
         except GatewayError as exc:
             m.requests.labels(endpoint, str(exc.status)).inc()
-            return exc.response(rid)
+            return exc, rid
         limits = gw.policy.tenant(tenant).limits
         rej = gw.limiter.admit(tenant, limits, time.monotonic())
         if rej is not None:
             m.rate_limited.labels(tenant, rej.limit).inc()
             m.requests.labels(endpoint, "429").inc()
-            return rate_limited(rej.message, rej.retry_after_s, rej.limit).response(rid)
+            return rate_limited(rej.message, rej.retry_after_s, rej.limit), rid
         gw.begin()
         span = gw.tracer.start_span("kvgate.request") if gw.tracer is not None else None
         try:
-            d = await gw.prepare(endpoint, tenant, body, request.headers, rid)
+            d = await gw.prepare(endpoint, tenant, body, headers, rid)
         except (GatewayError, NoCandidateError) as exc:
             gw.limiter.release(tenant)
             gw.end()
@@ -158,7 +125,7 @@ def create_app(gw: Gateway) -> FastAPI:
             if span is not None:
                 span.set_attribute("http.status_code", err.status)
                 span.end()
-            return err.response(rid)
+            return err, rid
         except BaseException:
             gw.limiter.release(tenant)
             gw.end()
@@ -194,6 +161,46 @@ def create_app(gw: Gateway) -> FastAPI:
         exchange = UpstreamExchange(gw, d, on_done)
         return exchange
 
+
+def create_app(gw: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(
+        title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.gateway = gw
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return GatewayError(exc.status_code, str(exc.detail)).response(
+            request.headers.get("x-request-id")
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return bad_request(str(exc)).response()
+
+    completions_core = Completions(gw)
+
+    async def completion(request: Request, endpoint: str) -> Response:
+        try:
+            out = await completions_core.handle(
+                endpoint, request.headers, lambda limit: read_body(request, limit)
+            )
+        except Exception:
+            log.exception("unhandled error on the completion path")
+            return GatewayError(500, "internal gateway error").response()
+        if isinstance(out, UpstreamExchange):
+            return out
+        err, rid = out
+        return err.response(rid)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await completion(request, "chat")
@@ -202,10 +209,7 @@ def create_app(gw: Gateway) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await completion(request, "completion")
 
-    app.state.hot_handlers = {
-        "/v1/chat/completions": chat_completions,
-        "/v1/completions": completions,
-    }
+    app.state.completions = completions_core
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

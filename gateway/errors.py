@@ -42,6 +42,15 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.code, self.param)
 
+    def header_pairs(self, request_id: str | None = None) -> list[tuple[bytes, bytes]]:
+        """The answer's headers other than its length, as raw pairs."""
+        pairs = [(b"content-type", b"application/json")]
+        for name, value in self.headers.items():
+            pairs.append((name.lower().encode("latin-1"), value.encode("latin-1")))
+        if request_id:
+            pairs.append((b"x-request-id", request_id.encode("latin-1")))
+        return pairs
+
     def response(self, request_id: str | None = None) -> Response:
         headers = dict(self.headers)
         if request_id:

@@ -1,9 +1,11 @@
 """The upstream exchange: send a routed request to its replica and relay the answer.
 
-An :class:`UpstreamExchange` is an ASGI response. It runs the exchange and a disconnect
-watcher side by side: when the client goes away, the exchange task is cancelled, which
-closes the upstream connection, which makes the engine abort the request. SSE is relayed
-event by event as it arrives (never buffered whole). Guarantees:
+An :class:`UpstreamExchange` writes its answer to a :class:`ClientConnection`: the
+gateway's own HTTP protocol (:mod:`gateway.hotpath`, what ``kvgate serve`` runs) or, under
+any other ASGI server, :class:`AsgiConnection`. Either way, when the client goes away the
+exchange's task is cancelled, which closes the upstream connection, which makes the engine
+abort the request. SSE is relayed event by event as it arrives (never buffered whole).
+Guarantees:
 
 * a connection failure before the first upstream byte is retried on another replica;
 * a replica dying mid-stream ends the client's stream with an SSE error event and
@@ -21,7 +23,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -87,6 +89,50 @@ class Usage:
             self.cached = None  # the engine does not report cached tokens
 
 
+class ClientConnection(Protocol):
+    """Where an exchange writes its answer. Each method returns once the bytes are handed to
+    the transport (after waiting out back-pressure); after the client went away they write
+    nothing."""
+
+    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole answer; ``headers`` without its length."""
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The head of an answer whose body follows in pieces."""
+
+    async def stream(self, data: bytes) -> None:
+        """One piece of a streamed body."""
+
+    async def end_stream(self) -> None:
+        """The end of a streamed body."""
+
+
+class AsgiConnection:
+    """A :class:`ClientConnection` over an ASGI ``send``."""
+
+    __slots__ = ("send",)
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+
+    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        headers = [*headers, (b"content-length", b"%d" % len(body))]
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        # a server that coalesces writes flushes at the end of this loop tick: let the
+        # answer leave before the caller's accounting, which the client need not wait for
+        await asyncio.sleep(0)
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def stream(self, data: bytes) -> None:
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def end_stream(self) -> None:
+        await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while True:
         msg = await receive()
@@ -95,7 +141,9 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 class UpstreamExchange(Response):
-    """A Response subclass so web frameworks pass it through; it sends its own messages."""
+    """One routed request's trip upstream and back. :meth:`run` runs it against a client
+    connection; as a starlette Response (ASGI) it watches for the client's disconnect
+    itself. ``on_done`` runs exactly once, when the exchange is over."""
 
     def __init__(self, gw: Gateway, d: Dispatch, on_done: Callable[[], None]) -> None:
         # deliberately not Response.__init__: there is no body to render up front
@@ -108,11 +156,19 @@ class UpstreamExchange(Response):
         self._settled = False  # the last message is being sent: a disconnect is normal now
         self.status = 0
 
+    async def run(self, conn: ClientConnection) -> None:
+        """Run the exchange; the caller cancels this coroutine's task when the client goes
+        away before the answer is complete."""
+        try:
+            await self._run(conn)
+        finally:
+            self._settled = True
+            self.on_done()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The exchange runs in this task; a watcher task cancels it if the client goes
-        # away first. (One extra task, no asyncio.wait: a second task and the wait cost
-        # more than the rest of the relay.) ``_settled`` is set before the last send, after
-        # which the server reports a "disconnect" for every finished response.
+        # away first. ``_settled`` is set before the last send, after which the server
+        # reports a "disconnect" for every finished response.
         me = asyncio.current_task()
         assert me is not None
         watch = asyncio.ensure_future(_wait_disconnect(receive))
@@ -126,17 +182,15 @@ class UpstreamExchange(Response):
 
         watch.add_done_callback(on_disconnect)
         try:
-            await self._run(send)
+            await self.run(AsgiConnection(send))
         except asyncio.CancelledError:
             if not cancelled_by_us:
                 raise  # the server's own cancellation (shutdown): not ours to swallow
             me.uncancel()
         finally:
-            self._settled = True
             watch.remove_done_callback(on_disconnect)
             if not watch.done():
                 watch.cancel()
-            self.on_done()
 
     # ------------------------------------------------------------------ helpers
     def _dispatched(self) -> None:
@@ -162,18 +216,17 @@ class UpstreamExchange(Response):
                 headers.append((b"x-kvgate-predicted-cached-tokens", predicted))
         return headers
 
-    async def _send_error(self, send: Send, status: int, message: str, code: str) -> None:
+    async def _send_error(
+        self, conn: ClientConnection, status: int, message: str, code: str
+    ) -> None:
         self.status = status
         body = orjson.dumps(error_body(status, message, code))
         self._settled = True
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", _JSON), (b"x-request-id", self.d.request_id.encode()),
-            (b"content-length", b"%d" % len(body)),
-        ]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        headers = [(b"content-type", _JSON), (b"x-request-id", self.d.request_id.encode())]
+        await conn.answer(status, headers, body)
 
     # ------------------------------------------------------------------ exchange
-    async def _run(self, send: Send) -> None:
+    async def _run(self, conn: ClientConnection) -> None:
         gw, d = self.gw, self.d
         assert gw.upstream is not None and gw.pool is not None
         s = gw.settings
@@ -191,7 +244,7 @@ class UpstreamExchange(Response):
                 if rep is None:  # removed meanwhile
                     if gw.reroute(d, d.replica):
                         continue
-                    await self._send_error(send, 503, "no replica available", "no_replica")
+                    await self._send_error(conn, 503, "no replica available", "no_replica")
                     self._finish(Outcome(503, None, time.perf_counter() - t0, None, None, None))
                     return
                 payload = gw.upstream_body(d)
@@ -212,7 +265,7 @@ class UpstreamExchange(Response):
                     if gw.reroute(d, failed):
                         continue
                     await self._send_error(
-                        send, 502, f"upstream replica unreachable: {type(exc).__name__}",
+                        conn, 502, f"upstream replica unreachable: {type(exc).__name__}",
                         "upstream_unreachable",
                     )  # fmt: skip
                     self._finish(
@@ -221,7 +274,7 @@ class UpstreamExchange(Response):
                     return
                 except httpx.TimeoutException:
                     gw.metrics.upstream_errors.labels(d.replica, "timeout").inc()
-                    await self._send_error(send, 504, "upstream replica timed out", "timeout")
+                    await self._send_error(conn, 504, "upstream replica timed out", "timeout")
                     self._finish(
                         Outcome(504, None, time.perf_counter() - t0, None, None, None, "timeout")
                     )
@@ -229,11 +282,11 @@ class UpstreamExchange(Response):
             if resp.status_code != 200 or not d.stream:
                 gw.on_first_token(d)  # a JSON answer (or error) arrives whole
             if resp.status_code != 200:
-                await self._relay_error(send, resp, t0)
+                await self._relay_error(conn, resp, t0)
             elif d.stream:
-                await self._relay_stream(send, resp, t0)
+                await self._relay_stream(conn, resp, t0)
             else:
-                await self._relay_json(send, resp, t0)
+                await self._relay_json(conn, resp, t0)
         except asyncio.CancelledError:  # the client went away
             self._finish(Outcome(499, None, time.perf_counter() - t0, None, None, None, None))
             raise
@@ -244,7 +297,7 @@ class UpstreamExchange(Response):
             if not self._finished:
                 self._finish(Outcome(500, None, time.perf_counter() - t0, None, None, None))
 
-    async def _relay_error(self, send: Send, resp: UpstreamResponse, t0: float) -> None:
+    async def _relay_error(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
         raw = await resp.aread()
         status = resp.status_code
         try:
@@ -262,22 +315,20 @@ class UpstreamExchange(Response):
         if resp.status_code >= 500:
             self.gw.metrics.upstream_errors.labels(self.d.replica, f"http_{resp.status_code}").inc()
         self.status = status
-        headers = [*self._resp_headers(_JSON), (b"content-length", b"%d" % len(raw))]
         self._settled = True
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        await conn.answer(status, self._resp_headers(_JSON), raw)
         # an engine 5xx counts towards passive outlier ejection; a 4xx is the client's
         err = f"http_{resp.status_code}" if resp.status_code >= 500 else None
         self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, err))
 
-    async def _relay_json(self, send: Send, resp: UpstreamResponse, t0: float) -> None:
+    async def _relay_json(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
         d = self.d
         try:
             raw = await resp.aread()
         except httpx.HTTPError as exc:
             self.gw.metrics.upstream_errors.labels(d.replica, "read").inc()
             await self._send_error(
-                send, 502, "upstream replica failed mid-response", "upstream_error"
+                conn, 502, "upstream replica failed mid-response", "upstream_error"
             )
             self._finish(Outcome(502, None, time.perf_counter() - t0, None, None, None, repr(exc)))
             return
@@ -291,26 +342,22 @@ class UpstreamExchange(Response):
             pass
         self.status = 200
         headers = self._resp_headers(_JSON)
-        headers.append((b"content-length", b"%d" % len(raw)))
-        spent = time.perf_counter_ns() - c0  # the sends below are the server's, not ours
+        spent = time.perf_counter_ns() - c0  # the write below is the server's, not ours
         self._settled = True
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": raw, "more_body": False})
+        await conn.answer(200, headers, raw)
         e2e = time.perf_counter() - t0
-        # let the server's coalesced write leave (it flushes at the end of this loop
-        # tick) before the accounting below, which the client need not wait for
-        await asyncio.sleep(0)
         c0 = time.perf_counter_ns()
         self._finish(Outcome(200, None, e2e, usage.prompt, usage.cached, usage.completion))
         self.gw.stages.add("proxy", spent + time.perf_counter_ns() - c0)
 
-    async def _relay_stream(self, send: Send, resp: UpstreamResponse, t0: float) -> None:
+    async def _relay_stream(
+        self, conn: ClientConnection, resp: UpstreamResponse, t0: float
+    ) -> None:
         d = self.d
         self.status = 200
-        await send({
-            "type": "http.response.start", "status": 200,
-            "headers": [*self._resp_headers(b"text/event-stream"), (b"cache-control", b"no-cache")],
-        })  # fmt: skip
+        await conn.start_stream(
+            200, [*self._resp_headers(b"text/event-stream"), (b"cache-control", b"no-cache")]
+        )
         usage = Usage()
         ttft: float | None = None
         buf = b""
@@ -330,14 +377,14 @@ class UpstreamExchange(Response):
                     ready, done = filter_events(ready, usage, d.client_wants_usage)
                     saw_done = saw_done or done
                 if ready:
-                    await send({"type": "http.response.body", "body": ready, "more_body": True})
+                    await conn.stream(ready)
         except httpx.HTTPError as exc:
             error = repr(exc)
         if buf.strip() and error is None:
             tail, done = filter_events(buf, usage, d.client_wants_usage)
             saw_done = saw_done or done
             if tail:
-                await send({"type": "http.response.body", "body": tail, "more_body": True})
+                await conn.stream(tail)
         if error is not None or not saw_done:
             error = error or "upstream stream ended without [DONE]"
             self.gw.metrics.upstream_errors.labels(d.replica, "mid_stream").inc()
@@ -346,9 +393,9 @@ class UpstreamExchange(Response):
                 extra={"replica": d.replica, "request_id": d.request_id, "error": error},
             )
             event = sse_error_event(502, "upstream replica failed mid-stream", "upstream_error")
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await conn.stream(event)
         self._settled = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await conn.end_stream()
         self._finish(
             Outcome(
                 200 if error is None else 502,

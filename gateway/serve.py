@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -32,20 +33,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from cachecore.index.base import PrefixIndex
 from cachecore.index.redis import RedisIndex, redis_client
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
-from gateway.app import create_asgi
+from gateway.app import create_app
 from gateway.auth import KeyStore, load_key_file
 from gateway.core import AgentHook, Gateway
+from gateway.hotpath import GatewayHttpProtocol
 from gateway.replicas import parse_replica_spec
 from gateway.routing import Strategy
 from gateway.settings import GatewaySettings
@@ -153,56 +154,14 @@ class _InLoopServer(_DrainingServer):
         yield
 
 
-class _CoalescingWriter:
-    """A transport whose writes within one event-loop tick go out as one ``write``.
-
-    uvicorn writes a response's status line and headers, then its body, as two writes: two
-    send syscalls, the dearest part of a small answer on a VM. Holding the bytes until the
-    end of the current tick (``call_soon``) merges them and delays nothing: a streamed
-    response's headers still leave before the loop waits for the next upstream chunk."""
-
-    __slots__ = ("_held", "_loop", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: list[bytes] | None = None
-
-    def write(self, data: bytes) -> None:
-        if self._held is None:
-            self._held = [data]
-            self._loop.call_soon(self._flush)
-        else:
-            self._held.append(data)
-
-    def _flush(self) -> None:
-        held, self._held = self._held, None
-        if held and not self._transport.is_closing():
-            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:  # everything else is the real transport's
-        return getattr(self._transport, name)
-
-
-class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a :class:`_CoalescingWriter`."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        writer = _CoalescingWriter(transport, self.loop)
-        super().connection_made(cast(asyncio.Transport, writer))
-
-
 def uvicorn_config(gw: Gateway, **overrides: Any) -> uvicorn.Config:
     s = gw.settings
+    app = create_app(gw)
     kwargs: dict[str, Any] = {
         "host": s.host,
         "port": s.port,
         "loop": "uvloop",
-        "http": CoalescingHttpToolsProtocol,
+        "http": functools.partial(GatewayHttpProtocol, completions=app.state.completions),
         "lifespan": "on",
         "log_config": None,
         "access_log": False,
@@ -213,7 +172,7 @@ def uvicorn_config(gw: Gateway, **overrides: Any) -> uvicorn.Config:
         "backlog": 2048,
     }
     kwargs.update(overrides)
-    return uvicorn.Config(create_asgi(gw), **kwargs)
+    return uvicorn.Config(app, **kwargs)
 
 
 class GatewayServer:

@@ -1,0 +1,262 @@
+"""The completion endpoints served by the gateway's own HTTP/1.1 code, inside uvicorn.
+
+``kvgate serve`` runs uvicorn's httptools protocol with one change: a ``POST`` to
+``/v1/chat/completions`` or ``/v1/completions`` does not become an ASGI request. Its
+headers go into a :class:`HotCycle`, which reads the body, calls
+:meth:`gateway.app.Completions.handle` and writes the answer's bytes to the socket itself.
+Everything else (models, health, metrics, admin, lifespan) stays on FastAPI through ASGI.
+Why: building the ASGI scope, the receive/send message dicts, the starlette request, the
+cycle's header checks and a disconnect-watcher task cost ~30% of a bare proxy's CPU per
+request on this machine (docs/benchmarks.md, Gateway).
+
+A :class:`HotCycle` stands where uvicorn keeps its ``RequestResponseCycle``, so the
+protocol's connection handling is unchanged: keep-alive and its timer, pipelined requests
+(queued until the previous answer is complete), read pausing for large bodies, write
+back-pressure, graceful shutdown (the last answer on a connection carries
+``connection: close``). When the client goes away before its answer is complete, the
+cycle cancels the task that serves it; the exchange turns that into an aborted upstream
+request. Tests: tests/test_hotpath.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, cast
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from gateway.app import Completions
+from gateway.errors import GatewayError
+from gateway.proxy import UpstreamExchange
+
+log = logging.getLogger(__name__)
+
+_HOT_PATHS = {path.encode(): endpoint for path, endpoint in Completions.ENDPOINTS.items()}
+_CHUNKED = b"transfer-encoding: chunked\r\n"
+_CLOSE = b"connection: close\r\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request body was complete."""
+
+
+class HotCycle:
+    """One request to a completion endpoint, from its headers to the end of its answer.
+
+    Implements the :class:`~gateway.proxy.ClientConnection` the exchange writes to, and the
+    part of uvicorn's ``RequestResponseCycle`` that :class:`HttpToolsProtocol` touches
+    (``body``, ``more_body``, ``message_event``, ``keep_alive``, ``disconnected``,
+    ``response_complete``, ``run_asgi``). Invariants: the status line is written once,
+    before any body byte; ``response_complete`` turns true exactly once, with the last byte
+    of the answer written; once ``disconnected`` nothing more is written.
+    """
+
+    __slots__ = (
+        "_disconnected",
+        "body",
+        "endpoint",
+        "headers",
+        "keep_alive",
+        "message_event",
+        "more_body",
+        "proto",
+        "response_complete",
+        "response_started",
+        "task",
+        "transport",
+        "waiting_for_100_continue",
+    )
+
+    def __init__(
+        self,
+        proto: GatewayHttpProtocol,
+        endpoint: str,
+        headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+        expect_100_continue: bool,
+    ) -> None:
+        self.proto = proto
+        self.transport = proto.transport
+        self.endpoint = endpoint
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_100_continue
+        self.body = bytearray()
+        self.more_body = True
+        self.message_event = asyncio.Event()
+        self.response_started = False
+        self.response_complete = False
+        self._disconnected = False
+        self.task: asyncio.Task[None] | None = None
+
+    # ---------------------------------------------------------------- the protocol's side
+    @property
+    def disconnected(self) -> bool:
+        return self._disconnected
+
+    @disconnected.setter
+    def disconnected(self, value: bool) -> None:
+        # the protocol sets it when the connection is lost before the answer is complete
+        self._disconnected = value
+        if value and self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    async def run_asgi(self, app: Any) -> None:
+        """Serve the request (uvicorn's name; there is no ASGI app here)."""
+        self.task = asyncio.current_task()
+        try:
+            await self._serve()
+        except asyncio.CancelledError:
+            if not self._disconnected:
+                raise  # the server's own cancellation (shutdown)
+            if self.task is not None:
+                self.task.uncancel()
+        except ClientGone:
+            pass
+        except Exception:
+            log.exception("unhandled error on the completion path")
+            if not self.response_started:
+                err = GatewayError(500, "internal gateway error")
+                self.keep_alive = False
+                await self.answer(err.status, err.header_pairs(), _error_bytes(err))
+            else:
+                self.transport.close()
+        finally:
+            if not self.response_complete and not self.transport.is_closing():
+                self.transport.close()  # an answer cut short must not look complete
+
+    async def _serve(self) -> None:
+        names: dict[str, str] = {}
+        for name, value in self.headers:  # the first value of a repeated header wins
+            names.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        completions: Completions = self.proto.completions
+        out = await completions.handle(self.endpoint, names, self.read_body)
+        if isinstance(out, UpstreamExchange):
+            await out.run(self)
+            return
+        err, rid = out
+        if self.more_body:  # answered before the whole body was read: the rest is unread
+            self.keep_alive = False
+        await self.answer(err.status, err.header_pairs(rid), _error_bytes(err))
+
+    async def read_body(self, limit: int) -> bytes:
+        """The whole request body; a 413 :class:`GatewayError` past ``limit`` bytes."""
+        declared = self.proto.content_length
+        if declared is not None and declared > limit:
+            raise _too_large(limit)
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.waiting_for_100_continue = False
+        while self.more_body:
+            if self._disconnected:
+                raise ClientGone
+            if len(self.body) > limit:
+                raise _too_large(limit)
+            self.proto.flow.resume_reading()
+            await self.message_event.wait()
+            self.message_event.clear()
+        if len(self.body) > limit:
+            raise _too_large(limit)
+        return bytes(self.body)
+
+    # ---------------------------------------------------------------- ClientConnection
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+        parts = [STATUS_LINE[status]]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            parts.append(_CLOSE)
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        return parts
+
+    async def _writable(self) -> bool:
+        flow = self.proto.flow
+        if flow.write_paused and not self._disconnected:
+            await flow.drain()
+        return not self._disconnected
+
+    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        if not await self._writable():
+            return
+        parts = self._head(status, headers)
+        parts += (b"content-length: %d\r\n\r\n" % len(body), body)
+        self.transport.write(b"".join(parts))
+        self._complete()
+
+    async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if not await self._writable():
+            return
+        parts = self._head(status, headers)
+        parts += (_CHUNKED, b"\r\n")
+        self.transport.write(b"".join(parts))
+
+    async def stream(self, data: bytes) -> None:
+        if data and await self._writable():
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def end_stream(self) -> None:
+        if await self._writable():
+            self.transport.write(b"0\r\n\r\n")
+            self._complete()
+
+    def _complete(self) -> None:
+        self.response_complete = True
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.proto.on_response_complete()
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
+
+
+def _error_bytes(err: GatewayError) -> bytes:
+    return orjson.dumps(err.body())
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, with the completion endpoints served by
+    :class:`HotCycle` (see the module docstring). ``completions`` is given by the server
+    (``functools.partial``)."""
+
+    def __init__(self, *args: Any, completions: Completions, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.completions = completions
+        self.content_length: int | None = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        if len(name) == 14 and name.lower() == b"content-length":
+            digits = value.strip()
+            self.content_length = int(digits) if digits.isdigit() else None
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.content_length = None
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        endpoint = (
+            _HOT_PATHS.get(self.url.partition(b"?")[0])
+            if parser.get_method() == b"POST" and not parser.should_upgrade()
+            else None
+        )
+        if endpoint is None or (
+            self.limit_concurrency is not None
+            and max(len(self.connections), len(self.tasks)) >= self.limit_concurrency
+        ):
+            super().on_headers_complete()  # ASGI, as uvicorn does it
+            return
+        keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+        cycle = HotCycle(self, endpoint, self.headers, keep_alive, self.expect_100_continue)
+        existing = self.cycle
+        self.cycle = cast(Any, cycle)
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(cast(Any, cycle), cast(Any, None))
+        else:  # pipelined behind an answer still being written
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cast(Any, cycle), cast(Any, None)))
