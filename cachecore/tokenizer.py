@@ -320,6 +320,7 @@ class SegmentCache:
                     ok = False
                 specials[str(added.content)] = int(tid)
         self._specials = specials
+        self.special_ids: Mapping[str, int] = specials
         self._split = (
             re.compile(
                 "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
@@ -328,6 +329,8 @@ class SegmentCache:
             else None
         )
         self.enabled = ok and self._split is not None and self._self_check()
+        # how encode() cuts a text: special tokens and the pieces between them
+        self.split_pattern: re.Pattern[str] | None = self._split
 
     def _plain(self, text: str) -> list[int]:
         if self._fast is not None:

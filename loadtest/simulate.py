@@ -165,6 +165,8 @@ class FleetSimulator:
         words = tok.word_vocabulary
         self._word_ids: dict[str, int] | None = dict(zip(words.words, words.ids, strict=True))
         self._word_checks = 16
+        self._chat_checks = 16
+        self._role_ids: dict[str, list[int]] = {}
         self.inflight = InFlight()
         self._snapshot: dict[str, SharedLoad] = {}
         self.tracker = LoadTracker(self.inflight, lambda: self._snapshot)
@@ -198,10 +200,56 @@ class FleetSimulator:
             salt = self.salts[tenant] = self.minter.salt(Scope(ScopeKind.TENANT, tenant))
         return salt
 
+    def _word_run(self, text: str) -> list[int] | None:
+        """The ids of ``" w1 w2 ..."`` made of single-token words, else None."""
+        assert self._word_ids is not None
+        get = self._word_ids.get
+        ids = [get(w) for w in text[1:].split(" ")]  # a double space or newline: no match
+        return None if None in ids else ids  # type: ignore[return-value]
+
+    def _chat_words(self, body: dict[str, Any]) -> list[int] | None:
+        """A chat's ids without BPE when every message is made of single-token words: the
+        template's pieces between special tokens are ``role\n w1 w2 ...``, and the
+        tokenizer encodes each piece on its own (SegmentCache's invariant), the role line
+        apart from the words (checked against the tokenizer on the first chats)."""
+        segments = self.tokenizer.segments
+        if not segments.enabled or segments.split_pattern is None:
+            return None
+        text = self.tokenizer.tok.apply_chat_template(body["messages"], True)
+        out: list[int] = []
+        for i, piece in enumerate(segments.split_pattern.split(text)):
+            if i % 2:
+                out.append(segments.special_ids[piece])
+                continue
+            if not piece:
+                continue
+            head, sep, rest = piece.partition("\n")
+            ids = self._word_run(rest) if sep and rest.startswith(" ") else None
+            if ids is None:
+                if sep and not rest:  # a bare role line ("assistant\n")
+                    ids = []
+                else:
+                    return None
+            line = self._role_ids.get(head)
+            if line is None:
+                line = self._role_ids[head] = self.tokenizer.tok.encode(head + "\n")
+            out += line
+            out += ids
+        return out
+
     def _tokens(self, item: WorkItem) -> list[int]:
         body = item.body(MODEL, stream=False)
         if item.api == "chat":
-            return self.tokenizer.chat_sync(body)
+            ids = self._chat_words(body) if self._word_ids is not None else None
+            if ids is None:
+                return self.tokenizer.chat_sync(body)
+            if self._chat_checks > 0:
+                self._chat_checks -= 1
+                exact = self.tokenizer.chat_sync(body)
+                if ids != exact:
+                    self._word_ids = None  # never trust the shortcut again
+                    return exact
+            return ids
         prompt = item.prompt or ""
         if self._word_ids is not None and prompt.startswith(" "):
             # workload text is single-token words: " w1 w2" encodes to their ids exactly

@@ -64,3 +64,37 @@ def test_tiled_mooncake_arrives_at_the_wanted_rate() -> None:
         assert len(w.items) == 400
         achieved = (len(w.items) - 1) / (w.items[-1].t - w.items[0].t)
         assert achieved == pytest.approx(rate, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "workload_name", ["shared-prefix", "hot-prefix", "tenant-mix", "rag", "short-unique"]
+)
+def test_the_word_shortcut_gives_the_tokenizers_ids(text: TextSource, workload_name: str) -> None:
+    """The simulator reads a chat made of single-token words without BPE; its ids must be
+    the tokenizer's, on every item (the in-run check covers only the first ones)."""
+    pol = load_policy(builtin_policy_path("default"))
+    w = scaled_workload(workload_name, 60, 2, 4.0, 0, text)
+    sim = FleetSimulator(SimConfig(replicas=2), pol, w)
+    shortcut = 0
+    for item in w.items:
+        body = item.body("m", stream=False)
+        exact = (
+            sim.tokenizer.chat_sync(body)
+            if item.api == "chat"
+            else sim.tokenizer.completion_sync(body)
+        )
+        fast = sim._chat_words(body) if item.api == "chat" else None
+        shortcut += fast is not None
+        assert fast is None or fast == exact
+        assert sim._tokens(item) == exact
+    if workload_name in ("shared-prefix", "hot-prefix"):
+        assert shortcut == len(w.items)  # these are word-only chats: no BPE at all
+    assert sim._word_ids is not None  # the in-run check never tripped
+
+
+def test_a_chat_that_is_not_words_takes_the_tokenizer(text: TextSource) -> None:
+    pol = load_policy(builtin_policy_path("default"))
+    w = scaled_workload("shared-prefix", 4, 2, 4.0, 0, text)
+    sim = FleetSimulator(SimConfig(replicas=2), pol, w)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hello,  world!\nBye"}]}
+    assert sim._chat_words(body) is None
