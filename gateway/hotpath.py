@@ -56,6 +56,7 @@ class HotCycle:
     __slots__ = (
         "_disconnected",
         "body",
+        "content_length",
         "endpoint",
         "headers",
         "keep_alive",
@@ -76,6 +77,7 @@ class HotCycle:
         headers: list[tuple[bytes, bytes]],
         keep_alive: bool,
         expect_100_continue: bool,
+        content_length: int | None,
     ) -> None:
         self.proto = proto
         self.transport = proto.transport
@@ -83,6 +85,7 @@ class HotCycle:
         self.headers = headers
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
+        self.content_length = content_length  # as declared in this request's headers
         self.body = bytearray()
         self.more_body = True
         self.message_event = asyncio.Event()
@@ -105,7 +108,10 @@ class HotCycle:
 
     async def run_asgi(self, app: Any) -> None:
         """Serve the request (uvicorn's name; there is no ASGI app here)."""
+        if self._disconnected:  # the client left before this request's turn came
+            return
         self.task = asyncio.current_task()
+        self.proto.serving = self
         try:
             await self._serve()
         except asyncio.CancelledError:
@@ -121,11 +127,12 @@ class HotCycle:
                 err = GatewayError(500, "internal gateway error")
                 self.keep_alive = False
                 await self.answer(err.status, err.header_pairs(), _error_bytes(err))
-            else:
-                self.transport.close()
         finally:
             if not self.response_complete and not self.transport.is_closing():
                 self.transport.close()  # an answer cut short must not look complete
+            if self.proto.serving is self:
+                self.proto.serving = None
+            self.task = None
 
     async def _serve(self) -> None:
         names: dict[str, str] = {}
@@ -137,13 +144,15 @@ class HotCycle:
             await out.run(self)
             return
         err, rid = out
-        if self.more_body:  # answered before the whole body was read: the rest is unread
-            self.keep_alive = False
+        # answered before the whole body arrived (a 401, a 413): the connection stays, and
+        # the protocol drops the rest of the body as it comes (``on_body`` after
+        # ``response_complete``), as uvicorn does; closing now would reset the client
+        # before it reads the answer
         await self.answer(err.status, err.header_pairs(rid), _error_bytes(err))
 
     async def read_body(self, limit: int) -> bytes:
         """The whole request body; a 413 :class:`GatewayError` past ``limit`` bytes."""
-        declared = self.proto.content_length
+        declared = self.content_length
         if declared is not None and declared > limit:
             raise _too_large(limit)
         if self.waiting_for_100_continue and not self.transport.is_closing():
@@ -159,11 +168,15 @@ class HotCycle:
             self.message_event.clear()
         if len(self.body) > limit:
             raise _too_large(limit)
-        return bytes(self.body)
+        # the cycle outlives the request (uvicorn keeps the last one per connection)
+        raw, self.body = bytes(self.body), bytearray()
+        return raw
 
     # ---------------------------------------------------------------- ClientConnection
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
         parts = [STATUS_LINE[status]]
+        for name, value in self.proto.server_state.default_headers:  # date, server
+            parts += (name, b": ", value, b"\r\n")
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if not self.keep_alive:
@@ -176,7 +189,7 @@ class HotCycle:
         flow = self.proto.flow
         if flow.write_paused and not self._disconnected:
             await flow.drain()
-        return not self._disconnected
+        return not self._disconnected and not self.transport.is_closing()
 
     async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         if not await self._writable():
@@ -226,7 +239,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, completions: Completions, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.completions = completions
-        self.content_length: int | None = None
+        self.content_length: int | None = None  # of the request being parsed
+        # the hot request being served; with pipelining uvicorn's ``cycle`` is the newest
+        # parsed one, which may still wait for its turn
+        self.serving: HotCycle | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)  # marks ``self.cycle``
+        serving = self.serving
+        if serving is not None and not serving.response_complete:
+            serving.disconnected = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
         super().on_header(name, value)
@@ -252,7 +274,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             super().on_headers_complete()  # ASGI, as uvicorn does it
             return
         keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
-        cycle = HotCycle(self, endpoint, self.headers, keep_alive, self.expect_100_continue)
+        cycle = HotCycle(
+            self, endpoint, self.headers, keep_alive, self.expect_100_continue, self.content_length
+        )
         existing = self.cycle
         self.cycle = cast(Any, cycle)
         if existing is None or existing.response_complete:

@@ -119,9 +119,6 @@ class AsgiConnection:
         headers = [*headers, (b"content-length", b"%d" % len(body))]
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
-        # a server that coalesces writes flushes at the end of this loop tick: let the
-        # answer leave before the caller's accounting, which the client need not wait for
-        await asyncio.sleep(0)
 
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})

@@ -142,15 +142,25 @@ async def test_body_in_pieces_and_100_continue() -> None:
             writer.close()
 
 
-async def test_oversized_bodies_get_413_and_the_connection_closes() -> None:
+async def test_oversized_bodies_get_413_and_the_connection_stays_usable() -> None:
     async with stack(count=1, max_body_bytes=4_000) as st:
-        # declared too large: answered at once, before the body is sent
+        # declared too large: answered at once while the client is still uploading; the
+        # rest of the body is read and dropped (closing would reset the client before it
+        # reads the answer), then the connection serves the next request
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(st))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 50000\r\n\r\n{")
-        status, headers, body = await read_response(reader)
-        assert status == 413 and headers["connection"] == "close"
+        size = 200_000
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n" % size
+        )
+        answer = asyncio.ensure_future(read_response(reader))
+        for _ in range(size // 10_000):
+            writer.write(b"x" * 10_000)
+            await writer.drain()
+        status, headers, body = await answer
+        assert status == 413 and "connection" not in headers and "date" in headers
         assert orjson.loads(body)["error"]["code"] == "body_too_large"
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the gateway
+        writer.write(request(completion(st, words(10, 4))))
+        assert (await read_response(reader))[0] == 200
         writer.close()
         # undeclared (chunked upload) and too large: refused once past the limit
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(st))
@@ -164,6 +174,18 @@ async def test_oversized_bodies_get_413_and_the_connection_closes() -> None:
         )
         status, _, body = await read_response(reader)
         assert status == 413 and orjson.loads(body)["error"]["type"] == "invalid_request_error"
+        writer.write(request(completion(st, words(10, 4))))
+        assert (await read_response(reader))[0] == 200
+        writer.close()
+        # a small request pipelined ahead of a too-large one: each is judged by its own
+        # content-length
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(st))
+        writer.write(
+            request(completion(st, words(10, 6)))
+            + b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 50000\r\n\r\n"
+        )
+        assert (await read_response(reader))[0] == 200
+        assert (await read_response(reader))[0] == 413
         writer.close()
         await settled(st.gw)
 
@@ -234,9 +256,12 @@ async def test_a_client_leaving_mid_body_or_mid_stream_leaves_nothing_in_flight(
         await asyncio.sleep(0.1)
         writer.close()
         await settled(st.gw)
-        # mid-stream: the engine is told to stop
+        # mid-stream, with a request pipelined behind the stream: the engine is told to stop
         reader, writer = await asyncio.open_connection("127.0.0.1", port_of(st))
-        writer.write(request(completion(st, words(20, 9), max_tokens=3000, stream=True)))
+        writer.write(
+            request(completion(st, words(20, 9), max_tokens=3000, stream=True))
+            + request(completion(st, words(20, 12)))
+        )
         await asyncio.wait_for(reader.readuntil(b"data:"), 10)
         writer.close()
         await settled(st.gw)
