@@ -34,6 +34,7 @@ import math
 import random
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -167,6 +168,7 @@ class FleetSimulator:
         self._word_checks = 16
         self._chat_checks = 16
         self._role_ids: dict[str, list[int]] = {}
+        self._pieces: OrderedDict[str, list[int]] = OrderedDict()  # LRU of chat pieces' ids
         self.inflight = InFlight()
         self._snapshot: dict[str, SharedLoad] = {}
         self.tracker = LoadTracker(self.inflight, lambda: self._snapshot)
@@ -223,6 +225,11 @@ class FleetSimulator:
                 continue
             if not piece:
                 continue
+            known = self._pieces.get(piece)
+            if known is not None:  # a system prompt, a document: seen before
+                self._pieces.move_to_end(piece)
+                out += known
+                continue
             head, sep, rest = piece.partition("\n")
             ids = self._word_run(rest) if sep and rest.startswith(" ") else None
             if ids is None:
@@ -233,7 +240,10 @@ class FleetSimulator:
             line = self._role_ids.get(head)
             if line is None:
                 line = self._role_ids[head] = self.tokenizer.tok.encode(head + "\n")
-            out += line
+            ids = line + ids
+            self._pieces[piece] = ids
+            if len(self._pieces) > 8192:
+                self._pieces.popitem(last=False)
             out += ids
         return out
 
