@@ -48,18 +48,13 @@ class KVCacheManager:
         up again every step and must not count twice)."""
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
+        # every full prompt block's hash at once (as vLLM does when a request arrives):
+        # one chained pass, and the blocks get registered under them later anyway
+        self._ensure_hashes(req, max_blocks)
         hits: list[KVBlock] = []
         get = self.pool.get_cached_block
-        hasher, hashes = self.hasher, req.block_hashes
-        for i in range(max_blocks):
-            if i >= len(hashes):
-                parent = hashes[i - 1] if i else None
-                hashes.append(
-                    hasher.block_hash(
-                        parent, req.all_token_ids[i * bs : (i + 1) * bs], req.extra_keys(i)
-                    )
-                )
-            blk = get(hashes[i])
+        for h in req.block_hashes[:max_blocks]:
+            blk = get(h)
             if blk is None:
                 break
             hits.append(blk)
