@@ -1,8 +1,14 @@
-"""Shared fixtures: real redis-server processes on free loopback ports."""
+"""Shared fixtures: real redis-server processes on free loopback ports; and a watchdog
+that prints every asyncio task's stack shortly before a test's timeout."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import sys
+import threading
 from collections.abc import Iterator
+from typing import TextIO
 
 import pytest
 import redis
@@ -54,3 +60,48 @@ def cluster_url(redis_cluster: RedisClusterServers) -> str:
     """A seed node's URL of the session's cluster, every node flushed."""
     redis_cluster.on_every_node("FLUSHALL")
     return redis_cluster.url
+
+
+def dump_asyncio_tasks(out: TextIO) -> int:
+    """Print the stack of every task of every running event loop (from any thread: for
+    diagnosing a hang, when the loop sits idle in select). Returns the number of tasks."""
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)]
+    count = 0
+    for loop in loops:
+        if not loop.is_running():
+            continue
+        for _ in range(5):  # the loop's thread may change the task set meanwhile
+            try:
+                tasks = list(asyncio.all_tasks(loop))
+                break
+            except RuntimeError:
+                continue
+        else:
+            tasks = []
+        for task in tasks:
+            print(f"--- {task!r}", file=out)
+            task.print_stack(file=out)
+            count += 1
+    out.flush()
+    return count
+
+
+@pytest.fixture(autouse=True)
+def _task_stacks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that hangs fails on pytest-timeout with only the main thread's stack, which
+    for an async test is the event loop waiting in select. Shortly before that, print where
+    every asyncio task is waiting (it shows in the test's captured stderr)."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker is not None and marker.args else 0.0
+    if not limit:
+        limit = float(request.config.getini("timeout") or 0)
+    if limit < 10:
+        yield
+        return
+    timer = threading.Timer(max(limit - 15.0, limit * 0.8), dump_asyncio_tasks, (sys.stderr,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

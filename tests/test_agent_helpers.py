@@ -220,3 +220,27 @@ class Rig:
         await self.source.close()
         await self.stub.close()
         self.ctx.destroy(linger=0)
+
+
+def test_the_timeout_watchdog_shows_where_each_task_waits() -> None:
+    """tests/conftest.py's dump, called from another thread while a loop waits."""
+    import io
+
+    from tests.conftest import dump_asyncio_tasks
+
+    async def parked_on_an_event_nobody_sets(ev: asyncio.Event) -> None:
+        await ev.wait()
+
+    out = io.StringIO()
+
+    async def main() -> int:
+        ev = asyncio.Event()
+        task = asyncio.create_task(parked_on_an_event_nobody_sets(ev))
+        await asyncio.sleep(0.05)
+        n = await asyncio.to_thread(dump_asyncio_tasks, out)  # the loop keeps running
+        task.cancel()
+        return n
+
+    assert asyncio.run(main()) >= 2  # main and the parked task
+    text = out.getvalue()
+    assert "parked_on_an_event_nobody_sets" in text and "ev.wait()" in text
