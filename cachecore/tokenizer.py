@@ -319,18 +319,16 @@ class SegmentCache:
                 if added.lstrip or added.rstrip or added.normalized or added.single_word:
                     ok = False
                 specials[str(added.content)] = int(tid)
-        self._specials = specials
         self.special_ids: Mapping[str, int] = specials
-        self._split = (
+        # how encode() cuts a text: special tokens and the pieces between them
+        self.split_pattern: re.Pattern[str] | None = (
             re.compile(
                 "(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")"
             )
             if specials
             else None
         )
-        self.enabled = ok and self._split is not None and self._self_check()
-        # how encode() cuts a text: special tokens and the pieces between them
-        self.split_pattern: re.Pattern[str] | None = self._split
+        self.enabled = ok and self.split_pattern is not None and self._self_check()
 
     def _plain(self, text: str) -> list[int]:
         if self._fast is not None:
@@ -365,11 +363,11 @@ class SegmentCache:
         return ids
 
     def _segmented(self, text: str, scope: str | None = "") -> list[int]:
-        assert self._split is not None
+        assert self.split_pattern is not None
         out: list[int] = []
-        for i, piece in enumerate(self._split.split(text)):
+        for i, piece in enumerate(self.split_pattern.split(text)):
             if i % 2:
-                out.append(self._specials[piece])
+                out.append(self.special_ids[piece])
             elif piece:
                 out.extend(self._segment(piece, scope))
         return out

@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from gateway.auth import check_admin
 from gateway.core import Gateway, request_id_from
-from gateway.errors import GatewayError, bad_request, rate_limited
+from gateway.errors import GatewayError, bad_request, body_too_large, rate_limited
 from gateway.proxy import UpstreamExchange
 from gateway.routing import NoCandidateError, Strategy
 from policies.schema import PolicyError
@@ -37,15 +37,13 @@ def _json(data: Any, status: int = 200) -> Response:
 async def read_body(request: Request, limit: int) -> bytes:
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
-        raise GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
+        raise body_too_large(limit)
     chunks: list[bytes] = []
     n = 0
     async for chunk in request.stream():
         n += len(chunk)
         if n > limit:
-            raise GatewayError(
-                413, f"request body larger than {limit} bytes", code="body_too_large"
-            )
+            raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -85,6 +85,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return GatewayError(400, message, code=code, param=param)
 
 
+def body_too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
+
+
 def rate_limited(message: str, retry_after_s: float, code: str) -> GatewayError:
     secs = max(1, int(retry_after_s + 0.999))
     return GatewayError(429, message, code=code, headers={"Retry-After": str(secs)})

@@ -28,7 +28,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.app import Completions
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, body_too_large
 from gateway.proxy import UpstreamExchange
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class HotCycle:
         """The whole request body; a 413 :class:`GatewayError` past ``limit`` bytes."""
         declared = self.content_length
         if declared is not None and declared > limit:
-            raise _too_large(limit)
+            raise body_too_large(limit)
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.waiting_for_100_continue = False
@@ -162,12 +162,12 @@ class HotCycle:
             if self._disconnected:
                 raise ClientGone
             if len(self.body) > limit:
-                raise _too_large(limit)
+                raise body_too_large(limit)
             self.proto.flow.resume_reading()
             await self.message_event.wait()
             self.message_event.clear()
         if len(self.body) > limit:
-            raise _too_large(limit)
+            raise body_too_large(limit)
         # the cycle outlives the request (uvicorn keeps the last one per connection)
         raw, self.body = bytes(self.body), bytearray()
         return raw
@@ -221,10 +221,6 @@ class HotCycle:
         if not self.keep_alive:
             self.transport.close()
         self.proto.on_response_complete()
-
-
-def _too_large(limit: int) -> GatewayError:
-    return GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
 
 
 def _error_bytes(err: GatewayError) -> bytes:

@@ -54,7 +54,7 @@ from cachecore.traceanalysis import percentile
 from gateway.load import InFlight, LoadTracker, SharedLoad, Ticket
 from gateway.routing import Candidate, Router, RouteRequest, Strategy
 from gateway.tokenization import LocalPromptTokenizer
-from loadtest.workloads import TextSource, WorkItem, Workload, build
+from loadtest.workloads import Api, TextSource, WorkItem, Workload, build
 from policies.schema import Policy, builtin_policy_path, load_policy
 
 MODEL = "kvgate-sim-8b"
@@ -165,8 +165,7 @@ class FleetSimulator:
         self.tokenizer = LocalPromptTokenizer(tok)
         words = tok.word_vocabulary
         self._word_ids: dict[str, int] | None = dict(zip(words.words, words.ids, strict=True))
-        self._word_checks = 16
-        self._chat_checks = 16
+        self._word_checks: dict[Api, int] = {"chat": 16, "completions": 16}  # both APIs checked
         self._role_ids: dict[str, list[int]] = {}
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()  # LRU of chat pieces' ids
         self.inflight = InFlight()
@@ -249,33 +248,25 @@ class FleetSimulator:
 
     def _tokens(self, item: WorkItem) -> list[int]:
         body = item.body(MODEL, stream=False)
-        if item.api == "chat":
-            ids = self._chat_words(body) if self._word_ids is not None else None
-            if ids is None:
-                return self.tokenizer.chat_sync(body)
-            if self._chat_checks > 0:
-                self._chat_checks -= 1
-                exact = self.tokenizer.chat_sync(body)
-                if ids != exact:
-                    self._word_ids = None  # never trust the shortcut again
-                    return exact
-            return ids
-        prompt = item.prompt or ""
-        if self._word_ids is not None and prompt.startswith(" "):
+        tok = self.tokenizer
+        exact = tok.chat_sync if item.api == "chat" else tok.completion_sync
+        ids: list[int] | None = None
+        if self._word_ids is not None:
             # workload text is single-token words: " w1 w2" encodes to their ids exactly
             # (WordVocabulary's invariant); checked against the tokenizer on the first ones
-            try:
-                ids = [self._word_ids[w] for w in prompt.split()]
-            except KeyError:
-                ids = None
-            if ids is not None:
-                if self._word_checks > 0:
-                    self._word_checks -= 1
-                    if ids != self.tokenizer.completion_sync(body):
-                        self._word_ids = None  # never trust the shortcut again
-                        return self.tokenizer.completion_sync(body)
-                return ids
-        return self.tokenizer.completion_sync(body)
+            if item.api == "chat":
+                ids = self._chat_words(body)
+            elif item.prompt and item.prompt.startswith(" "):
+                ids = self._word_run(item.prompt)
+        if ids is None:
+            return exact(body)
+        if self._word_checks[item.api] > 0:
+            self._word_checks[item.api] -= 1
+            truth = exact(body)
+            if ids != truth:
+                self._word_ids = None  # never trust the shortcut again
+                return truth
+        return ids
 
     # ------------------------------------------------------------------ routing
     async def _route(self, i: int, item: WorkItem, now: float) -> None:
