@@ -73,6 +73,10 @@ def empty_match(state: ReplicaState = ReplicaState.LIVE) -> PrefixMatch:
     return PrefixMatch(EMPTY_TIERS, 0, 0, state)
 
 
+NO_MATCH: PrefixMatch = empty_match()
+"""The shared (immutable) answer for a live replica holding none of the prompt."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaMeta:
     """Per replica (and DP rank) bookkeeping kept beside its entries."""

@@ -47,6 +47,7 @@ from operator import eq
 from typing import Any
 
 from cachecore.index.base import (
+    NO_MATCH,
     ROUTABLE_STATES,
     IndexStats,
     PrefixMatch,
@@ -63,9 +64,6 @@ from cachecore.lifecycle import IndexWrite, check_entry_values
 DEFAULT_MAX_ENTRIES = 2_000_000
 DEFAULT_MAX_PENDING_PER_REPLICA = 262_144
 _GRAVEYARD_STEP = 4096  # entries freed per mutating call
-
-
-_EMPTY_LIVE = empty_match(ReplicaState.LIVE)
 
 
 class _Pending:
@@ -254,7 +252,7 @@ class MemoryIndex:
             if not keys or (keys[0] not in rep.blocks and rep.pending.get(keys[0]) <= now_ms):
                 # the common case on a big fleet: the first block is neither stored nor
                 # pending here, so nothing matches (shared immutable empty answer)
-                out[rid] = _EMPTY_LIVE if rep.state is ReplicaState.LIVE else empty_match(rep.state)
+                out[rid] = NO_MATCH if rep.state is ReplicaState.LIVE else empty_match(rep.state)
                 continue
             out[rid] = _search(rep, keys, now_ms)
         return out
