@@ -16,3 +16,13 @@ def freeze_startup_heap() -> None:
     among them leak."""
     gc.collect()
     gc.freeze()
+
+
+def batch_gc() -> None:
+    """For a batch process that allocates millions of short-lived objects and keeps a
+    large, growing heap (the simulator: engine block pools, the index): collect the young
+    generation every 20,000 net allocations instead of 700, and the older ones 20x less
+    often than that. The default thresholds spent ~8% of a simulation in collections that
+    found almost nothing (measured: 20,000 requests at 64 replicas, 14.0-14.3x -> 15.2-15.6x
+    real time, the same as with the GC off); cycles are still collected."""
+    gc.set_threshold(20_000, 20, 20)

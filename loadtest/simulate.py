@@ -48,6 +48,7 @@ from cachecore.index.base import ReplicaState
 from cachecore.index.memory import MemoryIndex
 from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
 from cachecore.lifecycle import ReplicaMirror
+from cachecore.process import batch_gc, freeze_startup_heap
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
 from cachecore.tokenizer import builtin_tokenizer
 from cachecore.traceanalysis import percentile
@@ -600,6 +601,7 @@ def format_rows(rows: Sequence[tuple[SimResult, dict[str, float]]]) -> str:
 
 
 async def _main(args: argparse.Namespace) -> int:
+    batch_gc()
     policy = load_policy(args.policy or builtin_policy_path("default"))
     text = TextSource()
     strategies = [Strategy(s.strip()) for s in args.strategies.split(",") if s.strip()]
@@ -624,6 +626,9 @@ async def _main(args: argparse.Namespace) -> int:
                 flush=True,
             )
         workload = scaled_workload(args.workload, args.requests, n, rate, args.seed, text)
+        # the workload (every request's text) lives for the whole run: out of the GC's
+        # full collections, which otherwise traverse it again and again
+        freeze_startup_heap()
         for strategy in strategies:
             sim = FleetSimulator(replace(cfg, strategy=strategy), policy, workload)
             res = await sim.run()
