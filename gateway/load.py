@@ -116,21 +116,23 @@ class LoadTracker:
 
     def views(self, replicas: list[str], capacity: Mapping[str, int | None]) -> dict[str, LoadView]:
         snap = self._shared() if self._shared is not None else {}
+        own = self.inflight.own
+        default = self.default_capacity
         out: dict[str, LoadView] = {}
-        for r in replicas:
-            qt, qr, run = self.inflight.own(r)
+        for r in replicas:  # per replica per request: positional, no helper calls
+            qt, qr, run = own(r)
             s = snap.get(r)
-            cap = capacity.get(r) or (s.capacity if s and s.capacity else self.default_capacity)
             if s is None:
-                out[r] = LoadView(qt, qr, run, 0, cap, 0.0)
+                out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0)
                 continue
+            running = run + s.other_requests
             out[r] = LoadView(
-                queued_prefill_tokens=qt + s.other_queued_tokens,
-                queued_requests=qr,
-                running=max(s.running, run + s.other_requests),
-                waiting=s.waiting,
-                capacity=cap,
-                kv_usage=s.kv_usage,
+                qt + s.other_queued_tokens,
+                qr,
+                s.running if s.running > running else running,
+                s.waiting,
+                capacity.get(r) or s.capacity or default,
+                s.kv_usage,
             )
         return out
 

@@ -94,6 +94,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             if blk is None:
                 break
             hits.append(blk)
+        assert self.pool.longest_cached_prefix(hashes) == hits  # the one-call lookup agrees
         need = n_blocks - len(hits) + (1 if partial_tail else 0)
         evictable = sum(1 for b in hits if b.ref_cnt == 0)
         held = {b.block_id for blocks in self.live.values() for b in blocks}
@@ -247,3 +248,22 @@ def test_contract_violations_raise() -> None:
         pool.allocate(3)
     with pytest.raises(BlockPoolError):
         _cache(pool, [a], [b"\x05" * 32])  # a is free: cannot be registered
+
+
+@pytest.mark.parametrize("lora, salt", [(None, None), (None, "kvg1:s"), ("ad", "kvg1:s")])
+def test_chain_equals_block_by_block_hashes(lora: str | None, salt: str | None) -> None:
+    """The chained pass gives the block_hash chain, with the salt in block 0 only, whether
+    it starts at block 0 or continues a request from its last hash."""
+    hasher = EngineHasher(seed=3)
+    xk = ExtraKeysFn(lora, salt)
+    tokens = list(range(5 * BS))
+    expected: list[bytes] = []
+    parent: bytes | None = None
+    for i in range(5):
+        parent = hasher.block_hash(parent, tokens[i * BS : (i + 1) * BS], xk(i))
+        expected.append(parent)
+    assert hasher.chain(None, tokens, BS, 0, xk) == expected
+    tail = hasher.chain(expected[1], tokens[2 * BS :], BS, 2, xk)
+    assert tail == expected[2:]
+    unsalted = hasher.chain(None, tokens, BS, 0, ExtraKeysFn(lora, None))
+    assert (unsalted[0] == expected[0]) == (salt is None)  # the salt goes into block 0

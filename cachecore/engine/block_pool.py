@@ -146,6 +146,18 @@ class BlockPool:
             return None
         return next(iter(copies.values()))
 
+    def longest_cached_prefix(self, block_hashes: Sequence[EngineHash]) -> list[KVBlock]:
+        """:meth:`get_cached_block` of each hash in order, up to the first miss (vLLM's
+        ``find_longest_cache_hit``): one call per request, not one per block."""
+        cached = self._cached
+        out: list[KVBlock] = []
+        for h in block_hashes:
+            copies = cached.get(h)
+            if not copies:
+                break
+            out.append(next(iter(copies.values())))
+        return out
+
     def is_cached(self, block_hash: EngineHash) -> bool:
         return block_hash in self._cached
 

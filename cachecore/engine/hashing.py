@@ -98,15 +98,13 @@ class EngineHasher:
         whose first block has index ``first_block_index`` in its request."""
         out: list[EngineHash] = []
         digest = self._digest
-        root = self.root
         data = _token_bytes(tokens)
         step = block_size * 4
-        h = parent
+        h = self.root if parent is None else parent
+        rest = extra_of_block.rest_bytes  # the same for every block but a request's first
         for i, off in enumerate(range(0, len(data) - step + 1, step)):
-            head = root if h is None else h
-            h = digest(
-                head + data[off : off + step] + _extra_bytes(extra_of_block(first_block_index + i))
-            )
+            extra = extra_of_block.first_bytes if first_block_index + i == 0 else rest
+            h = digest(h + data[off : off + step] + extra)
             out.append(h)
         return out
 
@@ -114,13 +112,16 @@ class EngineHasher:
 class ExtraKeysFn:
     """The extra keys of each block of one request (LoRA name everywhere, salt in block 0)."""
 
-    __slots__ = ("first", "rest")
+    __slots__ = ("first", "first_bytes", "rest", "rest_bytes")
 
     def __init__(self, lora_name: str | None, cache_salt: str | None) -> None:
         base: tuple[Any, ...] = (lora_name,) if lora_name else ()
         first = base + ((cache_salt,) if cache_salt else ())
         self.first: ExtraKeys = first or None
         self.rest: ExtraKeys = base or None
+        # their encodings, as the hash consumes them (once per request, not per block)
+        self.first_bytes = _extra_bytes(self.first)
+        self.rest_bytes = _extra_bytes(self.rest)
 
     def __call__(self, block_index: int) -> ExtraKeys:
         return self.first if block_index == 0 else self.rest

@@ -51,13 +51,7 @@ class KVCacheManager:
         # every full prompt block's hash at once (as vLLM does when a request arrives):
         # one chained pass, and the blocks get registered under them later anyway
         self._ensure_hashes(req, max_blocks)
-        hits: list[KVBlock] = []
-        get = self.pool.get_cached_block
-        for h in req.block_hashes[:max_blocks]:
-            blk = get(h)
-            if blk is None:
-                break
-            hits.append(blk)
+        hits = self.pool.longest_cached_prefix(req.block_hashes[:max_blocks])
         return hits, len(hits) * bs
 
     def num_blocks_needed(self, req: RequestState, num_new_tokens: int, num_hit_blocks: int) -> int:
