@@ -206,7 +206,7 @@ class FleetSimulator:
         """The ids of ``" w1 w2 ..."`` made of single-token words, else None."""
         assert self._word_ids is not None
         get = self._word_ids.get
-        ids = [get(w) for w in text[1:].split(" ")]  # a double space or newline: no match
+        ids = list(map(get, text[1:].split(" ")))  # a double space or newline: no match
         return None if None in ids else ids  # type: ignore[return-value]
 
     def _chat_words(self, body: dict[str, Any]) -> list[int] | None:
