@@ -19,6 +19,12 @@ from pathlib import Path
 
 import redis
 
+PATIENT_TIMEOUT_S = 5.0
+"""Socket timeout for Redis clients in correctness tests. The stores' defaults (0.25-1 s)
+are for a serving hot path that must fail fast; a loaded CI machine can stall a loopback
+reply that long (seen once: a cluster node's reply to the property test), which is not
+what those tests check."""
+
 
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago."""

@@ -29,7 +29,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.loadstate import LoadStoreError, RedisLoadStore
 from cachecore.registry import RedisRegistry, RegistryError
 from cachecore.replica.fleet import Fleet, run_fleet
-from cachecore.testing import RedisClusterServers, free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisClusterServers, free_port
 from gateway.auth import hash_key
 from gateway.core import Gateway
 from gateway.serve import build_gateway, serve_in_loop
@@ -130,7 +130,9 @@ async def test_every_gateway_and_agent_client_is_a_cluster_client(cluster_url: s
 async def test_cluster_index_packs_commands_in_c_with_its_connection_limit(
     cluster_url: str, redis_cluster: RedisClusterServers
 ) -> None:
-    idx = RedisIndex.from_url(cluster_url, cluster=True, max_connections=7)
+    idx = RedisIndex.from_url(
+        cluster_url, cluster=True, max_connections=7, socket_timeout_s=PATIENT_TIMEOUT_S
+    )
     try:
         await idx.lookup([b"k" * 16], ["r0", "r1", "r2"], 0)  # loads the slot map
         client = idx.client
@@ -214,7 +216,7 @@ async def test_gateway_routes_a_repeated_prefix_from_agents_writes_on_the_cluste
     ids = [rids[0] for rids in per_shard.values()][:2]  # two replicas, on two shards
     with redis.RedisCluster.from_url(cluster_url) as admin:  # as an operator adds a key
         admin.hset("kvg:apikeys", hash_key(API_KEY), "acme")
-    probe = RedisIndex.from_url(cluster_url, cluster=True)
+    probe = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
     registry = RedisRegistry.from_url(cluster_url, cluster=True)
     loads = RedisLoadStore.from_url(cluster_url, cluster=True)
     try:

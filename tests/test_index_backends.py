@@ -22,7 +22,7 @@ from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import IndexWrite, Tier, chain_values
-from cachecore.testing import RedisServer, free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer, free_port
 
 G, C, D, R = int(Tier.GPU), int(Tier.CPU), int(Tier.DISK), int(Tier.REMOTE)
 KEYS = BlockKeyer(4).keys(list(range(4 * 64)), "kvg1:t", "m")
@@ -35,7 +35,7 @@ async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
         idx = MemoryIndex()
     else:
         url = request.getfixturevalue("redis_url")
-        idx = RedisIndex.from_url(url)
+        idx = RedisIndex.from_url(url, socket_timeout_s=PATIENT_TIMEOUT_S)
     yield idx
     await idx.close()
 
@@ -172,7 +172,11 @@ async def test_pending_cap_drops_earliest_expiry(kind: str, request: pytest.Fixt
     if kind == "memory":
         idx = MemoryIndex(max_pending_per_replica=3)
     else:
-        idx = RedisIndex.from_url(request.getfixturevalue("redis_url"), max_pending_per_replica=3)
+        idx = RedisIndex.from_url(
+            request.getfixturevalue("redis_url"),
+            max_pending_per_replica=3,
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+        )
     try:
         await live(idx, "a")
         for i in range(5):
@@ -238,7 +242,7 @@ async def _commandstats(client: aioredis.Redis) -> dict[str, int]:
 
 
 async def test_redis_lookup_is_one_round_trip(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url)
+    idx = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
     admin = aioredis.Redis.from_url(redis_url)
     try:
         replicas = [f"r{i}" for i in range(16)]
@@ -267,7 +271,7 @@ async def test_redis_lookup_is_one_round_trip(redis_url: str) -> None:
 
 
 async def test_redis_reloads_scripts_after_flush(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url)
+    idx = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
     admin = aioredis.Redis.from_url(redis_url)
     try:
         await live(idx, "a")
@@ -286,7 +290,7 @@ async def test_redis_reloads_scripts_after_flush(redis_url: str) -> None:
 
 
 async def test_redis_split_writes_are_pipelined(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url, max_write_fields=7)
+    idx = RedisIndex.from_url(redis_url, max_write_fields=7, socket_timeout_s=PATIENT_TIMEOUT_S)
     try:
         blocks = dict.fromkeys(KEYS[:40], G)
         mirror: dict[int, bytes | None] = {i: b"m" * 20 for i in range(30)}
@@ -305,7 +309,7 @@ async def test_redis_split_writes_are_pipelined(redis_url: str) -> None:
 
 
 async def test_redis_clear_unlinks_old_epoch_and_sweeper(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url)
+    idx = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
     admin = aioredis.Redis.from_url(redis_url)
     lay = KeyLayout()
     try:

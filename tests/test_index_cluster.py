@@ -36,7 +36,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import IndexWrite, Tier, chain_values
 from cachecore.loadstate import EngineLoad, MemoryLoadStore, RedisLoadStore
-from cachecore.testing import RedisClusterServers
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisClusterServers
 from tests.test_index_property import REPLICAS as PROPERTY_REPLICAS
 from tests.test_index_property import Driver, fixed_program, op
 
@@ -107,7 +107,7 @@ def interleaved(shards: dict[int, list[str]]) -> list[str]:
 
 @pytest.fixture
 async def cluster_index(cluster_url: str) -> AsyncIterator[RedisIndex]:
-    idx = RedisIndex.from_url(cluster_url, cluster=True)
+    idx = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
     assert idx.is_cluster
     yield idx
     await idx.close()
@@ -266,7 +266,9 @@ async def test_writes_keep_each_replica_in_its_slot(
     """Agent writes (split in parts, pipelined in one round trip), gateway pending writes and
     clears: each call's keys in one slot (APPLY_LUA and the others lack allow-cross-slot-keys,
     so Redis itself refuses any other key), and every key on the node owning its slot."""
-    red = RedisIndex.from_url(cluster_url, cluster=True, max_write_fields=7)
+    red = RedisIndex.from_url(
+        cluster_url, cluster=True, max_write_fields=7, socket_timeout_s=PATIENT_TIMEOUT_S
+    )
     try:
         rs = interleaved(shards)
         blocks = dict.fromkeys(A, G)
@@ -390,7 +392,7 @@ async def test_load_records_round_trip_on_cluster(
 async def test_a_fresh_clients_first_call_is_a_lookup(cluster_url: str, ghosts: list[str]) -> None:
     """A gateway's first command may be a lookup or a load snapshot: the per-shard grouping
     must load the slot map itself (it raised a bare KeyError before any other command)."""
-    red = RedisIndex.from_url(cluster_url, cluster=True)
+    red = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
     load = RedisLoadStore(RedisCluster.from_url(cluster_url))
     try:
         res = await red.lookup(A, ghosts, 0)
@@ -421,8 +423,14 @@ async def test_acl_users_on_cluster(
             for user, (password, rules) in users.items():
                 await admin.execute_command(*acl_setuser_args(user, password, rules))  # type: ignore[no-untyped-call]
         url = cluster_url.replace("redis://", "redis://{}:{}@")
-        agent = RedisIndex.from_url(url.format("agent-c", users["agent-c"][0]), cluster=True)
-        gateway = RedisIndex.from_url(url.format("gw-c", users["gw-c"][0]), cluster=True)
+        agent = RedisIndex.from_url(
+            url.format("agent-c", users["agent-c"][0]),
+            cluster=True,
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+        )
+        gateway = RedisIndex.from_url(
+            url.format("gw-c", users["gw-c"][0]), cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S
+        )
         try:
             epoch = await agent.clear_replica(own, ReplicaState.LIVE, 1)
             await agent.apply(own, epoch, write_of(A, [G] * 4, 2), 2)
@@ -457,7 +465,7 @@ async def test_acl_users_on_cluster(
 
 async def _drive(cluster: RedisClusterServers, ops: list[tuple[Any, ...]]) -> Driver:
     cluster.on_every_node("FLUSHALL")
-    red = RedisIndex.from_url(cluster.url, cluster=True)
+    red = RedisIndex.from_url(cluster.url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
     mem = MemoryIndex()
     try:
         d = Driver([mem, red])

@@ -37,6 +37,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey, BlockKeyer
 from cachecore.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cachecore.lifecycle import TIER_MASK, IndexWrite, ReplicaMirror
+from cachecore.testing import PATIENT_TIMEOUT_S
 
 pytestmark = pytest.mark.redis
 
@@ -340,7 +341,7 @@ async def _run(redis_url: str, ops: list[tuple[Any, ...]]) -> Driver:
     admin = aioredis.Redis.from_url(redis_url)
     await admin.flushdb()
     await admin.aclose()
-    red = RedisIndex.from_url(redis_url)
+    red = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
     mem = MemoryIndex()
     try:
         d = Driver([mem, red])
