@@ -195,3 +195,16 @@ def test_decision_serialises_for_explain() -> None:
     assert d["strategy"] == "expected_latency" and len(d["scores"]) == 2
     assert {"cost_ms", "queue_ms", "prefill_ms", "predicted_cached_tokens"} <= set(d["scores"][0])
     assert empty_match().stored_blocks == 0
+
+
+def test_a_score_counts_the_requests_its_load_view_counts() -> None:
+    """_score writes LoadView.requests out for speed: the two must agree."""
+    loads = [
+        LoadView(queued_requests=q, waiting=w, running=r)
+        for q in (0, 2, 5)
+        for w in (0, 3)
+        for r in (0, 4)
+    ]
+    cands = [Candidate(f"r{i}", load) for i, load in enumerate(loads)]
+    d = router().decide(RouteRequest(prompt_tokens=64, block_size=16), cands, Coefficients())
+    assert [s.requests for s in d.scores] == [load.requests for load in loads]

@@ -141,14 +141,13 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: EngineHash) -> KVBlock | None:
         """A cached block with this hash (the first registered copy), or None."""
-        copies = self._cached.get(block_hash)
-        if not copies:
-            return None
-        return next(iter(copies.values()))
+        found = self.longest_cached_prefix((block_hash,))
+        return found[0] if found else None
 
     def longest_cached_prefix(self, block_hashes: Sequence[EngineHash]) -> list[KVBlock]:
-        """:meth:`get_cached_block` of each hash in order, up to the first miss (vLLM's
-        ``find_longest_cache_hit``): one call per request, not one per block."""
+        """The cached block of each hash in order (the first registered copy), up to the
+        first miss (vLLM's ``find_longest_cache_hit``): one call per request, not one per
+        block."""
         cached = self._cached
         out: list[KVBlock] = []
         for h in block_hashes:
