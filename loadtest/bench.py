@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gateway": ("loadtest.bench_gateway", "gateway CPU per request by stage and added TTFT"),
     "routers": ("loadtest.bench_routers", "kvgate strategies vs peer routers on one fleet"),
     "tiers": ("cachecore.tiers", "bandwidth/recompute break-even across GPU, host, remote"),
+    "soak": ("loadtest.soak", "minutes of mixed traffic and client faults, checked for drift"),
 }
 
 

@@ -9,6 +9,7 @@ import contextlib
 import secrets
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -79,6 +80,20 @@ def gateway(
 ) -> Iterator[str]:
     """``kvgate serve`` in front of the fleet (embedded index, one agent per replica);
     yields its base URL and stops it on exit."""
+    with gateway_process(fleet, port, policy, keys, admin_key, extra_args) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def gateway_process(
+    fleet: FleetProcess,
+    port: int,
+    policy: Path,
+    keys: Path,
+    admin_key: str,
+    extra_args: Sequence[str] = (),
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`gateway`, yielding the process too (for benchmarks that watch it)."""
     args = [
         "--policy",
         str(policy),
@@ -98,7 +113,7 @@ def gateway(
     }
     proc = start_gateway_process(args, port, env=env, timeout_s=60)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

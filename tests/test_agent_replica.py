@@ -14,12 +14,13 @@ import httpx
 import pytest
 
 from cachecore.agent import Agent, AgentSettings, start_embedded_agents
+from cachecore.agent.expect import dump_when_idle, expected_keys
 from cachecore.index.base import PrefixIndex, ReplicaState
 from cachecore.index.layout import KeyLayout
 from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
-from cachecore.keys import BlockKey, BlockKeyer, is_ephemeral_salt, is_kvgate_salt
-from cachecore.kvevents import Encoding, salt_from_extra_keys
+from cachecore.keys import BlockKey
+from cachecore.kvevents import Encoding
 from cachecore.replica.fleet import Fleet, run_fleet
 from cachecore.replica.settings import ReplicaEndpoints, ReplicaSettings
 from cachecore.testing import RedisServer
@@ -61,52 +62,6 @@ def agent_settings(ep: ReplicaEndpoints, rid: str = "r0", **kw: Any) -> AgentSet
 # ---------------------------------------------------------------------- expectations
 
 
-def keys_from_dump(dump: dict[str, Any], model: str) -> set[BlockKey]:
-    """Our keys of every cached block the index must hold: chains rooted in a kvgate
-    (non-ephemeral) salt, recomputed from the tokens and extra keys the engine holds."""
-    keyer = BlockKeyer(int(dump["block_size"]))
-    by_hash = {b["block_hash"]: b for b in dump["blocks"]}
-    memo: dict[int, BlockKey | None] = {}
-
-    def lora_of(extra: list[Any] | None) -> str | None:
-        for item in extra or ():
-            if isinstance(item, str) and not is_kvgate_salt(item):
-                return item
-        return None
-
-    def key_of(h: int) -> BlockKey | None:
-        if h in memo:
-            return memo[h]
-        b = by_hash[h]
-        extra = b["extra_keys"]
-        parent = b["parent_block_hash"]
-        key: BlockKey | None
-        if parent is None:
-            s = salt_from_extra_keys(tuple(extra) if extra else None)
-            if s is None or is_ephemeral_salt(s):
-                key = None
-            else:
-                key = keyer.chain(None, b["token_ids"], s, model, lora_of(extra))[0]
-        else:
-            assert parent in by_hash, "a cached block whose parent is not cached"
-            pk = key_of(parent)
-            lora = lora_of(extra)
-            key = None if pk is None else keyer.chain(pk, b["token_ids"], None, model, lora)[0]
-        memo[h] = key
-        return key
-
-    return {k for h in by_hash if (k := key_of(h)) is not None}
-
-
-async def dump_when_idle(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
-    for _ in range(400):
-        d: dict[str, Any] = (await client.get(f"{url}/debug/blocks")).json()
-        if not d["step_in_flight"] and d["num_running"] == 0 and d["num_waiting"] == 0:
-            return d
-        await asyncio.sleep(0.02)
-    raise AssertionError("replica never went idle")
-
-
 async def assert_index_matches(
     client: httpx.AsyncClient, ep: ReplicaEndpoints, agent: Agent, index: PrefixIndex,
     rid: str = "r0", exact: bool = True,
@@ -126,7 +81,7 @@ async def assert_index_matches(
 
     await until(caught_up, 15.0)
     await agent.drain(10.0)
-    want = keys_from_dump(dump, ep.model)
+    want = expected_keys(dump, ep.model)
     held = set((await index.replica_blocks(rid)).keys())
     if exact:
         assert held == want, (len(held), len(want), len(held - want), len(want - held))
@@ -351,7 +306,7 @@ async def test_embedded_agents_share_the_gateway_memory_index(
                     await send_all(client, ep.url, wl.prompts(6))
                 for i, ep in enumerate(fleet.endpoints):
                     dump = await dump_when_idle(client, ep.url)
-                    want = keys_from_dump(dump, ep.model)
+                    want = expected_keys(dump, ep.model)
 
                     async def matches(rid: str = f"e{i}", w: set[BlockKey] = want) -> bool:
                         return set((await index.replica_blocks(rid)).keys()) == w
