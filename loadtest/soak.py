@@ -22,7 +22,7 @@ window. Once the traffic stops it checks (:func:`verdicts`):
 3. Redis holds, for every replica, exactly the keys of the blocks its engine holds
    (recomputed from the replica's ``/debug/blocks``, :mod:`cachecore.agent.expect`);
 4. no growth after warm-up (the first ``--warmup-frac`` of the run): the mean RSS of the
-   last quarter within max(4 MiB, 2%) of the third quarter's, metric series within 10%;
+   last quarter within max(4 MiB, 2%) of the third quarter's, metric series within 2%;
    open fds back near their pre-traffic count once the client has closed;
 5. no latency drift: the TTFT p99 of the last quarter within 2x (+50 ms) of the second's.
 
@@ -407,7 +407,7 @@ def verdicts(rep: SoakReport, warmup_frac: float) -> list[tuple[str, bool, str]]
         )
     )
     series = [float(s.series) for s in rep.samples]
-    ok_series, sgrew = growth_verdict(series, warmup_frac, 0.0, 0.10)
+    ok_series, sgrew = growth_verdict(series, warmup_frac, 0.0, 0.02)
     out.append(
         (
             "metric series bounded",
