@@ -274,6 +274,10 @@ class WordVocabulary:
         return "".join(" " + words[i % len(words)] for i in indices)
 
 
+SEGMENT_CACHE_TOKENS = 1_000_000
+"""Default bound of a :class:`SegmentCache` in cached token ids (~40 MB with their text)."""
+
+
 class SegmentCache:
     """Exact, cached tokenization of text that contains special tokens.
 
@@ -284,8 +288,10 @@ class SegmentCache:
     token system prompt from milliseconds of BPE into one dict probe. Enabled only when the
     tokenizer's added tokens qualify and a self-check on probes agrees with the plain path.
 
-    Invariant: ``encode(text, scope) == tokenizer.encode(text)`` for every text and scope
-    (checked in tests).
+    Invariants (checked in tests): ``encode(text, scope) == tokenizer.encode(text)`` for
+    every text and scope; the cache holds at most ``max_entries`` segments and at most
+    ``max_tokens`` token ids, and ``cached_tokens`` is the number it holds (least recently
+    used segments go first).
 
     Used by the gateway (scope: the request's isolation scope) and by the simulated replica
     (scope: the request's ``cache_salt``, as its prefix cache), whose render and tokenize
@@ -300,10 +306,20 @@ class SegmentCache:
     (a per-request scope, which can never reuse) is never cached.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_entries: int = 4096, min_chars: int = 256):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_entries: int = 4096,
+        min_chars: int = 256,
+        max_tokens: int = SEGMENT_CACHE_TOKENS,
+    ):
         self.tok = tokenizer
         self.max_entries = max_entries
         self.min_chars = min_chars  # shorter segments are not worth a cache slot
+        # the memory bound: entries vary from a 64-token turn to a 30k-token document, so
+        # a count alone does not bound the bytes (~40 B per cached token with its text)
+        self.max_tokens = max_tokens
+        self.cached_tokens = 0  # invariant: == sum of len(ids) over the entries
         self._cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         # admission on second sight: one-off segments (a unique user question) must not
         # evict the shared ones (a system prompt) that make the cache worth having
@@ -357,9 +373,13 @@ class SegmentCache:
                 self._seen_once.popitem(last=False)
             return ids
         del self._seen_once[h]
+        if len(ids) > self.max_tokens:
+            return ids  # would evict everything else and still not fit
         self._cache[key] = ids
-        if len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
+        self.cached_tokens += len(ids)
+        while len(self._cache) > self.max_entries or self.cached_tokens > self.max_tokens:
+            _, old = self._cache.popitem(last=False)
+            self.cached_tokens -= len(old)
         return ids
 
     def _segmented(self, text: str, scope: str | None = "") -> list[int]:

@@ -230,7 +230,9 @@ class Gateway:
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(s.connect_timeout_s))
         self.upstream = LeanTransport(max_connections=s.max_connections)
         self.pool = ReplicaPool(self.client, self.policy.health, on_change=self._on_health)
-        self.tokenizers = TokenizerPools(self.client, self._any_replica_url)
+        self.tokenizers = TokenizerPools(
+            self.client, self._any_replica_url, s.tokenizer_cache_tokens
+        )
         for spec in self.specs:
             self.pool.add(spec)
             self.metrics.healthy.labels(spec.id).set(1)

@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cachecore.tokenizer import SEGMENT_CACHE_TOKENS
 from policies.schema import builtin_policy_path
 
 
@@ -62,6 +63,9 @@ class GatewaySettings(BaseSettings):
     gc_freeze: bool = True
     # x-kvgate-replica (which replica served) and x-kvgate-predicted-cached-tokens headers
     expose_replica: bool = True
+    # bound of each local tokenizer's segment cache (system prompts, documents, chat turns
+    # per scope), in token ids: ~40 bytes each with their text, so 1,000,000 is ~40 MB
+    tokenizer_cache_tokens: Annotated[int, Field(gt=0)] = SEGMENT_CACHE_TOKENS
     # DEBUG ONLY, never in production: every tenant (and trust group) shares ONE cache scope,
     # so tenants hit each other's prefixes. It exists for the attack suite's positive
     # controls (``kvgate attack``), which must show that their probes detect a shared cache.

@@ -19,6 +19,7 @@ import httpx
 from cachecore.tokenizer import (
     PROBE_CHAT,
     PROBE_PROMPT,
+    SEGMENT_CACHE_TOKENS,
     HFTokenizer,
     SegmentCache,
     Tokenizer,
@@ -69,10 +70,10 @@ class PromptTokenizer(Protocol):
 
 
 class LocalPromptTokenizer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, cache_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
         self.tok = tokenizer
         self.name = tokenizer.name
-        self.segments = SegmentCache(tokenizer)
+        self.segments = SegmentCache(tokenizer, max_tokens=cache_tokens)
 
     def chat_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
         add_gen = body.get("add_generation_prompt", True)
@@ -166,9 +167,15 @@ class EnginePromptTokenizer:
 class TokenizerPools:
     """One tokenizer per model pool; local tokenizers are loaded once and shared."""
 
-    def __init__(self, client: httpx.AsyncClient, replica_url: Callable[[str], str | None]):
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        replica_url: Callable[[str], str | None],
+        cache_tokens: int = SEGMENT_CACHE_TOKENS,
+    ):
         self._client = client
         self._replica_url = replica_url
+        self._cache_tokens = cache_tokens  # each local tokenizer's segment cache bound
         self._local: dict[tuple[str, str | None], LocalPromptTokenizer] = {}
 
     def for_pool(self, model: str, pool: ModelPool) -> PromptTokenizer:
@@ -182,9 +189,10 @@ class TokenizerPools:
         tok = self._local.get(key)
         if tok is None:
             if pool.tokenizer == "hf" and pool.tokenizer_dir:
-                tok = LocalPromptTokenizer(HFTokenizer.from_dir(Path(pool.tokenizer_dir)))
+                hf = HFTokenizer.from_dir(Path(pool.tokenizer_dir))
+                tok = LocalPromptTokenizer(hf, self._cache_tokens)
             else:
-                tok = LocalPromptTokenizer(builtin_tokenizer())
+                tok = LocalPromptTokenizer(builtin_tokenizer(), self._cache_tokens)
             self._local[key] = tok
         return tok
 

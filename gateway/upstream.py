@@ -223,10 +223,15 @@ class UpstreamResponse:
         await self.body.aclose()
 
 
+MAX_IDLE_PER_HOST = 64  # idle keep-alive connections kept per upstream host
+
+
 class LeanTransport(httpx.AsyncBaseTransport):
     """httpx transport for the gateway's upstream leg (see the module docstring)."""
 
-    def __init__(self, max_connections: int = 512, max_idle_per_host: int = 64) -> None:
+    def __init__(
+        self, max_connections: int = 512, max_idle_per_host: int = MAX_IDLE_PER_HOST
+    ) -> None:
         self.max_connections = max_connections
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[_HostKey, deque[_Conn]] = {}

@@ -92,8 +92,10 @@ def gateway_process(
     keys: Path,
     admin_key: str,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """:func:`gateway`, yielding the process too (for benchmarks that watch it)."""
+    """:func:`gateway`, yielding the process too (for benchmarks that watch it);
+    ``extra_env``: more ``KVGATE_*`` settings."""
     args = [
         "--policy",
         str(policy),
@@ -110,6 +112,7 @@ def gateway_process(
         "KVGATE_ADMIN_KEY": admin_key,
         "KVGATE_AGENT_TOPIC": "kv-events",
         "KVGATE_SALT_SECRETS": secrets.token_hex(32),
+        **(extra_env or {}),
     }
     proc = start_gateway_process(args, port, env=env, timeout_s=60)
     try:

@@ -307,6 +307,57 @@ def test_segment_cache_keeps_shared_segments_under_unique_traffic() -> None:
     assert cache.hits == hits + 1
 
 
+def test_segment_cache_is_bounded_in_tokens_and_evicts_least_recently_used() -> None:
+    import random
+
+    from cachecore.tokenizer import SegmentCache, builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    cache = SegmentCache(tok, max_entries=100, max_tokens=1000)
+    rng = random.Random(3)
+    texts = [tok.word_vocabulary.text(300, rng) for _ in range(6)]  # 300 tokens each
+    sizes = [len(tok.encode(t)) for t in texts]
+
+    def held() -> list[int]:
+        return [i for i, t in enumerate(texts) if ("s", t) in cache._cache]
+
+    for i, t in enumerate(texts):
+        for _ in range(2):  # seen twice: admitted
+            assert cache.encode(t, "s") == tok.encode(t)
+        assert cache.cached_tokens <= 1000
+        assert cache.cached_tokens == sum(len(v) for v in cache._cache.values())
+        if i == 2:
+            assert held() == [0, 1, 2]  # 3 x 300 fit
+            cache.encode(texts[0], "s")  # 0 is now the most recently used
+        if i == 3:
+            assert held() == [0, 2, 3]  # 1 was the least recently used
+    assert held() == [3, 4, 5]
+    big = tok.word_vocabulary.text(1200, rng)  # larger than the whole budget
+    before = dict(cache._cache)
+    for _ in range(2):
+        assert cache.encode(big, "s") == tok.encode(big)
+    assert dict(cache._cache) == before  # not cached, nothing evicted for it
+    # a count bound still holds when it is the tighter one
+    small = SegmentCache(tok, max_entries=2, max_tokens=10**6)
+    for t in texts:
+        for _ in range(2):
+            small.encode(t, "s")
+    assert len(small._cache) == 2 and small.cached_tokens == sizes[4] + sizes[5]
+
+
+async def test_gateway_settings_bound_the_tokenizer_cache() -> None:
+    s = GatewaySettings(tokenizer_cache_tokens=12345, salt_secrets=["s" * 32])  # type: ignore[list-item]
+    gw = Gateway(s, parse_policy_text(""))
+    await gw.start()
+    try:
+        assert gw.tokenizers is not None
+        assert gw.tokenizers.local(gw.policy.models.default).segments.max_tokens == 12345
+    finally:
+        await gw.stop()
+    with pytest.raises(ValueError):
+        GatewaySettings(tokenizer_cache_tokens=0)
+
+
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGATE_SALT_SECRETS", "first-secret-0123456789, second-secret-0123456789")
     monkeypatch.setenv("KVGATE_REPLICAS", "http://a:1,gpu=http://b:2")

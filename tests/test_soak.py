@@ -74,7 +74,10 @@ def _report(**kw: object) -> SoakReport:
         "samples": samples,
         "outcomes": [Outcome(OK_STREAM, 1.0, 200), Outcome(BAD_KEY, 1.0, 401)],
         "baseline_fds": 36,
-        "final_fds": 40,
+        "baseline_upstream": 4,
+        "final_fds": 50,
+        "final_upstream": 14,
+        "max_idle_upstream": 128,
         "final_in_flight": 0,
         "replica_accounts": [
             {
@@ -115,7 +118,12 @@ def test_verdicts_pass_a_clean_run_and_fail_each_fault() -> None:
         "Redis index == engines' cached blocks"
     }
     assert failed(_report(exactness={})) == {"Redis index == engines' cached blocks"}
-    assert failed(_report(final_fds=36 + 17)) == {"open fds back to baseline"}
+    # a leaked client socket or file: other fds up; an upstream pool past its bound
+    assert failed(_report(final_fds=50 + 9)) == {"open fds back to baseline"}
+    assert failed(_report(final_fds=50 + 200, final_upstream=14 + 200)) == {
+        "open fds back to baseline"
+    }
+    assert not failed(_report(final_fds=50 + 100, final_upstream=14 + 100))  # pool within
     assert failed(_report(reload_failures=1)) == {"policy reloads under load"}
     leaky = [
         Sample(float(i), 100.0 + i, 40, 9, 160 + 3 * i, 0, 2.0, 12, i, 0, 0.2, 0.8, 0.1 * i)
