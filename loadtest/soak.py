@@ -12,6 +12,12 @@ starts a private ``redis-server``, ``--replicas`` simulated replicas with small 
 * client faults: streams abandoned after their first chunk, malformed JSON, a wrong API
   key, an unknown model; and an admin policy reload every ``--reload-s``.
 
+With ``--chaos-s`` it also injects a fault that often, in rotation: five KV events dropped
+(the agent must replay them), a 2 s engine stall, a Redis restart that loses every key
+(agents must resync from their mirrors; lookups fall back to the gateway's own decisions),
+5 s of failing health checks, an engine restart (its in-flight requests fail; each must get
+an OpenAI error, and only those may fail).
+
 Every ``--sample-s`` it records the gateway's RSS, open fds, threads, metric series and
 in-flight count, Redis memory and keys, and the TTFT of the requests finished in that
 window. Once the traffic stops it checks (:func:`verdicts`):
@@ -47,13 +53,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
+import redis
 import redis.asyncio as aioredis
 import yaml
 
@@ -91,6 +99,21 @@ EXPECTED_STATUS = {
 FAULT_SHARES = {ABANDON: 0.02, BAD_JSON: 0.01, BAD_KEY: 0.01, NO_MODEL: 0.005}
 
 
+# --chaos-s: one fault every so often, in this rotation
+DROP_EVENTS, PAUSE, REDIS_RESTART, UNHEALTHY, ENGINE_RESTART = (
+    "drop-events", "pause", "redis-restart", "unhealthy", "engine-restart",
+)  # fmt: skip
+CHAOS_FAULTS = (DROP_EVENTS, PAUSE, REDIS_RESTART, UNHEALTHY, ENGINE_RESTART)
+RESTART_GRACE_S = 1.0  # a request failing this close to its engine's restart was cut by it
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosEvent:
+    t: float  # seconds after the traffic started
+    fault: str
+    replica: str | None  # None for Redis
+
+
 @dataclass(frozen=True, slots=True)
 class SoakRequest:
     t: float  # seconds after the traffic starts
@@ -105,6 +128,9 @@ class Outcome:
     status: int = 0
     ttft_s: float | None = None
     error: str | None = None
+    t_start: float = 0.0
+    replica: str | None = None  # x-kvgate-replica: which replica served it
+    clean_error: bool = False  # a failure reported as an OpenAI error object (JSON or SSE)
 
     @property
     def right(self) -> bool:
@@ -147,6 +173,7 @@ class SoakReport:
     gateway_cpu_s: float
     late_sends: int = 0
     final_metrics: str = ""
+    chaos: list[ChaosEvent] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------ traffic
@@ -236,24 +263,29 @@ async def send(
     raw = orjson.dumps(body)
     if req.kind == BAD_JSON:
         raw = raw[: len(raw) // 2]  # a body cut in the middle
-    out = Outcome(req.kind, 0.0)
     start = time.perf_counter()
+    out = Outcome(req.kind, 0.0, t_start=start - t0)
     try:
         if not stream:
             resp = await client.post(base + path, content=raw, headers=headers)
             out.status = resp.status_code
+            out.replica = resp.headers.get("x-kvgate-replica")
             out.ttft_s = time.perf_counter() - start
             data = resp.json()
-            if resp.status_code != 200 and not _is_openai_error(data):
-                out.error = f"not an OpenAI error object: {resp.text[:120]}"
-            elif resp.status_code == 200 and "choices" not in data:
+            if resp.status_code != 200:
+                out.clean_error = _is_openai_error(data)
+                if not out.clean_error:
+                    out.error = f"not an OpenAI error object: {resp.text[:120]}"
+            elif "choices" not in data:
                 out.error = "a 200 without choices"
         else:
             async with client.stream("POST", base + path, content=raw, headers=headers) as resp:
                 out.status = resp.status_code
+                out.replica = resp.headers.get("x-kvgate-replica")
                 if resp.status_code != 200:
                     data = orjson.loads(await resp.aread())
-                    if not _is_openai_error(data):
+                    out.clean_error = _is_openai_error(data)
+                    if not out.clean_error:
                         out.error = "not an OpenAI error object"
                 else:
                     out.error = await _read_stream(resp, req.kind == ABANDON, out, start)
@@ -280,6 +312,7 @@ async def _read_stream(
             return None
         obj = orjson.loads(payload)
         if "error" in obj:
+            out.clean_error = _is_openai_error(obj)
             return f"stream error: {str(obj['error'])[:120]}"
         if out.ttft_s is None and obj.get("choices"):
             out.ttft_s = time.perf_counter() - start
@@ -380,15 +413,36 @@ def growth_verdict(
     return grew <= max(floor, rel * third), grew
 
 
+def cut_by_restart(o: Outcome, chaos: Sequence[ChaosEvent]) -> bool:
+    """A well-formed request that failed with an OpenAI error while its engine restarted:
+    the engine dropped it (as vLLM drops its requests when it dies), and the gateway
+    reported it cleanly; nothing else may fail."""
+    if o.right or not o.clean_error or o.kind not in (OK_STREAM, OK_JSON, ABANDON):
+        return False
+    return any(
+        ev.fault == ENGINE_RESTART
+        and (o.replica is None or ev.replica == o.replica)
+        and o.t_start - RESTART_GRACE_S <= ev.t <= o.t_done + RESTART_GRACE_S
+        for ev in chaos
+    )
+
+
 def verdicts(rep: SoakReport, warmup_frac: float) -> list[tuple[str, bool, str]]:
     """(check, passed, figures) for each check of the module docstring."""
     out: list[tuple[str, bool, str]] = []
-    wrong = [o for o in rep.outcomes if not o.right]
+    cut = [o for o in rep.outcomes if cut_by_restart(o, rep.chaos)]
+    wrong = [o for o in rep.outcomes if not o.right and o not in cut]
     by_kind: dict[str, int] = {}
     for o in rep.outcomes:
         by_kind[o.kind] = by_kind.get(o.kind, 0) + 1
     detail = ", ".join(f"{k} {n}" for k, n in sorted(by_kind.items()))
     first = "; first: " + f"{wrong[0].kind} {wrong[0].status} {wrong[0].error}" if wrong else ""
+    if rep.chaos:
+        faults = Counter(ev.fault for ev in rep.chaos)
+        first += (
+            f"; faults injected: {', '.join(f'{k} {n}' for k, n in sorted(faults.items()))}; "
+            f"{len(cut)} cut by an engine restart, each with an OpenAI error"
+        )
     out.append(
         (
             "every request got its right answer",
@@ -493,10 +547,12 @@ async def _run_traffic(
     keys: dict[str, str],
     admin_key: str,
     policy_text: str,
-    redis_url: str,
+    server: RedisServer,
     fleet: FleetProcess,
 ) -> SoakReport:
+    redis_url = server.url
     schedule = soak_schedule(args.minutes, args.rate, args.seed, TextSource())
+    chaos_log: list[ChaosEvent] = []
     r = aioredis.from_url(redis_url)
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     admin = {"x-admin-key": admin_key}
@@ -523,8 +579,11 @@ async def _run_traffic(
                     pass
                 rss, fds, threads, cpu = proc_stats(pid)
                 text = (await probe.get(base + "/metrics")).text
-                info = await r.info("memory")
-                nkeys = await r.dbsize()
+                try:
+                    used = (await r.info("memory"))["used_memory"] / 2**20
+                    nkeys = int(await r.dbsize())
+                except redis.RedisError:  # restarting (--chaos-s)
+                    used, nkeys = math.nan, -1
                 now = time.perf_counter() - t0
                 window = [o for o in outcomes[last_done:] if o.ttft_s is not None and o.right]
                 window = [o for o in window if o.kind in (OK_STREAM, OK_JSON)]
@@ -538,10 +597,12 @@ async def _run_traffic(
                         threads,
                         metric_series(text),
                         int(metric_value(text, "kvgate_in_flight_requests") or 0),
-                        info["used_memory"] / 2**20,
-                        int(nkeys),
+                        used,
+                        nkeys,
                         len(outcomes),
-                        sum(1 for o in outcomes if not o.right),
+                        sum(
+                            1 for o in outcomes if not o.right and not cut_by_restart(o, chaos_log)
+                        ),
                         percentile(ttfts, 50),
                         percentile(ttfts, 99),
                         cpu - cpu0,
@@ -565,7 +626,36 @@ async def _run_traffic(
             async def one(req: SoakRequest) -> None:
                 outcomes.append(await send(client, base, req, keys, t0))
 
+            async def chaos() -> None:
+                rng = random.Random(args.seed + 7)
+                k = 0
+                while True:
+                    try:
+                        await asyncio.wait_for(stop.wait(), args.chaos_s)
+                        return
+                    except TimeoutError:
+                        pass
+                    fault = CHAOS_FAULTS[k % len(CHAOS_FAULTS)]
+                    k += 1
+                    ep = rng.choice(fleet.endpoints)
+                    rid = None if fault == REDIS_RESTART else f"r{ep.index}"
+                    chaos_log.append(ChaosEvent(time.perf_counter() - t0, fault, rid))
+                    if fault == REDIS_RESTART:  # data lost, same port: agents must resync
+                        await asyncio.to_thread(server.restart)
+                    elif fault == DROP_EVENTS:  # a gap: the agent replays from the buffer
+                        await probe.post(ep.url + "/debug/drop_events", json={"n": 5})
+                    elif fault == PAUSE:  # a stalled engine
+                        await probe.post(ep.url + "/debug/pause", json={"seconds": 2.0})
+                    elif fault == UNHEALTHY:  # failing health checks, then back
+                        await probe.post(ep.url + "/debug/health", json={"healthy": False})
+                        await asyncio.sleep(5.0)
+                        await probe.post(ep.url + "/debug/health", json={"healthy": True})
+                    elif fault == ENGINE_RESTART:  # in-flight requests fail, cache empty
+                        await probe.post(ep.url + "/debug/restart")
+
             tasks = [asyncio.create_task(sampler()), asyncio.create_task(reloader())]
+            if args.chaos_s > 0:
+                tasks.append(asyncio.create_task(chaos()))
             sends: list[asyncio.Task[None]] = []
             for req in schedule:
                 delay = t0 + req.t - time.perf_counter()
@@ -617,6 +707,7 @@ async def _run_traffic(
         cpu1 - cpu0,
         late,
         final_metrics,
+        chaos_log,
     )
 
 
@@ -735,6 +826,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--settle-s", type=float, default=20.0, help="bound on waiting for the index to agree")
     a("--seed", type=int, default=0)
     a(
+        "--chaos-s",
+        type=float,
+        default=0.0,
+        help="inject a fault this often (0: none): event drops, an engine pause, a Redis "
+        "restart, failing health checks, an engine restart, in rotation",
+    )
+    a(
         "--tokenizer-cache-tokens",
         type=int,
         default=50_000,
@@ -790,7 +888,7 @@ def run(args: argparse.Namespace) -> int:
             ) as (base, proc),
         ):
             rep = asyncio.run(
-                _run_traffic(args, base, proc.pid, keys, admin_key, policy_text, server.url, fleet)
+                _run_traffic(args, base, proc.pid, keys, admin_key, policy_text, server, fleet)
             )
     checks = verdicts(rep, args.warmup_frac)
     every = max(1, round(30.0 / args.sample_s))  # one row per ~30 s

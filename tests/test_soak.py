@@ -12,12 +12,16 @@ from loadtest.soak import (
     ABANDON,
     BAD_JSON,
     BAD_KEY,
+    ENGINE_RESTART,
     NO_MODEL,
     OK_JSON,
     OK_STREAM,
+    REDIS_RESTART,
+    ChaosEvent,
     Outcome,
     Sample,
     SoakReport,
+    cut_by_restart,
     growth_verdict,
     metric_sum,
     metric_value,
@@ -135,6 +139,33 @@ def test_verdicts_pass_a_clean_run_and_fail_each_fault() -> None:
         for i in range(40)
     ]
     assert failed(_report(samples=slower)) == {"no TTFT drift"}
+
+
+def test_only_clean_failures_during_their_engines_restart_are_tolerated() -> None:
+    chaos = [ChaosEvent(10.0, ENGINE_RESTART, "r1"), ChaosEvent(30.0, REDIS_RESTART, None)]
+
+    def failed(**kw: object) -> Outcome:
+        base: dict[str, object] = {"kind": OK_STREAM, "t_done": 10.5, "status": 200,
+                                   "error": "stream error: engine restarted", "t_start": 9.0,
+                                   "replica": "r1", "clean_error": True}  # fmt: skip
+        base.update(kw)
+        return Outcome(**base)  # type: ignore[arg-type]
+
+    assert cut_by_restart(failed(), chaos)
+    assert cut_by_restart(failed(kind=OK_JSON, status=502, error=None), chaos)
+    assert not cut_by_restart(failed(clean_error=False), chaos)  # garbage is never fine
+    assert not cut_by_restart(failed(replica="r0"), chaos)  # another engine restarted
+    assert not cut_by_restart(failed(t_start=20.0, t_done=21.0), chaos)  # long after it
+    assert not cut_by_restart(failed(t_start=29.0, t_done=31.0), chaos)  # Redis: no excuse
+    assert not cut_by_restart(Outcome(BAD_KEY, 10.5, 200, None, None, 9.0, "r1"), chaos)
+    ok = Outcome(OK_STREAM, 10.5, 200, 0.1, None, 9.0, "r1")
+    assert not cut_by_restart(ok, chaos)  # right answers need no excuse
+    rep = _report(outcomes=[failed(), ok], chaos=chaos)
+    assert all(ok for _, ok, _ in verdicts(rep, 0.3))
+    rep = _report(outcomes=[failed(replica="r0"), ok], chaos=chaos)
+    assert {n for n, ok, _ in verdicts(rep, 0.3) if not ok} == {
+        "every request got its right answer"
+    }
 
 
 def test_a_short_soak_through_the_real_stack_passes() -> None:
