@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import orjson
 import xxhash
+from prometheus_client import CollectorRegistry
 
 from cachecore.index.base import PrefixIndex, PrefixMatch, ReplicaState, empty_match
 from cachecore.index.memory import MemoryIndex
@@ -56,11 +57,12 @@ valid tenant name, so it cannot collide with a real tenant's scope)."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 
 AgentHook = Callable[
-    [Sequence[ReplicaSpec], PrefixIndex, LoadStore | None],
+    [Sequence[ReplicaSpec], PrefixIndex, LoadStore | None, CollectorRegistry],
     Awaitable[Callable[[], Awaitable[None]]],
 ]
 """Starts embedded cache agents for the replicas given as ``URL=EVENTS,REPLAY``, sharing the
-gateway's index (and load store); returns an async stop function."""
+gateway's index (and load store) and exposing their metrics in the gateway's registry;
+returns an async stop function."""
 
 
 def request_id_from(headers: Mapping[str, str]) -> str:
@@ -260,7 +262,9 @@ class Gateway:
             if self.agent_hook is None:
                 log.warning("replica agent endpoints given but no embedded agent is wired")
             else:
-                self._agents_stop = await self.agent_hook(agent_specs, primary, self._load_store)
+                self._agents_stop = await self.agent_hook(
+                    agent_specs, primary, self._load_store, self.metrics.registry
+                )
         if self.registry is not None:
             allow = ReplicaAllowlist(
                 [f"{sp.id}={sp.url}" for sp in self.specs] + list(s.replica_allowlist)

@@ -60,7 +60,7 @@ EMBEDDED_AGENT_FUNCTION = "start_embedded_agents"
 
 def default_agent_hook() -> AgentHook | None:
     """The embedded agent starter, if the agent package provides one: a coroutine function
-    ``start_embedded_agents(specs, index, load_store) -> stop()`` in
+    ``start_embedded_agents(specs, index, load_store, metrics_registry) -> stop()`` in
     ``cachecore.agent.embedded``."""
     try:
         mod = importlib.import_module(EMBEDDED_AGENT_MODULE)

@@ -447,7 +447,8 @@ def verdicts(rep: SoakReport, warmup_frac: float) -> list[tuple[str, bool, str]]
         (
             "every request got its right answer",
             not wrong,
-            f"{len(rep.outcomes) - len(wrong)} of {len(rep.outcomes)} ({detail}){first}",
+            f"{len(rep.outcomes) - len(wrong) - len(cut)} right of {len(rep.outcomes)} "
+            f"({detail}){first}",
         )
     )
     acct = [

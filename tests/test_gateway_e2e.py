@@ -373,6 +373,21 @@ async def test_precision_with_embedded_agents_on_a_shared_prefix_workload(
         assert st.gw.index is not None
         stats = await st.gw.index.primary.stats()
         assert stats.stored_entries > 0  # the agents confirmed blocks from engine events
+        # the embedded agents' own metrics are on the gateway's /metrics, per replica
+        async with st.http() as h:
+            text = (await h.get("/metrics")).text
+        stored = {
+            rid: sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("kvgate_agent_blocks_stored_total{")
+                and f'replica="{rid}"' in line
+            )
+            for rid in (sp.id for sp in st.gw.specs)
+        }
+        assert all(v > 0 for v in stored.values()), stored
+        assert sum(stored.values()) >= stats.stored_entries
+        assert "kvgate_agent_gaps_total{" in text  # unlabelled agent counters get replica
 
 
 async def test_each_request_is_a_span_with_the_routing_attributes() -> None:

@@ -180,7 +180,7 @@ async def test_sensitive_by_policy_rule_is_dropped_by_real_agents_and_never_inde
     groups: list[EmbeddedAgents] = []
 
     async def hook(
-        specs: Sequence[ReplicaSpec], index: PrefixIndex, load: LoadStore | None
+        specs: Sequence[ReplicaSpec], index: PrefixIndex, load: LoadStore | None, _: object
     ) -> Callable[[], Awaitable[None]]:
         group = build_embedded_agents(specs, index, load)
         for agent in group.agents:

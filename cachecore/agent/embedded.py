@@ -3,7 +3,7 @@
 ``kvgate serve --replica URL=EVENTS,REPLAY ...`` hands the parsed specs to
 :func:`start_embedded_agents` (it matches ``gateway.core.AgentHook``)::
 
-    stop = await start_embedded_agents(specs, index, load_store)
+    stop = await start_embedded_agents(specs, index, load_store, metrics_registry)
     ...
     await stop()
 
@@ -22,8 +22,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 
 from cachecore.agent.agent import Agent
+from cachecore.agent.metrics import AgentsCollector
 from cachecore.agent.settings import AgentSettings
 from cachecore.index.base import PrefixIndex
 from cachecore.loadstate import LoadStore
@@ -87,12 +89,25 @@ async def start_embedded_agents(
     specs: Sequence[AgentSpec],
     index: PrefixIndex,
     load_store: LoadStore | None = None,
+    metrics_registry: CollectorRegistry | None = None,
     **overrides: Any,
 ) -> Callable[[], Awaitable[None]]:
     """Start an agent per spec (returns at once; each waits for its engine on its own)
-    and return the coroutine function that stops them all."""
+    and return the coroutine function that stops them all. ``metrics_registry``: the
+    agents' metrics are exposed there too (the gateway's ``/metrics``), labelled by
+    replica, until they stop."""
     group = build_embedded_agents(specs, index, load_store, None, **overrides)
+    collector = None
+    if metrics_registry is not None:
+        collector = AgentsCollector({a.replica_id: a.metrics.registry for a in group.agents})
+        metrics_registry.register(collector)
     for agent in group.agents:
         await agent.start()
     log.info("embedded agents started", extra={"replicas": [a.replica_id for a in group.agents]})
-    return group.stop
+
+    async def stop() -> None:
+        if collector is not None and metrics_registry is not None:
+            metrics_registry.unregister(collector)
+        await group.stop()
+
+    return stop

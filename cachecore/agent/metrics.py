@@ -4,10 +4,12 @@ process-wide default registry: the gateway runs several agents in one process)."
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
 
 # Event-to-index latency lives in milliseconds to tens of milliseconds when healthy and in
 # seconds during a replay or an index outage: buckets cover both.
@@ -153,3 +155,24 @@ class AgentMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class AgentsCollector:
+    """Exposes the per-agent registries of embedded agents through one registry (the
+    gateway's ``/metrics``): one family per metric name, each sample labelled with its
+    agent's replica (samples that already carry ``replica`` keep it)."""
+
+    def __init__(self, agents: Mapping[str, CollectorRegistry]) -> None:
+        self._agents = dict(agents)  # replica id -> that agent's registry
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for replica, registry in self._agents.items():
+            for fam in registry.collect():
+                out = merged.get(fam.name)
+                if out is None:
+                    out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                for s in fam.samples:
+                    labels = s.labels if "replica" in s.labels else {**s.labels, "replica": replica}
+                    out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+        yield from merged.values()
