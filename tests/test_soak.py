@@ -170,14 +170,23 @@ def test_only_clean_failures_during_their_engines_restart_are_tolerated() -> Non
 
 def test_a_short_soak_through_the_real_stack_passes() -> None:
     """Two replicas, a private redis-server, the gateway with embedded agents: 30 s of the
-    mix, then every check of the soak (answers, accounting, index == engines, growth)."""
+    mix. The checks that hold in any run must pass: right answers, accounting back to zero,
+    index == engines, fds, reloads. RSS, series and TTFT drift need minutes to mean
+    anything (the recorded 10-minute soak; their logic is tested above on synthetic runs),
+    so a loaded CI machine must not fail this test on them."""
     proc = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "bench", "soak", "--minutes", "0.5", "--rate",
          "5", "--replicas", "2", "--sample-s", "2", "--reload-s", "10", "--drain-s", "60"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "| every request got its right answer | pass |" in out, out[-4000:]
-    assert "| Redis index == engines' cached blocks | pass |" in out
-    assert "FAIL" not in out
+    assert proc.returncode in (0, 1), out[-4000:]
+    for check in (
+        "every request got its right answer",
+        "in-flight accounting back to zero",
+        "Redis index == engines' cached blocks",
+        "open fds back to baseline",
+        "policy reloads under load",
+    ):
+        assert f"| {check} | pass |" in out, (check, out[-4000:])
+    assert "| gateway RSS levels off |" in out and "| no TTFT drift |" in out
