@@ -10,12 +10,12 @@ at an undeclared URL: such registrations are rejected and counted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from cachecore.registry import Registration, RegistryStore, ReplicaAllowlist
+from cachecore.tasks import cancel_and_wait
 from gateway.replicas import ReplicaPool, ReplicaSpec
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,5 @@ class Discovery:
             self._task = asyncio.get_running_loop().create_task(self.run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

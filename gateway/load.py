@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from cachecore.loadstate import LoadStore
 from cachecore.scoring import LoadView
+from cachecore.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -211,10 +212,7 @@ class SharedLoadRefresher:
             self._task = asyncio.get_running_loop().create_task(self.run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         with contextlib.suppress(Exception):
             await self.store.drop_gateway(self.gateway_id, self._replicas())

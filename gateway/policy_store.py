@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from cachecore.tasks import cancel_and_wait
 from policies.schema import Policy, PolicyError, load_policy, parse_policy_text
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,5 @@ class PolicyStore:
             self._task = asyncio.get_running_loop().create_task(self.watch(interval_s, on_result))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -9,7 +9,6 @@ once, because it is definitive and the retry has already moved the request).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from cachecore.index.layout import validate_replica_id
+from cachecore.tasks import cancel_and_wait
 from policies.schema import HealthPolicy
 
 log = logging.getLogger(__name__)
@@ -311,8 +311,5 @@ class ReplicaPool:
             self._task = asyncio.get_running_loop().create_task(self.run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -48,6 +48,7 @@ from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import ReplicaMirror
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore
+from cachecore.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +141,7 @@ class Agent:
 
     async def stop(self, deregister: bool = True) -> None:
         self._stopped = True
-        tasks = [t for t in [self._supervisor, *self._tasks] if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._supervisor, *self._tasks)
         self._tasks.clear()
         self._supervisor = None
         for sync in self.syncs.values():

@@ -33,6 +33,7 @@ from cachecore.index.base import PrefixIndex, ReplicaState, StaleEpochError
 from cachecore.keys import BlockKeyer
 from cachecore.kvevents import BlockRemoved, BlockStored, EventBatch, KVEvent
 from cachecore.lifecycle import IndexWrite, MirrorCounters, ReplicaMirror
+from cachecore.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -174,16 +175,11 @@ class ReplicaSync:
             self._task = asyncio.create_task(self._run(), name=f"agent-sync-{self.replica_id}")
 
     async def stop(self) -> None:
-        if self._inflight is not None:
-            self._inflight.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._inflight
-            self._inflight = None
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        # repeated cancellation: a write's index call can swallow one (cachecore.tasks)
+        await cancel_and_wait(self._inflight)
+        self._inflight = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def put(self, cmd: Command) -> None:
         if isinstance(cmd, ApplyBatch):

@@ -11,7 +11,6 @@ latency, and benchmarks reject runs where it is large.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from cachecore.engine import EngineCore, EngineRequest, RequestOutput, StepResult
 from cachecore.replica.events import KVEventPublisher
 from cachecore.replica.metrics import ReplicaMetrics
+from cachecore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,8 @@ class EngineDriver:
             self._task = asyncio.create_task(self._run(), name=f"engine-{self.name}")
 
     async def stop(self, reason: str = "engine stopped") -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for handle in self._handles.values():
             handle.queue.put_nowait(EngineStoppedError(reason))
         self._handles.clear()

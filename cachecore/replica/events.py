@@ -16,7 +16,6 @@ high-water mark) and long replays yield to the event loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 
@@ -33,6 +32,7 @@ from cachecore.kvevents import (
     seq_from_bytes,
     seq_to_bytes,
 )
+from cachecore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +88,8 @@ class KVEventPublisher:
             self._replay_task = asyncio.create_task(self._serve_replay(router))
 
     async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
-            self._replay_task = None
+        await cancel_and_wait(self._replay_task)
+        self._replay_task = None
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)
