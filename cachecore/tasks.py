@@ -27,12 +27,14 @@ async def cancel_and_wait(
     logged and left). Outcomes are consumed: a stopped task's result or exception is not
     the caller's business. ``None`` entries are skipped."""
     pending = {t for t in tasks if t is not None and not t.done()}
-    for _ in range(attempts):
-        if not pending:
-            break
+    rounds = 0
+    while pending and rounds < attempts:
+        rounds += 1
         for t in pending:
             t.cancel()
         _, pending = await asyncio.wait(pending, timeout=grace_s)
+    if rounds > 1 and not pending:
+        log.warning("a task swallowed a cancellation; it ended after %d", rounds)
     for t in pending:
         log.error("a task survived %d cancellations", attempts, extra={"task": repr(t)})
     for task in tasks:
