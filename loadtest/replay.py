@@ -27,6 +27,9 @@ import httpx
 from cachecore.traceanalysis import percentile
 from loadtest.workloads import WorkItem, Workload
 
+LATE_SEND_S = 0.05
+"""An open-loop send this long (wall) after its due time counts as late."""
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -55,7 +58,7 @@ class ReplayReport:
     results: list[RequestResult]
     wall_s: float
     time_scale: float
-    late_sends: int = 0  # requests sent more than 50 ms (wall) after their due time
+    late_sends: int = 0  # requests sent more than LATE_SEND_S (wall) after their due time
     meta: dict[str, Any] = field(default_factory=dict)
 
     def ok_results(self) -> list[RequestResult]:
@@ -231,7 +234,7 @@ async def replay(
             delay = start + res.t_sched - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            elif delay < -0.05:
+            elif delay < -LATE_SEND_S:
                 late += 1
             tasks.append(asyncio.create_task(one(res)))
         await asyncio.gather(*tasks)

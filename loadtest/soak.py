@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ from cachecore.testing import RedisServer, free_port
 from cachecore.traceanalysis import percentile
 from gateway.upstream import MAX_IDLE_PER_HOST
 from loadtest.harness import MODEL, gateway_process, scaled_policy, write_api_keys
+from loadtest.replay import LATE_SEND_S
 from loadtest.workloads import TextSource, WorkItem, build
 
 PROFILE = "8b-h100"
@@ -541,6 +542,19 @@ def verdicts(rep: SoakReport, warmup_frac: float) -> list[tuple[str, bool, str]]
 # ------------------------------------------------------------------------------ the run
 
 
+async def every(period_s: float, stop: asyncio.Event) -> AsyncIterator[int]:
+    """Yields 0, 1, 2, ... once every ``period_s`` until ``stop`` is set (the soak's
+    sampler, policy reloader and fault injector)."""
+    k = 0
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+            return
+        except TimeoutError:
+            yield k
+            k += 1
+
+
 async def _run_traffic(
     args: argparse.Namespace,
     base: str,
@@ -563,21 +577,15 @@ async def _run_traffic(
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as probe:
         await asyncio.sleep(1.0)
         ports = {int(httpx.URL(u).port or 80) for u in fleet.urls}
-        baseline_fds = proc_stats(pid)[1]
+        _, baseline_fds, _, cpu0 = proc_stats(pid)
         baseline_upstream = upstream_sockets(pid, ports)
-        _, _, _, cpu0 = proc_stats(pid)
         t0 = time.perf_counter()
         dur = args.minutes * 60.0
         stop = asyncio.Event()
 
         async def sampler() -> None:
             last_done = 0
-            while True:
-                try:
-                    await asyncio.wait_for(stop.wait(), args.sample_s)
-                    return
-                except TimeoutError:
-                    pass
+            async for _ in every(args.sample_s, stop):
                 rss, fds, threads, cpu = proc_stats(pid)
                 text = (await probe.get(base + "/metrics")).text
                 try:
@@ -611,12 +619,7 @@ async def _run_traffic(
                 )
 
         async def reloader() -> None:
-            while True:
-                try:
-                    await asyncio.wait_for(stop.wait(), args.reload_s)
-                    return
-                except TimeoutError:
-                    pass
+            async for _ in every(args.reload_s, stop):
                 resp = await probe.post(base + "/admin/policy", content=policy_text, headers=admin)
                 reloads[0] += 1
                 reloads[1] += resp.status_code != 200
@@ -629,15 +632,8 @@ async def _run_traffic(
 
             async def chaos() -> None:
                 rng = random.Random(args.seed + 7)
-                k = 0
-                while True:
-                    try:
-                        await asyncio.wait_for(stop.wait(), args.chaos_s)
-                        return
-                    except TimeoutError:
-                        pass
+                async for k in every(args.chaos_s, stop):
                     fault = CHAOS_FAULTS[k % len(CHAOS_FAULTS)]
-                    k += 1
                     ep = rng.choice(fleet.endpoints)
                     rid = None if fault == REDIS_RESTART else f"r{ep.index}"
                     chaos_log.append(ChaosEvent(time.perf_counter() - t0, fault, rid))
@@ -662,7 +658,7 @@ async def _run_traffic(
                 delay = t0 + req.t - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                elif delay < -0.05:
+                elif delay < -LATE_SEND_S:
                     late += 1
                 sends.append(asyncio.create_task(one(req)))
             rest = t0 + dur - time.perf_counter()
@@ -755,7 +751,7 @@ def format_report(rep: SoakReport, checks: list[tuple[str, bool, str]], every: i
     lines += [
         "",
         f"{n:,} requests in {rep.wall_s:.0f} s ({n / rep.wall_s:.1f}/s, {rep.late_sends} sent "
-        f">50 ms late); gateway process CPU (its embedded agents included) "
+        f">{LATE_SEND_S * 1000:.0f} ms late); gateway process CPU (its embedded agents included) "
         f"{rep.gateway_cpu_s:.1f} s, {rep.gateway_cpu_s / max(1, n) * 1e6:,.0f} us per request.",
     ]
     m = rep.final_metrics

@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 from pydantic import SecretStr
 
+from cachecore.agent.expect import ReplicaNotIdleError, dump_when_idle
 from cachecore.index.base import PrefixIndex
-from cachecore.keys import BlockKey, BlockKeyer, is_ephemeral_salt, is_kvgate_salt
 from cachecore.kvevents import salt_from_extra_keys
 from cachecore.loadstate import LoadStore
 from cachecore.testing import free_port
@@ -250,49 +250,12 @@ async def until(
 
 async def engine_dump(client: httpx.AsyncClient, url: str, timeout_s: float = 10.0) -> Any:
     """The replica's ``/debug/blocks`` once it is idle (no step in flight, nothing queued),
-    so the dump reflects every event batch it has published."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        d = (await client.get(f"{url}/debug/blocks")).json()
-        idle = not d["step_in_flight"] and d["num_running"] == 0 and d["num_waiting"] == 0
-        if idle or time.monotonic() > deadline:
-            return d
-        await asyncio.sleep(0.02)
-
-
-def engine_index_keys(dump: Mapping[str, Any], model: str) -> set[BlockKey]:
-    """The kvgate keys of every block the engine holds that the index must hold: chains
-    rooted in a kvgate, non-ephemeral salt, recomputed with the shared BlockKeyer from the
-    token ids and extra keys the engine reports (independently of the agent)."""
-    keyer = BlockKeyer(int(dump["block_size"]))
-    by_hash = {b["block_hash"]: b for b in dump["blocks"]}
-    memo: dict[int, BlockKey | None] = {}
-
-    def lora_of(extra: Sequence[Any] | None) -> str | None:
-        for item in extra or ():
-            if isinstance(item, str) and not is_kvgate_salt(item):
-                return item
-        return None
-
-    def key_of(h: int) -> BlockKey | None:
-        if h in memo:
-            return memo[h]
-        b = by_hash[h]
-        extra = b["extra_keys"]
-        parent = b["parent_block_hash"]
-        key: BlockKey | None = None
-        if parent is None:
-            s = salt_from_extra_keys(tuple(extra) if extra else None)
-            if s is not None and not is_ephemeral_salt(s):
-                key = keyer.chain(None, b["token_ids"], s, model, lora_of(extra))[0]
-        elif parent in by_hash:
-            pk = key_of(parent)
-            if pk is not None:
-                key = keyer.chain(pk, b["token_ids"], None, model, lora_of(extra))[0]
-        memo[h] = key
-        return key
-
-    return {k for h in by_hash if (k := key_of(h)) is not None}
+    so the dump reflects every event batch it has published; past ``timeout_s``, the dump
+    as it is (the attack then reports what it sees)."""
+    try:
+        return await dump_when_idle(client, url, timeout_s)
+    except ReplicaNotIdleError:
+        return (await client.get(f"{url}/debug/blocks")).json()
 
 
 def engine_salts(dump: Mapping[str, Any]) -> set[str]:

@@ -41,6 +41,7 @@ import zmq.asyncio
 from redis.exceptions import RedisError
 
 from cachecore.agent import Agent, AgentSettings
+from cachecore.agent.expect import expected_keys
 from cachecore.index.base import IndexError_, ReplicaState
 from cachecore.index.layout import (
     KeyLayout,
@@ -65,7 +66,6 @@ from loadtest.attacks.common import (
     Tenants,
     Words,
     engine_dump,
-    engine_index_keys,
     running_gateway,
     send,
     until,
@@ -176,7 +176,7 @@ class NodeStack:
         """(index == engine, keys in the index, keys the engine holds) for replica r."""
         await self.settled(rid)
         dump = await engine_dump(self.http, self.url(rid))
-        want = engine_index_keys(dump, self.model)
+        want = expected_keys(dump, self.model)
         index = self.g.gw.index
         assert index is not None
         held = set((await index.primary.replica_blocks(rid)).keys())
