@@ -58,8 +58,10 @@ class RoutingParams:
     ``temperature``: 0 picks the lowest cost; > 0 samples with weights
     ``exp(-(cost - best) / (temperature * best))`` (dimensionless, relative to the best).
     ``spill_queue_ms``: when the cheapest replica holds a prefix match and its queue wait
-    passes this bound, the request goes to the cheapest replica whose queue is under it, so
-    a hot prefix is replicated instead of piling up (None disables).
+    exceeds the fleet's shortest by more than this, the request goes to the cheapest replica
+    within that bound, so a hot prefix is replicated instead of piling up (None disables).
+    Relative, because an absolute bound fires on every long prompt in a busy fleet (one
+    queued 8k-token prefill is 2 s) and trades hits for nothing.
     ``cache_threshold`` / ``balance_*``: SGLang / vllm-router ``cache_aware`` defaults.
     ``sticky_slack`` / ``sticky_slack_ms``: a sensitive request may go to any replica whose
     load-only cost is within ``best * (1 + slack) + slack_ms``; among those its session
@@ -311,16 +313,16 @@ class Router:
             pick = self.rng.choices(list(scores), weights=weights, k=1)[0]
             return pick.replica, "softmax"
         pick, tied = self._lowest_cost(scores)
-        if (
-            p.spill_queue_ms is not None
-            and pick.matched_blocks > 0
-            and pick.queue_ms > p.spill_queue_ms
-        ):
-            others = [s for s in scores if s.replica != pick.replica and s.queue_ms < pick.queue_ms]
-            under = [s for s in others if s.queue_ms <= p.spill_queue_ms]
-            if under:
-                alt, _ = self._lowest_cost(under)
-                return alt.replica, "spill"
+        if p.spill_queue_ms is not None and pick.matched_blocks > 0:
+            # a prefix piles up when its holder's queue is longer than the shortest queue
+            # by more than the bound; a busy fleet, where every queue is long, is not that
+            floor = min(s.queue_ms for s in scores)
+            bound = floor + p.spill_queue_ms
+            if pick.queue_ms > bound:
+                under = [s for s in scores if s.replica != pick.replica and s.queue_ms <= bound]
+                if under:
+                    alt, _ = self._lowest_cost(under)
+                    return alt.replica, "spill"
         if tied:
             return pick.replica, "tie_round"
         return pick.replica, "prefix_hit" if pick.matched_blocks > 0 else "lowest_cost"

@@ -98,13 +98,14 @@ ALL_SYSTEMS = KVGATE_SYSTEMS + PEER_SYSTEMS
 WORKLOAD_CHOICES = (
     "shared-prefix",
     "mooncake",
+    "mooncake-groups",
     "short-unique",
     "hot-prefix",
     "long-prefix-pressure",
     "tenant-mix",
     "rag",
 )
-SHARED_TARGET_WORKLOADS = ("shared-prefix", "mooncake")
+SHARED_TARGET_WORKLOADS = ("shared-prefix", "mooncake", "mooncake-groups")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -206,10 +207,15 @@ def _at_rate(w: Workload, rate: float) -> Workload:
 def make_workload(
     name: str, requests: int, replicas: int, rate: float, seed: int, text: TextSource
 ) -> Workload:
-    """The simulator's fleet-scaled synthesizers; Mooncake: seed k replays the trace's k-th
-    window of ``requests`` rows, its arrivals rescaled to ``rate``."""
-    if name == "mooncake":
+    """The simulator's fleet-scaled synthesizers. ``mooncake``: seed k replays the trace's
+    k-th window of ``requests`` consecutive rows (little reuse: a cold window's prefixes
+    were mostly computed before it); ``mooncake-groups``: ``requests`` rows drawn whole
+    prefix group at a time over the whole trace (:meth:`Workload.sample_groups`), which
+    keeps the trace's reuse. Both have their arrivals rescaled to ``rate``."""
+    if name in ("mooncake", "mooncake-groups"):
         base = build("mooncake", text, max_input_tokens=8192, output_cap=128)
+        if name == "mooncake-groups":
+            return _at_rate(base.sample_groups(requests, seed), rate)
         start = (seed * requests) % max(1, len(base.items) - requests + 1)
         window = replace(base, items=base.items[start : start + requests])
         return _at_rate(window, rate)

@@ -93,6 +93,31 @@ class Workload:
     def head(self, n: int) -> Workload:
         return replace(self, items=self.items[:n])
 
+    def sample_groups(self, n: int, seed: int) -> Workload:
+        """About ``n`` items taken a whole prefix group at a time, in trace order.
+
+        Groups are visited in an order fixed by ``seed`` (xxh64 of the group name) and each
+        is taken with all its items until ``n`` are reached; the last group keeps only its
+        earliest items. Sampling rows instead would keep a pair of rows of one group with
+        probability (n/N)^2 and so remove the trace's reuse; sampling groups keeps it, and
+        keeps every kept request's arrival order and gaps. An item without a group is a
+        group of its own."""
+        members: dict[str, list[int]] = {}
+        for i, it in enumerate(self.items):
+            members.setdefault(it.group if it.group is not None else f"#{i}", []).append(i)
+        order = sorted(members, key=lambda g: xxhash.xxh64_intdigest(g.encode(), seed))
+        chosen: list[int] = []
+        for g in order:
+            if len(chosen) >= n:
+                break
+            chosen += members[g][: n - len(chosen)]
+        items = tuple(self.items[i] for i in sorted(chosen))
+        return replace(
+            self,
+            items=items,
+            description=f"{self.description}; {len(items)} items, whole prefix groups",
+        )
+
 
 class TextSource:
     """Deterministic word text: ``block(name, n)`` always returns the same n tokens."""

@@ -24,6 +24,7 @@ from loadtest.bench_routers import (
     aggregate,
     block_order,
     lag_p99_ms,
+    make_workload,
     parse_systems,
     seed_p99_ratios,
     verdicts,
@@ -181,3 +182,17 @@ def test_the_benchmark_policy_declares_the_replicas_slots() -> None:
     assert pol.routing.strategy.value == "least_loaded"
     assert pol.cost.overhead_ms == pytest.approx(15.0)  # scaled with the time scale
     assert parse_policy_text(scaled_policy("random", 1.0)).models.default.max_num_seqs == 256
+
+
+def test_mooncake_groups_keep_the_reuse_that_windows_lose() -> None:
+    """Same size, same trace: 120 rows drawn whole prefix group at a time reuse far more
+    than 120 consecutive rows (whose prefixes were mostly computed before the window)."""
+    text = TextSource()
+    window = make_workload("mooncake", 120, 4, 2.0, 0, text)
+    groups = make_workload("mooncake-groups", 120, 4, 2.0, 0, text)
+    assert len(window.items) == len(groups.items) == 120
+    span = groups.items[-1].t - groups.items[0].t
+    assert len(groups.items) / span == pytest.approx(2.0, rel=0.02)  # arrivals at the rate
+    w_bound = workload_bounds(window, capacity_blocks=4 * 4096).infinite
+    g_bound = workload_bounds(groups, capacity_blocks=4 * 4096).infinite
+    assert w_bound < 0.1 < 0.4 < g_bound

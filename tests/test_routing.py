@@ -96,6 +96,23 @@ def test_spill_replicates_a_hot_prefix() -> None:
     assert router(spill_queue_ms=3000).decide(req, cands, C).replica == "r0"
 
 
+def test_a_busy_fleet_does_not_spill() -> None:
+    """The spill bound is on the holder's queue beyond the shortest one: when every replica
+    queues about as long, the prefix is not piling up and the hit keeps it."""
+    req = RouteRequest(prompt_tokens=16_384, block_size=16)
+    busy = LoadView(queued_prefill_tokens=8000, queued_requests=3)  # 2000 ms everywhere
+    cands = [Candidate(f"r{i}", busy) for i in range(3)]
+    hot = LoadView(queued_prefill_tokens=9600, queued_requests=4)  # 2400 ms: 400 beyond
+    cands[0] = Candidate("r0", hot, match(1023))
+    d = router(spill_queue_ms=2000).decide(req, cands, C)
+    assert (d.replica, d.reason) == ("r0", "prefix_hit")
+    # 2,000 ms beyond the shortest queue: now it piles up, and the request spills
+    piled = LoadView(queued_prefill_tokens=16_400, queued_requests=6)  # 4100 ms
+    cands[0] = Candidate("r0", piled, match(1023))
+    d = router(spill_queue_ms=2000).decide(req, cands, C)
+    assert d.replica in {"r1", "r2"} and d.reason == "spill"
+
+
 def test_softmax_temperature_spreads_choices() -> None:
     cands = fleet(2)
     cands[0] = Candidate("r0", LoadView(), match(20))  # a bit cheaper

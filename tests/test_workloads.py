@@ -72,3 +72,26 @@ def test_every_workload_builds(name: str, text: TextSource) -> None:
 def test_unknown_workload() -> None:
     with pytest.raises(ValueError, match="unknown workload"):
         build("nope")
+
+
+def test_sample_groups_takes_whole_groups_in_trace_order(text: TextSource) -> None:
+    w = build("mooncake", text, max_requests=600, max_input_tokens=1024)
+    s = w.sample_groups(60, seed=3)
+    assert len(s.items) == 60
+    assert [it.t for it in s.items] == sorted(it.t for it in s.items)
+    picked = {it.group for it in s.items}
+    count = {g: sum(it.group == g for it in w.items) for g in picked}
+    kept = {g: sum(it.group == g for it in s.items) for g in picked}
+    partial = [g for g in picked if kept[g] < count[g]]
+    assert len(partial) <= 1  # only the last group visited may be cut
+    for g in partial:  # and it keeps its earliest items
+        first = [it for it in w.items if it.group == g][: kept[g]]
+        assert [it for it in s.items if it.group == g] == first
+    assert w.sample_groups(60, seed=3) == s
+    assert {it.group for it in w.sample_groups(60, seed=4).items} != picked
+    # items without a group are groups of their own
+    lone = w.head(10)
+    lone = type(w)(
+        lone.name, tuple(type(it)(it.t, it.api, it.max_tokens, it.prompt) for it in lone.items)
+    )
+    assert len(lone.sample_groups(4, seed=0).items) == 4
