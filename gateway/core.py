@@ -15,6 +15,7 @@ import random
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,10 @@ log = logging.getLogger(__name__)
 SENSITIVE_HEADER = "x-kvgate-sensitive"
 SESSION_HEADERS = ("x-kvgate-session", "x-session-id")
 DEBUG_SHARED_SCOPE = "*debug-unsafe-shared*"
+# claim checks waiting for an agent to report an eviction: at most this many per replica
+# (the rest are skipped: k of m bad checks need no more), polled at this interval
+MAX_SETTLING_CHECKS = 8
+SETTLE_POLL_S = 0.25
 """The one scope of every non-sensitive request under ``debug_unsafe_shared_scope`` (not a
 valid tenant name, so it cannot collide with a real tenant's scope)."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
@@ -194,6 +199,7 @@ class Gateway:
         self.tracer = make_tracer(self._tracer_provider)
         self._warn_at = 0.0
         self._bg: set[asyncio.Task[None]] = set()
+        self._settling: Counter[str] = Counter()  # claim checks waiting for their agent
         self.alignment_problems: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -711,23 +717,50 @@ class Gateway:
         assert self.index is not None
         still = claimed
         if actual < claimed:  # only a disagreement needs the "no removal in between" check
-            keys = d.keys[d.salt_index][:claimed]
-            res = await self.index.lookup(
-                keys, [d.replica], _now_ms(), self.policy.index.lookup_timeout_ms / 1000.0
-            )
-            if res.source != "primary":
+            if self._settling[d.replica] >= MAX_SETTLING_CHECKS:
+                self.metrics.claim_checks.labels(d.replica, "skipped").inc()
+                return  # enough evidence in flight for this replica; stay bounded
+            self._settling[d.replica] += 1
+            try:
+                got = await self._settled_claim(d, claimed)
+            finally:
+                self._settling[d.replica] -= 1
+            if got is None:
+                self.metrics.claim_checks.labels(d.replica, "skipped").inc()
                 return  # cannot tell an eviction from a lie without the shared index
-            still = res.matches.get(d.replica, empty_match()).stored_blocks
+            still = got
+        outcome = "agree" if actual >= claimed else "evicted" if still < claimed else "false"
+        self.metrics.claim_checks.labels(d.replica, outcome).inc()
         changed = self.quarantine.observe(ClaimCheck(d.replica, claimed, actual, still))
         if changed is not None:
             self.metrics.quarantined.labels(d.replica).set(1 if changed else 0)
             self.metrics.quarantine_changes.labels(d.replica, "in" if changed else "out").inc()
             log.warning(
-                "replica quarantined: its index claims are wrong"
+                "replica quarantined: its index claims are wrong (no eviction reported "
+                "within quarantine.settle_s)"
                 if changed
                 else "replica left quarantine",
                 extra={"replica": d.replica, "claimed": claimed, "actual": actual},
             )
+
+    async def _settled_claim(self, d: Dispatch, claimed: int) -> int | None:
+        """Blocks the index still claims on ``d.replica`` once the agent had time to report
+        an eviction: looked up until the claim drops below ``claimed`` or
+        ``quarantine.settle_s`` passes. None when the shared index does not answer."""
+        assert self.index is not None
+        keys = d.keys[d.salt_index][:claimed]
+        deadline = time.monotonic() + self.policy.quarantine.settle_s
+        while True:
+            res = await self.index.lookup(
+                keys, [d.replica], _now_ms(), self.policy.index.lookup_timeout_ms / 1000.0
+            )
+            if res.source != "primary":
+                return None
+            still = res.matches.get(d.replica, empty_match()).stored_blocks
+            left = deadline - time.monotonic()
+            if still < claimed or left <= 0:
+                return still
+            await asyncio.sleep(min(SETTLE_POLL_S, left))
 
     def _fit(self, d: Dispatch, out: Outcome, prompt: int) -> None:
         pol = self.policy.cost.fit

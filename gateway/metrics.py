@@ -187,6 +187,12 @@ class GatewayMetrics:
             "kvgate_quarantine_transitions", "Quarantine entries and exits", ["replica", "to"],
             registry=r,
         )  # fmt: skip
+        self.claim_checks = Counter(
+            "kvgate_claim_checks",
+            "Index claims checked against the engine's cached tokens, by outcome: agree, "
+            "evicted (the agent reported the removal), false, skipped",
+            ["replica", "outcome"], registry=r,
+        )  # fmt: skip
         self.rate_limited = Counter(
             "kvgate_rate_limited", "Requests rejected by admission control", ["tenant", "limit"],
             registry=r,

@@ -4,7 +4,10 @@ After each response the gateway compares the blocks the index claimed as *stored
 chosen replica (agent-written, never the gateway's own pending guesses) with the engine's
 ``cached_tokens``. A request is "bad" when at least ``missing_fraction`` of the claimed
 blocks prove missing, and the index still claims them afterwards (so no BlockRemoved came
-in between: an honest eviction is not a false claim). A replica with ``k`` bad requests
+in between: an honest eviction is not a false claim). "Afterwards" is up to
+``settle_s`` later: the gateway looks again until the claim drops or that time passes, since
+an agent that lags behind its engine reports an eviction late, and a late report is not a
+lie (``Gateway._settled_claim``). A replica with ``k`` bad requests
 among its last ``m`` checked ones is quarantined: routed by load only. It leaves quarantine
 after ``recover_after`` consecutive checked requests whose claims agree.
 """

@@ -372,25 +372,32 @@ def metric_value(text: str, name: str) -> float | None:
     return None
 
 
-def metric_sum(text: str, name: str) -> float:
-    """The sum of a metric over all its label sets (0 when absent)."""
+def metric_sum(text: str, name: str, where: str = "") -> float:
+    """The sum of a metric over its label sets whose labels contain ``where`` (a
+    ``label="value"`` pair; empty: all of them); 0 when absent."""
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
+            if where and where not in line[len(name) : line.rfind("}") + 1]:
+                continue
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
-# counters reported at the end of a soak (name in the exposition, label in the report)
+# counters reported at the end of a soak (name in the exposition and a label filter, label
+# in the report)
 REPORTED_COUNTERS = (
-    ("kvgate_index_fallbacks_total", "lookups answered locally"),
-    ("kvgate_pending_write_errors_total", "pending write errors"),
-    ("kvgate_upstream_errors_total", "upstream errors"),
-    ("kvgate_upstream_retries_total", "retries"),
-    ("kvgate_precision_warnings_total", "precision warnings"),
-    ("kvgate_agent_messages_dropped_total", "agent messages dropped"),
-    ("kvgate_agent_gaps_total", "agent gaps"),
-    ("kvgate_agent_clears_total", "agent clears"),
+    ("kvgate_quarantine_transitions_total", 'to="in"', "quarantine entries"),
+    ("kvgate_claim_checks_total", 'outcome="false"', "false claims"),
+    ("kvgate_claim_checks_total", 'outcome="evicted"', "late-reported evictions"),
+    ("kvgate_index_fallbacks_total", "", "lookups answered locally"),
+    ("kvgate_pending_write_errors_total", "", "pending write errors"),
+    ("kvgate_upstream_errors_total", "", "upstream errors"),
+    ("kvgate_upstream_retries_total", "", "retries"),
+    ("kvgate_precision_warnings_total", "", "precision warnings"),
+    ("kvgate_agent_messages_dropped_total", "", "agent messages dropped"),
+    ("kvgate_agent_gaps_total", "", "agent gaps"),
+    ("kvgate_agent_clears_total", "", "agent clears"),
 )
 
 
@@ -761,7 +768,9 @@ def format_report(rep: SoakReport, checks: list[tuple[str, bool, str]], every: i
     lines.append(
         f"Engine-reported token hit rate {cached / prompt if prompt else 0:.1%}, "
         f"predicted-vs-actual cached-token error {err if err is not None else math.nan:.2%}; "
-        + ", ".join(f"{label} {metric_sum(m, name):.0f}" for name, label in REPORTED_COUNTERS)
+        + ", ".join(
+            f"{label} {metric_sum(m, name, where):.0f}" for name, where, label in REPORTED_COUNTERS
+        )
         + "."
     )
     lines += ["", "| check | result | figures |", "|---|---|---|"]

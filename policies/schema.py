@@ -168,6 +168,9 @@ class QuarantinePolicy(_Section):
     m: Annotated[int, Field(gt=0)] = 5
     min_claimed_blocks: Annotated[int, Field(gt=0)] = 2
     recover_after: Annotated[int, Field(gt=0)] = 3
+    # a disagreement waits this long for the agent to report the eviction behind it before
+    # it counts as a false claim: an agent that lags (a starved CPU) is not a liar
+    settle_s: Annotated[float, Field(ge=0, le=60)] = 3.0
 
     @model_validator(mode="after")
     def _k_le_m(self) -> QuarantinePolicy:

@@ -73,9 +73,30 @@ async def claim(gw: Gateway, replica: str, keys: list[bytes]) -> None:
     await index.apply(replica, epoch, write, int(time.time() * 1000))
 
 
+def claim_checks(gw: Gateway, replica: str) -> Counter[str]:
+    """``kvgate_claim_checks`` of ``replica`` by outcome."""
+    out: Counter[str] = Counter()
+    for fam in gw.metrics.claim_checks.collect():
+        for smp in fam.samples:
+            if smp.name.endswith("_total") and smp.labels["replica"] == replica:
+                out[smp.labels["outcome"]] += int(smp.value)
+    return out
+
+
+async def checked(gw: Gateway, replica: str, n: int, timeout_s: float = 5.0) -> Counter[str]:
+    """Wait (bounded) until ``n`` claim checks of ``replica`` have finished."""
+    for _ in range(int(timeout_s / 0.02)):
+        got = claim_checks(gw, replica)
+        if sum(got.values()) >= n:
+            return got
+        await asyncio.sleep(0.02)
+    return claim_checks(gw, replica)
+
+
 async def test_false_claims_quarantine_a_replica_and_truth_releases_it() -> None:
     policy = (
-        "quarantine: {missing_fraction: 0.5, k: 2, m: 3, min_claimed_blocks: 2, recover_after: 2}"
+        "quarantine: {missing_fraction: 0.5, k: 2, m: 3, min_claimed_blocks: 2, recover_after: 2,"
+        " settle_s: 0.3}"
     )
     async with stack(count=2, policy=policy) as st:
         gw, c = st.gw, st.client()
@@ -84,11 +105,14 @@ async def test_false_claims_quarantine_a_replica_and_truth_releases_it() -> None
             assert not gw.quarantine.is_quarantined(liar)
             prompt = words(400, 2000 + i)
             await claim(gw, liar, prompt_keys(gw, prompt, st.model))  # a rogue agent's lie
+            t0 = time.monotonic()
             raw = await c.completions.with_raw_response.create(
                 model=st.model, prompt=prompt, max_tokens=1
             )
             assert raw.headers["x-kvgate-replica"] == liar  # the lie attracts the request
-            await asyncio.sleep(0.05)  # the claim check runs after the response
+            # the claim check runs after the response, and judges only after settle_s
+            assert (await checked(gw, liar, i + 1))["false"] == i + 1
+            assert time.monotonic() - t0 >= 0.3
         assert gw.quarantine.is_quarantined(liar)
         async with st.http() as h:
             q = (await h.get("/admin/quarantine", headers={"x-admin-key": ADMIN})).json()
@@ -112,8 +136,33 @@ async def test_false_claims_quarantine_a_replica_and_truth_releases_it() -> None
             await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
             await claim(gw, liar, prompt_keys(gw, prompt, st.model))  # the truth, this time
             await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
-            await asyncio.sleep(0.05)
+            assert (await checked(gw, liar, 3 + i))["agree"] == i + 1
         assert not gw.quarantine.is_quarantined(liar)
+
+
+async def test_an_eviction_reported_late_is_not_a_false_claim() -> None:
+    """A lagging agent: the index claims blocks the engine no longer holds, and the removal
+    reaches the index only after the response. Within settle_s that is an eviction."""
+    policy = "quarantine: {missing_fraction: 0.5, k: 1, m: 1, min_claimed_blocks: 2, settle_s: 2}"
+    async with stack(count=2, policy=policy) as st:
+        gw, c = st.gw, st.client()
+        assert gw.index is not None
+        lagging = st.replica_id(0)
+        for i in range(2):
+            prompt = words(400, 2300 + i)
+            keys = prompt_keys(gw, prompt, st.model)
+            await claim(gw, lagging, keys)  # blocks its engine has since evicted
+            raw = await c.completions.with_raw_response.create(
+                model=st.model, prompt=prompt, max_tokens=1
+            )
+            assert raw.headers["x-kvgate-replica"] == lagging
+            await asyncio.sleep(0.4)  # the agent catches up, later than the response
+            index = gw.index.primary
+            epoch = (await index.meta(lagging)).epoch
+            removal = IndexWrite(blocks=dict.fromkeys(keys, 0))
+            await index.apply(lagging, epoch, removal, int(time.time() * 1000))
+            assert (await checked(gw, lagging, i + 1))["evicted"] == i + 1
+        assert not gw.quarantine.is_quarantined(lagging)  # k = 1: one false claim would do
 
 
 async def test_uncached_token_budget_and_concurrency_limits() -> None:

@@ -52,6 +52,8 @@ def test_metric_parsing_sums_label_sets() -> None:
     assert metric_value(text, "kvgate_in_flight_requests") == 3.0
     assert metric_value(text, "kvgate_missing") is None
     assert metric_sum(text, "kvgate_missing") == 0.0
+    assert metric_sum(text, "kvgate_prompt_tokens_total", 'replica="r1"') == 50.0
+    assert metric_sum(text, "kvgate_prompt_tokens_total", 'replica="r2"') == 0.0
 
 
 def test_schedule_is_deterministic_sorted_and_mixes_every_kind() -> None:

@@ -75,9 +75,10 @@ VICTIM = "victim"
 TOPIC = "kv-events"
 # the default policy's quarantine rule, written out: the bound we state is K
 Q_MISSING, Q_K, Q_M, Q_MIN_CLAIMED, Q_RECOVER = 0.5, 3, 5, 2, 3
+Q_SETTLE_S = 1.0  # shorter than the default 3 s: a lie is judged this long after its response
 POLICY = (
     f"quarantine: {{missing_fraction: {Q_MISSING}, k: {Q_K}, m: {Q_M}, "
-    f"min_claimed_blocks: {Q_MIN_CLAIMED}, recover_after: {Q_RECOVER}}}"
+    f"min_claimed_blocks: {Q_MIN_CLAIMED}, recover_after: {Q_RECOVER}, settle_s: {Q_SETTLE_S}}}"
 )
 
 
@@ -341,7 +342,7 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
             requests_until += 1
             if await st.ask(prompt) == liar:
                 misrouted += 1
-            await until(lambda: not gw._bg, 2.0)  # the claim check runs after the response
+            await until(lambda: not gw._bg, Q_SETTLE_S + 2.0)  # claim checks run after responses
         quarantined = gw.quarantine.is_quarantined(liar)
         admin = (
             await st.http.get(st.g.url + "/admin/quarantine", headers=st.g.admin_headers)
@@ -365,7 +366,7 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
             await st.settled("r1", 5.0)
             await st.ask(prompt)
             honest += 2
-            await until(lambda: not gw._bg, 2.0)
+            await until(lambda: not gw._bg, Q_SETTLE_S + 2.0)
         released = not gw.quarantine.is_quarantined(liar)
     finally:
         await rogue.close()
