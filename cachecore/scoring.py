@@ -53,6 +53,7 @@ class Coefficients:
     saturation_ms: float = 200.0
     pending_weight: float = 0.8
     stall_weight: float = 0.15  # not fitted (see the module docstring)
+    recompute_weight: float = 1.0  # not fitted; applied by the router (gateway.routing)
     tier_load_factor: Mapping[Tier, float] = field(
         default_factory=lambda: {Tier.CPU: 1.0, Tier.DISK: 4.0, Tier.REMOTE: 10.0}
     )

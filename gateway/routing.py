@@ -57,11 +57,11 @@ class RoutingParams:
     requests about as evenly as round_robin (measured: short-unique p99 at 85% load).
     ``temperature``: 0 picks the lowest cost; > 0 samples with weights
     ``exp(-(cost - best) / (temperature * best))`` (dimensionless, relative to the best).
-    ``spill_queue_ms``: when the cheapest replica holds a prefix match and its queue wait
-    exceeds the fleet's shortest by more than this, the request goes to the cheapest replica
-    within that bound, so a hot prefix is replicated instead of piling up (None disables).
-    Relative, because an absolute bound fires on every long prompt in a busy fleet (one
-    queued 8k-token prefill is 2 s) and trades hits for nothing.
+    ``spill_queue_ms`` (None: off, the default, D12): when the cheapest replica holds a
+    prefix match and its queue wait exceeds the fleet's shortest by more than this, the
+    request goes to the cheapest replica within that bound, so a hot prefix is replicated
+    instead of piling up. Relative, because an absolute bound fires on every long prompt in
+    a busy fleet (one queued 8k-token prefill is 2 s) and trades hits for nothing.
     ``cache_threshold`` / ``balance_*``: SGLang / vllm-router ``cache_aware`` defaults.
     ``sticky_slack`` / ``sticky_slack_ms``: a sensitive request may go to any replica whose
     load-only cost is within ``best * (1 + slack) + slack_ms``; among those its session
@@ -74,7 +74,7 @@ class RoutingParams:
     temperature: float = 0.0
     tie_epsilon_ms: float = 0.5
     tie_fraction: float = 0.1
-    spill_queue_ms: float | None = 2000.0
+    spill_queue_ms: float | None = None
     cache_threshold: float = 0.3
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -113,10 +113,11 @@ class ReplicaScore:
     eligible: bool
     note: str = ""
     stall_ms: float = 0.0  # cost_ms = predicted TTFT + stall_ms (cachecore.scoring)
+    recompute_ms: float = 0.0  # + this: Router._charge_recompute
 
     @property
     def ttft_ms(self) -> float:
-        return self.cost_ms - self.stall_ms
+        return self.cost_ms - self.stall_ms - self.recompute_ms
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -126,6 +127,7 @@ class ReplicaScore:
             "prefill_ms": round(self.prefill_ms, 3),
             "load_ms": round(self.load_ms, 3),
             "stall_ms": round(self.stall_ms, 3),
+            "recompute_ms": round(self.recompute_ms, 3),
             "matched_blocks": self.matched_blocks,
             "predicted_cached_tokens": self.predicted_cached_tokens,
             "requests": self.requests,
@@ -268,6 +270,8 @@ class Router:
                     b.stall_ms,
                 )
             )
+        if coeffs.recompute_weight > 0 and best_cached > 0 and not req.load_only:
+            self._charge_recompute(out, coeffs.recompute_weight)
         cold = req.cold_replicas
         if (
             cold is not None
@@ -279,6 +283,24 @@ class Router:
                 if s.replica not in cold:
                     s.eligible, s.note = False, "cold_confined"
         return out
+
+    @staticmethod
+    def _charge_recompute(scores: Sequence[ReplicaScore], weight: float) -> None:
+        """Add ``weight x (own prefill ms - the smallest among the replicas)`` to each cost.
+
+        A replica's cost is the request's own expected TTFT there. Sending a request past a
+        replica that holds its prefix makes the fleet compute those tokens again, and that
+        work is capacity every request queued behind it pays for, which the request's own
+        TTFT does not show; the myopic cost trades hits for balance too readily under load.
+        Relative to the cheapest prefill, so it is zero when no replica holds anything (or
+        every replica holds the same), and a sensitive request (no matches) never pays it.
+        """
+        low = min(s.prefill_ms for s in scores)
+        for s in scores:
+            extra = weight * (s.prefill_ms - low)
+            if extra > 0:
+                s.recompute_ms = extra
+                s.cost_ms += extra
 
     # ------------------------------------------------------------------ strategies
     def _lowest_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, bool]:

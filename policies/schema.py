@@ -43,7 +43,7 @@ class RoutingPolicy(_Section):
     temperature: NonNegFloat = 0.0
     tie_epsilon_ms: NonNegFloat = 0.5
     tie_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
-    spill_queue_ms: PositiveFloat | None = 2000.0
+    spill_queue_ms: PositiveFloat | None = None
     cold_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
     prefix_affinity: PrefixAffinityPolicy = PrefixAffinityPolicy()
     sensitive_sticky: StickyPolicy = StickyPolicy()
@@ -86,6 +86,7 @@ class CostPolicy(_Section):
     saturation_ms: NonNegFloat = 200.0
     pending_weight: Annotated[float, Field(ge=0, le=1)] = 0.8
     stall_weight: Annotated[float, Field(ge=0, le=10)] = 0.15
+    recompute_weight: Annotated[float, Field(ge=0, le=10)] = 1.0
     tier_load_factor: TierLoadFactor = TierLoadFactor()
     fit: FitPolicy = FitPolicy()
 
@@ -99,6 +100,7 @@ class CostPolicy(_Section):
             saturation_ms=self.saturation_ms,
             pending_weight=self.pending_weight,
             stall_weight=self.stall_weight,
+            recompute_weight=self.recompute_weight,
             tier_load_factor={Tier.CPU: t.cpu, Tier.DISK: t.disk, Tier.REMOTE: t.remote},
         )
 

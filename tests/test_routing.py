@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -54,6 +55,38 @@ def test_expected_latency_avoids_an_overloaded_hit() -> None:
     )
     d = router(spill_queue_ms=None).decide(REQ, cands, C)
     assert d.replica != "r2"
+
+
+def test_a_miss_is_charged_for_the_prefix_it_computes_again() -> None:
+    """r0 holds 4,000 of 4,096 tokens behind a 1.5 s queue; r1 is idle. On its own TTFT the
+    request goes to r1 (1,054 ms < 1,554 ms), recomputing the prefix; charged for that
+    (1,000 ms at weight 1) it stays on r0, until r0's queue outweighs twice its hit."""
+    req = RouteRequest(prompt_tokens=4096, block_size=16)
+    queued = LoadView(queued_prefill_tokens=6000, queued_requests=2)  # 1,500 ms
+    cands = [Candidate("r0", queued, match(250)), Candidate("r1", LoadView())]
+    myopic = replace(C, recompute_weight=0.0)
+    assert router().decide(req, cands, myopic).replica == "r1"
+    d = router().decide(req, cands, C)
+    assert (d.replica, d.reason) == ("r0", "prefix_hit")
+    by = {s.replica: s for s in d.scores}
+    assert by["r0"].recompute_ms == 0.0
+    assert by["r1"].recompute_ms == pytest.approx(1000.0)  # (4096 - 96) tokens x 0.25 ms
+    assert by["r1"].ttft_ms == pytest.approx(1054.0)  # the predicted TTFT leaves it out
+    assert by["r1"].to_dict()["recompute_ms"] == pytest.approx(1000.0)
+    longer = LoadView(queued_prefill_tokens=18_000, queued_requests=6)  # 4,500 ms
+    cands[0] = Candidate("r0", longer, match(250))
+    assert router().decide(req, cands, C).replica == "r1"
+
+
+def test_no_recompute_charge_without_a_match_or_for_a_sensitive_request() -> None:
+    busy = LoadView(queued_prefill_tokens=2000, queued_requests=1)
+    cold = [Candidate("r0", busy), Candidate("r1", LoadView())]
+    d = router().decide(REQ, cold, C)
+    assert all(s.recompute_ms == 0.0 for s in d.scores) and d.replica == "r1"
+    held = [Candidate("r0", busy, match(100)), Candidate("r1", LoadView())]
+    sensitive = RouteRequest(prompt_tokens=2048, block_size=16, load_only=True)
+    d = router().decide(sensitive, held, C)
+    assert all(s.recompute_ms == 0.0 for s in d.scores) and d.replica == "r1"
 
 
 def test_ties_are_broken_at_random_and_reproducibly() -> None:
