@@ -715,7 +715,7 @@ class Gateway:
 
     async def _recheck(self, d: Dispatch, claimed: int, actual: int) -> None:
         assert self.index is not None
-        still = claimed
+        still, late = claimed, False
         if actual < claimed:  # only a disagreement needs the "no removal in between" check
             if self._settling[d.replica] >= MAX_SETTLING_CHECKS:
                 self.metrics.claim_checks.labels(d.replica, "skipped").inc()
@@ -728,8 +728,13 @@ class Gateway:
             if got is None:
                 self.metrics.claim_checks.labels(d.replica, "skipped").inc()
                 return  # cannot tell an eviction from a lie without the shared index
-            still = got
-        outcome = "agree" if actual >= claimed else "evicted" if still < claimed else "false"
+            still, late = got
+        if actual >= claimed:
+            outcome = "agree"
+        elif still < claimed:  # "evicted_late": the report came after the response
+            outcome = "evicted_late" if late else "evicted"
+        else:
+            outcome = "false"
         self.metrics.claim_checks.labels(d.replica, outcome).inc()
         changed = self.quarantine.observe(ClaimCheck(d.replica, claimed, actual, still))
         if changed is not None:
@@ -743,14 +748,17 @@ class Gateway:
                 extra={"replica": d.replica, "claimed": claimed, "actual": actual},
             )
 
-    async def _settled_claim(self, d: Dispatch, claimed: int) -> int | None:
+    async def _settled_claim(self, d: Dispatch, claimed: int) -> tuple[int, bool] | None:
         """Blocks the index still claims on ``d.replica`` once the agent had time to report
         an eviction: looked up until the claim drops below ``claimed`` or
-        ``quarantine.settle_s`` passes. None when the shared index does not answer."""
+        ``quarantine.settle_s`` passes; and whether it took more than the first look (the
+        cases the settle rule exists for). None when the shared index does not answer."""
         assert self.index is not None
         keys = d.keys[d.salt_index][:claimed]
         deadline = time.monotonic() + self.policy.quarantine.settle_s
+        looks = 0
         while True:
+            looks += 1
             res = await self.index.lookup(
                 keys, [d.replica], _now_ms(), self.policy.index.lookup_timeout_ms / 1000.0
             )
@@ -759,7 +767,7 @@ class Gateway:
             still = res.matches.get(d.replica, empty_match()).stored_blocks
             left = deadline - time.monotonic()
             if still < claimed or left <= 0:
-                return still
+                return still, looks > 1
             await asyncio.sleep(min(SETTLE_POLL_S, left))
 
     def _fit(self, d: Dispatch, out: Outcome, prompt: int) -> None:

@@ -190,7 +190,8 @@ class GatewayMetrics:
         self.claim_checks = Counter(
             "kvgate_claim_checks",
             "Index claims checked against the engine's cached tokens, by outcome: agree, "
-            "evicted (the agent reported the removal), false, skipped",
+            "evicted (the removal was in the index at the first look), evicted_late (it "
+            "arrived within quarantine.settle_s), false, skipped",
             ["replica", "outcome"], registry=r,
         )  # fmt: skip
         self.rate_limited = Counter(

@@ -389,7 +389,8 @@ def metric_sum(text: str, name: str, where: str = "") -> float:
 REPORTED_COUNTERS = (
     ("kvgate_quarantine_transitions_total", 'to="in"', "quarantine entries"),
     ("kvgate_claim_checks_total", 'outcome="false"', "false claims"),
-    ("kvgate_claim_checks_total", 'outcome="evicted"', "late-reported evictions"),
+    ("kvgate_claim_checks_total", 'outcome="evicted"', "evictions seen at once"),
+    ("kvgate_claim_checks_total", 'outcome="evicted_late"', "evictions reported late"),
     ("kvgate_index_fallbacks_total", "", "lookups answered locally"),
     ("kvgate_pending_write_errors_total", "", "pending write errors"),
     ("kvgate_upstream_errors_total", "", "upstream errors"),

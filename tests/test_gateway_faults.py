@@ -161,7 +161,7 @@ async def test_an_eviction_reported_late_is_not_a_false_claim() -> None:
             epoch = (await index.meta(lagging)).epoch
             removal = IndexWrite(blocks=dict.fromkeys(keys, 0))
             await index.apply(lagging, epoch, removal, int(time.time() * 1000))
-            assert (await checked(gw, lagging, i + 1))["evicted"] == i + 1
+            assert (await checked(gw, lagging, i + 1))["evicted_late"] == i + 1
         assert not gw.quarantine.is_quarantined(lagging)  # k = 1: one false claim would do
 
 
