@@ -11,3 +11,5 @@ date
 $B --workload mooncake --requests 120 --seeds 0,1,2 --systems expected_latency,least_loaded,vllm-router:round_robin,sglang-router:cache_aware --out /tmp/bench6/mc --json /tmp/bench6/mc.json > /tmp/bench6/mc.log 2>&1
 date
 echo ALLDONE
+# added after the above (22:17): shared-prefix 85%, seeds 6-8, to see whether six seeds' 0.66x holds
+$B --workload shared-prefix --requests 120 --seeds 6,7,8 --load 0.85 --systems expected_latency,vllm-router:cache_aware,vllm-router:round_robin,sglang-router:cache_aware --out /tmp/bench7/sp85c --json /tmp/bench7/sp85c.json > /tmp/bench7/sp85c.log 2>&1
