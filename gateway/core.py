@@ -53,12 +53,12 @@ log = logging.getLogger(__name__)
 SENSITIVE_HEADER = "x-kvgate-sensitive"
 SESSION_HEADERS = ("x-kvgate-session", "x-session-id")
 DEBUG_SHARED_SCOPE = "*debug-unsafe-shared*"
+"""The one scope of every non-sensitive request under ``debug_unsafe_shared_scope`` (not a
+valid tenant name, so it cannot collide with a real tenant's scope)."""
 # claim checks waiting for an agent to report an eviction: at most this many per replica
 # (the rest are skipped: k of m bad checks need no more), polled at this interval
 MAX_SETTLING_CHECKS = 8
 SETTLE_POLL_S = 0.25
-"""The one scope of every non-sensitive request under ``debug_unsafe_shared_scope`` (not a
-valid tenant name, so it cannot collide with a real tenant's scope)."""
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 
 AgentHook = Callable[

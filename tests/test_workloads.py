@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
@@ -90,8 +92,5 @@ def test_sample_groups_takes_whole_groups_in_trace_order(text: TextSource) -> No
     assert w.sample_groups(60, seed=3) == s
     assert {it.group for it in w.sample_groups(60, seed=4).items} != picked
     # items without a group are groups of their own
-    lone = w.head(10)
-    lone = type(w)(
-        lone.name, tuple(type(it)(it.t, it.api, it.max_tokens, it.prompt) for it in lone.items)
-    )
+    lone = replace(w, items=tuple(replace(it, group=None) for it in w.items[:10]))
     assert len(lone.sample_groups(4, seed=0).items) == 4
