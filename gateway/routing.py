@@ -184,6 +184,10 @@ class Router:
         self.rng = rng
         self._rr = 0
         self._round: set[str] = set()  # replicas a tie went to in the current round
+        # prefix_affinity's stand-in for SGLang's per-worker tree size: prompt tokens it sent
+        # to each replica that the replica did not hold (SGLang counts the characters its
+        # approximate tree gained per worker; neither forgets on engine evictions)
+        self._tree_tokens: dict[str, int] = {}
 
     def decide(
         self,
@@ -204,7 +208,7 @@ class Router:
         elif strat is Strategy.EXPECTED_LATENCY:
             pick, reason = self._expected_latency(eligible)
         elif strat is Strategy.PREFIX_AFFINITY:
-            pick, reason = self._prefix_affinity(req, eligible, candidates)
+            pick, reason = self._prefix_affinity(req, eligible)
         elif strat is Strategy.LEAST_LOADED:
             pick, reason = self._least_loaded(eligible)
         elif strat is Strategy.CONSISTENT_HASH:
@@ -358,24 +362,33 @@ class Router:
         return self.rng.choice(ties).replica, "least_loaded"
 
     def _prefix_affinity(
-        self, req: RouteRequest, scores: Sequence[ReplicaScore], cands: Sequence[Candidate]
+        self, req: RouteRequest, scores: Sequence[ReplicaScore]
     ) -> tuple[str, str]:
         """SGLang / vllm-router ``cache_aware``: shortest queue when imbalanced, else the
-        best match above the threshold, else the replica with the least cached data."""
+        best match above the threshold, else the replica with the smallest tree: the least
+        new prompt data routed to it so far (not the KV usage, which tracks running
+        requests, not what a worker caches)."""
         p = self.params
         loads = [s.requests for s in scores]
         hi, lo = max(loads), min(loads)
         if hi - lo > p.balance_abs_threshold and hi > lo * p.balance_rel_threshold:
             ties = [s for s in scores if s.requests == lo]
-            return self.rng.choice(ties).replica, "imbalanced"
-        best = max(s.predicted_cached_tokens for s in scores)
-        if req.prompt_tokens > 0 and best / req.prompt_tokens > p.cache_threshold:
-            ties = [s for s in scores if s.predicted_cached_tokens == best]
-            return self.rng.choice(ties).replica, "cache_hit"
-        usage = {c.replica: c.load.kv_usage for c in cands}
-        low = min(usage[s.replica] for s in scores)
-        ties = [s for s in scores if usage[s.replica] <= low]
-        return self.rng.choice(ties).replica, "smallest_tree"
+            pick, reason = self.rng.choice(ties), "imbalanced"
+        else:
+            best = max(s.predicted_cached_tokens for s in scores)
+            if req.prompt_tokens > 0 and best / req.prompt_tokens > p.cache_threshold:
+                ties = [s for s in scores if s.predicted_cached_tokens == best]
+                pick, reason = self.rng.choice(ties), "cache_hit"
+            else:
+                tree = self._tree_tokens
+                low = min(tree.get(s.replica, 0) for s in scores)
+                ties = [s for s in scores if tree.get(s.replica, 0) <= low]
+                pick, reason = self.rng.choice(ties), "smallest_tree"
+        # every pick grows the picked replica's tree by what it did not hold, as SGLang
+        # inserts every routed request's text into the chosen worker's tree
+        new = max(0, req.prompt_tokens - pick.predicted_cached_tokens)
+        self._tree_tokens[pick.replica] = self._tree_tokens.get(pick.replica, 0) + new
+        return pick.replica, reason
 
     def _load_only(self, req: RouteRequest, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
         p = self.params

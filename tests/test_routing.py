@@ -187,12 +187,37 @@ def test_prefix_affinity_follows_sglang_rules() -> None:
     skew = [Candidate("a", LoadView(running=200), match(100)), Candidate("b", LoadView(running=10))]
     d = r.decide(REQ, skew, C)
     assert (d.replica, d.reason) == ("b", "imbalanced")
+    # below the threshold: the replica with the smallest tree (a fresh router in which
+    # only "a" has received a prompt)
+    r = router(strategy=Strategy.PREFIX_AFFINITY)
+    r.decide(REQ, [Candidate("a", LoadView())], C)
     small = [
-        Candidate("a", LoadView(kv_usage=0.5), match(5)),
-        Candidate("b", LoadView(kv_usage=0.1)),
+        Candidate("a", LoadView(kv_usage=0.0), match(5)),
+        Candidate("b", LoadView(kv_usage=0.9)),  # KV usage is not the tree: ignored
     ]
     d = r.decide(REQ, small, C)
     assert (d.replica, d.reason) == ("b", "smallest_tree")
+
+
+def test_prefix_affinity_trees_grow_by_the_data_a_replica_did_not_hold() -> None:
+    """SGLang's smallest tree: each pick adds the prompt's unmatched tokens to the picked
+    replica's tree, so misses go where the least new data went, whatever the load."""
+    r = router(strategy=Strategy.PREFIX_AFFINITY)
+    two = [Candidate("a", LoadView()), Candidate("b", LoadView())]
+    first = r.decide(REQ, two, C).replica  # both empty: either
+    other = "b" if first == "a" else "a"
+    # the next miss goes to the other one, even when it is the busier
+    busy = [Candidate(c.replica, LoadView(running=5 if c.replica == other else 0)) for c in two]
+    assert r.decide(REQ, busy, C).replica == other
+    # a hit on `first` (100 of 128 blocks held) grows its tree by the 28 blocks it lacked
+    hit = [Candidate(first, LoadView(), match(100)), Candidate(other, LoadView())]
+    d = r.decide(REQ, hit, C)
+    assert (d.replica, d.reason) == (first, "cache_hit")
+    # trees: first 2048 + 448, other 2048; a short miss goes to `other`
+    short = RouteRequest(prompt_tokens=64, block_size=16)
+    assert r.decide(short, two, C).replica == other
+    # and now other has 2048 + 64 < 2496: still other
+    assert r.decide(short, two, C).replica == other
 
 
 def test_load_only_ignores_matches_and_is_session_sticky() -> None:
