@@ -10,3 +10,5 @@ date
 $B --workload shared-prefix --requests 120 --seeds 0,1,2 --load 0.85 --systems expected_latency,prefix_affinity,sglang-router:cache_aware --out /tmp/bench6/sp85 --json /tmp/bench6/sp85.json > /tmp/bench6/sp85.log 2>&1
 date
 echo ALLDONE
+# (23:11) three more seeds of mooncake-groups with both peers' cache_aware
+$B --workload mooncake-groups --requests 120 --seeds 3,4,5 --load 0.85 --systems expected_latency,prefix_affinity,vllm-router:cache_aware,sglang-router:cache_aware --out /tmp/bench6/mcg345 --json /tmp/bench6/mcg345.json > /tmp/bench6/mcg345.log 2>&1
