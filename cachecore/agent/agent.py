@@ -201,7 +201,7 @@ class Agent:
             "event_to_index_ms": {
                 "p50": None if p50 is None else round(p50 * 1000, 3),
                 "p99": None if p99 is None else round(p99 * 1000, 3),
-                "samples": len(lat.values),
+                "samples": len(lat),
             },
         }
 
