@@ -14,6 +14,7 @@ import json
 import random
 import re
 import shutil
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -322,8 +323,11 @@ class SegmentCache:
         self.cached_tokens = 0  # invariant: == sum of len(ids) over the entries
         self._cache: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         # admission on second sight: one-off segments (a unique user question) must not
-        # evict the shared ones (a system prompt) that make the cache worth having
-        self._seen_once: OrderedDict[int, None] = OrderedDict()
+        # evict the shared ones (a system prompt) that make the cache worth having. The
+        # first sightings are a direct-mapped table of hashes, allocated whole (8 bytes a
+        # slot, 128 KB at the default size): an ordered dict of them grew for half an hour
+        # at soak rates before reaching its bound, ~2 MB, which read as a leak in RSS
+        self._seen_once = array("q", bytes(8 * 4 * max_entries))
         self.hits = 0
         self.misses = 0
         hf = getattr(tokenizer, "_tok", None)
@@ -366,13 +370,13 @@ class SegmentCache:
             return got
         self.misses += 1
         ids = self._plain(piece)
-        h = hash(key)
-        if h not in self._seen_once:
-            self._seen_once[h] = None
-            if len(self._seen_once) > 4 * self.max_entries:
-                self._seen_once.popitem(last=False)
+        h = hash(key) or 1  # 0 marks an empty slot
+        seen = self._seen_once
+        slot = h % len(seen)
+        if seen[slot] != h:  # first sight (or its slot was taken since): remember it
+            seen[slot] = h
             return ids
-        del self._seen_once[h]
+        seen[slot] = 0
         if len(ids) > self.max_tokens:
             return ids  # would evict everything else and still not fit
         self._cache[key] = ids

@@ -307,6 +307,27 @@ def test_segment_cache_keeps_shared_segments_under_unique_traffic() -> None:
     assert cache.hits == hits + 1
 
 
+def test_segment_cache_first_sightings_take_fixed_memory() -> None:
+    """The admission filter is allocated whole: unique traffic does not grow it, and a
+    segment seen a second time is admitted."""
+    import random
+
+    from cachecore.tokenizer import SegmentCache, builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    cache = SegmentCache(tok, max_entries=64)
+    slots = cache._seen_once.buffer_info()[1]
+    assert slots == 4 * 64
+    for i in range(2000):  # ten times the table's size in one-off segments
+        cache.encode(tok.word_vocabulary.text(120, random.Random(i)))
+    assert cache._seen_once.buffer_info()[1] == slots
+    assert len(cache._cache) == 0  # none of them was admitted
+    doc = tok.word_vocabulary.text(150, random.Random(-1))
+    cache.encode(doc)
+    cache.encode(doc)  # the second sighting admits it
+    assert len(cache._cache) == 1 and cache.encode(doc) == tok.encode(doc)
+
+
 def test_segment_cache_is_bounded_in_tokens_and_evicts_least_recently_used() -> None:
     import random
 
