@@ -523,17 +523,29 @@ async def _bench(
     return runs
 
 
+def simulated_knee(
+    workload: str,
+    replicas: int,
+    text: TextSource,
+    profile: str = "8b-h100",
+    blocks: int = 4096,
+) -> float:
+    """least_loaded's throughput knee for ``workload`` on this fleet, requests/s, found in
+    virtual time by the simulator with the default policy: what the load points are
+    fractions of (the benchmark's and the simulator studies' in docs/results)."""
+    cfg = SimConfig(
+        replicas=replicas, profile=profile, num_blocks=blocks, block_size=BLOCK_SIZE, seed=0
+    )
+    n = max(200, 40 * replicas)
+    probe = make_workload(workload, n, replicas, 1e6, 99, text)
+    policy = load_policy(builtin_policy_path("default"))
+    return asyncio.run(calibrate_capacity(cfg, policy, probe, text, n))
+
+
 def _rate(args: argparse.Namespace, text: TextSource) -> tuple[float, float | None]:
     if args.rate is not None:
         return args.rate, None
-    cfg = SimConfig(
-        replicas=args.replicas, profile=args.profile, num_blocks=args.blocks,
-        block_size=BLOCK_SIZE, seed=0,
-    )  # fmt: skip
-    n = max(200, 40 * args.replicas)
-    probe = make_workload(args.workload, n, args.replicas, 1e6, 99, text)
-    policy = load_policy(builtin_policy_path("default"))
-    knee = asyncio.run(calibrate_capacity(cfg, policy, probe, text, n))
+    knee = simulated_knee(args.workload, args.replicas, text, args.profile, args.blocks)
     if not knee > 0:
         raise ValueError(f"calibration found no throughput for {args.workload}; pass --rate")
     return args.load * knee, knee

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from cachecore.engine.latency import PROFILES
 from gateway.routing import Strategy
-from loadtest.bench_routers import BLOCK_SIZE, make_workload
-from loadtest.simulate import FleetSimulator, SimConfig, calibrate_capacity
+from loadtest.bench_routers import BLOCK_SIZE, make_workload, simulated_knee
+from loadtest.simulate import FleetSimulator, SimConfig
 from loadtest.workloads import TextSource
 from policies.schema import builtin_policy_path, load_policy
 
@@ -24,8 +24,7 @@ PROFILES[wide.name] = wide  # this script's process only
 text = TextSource()
 pol = load_policy(builtin_policy_path("default"))
 cfg = SimConfig(replicas=4, profile=base.name, num_blocks=4096, block_size=BLOCK_SIZE, seed=0)
-probe = make_workload("mooncake-groups", 200, 4, 1e6, 99, text)
-rate = 0.85 * asyncio.run(calibrate_capacity(cfg, pol, probe, text, 200))
+rate = 0.85 * simulated_knee("mooncake-groups", 4, text)
 agg: dict[str, list[tuple[float, float]]] = {}
 for seed in seeds:
     w = make_workload("mooncake-groups", 120, 4, rate, seed, text)

@@ -12,8 +12,8 @@ import sys
 from dataclasses import replace
 
 from gateway.routing import Strategy
-from loadtest.bench_routers import BLOCK_SIZE, make_workload
-from loadtest.simulate import FleetSimulator, SimConfig, calibrate_capacity
+from loadtest.bench_routers import BLOCK_SIZE, make_workload, simulated_knee
+from loadtest.simulate import FleetSimulator, SimConfig
 from loadtest.workloads import TextSource
 from policies.schema import builtin_policy_path, load_policy
 
@@ -23,8 +23,7 @@ load = float(sys.argv[4]) if len(sys.argv) > 4 else 0.85
 text = TextSource()
 pol = load_policy(builtin_policy_path("default"))
 cfg = SimConfig(replicas=4, profile="8b-h100", num_blocks=4096, block_size=BLOCK_SIZE, seed=0)
-probe = make_workload(wl, 200, 4, 1e6, 99, text)
-knee = asyncio.run(calibrate_capacity(cfg, pol, probe, text, 200))
+knee = simulated_knee(wl, 4, text)
 rate = load * knee
 agg: dict[str, list[tuple[float, float, float]]] = {}
 for seed in seeds:
