@@ -25,7 +25,13 @@ import orjson
 import xxhash
 from prometheus_client import CollectorRegistry
 
-from cachecore.index.base import PrefixIndex, PrefixMatch, ReplicaState, empty_match
+from cachecore.index.base import (
+    IndexError_,
+    PrefixIndex,
+    PrefixMatch,
+    ReplicaState,
+    empty_match,
+)
 from cachecore.index.memory import MemoryIndex
 from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
 from cachecore.loadstate import LoadStore
@@ -106,6 +112,7 @@ class Dispatch:
     t_start: float = 0.0
     load_at_dispatch: LoadView | None = None
     raw_body: bytes | None = None  # the client's bytes, when they parsed to ``body``
+    lookup_ms: int = 0  # wall clock of the index lookup (the claim check's "since")
 
     @property
     def replica(self) -> str:
@@ -492,6 +499,7 @@ class Gateway:
         ids = [r.id for r in reps]
         matches: list[dict[str, PrefixMatch]] = []
         source = "none"
+        now = 0
         if keys and keys[0]:
             now = _now_ms()
             timeout = pol.index.lookup_timeout_ms / 1000.0
@@ -554,6 +562,7 @@ class Gateway:
             candidates=cands,
             decision=decision,
             salt_index=best_salt.get(decision.replica, 0),
+            lookup_ms=now,
         )
         if explain_only:
             return d
@@ -729,14 +738,27 @@ class Gateway:
                 self.metrics.claim_checks.labels(d.replica, "skipped").inc()
                 return  # cannot tell an eviction from a lie without the shared index
             still, late = got
+        restored = False
+        if actual < claimed <= still:
+            # the claim stands, but its first missing block may have been evicted after the
+            # lookup and stored again by this very request before the check looked
+            restored_or_none = await self._restored_since_lookup(d, actual)
+            if restored_or_none is None:
+                self.metrics.claim_checks.labels(d.replica, "skipped").inc()
+                return  # the removal log does not reach back to the lookup: cannot tell
+            restored = restored_or_none
         if actual >= claimed:
             outcome = "agree"
         elif still < claimed:  # "evicted_late": the report came after the response
             outcome = "evicted_late" if late else "evicted"
+        elif restored:
+            outcome = "evicted_restored"
         else:
             outcome = "false"
         self.metrics.claim_checks.labels(d.replica, outcome).inc()
-        changed = self.quarantine.observe(ClaimCheck(d.replica, claimed, actual, still))
+        changed = self.quarantine.observe(
+            ClaimCheck(d.replica, claimed, actual, still, removed_since_lookup=restored)
+        )
         if changed is not None:
             self.metrics.quarantined.labels(d.replica).set(1 if changed else 0)
             self.metrics.quarantine_changes.labels(d.replica, "in" if changed else "out").inc()
@@ -747,6 +769,22 @@ class Gateway:
                 else "replica left quarantine",
                 extra={"replica": d.replica, "claimed": claimed, "actual": actual},
             )
+
+    async def _restored_since_lookup(self, d: Dispatch, first_missing: int) -> bool | None:
+        """Whether the index removed block ``first_missing`` of the claim from ``d.replica``
+        since the lookup (less ``quarantine.clock_skew_ms``: agents stamp removals with
+        their own clocks); None when the removal log cannot tell or the index fails."""
+        assert self.index is not None
+        key = d.keys[d.salt_index][first_missing]
+        since = d.lookup_ms - self.policy.quarantine.clock_skew_ms
+        try:
+            got = await asyncio.wait_for(
+                self.index.primary.removed_since(d.replica, [key], since),
+                self.policy.index.lookup_timeout_ms / 1000.0,
+            )
+        except (IndexError_, TimeoutError):
+            return None
+        return None if got is None else got[0]
 
     async def _settled_claim(self, d: Dispatch, claimed: int) -> tuple[int, bool] | None:
         """Blocks the index still claims on ``d.replica`` once the agent had time to report

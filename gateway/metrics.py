@@ -191,7 +191,8 @@ class GatewayMetrics:
             "kvgate_claim_checks",
             "Index claims checked against the engine's cached tokens, by outcome: agree, "
             "evicted (the removal was in the index at the first look), evicted_late (it "
-            "arrived within quarantine.settle_s), false, skipped",
+            "arrived within quarantine.settle_s), evicted_restored (the first missing block "
+            "was removed after the lookup and stored again by the check), false, skipped",
             ["replica", "outcome"], registry=r,
         )  # fmt: skip
         self.rate_limited = Counter(

@@ -7,9 +7,15 @@ blocks prove missing, and the index still claims them afterwards (so no BlockRem
 in between: an honest eviction is not a false claim). "Afterwards" is up to
 ``settle_s`` later: the gateway looks again until the claim drops or that time passes, since
 an agent that lags behind its engine reports an eviction late, and a late report is not a
-lie (``Gateway._settled_claim``). A replica with ``k`` bad requests
-among its last ``m`` checked ones is quarantined: routed by load only. It leaves quarantine
-after ``recover_after`` consecutive checked requests whose claims agree.
+lie (``Gateway._settled_claim``). A claim can also stand at the check *because* of an
+eviction: the engine evicted a claimed block after the lookup, the request computed it again
+and the engine stored it again, so the index holds it once more. The index's removal log
+(:meth:`~cachecore.index.base.PrefixIndex.removed_since`) tells that apart: if the first
+block the engine did not have was removed since the lookup, the miss is an eviction
+(``evicted_restored``); if the log no longer reaches back that far the check is skipped.
+A replica with ``k`` bad requests among its last ``m`` checked ones is quarantined: routed
+by load only. It leaves quarantine after ``recover_after`` consecutive checked requests
+whose claims agree.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ class ClaimCheck:
     claimed_blocks: int
     actual_blocks: int
     still_claimed_blocks: int  # what the index claims after the response
+    # the first missing block was removed after the lookup (and stored again since): the
+    # miss is an eviction the index could not show by the time of the check
+    removed_since_lookup: bool = False
 
     @property
     def missing_fraction(self) -> float:
@@ -71,7 +80,9 @@ class QuarantineTracker:
         if not p.enabled or check.claimed_blocks < p.min_claimed_blocks:
             return None
         bad = check.missing_fraction >= p.missing_fraction
-        if bad and check.still_claimed_blocks < check.claimed_blocks:
+        if bad and (
+            check.still_claimed_blocks < check.claimed_blocks or check.removed_since_lookup
+        ):
             return None  # the blocks were removed in between: an eviction, not a lie
         st = self._replicas.get(check.replica)
         if st is None:

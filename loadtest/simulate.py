@@ -160,7 +160,10 @@ class FleetSimulator:
         self._pos = {rid: i for i, rid in enumerate(self.ids)}
         self.keyer = BlockKeyer(cfg.block_size)
         self.mirrors = [ReplicaMirror(self.keyer, MODEL) for _ in range(cfg.replicas)]
-        self.index = MemoryIndex(max_entries=max(1_000_000, 4 * cfg.replicas * cfg.num_blocks))
+        self.index = MemoryIndex(
+            max_entries=max(1_000_000, 4 * cfg.replicas * cfg.num_blocks),
+            removal_log=0,  # no claim checks in virtual time
+        )
         self.minter = SaltMinter([_SIM_SECRET])
         tok = builtin_tokenizer()
         self.tokenizer = LocalPromptTokenizer(tok)

@@ -173,6 +173,9 @@ class QuarantinePolicy(_Section):
     # a disagreement waits this long for the agent to report the eviction behind it before
     # it counts as a false claim: an agent that lags (a starved CPU) is not a liar
     settle_s: Annotated[float, Field(ge=0, le=60)] = 3.0
+    # agents stamp removals with their own clocks: a removal this much before the lookup
+    # still counts as "after" it (lenient: it can only excuse a miss, never accuse)
+    clock_skew_ms: Annotated[int, Field(ge=0, le=60_000)] = 250
 
     @model_validator(mode="after")
     def _k_le_m(self) -> QuarantinePolicy:

@@ -165,6 +165,52 @@ async def test_an_eviction_reported_late_is_not_a_false_claim() -> None:
         assert not gw.quarantine.is_quarantined(lagging)  # k = 1: one false claim would do
 
 
+async def test_an_eviction_stored_again_by_the_request_is_not_a_false_claim() -> None:
+    """The race behind the soak's false claims: a claimed block is evicted after the
+    lookup, the request computes it again and its engine stores it again, so the index
+    claims it once more when the check looks. The index's removal log shows the removal
+    came after the lookup; the same removal before the lookup excuses nothing."""
+    policy = (
+        "quarantine: {missing_fraction: 0.5, k: 1, m: 1, min_claimed_blocks: 2, settle_s: 0.3,"
+        " clock_skew_ms: 0}"
+    )
+    async with stack(count=2, policy=policy) as st:
+        gw, c = st.gw, st.client()
+        assert gw.index is not None
+        index = gw.index.primary
+        rep = st.replica_id(0)
+
+        async def evict_and_store_again(keys: list[bytes]) -> None:
+            epoch = (await index.meta(rep)).epoch
+            now = int(time.time() * 1000)
+            await index.apply(rep, epoch, IndexWrite(blocks=dict.fromkeys(keys, 0)), now)
+            await index.apply(rep, epoch, IndexWrite({k: int(Tier.GPU) for k in keys}), now)
+
+        prompt = words(400, 2400)
+        keys = prompt_keys(gw, prompt, st.model)
+        await claim(gw, rep, keys)  # blocks the engine will not have when it schedules
+        raw = await c.completions.with_raw_response.create(
+            model=st.model, prompt=prompt, max_tokens=1
+        )
+        assert raw.headers["x-kvgate-replica"] == rep
+        await evict_and_store_again(keys)  # after the lookup, before the check's verdict
+        got = await checked(gw, rep, 1)
+        assert got["evicted_restored"] == 1 and got["false"] == 0
+        assert not gw.quarantine.is_quarantined(rep)  # k = 1: one false claim would do
+
+        prompt = words(400, 2401)
+        keys = prompt_keys(gw, prompt, st.model)
+        await claim(gw, rep, keys)
+        await evict_and_store_again(keys)  # before the lookup: the claim is simply wrong
+        await asyncio.sleep(0.01)
+        raw = await c.completions.with_raw_response.create(
+            model=st.model, prompt=prompt, max_tokens=1
+        )
+        assert raw.headers["x-kvgate-replica"] == rep
+        assert (await checked(gw, rep, 2))["false"] == 1
+        assert gw.quarantine.is_quarantined(rep)
+
+
 async def test_uncached_token_budget_and_concurrency_limits() -> None:
     policy = (
         "default_tenant:\n"

@@ -118,6 +118,10 @@ def test_eviction_in_between_is_not_a_lie() -> None:
     assert q.observe(evicted) is None and not q.is_quarantined("r")
     small = ClaimCheck("r", claimed_blocks=1, actual_blocks=0, still_claimed_blocks=1)
     assert q.observe(small) is None  # below min_claimed_blocks
+    # removed after the lookup and stored again: the claim stands, yet it was an eviction
+    restored = ClaimCheck("r", 10, 0, 10, removed_since_lookup=True)
+    assert q.observe(restored) is None and not q.is_quarantined("r")
+    assert q.observe(ClaimCheck("r", 10, 0, 10)) is True  # the same without the removal
 
 
 # ---------------------------------------------------------------- replica specs

@@ -187,6 +187,69 @@ async def test_pending_cap_drops_earliest_expiry(kind: str, request: pytest.Fixt
         await idx.close()
 
 
+async def test_removal_log_tells_evicted_and_stored_again(index: PrefixIndex) -> None:
+    """An entry deleted and written again looks as if it never left; the removal log keeps
+    when each one was deleted, so the claim check can tell the two apart."""
+    await live(index, "a")
+    await index.apply("a", 0, IndexWrite({k: G for k in KEYS[:4]}), 10)
+    await index.apply("a", 0, IndexWrite({KEYS[1]: 0, KEYS[2]: 0}), 20)
+    await index.apply("a", 0, IndexWrite({KEYS[9]: 0}), 21)  # never stored: not a removal
+    await index.apply("a", 0, IndexWrite({KEYS[1]: G, KEYS[2]: G}), 30)  # stored again
+    assert await index.replica_blocks("a") == {k: G for k in KEYS[:4]}
+    probe = [KEYS[0], KEYS[1], KEYS[2], KEYS[9]]
+    assert await index.removed_since("a", probe, 15) == [False, True, True, False]
+    assert await index.removed_since("a", probe, 20) == [False, True, True, False]  # inclusive
+    assert await index.removed_since("a", probe, 25) == [False, False, False, False]
+    assert await index.removed_since("a", [], 15) == []
+    assert await index.removed_since("nobody", probe[:2], 0) == [False, False]
+    # removed again later: the latest time counts
+    await index.apply("a", 0, IndexWrite({KEYS[1]: 0}), 40)
+    assert await index.removed_since("a", probe[:2], 35) == [False, True]
+    # a new epoch starts a new log
+    await index.clear_replica("a", ReplicaState.LIVE, 50)
+    assert await index.removed_since("a", probe, 0) == [False] * 4
+    await index.apply("a", 1, IndexWrite({KEYS[0]: G}), 60)
+    await index.apply("a", 1, IndexWrite({KEYS[0]: 0}), 61)
+    assert await index.removed_since("a", probe[:2], 0) == [True, False]
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_removal_log_is_capped_and_says_when_it_cannot_tell(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    idx: PrefixIndex
+    if kind == "memory":
+        idx = MemoryIndex(removal_log=4)
+    else:
+        idx = RedisIndex.from_url(
+            request.getfixturevalue("redis_url"), removal_log=4, socket_timeout_s=PATIENT_TIMEOUT_S
+        )
+    try:
+        await live(idx, "a")
+        await idx.apply("a", 0, IndexWrite({k: G for k in KEYS[:8]}), 1)
+        for i in range(6):  # removals at 10..15; the log keeps the last 4 (12..15)
+            await idx.apply("a", 0, IndexWrite({KEYS[i]: 0}), 10 + i)
+        assert await idx.removed_since("a", KEYS[:6], 11) is None  # 10, 11 trimmed
+        assert await idx.removed_since("a", KEYS[:6], 12) == [False, False, True, True, True, True]
+        assert await idx.removed_since("a", KEYS[:6], 14) == [False] * 4 + [True, True]
+        # one write deleting several at once trims in one go
+        await idx.apply("a", 0, IndexWrite({KEYS[6]: 0, KEYS[7]: 0}), 20)
+        assert await idx.removed_since("a", KEYS[:8], 13) is None
+        assert await idx.removed_since("a", KEYS[4:8], 14) == [True, True, True, True]
+        if isinstance(idx, MemoryIndex):
+            idx.check_invariants()
+    finally:
+        await idx.close()
+
+
+async def test_memory_removal_log_off() -> None:
+    idx = MemoryIndex(removal_log=0)
+    await live(idx, "a")
+    await idx.apply("a", 0, IndexWrite({KEYS[0]: G}), 1)
+    await idx.apply("a", 0, IndexWrite({KEYS[0]: 0}), 2)
+    assert await idx.removed_since("a", KEYS[:1], 0) is None
+
+
 # ------------------------------------------------------------------ MemoryIndex only
 
 
@@ -313,21 +376,24 @@ async def test_redis_clear_unlinks_old_epoch_and_sweeper(redis_url: str) -> None
     admin = aioredis.Redis.from_url(redis_url)
     lay = KeyLayout()
     try:
-        await idx.apply("a", 0, IndexWrite({KEYS[0]: G}, {1: b"x" * 20}), 0)
+        await idx.apply("a", 0, IndexWrite({KEYS[0]: G, KEYS[3]: G}, {1: b"x" * 20}), 0)
+        await idx.apply("a", 0, IndexWrite({KEYS[3]: 0}), 0)  # a removal: rm:0 exists
         await idx.add_pending("a", KEYS[:1], 1000, 0)
-        assert await admin.exists(lay.blocks("a", 0), lay.mirror("a", 0)) == 2
+        old = (lay.blocks("a", 0), lay.mirror("a", 0), lay.removals("a", 0))
+        assert await admin.exists(*old) == 3
         await idx.clear_replica("a", ReplicaState.LIVE, 0)
-        assert await admin.exists(lay.blocks("a", 0), lay.mirror("a", 0)) == 0
+        assert await admin.exists(*old) == 0
         # the old pending zset expires by its own TTL (latest expiry + grace)
         ttl = await admin.pttl(lay.pending("a", 0))
         assert 0 < ttl <= 1000 + 60_000
         # orphans: a lost meta hash resets the epoch to 0 while b:1 remains
-        await idx.apply("a", 1, IndexWrite({KEYS[1]: G}), 0)
+        await idx.apply("a", 1, IndexWrite({KEYS[1]: G, KEYS[4]: G}), 0)
+        await idx.apply("a", 1, IndexWrite({KEYS[4]: 0}), 0)
         await admin.delete(lay.meta("a"))
         await idx.apply("a", 0, IndexWrite({KEYS[2]: G}), 0)
         removed = await idx.sweep_orphans()
-        assert removed == 1  # b:1 (gw:p:0 belongs to the current epoch 0 again)
-        assert await admin.exists(lay.blocks("a", 1)) == 0
+        assert removed == 2  # b:1 and rm:1 (gw:p:0 belongs to the current epoch 0 again)
+        assert await admin.exists(lay.blocks("a", 1), lay.removals("a", 1)) == 0
         assert await idx.replica_blocks("a") == {KEYS[2]: G}
         assert await idx.sweep_orphans() == 0
         assert await idx.replicas() == ["a"]

@@ -60,6 +60,7 @@ def test_key_names_share_one_tag_and_parse_back() -> None:
         L.meta(rid): ("meta", None),
         L.blocks(rid, 7): ("b", 7),
         L.mirror(rid, 7): ("m", 7),
+        L.removals(rid, 7): ("rm", 7),
         L.registration(rid): ("reg", None),
         L.load(rid): ("load", None),
         L.pending(rid, 7): ("gw:p", 7),
@@ -196,6 +197,21 @@ async def test_agent_acl_own_replica_only(admin: aioredis.Redis, redis_url: str)
         with pytest.raises(IndexError_):
             await gateway.clear_replica("a", ReplicaState.COLD, 7)
         assert await agent.replica_blocks("a") == {key: 1}
+        # removals: the agent logs them (rm:<epoch>, trimmed), the gateway reads the log
+        small = RedisIndex.from_url(
+            _user_url(redis_url, "agent-a", "pw-agent-a-1"), removal_log=1
+        )
+        try:
+            other = b"o" * 16
+            await small.apply("a", epoch, IndexWrite({other: 1}), 8)
+            await small.apply("a", epoch, IndexWrite({key: 0}), 9)
+            await small.apply("a", epoch, IndexWrite({other: 0}), 10)  # trims key's removal
+        finally:
+            await small.close()
+        assert await gateway.removed_since("a", [key, other], 10) == [False, True]
+        assert await gateway.removed_since("a", [key, other], 9) is None
+        with pytest.raises(NoPermissionError):
+            await raw_agent.zadd("kvg:{r:b}:rm:0", {key: 1})
     finally:
         await agent.close()
         await gateway.close()

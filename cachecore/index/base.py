@@ -77,6 +77,12 @@ NO_MATCH: PrefixMatch = empty_match()
 """The shared (immutable) answer for a live replica holding none of the prompt."""
 
 
+DEFAULT_REMOVAL_LOG = 16_384
+"""Removals remembered per replica for :meth:`PrefixIndex.removed_since` (both backends):
+~1.6 MB per replica in Redis when full, ~2.5 MB in the memory backend; at vLLM's typical
+eviction rates under pressure (hundreds of blocks a second per engine) tens of seconds."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaMeta:
     """Per replica (and DP rank) bookkeeping kept beside its entries."""
@@ -123,6 +129,19 @@ class PrefixIndex(Protocol):
         self, replica: str, state: ReplicaState, now_ms: int, engine_start: float = 0.0
     ) -> int:
         """Drop every entry of ``replica`` in O(1) by moving to a new epoch; return it."""
+        ...
+
+    async def removed_since(
+        self, replica: str, keys: Sequence[BlockKey], since_ms: int
+    ) -> list[bool] | None:
+        """For each of ``keys``: whether a write of ``replica``'s current epoch deleted its
+        stored entry at a ``now_ms`` >= ``since_ms`` (the removal log). None when the log
+        no longer reaches back to ``since_ms``: it keeps the latest
+        ``DEFAULT_REMOVAL_LOG`` removals per replica, so older ones are unknown.
+
+        It tells "evicted and stored again since" from "never removed", which an entry's
+        current value cannot: the gateway's claim check asks it about the first block an
+        engine did not have (see :mod:`gateway.quarantine`)."""
         ...
 
     async def set_state(self, replica: str, state: ReplicaState, now_ms: int) -> None: ...

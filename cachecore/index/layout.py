@@ -3,9 +3,11 @@
 Every key of a replica shares the hash tag ``{r:<id>}``, so on Redis Cluster all of them live
 in one hash slot (one shard) and a replica's atomic scripts never cross slots::
 
-    kvg:{r:<id>}:meta          hash    epoch, state, last_seq, engine_start, updated_ms  (agent)
+    kvg:{r:<id>}:meta          hash    epoch, state, last_seq, engine_start, updated_ms,
+                                       rm_floor                                          (agent)
     kvg:{r:<id>}:b:<epoch>     hash    16-byte block key -> tier bits                    (agent)
     kvg:{r:<id>}:m:<epoch>     hash    engine hash (8 bytes BE) -> mirror record         (agent)
+    kvg:{r:<id>}:rm:<epoch>    zset    removed block key -> ms of its removal (capped)   (agent)
     kvg:{r:<id>}:reg           string  registration JSON, SET PX (heartbeat TTL)         (agent)
     kvg:{r:<id>}:load          hash    engine load (running, waiting, kv usage), PEXPIRE (agent)
     kvg:{r:<id>}:gw:p:<epoch>  zset    pending block key -> expiry ms, PEXPIRE            (gateway)
@@ -116,6 +118,9 @@ class KeyLayout:
     def mirror(self, replica: str, epoch: int) -> str:
         return f"{self.tag(replica)}m:{epoch}"
 
+    def removals(self, replica: str, epoch: int) -> str:
+        return f"{self.tag(replica)}rm:{epoch}"
+
     def registration(self, replica: str) -> str:
         return self.tag(replica) + "reg"
 
@@ -144,12 +149,12 @@ class KeyLayout:
         return f"{self.prefix}:{{r:*}}:reg"
 
     def epoch_keys_pattern(self) -> str:
-        """Matches every epoch-scoped key (b:, m:, gw:p:) of every replica."""
+        """Matches every epoch-scoped key (b:, m:, rm:, gw:p:) of every replica."""
         return f"{self.prefix}:{{r:*}}:*:*"
 
     def parse(self, key: str) -> tuple[str, str, int | None] | None:
         """``(replica, kind, epoch)`` of a key of this layout (kind is ``meta``, ``b``, ``m``,
-        ``reg``, ``load``, ``gw:p`` or ``gw:inflight``), or None for a foreign key."""
+        ``rm``, ``reg``, ``load``, ``gw:p`` or ``gw:inflight``), or None for a foreign key."""
         head = f"{self.prefix}:{{r:"
         if not key.startswith(head):
             return None
@@ -159,7 +164,7 @@ class KeyLayout:
         replica, rest = key[len(head) : end], key[end + 2 :]
         if _REPLICA_ID_RE.match(replica) is None:
             return None
-        for kind in ("b", "m", "gw:p"):
+        for kind in ("b", "m", "rm", "gw:p"):
             if rest.startswith(kind + ":"):
                 tail = rest[len(kind) + 1 :]
                 return (replica, kind, int(tail)) if tail.isdigit() else None
@@ -198,6 +203,7 @@ _AGENT_COMMANDS: tuple[str, ...] = (
     "+ping", "+hello", "+client|setname", "+client|id", "+select", "+info",
     "+evalsha", "+eval", "+evalsha_ro", "+eval_ro", "+script|load", "+script|exists",
     "+hset", "+hget", "+hmget", "+hgetall", "+hscan", "+hdel", "+hlen", "+hincrby", "+hexists",
+    "+zadd", "+zcard", "+zrange", "+zremrangebyrank",
     "+get", "+set", "+del", "+unlink", "+exists", "+pexpire", "+expire", "+pttl", "+time",
 )  # fmt: skip
 _GATEWAY_COMMANDS: tuple[str, ...] = (
@@ -214,12 +220,12 @@ _GATEWAY_COMMANDS: tuple[str, ...] = (
 
 def agent_acl_rules(replica: str, layout: KeyLayout | None = None) -> list[str]:
     """ACL rules (Redis >= 7.0) for the agent of ``replica``: read/write on its own meta,
-    b:*, m:*, reg and load keys, nothing else (in particular not ``gw:*`` and no other
+    b:*, m:*, rm:*, reg and load keys, nothing else (in particular not ``gw:*`` and no other
     replica). Use as ``ACL SETUSER <name> on ><password> resetkeys resetchannels -@all
     <rules...>``. Redis checks these on every command a Lua script issues too."""
     lay = layout or KeyLayout()
     tag = lay.tag(replica)
-    keys = [f"%RW~{tag}{suffix}" for suffix in ("meta", "b:*", "m:*", "reg", "load")]
+    keys = [f"%RW~{tag}{suffix}" for suffix in ("meta", "b:*", "m:*", "rm:*", "reg", "load")]
     return ["resetkeys", "resetchannels", "-@all", *_AGENT_COMMANDS, *keys]
 
 

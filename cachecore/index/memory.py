@@ -5,6 +5,9 @@ Structure (per replica, one :class:`_Replica`)::
     blocks   OrderedDict  block key -> entry value     (current epoch; LRU order, oldest first)
     mirror   dict         engine hash -> mirror record (current epoch; the agent's persistence)
     pending  _Pending     block key -> expiry ms       (current epoch; gateway-owned)
+    removed  OrderedDict  block key -> ms of its latest removal (current epoch; oldest
+                          first, the latest ``removal_log``; ``removed_floor`` is the newest
+                          time trimmed from it, so the log is complete after it)
 
 Lookup runs the shared binary search (:func:`cachecore.index.base.search_prefix`) per
 routable replica over the entry values' run certificates: O(log n) dict probes per replica,
@@ -47,6 +50,7 @@ from operator import eq
 from typing import Any
 
 from cachecore.index.base import (
+    DEFAULT_REMOVAL_LOG,
     NO_MATCH,
     ROUTABLE_STATES,
     IndexStats,
@@ -140,6 +144,8 @@ class _Replica:
     blocks: OrderedDict[BlockKey, int] = field(default_factory=OrderedDict)
     mirror: dict[int, bytes] = field(default_factory=dict)
     pending: _Pending = field(default_factory=_Pending)
+    removed: OrderedDict[BlockKey, int] = field(default_factory=OrderedDict)
+    removed_floor: int = -1
 
     def meta(self) -> ReplicaMeta:
         return ReplicaMeta(
@@ -175,11 +181,15 @@ class MemoryIndex:
         self,
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_pending_per_replica: int = DEFAULT_MAX_PENDING_PER_REPLICA,
+        removal_log: int = DEFAULT_REMOVAL_LOG,
     ) -> None:
-        if max_entries <= 0 or max_pending_per_replica <= 0:
+        if max_entries <= 0 or max_pending_per_replica <= 0 or removal_log < 0:
             raise ValueError("bounds must be positive")
         self.max_entries = max_entries
         self.max_pending_per_replica = max_pending_per_replica
+        # 0 keeps no log (the simulator: nothing checks claims there); removed_since then
+        # answers None, "unknown"
+        self.removal_log = removal_log
         self._replicas: dict[str, _Replica] = {}
         self._n_blocks = 0  # live entries + entries waiting in the graveyard
         # old-epoch containers waiting to be freed; the bool says whether they hold stored
@@ -282,6 +292,7 @@ class MemoryIndex:
         check_write_values(write)
         blocks = rep.blocks
         added = 0
+        removed = rep.removed if self.removal_log else None
         for k, bits in reversed(write.blocks.items()):
             if bits:
                 if k not in blocks:
@@ -290,7 +301,13 @@ class MemoryIndex:
                 blocks.move_to_end(k)
             elif blocks.pop(k, None) is not None:
                 added -= 1
+                if removed is not None:
+                    removed[k] = now_ms
+                    removed.move_to_end(k)
         self._n_blocks += added
+        if removed is not None:
+            while len(removed) > self.removal_log:
+                rep.removed_floor = max(rep.removed_floor, removed.popitem(last=False)[1])
         mirror = rep.mirror
         for h, rec in write.mirror.items():
             if rec is None:
@@ -312,12 +329,15 @@ class MemoryIndex:
             (rep.mirror, False),
             (rep.pending._expiry, False),
             (rep.pending._heap, False),
+            (rep.removed, False),
         ):
             if box:
                 self._graveyard.append((box, counted))
         rep.blocks = OrderedDict()
         rep.mirror = {}
         rep.pending = _Pending()
+        rep.removed = OrderedDict()
+        rep.removed_floor = -1
         rep.epoch += 1
         rep.state = state
         rep.last_seq = -1
@@ -325,6 +345,18 @@ class MemoryIndex:
         rep.updated_ms = now_ms
         self._drain()
         return rep.epoch
+
+    async def removed_since(
+        self, replica: str, keys: Sequence[BlockKey], since_ms: int
+    ) -> list[bool] | None:
+        rep = self._replicas.get(replica)
+        if rep is None:
+            validate_replica_id(replica)
+            return [False] * len(keys)
+        if not self.removal_log or rep.removed_floor >= since_ms:
+            return None
+        get = rep.removed.get
+        return [get(k, -1) >= since_ms for k in keys]
 
     async def set_state(self, replica: str, state: ReplicaState, now_ms: int) -> None:
         self.set_state_now(replica, state, now_ms)

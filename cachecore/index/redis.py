@@ -41,6 +41,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from cachecore.index.base import (
+    DEFAULT_REMOVAL_LOG,
     EMPTY_TIERS,
     IndexError_,
     IndexStats,
@@ -79,7 +80,7 @@ not a RedisError, when it reaches no node or a slot has none (where standalone r
 ConnectionError): callers must degrade alike on both."""
 
 # ---------------------------------------------------------------------------- Lua scripts
-# Scripts derive the b:/m:/gw:p: key names from the meta key (":meta" is 4 chars) and the
+# Scripts derive the b:/m:/rm:/gw:p: key names from the meta key (":meta" is 4 chars) and the
 # epoch they read, so that no caller can pass a stale epoch's key name.
 
 # KEYS: one meta key per replica. ARGV: now_ms, the request's block keys concatenated (16
@@ -167,8 +168,11 @@ end
 return out
 """
 
-# KEYS[1] meta. ARGV: epoch, now_ms, seq ('' = keep), n_bset, n_bdel, n_mset, n_mdel, then
-# n_bset (key, bits) pairs, n_bdel keys, n_mset (hash, record) pairs, n_mdel hashes.
+# KEYS[1] meta. ARGV: epoch, now_ms, seq ('' = keep), n_bset, n_bdel, n_mset, n_mdel,
+# removal_log, then n_bset (key, bits) pairs, n_bdel keys, n_mset (hash, record) pairs,
+# n_mdel hashes. Each deleted entry that existed is logged in rm:<epoch> at now_ms (the
+# removal log of PrefixIndex.removed_since), trimmed to the latest removal_log; rm_floor in
+# the meta is the newest time trimmed, so the log is complete after it.
 APPLY_LUA = """
 local meta = KEYS[1]
 local cur = redis.call('HGET', meta, 'epoch') or '0'
@@ -197,9 +201,32 @@ local function hdel_fields(key, from, nfields)
     i = i + c
   end
 end
-local p = 8
+local cap = tonumber(ARGV[8])
+local function hdel_logged(key, from, nfields)
+  -- one HDEL per field: only a field that existed is a removal to log
+  local rkey = base .. 'rm:' .. cur
+  local now = ARGV[2]
+  local logged = 0
+  for i = 0, nfields - 1 do
+    local f = ARGV[from + i]
+    if redis.call('HDEL', key, f) == 1 then
+      redis.call('ZADD', rkey, now, f)
+      logged = logged + 1
+    end
+  end
+  if logged == 0 then return end
+  local card = redis.call('ZCARD', rkey)
+  if card > cap then
+    local cut = redis.call('ZRANGE', rkey, card - cap - 1, card - cap - 1, 'WITHSCORES')
+    redis.call('ZREMRANGEBYRANK', rkey, 0, card - cap - 1)
+    local floor = tonumber(redis.call('HGET', meta, 'rm_floor') or '-1')
+    if tonumber(cut[2]) > floor then redis.call('HSET', meta, 'rm_floor', cut[2]) end
+  end
+end
+local p = 9
 hset_pairs(bkey, p, nbs); p = p + 2 * nbs
-hdel_fields(bkey, p, nbd); p = p + nbd
+if cap > 0 then hdel_logged(bkey, p, nbd) else hdel_fields(bkey, p, nbd) end
+p = p + nbd
 hset_pairs(mkey, p, nms); p = p + 2 * nms
 hdel_fields(mkey, p, nmd)
 if ARGV[3] ~= '' then
@@ -216,9 +243,9 @@ local meta = KEYS[1]
 local old = redis.call('HGET', meta, 'epoch') or '0'
 local new = redis.call('HINCRBY', meta, 'epoch', 1)
 redis.call('HSET', meta, 'state', ARGV[1], 'last_seq', '-1', 'engine_start', ARGV[3],
-           'updated_ms', ARGV[2])
+           'updated_ms', ARGV[2], 'rm_floor', '-1')
 local base = string.sub(meta, 1, -5)
-redis.call('UNLINK', base .. 'b:' .. old, base .. 'm:' .. old)
+redis.call('UNLINK', base .. 'b:' .. old, base .. 'm:' .. old, base .. 'rm:' .. old)
 return new
 """
 
@@ -260,6 +287,24 @@ if card > 0 then
   redis.call('PEXPIRE', pkey, math.floor(ttl))
 end
 return card
+"""
+
+# KEYS[1] meta. ARGV: since_ms, block keys. Per key 1 if the removal log holds a removal at
+# or after since_ms, else 0; -1 (not a list) when the log was trimmed past since_ms.
+REMOVED_SINCE_LUA = """#!lua flags=no-writes
+local meta = KEYS[1]
+local m = redis.call('HMGET', meta, 'epoch', 'rm_floor')
+local since = tonumber(ARGV[1])
+if tonumber(m[2] or '-1') >= since then return -1 end
+local out = {}
+if #ARGV < 2 then return out end
+local rkey = string.sub(meta, 1, -5) .. 'rm:' .. (m[1] or '0')
+local scores = redis.call('ZMSCORE', rkey, unpack(ARGV, 2))
+for i = 1, #ARGV - 1 do
+  local sc = scores[i]
+  if sc and tonumber(sc) >= since then out[i] = 1 else out[i] = 0 end
+end
+return out
 """
 
 # KEYS[1] meta, KEYS[2] an epoch-scoped key, ARGV[1] its epoch: unlink it iff that epoch is
@@ -481,9 +526,11 @@ class RedisIndex:
         *,
         max_pending_per_replica: int = DEFAULT_MAX_PENDING_PER_REPLICA,
         max_write_fields: int = DEFAULT_MAX_WRITE_FIELDS,
+        removal_log: int = DEFAULT_REMOVAL_LOG,
     ) -> None:
-        if max_pending_per_replica <= 0 or max_write_fields <= 0:
+        if max_pending_per_replica <= 0 or max_write_fields <= 0 or removal_log < 0:
             raise ValueError("bounds must be positive")
+        self.removal_log = removal_log  # 0: log nothing (then removed_since says "unknown")
         self.client = client
         self.layout = layout or KeyLayout()
         self.max_pending_per_replica = max_pending_per_replica
@@ -493,6 +540,7 @@ class RedisIndex:
         self._clear = RedisScript(CLEAR_LUA)
         self._add_pending = RedisScript(ADD_PENDING_LUA)
         self._sweep = RedisScript(SWEEP_LUA)
+        self._removed_since = RedisScript(REMOVED_SINCE_LUA, readonly=True)
         self._meta_keys: dict[str, str] = {}
         self.round_trips = 0  # network calls issued (for benchmarks and tests)
 
@@ -613,7 +661,7 @@ class RedisIndex:
                 chunks.append(take)
             last = all(i[idx] >= len(src) for idx, src in enumerate(sources))
             seq = "" if (write.seq is None or not last) else str(write.seq)
-            argv: list[Any] = [epoch, now_ms, seq, *(len(c) for c in chunks)]
+            argv: list[Any] = [epoch, now_ms, seq, *(len(c) for c in chunks), self.removal_log]
             for chunk, paired in zip(chunks, pairs, strict=True):
                 argv.extend(chain.from_iterable(chunk) if paired else chunk)
             parts.append(argv)
@@ -693,6 +741,18 @@ class RedisIndex:
             raise _stale_or_index_error(exc, f"add_pending {replica}") from exc
 
     # ------------------------------------------------------------------ reads
+    async def removed_since(
+        self, replica: str, keys: Sequence[BlockKey], since_ms: int
+    ) -> list[bool] | None:
+        meta = self.layout.meta(replica)
+        try:
+            raw = await self._call(self._removed_since, [meta], [since_ms, *keys])
+        except REDIS_FAILURES as exc:
+            raise _stale_or_index_error(exc, f"removed_since {replica}") from exc
+        if not isinstance(raw, list):
+            return None
+        return [bool(v) for v in raw]
+
     async def meta(self, replica: str) -> ReplicaMeta:
         key = self.layout.meta(replica)
         try:
@@ -807,8 +867,8 @@ class RedisIndex:
         )
 
     async def sweep_orphans(self, max_keys: int = 100_000) -> int:
-        """Unlink epoch-scoped keys (b:, m:, gw:p:) whose epoch is not their replica's
-        current one. A clear unlinks the old b:/m: hashes itself, so orphans only come from
+        """Unlink epoch-scoped keys (b:, m:, rm:, gw:p:) whose epoch is not their replica's
+        current one. A clear unlinks the old b:/m:/rm: keys itself, so orphans only come from
         a lost meta hash (deleted by hand, or evicted under a wrong maxmemory-policy), and
         old gw:p: zsets also expire by their own TTL; run this from an operator job with the
         sweeper ACL. Bounded by ``max_keys`` examined keys. Returns how many were unlinked."""
