@@ -198,9 +198,7 @@ async def test_agent_acl_own_replica_only(admin: aioredis.Redis, redis_url: str)
             await gateway.clear_replica("a", ReplicaState.COLD, 7)
         assert await agent.replica_blocks("a") == {key: 1}
         # removals: the agent logs them (rm:<epoch>, trimmed), the gateway reads the log
-        small = RedisIndex.from_url(
-            _user_url(redis_url, "agent-a", "pw-agent-a-1"), removal_log=1
-        )
+        small = RedisIndex.from_url(_user_url(redis_url, "agent-a", "pw-agent-a-1"), removal_log=1)
         try:
             other = b"o" * 16
             await small.apply("a", epoch, IndexWrite({other: 1}), 8)
