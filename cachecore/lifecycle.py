@@ -214,19 +214,24 @@ class IndexWrite:
     ``blocks`` maps a key to its complete tier set after the batch (0 = delete the entry).
     ``mirror`` maps an engine hash to its serialised mirror record (None = delete); backends
     persist it so an agent restart or an index restart can be recovered. ``seq`` is the last
-    engine batch the write covers.
+    engine batch the write covers. ``removed`` holds the keys whose entry the batch deleted
+    at some point, even when it stored them again later in the batch (``blocks`` then shows
+    only the final value): the index's removal log needs them
+    (:meth:`cachecore.index.base.PrefixIndex.removed_since`).
     """
 
     blocks: dict[BlockKey, int] = field(default_factory=dict)
     mirror: dict[int, bytes | None] = field(default_factory=dict)
     seq: int | None = None
+    removed: set[BlockKey] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.mirror or self.seq is not None)
+        return bool(self.blocks or self.mirror or self.seq is not None or self.removed)
 
     def merge(self, later: IndexWrite) -> None:
         self.blocks.update(later.blocks)
         self.mirror.update(later.mirror)
+        self.removed |= later.removed
         if later.seq is not None:
             self.seq = later.seq
 
@@ -538,6 +543,8 @@ class ReplicaMirror:
                 value[k] = new
             else:
                 value.pop(k, None)
+                if old:
+                    write.removed.add(k)
             if (run_tiers(old), in_stored_run(old)) != (run_tiers(new), in_stored_run(new)):
                 work.extend(self._kids(k))
         i = 0
@@ -698,7 +705,9 @@ class ReplicaMirror:
                         if k in children:  # a parent before its children: rare on vLLM
                             orphaned.extend(self._kids(k))
                 write.mirror.update(dict.fromkeys(hashes))
-                write.blocks.update(dict.fromkeys(filter(None, keys), 0))
+                indexed = list(filter(None, keys))
+                write.blocks.update(dict.fromkeys(indexed, 0))
+                write.removed.update(indexed)
                 self.counters.removed_blocks += n
                 if orphaned:
                     self._settle_descendants(orphaned, write)

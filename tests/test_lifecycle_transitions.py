@@ -199,6 +199,37 @@ async def test_recovery_keeps_tiers_and_replication_is_per_replica() -> None:
     assert res[R].stored_blocks == 0 and res["other"].stored_blocks == 1
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_evicted_and_stored_again_in_one_batch_reaches_the_removal_log(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """An engine batch (or a coalesced write) that evicts a block and stores it again
+    leaves the entry as it was; the write's ``removed`` still tells the index's removal
+    log, whichever batches the agent merged."""
+    idx: PrefixIndex
+    if kind == "memory":
+        idx = MemoryIndex()
+    else:
+        idx = RedisIndex.from_url(request.getfixturevalue("redis_url"))
+    try:
+        h = Harness(idx)
+        await h.start()
+        await h.store()
+        stored = BlockStored([ENGINE_HASH], None, TOKENS, 4, extra_keys=[(SALT,)])
+        write, _ = h.mirror.apply([BlockRemoved([ENGINE_HASH], "GPU"), stored])
+        assert write.blocks == {h.key: int(Tier.GPU)} and write.removed == {h.key}
+        merged = IndexWrite()
+        merged.merge(write)
+        merged.merge(IndexWrite({h.key: int(Tier.GPU)}))  # a later batch keeps the removal
+        assert merged.removed == {h.key}
+        await idx.apply(R, h.epoch, merged, h.now + 5)
+        assert (await idx.replica_blocks(R)) == {h.key: int(Tier.GPU)}
+        assert await idx.removed_since(R, [h.key], h.now + 1) == [True]
+        assert await idx.removed_since(R, [h.key], h.now + 6) == [False]
+    finally:
+        await idx.close()
+
+
 ALL_PAIRS = [(s, e) for s in BlockState for e in BlockEvent]
 
 

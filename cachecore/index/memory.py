@@ -306,6 +306,10 @@ class MemoryIndex:
                     removed.move_to_end(k)
         self._n_blocks += added
         if removed is not None:
+            for k in write.removed:  # deleted and stored again within the write
+                if k in blocks:
+                    removed[k] = now_ms
+                    removed.move_to_end(k)
             while len(removed) > self.removal_log:
                 rep.removed_floor = max(rep.removed_floor, removed.popitem(last=False)[1])
         mirror = rep.mirror

@@ -169,8 +169,9 @@ return out
 """
 
 # KEYS[1] meta. ARGV: epoch, now_ms, seq ('' = keep), n_bset, n_bdel, n_mset, n_mdel,
-# removal_log, then n_bset (key, bits) pairs, n_bdel keys, n_mset (hash, record) pairs,
-# n_mdel hashes. Each deleted entry that existed is logged in rm:<epoch> at now_ms (the
+# removal_log, n_relog, then n_bset (key, bits) pairs, n_bdel keys, n_mset (hash, record)
+# pairs, n_mdel hashes, n_relog keys. Each deleted entry that existed, and each relog key
+# (deleted and stored again within the write), is logged in rm:<epoch> at now_ms (the
 # removal log of PrefixIndex.removed_since), trimmed to the latest removal_log; rm_floor in
 # the meta is the newest time trimmed, so the log is complete after it.
 APPLY_LUA = """
@@ -201,12 +202,12 @@ local function hdel_fields(key, from, nfields)
     i = i + c
   end
 end
-local cap = tonumber(ARGV[8])
+local cap, nrl = tonumber(ARGV[8]), tonumber(ARGV[9])
+local rkey = base .. 'rm:' .. cur
+local now = ARGV[2]
+local logged = 0
 local function hdel_logged(key, from, nfields)
   -- one HDEL per field: only a field that existed is a removal to log
-  local rkey = base .. 'rm:' .. cur
-  local now = ARGV[2]
-  local logged = 0
   for i = 0, nfields - 1 do
     local f = ARGV[from + i]
     if redis.call('HDEL', key, f) == 1 then
@@ -214,7 +215,20 @@ local function hdel_logged(key, from, nfields)
       logged = logged + 1
     end
   end
-  if logged == 0 then return end
+end
+local p = 10
+hset_pairs(bkey, p, nbs); p = p + 2 * nbs
+if cap > 0 then hdel_logged(bkey, p, nbd) else hdel_fields(bkey, p, nbd) end
+p = p + nbd
+hset_pairs(mkey, p, nms); p = p + 2 * nms
+hdel_fields(mkey, p, nmd); p = p + nmd
+if cap > 0 then
+  for i = 0, nrl - 1 do
+    redis.call('ZADD', rkey, now, ARGV[p + i])
+    logged = logged + 1
+  end
+end
+if logged > 0 then
   local card = redis.call('ZCARD', rkey)
   if card > cap then
     local cut = redis.call('ZRANGE', rkey, card - cap - 1, card - cap - 1, 'WITHSCORES')
@@ -223,12 +237,6 @@ local function hdel_logged(key, from, nfields)
     if tonumber(cut[2]) > floor then redis.call('HSET', meta, 'rm_floor', cut[2]) end
   end
 end
-local p = 9
-hset_pairs(bkey, p, nbs); p = p + 2 * nbs
-if cap > 0 then hdel_logged(bkey, p, nbd) else hdel_fields(bkey, p, nbd) end
-p = p + nbd
-hset_pairs(mkey, p, nms); p = p + 2 * nms
-hdel_fields(mkey, p, nmd)
 if ARGV[3] ~= '' then
   redis.call('HSET', meta, 'epoch', cur, 'last_seq', ARGV[3], 'updated_ms', ARGV[2])
 else
@@ -646,6 +654,8 @@ class RedisIndex:
             mdel = list(compress(fields, map(not_, present)))
         else:
             mset, mdel = list(zip(fields, mirror.values(), strict=True)), []
+        # deleted and stored again within the write: only the removal log sees them
+        restored = [k for k in write.removed if blocks.get(k)] if write.removed else []
         sources = (bset, bdel, mset, mdel)
         pairs = (True, False, True, False)
         step = self.max_write_fields
@@ -661,9 +671,13 @@ class RedisIndex:
                 chunks.append(take)
             last = all(i[idx] >= len(src) for idx, src in enumerate(sources))
             seq = "" if (write.seq is None or not last) else str(write.seq)
-            argv: list[Any] = [epoch, now_ms, seq, *(len(c) for c in chunks), self.removal_log]
+            relog = restored if last else []
+            argv: list[Any] = [
+                epoch, now_ms, seq, *(len(c) for c in chunks), self.removal_log, len(relog)
+            ]  # fmt: skip
             for chunk, paired in zip(chunks, pairs, strict=True):
                 argv.extend(chain.from_iterable(chunk) if paired else chunk)
+            argv.extend(relog)
             parts.append(argv)
             if last:
                 return parts
