@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -24,6 +26,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("cachecore.traceanalysis", "analyse a trace: occupancy, duplication, lifetimes"),
     "tokenizer": ("cachecore.tokenizer_cli", "export the built-in tokenizer as an HF model dir"),
 }
+
+# servers that drain gracefully on SIGTERM by their own handlers (and exit by the signal)
+SERVERS = frozenset({"serve", "agent", "replica"})
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"kvgate {name}", description=help_text)
     module.configure(parser)
     parsed = parser.parse_args(rest)
+    if name not in SERVERS:
+        # SIGTERM stops a command like Ctrl-C, so its cleanup runs: the benchmarks, the soak
+        # and the demo start replicas, gateways and redis-servers that would outlive it
+        signal.signal(signal.SIGTERM, _interrupt)
     code = module.run(parsed)
     return int(code or 0)
 

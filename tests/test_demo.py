@@ -3,9 +3,13 @@ subprocesses, embedded agents, the same code path as `make demo`."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +33,73 @@ def test_demo_prints_a_comparison_with_expected_latency_ahead() -> None:
     assert set(rows) == {"round_robin", "expected_latency"}, proc.stdout
     assert rows["expected_latency"] > rows["round_robin"]
     assert "requests failed" not in proc.stdout
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_sigterm_stops_the_demo_and_every_process_it_started() -> None:
+    """SIGTERM (a CI timeout, systemd, docker stop) cleans up like Ctrl-C: no replica or
+    gateway outlives the command."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "demo", "--serve", "1", "--requests", "8",
+         "--time-scale", "0.5", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    started: set[int] = set()
+    try:
+        assert proc.stdout is not None
+        seen = []
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:  # bounded: the demo ends its output or the deadline passes
+            seen.append(line)
+            if "Ctrl-C to stop." in line or time.monotonic() > deadline:
+                break
+        assert any("Ctrl-C to stop." in s for s in seen), "".join(seen[-40:])
+        started = _descendants(proc.pid)
+        assert len(started) >= 2  # the replica fleet and the gateway, at least
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for _ in range(100):  # children exit as their parent's cleanup stops them
+            left = {p for p in started if _alive(p)}
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left, f"processes left running: {sorted(left)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in started:  # never leave a failed run's processes behind
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
