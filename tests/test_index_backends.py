@@ -242,12 +242,21 @@ async def test_removal_log_is_capped_and_says_when_it_cannot_tell(
         await idx.close()
 
 
-async def test_memory_removal_log_off() -> None:
-    idx = MemoryIndex(removal_log=0)
-    await live(idx, "a")
-    await idx.apply("a", 0, IndexWrite({KEYS[0]: G}), 1)
-    await idx.apply("a", 0, IndexWrite({KEYS[0]: 0}), 2)
-    assert await idx.removed_since("a", KEYS[:1], 0) is None
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_removal_log_off_cannot_tell(kind: str, request: pytest.FixtureRequest) -> None:
+    idx: PrefixIndex
+    if kind == "memory":
+        idx = MemoryIndex(removal_log=0)
+    else:
+        url = request.getfixturevalue("redis_url")
+        idx = RedisIndex.from_url(url, removal_log=0, socket_timeout_s=PATIENT_TIMEOUT_S)
+    try:
+        await live(idx, "a")
+        await idx.apply("a", 0, IndexWrite({KEYS[0]: G}), 1)
+        await idx.apply("a", 0, IndexWrite({KEYS[0]: 0}), 2)
+        assert await idx.removed_since("a", KEYS[:1], 0) is None
+    finally:
+        await idx.close()
 
 
 # ------------------------------------------------------------------ MemoryIndex only

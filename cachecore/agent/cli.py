@@ -156,7 +156,12 @@ def redis_stores(
     url, cluster, layout = settings.redis, settings.redis_cluster, KeyLayout(key_prefix)
     # writes are large and rare compared with gateway lookups: a longer timeout than theirs
     index = RedisIndex.from_url(
-        url, layout, cluster=cluster, socket_timeout_s=2.0, connect_timeout_s=1.0
+        url,
+        layout,
+        cluster=cluster,
+        socket_timeout_s=2.0,
+        connect_timeout_s=1.0,
+        removal_log=settings.removal_log,
     )
     load_store = RedisLoadStore.from_url(url, layout, cluster=cluster)
     registry = RedisRegistry.from_url(url, layout, cluster=cluster) if register else None

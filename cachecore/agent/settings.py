@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cachecore.index.base import DEFAULT_REMOVAL_LOG
 from cachecore.index.layout import validate_replica_id
 
 
@@ -55,6 +56,9 @@ class AgentSettings(BaseSettings):
     resync_chunk_blocks: int = Field(default=5_000, gt=0)
     index_check_interval_s: float = Field(default=2.0, gt=0)
     index_retry_max_s: float = Field(default=5.0, gt=0)
+    # removals kept in the index's removal log for the gateways' claim checks; 0 keeps none
+    # (their checks then skip instead of telling an eviction stored again from a lie)
+    removal_log: int = Field(default=DEFAULT_REMOVAL_LOG, ge=0)
 
     # bad input
     max_payload_bytes: int = Field(default=16 * 1024 * 1024, gt=0)

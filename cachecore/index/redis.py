@@ -207,18 +207,37 @@ local rkey = base .. 'rm:' .. cur
 local now = ARGV[2]
 local logged = 0
 local function hdel_logged(key, from, nfields)
-  -- one HDEL per field: only a field that existed is a removal to log
-  for i = 0, nfields - 1 do
-    local f = ARGV[from + i]
-    if redis.call('HDEL', key, f) == 1 then
-      redis.call('ZADD', rkey, now, f)
-      logged = logged + 1
+  -- only a field that existed is a removal to log: HMGET, HDEL, ZADD per chunk
+  local i = 0
+  while i < nfields do
+    local c = math.min(STEP, nfields - i)
+    local had = redis.call('HMGET', key, unpack(ARGV, from + i, from + i + c - 1))
+    redis.call('HDEL', key, unpack(ARGV, from + i, from + i + c - 1))
+    local args, q = {}, 0
+    for j = 1, c do
+      if had[j] then
+        args[q + 1] = now
+        args[q + 2] = ARGV[from + i + j - 1]
+        q = q + 2
+      end
     end
+    if q > 0 then
+      redis.call('ZADD', rkey, unpack(args))
+      logged = logged + q / 2
+    end
+    i = i + c
   end
 end
 local p = 10
 hset_pairs(bkey, p, nbs); p = p + 2 * nbs
-if cap > 0 then hdel_logged(bkey, p, nbd) else hdel_fields(bkey, p, nbd) end
+if cap > 0 then
+  hdel_logged(bkey, p, nbd)
+else
+  hdel_fields(bkey, p, nbd)
+  if nbd + nrl > 0 then  -- nothing logged: every removal so far is "trimmed"
+    redis.call('HSET', meta, 'rm_floor', now)
+  end
+end
 p = p + nbd
 hset_pairs(mkey, p, nms); p = p + 2 * nms
 hdel_fields(mkey, p, nmd); p = p + nmd
