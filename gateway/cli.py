@@ -58,7 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIGTERM stops a command like Ctrl-C, so its cleanup runs: the benchmarks, the soak
         # and the demo start replicas, gateways and redis-servers that would outlive it
         signal.signal(signal.SIGTERM, _interrupt)
-    code = module.run(parsed)
+    try:
+        code = module.run(parsed)
+    except KeyboardInterrupt:  # its cleanup has run; no traceback for a stop request
+        print(f"kvgate {name}: interrupted", file=sys.stderr)
+        return 130
     return int(code or 0)
 
 

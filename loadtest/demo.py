@@ -178,8 +178,9 @@ def run(args: argparse.Namespace) -> int:
                 _print_comparison(results)
                 if not args.serve:
                     return 0
-                _print_examples(args.port)
+                # Ctrl-C (or SIGTERM) from the moment the examples show is the normal end
                 with contextlib.suppress(KeyboardInterrupt):
+                    _print_examples(args.port)
                     while True:
                         time.sleep(3600)
     return 0

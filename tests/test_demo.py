@@ -89,7 +89,8 @@ def test_sigterm_stops_the_demo_and_every_process_it_started() -> None:
         started = _descendants(proc.pid)
         assert len(started) >= 2  # the replica fleet and the gateway, at least
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        rest = proc.stdout.read()  # until the demo exits and closes it
+        assert proc.wait(timeout=60) == 0, rest[-3000:]
         for _ in range(100):  # children exit as their parent's cleanup stops them
             left = {p for p in started if _alive(p)}
             if not left:

@@ -279,6 +279,9 @@ async def test_writes_keep_each_replica_in_its_slot(
             await red.apply(r, 0, IndexWrite(blocks, mirror, seq=9), 0)  # 42 fields: 6 parts
             assert red.round_trips - trips == 1
             await red.add_pending(r, B, 1000, 0)
+            # evicted and stored again within one write: the removal log (rm:0) has it
+            await red.apply(r, 0, IndexWrite({A[-1]: G}, removed={A[-1]}), 5)
+            assert await red.removed_since(r, [A[0], A[-1]], 5) == [False, True]
             assert await red.replica_blocks(r) == blocks
             assert len(await red.load_mirror(r)) == 30
             assert (await red.meta(r)).last_seq == 9
@@ -294,7 +297,13 @@ async def test_writes_keep_each_replica_in_its_slot(
             want = {
                 name
                 for r in mine
-                for name in (L.meta(r), L.blocks(r, 0), L.mirror(r, 0), L.pending(r, 0))
+                for name in (
+                    L.meta(r),
+                    L.blocks(r, 0),
+                    L.mirror(r, 0),
+                    L.removals(r, 0),
+                    L.pending(r, 0),
+                )
             }
             assert set(keys) == want, port
 
