@@ -538,6 +538,7 @@ class Gateway:
             session_key=session_for_hash,
             load_only=scope.ephemeral,
             cold_replicas=cold,
+            scope_key=scope.canonical(),
         )
         decision = self.router.decide(
             req, cands, self.fit.coefficients(), strategy or self.strategy_override
@@ -648,6 +649,7 @@ class Gateway:
             block_size=d.block_size,
             session_key=None,
             load_only=d.ephemeral,
+            scope_key=d.scope.canonical(),
         )
         d.decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
         _, d.salt_index = _best_match(d.replica, d.matches)

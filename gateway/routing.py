@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -46,6 +47,15 @@ class NoCandidateError(LookupError):
     """No replica can take the request (none healthy, none serves the model)."""
 
 
+class MissTieBreak(StrEnum):
+    ROUND = "round"
+    SCOPE_TREE = "scope_tree"
+
+
+MAX_SCOPE_TREES = 4096
+"""Scopes whose routed data the router remembers (LRU): a forgotten one starts over."""
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingParams:
     """Strategy knobs (from the policy's ``routing`` section).
@@ -68,6 +78,10 @@ class RoutingParams:
     hashes to a fixed one (reuse within the session, no cross-scope signal).
     ``cold_fraction``: a request whose best match covers less than this fraction of its
     prompt is "cold" (for confining a flooding tenant's cold traffic).
+    ``miss_tie_break``: how expected_latency breaks a tie when no replica holds any of the
+    prompt: ``scope_tree`` (D14) to the tied replica that has received the least new prompt
+    data *from the request's own scope* (SGLang's smallest tree, kept per tenant so no other
+    tenant's traffic moves it), ``round`` to random rounds only (D9).
     """
 
     strategy: Strategy = Strategy.EXPECTED_LATENCY
@@ -81,6 +95,7 @@ class RoutingParams:
     sticky_slack: float = 0.25
     sticky_slack_ms: float = 50.0
     cold_fraction: float = 0.1
+    miss_tie_break: MissTieBreak = MissTieBreak.SCOPE_TREE
 
 
 @dataclass(slots=True)  # built per replica per request: not frozen (3x cheaper); read-only
@@ -98,6 +113,7 @@ class RouteRequest:
     session_key: str | None = None
     load_only: bool = False  # sensitive (ephemeral) scope: never use any match
     cold_replicas: frozenset[str] | None = None  # confine this tenant's cold traffic
+    scope_key: str | None = None  # the isolation scope (tenant or trust group)
 
 
 @dataclass(slots=True)  # built per replica per request: not frozen (3x cheaper); read-only
@@ -168,6 +184,11 @@ def _matched_blocks(hit: HitPrediction, block_size: int) -> int:
     return (hit.stored_tokens + hit.pending_tokens) // block_size
 
 
+def temperature_on(params: RoutingParams, scores: Sequence[ReplicaScore]) -> bool:
+    """Whether expected_latency samples by cost (softmax) instead of taking the lowest."""
+    return params.temperature > 0 and len(scores) > 1
+
+
 def rendezvous(key: str, replicas: Sequence[str]) -> str:
     """Highest-random-weight hashing: stable when replicas join or leave (only the keys of
     a departed replica move)."""
@@ -188,6 +209,9 @@ class Router:
         # to each replica that the replica did not hold (SGLang counts the characters its
         # approximate tree gained per worker; neither forgets on engine evictions)
         self._tree_tokens: dict[str, int] = {}
+        # expected_latency's miss tie-break (D14): per isolation scope, the prompt tokens it
+        # sent to each replica that the replica did not hold
+        self._scope_trees: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     def decide(
         self,
@@ -206,7 +230,7 @@ class Router:
         if req.load_only:
             pick, reason = self._load_only(req, eligible)
         elif strat is Strategy.EXPECTED_LATENCY:
-            pick, reason = self._expected_latency(eligible)
+            pick, reason = self._expected_latency(req, eligible)
         elif strat is Strategy.PREFIX_AFFINITY:
             pick, reason = self._prefix_affinity(req, eligible)
         elif strat is Strategy.LEAST_LOADED:
@@ -330,9 +354,55 @@ class Router:
         self._round.add(pick.replica)
         return pick, True
 
-    def _expected_latency(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
+    def _expected_latency(
+        self, req: RouteRequest, scores: Sequence[ReplicaScore]
+    ) -> tuple[str, str]:
+        if self.params.miss_tie_break is MissTieBreak.SCOPE_TREE and req.scope_key is not None:
+            tree = self._scope_tree(req.scope_key)
+            pick = self._smallest_scope_tree(scores, tree)
+            if pick is None:
+                rid, reason = self._expected_latency_cost(scores)
+                pick = next(s for s in scores if s.replica == rid)
+            else:
+                reason = "smallest_tree"
+            new = max(0, req.prompt_tokens - pick.predicted_cached_tokens)
+            tree[pick.replica] = tree.get(pick.replica, 0) + new
+            return pick.replica, reason
+        return self._expected_latency_cost(scores)
+
+    def _scope_tree(self, scope: str) -> dict[str, int]:
+        trees = self._scope_trees
+        tree = trees.get(scope)
+        if tree is None:
+            tree = trees[scope] = {}
+            if len(trees) > MAX_SCOPE_TREES:
+                trees.popitem(last=False)
+        else:
+            trees.move_to_end(scope)
+        return tree
+
+    def _smallest_scope_tree(
+        self, scores: Sequence[ReplicaScore], tree: dict[str, int]
+    ) -> ReplicaScore | None:
+        """A miss everywhere whose costs tie (the ``tie_fraction`` band of D9): the tied
+        replica with the least new data from this scope. Cold prefixes then spread by the
+        cache space they take, not only by count, and a tenant's placements depend on its
+        own traffic and the replicas' load, never on what other tenants sent. None when a
+        replica has a match or nothing ties."""
+        if any(s.matched_blocks for s in scores) or temperature_on(self.params, scores):
+            return None
         p = self.params
-        if p.temperature > 0 and len(scores) > 1:
+        best = min(s.cost_ms for s in scores)
+        bound = best + max(p.tie_epsilon_ms, p.tie_fraction * best)
+        ties = [s for s in scores if s.cost_ms <= bound]
+        if len(ties) < 2:
+            return None
+        low = min(tree.get(s.replica, 0) for s in ties)
+        return self.rng.choice([s for s in ties if tree.get(s.replica, 0) <= low])
+
+    def _expected_latency_cost(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
+        p = self.params
+        if temperature_on(p, scores):
             best = min(s.cost_ms for s in scores)
             scale = p.temperature * max(best, 1.0)
             weights = [math.exp(-(s.cost_ms - best) / scale) for s in scores]

@@ -291,7 +291,9 @@ class FleetSimulator:
             for rid in self.ids
         ]
         session = item.session or (f"{item.tenant}/{keys[0].hex()}" if keys else None)
-        req = RouteRequest(prompt_tokens=n, block_size=bs, session_key=session)
+        req = RouteRequest(
+            prompt_tokens=n, block_size=bs, session_key=session, scope_key=item.tenant
+        )
         decision = self.router.decide(req, cands, self.fit.coefficients(), self.cfg.strategy)
         self.result.decision_us.append((time.perf_counter() - t0) * 1e6)
         rid = decision.replica

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients
-from gateway.routing import RoutingParams, Strategy
+from gateway.routing import MissTieBreak, RoutingParams, Strategy
 
 
 class _Section(BaseModel):
@@ -45,6 +45,7 @@ class RoutingPolicy(_Section):
     tie_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
     spill_queue_ms: PositiveFloat | None = None
     cold_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
+    miss_tie_break: MissTieBreak = MissTieBreak.SCOPE_TREE
     prefix_affinity: PrefixAffinityPolicy = PrefixAffinityPolicy()
     sensitive_sticky: StickyPolicy = StickyPolicy()
 
@@ -62,6 +63,7 @@ class RoutingPolicy(_Section):
             sticky_slack=st.slack,
             sticky_slack_ms=st.slack_ms,
             cold_fraction=self.cold_fraction,
+            miss_tie_break=self.miss_tie_break,
         )
 
 

@@ -13,6 +13,7 @@ from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients, LoadView
 from gateway.routing import (
     Candidate,
+    MissTieBreak,
     NoCandidateError,
     Router,
     RouteRequest,
@@ -218,6 +219,54 @@ def test_prefix_affinity_trees_grow_by_the_data_a_replica_did_not_hold() -> None
     assert r.decide(short, two, C).replica == other
     # and now other has 2048 + 64 < 2496: still other
     assert r.decide(short, two, C).replica == other
+
+
+def test_a_tied_miss_goes_where_its_scope_sent_the_least_new_data() -> None:
+    """D14: among replicas whose costs tie on a miss, the one that received the least new
+    prompt data from the request's own scope; outside a tie, cost decides as before."""
+    r = router()
+    two = [Candidate("a", LoadView()), Candidate("b", LoadView())]
+    big = RouteRequest(prompt_tokens=2048, block_size=16, scope_key="tenant:t")
+    small = RouteRequest(prompt_tokens=64, block_size=16, scope_key="tenant:t")
+    d = r.decide(big, two, C)
+    assert d.reason == "smallest_tree"
+    first = d.replica
+    other = "b" if first == "a" else "a"
+    # trees: first 2048, other 0: the next misses go to `other` until it catches up
+    for _ in range(5):
+        assert r.decide(small, two, C).replica == other
+    # within the tie band (10% of the cost), a little busier does not matter ...
+    near = [Candidate(c.replica, LoadView(running=1 if c.replica == other else 0)) for c in two]
+    assert r.decide(small, near, C).replica == other
+    # ... a real difference in cost does
+    far = [
+        Candidate(c.replica, LoadView(queued_prefill_tokens=8000 if c.replica == other else 0))
+        for c in two
+    ]
+    assert r.decide(small, far, C).replica == first
+    # a hit is not a tie-break matter
+    hit = [Candidate(first, LoadView(), match(100)), Candidate(other, LoadView())]
+    assert r.decide(big, hit, C).reason == "prefix_hit"
+    # round keeps random rounds
+    rr = router(miss_tie_break=MissTieBreak.ROUND)
+    assert rr.decide(big, two, C).reason == "tie_round"
+
+
+def test_scope_trees_do_not_move_with_other_tenants_traffic() -> None:
+    """A tenant's tied misses follow its own data only: another tenant's large prefixes
+    on one replica neither attract nor repel them (a global tree would repel them)."""
+    two = [Candidate("a", LoadView()), Candidate("b", LoadView())]
+    b_busy = LoadView(queued_prefill_tokens=20_000)
+    other_busy = [Candidate("a", LoadView()), Candidate("b", b_busy)]
+    for seed in range(8):
+        r = router(seed=seed)
+        for _ in range(4):  # tenant x: 16k new tokens, all on "a" (b is far costlier)
+            x = RouteRequest(prompt_tokens=4096, block_size=16, scope_key="tenant:x")
+            assert r.decide(x, other_busy, C).replica == "a"
+        y = RouteRequest(prompt_tokens=512, block_size=16, scope_key="tenant:y")
+        first = r.decide(y, two, C).replica
+        second = r.decide(y, two, C).replica
+        assert second != first  # y's own tree, whichever replica x filled
 
 
 def test_load_only_ignores_matches_and_is_session_sticky() -> None:
