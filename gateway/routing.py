@@ -388,8 +388,13 @@ class Router:
         replica with the least new data from this scope. Cold prefixes then spread by the
         cache space they take, not only by count, and a tenant's placements depend on its
         own traffic and the replicas' load, never on what other tenants sent. None when a
-        replica has a match or nothing ties."""
-        if any(s.matched_blocks for s in scores) or temperature_on(self.params, scores):
+        replica has a match, nothing ties, or a replica is quarantined: its holdings are
+        unknown to routing then, and a tree that grows with every cold request it takes
+        would keep repeats of those requests away from it, and with them the agreeing
+        checks that release it (random rounds keep sending some)."""
+        if temperature_on(self.params, scores) or any(
+            s.matched_blocks or s.note == "quarantined" for s in scores
+        ):
             return None
         p = self.params
         best = min(s.cost_ms for s in scores)
