@@ -331,7 +331,8 @@ class Router:
                 s.cost_ms += extra
 
     # ------------------------------------------------------------------ strategies
-    def _lowest_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, bool]:
+    def _ties(self, scores: Sequence[ReplicaScore]) -> list[ReplicaScore]:
+        """The replicas whose cost ties with the lowest (D9's bands)."""
         p = self.params
         best = min(s.cost_ms for s in scores)
         eps = p.tie_epsilon_ms
@@ -339,7 +340,10 @@ class Router:
             # no replica holds any of the prompt: the costs differ by load estimates only
             eps = max(eps, p.tie_fraction * best)
         bound = best + eps
-        ties = [s for s in scores if s.cost_ms <= bound]
+        return [s for s in scores if s.cost_ms <= bound]
+
+    def _lowest_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, bool]:
+        ties = self._ties(scores)
         if len(ties) == 1:
             return ties[0], False
         # in rounds: at random among the tied replicas no tie went to in this round (a new
@@ -396,10 +400,7 @@ class Router:
             s.matched_blocks or s.note == "quarantined" for s in scores
         ):
             return None
-        p = self.params
-        best = min(s.cost_ms for s in scores)
-        bound = best + max(p.tie_epsilon_ms, p.tie_fraction * best)
-        ties = [s for s in scores if s.cost_ms <= bound]
+        ties = self._ties(scores)
         if len(ties) < 2:
             return None
         low = min(tree.get(s.replica, 0) for s in ties)
