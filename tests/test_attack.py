@@ -9,6 +9,7 @@ import argparse
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,15 @@ def test_flooding_without_a_hurting_flood_has_no_power() -> None:
     assert flood_results(held, cfg)[0].outcome is Outcome.HELD
     broken = FloodReport([_run("none", 0.9), _run("defended", 0.7), _run("open", 0.4)], 1.0)
     assert flood_results(broken, cfg)[0].outcome is Outcome.BROKEN
+    # a part of the defence alone is an ablation: reported, never judged
+    parts = replace(cfg, defences=("confine", "budget+confine"))
+    both = FloodReport(
+        [_run("none", 0.9), _run("confine", 0.7), _run("both", 0.88), _run("open", 0.4)], 1.0
+    )
+    rows = flood_results(both, parts)
+    assert [r.outcome for r in rows] == [Outcome.ABLATION, Outcome.HELD]
+    assert "within the bound: no" in rows[0].figures
+    assert exit_code(rows) == 0
 
 
 def test_exit_code_and_only() -> None:

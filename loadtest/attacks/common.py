@@ -44,6 +44,9 @@ class Outcome(StrEnum):
     HELD = "held"  # the defence held (and, where there is one, the positive control fired)
     BROKEN = "BROKEN"  # the attack succeeded
     NO_POWER = "NO POWER"  # the positive control did not fire: the probe proves nothing
+    # one part of a defence measured alone, for comparison: no claim is made for it, so it
+    # neither holds nor breaks (the claimed defence has its own row)
+    ABLATION = "ablation"
 
 
 @dataclass

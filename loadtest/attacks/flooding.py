@@ -65,6 +65,7 @@ class FloodConfig:
     seed: int = 0
 
     defences: tuple[str, ...] = ("budget+confine",)  # full runs add "budget", "confine"
+    claimed: str = "budget+confine"  # the defence the bound is stated for (docs/security.md)
 
     def policy(self, defence: str) -> str:
         """The policy of one defence: limits for every tenant (any tenant may flood)."""
@@ -195,7 +196,11 @@ def results(rep: FloodReport, cfg: FloodConfig) -> list[AttackResult]:
     for defence, run in zip(cfg.defences, rep.runs[1:-1], strict=True):
         drop = base.victim_hit_rate - run.victim_hit_rate
         ok = drop <= cfg.bound and run.victim_errors == 0
-        if not ok:
+        note = ""
+        if defence != cfg.claimed:
+            outcome = Outcome.ABLATION  # reported beside the claim, never judged
+            note = f"; within the bound: {'yes' if ok else 'no'}"
+        elif not ok:
             outcome = Outcome.BROKEN
         elif drop_open <= cfg.bound:  # the undefended flood must hurt, or this proves nothing
             outcome = Outcome.NO_POWER
@@ -212,7 +217,7 @@ def results(rep: FloodReport, cfg: FloodConfig) -> list[AttackResult]:
                 f"{cfg.bound * 100:.0f} pt; {run.flood_admitted}/{run.flood_sent} floods "
                 f"admitted, on {len(run.flood_replicas)} of {cfg.replicas} replicas); "
                 f"contrast, no defence: {open_.victim_hit_rate:.1%} "
-                f"(drop {drop_open * 100:+.1f} pt)",
+                f"(drop {drop_open * 100:+.1f} pt){note}",
                 {"runs": [r.__dict__ for r in rep.runs]},
             )
         )
