@@ -20,3 +20,5 @@ date +"%H:%M:%S done"
 (cd /work/main && $A --workload shared-prefix --load 0.5 --systems expected_latency,vllm-router:round_robin --out $OUT/sp50rr --json $OUT/sp50rr.json > $OUT/sp50rr.log 2>&1)
 # (02:18) short non-repeating requests: the cold path D14 changes, beside least_loaded
 (cd /work/main && $A --workload short-unique --load 0.85 --systems expected_latency,least_loaded --out $OUT/su85 --json $OUT/su85.json > $OUT/su85.log 2>&1)
+# (02:39) hot prefix after D14, beside least_loaded
+(cd /work/main && $A --workload hot-prefix --load 0.85 --systems expected_latency,least_loaded --out $OUT/hot85 --json $OUT/hot85.json > $OUT/hot85.log 2>&1)
