@@ -189,6 +189,12 @@ def temperature_on(params: RoutingParams, scores: Sequence[ReplicaScore]) -> boo
     return params.temperature > 0 and len(scores) > 1
 
 
+def _grow_tree(tree: dict[str, int], req: RouteRequest, pick: ReplicaScore) -> None:
+    """Add to the picked replica's tree the prompt tokens it did not hold."""
+    new = max(0, req.prompt_tokens - pick.predicted_cached_tokens)
+    tree[pick.replica] = tree.get(pick.replica, 0) + new
+
+
 def rendezvous(key: str, replicas: Sequence[str]) -> str:
     """Highest-random-weight hashing: stable when replicas join or leave (only the keys of
     a departed replica move)."""
@@ -369,8 +375,7 @@ class Router:
                 pick = next(s for s in scores if s.replica == rid)
             else:
                 reason = "smallest_tree"
-            new = max(0, req.prompt_tokens - pick.predicted_cached_tokens)
-            tree[pick.replica] = tree.get(pick.replica, 0) + new
+            _grow_tree(tree, req, pick)
             return pick.replica, reason
         return self._expected_latency_cost(scores)
 
@@ -403,8 +408,13 @@ class Router:
         ties = self._ties(scores)
         if len(ties) < 2:
             return None
-        low = min(tree.get(s.replica, 0) for s in ties)
-        return self.rng.choice([s for s in ties if tree.get(s.replica, 0) <= low])
+        return self._smallest_tree(ties, tree)
+
+    def _smallest_tree(self, scores: Sequence[ReplicaScore], tree: dict[str, int]) -> ReplicaScore:
+        """SGLang's smallest tree: the replica with the least new prompt data in ``tree``
+        (at random among equals)."""
+        low = min(tree.get(s.replica, 0) for s in scores)
+        return self.rng.choice([s for s in scores if tree.get(s.replica, 0) <= low])
 
     def _expected_latency_cost(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
         p = self.params
@@ -456,14 +466,10 @@ class Router:
                 ties = [s for s in scores if s.predicted_cached_tokens == best]
                 pick, reason = self.rng.choice(ties), "cache_hit"
             else:
-                tree = self._tree_tokens
-                low = min(tree.get(s.replica, 0) for s in scores)
-                ties = [s for s in scores if tree.get(s.replica, 0) <= low]
-                pick, reason = self.rng.choice(ties), "smallest_tree"
+                pick, reason = self._smallest_tree(scores, self._tree_tokens), "smallest_tree"
         # every pick grows the picked replica's tree by what it did not hold, as SGLang
         # inserts every routed request's text into the chosen worker's tree
-        new = max(0, req.prompt_tokens - pick.predicted_cached_tokens)
-        self._tree_tokens[pick.replica] = self._tree_tokens.get(pick.replica, 0) + new
+        _grow_tree(self._tree_tokens, req, pick)
         return pick.replica, reason
 
     def _load_only(self, req: RouteRequest, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
