@@ -28,14 +28,17 @@ G, C, D, R = int(Tier.GPU), int(Tier.CPU), int(Tier.DISK), int(Tier.REMOTE)
 KEYS = BlockKeyer(4).keys(list(range(4 * 64)), "kvg1:t", "m")
 
 
+def make_index(kind: str, request: pytest.FixtureRequest, **bounds: int) -> PrefixIndex:
+    """A ``kind`` ("memory" or "redis") backend with ``bounds`` (the same keyword in both)."""
+    if kind == "memory":
+        return MemoryIndex(**bounds)
+    url = request.getfixturevalue("redis_url")
+    return RedisIndex.from_url(url, socket_timeout_s=PATIENT_TIMEOUT_S, **bounds)
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
-    idx: PrefixIndex
-    if request.param == "memory":
-        idx = MemoryIndex()
-    else:
-        url = request.getfixturevalue("redis_url")
-        idx = RedisIndex.from_url(url, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = make_index(request.param, request)
     yield idx
     await idx.close()
 
@@ -168,15 +171,7 @@ async def test_pending_keeps_latest_expiry_and_is_capped(index: PrefixIndex) -> 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 async def test_pending_cap_drops_earliest_expiry(kind: str, request: pytest.FixtureRequest) -> None:
-    idx: PrefixIndex
-    if kind == "memory":
-        idx = MemoryIndex(max_pending_per_replica=3)
-    else:
-        idx = RedisIndex.from_url(
-            request.getfixturevalue("redis_url"),
-            max_pending_per_replica=3,
-            socket_timeout_s=PATIENT_TIMEOUT_S,
-        )
+    idx = make_index(kind, request, max_pending_per_replica=3)
     try:
         await live(idx, "a")
         for i in range(5):
@@ -217,13 +212,7 @@ async def test_removal_log_tells_evicted_and_stored_again(index: PrefixIndex) ->
 async def test_removal_log_is_capped_and_says_when_it_cannot_tell(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
-    idx: PrefixIndex
-    if kind == "memory":
-        idx = MemoryIndex(removal_log=4)
-    else:
-        idx = RedisIndex.from_url(
-            request.getfixturevalue("redis_url"), removal_log=4, socket_timeout_s=PATIENT_TIMEOUT_S
-        )
+    idx = make_index(kind, request, removal_log=4)
     try:
         await live(idx, "a")
         await idx.apply("a", 0, IndexWrite({k: G for k in KEYS[:8]}), 1)
@@ -244,12 +233,7 @@ async def test_removal_log_is_capped_and_says_when_it_cannot_tell(
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 async def test_removal_log_off_cannot_tell(kind: str, request: pytest.FixtureRequest) -> None:
-    idx: PrefixIndex
-    if kind == "memory":
-        idx = MemoryIndex(removal_log=0)
-    else:
-        url = request.getfixturevalue("redis_url")
-        idx = RedisIndex.from_url(url, removal_log=0, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = make_index(kind, request, removal_log=0)
     try:
         await live(idx, "a")
         await idx.apply("a", 0, IndexWrite({KEYS[0]: G}), 1)
