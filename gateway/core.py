@@ -10,6 +10,7 @@ calls :meth:`Gateway.finish` with what it observed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import re
@@ -540,9 +541,10 @@ class Gateway:
             cold_replicas=cold,
             scope_key=scope.canonical(),
         )
-        decision = self.router.decide(
-            req, cands, self.fit.coefficients(), strategy or self.strategy_override
-        )
+        with self.router.preview() if explain_only else contextlib.nullcontext():
+            decision = self.router.decide(
+                req, cands, self.fit.coefficients(), strategy or self.strategy_override
+            )
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,

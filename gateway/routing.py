@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -218,6 +219,23 @@ class Router:
         # expected_latency's miss tie-break (D14): per isolation scope, the prompt tokens it
         # sent to each replica that the replica did not hold
         self._scope_trees: OrderedDict[str, dict[str, int]] = OrderedDict()
+
+    @contextmanager
+    def preview(self) -> Iterator[None]:
+        """Decisions made inside leave the router as they found it: the round-robin cursor,
+        the tie rounds, the trees and the RNG. For ``/admin/route/explain``, which must show
+        what a request would get without moving what the next real request gets (an
+        operator's explains would otherwise steer ties and rounds). Safe under asyncio:
+        :meth:`decide` never awaits, so nothing else decides in between."""
+        rr, rounds, rng = self._rr, set(self._round), self.rng.getstate()
+        trees = dict(self._tree_tokens)
+        scope_trees = OrderedDict((k, dict(v)) for k, v in self._scope_trees.items())
+        try:
+            yield
+        finally:
+            self._rr, self._round = rr, rounds
+            self.rng.setstate(rng)
+            self._tree_tokens, self._scope_trees = trees, scope_trees
 
     def decide(
         self,

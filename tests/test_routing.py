@@ -269,6 +269,31 @@ def test_scope_trees_do_not_move_with_other_tenants_traffic() -> None:
         assert second != first  # y's own tree, whichever replica x filled
 
 
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_a_preview_leaves_the_router_as_it_found_it(strategy: Strategy) -> None:
+    """Decisions inside ``preview()`` (route/explain) move no tie round, cursor, tree or
+    RNG draw: a router that previews between real decisions makes the same real ones as a
+    router that never previewed, for every strategy."""
+    cands = fleet(3)
+    reqs = [
+        RouteRequest(prompt_tokens=64 * (1 + i % 5), block_size=16, scope_key=f"tenant:{i % 2}")
+        for i in range(24)
+    ]
+    plain, previewing = router(seed=5), router(seed=5)
+    for i, req in enumerate(reqs):
+        for _ in range(3):
+            with previewing.preview():
+                previewing.decide(reqs[(i * 7 + 3) % len(reqs)], cands, C, strategy)
+        assert (
+            previewing.decide(req, cands, C, strategy).replica
+            == plain.decide(req, cands, C, strategy).replica
+        )
+    # and a preview does decide: it is the decision the next real request would get
+    with previewing.preview():
+        shown = previewing.decide(reqs[0], cands, C, strategy).replica
+    assert previewing.decide(reqs[0], cands, C, strategy).replica == shown
+
+
 def test_load_only_ignores_matches_and_is_session_sticky() -> None:
     cands = fleet()
     cands[1] = Candidate("r1", LoadView(), match(120))
