@@ -58,6 +58,36 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+class RequestIdMiddleware:
+    """Every answer carries ``x-request-id``: the client's when it is valid, else a new one
+    (the completion endpoints set their own, which this leaves alone). Plain ASGI: it only
+    touches the response start, never the body, so streams pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    client = {
+                        k.decode("latin-1"): v.decode("latin-1")
+                        for k, v in scope.get("headers") or []
+                        if k.lower() == b"x-request-id"
+                    }
+                    rid = request_id_from(client)
+                    headers.append((b"x-request-id", rid.encode("latin-1")))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 Refusal = tuple[GatewayError, str]
 """An answer the gateway gives itself instead of going upstream, with the request id."""
 
@@ -176,8 +206,14 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return GatewayError(exc.status_code, str(exc.detail)).response(
-            request.headers.get("x-request-id")
+        # an unknown path or a wrong method, in OpenAI's words; a 405 keeps its Allow header
+        detail = str(exc.detail)
+        if exc.status_code == 404:
+            detail = f"Invalid URL ({request.method} {request.url.path})"
+        elif exc.status_code == 405:
+            detail = f"Method {request.method} is not allowed for {request.url.path}"
+        return GatewayError(exc.status_code, detail, headers=dict(exc.headers or {})).response(
+            request_id_from(request.headers)
         )
 
     @app.exception_handler(RequestValidationError)
@@ -209,7 +245,7 @@ def create_app(gw: Gateway) -> FastAPI:
 
     app.state.completions = completions_core
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> Response:
         tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
         if tenant is None:
@@ -219,13 +255,29 @@ def create_app(gw: Gateway) -> FastAPI:
         assert gw.pool is not None
         return _json({"object": "list", "data": gw.pool.model_cards()})
 
-    @app.get("/health")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(request: Request) -> Response:
+        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            return GatewayError(
+                401, "Incorrect or missing API key.", code="invalid_api_key"
+            ).response()
+        assert gw.pool is not None
+        mid = request.path_params["model_id"]
+        for card in gw.pool.model_cards():
+            if card["id"] == mid:
+                return _json(card)
+        return GatewayError(
+            404, f"The model `{mid}` does not exist.", code="model_not_found", param="model"
+        ).response()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> Response:
         if gw.draining:
             return _json({"status": "draining"}, 503)
         return _json({"status": "ok", "in_flight": gw.in_flight})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -363,4 +415,5 @@ def create_app(gw: Gateway) -> FastAPI:
     app.add_api_route("/admin/stages", guarded(admin_stages), methods=["GET", "POST"])
     app.add_api_route("/admin/fit", guarded(admin_fit), methods=["GET"])
     app.add_api_route("/admin/index", guarded(admin_index), methods=["GET"])
+    app.add_middleware(RequestIdMiddleware)
     return app

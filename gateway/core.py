@@ -449,6 +449,8 @@ class Gateway:
         if not isinstance(model, str) or not model:
             raise bad_request("'model' is required and must be a string", "model")
         stream = body.get("stream", False)
+        if stream is None:  # nullable in OpenAI's schema and vLLM's: null is "not streamed"
+            stream = False
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean", "stream")
         if endpoint == "chat" and not isinstance(body.get("messages"), list):
@@ -475,10 +477,11 @@ class Gateway:
         if isinstance(tokenizer, LocalPromptTokenizer):
             # the segment cache is per scope (a shared one is a cross-tenant timing channel)
             cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
-            tokens = (
-                tokenizer.chat_sync(body, cs)
+            off = self.settings.tokenize_offload_chars  # long text: BPE off the event loop
+            tokens = await (
+                tokenizer.chat(body, cs, off)
                 if endpoint == "chat"
-                else tokenizer.completion_sync(body, cs)
+                else tokenizer.completion(body, cs, off)
             )
         else:
             tokens = await (

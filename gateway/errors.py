@@ -7,13 +7,17 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+# OpenAI's own types: a bad key, an unknown model or URL and a wrong method are all
+# invalid_request_error there (the code tells them apart); 429s are typed by what ran out
 _TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
-    429: "rate_limit_error",
+    415: "invalid_request_error",
+    429: "requests",
     500: "server_error",
     502: "upstream_error",
     503: "service_unavailable",
@@ -31,6 +35,8 @@ class GatewayError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        type_: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -38,9 +44,14 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        self.type = type_
+        self.extra = extra
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.code, self.param)
+        body = error_body(self.status, self.message, self.code, self.param, self.type)
+        if self.extra:
+            body["error"].update(self.extra)
+        return body
 
     def header_pairs(self, request_id: str | None = None) -> list[tuple[bytes, bytes]]:
         """The answer's headers other than its length, as raw pairs."""
@@ -64,12 +75,17 @@ class GatewayError(Exception):
 
 
 def error_body(
-    status: int, message: str, code: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    type_: str | None = None,
 ) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error"),
+            "type": type_
+            or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
             "param": param,
             "code": code,
         }
@@ -89,6 +105,15 @@ def body_too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
 
 
-def rate_limited(message: str, retry_after_s: float, code: str) -> GatewayError:
+def rate_limited(message: str, retry_after_s: float, limit: str) -> GatewayError:
+    """OpenAI's 429 (code ``rate_limit_exceeded``, type ``requests`` or ``tokens``) with the
+    tenant limit that ran out in ``limit``: concurrency, rate or uncached_tokens."""
     secs = max(1, int(retry_after_s + 0.999))
-    return GatewayError(429, message, code=code, headers={"Retry-After": str(secs)})
+    return GatewayError(
+        429,
+        message,
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(secs)},
+        type_="tokens" if limit == "uncached_tokens" else "requests",
+        extra={"limit": limit},
+    )

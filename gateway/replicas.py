@@ -88,6 +88,7 @@ class Replica:
     in_flight: int = 0
     models: set[str] | None = None  # None: unknown yet (treated as serving everything)
     lora_base: dict[str, str] = field(default_factory=dict)  # adapter -> base model
+    cards: dict[str, dict[str, object]] = field(default_factory=dict)  # its /v1/models entries
     block_size: int | None = None
     capacity: int | None = None
 
@@ -139,6 +140,7 @@ class ReplicaPool:
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
         self._last_models = 0.0
+        self._started = int(time.time())  # a card's `created` when its engine gives none
 
     # ---------------------------------------------------------------- membership
     def add(self, spec: ReplicaSpec) -> Replica:
@@ -268,29 +270,40 @@ class ReplicaPool:
             return
         models: set[str] = set()
         lora: dict[str, str] = {}
+        cards: dict[str, dict[str, object]] = {}
         for m in data:
             if not isinstance(m, dict) or not isinstance(m.get("id"), str):
                 continue
             models.add(m["id"])
+            cards[m["id"]] = m
             parent = m.get("parent")
             if isinstance(parent, str) and parent and parent != m["id"]:
                 lora[m["id"]] = parent
-        rep.models, rep.lora_base = models, lora
+        rep.models, rep.lora_base, rep.cards = models, lora, cards
 
     def model_cards(self) -> list[dict[str, object]]:
-        """Union of the healthy replicas' /v1/models entries (ids only, deduplicated)."""
+        """Union of the healthy replicas' /v1/models entries, one per id (the first
+        replica's card, as the engine wrote it: ``max_model_len``, ``root``, ``parent``
+        and any other field pass through), each with OpenAI's required ``object``,
+        ``created`` and ``owned_by``."""
         now = self._clock()
         seen: dict[str, dict[str, object]] = {}
         for rep in self._replicas.values():
             if not rep.routable(now) or rep.models is None:
                 continue
             for mid in sorted(rep.models):
-                if mid not in seen:
-                    card: dict[str, object] = {"id": mid, "object": "model", "owned_by": "kvgate"}
-                    if mid in rep.lora_base:
-                        card["parent"] = rep.lora_base[mid]
-                        card["root"] = rep.lora_base[mid]
-                    seen[mid] = card
+                if mid in seen:
+                    continue
+                card: dict[str, object] = {"id": mid, **rep.cards.get(mid, {})}
+                card["object"] = "model"
+                if not isinstance(card.get("created"), int):
+                    card["created"] = self._started
+                if not isinstance(card.get("owned_by"), str):
+                    card["owned_by"] = "kvgate"
+                if mid in rep.lora_base:
+                    card["parent"] = rep.lora_base[mid]
+                    card.setdefault("root", rep.lora_base[mid])
+                seen[mid] = card
         return list(seen.values())
 
     async def run(self) -> None:

@@ -12,7 +12,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from cachecore.tokenizer import SEGMENT_CACHE_TOKENS
+from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
 from policies.schema import builtin_policy_path
 
 
@@ -50,6 +50,8 @@ class GatewaySettings(BaseSettings):
     first_byte_timeout_s: float = 300.0
     read_timeout_s: float = 300.0  # between two chunks of a response
     max_body_bytes: int = 8 * 1024 * 1024
+    # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread
+    tokenize_offload_chars: int = OFFLOAD_CHARS
     retries: int = 2  # extra replicas tried when a connection fails before the first byte
     drain_timeout_s: float = 30.0
     max_connections: int = 1024

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import httpx
 
 from cachecore.tokenizer import (
+    OFFLOAD_CHARS,
     PROBE_CHAT,
     PROBE_PROMPT,
     SEGMENT_CACHE_TOKENS,
@@ -61,6 +62,28 @@ def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
     raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
 
 
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def add_generation_prompt(body: Mapping[str, Any]) -> bool:
+    """``add_generation_prompt`` read as vLLM reads it (pydantic's lax bool: true/false,
+    0/1, and their usual strings), so the gateway renders the prompt the engine renders;
+    anything else is a 400, as the engine would answer."""
+    value = body.get("add_generation_prompt", True)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+    raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+
+
 class PromptTokenizer(Protocol):
     name: str
 
@@ -75,23 +98,33 @@ class LocalPromptTokenizer:
         self.name = tokenizer.name
         self.segments = SegmentCache(tokenizer, max_tokens=cache_tokens)
 
-    def chat_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
-        add_gen = body.get("add_generation_prompt", True)
+    def _render(self, body: Mapping[str, Any]) -> str:
+        add_gen = add_generation_prompt(body)
         try:
-            text = self.tok.apply_chat_template(body.get("messages"), bool(add_gen))  # type: ignore[arg-type]
+            return self.tok.apply_chat_template(body.get("messages"), add_gen)  # type: ignore[arg-type]
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None
-        return self.segments.encode(text, scope)
+
+    def chat_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
+        return self.segments.encode(self._render(body), scope)
 
     def completion_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
         prompt = completion_prompt(body)
         return prompt if isinstance(prompt, list) else self.segments.encode(prompt, scope)
 
-    async def chat(self, body: Mapping[str, Any]) -> list[int]:
-        return self.chat_sync(body)
+    async def chat(
+        self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
+    ) -> list[int]:
+        """:meth:`chat_sync` that tokenizes long uncached text in a worker thread."""
+        return await self.segments.encode_async(self._render(body), scope, offload_chars)
 
-    async def completion(self, body: Mapping[str, Any]) -> list[int]:
-        return self.completion_sync(body)
+    async def completion(
+        self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
+    ) -> list[int]:
+        prompt = completion_prompt(body)
+        if isinstance(prompt, list):
+            return prompt
+        return await self.segments.encode_async(prompt, scope, offload_chars)
 
 
 def _response_ids(payload: Any) -> list[int] | None:

@@ -107,6 +107,7 @@ async def test_error_objects(tmp_path: Path) -> None:
         with pytest.raises(openai.AuthenticationError) as e401:
             await st.client("sk-bad").chat.completions.create(model=st.model, messages=msgs)
         assert e401.value.code == "invalid_api_key"
+        assert e401.value.body["type"] == "invalid_request_error"  # type: ignore[index]
         good = st.client("sk-good")
         with pytest.raises(openai.NotFoundError) as e404:
             await good.chat.completions.create(model="no-such-model", messages=msgs)
@@ -127,7 +128,8 @@ async def test_error_objects(tmp_path: Path) -> None:
             for _ in range(8):
                 await good.chat.completions.create(model=st.model, messages=msgs, max_tokens=1)
         assert e429.value.response.headers["retry-after"] == "1"
-        assert e429.value.code == "rate"
+        assert e429.value.code == "rate_limit_exceeded"
+        assert e429.value.body["limit"] == "rate"  # type: ignore[index]
 
 
 async def test_client_cache_salt_has_no_effect() -> None:

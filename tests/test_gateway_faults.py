@@ -225,7 +225,8 @@ async def test_uncached_token_budget_and_concurrency_limits() -> None:
         await c.completions.create(model=st.model, prompt=prompt, max_tokens=1)
         with pytest.raises(openai.RateLimitError) as err:
             await c.completions.create(model=st.model, prompt=words(900, 3001), max_tokens=1)
-        assert err.value.code == "uncached_tokens"
+        assert err.value.code == "rate_limit_exceeded"  # OpenAI's code, and its type
+        assert err.value.body["type"] == "tokens" and err.value.body["limit"] == "uncached_tokens"
         assert int(err.value.response.headers["retry-after"]) >= 1
         # concurrency: a second request while a long stream is open
         long = {"model": st.model, "prompt": prompt, "max_tokens": 300, "stream": True}
@@ -236,7 +237,13 @@ async def test_uncached_token_budget_and_concurrency_limits() -> None:
             async for _ in resp.aiter_bytes():
                 break
             r = await h.post("/v1/completions", json={**long, "stream": False})
-            assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency"
+            assert r.status_code == 429
+            error = r.json()["error"]
+            assert (error["code"], error["type"], error["limit"]) == (
+                "rate_limit_exceeded",
+                "requests",
+                "concurrency",
+            )
 
 
 async def test_lora_requests_go_only_to_replicas_with_the_adapter() -> None:
