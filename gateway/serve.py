@@ -129,21 +129,47 @@ def build_gateway(
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn server that flips the gateway to draining the moment a stop is requested;
-    with ``freeze_gc`` it freezes the start-up heap once the lifespan start-up is done."""
+    with ``freeze_gc`` it freezes the start-up heap once the lifespan start-up is done.
 
-    def __init__(self, config: uvicorn.Config, gw: Gateway, freeze_gc: bool = False) -> None:
+    With ``drain_grace_s`` > 0 the first SIGTERM/SIGINT keeps the listener open that long
+    before uvicorn's shutdown: ``/health`` answers 503 and new requests get 503
+    ``draining``, so a load balancer's health checks take the gateway out of rotation while
+    it still answers, instead of meeting refused connections. In-flight requests go on. A
+    second signal stops at once (uvicorn's usual path)."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        gw: Gateway,
+        freeze_gc: bool = False,
+        drain_grace_s: float = 0.0,
+    ) -> None:
         super().__init__(config)
         self.gw = gw
         self.freeze_gc = freeze_gc
+        self.drain_grace_s = drain_grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.freeze_gc and not self.should_exit:
             freeze_startup_heap()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.gw.draining
         self.gw.draining = True
+        loop = self._loop
+        if first and self.drain_grace_s > 0 and self.started and loop is not None:
+            log.info("draining: stop in %.1f s", self.drain_grace_s)
+            self._captured_signals.append(sig)  # re-raised after the shutdown, as uvicorn does
+            # a signal handler may interrupt the loop anywhere: only the thread-safe call
+            loop.call_soon_threadsafe(loop.call_later, self.drain_grace_s, self._end_grace)
+            return
         super().handle_exit(sig, frame)
+
+    def _end_grace(self) -> None:
+        self.should_exit = True
 
 
 class _InLoopServer(_DrainingServer):
@@ -332,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not gw.specs:
         log.warning("no --replica given: every request will get 503 until replicas are added")
-    server = _DrainingServer(uvicorn_config(gw), gw, freeze_gc=settings.gc_freeze)
+    server = _DrainingServer(
+        uvicorn_config(gw), gw, freeze_gc=settings.gc_freeze, drain_grace_s=settings.drain_grace_s
+    )
     server.run()
     return 0

@@ -54,6 +54,8 @@ class GatewaySettings(BaseSettings):
     tokenize_offload_chars: int = OFFLOAD_CHARS
     retries: int = 2  # extra replicas tried when a connection fails before the first byte
     drain_timeout_s: float = 30.0
+    # SIGTERM: answer 503 (health, new requests) this long before closing the listener
+    drain_grace_s: float = 1.0
     max_connections: int = 1024
     otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None = tracing off
     otel_service_name: str = "kvgate-gateway"
