@@ -19,12 +19,15 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -59,11 +62,17 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
     ) -> str: ...
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
     ) -> list[int]: ...
 
     @property
@@ -118,31 +127,154 @@ def message_text(content: Any) -> str:
     raise TokenizerError("message content must be a string or a list of parts")
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """Validate an OpenAI ``messages`` array and return ``[{role, content}]`` with text content."""
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validate an OpenAI ``messages`` array and return it as vLLM hands it to a
+    string-content chat template: ``role`` and text ``content``, plus an assistant's
+    ``tool_calls`` (arguments parsed from JSON, an empty list dropped) and ``reasoning``,
+    a tool's ``tool_call_id``, a developer's ``tools``, and any string ``name``."""
     if not isinstance(messages, list) or not messages:
         raise TokenizerError("'messages' must be a non-empty array")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise TokenizerError(f"messages[{i}] must be an object")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise TokenizerError(f"messages[{i}].role must be a non-empty string")
-        out.append({"role": role, "content": message_text(msg.get("content"))})
+        conv: dict[str, Any] = {"role": role, "content": message_text(msg.get("content"))}
+        if role == "assistant":
+            calls = msg.get("tool_calls")
+            if calls is not None:
+                calls = _tool_calls(calls, i)
+                if calls:
+                    conv["tool_calls"] = calls
+            reasoning = msg.get("reasoning")
+            if reasoning is not None:
+                conv["reasoning"] = conv["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in msg:
+            conv["tool_call_id"] = msg["tool_call_id"]
+        if isinstance(msg.get("name"), str):
+            conv["name"] = msg["name"]
+        if role == "developer":
+            conv["tools"] = msg.get("tools")
+        out.append(conv)
     return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[Any]:
+    """An assistant's tool calls with JSON-string arguments parsed, as chat templates
+    (and vLLM, before it renders) expect them; absent or empty arguments become {}."""
+    if not isinstance(calls, list):
+        raise TokenizerError(f"messages[{i}].tool_calls must be an array")
+    out: list[Any] = []
+    for call in calls:
+        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+            raise TokenizerError(f"messages[{i}].tool_calls entries need a 'function' object")
+        fn = dict(call["function"])
+        args = fn.get("arguments")
+        if not args:
+            fn["arguments"] = {}
+        elif not isinstance(args, dict | list):
+            try:
+                fn["arguments"] = json.loads(args)
+            except (TypeError, ValueError):
+                raise TokenizerError(
+                    f"messages[{i}].tool_calls: arguments are not valid JSON"
+                ) from None
+        out.append({**call, "function": fn})
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """The request fields besides the messages that change a rendered chat, as vLLM
+    passes them to the template: tool and document definitions, a final assistant message
+    to continue instead of a new turn, and extra template variables."""
+
+    tools: list[Any] | None = None
+    documents: list[Any] | None = None
+    continue_final_message: bool = False
+    template_kwargs: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> ChatOptions | None:
+        """The options of a chat request body; None when it sets none (the common case)."""
+        tools, docs = body.get("tools"), body.get("documents")
+        cont, kwargs = body.get("continue_final_message"), body.get("chat_template_kwargs")
+        if tools is None and docs is None and not cont and not kwargs:
+            return None
+        if tools is not None and not isinstance(tools, list):
+            raise TokenizerError("'tools' must be an array")
+        if docs is not None and not isinstance(docs, list):
+            raise TokenizerError("'documents' must be an array")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TokenizerError("'chat_template_kwargs' must be an object")
+        return cls(tools, docs, bool(cont), kwargs)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson`` filter (Jinja's own escapes HTML, which templates do not
+    expect and engines do not render)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which transformers' templates may use
+    to mark assistant text: rendered as its body."""
+
+    tags = {"generation"}  # noqa: RUF012 - jinja2's extension API
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> Any:
+        return caller()
 
 
 class HFTokenizer:
     """A HuggingFace ``tokenizers`` tokenizer plus a Jinja chat template."""
 
-    def __init__(self, tokenizer: _HFTokenizer, chat_template: str, name: str) -> None:
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        chat_template: str,
+        name: str,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
         self._tok = tokenizer
         self.name = name
         self.chat_template_source = chat_template
+        # the template variables transformers adds (bos_token, eos_token, ...)
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        # rendered as transformers renders (what vLLM runs): its environment, filters and
+        # globals; a template written for it renders the engine's text only so
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=False, lstrip_blocks=False, undefined=jinja2.StrictUndefined
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationBlocks, jinja2.ext.loopcontrols],
         )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(chat_template)
         eos = self._tok.token_to_id(EOS_TOKEN)
         if eos is None:
@@ -150,8 +282,15 @@ class HFTokenizer:
         self._eos = int(eos) if eos is not None else 0
 
     @classmethod
-    def from_files(cls, tokenizer_json: Path, chat_template: str, name: str) -> HFTokenizer:
-        return cls(_HFTokenizer.from_file(str(tokenizer_json)), chat_template, name)
+    def from_files(
+        cls,
+        tokenizer_json: Path,
+        chat_template: str,
+        name: str,
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> HFTokenizer:
+        tok = _HFTokenizer.from_file(str(tokenizer_json))
+        return cls(tok, chat_template, name, special_tokens)
 
     @classmethod
     def from_dir(cls, directory: Path, name: str | None = None) -> HFTokenizer:
@@ -166,14 +305,21 @@ class HFTokenizer:
         if jinja_file.is_file():
             template = jinja_file.read_text()
         cfg_file = directory / "tokenizer_config.json"
-        if template is None and cfg_file.is_file():
-            cfg = json.loads(cfg_file.read_text())
+        cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        if template is None:
             raw = cfg.get("chat_template")
             if isinstance(raw, str):
                 template = raw
         if template is None:
             raise FileNotFoundError(f"no chat template in {directory}")
-        return cls.from_files(tok_file, template, name or directory.name)
+        special: dict[str, str] = {}
+        for key in SPECIAL_TOKEN_KEYS:  # a string, or an AddedToken dict with its content
+            value = cfg.get(key)
+            if isinstance(value, Mapping):
+                value = value.get("content")
+            if isinstance(value, str):
+                special[key] = value
+        return cls.from_files(tok_file, template, name or directory.name, special)
 
     @property
     def eos_token_id(self) -> int:
@@ -197,20 +343,43 @@ class HFTokenizer:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
     ) -> str:
+        """The chat as text, rendered as transformers' ``apply_chat_template`` renders it
+        for vLLM: the special tokens and ``chat_template_kwargs`` as variables, ``tools``
+        and ``documents``, and ``continue_final_message`` cutting the text right after the
+        final message's content."""
         msgs = normalize_messages(list(messages))
-        try:
-            return str(
-                self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt)
+        opts = options or ChatOptions()
+        if opts.continue_final_message and add_generation_prompt:
+            raise TokenizerError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
+        variables: dict[str, Any] = {**self.special_tokens, **(opts.template_kwargs or {})}
+        variables.update(
+            messages=msgs,
+            tools=opts.tools,
+            documents=opts.documents,
+            add_generation_prompt=add_generation_prompt,
+        )
+        try:
+            text = str(self._template.render(**variables))
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
+        if opts.continue_final_message:
+            text = _cut_after_final_message(text, msgs[-1]["content"])
+        return text
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, options))
 
     def id_to_token(self, token_id: int) -> str | None:
         tok = self._tok.id_to_token(token_id)
@@ -223,6 +392,30 @@ class HFTokenizer:
     @cached_property
     def word_vocabulary(self) -> WordVocabulary:
         return WordVocabulary.from_tokenizer(self)
+
+
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """transformers' ``continue_final_message``: the rendered chat up to the end of the
+    final message's content (its trailing whitespace kept only if rendered as given)."""
+    stripped = final.strip()
+    if not stripped or stripped not in text:
+        raise TokenizerError("continue_final_message: the final message is not in the chat")
+    at = text.rindex(stripped)
+    lead = final.lstrip()
+    if text[at : at + len(lead)] == lead:
+        return text[: at + len(lead)]
+    return text[: at + len(stripped)]
 
 
 def _data_path(name: str) -> Path:

@@ -598,6 +598,10 @@ class Gateway:
         if d.stream:
             opts = body.get("stream_options")
             opts = dict(opts) if isinstance(opts, dict) else {}
+            if not opts.get("include_usage"):
+                # we want the final usage chunk only: continuous_usage_stats means nothing
+                # without include_usage, so the client did not ask for per-chunk usage
+                opts.pop("continuous_usage_stats", None)
             opts["include_usage"] = True
             body["stream_options"] = opts
         return orjson.dumps(body)

@@ -21,6 +21,7 @@ from cachecore.tokenizer import (
     PROBE_CHAT,
     PROBE_PROMPT,
     SEGMENT_CACHE_TOKENS,
+    ChatOptions,
     HFTokenizer,
     SegmentCache,
     Tokenizer,
@@ -101,7 +102,8 @@ class LocalPromptTokenizer:
     def _render(self, body: Mapping[str, Any]) -> str:
         add_gen = add_generation_prompt(body)
         try:
-            return self.tok.apply_chat_template(body.get("messages"), add_gen)  # type: ignore[arg-type]
+            opts = ChatOptions.from_body(body)
+            return self.tok.apply_chat_template(body.get("messages"), add_gen, opts)  # type: ignore[arg-type]
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None
 

@@ -125,7 +125,7 @@ def _print_comparison(results: list[tuple[str, ReplayReport]]) -> None:
         print(f"WARNING: {errors} requests failed")
 
 
-def _print_examples(port: int) -> None:
+def _print_examples(port: int, admin_key: str) -> None:
     base = f"http://127.0.0.1:{port}"
     print(
         f"""
@@ -144,6 +144,11 @@ r = c.chat.completions.create(model='{MODEL}', max_tokens=16,
 print(r.choices[0].message.content, r.usage)"
 
   metrics: curl -s {base}/metrics | grep kvgate_
+
+  why a request would go where (admin key of this run, nothing is sent):
+  curl -s {base}/admin/route/explain -H 'x-admin-key: {admin_key}' \
+    -H 'content-type: application/json' \
+    -d '{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hello there"}}]}}'
 Ctrl-C to stop.""",
         flush=True,
     )
@@ -180,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
                     return 0
                 # Ctrl-C (or SIGTERM) from the moment the examples show is the normal end
                 with contextlib.suppress(KeyboardInterrupt):
-                    _print_examples(args.port)
+                    _print_examples(args.port, admin_key)
                     while True:
                         time.sleep(3600)
     return 0

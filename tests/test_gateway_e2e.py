@@ -175,6 +175,16 @@ async def test_client_cache_salt_has_no_effect() -> None:
             assert sent == {k: v for k, v in body.items() if k != "cache_salt"}
             if raw.startswith(b" "):  # the client's own spacing survives: spliced, not re-dumped
                 assert out.startswith(raw.rstrip()[:-1])
+        # per-chunk usage only when the client asked for usage at all (vLLM sends it on
+        # every chunk once include_usage is on, which the gateway turns on for itself)
+        for opts, want in (
+            ({"continuous_usage_stats": True}, {"include_usage": True}),
+            ({"include_usage": True, "continuous_usage_stats": True},
+             {"include_usage": True, "continuous_usage_stats": True}),
+        ):  # fmt: skip
+            body = {**base, "stream": True, "stream_options": opts}
+            d = await gw.prepare("completion", "someone-else", dict(body), {}, "t", True)
+            assert orjson.loads(gw.upstream_body(d))["stream_options"] == want
 
 
 async def test_tenant_spoofing_a_salt_gets_no_hit(tmp_path: Path) -> None:

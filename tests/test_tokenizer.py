@@ -1,13 +1,26 @@
 """The built-in tokenizer's long-text path: the same ids as the short path, and the Rust
 work runs without the GIL, so a worker thread encoding a long prompt leaves the event loop
-(the main thread) free."""
+(the main thread) free. Chat templates from model repositories render as transformers
+renders them."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
+from pathlib import Path
 
-from cachecore.tokenizer import UNLOCKED_ENCODE_CHARS, builtin_tokenizer
+import pytest
+
+import cachecore
+from cachecore.tokenizer import (
+    UNLOCKED_ENCODE_CHARS,
+    ChatOptions,
+    HFTokenizer,
+    TokenizerError,
+    builtin_tokenizer,
+)
 
 
 def _long_text(words: int) -> str:
@@ -52,3 +65,86 @@ def test_a_long_encode_on_a_thread_does_not_hold_the_gil() -> None:
     # holding the GIL, the worker would stall this loop for the whole encode; released, the
     # longest stall is the GIL hand-back at the end (building the id list), a few ms
     assert max(gaps) < 0.5 * alone, (max(gaps), alone)
+
+
+# A chat template written the way model repositories write them (transformers' rendering
+# rules: trim_blocks and lstrip_blocks, bos_token, tojson, raise_exception, loop controls,
+# {% generation %}, tools, tool calls, template kwargs). The expected texts are what
+# transformers 4.57.6's apply_chat_template rendered for the same template and inputs
+# (checked side by side in a separate venv; docs/gateway.md, "Tokens").
+HF_TEMPLATE = Path(__file__).parent / "data" / "hf_style_chat_template.jinja"
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Wetter für <Stadt> & Land",
+        "parameters": {"type": "object"},
+    },
+}
+
+
+def hf_style_dir(tmp_path: Path) -> Path:
+    shutil.copyfile(Path(cachecore.__file__).parent / "data" / "tokenizer.json",
+                    tmp_path / "tokenizer.json")  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        # an AddedToken dict, as many repositories store it
+        "bos_token": {"content": "<|endoftext|>", "lstrip": False, "rstrip": False},
+        "eos_token": "<|im_end|>",
+        "chat_template": HF_TEMPLATE.read_text(),
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_repository_chat_template_renders_as_transformers_renders_it(tmp_path: Path) -> None:
+    tok = HFTokenizer.from_dir(hf_style_dir(tmp_path))
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Zürich <now>?"}]  # fmt: skip
+    assert tok.apply_chat_template(chat, True, ChatOptions(tools=[TOOL])) == (
+        '<|endoftext|><tool>{"type": "function", "function": {"name": "get_weather", '
+        '"description": "Wetter für <Stadt> & Land", "parameters": {"type": "object"}}}'
+        "</tool><|im_start|>system\nBe brief.<|im_end|><|im_start|>user\nWeather in Zürich "
+        "<now>?<|im_end|><|im_start|>assistant"
+    )
+    calls = [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function",
+         "function": {"name": "x", "arguments": '{"city": "Rome"}'}},
+    ]  # fmt: skip
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "calling", "tool_calls": calls},
+             {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    opts = ChatOptions(template_kwargs={"enable_thinking": False})
+    assert tok.apply_chat_template(turns, True, opts) == (
+        "<|endoftext|><|im_start|>user\nhi<|im_end|><|im_start|>assistant\ncalling"
+        '<call name="get_weather" city="Paris"/><|im_end|><|im_start|>tool c1\nsunny'
+        "<|im_end|><|im_start|>assistant /no_think"
+    )
+    poem = [{"role": "user", "content": "write a poem"},
+            {"role": "assistant", "content": "Roses are red,  "}]  # fmt: skip
+    cont = ChatOptions(continue_final_message=True)
+    assert tok.apply_chat_template(poem, False, cont) == (
+        "<|endoftext|><|im_start|>user\nwrite a poem<|im_end|><|im_start|>assistant\n"
+        "Roses are red,  "
+    )
+    with pytest.raises(TokenizerError, match="both"):
+        tok.apply_chat_template(poem, True, cont)
+    with pytest.raises(TokenizerError, match="system only first"):  # raise_exception
+        tok.apply_chat_template([{"role": "user", "content": "a"},
+                                 {"role": "system", "content": "late"}])  # fmt: skip
+    with pytest.raises(TokenizerError, match="not valid JSON"):
+        bad = [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]  # fmt: skip
+        tok.apply_chat_template(bad)
+
+
+def test_chat_options_come_from_the_request_body() -> None:
+    assert ChatOptions.from_body({"messages": []}) is None  # the common case: nothing extra
+    got = ChatOptions.from_body(
+        {"tools": [TOOL], "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    )
+    assert got == ChatOptions([TOOL], None, True, {"x": 1})
+    with pytest.raises(TokenizerError, match="tools"):
+        ChatOptions.from_body({"tools": "nope"})

@@ -168,7 +168,9 @@ def create_app(replica: SimReplica) -> FastAPI:
     # ``salt``: the request's cache salt as validate_common returned it (the cache scope)
     async def chat_prompt(req: ChatCompletionRequest, salt: str | None) -> list[int]:
         try:
-            text = tok.apply_chat_template(req.messages, req.add_generation_prompt)
+            text = tok.apply_chat_template(
+                req.messages, req.add_generation_prompt, req.chat_options()
+            )
         except TokenizerError as exc:
             raise APIError(str(exc), param="messages") from exc
         return await encode(text, salt or "")
@@ -264,7 +266,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         check_model(req.model)
         if req.messages is not None:
             try:
-                text = tok.apply_chat_template(req.messages, req.add_generation_prompt)
+                text = tok.apply_chat_template(
+                    req.messages, req.add_generation_prompt, req.chat_options()
+                )
             except TokenizerError as exc:
                 raise APIError(str(exc), param="messages") from exc
             ids = await encode(text)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
+from cachecore.tokenizer import ChatOptions
 
 
 class APIError(Exception):
@@ -72,7 +73,21 @@ class _GenerationRequest(BaseModel):
     request_id: str | None = None
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class _ChatRendering(BaseModel):
+    """The fields besides the messages that change a rendered chat (vLLM's)."""
+
+    tools: list[Any] | None = None
+    documents: list[Any] | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(
+            self.tools, self.documents, self.continue_final_message, self.chat_template_kwargs
+        )
+
+
+class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     messages: list[Any] = Field(default_factory=list)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -88,7 +103,7 @@ class CompletionRequest(_GenerationRequest):
         return _max_tokens(None, self.max_tokens)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatRendering):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
