@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections import Counter
@@ -286,6 +287,25 @@ async def test_client_disconnect_cancels_the_upstream_request() -> None:
                 assert load["num_reqs"] == 1  # running while the client reads
             # the client closed its stream: the engine must stop generating
             for _ in range(100):  # bounded: 5 s
+                await asyncio.sleep(0.05)
+                if (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 0:
+                    break
+            assert (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 0
+            # a non-streamed request: the gateway closes its upstream connection, and the
+            # engine (vLLM, and the simulated replica) aborts the request
+            # long enough (~10 s of decode) that only an abort ends it within the wait below
+            call = asyncio.ensure_future(
+                h.post("/v1/completions", json={**body, "stream": False, "max_tokens": 30_000})
+            )
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 1:
+                    break
+            assert (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 1
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            for _ in range(40):  # bounded: 2 s
                 await asyncio.sleep(0.05)
                 if (await h.get(url + "/get_load")).json()[0]["num_reqs"] == 0:
                     break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -266,6 +267,28 @@ async def test_client_disconnect_aborts_the_request(fleet: Fleet, http: httpx.As
             if n == 3:
                 break
     core = fleet.replicas[0].core
+    for _ in range(200):
+        if not core.has_work():
+            break
+        await asyncio.sleep(0.01)
+    assert not core.has_work() and core.pool.num_used_blocks == 0
+
+
+async def test_client_disconnect_aborts_a_non_streamed_request(
+    fleet: Fleet, http: httpx.AsyncClient
+) -> None:
+    """vLLM cancels a non-streamed request whose client hung up; so does the replica."""
+    core = fleet.replicas[0].core
+    body = {"model": MODEL, "prompt": "long one", "max_tokens": 2000}
+    request = asyncio.ensure_future(http.post("/v1/completions", json=body))
+    for _ in range(200):  # bounded: until the engine runs it
+        if core.has_work():
+            break
+        await asyncio.sleep(0.01)
+    assert core.has_work()
+    request.cancel()  # closes the connection
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
     for _ in range(200):
         if not core.has_work():
             break

@@ -46,9 +46,18 @@ from cachecore.replica.protocol import (
     validate_common,
 )
 from cachecore.replica.server import SimReplica
+from cachecore.tasks import cancel_and_wait
 from cachecore.tokenizer import UNLOCKED_ENCODE_CHARS, SegmentCache, TokenizerError
 
 logger = logging.getLogger(__name__)
+
+
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client of a request whose body was read disconnects (uvicorn
+    answers ``receive`` with ``http.disconnect`` then, or once the response is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -120,6 +129,24 @@ def create_app(replica: SimReplica) -> FastAPI:
             driver.abort(handle.request_id)  # no-op once finished; frees on cancellation
         assert last is not None
         return replica.token_text(ids), last
+
+    async def collect_unless_gone(
+        request: Request, driver: EngineDriver, handle: RequestHandle
+    ) -> tuple[str, RequestOutput] | None:
+        """:func:`collect`, abandoned (the engine request aborted) if the client hangs up
+        first, as vLLM's server cancels a non-streamed request whose client left. None
+        then: there is nobody to answer."""
+        work = asyncio.ensure_future(collect(driver, handle))
+        gone = asyncio.ensure_future(until_disconnect(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                await cancel_and_wait(work)  # collect's finally aborts the engine request
+            await cancel_and_wait(gone)
+        if work.cancelled():
+            return None
+        return work.result()
 
     async def stream(
         driver: EngineDriver,
@@ -218,7 +245,10 @@ def create_app(replica: SimReplica) -> FastAPI:
             return StreamingResponse(
                 stream(driver, handle, model, True, inc, cont), media_type="text/event-stream"
             )
-        text, last = await collect(driver, handle)
+        got = await collect_unless_gone(request, driver, handle)
+        if got is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        text, last = got
         return JSONResponse(chat_response(handle.request_id, model, text, last, now_s()))
 
     @app.post("/v1/completions", response_model=None)
@@ -234,7 +264,10 @@ def create_app(replica: SimReplica) -> FastAPI:
             return StreamingResponse(
                 stream(driver, handle, model, False, inc, cont), media_type="text/event-stream"
             )
-        text, last = await collect(driver, handle)
+        got = await collect_unless_gone(request, driver, handle)
+        if got is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        text, last = got
         return JSONResponse(completion_response(handle.request_id, model, text, last, now_s()))
 
     # ------------------------------------------------------------------ tokenization
