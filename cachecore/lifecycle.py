@@ -27,9 +27,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntFlag, StrEnum
 from itertools import pairwise, repeat
-from typing import cast
+from typing import Any, cast
 
-from cachecore.keys import KEY_BYTES, BlockKey, BlockKeyer, is_ephemeral_salt
+from cachecore.keys import KEY_BYTES, SALT_PREFIX, BlockKey, BlockKeyer, is_ephemeral_salt
 from cachecore.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -276,10 +276,28 @@ class MirrorCounters:
     cleared: int = 0
     dropped_unscoped: int = 0  # no kvgate salt: traffic that did not come through a gateway
     dropped_ephemeral: int = 0  # sensitive scope: never indexed
+    # content kvgate cannot key (multimodal items in a block's extra keys), and the blocks
+    # chained after it: never indexed
+    dropped_unkeyable: int = 0
     dropped_unknown_parent: int = 0
     dropped_other_group: int = 0  # hybrid models: only the full-attention group is indexed
     unknown_removed: int = 0
     run_updates: int = 0  # descendants rewritten because an ancestor's run changed
+
+
+def _first_unkeyable(extra_keys: Sequence[Any] | None, lora: str | None, n: int) -> int:
+    """Index of the first of ``n`` blocks whose extra keys hold more than the LoRA name and
+    a kvgate salt (vLLM puts multimodal item hashes there), else ``n``."""
+    if not extra_keys:
+        return n
+    for i, extra in enumerate(extra_keys[:n]):
+        if not extra:
+            continue
+        for item in extra:
+            if item == lora or (isinstance(item, str) and item.startswith(SALT_PREFIX)):
+                continue
+            return i
+    return n
 
 
 class ReplicaMirror:
@@ -611,6 +629,15 @@ class ReplicaMirror:
         keys = self.keyer.chain(parent_key, ev.token_ids, salt, self.model, ev.lora_name)
         if len(keys) != n:
             self.counters.dropped_unknown_parent += n
+            return
+        cut = _first_unkeyable(ev.extra_keys, ev.lora_name, n)
+        if cut < n:
+            # a block holding an image (audio, ...) is keyed by vLLM with the item's hash,
+            # which our token-only key cannot reproduce: two prompts with different images
+            # would share our key. It and every block after it stay out of the index.
+            self.counters.dropped_unkeyable += n - cut
+            unkeyed: list[BlockKey | None] = [None] * (n - cut)
+            self._stored_blocks(hashes, [*keys[:cut], *unkeyed], parent_key, tier, write)
             return
         by_key = self._by_key
         if (

@@ -133,6 +133,30 @@ async def test_unscoped_and_ephemeral_blocks_are_not_indexed(rig: Rig) -> None:
     assert 'reason="ephemeral"' in exp and 'reason="unscoped"' in exp
 
 
+async def test_blocks_holding_a_multimodal_item_and_after_it_are_not_indexed(rig: Rig) -> None:
+    """vLLM keys a block that overlaps an image with the image's hash (in its extra keys);
+    our token-only key cannot, so two prompts with different images would share it. The
+    text blocks before the item are indexed; the item's block and every later one are not,
+    in the same event or a later one."""
+    from cachecore.keys import BlockKeyer
+
+    await rig.start()
+    s = salt("t")
+    extra = [(s,), None, ("mm-hash-abc",), ("mm-hash-abc",), None]
+    ev = BlockStored([1, 2, 3, 4, 5], None, toks(0, 5), BS, extra_keys=extra)
+    later = BlockStored([6], 5, toks(500, 1), BS)  # chained after the image
+    lora = BlockStored([7, 8], None, toks(700, 2), BS, lora_name="ad",
+                       extra_keys=[("ad", s), ("ad",)])  # LoRA name only: indexed  # fmt: skip
+    await rig.publish(ev, later, lora)
+    await rig.settle()
+    want = BlockKeyer(BS).keys(toks(0, 2), s, MODEL)
+    want += BlockKeyer(BS).keys(toks(700, 2), s, MODEL, "ad")
+    assert await rig.index_keys() == set(want)
+    assert rig.agent is not None
+    exp = rig.agent.metrics.exposition().decode()
+    assert 'reason="unkeyable"' in exp
+
+
 async def test_all_blocks_cleared_empties_the_replica_and_keeps_it_live(rig: Rig) -> None:
     await rig.start()
     ev, _ = rig.engine.store(toks(0, 3))
@@ -520,10 +544,13 @@ def test_trace_record_shape(tmp_path: Path) -> None:
 
 
 async def test_salt_is_recognised_after_lora_items(rig: Rig) -> None:
+    """The salt comes last in block 0's extra keys; with a multimodal item before it the
+    block is found but not indexed (test above)."""
     await rig.start()
     s = salt("a")
-    ev = BlockStored([1], None, toks(0, 1), BS, lora_name="l1", extra_keys=[("l1", "mm-1", s)])
-    await rig.publish(ev)
+    ev = BlockStored([1], None, toks(0, 1), BS, lora_name="l1", extra_keys=[("l1", s)])
+    mm = BlockStored([2], None, toks(90, 1), BS, lora_name="l1", extra_keys=[("l1", "mm-1", s)])
+    await rig.publish(ev, mm)
     await rig.settle()
     from cachecore.keys import BlockKeyer
 
