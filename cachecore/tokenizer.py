@@ -89,6 +89,34 @@ TEXT_PART_FIELDS = {
 }
 
 
+# content part types that carry media, which vLLM feeds to a multimodal encoder
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "input_image", "image_pil", "image_embeds", "audio_url", "input_audio",
+     "audio_embeds", "video_url"}
+)  # fmt: skip
+
+
+def _is_media(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES
+
+
+def strip_media(messages: Any) -> tuple[Any, bool]:
+    """``messages`` without their media parts, and whether there were any (then copies;
+    else the very list). What the gateway tokenizes to size a multimodal request it
+    routes by load: it cannot key the media as the engine does."""
+    if not isinstance(messages, list):
+        return messages, False
+    found = False
+    out: list[Any] = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, list) and any(map(_is_media, content)):
+            found = True
+            msg = {**msg, "content": [p for p in content if not _is_media(p)]}
+        out.append(msg)
+    return (out, True) if found else (messages, False)
+
+
 def message_text(content: Any) -> str:
     """Flatten an OpenAI message ``content`` (string or list of parts) to text, as vLLM does
     for a string-content chat template: the text of every text-like part (text,

@@ -38,6 +38,7 @@ from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
+from cachecore.tokenizer import strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
 from gateway.errors import GatewayError, bad_request, rate_limited
@@ -114,6 +115,7 @@ class Dispatch:
     load_at_dispatch: LoadView | None = None
     raw_body: bytes | None = None  # the client's bytes, when they parsed to ``body``
     lookup_ms: int = 0  # wall clock of the index lookup (the claim check's "since")
+    unkeyed: bool = False  # media parts: routed by load, no keys, no precision or claims
 
     @property
     def replica(self) -> str:
@@ -474,15 +476,19 @@ class Gateway:
         st.add("parse", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()
+        unkeyed = False
         if isinstance(tokenizer, LocalPromptTokenizer):
             # the segment cache is per scope (a shared one is a cross-tenant timing channel)
             cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
             off = self.settings.tokenize_offload_chars  # long text: BPE off the event loop
-            tokens = await (
-                tokenizer.chat(body, cs, off)
-                if endpoint == "chat"
-                else tokenizer.completion(body, cs, off)
-            )
+            if endpoint == "chat":
+                # images, audio: vLLM keys their blocks with the items' hashes, which we
+                # cannot; such a request is sized by its text and routed by load alone
+                text_only, unkeyed = strip_media(body.get("messages"))
+                chat_body = {**body, "messages": text_only} if unkeyed else body
+                tokens = await tokenizer.chat(chat_body, cs, off)
+            else:
+                tokens = await tokenizer.completion(body, cs, off)
         else:
             tokens = await (
                 tokenizer.chat(body) if endpoint == "chat" else tokenizer.completion(body)
@@ -493,7 +499,7 @@ class Gateway:
         t0 = time.perf_counter_ns()
         salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)
         keys: list[list[BlockKey]] = []
-        if not scope.ephemeral:
+        if not scope.ephemeral and not unkeyed:
             keyer = self.keyer(bs)
             cap = min(hit_cap_blocks(n_prompt, bs), pol.index.max_prompt_blocks)
             keys = [keyer.keys(tokens, s, base_model, lora, max_blocks=cap) for s in salts]
@@ -540,7 +546,8 @@ class Gateway:
             prompt_tokens=n_prompt,
             block_size=bs,
             session_key=session_for_hash,
-            load_only=scope.ephemeral,
+            load_only=scope.ephemeral or unkeyed,
+            unkeyed=unkeyed,
             cold_replicas=cold,
             scope_key=scope.canonical(),
         )
@@ -569,6 +576,7 @@ class Gateway:
             decision=decision,
             salt_index=best_salt.get(decision.replica, 0),
             lookup_ms=now,
+            unkeyed=unkeyed,
         )
         if explain_only:
             return d
@@ -657,7 +665,8 @@ class Gateway:
             prompt_tokens=d.prompt_tokens,
             block_size=d.block_size,
             session_key=None,
-            load_only=d.ephemeral,
+            load_only=d.ephemeral or d.unkeyed,
+            unkeyed=d.unkeyed,
             scope_key=d.scope.canonical(),
         )
         d.decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
@@ -687,8 +696,8 @@ class Gateway:
                 self.pool.record_success(rid)
             elif out.error is not None and out.error not in ("connect", "timeout"):
                 self.pool.record_failure(rid)  # connect failures were counted at the time
-        if out.cached_tokens is None or out.status != 200:
-            return
+        if out.cached_tokens is None or out.status != 200 or d.unkeyed:
+            return  # a media request's engine tokens include its items: nothing to compare
         prompt = out.prompt_tokens if out.prompt_tokens is not None else d.prompt_tokens
         if prompt != d.prompt_tokens:
             self._warn_precision(

@@ -113,6 +113,7 @@ class RouteRequest:
     block_size: int
     session_key: str | None = None
     load_only: bool = False  # sensitive (ephemeral) scope: never use any match
+    unkeyed: bool = False  # load_only because the gateway cannot key it (media parts)
     cold_replicas: frozenset[str] | None = None  # confine this tenant's cold traffic
     scope_key: str | None = None  # the isolation scope (tenant or trust group)
 
@@ -493,9 +494,10 @@ class Router:
     def _load_only(self, req: RouteRequest, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
         p = self.params
         best = min(s.cost_ms for s in scores)
+        why = "unkeyed" if req.unkeyed else "sensitive"
         if req.session_key:
             bound = best * (1.0 + p.sticky_slack) + p.sticky_slack_ms
             ok = [s.replica for s in scores if s.cost_ms <= bound]
-            return rendezvous(req.session_key, ok), "sensitive_sticky"
+            return rendezvous(req.session_key, ok), f"{why}_sticky"
         pick, _ = self._lowest_cost(scores)
-        return pick.replica, "sensitive_load"
+        return pick.replica, f"{why}_load"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 import pytest
 
 from cachecore.tokenizer import TokenizerError, builtin_tokenizer, message_text
@@ -154,13 +153,22 @@ async def test_openai_shapes_headers_and_model_cards() -> None:
             max_tokens=1,  # type: ignore[arg-type]
         )
         assert raw.headers["x-kvgate-replica"]
-        with pytest.raises(openai.BadRequestError, match="image_url"):
-            await c.chat.completions.create(
-                model=st.model,
-                messages=[{"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": "http://x"}}]}],
-                max_tokens=1,
-            )  # fmt: skip
+        # media parts: the gateway cannot key them as vLLM does (item hashes), so it sizes
+        # the request by its text, routes it by load and passes it on untouched
+        text = {"type": "text", "text": words(40, 3)}
+        image = {"type": "image_url", "image_url": {"url": "http://x"}}
+        with_image = {"model": st.model, "messages": [{"role": "user", "content": [text, image]}]}
+        text_only = {"model": st.model, "messages": [{"role": "user", "content": [text]}]}
+        adm = st.admin_headers()
+        ex = (await h.post("/admin/route/explain", json=with_image, headers=adm)).json()
+        plain = (await h.post("/admin/route/explain", json=text_only, headers=adm)).json()
+        assert ex["decision"]["reason"] == "unkeyed_load"
+        assert ex["prompt_tokens"] == plain["prompt_tokens"]
+        assert all(s["matched_blocks"] == 0 for s in ex["decision"]["scores"])
+        # the simulated engine is text-only and says so, in its own words (passed through)
+        r = await h.post("/v1/chat/completions", json={**with_image, "max_tokens": 1}, headers=auth)
+        assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+        assert r.headers["x-kvgate-replica"]  # routed and sent, not refused by the gateway
 
 
 async def test_only_uncached_text_past_the_bound_goes_to_a_thread(
