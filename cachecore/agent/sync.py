@@ -13,7 +13,11 @@ Invariants (checked by the tests through :meth:`ReplicaSync.check_invariants`):
   current epoch equal ``mirror.blocks()``, and the index's persisted mirror equals
   ``mirror.snapshot()``;
 * ``written_seq`` is the seq of the last batch whose write completed and equals the index
-  meta's ``last_seq`` (or the index lost our state: the next check resyncs);
+  meta's ``last_seq`` (or the index lost our state: the next check resyncs); it never goes
+  back, and the persisted mirror holds exactly the batches up to it, so an agent that
+  restarts from the index replays each batch after it once and none before it;
+* ``mirrored_seq`` is the seq of the last batch applied to the mirror (>= ``written_seq``);
+  a resync writes the mirror's snapshot with that seq, never an older one;
 * when an index call fails the replica is ``dirty`` and its next successful index call is a
   complete rewrite from the mirror (RESYNC), so no write is ever lost, only delayed.
 """
@@ -122,6 +126,7 @@ class ReplicaSync:
         self.engine_reachable = True
         self.engine_start = 0.0
         self.written_seq = -1
+        self.mirrored_seq = -1
         self.received_seq = -1
         self.dirty = False  # an index call failed: the next one must be a full rewrite
         self.last_ts = 0.0
@@ -156,7 +161,7 @@ class ReplicaSync:
             else ReplicaState.LIVE
         )
         self.engine_start = meta.engine_start
-        self.written_seq = self.received_seq = meta.last_seq
+        self.written_seq = self.mirrored_seq = self.received_seq = meta.last_seq
         self._counters = replace(self.mirror.counters)
         self.metrics.mirror_blocks.labels(self.replica_id).set(len(self.mirror))
         log.info(
@@ -240,6 +245,7 @@ class ReplicaSync:
         for cmd in cmds:
             if isinstance(cmd, ApplyBatch):
                 write, cleared = self._apply_to_mirror(cmd)
+                self.mirrored_seq = cmd.seq
                 if cleared:
                     acc, covered = IndexWrite(), []
                     if self.trace is not None:
@@ -259,6 +265,8 @@ class ReplicaSync:
                     if self.trace is not None:
                         self.trace.clear(time.time(), self.replica_id)
                     await self._clear(cmd.state, cmd.engine_start, cmd.cause)
+                    # a new stream (engine restart) may count from zero again
+                    self.mirrored_seq = self.written_seq
                 elif isinstance(cmd, SetEngineReachable):
                     await self._set_reachable(cmd.reachable)
                 else:
@@ -363,6 +371,10 @@ class ReplicaSync:
             if not await self._resync("index_error"):
                 return
         else:
+            if acc.seq is not None and acc.seq < self.written_seq:
+                # a resync already wrote these batches (in its snapshot) and a later seq:
+                # the values rewrite idempotently, the seq must not go back
+                acc.seq = self.written_seq
             t0 = time.perf_counter()
             try:
                 await self.index.apply(self.replica_id, self.epoch, acc, self._now_ms())
@@ -377,7 +389,7 @@ class ReplicaSync:
             else:
                 self.metrics.index_write_seconds.observe(time.perf_counter() - t0)
                 self._m_writes.inc()
-        if acc.seq is not None:
+        if acc.seq is not None and acc.seq > self.written_seq:
             self.written_seq = acc.seq
         self._observe_latency(covered)
 
@@ -481,8 +493,13 @@ class ReplicaSync:
             epoch = await self.index.clear_replica(
                 self.replica_id, self._published_state(), self._now_ms(), self.engine_start
             )
+            # the snapshot and the seq it stands for, taken together (no await between):
+            # batches keep reaching the mirror while writes are in flight, so the seq of
+            # the last completed write (an outage's, possibly long ago) would be too old,
+            # and an agent restarting from it would replay batches the mirror holds
             blocks = self.mirror.blocks()
             records = self.mirror.snapshot()
+            seq = max(self.mirrored_seq, self.written_seq)
             chunk = self.knobs.resync_chunk_blocks
             block_items = list(blocks.items())
             record_items: list[tuple[int, bytes | None]] = list(records.items())
@@ -493,13 +510,14 @@ class ReplicaSync:
                     mirror=dict(record_items[off : off + chunk]),
                 )
                 if off + chunk >= n:
-                    write.seq = self.written_seq
+                    write.seq = seq
                 if write:
                     await self.index.apply(self.replica_id, epoch, write, self._now_ms())
         except Exception as exc:
             self._index_failed("resync", exc)
             return False
         self.epoch = epoch
+        self.written_seq = seq
         self.dirty = False
         self._retry_s = 0.05
         self._next_retry = 0.0
