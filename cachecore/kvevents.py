@@ -21,6 +21,7 @@ else raises :class:`MalformedEventError` with a short ``reason`` the agent count
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -81,9 +82,12 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:
-    ts: float
+    ts: float  # NaN when the engine sent no usable (finite) time
     events: list[KVEvent] = field(default_factory=list)
     data_parallel_rank: int | None = None
+    # tags of the events of a type this decoder does not know, skipped: a newer engine's
+    # event must not cost the rest of its batch (a lost batch is a gap, then a cold clear)
+    skipped: list[str] = field(default_factory=list)
 
 
 _STORED_FIELDS = (
@@ -215,6 +219,10 @@ def _fields(raw: Any, names: Sequence[str], required: int) -> list[Any]:
     return values
 
 
+class _UnknownEvent(Exception):
+    """A well-formed event of a type we do not know (its tag)."""
+
+
 def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
     if isinstance(raw, Mapping):
         tag = raw.get("type")
@@ -279,6 +287,8 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             kv_cache_spec_kind=_opt_str(spec_kind, "kv_cache_spec_kind"),
             kv_cache_spec_sliding_window=_opt_int(sliding_window, "kv_cache_spec_sliding_window"),
         )
+    if isinstance(tag, str) and tag:
+        raise _UnknownEvent(tag[:64])
     raise MalformedEventError("unknown_event", str(tag)[:64])
 
 
@@ -319,10 +329,19 @@ def decode_batch(
         raise MalformedEventError("bad_batch", "ts")
     if not isinstance(events, list):
         raise MalformedEventError("bad_batch", "events")
+    decoded: list[KVEvent] = []
+    skipped: list[str] = []
+    for raw in events:
+        try:
+            decoded.append(_decode_event(raw, max_tokens_per_event))
+        except _UnknownEvent as unknown:
+            skipped.append(str(unknown))
+    t = float(ts)
     return EventBatch(
-        ts=float(ts),
-        events=[_decode_event(e, max_tokens_per_event) for e in events],
+        ts=t if math.isfinite(t) else math.nan,
+        events=decoded,
         data_parallel_rank=_opt_int(dp, "data_parallel_rank"),
+        skipped=skipped,
     )
 
 

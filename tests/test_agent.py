@@ -157,6 +157,42 @@ async def test_blocks_holding_a_multimodal_item_and_after_it_are_not_indexed(rig
     assert 'reason="unkeyable"' in exp
 
 
+async def test_an_unknown_event_type_costs_only_itself_and_a_bad_time_only_the_timing(
+    rig: Rig,
+) -> None:
+    """A newer engine's event type is skipped and counted; the rest of its batch applies
+    (dropping the batch made a gap the replay could not fill: the replica went cold). A
+    batch time of -inf, inf or NaN indexes its blocks and leaves the latency metrics and
+    /health's JSON finite."""
+    import math
+
+    import msgpack
+
+    from cachecore.kvevents import encode_batch
+
+    agent = await rig.start()
+    clears_at_start = counter_total(agent.metrics.clears)
+    ev, _ = rig.engine.store(toks(0, 2))
+    body = msgpack.unpackb(encode_batch(batch(ev), Encoding.MAP), raw=False)
+    body["events"].append({"type": "BlockPinned", "block_hashes": [1]})
+    await rig.source.publish_payload(msgpack.packb(body))
+    for bad in (-math.inf, math.inf, math.nan):
+        ev2, _ = rig.engine.store(toks(100 + len(rig.engine.keys()) * 40, 1))
+        body = msgpack.unpackb(encode_batch(batch(ev2), Encoding.MAP), raw=False)
+        body["ts"] = bad
+        await rig.source.publish_payload(msgpack.packb(body))
+    await rig.settle()
+    assert await rig.index_keys() == rig.engine.keys()
+    assert counter_total(agent.metrics.events_skipped) == 1
+    assert counter_total(agent.metrics.clears) == clears_at_start  # no gap, no cold clear
+    json.dumps(agent.health(), allow_nan=False)  # what /health serialises
+    exp = agent.metrics.exposition().decode()
+    assert (
+        "kvgate_agent_event_to_index_seconds_sum" in exp
+        and "inf" not in exp.split("kvgate_agent_event_to_index_seconds_sum")[1].split("\n")[0]
+    )
+
+
 async def test_all_blocks_cleared_empties_the_replica_and_keeps_it_live(rig: Rig) -> None:
     await rig.start()
     ev, _ = rig.engine.store(toks(0, 3))
@@ -465,6 +501,30 @@ async def test_load_record_and_registration() -> None:
         await r.stop_agent()
         assert await registry.discover(_now()) == []  # deregistered on clean stop
     finally:
+        await r.close()
+
+
+async def test_a_second_agent_for_the_same_replica_id_is_reported() -> None:
+    """Two agents with one --replica-id take turns rewriting that replica's index entries;
+    each heartbeat finds the other's registration: counted, logged, /health degraded."""
+    from cachecore.agent.agent import Agent
+
+    registry = MemoryRegistry()
+    r = Rig(MemoryIndex())
+    second: Agent | None = None
+    try:
+        first = await r.start(registry=registry)
+        await until(lambda: first.health()["status"] == "ok")
+        second = Agent(r.settings(), r.index, registry=registry)
+        await second.start()
+        await second.wait_ready(10.0)
+        agents = (first, second)
+        await until(lambda: all(a.health()["status"] == "degraded" for a in agents), 8.0)
+        assert all(a.health()["registration_conflict"] for a in agents)
+        assert all(counter_total(a.metrics.conflicts) >= 1 for a in agents)
+    finally:
+        if second is not None:
+            await second.stop()
         await r.close()
 
 

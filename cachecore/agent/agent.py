@@ -166,6 +166,12 @@ class Agent:
             for sync in list(self.syncs.values()):
                 await sync.drain()
 
+    @property
+    def registration_conflict(self) -> bool:
+        """Another agent registered our replica id within the last three heartbeats."""
+        link = self.registry_link
+        return link is not None and link.in_conflict(3 * self.settings.heartbeat_interval_s)
+
     def health(self) -> dict[str, Any]:
         stream = self.stream
         lat = self.metrics.latency
@@ -183,7 +189,11 @@ class Agent:
             }
         if not self.ready.is_set():
             status = "starting"
-        elif any(s.dirty for s in self.syncs.values()) or not self.engine_reachable:
+        elif (
+            any(s.dirty for s in self.syncs.values())
+            or not self.engine_reachable
+            or self.registration_conflict
+        ):
             status = "degraded"
         else:
             status = "ok"
@@ -193,6 +203,7 @@ class Agent:
             "replica": self.replica_id,
             "engine_url": self.settings.engine_url,
             "engine_reachable": self.engine_reachable,
+            "registration_conflict": self.registration_conflict,
             "engine_start": self.engine.start_time if self.engine else None,
             "model": self.engine.model if self.engine else None,
             "block_size": self.engine.block_size if self.engine else None,

@@ -63,6 +63,9 @@ class RegistryLink:
         self.agent_id = new_agent_id()
         self.ttl_ms = int(settings.registration_ttl_s * 1000)
         self._failing = False
+        # another agent's registration found for our replica id (monotonic time; 0: never)
+        self.conflict_at = 0.0
+        self._registered = False  # ours written at least once (then a rival's is news)
 
     async def heartbeat(
         self,
@@ -75,6 +78,7 @@ class RegistryLink:
     ) -> None:
         now = _now_ms()
         try:
+            await self._check_conflict(replica, now, metrics)
             reg = Registration(
                 replica_id=replica,
                 url=self.settings.engine_url,
@@ -86,6 +90,7 @@ class RegistryLink:
                 registered_ms=now,
             )
             await self.store.register(reg, self.ttl_ms, now)
+            self._registered = True
         except Exception as exc:
             metrics.heartbeats.labels("error").inc()
             if not self._failing:
@@ -96,6 +101,29 @@ class RegistryLink:
             return
         self._failing = False
         metrics.heartbeats.labels("ok").inc()
+
+    async def _check_conflict(self, replica: str, now: int, metrics: AgentMetrics) -> None:
+        """Two agents for one replica id (an operator's slip: the same ``--replica-id`` on
+        two engines) would take turns rewriting the index from two different engines'
+        mirrors. Each heartbeat after our first registration reads the one it is about to
+        renew: another agent's there (written since our last heartbeat) is logged as an
+        error, counted and shown in /health."""
+        if not self._registered:
+            return  # a restarted agent finds its predecessor's registration: not a rival
+        for reg in await self.store.discover(now, [replica]):
+            if reg.agent_id != self.agent_id:
+                metrics.conflicts.inc()
+                if time.monotonic() - self.conflict_at > 60.0:
+                    log.error(
+                        "another agent registered this replica id: two agents are writing "
+                        "one replica's index entries; give each engine its own --replica-id",
+                        extra={"replica": replica, "other_agent": reg.agent_id,
+                               "other_url": reg.url, "our_url": self.settings.engine_url},
+                    )  # fmt: skip
+                self.conflict_at = time.monotonic()
+
+    def in_conflict(self, window_s: float) -> bool:
+        return self.conflict_at > 0 and time.monotonic() - self.conflict_at < window_s
 
     async def deregister(self, replica: str) -> None:
         try:

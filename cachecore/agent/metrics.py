@@ -105,6 +105,16 @@ class AgentMetrics:
             "kvgate_agent_messages_dropped", "Messages dropped as malformed, by reason",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.events_skipped = Counter(
+            "kvgate_agent_events_skipped",
+            "Events of a type the agent does not know, skipped (the rest of the batch applies)",
+            registry=r,
+        )  # fmt: skip
+        self.conflicts = Counter(
+            "kvgate_agent_registration_conflicts",
+            "Heartbeats that found another agent registered for this replica id",
+            registry=r,
+        )  # fmt: skip
         self.stale_batches = Counter(
             "kvgate_agent_stale_batches", "Batches ignored because seq <= last applied",
             registry=r,

@@ -223,6 +223,15 @@ class EventStream:
         if rank is not None and not 0 <= rank < MAX_DP_RANKS:
             self._drop(MalformedEventError("bad_rank", str(rank)), source)
             return None
+        if batch.skipped:
+            self.metrics.events_skipped.inc(len(batch.skipped))
+            self._drop_log.warn(
+                "unknown_event_type",
+                "skipped events of an unknown type",
+                replica=self.name,
+                source=source,
+                types=sorted(set(batch.skipped))[:8],
+            )
         return batch
 
     # ------------------------------------------------------------ live path

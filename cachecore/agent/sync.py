@@ -92,6 +92,11 @@ class SyncKnobs:
     retry_max_s: float = 5.0
 
 
+def _when(ts: float) -> float:
+    """A batch's time for the trace: the engine's, or now when it sent none usable."""
+    return ts if ts > 0 else time.time()
+
+
 def _counter_deltas(now: MirrorCounters, before: MirrorCounters) -> dict[str, int]:
     return {
         name: getattr(now, name) - getattr(before, name)
@@ -249,13 +254,13 @@ class ReplicaSync:
                 if cleared:
                     acc, covered = IndexWrite(), []
                     if self.trace is not None:
-                        self.trace.clear(cmd.batch.ts, self.replica_id)
+                        self.trace.clear(_when(cmd.batch.ts), self.replica_id)
                     await self._clear(ReplicaState.LIVE, self.engine_start, "all_blocks_cleared")
                 write.seq = cmd.seq
                 acc.merge(write)
                 covered.append(cmd)
                 if self.trace is not None:
-                    self.trace.blocks(cmd.batch.ts, self.replica_id, write.blocks)
+                    self.trace.blocks(_when(cmd.batch.ts), self.replica_id, write.blocks)
             else:
                 await self._flush(acc, covered)
                 acc, covered = IndexWrite(), []
@@ -322,7 +327,8 @@ class ReplicaSync:
             self.state = ReplicaState.COLD
             return IndexWrite(), True
         self._m_events.inc(len(events))
-        self.last_ts = cmd.batch.ts
+        if cmd.batch.ts > 0:  # NaN (no usable time) keeps the last known one
+            self.last_ts = cmd.batch.ts
         return write, cleared
 
     def _sync_counters(self) -> None:
@@ -399,12 +405,14 @@ class ReplicaSync:
         now = time.time()
         hist = self.metrics.event_to_index_seconds
         window = self.metrics.latency
-        for cmd in covered:
-            lat = max(0.0, now - cmd.batch.ts)
+        timed = [cmd.batch.ts for cmd in covered if cmd.batch.ts > 0]  # NaN, 0: no time
+        for ts in timed:
+            lat = max(0.0, now - ts)
             hist.observe(lat)
             window.add(lat)
         rid = self.replica_id
-        self.metrics.lag_seconds.labels(rid).set(max(0.0, now - covered[-1].batch.ts))
+        if timed:
+            self.metrics.lag_seconds.labels(rid).set(max(0.0, now - timed[-1]))
         self.metrics.last_seq.labels(rid).set(self.written_seq)
         self.metrics.seq_lag.labels(rid).set(max(0, self.received_seq - self.written_seq))
 

@@ -53,6 +53,9 @@ class EventSource:
         self.router: zmq.asyncio.Socket | None = None
         if replay_endpoint is not None:
             self.router = ctx.socket(zmq.ROUTER)
+            # a whole replay must fit the send queue (the default 1,000 messages dropped
+            # the rest of a 30,000-batch replay, which looked like a gap)
+            self.router.setsockopt(zmq.SNDHWM, 0)
             self.router.setsockopt(zmq.LINGER, 0)
             self.router.bind(replay_endpoint)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
