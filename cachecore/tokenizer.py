@@ -100,21 +100,23 @@ def _is_media(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES
 
 
-def strip_media(messages: Any) -> tuple[Any, bool]:
-    """``messages`` without their media parts, and whether there were any (then copies;
-    else the very list). What the gateway tokenizes to size a multimodal request it
-    routes by load: it cannot key the media as the engine does."""
+def strip_media(messages: Any) -> tuple[Any, int]:
+    """``messages`` without their media parts, and how many there were (then copies; else
+    the very list). What the gateway tokenizes to size a multimodal request it routes by
+    load: it cannot key the media as the engine does."""
     if not isinstance(messages, list):
-        return messages, False
-    found = False
+        return messages, 0
+    found = 0
     out: list[Any] = []
     for msg in messages:
         content = msg.get("content") if isinstance(msg, Mapping) else None
-        if isinstance(content, list) and any(map(_is_media, content)):
-            found = True
-            msg = {**msg, "content": [p for p in content if not _is_media(p)]}
+        if isinstance(content, list):
+            media = sum(map(_is_media, content))
+            if media:
+                found += media
+                msg = {**msg, "content": [p for p in content if not _is_media(p)]}
         out.append(msg)
-    return (out, True) if found else (messages, False)
+    return (out, found) if found else (messages, 0)
 
 
 def message_text(content: Any) -> str:

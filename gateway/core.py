@@ -477,6 +477,7 @@ class Gateway:
 
         t0 = time.perf_counter_ns()
         unkeyed = False
+        media_tokens = 0
         if isinstance(tokenizer, LocalPromptTokenizer):
             # the segment cache is per scope (a shared one is a cross-tenant timing channel)
             cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
@@ -484,7 +485,9 @@ class Gateway:
             if endpoint == "chat":
                 # images, audio: vLLM keys their blocks with the items' hashes, which we
                 # cannot; such a request is sized by its text and routed by load alone
-                text_only, unkeyed = strip_media(body.get("messages"))
+                text_only, media_parts = strip_media(body.get("messages"))
+                unkeyed = media_parts > 0
+                media_tokens = media_parts * mpool.media_part_tokens
                 chat_body = {**body, "messages": text_only} if unkeyed else body
                 tokens = await tokenizer.chat(chat_body, cs, off)
             else:
@@ -494,7 +497,8 @@ class Gateway:
                 tokenizer.chat(body) if endpoint == "chat" else tokenizer.completion(body)
             )
         st.add("tokenize", time.perf_counter_ns() - t0)
-        n_prompt = len(tokens)
+        # media parts count at the pool's estimate: for the cost and the flooding budget
+        n_prompt = len(tokens) + media_tokens
 
         t0 = time.perf_counter_ns()
         salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)

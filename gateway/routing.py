@@ -326,9 +326,10 @@ class Router:
         if coeffs.recompute_weight > 0 and best_cached > 0 and not req.load_only:
             self._charge_recompute(out, coeffs.recompute_weight)
         cold = req.cold_replicas
+        # sensitive and media requests count as cold too (their matches are ignored): a
+        # confined tenant must not escape its replicas by asking for them
         if (
             cold is not None
-            and not req.load_only
             and best_cached < self.params.cold_fraction * n
             and any(s.replica in cold for s in out)
         ):

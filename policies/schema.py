@@ -124,6 +124,9 @@ class ModelPool(_Section):
     block_size: Annotated[int, Field(gt=0)] = 16
     max_num_seqs: Annotated[int, Field(gt=0)] = 256  # the engine's concurrent sequences
     alignment_check: bool = True
+    # prompt tokens counted per media part (image, audio, video) of a chat, which the gateway
+    # cannot tokenize: for the routing cost and the tenant's uncached-token budget
+    media_part_tokens: Annotated[int, Field(ge=0)] = 1024
 
     @model_validator(mode="after")
     def _dir_for_hf(self) -> ModelPool:

@@ -154,7 +154,8 @@ async def test_openai_shapes_headers_and_model_cards() -> None:
         )
         assert raw.headers["x-kvgate-replica"]
         # media parts: the gateway cannot key them as vLLM does (item hashes), so it sizes
-        # the request by its text, routes it by load and passes it on untouched
+        # the request by its text and an estimate per part, routes it by load and passes
+        # it on untouched
         text = {"type": "text", "text": words(40, 3)}
         image = {"type": "image_url", "image_url": {"url": "http://x"}}
         with_image = {"model": st.model, "messages": [{"role": "user", "content": [text, image]}]}
@@ -163,7 +164,8 @@ async def test_openai_shapes_headers_and_model_cards() -> None:
         ex = (await h.post("/admin/route/explain", json=with_image, headers=adm)).json()
         plain = (await h.post("/admin/route/explain", json=text_only, headers=adm)).json()
         assert ex["decision"]["reason"] == "unkeyed_load"
-        assert ex["prompt_tokens"] == plain["prompt_tokens"]
+        # the text's tokens plus the pool's estimate per media part (media_part_tokens)
+        assert ex["prompt_tokens"] == plain["prompt_tokens"] + 1024
         assert all(s["matched_blocks"] == 0 for s in ex["decision"]["scores"])
         # the simulated engine is text-only and says so, in its own words (passed through)
         r = await h.post("/v1/chat/completions", json={**with_image, "max_tokens": 1}, headers=auth)
