@@ -238,7 +238,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="redis URL for the remote-tier link (default: start a private redis-server)",
     )
-    parser.add_argument("--plot", type=Path, default=Path("docs/plots/tiers_break_even.png"))
+    parser.add_argument("--plot", type=Path, default=None, help="write the break-even plot here")
     parser.add_argument("--gemm", type=int, default=1024, help="GEMM size for FLOP/s")
 
 
@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     for platform in (here, DATASHEET_H100):
         for row in report_rows(platform, (LLAMA3_8B, LLAMA3_70B), args.context):
             print(row)
-    plot_break_even((here, DATASHEET_H100), LLAMA3_8B, args.context, args.plot)
-    print(f"\nplot: {args.plot}")
+    if args.plot is not None:  # no file unless asked for (it used to land in the cwd)
+        plot_break_even((here, DATASHEET_H100), LLAMA3_8B, args.context, args.plot)
+        print(f"\nplot: {args.plot}")
     return 0

@@ -62,7 +62,8 @@ def _timeouts(s: GatewaySettings) -> dict[str, float]:
     """Per-request upstream timeouts (httpx's ``timeout`` extension keys)."""
     return {
         "connect": s.connect_timeout_s,
-        "read": max(s.first_byte_timeout_s, s.read_timeout_s),
+        "first_byte": s.first_byte_timeout_s,  # the response head and a stream's first chunk
+        "read": s.read_timeout_s,  # between two chunks after that
         "write": 30.0,
         "pool": s.connect_timeout_s,
     }

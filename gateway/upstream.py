@@ -133,7 +133,7 @@ class _Conn(asyncio.Protocol):
             w.set_exception(err)
 
     def on_timeout(self) -> None:
-        self._fail(httpx.ReadTimeout("replica sent nothing within the read timeout"))
+        self._fail(httpx.ReadTimeout("replica sent nothing within the timeout"))
         self.close()
 
     def begin(self, data: bytes) -> asyncio.Future[None]:
@@ -159,17 +159,22 @@ class _Conn(asyncio.Protocol):
 
 
 class _Body(httpx.AsyncByteStream):
-    def __init__(self, owner: LeanTransport, key: _HostKey, conn: _Conn, read_s: float) -> None:
+    def __init__(
+        self, owner: LeanTransport, key: _HostKey, conn: _Conn, first_s: float, read_s: float
+    ) -> None:
         self.owner = owner
         self.key = key
         self.conn = conn
-        self.read_s = read_s
+        self.first_s = first_s  # until the first body chunk (a stream's first token)
+        self.read_s = read_s  # between chunks after it
         self.released = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn, loop = self.conn, self.conn.loop
+        wait_s = self.first_s
         while True:
             if conn.chunks:
+                wait_s = self.read_s
                 yield conn.take()
             elif conn.complete:
                 return
@@ -177,7 +182,7 @@ class _Body(httpx.AsyncByteStream):
                 raise conn.error
             else:
                 conn.waiter = loop.create_future()
-                timer = loop.call_later(self.read_s, conn.on_timeout)
+                timer = loop.call_later(wait_s, conn.on_timeout)
                 try:
                     await conn.waiter
                 finally:
@@ -304,6 +309,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectError("transport closed")
         connect_s = timeouts.get("connect") or 5.0
         read_s = timeouts.get("read") or 60.0
+        first_s = timeouts.get("first_byte") or read_s
         pool_s = timeouts.get("pool") or connect_s
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
@@ -315,7 +321,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 conn = await self._acquire(key, connect_s, pool_s, loop)
             reused = conn.exchanges > 0
             head = conn.begin(data)
-            timer = loop.call_later(read_s, conn.on_timeout)
+            timer = loop.call_later(first_s, conn.on_timeout)
             try:
                 if dispatched is not None:
                     dispatched()
@@ -333,7 +339,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 raise
             finally:
                 timer.cancel()
-            return UpstreamResponse(conn.status, conn.headers, _Body(self, key, conn, read_s))
+            body = _Body(self, key, conn, first_s, read_s)
+            return UpstreamResponse(conn.status, conn.headers, body)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _acquire(

@@ -89,6 +89,25 @@ def test_the_cluster_switch_from_flags_and_environment(monkeypatch: pytest.Monke
     assert agent_settings_from_args(_agent_args(*_agent_argv())).redis_cluster
 
 
+def test_agent_environment_gives_the_port_and_prefix_and_flags_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every agent setting with a flag also comes from KVGATE_AGENT_*: the HTTP port and
+    the key prefix used to be fixed by the flags' defaults whatever the environment said."""
+    for name in ("KVGATE_AGENT_HTTP_PORT", "KVGATE_AGENT_KEY_PREFIX"):
+        monkeypatch.delenv(name, raising=False)
+    plain = agent_settings_from_args(_agent_args(*_agent_argv()))
+    assert (plain.http_port, plain.key_prefix) == (9400, "kvg")
+    monkeypatch.setenv("KVGATE_AGENT_HTTP_PORT", "9410")
+    monkeypatch.setenv("KVGATE_AGENT_KEY_PREFIX", "envtest")
+    env = agent_settings_from_args(_agent_args(*_agent_argv()))
+    assert (env.http_port, env.key_prefix) == (9410, "envtest")
+    flags = agent_settings_from_args(
+        _agent_args(*_agent_argv("--http-port", "9420", "--key-prefix", "flag"))
+    )
+    assert (flags.http_port, flags.key_prefix) == (9420, "flag")
+
+
 def test_bad_cluster_settings_fail_at_start_up() -> None:
     with pytest.raises(ValueError, match=r"redis_cluster.*needs redis_url"):
         build_gateway(GatewaySettings(redis_cluster=True, open_access=True))

@@ -252,3 +252,45 @@ async def test_httpx_transport_api() -> None:
         resp = await client.post(url + "/v1/x", content=b'{"a": 1}')
         assert resp.status_code == 200
         assert resp.json() == {"a": 1}
+
+
+async def test_the_first_byte_and_read_timeouts_are_separate() -> None:
+    """``first_byte`` bounds the wait for the head and for a stream's first chunk (its
+    prefill); ``read`` bounds each gap after that. Either alone takes effect."""
+
+    def slow_first(delay_s: float, gap_s: float) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(delay_s)  # the prefill
+            for i in range(3):
+                writer.write(b"7\r\ndata: %d\r\n" % i)
+                await writer.drain()
+                await asyncio.sleep(gap_s)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await reader.read(1)
+
+        return handler
+
+    async def body(handler: Handler, first: float, read: float) -> bytes:
+        t = LeanTransport()
+        try:
+            async with server(handler) as (url, _):
+                timeouts = {"connect": 1.0, "pool": 1.0, "first_byte": first, "read": read}
+                resp = await t.post(url, "/x", [], b"{}", timeouts)
+                try:
+                    return b"".join([c async for c in resp.aiter_raw()])
+                finally:
+                    await resp.aclose()
+        finally:
+            await t.aclose()
+
+    # a slow first chunk: the first-byte bound alone ends it, a long one lets it through
+    with pytest.raises(httpx.ReadTimeout):
+        await body(slow_first(0.6, 0.01), first=0.2, read=5.0)
+    assert await body(slow_first(0.6, 0.01), first=5.0, read=0.2) == b"data: 0data: 1data: 2"
+    # a slow gap after the first chunk: the read bound alone ends it
+    with pytest.raises(httpx.ReadTimeout):
+        await body(slow_first(0.0, 0.6), first=5.0, read=0.2)

@@ -60,6 +60,7 @@ _FIELDS = {
     "http_host": "http_host",
     "http_port": "http_port",
     "trace_out": "trace_out",
+    "key_prefix": "key_prefix",
 }
 
 
@@ -74,7 +75,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--redis-cluster", action="store_true", default=None,  # None: the environment's
         help="--redis is a seed node of a Redis Cluster (env KVGATE_AGENT_REDIS_CLUSTER)",
     )  # fmt: skip
-    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="Redis key namespace")
+    p.add_argument(
+        "--key-prefix",
+        help=f"Redis key namespace (env KVGATE_AGENT_KEY_PREFIX; {DEFAULT_PREFIX!r})",
+    )
     p.add_argument("--topic", help='ZMQ topic the engine publishes under (vLLM default "")')
     p.add_argument("--model", help="model name override (default: the engine's /v1/models)")
     p.add_argument("--block-size", type=int, help="override vllm:cache_config_info block_size")
@@ -111,8 +115,10 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
         value = getattr(args, flag, None)
         if value is not None:
             given[name] = value
-    given.setdefault("http_port", DEFAULT_HTTP_PORT)
-    return AgentSettings(**given)
+    settings = AgentSettings(**given)
+    if settings.http_port is None:  # neither --http-port nor KVGATE_AGENT_HTTP_PORT
+        settings = settings.model_copy(update={"http_port": DEFAULT_HTTP_PORT})
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(
             _main(
                 settings,
-                args.key_prefix,
+                settings.key_prefix,
                 register=not args.no_register,
                 gc_freeze_interval_s=args.gc_freeze_interval,
             )
@@ -199,7 +205,16 @@ async def _main(
     try:
         if settings.http_port is not None:
             server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
-            await server.start()
+            try:
+                await server.start()
+            except OSError as exc:  # two agents on one host need their own --http-port
+                print(
+                    f"kvgate agent: cannot listen on {settings.http_host}:{settings.http_port} "
+                    f"({exc.strerror}); give each agent on a host its own --http-port",
+                    file=sys.stderr,
+                )
+                server = None
+                return 2
             log.info(
                 "agent http listening", extra={"host": settings.http_host, "port": server.port}
             )

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
-from cachecore.index.layout import validate_replica_id
+from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
 
 
 class AgentSettings(BaseSettings):
@@ -67,6 +67,7 @@ class AgentSettings(BaseSettings):
     # own HTTP and trace
     http_host: str = "127.0.0.1"
     http_port: int | None = Field(default=None, ge=0, le=65535)
+    key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)  # Redis key namespace
     trace_out: Path | None = None
 
     @field_validator("replica_id")

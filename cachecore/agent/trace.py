@@ -32,6 +32,12 @@ class TraceWriter:
         self.path = path
         self._fh: TextIO | None = path.open("a", buffering=1024 * 1024)
 
+    def _written(self) -> None:
+        # one flush per index write (writes are coalesced batches), so a reader such as
+        # `kvgate trace analyze` sees every applied change while the agent runs
+        if self._fh is not None:
+            self._fh.flush()
+
     def blocks(self, ts: float, replica: str, blocks: dict[BlockKey, int]) -> None:
         if self._fh is None:
             return
@@ -48,11 +54,13 @@ class TraceWriter:
             lines.append(json.dumps(rec, separators=(",", ":")))
         if lines:
             self._fh.write("\n".join(lines) + "\n")
+            self._written()
 
     def clear(self, ts: float, replica: str) -> None:
         if self._fh is not None:
             rec = {"ts": ts, "replica": replica, "op": "clear"}
             self._fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            self._written()
 
     def flush(self) -> None:
         if self._fh is not None:
