@@ -123,6 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json_format=not args.log_text)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine scrape
     try:
         settings = settings_from_args(args)
     except ValueError as exc:  # pydantic's ValidationError is one
