@@ -696,11 +696,12 @@ class SegmentCache:
                     parts.append(piece)
                 else:
                     parts.append(got)
-        if sum(map(len, missed)) > offload_chars:
-            encoded = await asyncio.to_thread(lambda: [self._plain(p) for p in missed])
+        distinct = list(dict.fromkeys(missed))  # a piece repeated in the text: BPE once
+        if sum(map(len, distinct)) > offload_chars:
+            encoded = await asyncio.to_thread(lambda: [self._plain(p) for p in distinct])
         else:
-            encoded = [self._plain(p) for p in missed]
-        fresh = dict(zip(missed, encoded, strict=True))
+            encoded = [self._plain(p) for p in distinct]
+        fresh = dict(zip(distinct, encoded, strict=True))
         out: list[int] = []
         for part in parts:
             if isinstance(part, str):

@@ -22,7 +22,13 @@ from starlette.responses import Response
 
 from gateway.auth import check_admin
 from gateway.core import Gateway, request_id_from
-from gateway.errors import GatewayError, bad_request, body_too_large, rate_limited
+from gateway.errors import (
+    GatewayError,
+    bad_request,
+    body_too_large,
+    invalid_api_key,
+    rate_limited,
+)
 from gateway.proxy import UpstreamExchange
 from gateway.routing import NoCandidateError, Strategy
 from policies.schema import PolicyError
@@ -124,7 +130,7 @@ class Completions:
         tenant = await gw.key_store.tenant_for(headers.get("authorization"))
         if tenant is None:
             m.requests.labels(endpoint, "401").inc()
-            return GatewayError(401, "Incorrect or missing API key.", code="invalid_api_key"), rid
+            return invalid_api_key(), rid
         try:
             raw = await read_body(gw.settings.max_body_bytes)
             c0 = time.perf_counter_ns()
@@ -245,23 +251,22 @@ def create_app(gw: Gateway) -> FastAPI:
 
     app.state.completions = completions_core
 
+    async def key_refused(request: Request) -> Response | None:
+        """The 401 for a request without a valid API key, else None."""
+        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
+        return invalid_api_key().response() if tenant is None else None
+
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> Response:
-        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
-        if tenant is None:
-            return GatewayError(
-                401, "Incorrect or missing API key.", code="invalid_api_key"
-            ).response()
+        if (refused := await key_refused(request)) is not None:
+            return refused
         assert gw.pool is not None
         return _json({"object": "list", "data": gw.pool.model_cards()})
 
     @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(request: Request) -> Response:
-        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
-        if tenant is None:
-            return GatewayError(
-                401, "Incorrect or missing API key.", code="invalid_api_key"
-            ).response()
+        if (refused := await key_refused(request)) is not None:
+            return refused
         assert gw.pool is not None
         mid = request.path_params["model_id"]
         for card in gw.pool.model_cards():

@@ -101,6 +101,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return GatewayError(400, message, code=code, param=param)
 
 
+def invalid_api_key() -> GatewayError:
+    return GatewayError(401, "Incorrect or missing API key.", code="invalid_api_key")
+
+
 def body_too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
 

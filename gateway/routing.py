@@ -391,13 +391,13 @@ class Router:
             tree = self._scope_tree(req.scope_key)
             pick = self._smallest_scope_tree(scores, tree)
             if pick is None:
-                rid, reason = self._expected_latency_cost(scores)
-                pick = next(s for s in scores if s.replica == rid)
+                pick, reason = self._expected_latency_cost(scores)
             else:
                 reason = "smallest_tree"
             _grow_tree(tree, req, pick)
             return pick.replica, reason
-        return self._expected_latency_cost(scores)
+        pick, reason = self._expected_latency_cost(scores)
+        return pick.replica, reason
 
     def _scope_tree(self, scope: str) -> dict[str, int]:
         trees = self._scope_trees
@@ -436,14 +436,14 @@ class Router:
         low = min(tree.get(s.replica, 0) for s in scores)
         return self.rng.choice([s for s in scores if tree.get(s.replica, 0) <= low])
 
-    def _expected_latency_cost(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
+    def _expected_latency_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, str]:
         p = self.params
         if temperature_on(p, scores):
             best = min(s.cost_ms for s in scores)
             scale = p.temperature * max(best, 1.0)
             weights = [math.exp(-(s.cost_ms - best) / scale) for s in scores]
             pick = self.rng.choices(list(scores), weights=weights, k=1)[0]
-            return pick.replica, "softmax"
+            return pick, "softmax"
         pick, tied = self._lowest_cost(scores)
         if p.spill_queue_ms is not None and pick.matched_blocks > 0:
             # a prefix piles up when its holder's queue is longer than the shortest queue
@@ -454,10 +454,10 @@ class Router:
                 under = [s for s in scores if s.replica != pick.replica and s.queue_ms <= bound]
                 if under:
                     alt, _ = self._lowest_cost(under)
-                    return alt.replica, "spill"
+                    return alt, "spill"
         if tied:
-            return pick.replica, "tie_round"
-        return pick.replica, "prefix_hit" if pick.matched_blocks > 0 else "lowest_cost"
+            return pick, "tie_round"
+        return pick, "prefix_hit" if pick.matched_blocks > 0 else "lowest_cost"
 
     def _least_loaded(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
         low = min(s.requests for s in scores)

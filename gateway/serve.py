@@ -161,7 +161,7 @@ class _DrainingServer(uvicorn.Server):
         self.gw.draining = True
         loop = self._loop
         if first and self.drain_grace_s > 0 and self.started and loop is not None:
-            log.info("draining: stop in %.1f s", self.drain_grace_s)
+            log.info("draining before stopping", extra={"grace_s": self.drain_grace_s})
             self._captured_signals.append(sig)  # re-raised after the shutdown, as uvicorn does
             # a signal handler may interrupt the loop anywhere: only the thread-safe call
             loop.call_soon_threadsafe(loop.call_later, self.drain_grace_s, self._end_grace)

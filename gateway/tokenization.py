@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 
 from cachecore.tokenizer import (
     OFFLOAD_CHARS,
@@ -63,26 +64,19 @@ def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
     raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
 
 
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_LAX_BOOL = TypeAdapter(bool)  # immutable: a validator, no state
 
 
 def add_generation_prompt(body: Mapping[str, Any]) -> bool:
-    """``add_generation_prompt`` read as vLLM reads it (pydantic's lax bool: true/false,
-    0/1, and their usual strings), so the gateway renders the prompt the engine renders;
-    anything else is a 400, as the engine would answer."""
-    value = body.get("add_generation_prompt", True)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _TRUE:
-            return True
-        if word in _FALSE:
-            return False
-    raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+    """``add_generation_prompt`` read as vLLM reads it (its request model is pydantic: a
+    lax bool takes true/false, 0/1 and their usual strings), so the gateway renders the
+    prompt the engine renders; anything else is a 400, as the engine would answer."""
+    try:
+        return _LAX_BOOL.validate_python(body.get("add_generation_prompt", True))
+    except ValidationError:
+        raise bad_request(
+            "'add_generation_prompt' must be a boolean", "add_generation_prompt"
+        ) from None
 
 
 class PromptTokenizer(Protocol):
