@@ -13,9 +13,10 @@ Invariants (checked by the tests through :meth:`ReplicaSync.check_invariants`):
   current epoch equal ``mirror.blocks()``, and the index's persisted mirror equals
   ``mirror.snapshot()``;
 * ``written_seq`` is the seq of the last batch whose write completed and equals the index
-  meta's ``last_seq`` (or the index lost our state: the next check resyncs); it never goes
-  back, and the persisted mirror holds exactly the batches up to it, so an agent that
-  restarts from the index replays each batch after it once and none before it;
+  meta's ``last_seq`` (or the index lost our state: the next check resyncs); within an
+  epoch it never goes back (a clear starts a new epoch from the index's seq), and the
+  persisted mirror holds exactly the batches up to it, so an agent that restarts from the
+  index replays each batch after it once and none before it;
 * ``mirrored_seq`` is the seq of the last batch applied to the mirror (>= ``written_seq``);
   a resync writes the mirror's snapshot with that seq, never an older one;
 * when an index call fails the replica is ``dirty`` and its next successful index call is a
