@@ -493,8 +493,13 @@ class Gateway:
             else:
                 tokens = await tokenizer.completion(body, cs, off)
         else:
+            # the engine tokenizes: under the scope's salt, so no cache of the engine's
+            # is shared between scopes (the same timing channel as the segment cache's)
+            salt = self.minter.salt(scope)
             tokens = await (
-                tokenizer.chat(body) if endpoint == "chat" else tokenizer.completion(body)
+                tokenizer.chat(body, salt)
+                if endpoint == "chat"
+                else tokenizer.completion(body, salt)
             )
         st.add("tokenize", time.perf_counter_ns() - t0)
         # media parts count at the pool's estimate: for the cost and the flooding budget

@@ -82,9 +82,9 @@ def add_generation_prompt(body: Mapping[str, Any]) -> bool:
 class PromptTokenizer(Protocol):
     name: str
 
-    async def chat(self, body: Mapping[str, Any]) -> list[int]: ...
+    async def chat(self, body: Mapping[str, Any], salt: str) -> list[int]: ...
 
-    async def completion(self, body: Mapping[str, Any]) -> list[int]: ...
+    async def completion(self, body: Mapping[str, Any], salt: str) -> list[int]: ...
 
 
 class LocalPromptTokenizer:
@@ -143,6 +143,21 @@ def _response_ids(payload: Any) -> list[int] | None:
     return None
 
 
+_TOKENIZE_CHAT_FIELDS = (
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+    "mm_processor_kwargs",
+)
+"""The fields of vLLM's chat ``/tokenize`` request that a chat completion request shares."""
+
+
 class EnginePromptTokenizer:
     """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize")."""
 
@@ -176,21 +191,27 @@ class EnginePromptTokenizer:
             raise GatewayError(502, "engine tokenization returned no token ids")
         return ids
 
-    async def chat(self, body: Mapping[str, Any]) -> list[int]:
-        payload = {
-            k: body[k]
-            for k in ("model", "messages", "add_generation_prompt", "chat_template_kwargs")
-            if k in body
-        }
+    async def chat(self, body: Mapping[str, Any], salt: str) -> list[int]:
+        """``salt``: the request scope's cache salt. An engine may cache what it renders
+        (the simulated replica does, per salt, as its prefix cache): without the salt every
+        tenant's render would share one cache, and a hit there shows in the next tenant's
+        TTFT, since routing waits for this call."""
         if self.mode == "render":
-            return await self._post("/v1/chat/completions/render", payload)
+            # the render endpoint takes the whole chat request: every field that changes
+            # the rendering (tools, documents, template kwargs, ...) renders as it will
+            return await self._post("/v1/chat/completions/render", {**body, "cache_salt": salt})
+        payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
+        payload["cache_salt"] = salt  # vLLM's /tokenize ignores it (no cache to scope)
         return await self._post("/tokenize", payload)
 
-    async def completion(self, body: Mapping[str, Any]) -> list[int]:
+    async def completion(self, body: Mapping[str, Any], salt: str) -> list[int]:
         prompt = completion_prompt(body)
         if isinstance(prompt, list):
             return prompt
-        return await self._post("/tokenize", {"model": body.get("model"), "prompt": prompt})
+        payload = {"model": body.get("model"), "prompt": prompt, "cache_salt": salt}
+        if "add_special_tokens" in body:
+            payload["add_special_tokens"] = body["add_special_tokens"]
+        return await self._post("/tokenize", payload)
 
 
 class TokenizerPools:

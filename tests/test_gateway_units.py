@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from pydantic import SecretStr
 
@@ -19,6 +20,7 @@ from gateway.proxy import _refused
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import ReplicaSpecError, parse_replica_spec
 from gateway.settings import GatewaySettings
+from gateway.tokenization import EnginePromptTokenizer
 from gateway.upstream import LeanTransport
 from policies.schema import QuarantinePolicy, TenantLimits, parse_policy_text
 
@@ -440,3 +442,48 @@ async def test_a_refused_upstream_connection_is_a_definitive_failure() -> None:
         await t.aclose()
     assert _refused(info.value)
     assert not _refused(httpx.ReadTimeout("slow engine"))
+
+
+# ---------------------------------------------------------------- engine tokenization
+
+
+async def test_engine_tokenizer_sends_the_scope_salt_and_the_rendering_fields() -> None:
+    """What the gateway asks the engine: render gets the whole chat request (tools and
+    template kwargs render as they will), /tokenize vLLM's chat fields; both carry the
+    scope's salt in place of the client's."""
+    seen: list[tuple[str, dict[str, object]]] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, orjson.loads(request.content)))
+        return httpx.Response(200, json={"tokens": [1, 2, 3], "prompt_token_ids": [1, 2, 3]})
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": tools,
+        "chat_template_kwargs": {"x": 1},
+        "continue_final_message": False,
+        "cache_salt": "the client's",
+        "max_tokens": 3,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        for mode in ("render", "tokenize"):
+            tok = EnginePromptTokenizer(mode, client, lambda: "http://engine")
+            assert await tok.chat(chat, "scope-salt") == [1, 2, 3]
+        tok = EnginePromptTokenizer("tokenize", client, lambda: "http://engine")
+        await tok.completion({"model": "m", "prompt": "hello", "cache_salt": "x"}, "s2")
+        assert await tok.completion({"model": "m", "prompt": [7, 8]}, "s2") == [7, 8]
+    (p1, render), (p2, tokenize), (p3, prompt) = seen  # a token-id prompt asks nothing
+    assert p1 == "/v1/chat/completions/render" and p2 == p3 == "/tokenize"
+    assert render == {**chat, "cache_salt": "scope-salt"}
+    assert tokenize == {
+        "model": "m",
+        "messages": chat["messages"],
+        "tools": tools,
+        "chat_template_kwargs": {"x": 1},
+        "continue_final_message": False,
+        "cache_salt": "scope-salt",
+    }
+    assert prompt == {"model": "m", "prompt": "hello", "cache_salt": "s2"}

@@ -101,6 +101,40 @@ async def test_gateway_tokenizes_a_tenants_repeated_system_prompt_from_its_own_c
         assert lt.segments.hits == hits + 1  # b: a miss
 
 
+@pytest.mark.parametrize("kind", ["engine_render", "engine_tokenize"])
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+async def test_engine_side_tokenization_is_cached_per_tenant(kind: str, endpoint: str) -> None:
+    """With the engine tokenizing, the replica's own tokenization cache is the one a tenant
+    could time (routing waits for the call): the gateway sends each call under the scope's
+    salt, so b's render of a's text misses a's entry."""
+    policy = f"models: {{default: {{tokenizer: {kind}}}}}\ntenants: {{a: {{}}, b: {{}}}}"
+    async with stack(count=1, policy=policy) as st:
+        gw = st.gw
+        app: Any = st.fleet.servers[0].config.app
+        segments: SegmentCache = app.state.segments
+        text = words(2000, 5)  # past the replica's threaded-encode bound: through its cache
+
+        def body(user: str) -> dict[str, Any]:
+            if endpoint == "chat":
+                return chat_body(st.model, text, user)
+            # the cache keeps the pieces between special tokens, and a text with none is
+            # one piece, never repeated: a completion prompt with a chat-like head
+            prompt = f"<|im_start|>system\n{text}<|im_end|>\n{user}"
+            return {"model": st.model, "prompt": prompt, "max_tokens": 1}
+
+        def prepare(tenant: str, user: str) -> Awaitable[Any]:
+            return gw.prepare(endpoint, tenant, body(user), {}, "r", explain_only=True)
+
+        for i in range(2):  # admitted on second sight
+            await prepare("a", f" q{i}")
+        hits = segments.hits
+        await prepare("a", " q2")
+        assert segments.hits > hits  # a's own entry
+        hits = segments.hits
+        await prepare("b", " q3")
+        assert segments.hits == hits  # b: a miss
+
+
 # ---------------------------------------------------------------- the debug flag
 
 

@@ -304,9 +304,9 @@ def create_app(replica: SimReplica) -> FastAPI:
                 )
             except TokenizerError as exc:
                 raise APIError(str(exc), param="messages") from exc
-            ids = await encode(text)
+            ids = await encode(text, req.cache_scope())
         elif req.prompt is not None:
-            ids = await encode(req.prompt)
+            ids = await encode(req.prompt, req.cache_scope())
         else:
             raise APIError("either 'prompt' or 'messages' is required")
         strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None

@@ -111,6 +111,13 @@ class TokenizeRequest(_ChatRendering):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
+    # not vLLM's (it ignores the field): the scope of this replica's tokenization cache,
+    # which kvgate's gateway sends so that no two tenants' tokenize calls share an entry
+    cache_salt: Any = None
+
+    def cache_scope(self) -> str:
+        salt = self.cache_salt
+        return salt if isinstance(salt, str) and salt else ""
 
 
 class DetokenizeRequest(BaseModel):
