@@ -68,6 +68,8 @@ valid tenant name, so it cannot collide with a real tenant's scope)."""
 MAX_SETTLING_CHECKS = 8
 SETTLE_POLL_S = 0.25
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
+_ENGINE_ID_FIELDS = frozenset(("request_id", "rid"))
+"""Body fields an engine takes its request id from (vLLM's ``request_id``, SGLang's ``rid``)."""
 
 AgentHook = Callable[
     [Sequence[ReplicaSpec], PrefixIndex, LoadStore | None, CollectorRegistry],
@@ -116,6 +118,10 @@ class Dispatch:
     raw_body: bytes | None = None  # the client's bytes, when they parsed to ``body``
     lookup_ms: int = 0  # wall clock of the index lookup (the claim check's "since")
     unkeyed: bool = False  # media parts: routed by load, no keys, no precision or claims
+    # the id the engine gets: the client's id made unique, so that no client-chosen id can
+    # collide with another tenant's request on an engine (vLLM refuses or confuses a
+    # duplicate id; the refusal would tell one tenant that another's is running)
+    upstream_id: str = ""
 
     @property
     def replica(self) -> str:
@@ -567,6 +573,7 @@ class Gateway:
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,
+            upstream_id=f"{request_id}-{random.getrandbits(64):016x}",
             tenant=tenant,
             endpoint=endpoint,
             path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
@@ -604,7 +611,9 @@ class Gateway:
         """The body sent upstream: the client's fields, our cache_salt, usage requested."""
         salt = d.salts[d.salt_index]
         raw = d.raw_body
-        if raw is not None and not d.stream and d.body and "cache_salt" not in d.body:
+        body_ids = _ENGINE_ID_FIELDS.intersection(d.body)
+        untouched = "cache_salt" not in d.body and not body_ids
+        if raw is not None and not d.stream and d.body and untouched:
             # nothing to replace: append the salt to the client's own bytes instead of
             # re-serializing the body (its prompt can be thousands of token ids)
             end = raw.rstrip()
@@ -612,6 +621,8 @@ class Gateway:
                 return b"".join((end[:-1], b',"cache_salt":', orjson.dumps(salt), b"}"))
         body = dict(d.body)
         body["cache_salt"] = salt  # replaces any client-supplied salt
+        for name in body_ids:  # engine request ids in the body (vLLM's, SGLang's): ours
+            body[name] = d.upstream_id
         if d.stream:
             opts = body.get("stream_options")
             opts = dict(opts) if isinstance(opts, dict) else {}

@@ -229,7 +229,8 @@ class UpstreamExchange(Response):
         assert gw.upstream is not None and gw.pool is not None
         s = gw.settings
         timeouts = _timeouts(s)
-        headers = [(b"content-type", _JSON), (b"x-request-id", d.request_id.encode())]
+        # vLLM takes the engine's request id from this header before the body's
+        headers = [(b"content-type", _JSON), (b"x-request-id", d.upstream_id.encode())]
         if s.upstream_api_key is not None:
             auth = "Bearer " + s.upstream_api_key.get_secret_value()
             headers.append((b"authorization", auth.encode()))

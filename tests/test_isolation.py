@@ -25,7 +25,7 @@ from gateway.replicas import ReplicaSpec
 from gateway.settings import GatewaySettings
 from gateway.tokenization import LocalPromptTokenizer
 from policies.schema import parse_policy_text
-from tests.test_gateway_support import ADMIN, SECRET, stack, words
+from tests.test_gateway_support import ADMIN, FAST, SECRET, stack, words
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -133,6 +133,37 @@ async def test_engine_side_tokenization_is_cached_per_tenant(kind: str, endpoint
         hits = segments.hits
         await prepare("b", " q3")
         assert segments.hits == hits  # b: a miss
+
+
+@pytest.mark.parametrize("where", ["header", "body"])
+async def test_client_chosen_request_ids_do_not_collide_across_tenants(where: str) -> None:
+    """Two tenants sending the same request id at once: the engine refused the second
+    (400 duplicate request id), which told it the other tenant's request was running.
+    The gateway makes the engine's id unique; each client still gets its own id back."""
+    slow = FAST.model_copy(update={"time_scale": 1.0})  # a 1,600-token prefill: ~0.43 s
+    build = {"key_store": key_store()}
+    async with (
+        stack(count=1, replica=slow, build=build, open_access=False) as st,
+        st.http() as h,
+    ):
+
+        async def send(key: str, user: str) -> httpx.Response:
+            body = chat_body(st.model, words(1600, 40), user)
+            headers = auth(key)
+            if where == "header":
+                headers["x-request-id"] = "order-1"
+            else:  # vLLM's and SGLang's body fields
+                body.update(request_id="order-1", rid="order-1")
+            return await h.post("/v1/chat/completions", json=body, headers=headers)
+
+        first = asyncio.create_task(send("sk-a", "q1"))
+        await asyncio.sleep(0.1)  # a's request is in its prefill
+        second = await send("sk-b", "q2")
+        r = await first
+        assert r.status_code == second.status_code == 200, second.text
+        assert r.json()["id"] != second.json()["id"]
+        if where == "header":
+            assert r.headers["x-request-id"] == second.headers["x-request-id"] == "order-1"
 
 
 # ---------------------------------------------------------------- the debug flag

@@ -335,3 +335,54 @@ async def test_render_caches_long_segments_per_salt(
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode_chat(msgs))
     assert segments.hits == 1 and segments.misses > misses
+
+
+async def test_request_id_from_the_header_first_and_a_running_one_is_refused(
+    tokenizer: HFTokenizer,
+) -> None:
+    """vLLM's engine id is ``X-Request-Id``, else the body's ``request_id``; an id still
+    running is refused. The driver used to accept it once the core was done with the first
+    request but its outputs were not yet delivered: the second took the first's answer and
+    the first hung."""
+    slow = ReplicaSettings(time_scale=1.0)  # a 1,600-token prefill: ~0.43 s of real time
+    async with (
+        run_fleet(slow, count=1, tokenizer=tokenizer) as f,
+        httpx.AsyncClient(base_url=f.urls[0], timeout=10) as h,
+    ):
+        body = {"model": MODEL, "max_tokens": 1, "request_id": "from-body"}
+        r = await h.post("/v1/completions", json={**body, "prompt": "hi"})
+        assert r.json()["id"] == "cmpl-from-body"
+        r = await h.post(
+            "/v1/completions", json={**body, "prompt": "hi"}, headers={"x-request-id": "hdr"}
+        )
+        assert r.json()["id"] == "cmpl-hdr"
+        msgs = [{"role": "user", "content": text_of(tokenizer, 1600, 7)}]
+        first = asyncio.create_task(
+            h.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "max_tokens": 1, "messages": msgs},
+                headers={"x-request-id": "dup"},
+            )
+        )
+        refused = 0
+        for _ in range(200):  # bounded: ~4 s; duplicates over the first's whole life
+            await asyncio.sleep(0.02)
+            if first.done():
+                break
+            r = await h.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+                headers={"x-request-id": "dup"},
+            )
+            if r.status_code == 200:  # only once the first has been answered
+                assert first.done()
+                break
+            assert r.status_code == 400 and "already running" in r.json()["error"]["message"]
+            refused += 1
+        r = await first
+        assert r.status_code == 200 and r.json()["id"] == "chatcmpl-dup" and refused >= 5
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode_chat(msgs))

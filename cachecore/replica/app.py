@@ -98,6 +98,10 @@ def create_app(replica: SimReplica) -> FastAPI:
                 f"The model `{name}` does not exist.", 404, "NotFoundError", "model"
             ) from None
 
+    def engine_id(request: Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+        # vLLM's order: the X-Request-Id header, then the body's request_id, else a uuid
+        return request.headers.get("x-request-id") or req.request_id
+
     def submit(
         prefix: str,
         prompt_ids: list[int],
@@ -238,7 +242,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         ids = await chat_prompt(req, salt)
         model = req.model or replica.model
         driver, handle = submit(
-            "chatcmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id
+            "chatcmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req)
         )
         if req.stream:
             inc, cont = stream_flags(req)
@@ -258,7 +262,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         salt = validate_common(req)
         ids = await completion_ids(req, salt)
         model = req.model or replica.model
-        driver, handle = submit("cmpl", ids, req.requested_max_tokens(), salt, lora, req.request_id)
+        driver, handle = submit(
+            "cmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req)
+        )
         if req.stream:
             inc, cont = stream_flags(req)
             return StreamingResponse(

@@ -16,7 +16,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from cachecore.engine import EngineCore, EngineRequest, RequestOutput, StepResult
+from cachecore.engine import (
+    EngineCore,
+    EngineRequest,
+    RequestOutput,
+    RequestRejectedError,
+    StepResult,
+)
 from cachecore.replica.events import KVEventPublisher
 from cachecore.replica.metrics import ReplicaMetrics
 from cachecore.tasks import cancel_and_wait
@@ -88,6 +94,10 @@ class EngineDriver:
     # ------------------------------------------------------------------ requests
     def submit(self, request: EngineRequest) -> RequestHandle:
         """Queue a request (raises RequestRejectedError like the engine)."""
+        if request.request_id in self._handles:
+            # still running here even when the core is done with it (its last outputs wait
+            # for the step's modelled end): a second handle would take the first's outputs
+            raise RequestRejectedError(f"Request id {request.request_id} already running.")
         now = self._loop.time()
         self.core.add_request(request, now)
         handle = RequestHandle(request.request_id, now)
