@@ -282,16 +282,22 @@ def create_app(gw: Gateway) -> FastAPI:
             return _json({"status": "draining"}, 503)
         return _json({"status": "ok", "in_flight": gw.in_flight})
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
-    async def metrics() -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     # ------------------------------------------------------------------ admin
     def admin(request: Request) -> None:
         key = gw.settings.admin_key.get_secret_value() if gw.settings.admin_key else None
         provided = request.headers.get("x-admin-key") or request.headers.get("authorization")
         if not check_admin(provided, key):
             raise GatewayError(401, "admin key required", code="invalid_admin_key")
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics(request: Request) -> Response:
+        s = gw.settings
+        if not (s.metrics_public or s.open_access):
+            try:  # Prometheus: `authorization: {credentials: <admin key>}` in the job
+                admin(request)
+            except GatewayError as exc:
+                return exc.response()
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def guarded(fn: Any) -> Any:
         async def wrapper(request: Request) -> Response:

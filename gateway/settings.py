@@ -40,6 +40,10 @@ class GatewaySettings(BaseSettings):
     api_keys_redis: bool = False  # look API key hashes up in Redis hash <prefix>:apikeys
     open_access: bool = False  # no API keys: every request is tenant "anonymous"
     admin_key: SecretStr | None = None
+    # /metrics without the admin key. Off: its per-replica token counters move request by
+    # request and its limit counters name tenants, so any client could watch the others'
+    # traffic. (With open_access there is one tenant and /metrics is open.)
+    metrics_public: bool = False
     upstream_api_key: SecretStr | None = None  # sent to replicas (the client's key never is)
     salt_secrets: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
     replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)

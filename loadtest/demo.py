@@ -143,7 +143,7 @@ r = c.chat.completions.create(model='{MODEL}', max_tokens=16,
     messages=[{{'role': 'user', 'content': 'hello there'}}])
 print(r.choices[0].message.content, r.usage)"
 
-  metrics: curl -s {base}/metrics | grep kvgate_
+  metrics (the admin key): curl -s {base}/metrics -H 'x-admin-key: {admin_key}' | grep kvgate_
 
   why a request would go where (admin key of this run, nothing is sent):
   curl -s {base}/admin/route/explain -H 'x-admin-key: {admin_key}' \

@@ -581,6 +581,12 @@ async def _run_traffic(
     r = aioredis.from_url(redis_url)
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     admin = {"x-admin-key": admin_key}
+
+    async def metrics_text() -> str:
+        resp = await probe.get(base + "/metrics", headers=admin)  # tenants may not read it
+        resp.raise_for_status()
+        return resp.text
+
     samples: list[Sample] = []
     outcomes: list[Outcome] = []
     reloads = [0, 0]
@@ -597,7 +603,7 @@ async def _run_traffic(
             last_done = 0
             async for _ in every(args.sample_s, stop):
                 rss, fds, threads, cpu = proc_stats(pid)
-                text = (await probe.get(base + "/metrics")).text
+                text = await metrics_text()
                 try:
                     used = (await r.info("memory"))["used_memory"] / 2**20
                     nkeys = int(await r.dbsize())
@@ -693,7 +699,7 @@ async def _run_traffic(
         _, final_fds, _, cpu1 = proc_stats(pid)
         final_upstream = upstream_sockets(pid, ports)
         health = (await probe.get(base + "/health")).json()
-        final_metrics = (await probe.get(base + "/metrics")).text
+        final_metrics = await metrics_text()
         accounts = (await probe.get(base + "/admin/replicas", headers=admin)).json()["replicas"]
         exactness = await _exactness(probe, fleet, redis_url, args.settle_s)
     await r.aclose()
