@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -123,10 +124,13 @@ class EventTraceReport:
     censored_lifetimes_s: list[float]
     duplication_time_weighted: float  # mean of (sum occupancy - distinct keys) / sum occ.
     peak_duplicated_keys: int
+    skipped: int = 0  # records that were not valid cache events
 
 
 def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
-    """Replay store/remove/clear records (sorted by ts) and measure the caches."""
+    """Replay store/remove/clear records (sorted by ts) and measure the caches. Records
+    :func:`valid_event` refuses (unknown op, no usable ts, ...) are skipped and counted in
+    ``skipped``: they neither change a cache nor stretch the span."""
     alive: dict[tuple[str, str], float] = {}
     holders: dict[str, set[str]] = defaultdict(set)
     occ: dict[str, ReplicaOccupancy] = {}
@@ -138,7 +142,14 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
     last_ratio = 0.0
     peak_dup = 0
     total_blocks = 0
-    for rec in sorted(records, key=lambda r: float(r["ts"])):
+    skipped = 0
+    usable = []
+    for rec in records:
+        if valid_event(rec):
+            usable.append(rec)
+        else:
+            skipped += 1
+    for rec in sorted(usable, key=lambda r: float(r["ts"])):
         ts = float(rec["ts"])
         if math.isnan(start):
             start = ts
@@ -167,7 +178,7 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
                 lifetimes.append(ts - alive.pop((replica, key)))
                 total_blocks -= 1
             o.removes += 1
-        elif op == "clear":
+        else:  # clear
             for key in per_replica[replica]:
                 holders[key].discard(replica)
                 if not holders[key]:
@@ -176,8 +187,6 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
             total_blocks -= len(per_replica[replica])
             per_replica[replica].clear()
             o.clears += 1
-        else:
-            continue
         o.samples.append((ts, len(per_replica[replica])))
         distinct = len(holders)
         dup_keys = total_blocks - distinct
@@ -193,6 +202,7 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
         censored_lifetimes_s=censored,
         duplication_time_weighted=dup_area / span if span > 0 else last_ratio,
         peak_duplicated_keys=peak_dup,
+        skipped=skipped,
     )
 
 
@@ -242,27 +252,74 @@ def analyze_requests(records: Iterable[dict[str, Any]]) -> RequestReport:
 # ------------------------------------------------------------------------------ CLI
 
 
+EVENT_OPS = frozenset({"store", "remove", "clear"})
+
+
+def _number(v: object) -> bool:
+    """A finite JSON number (not a bool, which json.loads also gives as an int)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def valid_event(rec: dict[str, Any]) -> bool:
+    """A cache event the analysis can use: finite numeric ts, string replica, a known op,
+    and a string key for store/remove."""
+    op = rec.get("op")
+    return (
+        _number(rec.get("ts"))
+        and isinstance(rec.get("replica"), str)
+        and op in EVENT_OPS
+        and (op == "clear" or isinstance(rec.get("key"), str))
+    )
+
+
+def valid_request(rec: dict[str, Any]) -> bool:
+    """A request record: finite numeric ts and a token count; the cached counts, when
+    present and not null, are counts too."""
+    return (
+        _number(rec.get("ts"))
+        and _count(rec.get("prompt_tokens"))
+        and all(
+            rec.get(k) is None or _count(rec[k])
+            for k in ("cached_tokens", "predicted_cached_tokens")
+        )
+    )
+
+
 def read_jsonl(paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """Split records into cache events and request records; count unparseable lines."""
+    """Split records into cache events and request records, in file order (files in the
+    order given); count the lines skipped: not UTF-8, not JSON, or not a valid record of
+    either kind (see :func:`valid_event`, :func:`valid_request`). A file that cannot be
+    read raises OSError."""
     events: list[dict[str, Any]] = []
     requests: list[dict[str, Any]] = []
     bad = 0
     for path in paths:
-        with Path(path).open() as fh:
-            for line in fh:
-                line = line.strip()
+        with Path(path).open("rb") as fh:
+            for raw in fh:
+                try:
+                    line = raw.decode("utf-8").strip()
+                except UnicodeDecodeError:
+                    bad += 1
+                    continue
                 if not line:
                     continue
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                     bad += 1
                     continue
-                if not isinstance(rec, dict) or "ts" not in rec:
+                if not isinstance(rec, dict):
                     bad += 1
-                elif "op" in rec and "replica" in rec:
-                    events.append(rec)
-                elif "prompt_tokens" in rec:
+                elif "op" in rec:
+                    if valid_event(rec):
+                        events.append(rec)
+                    else:
+                        bad += 1
+                elif valid_request(rec):
                     requests.append(rec)
                 else:
                     bad += 1
@@ -319,10 +376,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a.add_argument("files", nargs="+", type=Path)
 
 
+def _fail(what: str) -> int:
+    print(f"kvgate trace: {what}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
-    events, requests, bad = read_jsonl(args.files)
+    try:
+        events, requests, bad = read_jsonl(args.files)
+    except OSError as exc:
+        return _fail(f"cannot read {exc.filename or 'input'}: {exc.strerror or exc}")
     if not events and not requests:
-        print("no cache events or request records found")
+        lines = "line" if bad == 1 else "lines"
+        print(
+            f"kvgate trace: no cache events or request records found ({bad} {lines} skipped)",
+            file=sys.stderr,
+        )
         return 1
     if events:
         print(format_event_report(analyze_events(events)))
@@ -330,5 +399,5 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_request_report(analyze_requests(requests)))
     if bad:
-        print(f"\nskipped {bad} unparseable or unknown lines")
+        print(f"\nskipped {bad} unparseable or invalid lines")
     return 0

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -91,3 +92,70 @@ def test_request_analysis_and_jsonl(tmp_path: Path) -> None:
 def test_percentile() -> None:
     assert percentile([5, 1, 3], 50) == 3
     assert percentile([1, 2, 3, 4], 99) == 4
+
+
+def _analyze_cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    """`kvgate trace analyze ARGS` in-process (gateway.cli.main would set a SIGTERM handler
+    in the test process)."""
+    from cachecore import traceanalysis
+
+    parser = argparse.ArgumentParser(prog="kvgate trace")
+    traceanalysis.configure(parser)
+    code = traceanalysis.run(parser.parse_args(["analyze", *map(str, args)]))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_unreadable_input_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for target in (tmp_path / "missing.jsonl", tmp_path):
+        code, out, err = _analyze_cli(capsys, target)
+        assert code == 2 and out == ""
+        assert err.startswith("kvgate trace: cannot read ") and err.count("\n") == 1
+
+
+def test_malformed_records_are_skipped_and_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = [
+        b'{"ts":"abc","replica":"r0","op":"store","key":"a"}',
+        b'{"ts":null,"replica":"r0","op":"store","key":"a"}',
+        b'{"ts":NaN,"replica":"r0","op":"store","key":"a"}',
+        b'{"ts":Infinity,"replica":"r0","op":"clear"}',
+        b'{"ts":1,"replica":"r0","op":"store"}',  # no key
+        b'{"ts":1,"replica":"r0","op":"evict","key":"a"}',  # unknown op
+        b'{"ts":1,"prompt_tokens":"x"}',
+        b'{"ts":1,"prompt_tokens":10,"cached_tokens":"y"}',
+        b"\xff\xfe not utf-8",
+        b"[[[[" * 5000,
+        b"[1, 2]",
+    ]
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(b"\n".join(bad) + b"\n")
+    code, out, err = _analyze_cli(capsys, f)
+    assert code == 1 and out == ""
+    assert (
+        err
+        == f"kvgate trace: no cache events or request records found ({len(bad)} lines skipped)\n"
+    )
+    good = [
+        b'{"ts":10,"replica":"r0","op":"store","key":"a"}',
+        b'{"ts":20,"replica":"r0","op":"remove","key":"a"}',
+        b'{"ts":500,"replica":"r0","op":"evict","key":"a"}',  # must not stretch the span
+    ]
+    f.write_bytes(b"\n".join(bad + good) + b"\n")
+    code, out, err = _analyze_cli(capsys, f)
+    assert code == 0 and err == ""
+    assert "span: 10.0 s" in out and f"skipped {len(bad) + 1} " in out
+
+
+def test_analyze_events_skips_invalid_records() -> None:
+    rep = analyze_events(
+        [
+            {"ts": 1.0, "replica": "r0", "op": "store", "key": "a"},
+            {"ts": 9.0, "replica": "r0", "op": "flush"},
+            {"ts": "x", "replica": "r0", "op": "clear"},
+        ]
+    )
+    assert rep.skipped == 2 and rep.end_ts == 1.0 and rep.censored_lifetimes_s == [0.0]
