@@ -9,27 +9,73 @@ Environment:
     KVGATE_LOCUST_STREAM    1 (default) to stream and record TTFT, 0 for plain JSON
 
 Each user class is one traffic shape; pick some with Locust's class selection (``locust ...
-SharedSystemPromptChat ShortUnique``) or run them all. Streamed requests report an
-extra entry per class in the CSV: ``TTFT <class>``, the time to the first content chunk,
-whose "response length" is the engine-reported cached prompt tokens (so the CSV's
-"Average Content Size" of a TTFT row is the mean cached tokens per request).
+SharedSystemPromptChat ShortUnique``) or run them all. Each request is one row of Locust's
+statistics, named after its class, timed to its last byte (a streamed request's whole
+stream, not just its response head, which is where Locust's own clock stops).
+
+Streamed requests' TTFT (to the first content chunk) and engine-reported cached prompt
+tokens are kept apart from Locust's request statistics (an extra row per request there
+would double the "Aggregated" count and rate): at the end of the run they are printed as a
+table per class and, with ``--csv PREFIX``, written to ``PREFIX_ttft.csv``. One Locust
+process (``--headless``, no workers): each worker would see only its own requests.
 """
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
+import math
 import os
 import random
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from locust import HttpUser, between, events, task
+from locust.env import Environment
 
 from loadtest.workloads import TextSource
 
 MODEL = os.environ.get("KVGATE_LOCUST_MODEL", "kvgate-sim-8b")
 STREAM = os.environ.get("KVGATE_LOCUST_STREAM", "1") != "0"
+TTFT_KEY = "kvgate_ttft"  # in a request event's context: (TTFT ms, cached prompt tokens)
+
+
+@dataclass
+class TtftLog:
+    """Per user class: (TTFT ms, cached prompt tokens) of each streamed request."""
+
+    rows: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+
+    def add(self, name: str, ttft_ms: float, cached: int) -> None:
+        self.rows.setdefault(name, []).append((ttft_ms, cached))
+
+    def summary(self) -> list[dict[str, Any]]:
+        out = []
+        for name, rows in sorted(self.rows.items()):
+            ttfts = sorted(t for t, _ in rows)
+
+            def pct(q: float, ttfts: list[float] = ttfts) -> float:
+                return ttfts[min(len(ttfts) - 1, math.ceil(q * len(ttfts)) - 1)]
+
+            out.append(
+                {
+                    "user class": name,
+                    "requests": len(rows),
+                    "TTFT p50 ms": pct(0.50),
+                    "p90 ms": pct(0.90),
+                    "p99 ms": pct(0.99),
+                    "mean cached tokens": sum(c for _, c in rows) / len(rows),
+                }
+            )
+        return out
+
+
+def _failure(resp: Any) -> str:
+    if resp.status_code == 0:  # no HTTP answer: the connection error itself
+        return repr(getattr(resp, "error", None))
+    return f"HTTP {resp.status_code}: {resp.text[:120]}"
 
 
 def _keys() -> dict[str, str]:
@@ -46,6 +92,7 @@ class OpenAIUser(HttpUser):
     tenant = "default"
     _text: TextSource | None = None
     _ids = itertools.count()
+    ttft = TtftLog()  # one per Locust process (see the module docstring)
 
     @classmethod
     def text(cls) -> TextSource:
@@ -77,7 +124,7 @@ class OpenAIUser(HttpUser):
                 catch_response=True,
             ) as resp:
                 if resp.status_code != 200:
-                    resp.failure(f"HTTP {resp.status_code}: {resp.text[:120]}")
+                    resp.failure(_failure(resp))
             return
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -93,9 +140,11 @@ class OpenAIUser(HttpUser):
             catch_response=True,
         ) as resp:
             if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}")
+                resp.failure(_failure(resp))
                 return
+            received = 0
             for raw in resp.iter_lines():
+                received += len(raw) + 1
                 line = raw.decode() if isinstance(raw, bytes) else raw
                 if not line.startswith("data:"):
                     continue
@@ -114,15 +163,36 @@ class OpenAIUser(HttpUser):
                 usage = obj.get("usage") or {}
                 details = usage.get("prompt_tokens_details") or {}
                 cached = int(details.get("cached_tokens") or cached)
-        if ttft is not None:
-            events.request.fire(  # type: ignore[no-untyped-call]
-                request_type="TTFT",
-                name=name,
-                response_time=ttft * 1000,
-                response_length=cached,
-                exception=None,
-                context={},
-            )
+            # Locust timed the response head: the request's time is its whole stream
+            meta = resp.request_meta
+            meta["response_time"] = (time.perf_counter() - t0) * 1000
+            meta["response_length"] = received
+            if ttft is not None:  # reaches the TTFT log with the request's own event
+                meta["context"] = {**(meta.get("context") or {}), TTFT_KEY: (ttft * 1000, cached)}
+
+
+def _log_ttft(name: str, context: Any = None, exception: Any = None, **_: Any) -> None:
+    got = (context or {}).get(TTFT_KEY) if exception is None else None
+    if got is not None:
+        OpenAIUser.ttft.add(name, *got)
+
+
+def _report_ttft(environment: Environment, **_: Any) -> None:
+    rows = OpenAIUser.ttft.summary()
+    if not rows:
+        return
+    cols = list(rows[0])
+    print("\nstreamed requests: TTFT and engine-reported cached prompt tokens")
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        cells = [f"{v:,.1f}" if isinstance(v, float) else str(v) for v in r.values()]
+        print("| " + " | ".join(cells) + " |")
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if prefix:
+        with open(f"{prefix}_ttft.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            w.writerows(rows)
 
 
 class SharedSystemPromptChat(OpenAIUser):
@@ -224,3 +294,7 @@ class ShortUnique(OpenAIUser):
         n = random.randint(32, 256)
         prompt = self.text().block(f"loc-su-{next(self._ids)}-{random.random()}", n)
         self.send({"prompt": prompt, "max_tokens": 24}, chat=False, tenant=self.tenant)
+
+
+events.request.add_listener(_log_ttft)  # type: ignore[no-untyped-call]
+events.test_stop.add_listener(_report_ttft)  # type: ignore[no-untyped-call]
