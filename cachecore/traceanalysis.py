@@ -21,6 +21,7 @@ Two inputs, one module:
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
 import sys
@@ -127,10 +128,40 @@ class EventTraceReport:
     skipped: int = 0  # records that were not valid cache events
 
 
+def replay_order(records: Iterable[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
+    """The records as ``(time, record)`` in the order to replay them.
+
+    One replica's records are replayed in the order given (file order): the agent writes
+    them in the order it applied them, and their ``ts`` come from two clocks, the engine's
+    batch times and the agent's wall clock for a clear that no batch carried (agent start,
+    engine restart, gap). A fresh agent against a running engine writes its start-up clear
+    at "now" and then the engine's replayed batches, which are older: sorted by ts, the
+    clear would land after those stores and wipe them. So within a replica the time is
+    made non-decreasing (a record is placed no earlier than the one before it), and a
+    clear is placed no later than the record after it (the first batch applied after a
+    clear bounds when the cache it describes started). Replicas are then merged by that
+    time; the files must hold one replica's records in the order written."""
+    streams: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        streams[rec["replica"]].append(rec)
+    timed: list[list[tuple[float, dict[str, Any]]]] = []
+    for recs in streams.values():
+        out: list[tuple[float, dict[str, Any]]] = []
+        t = -math.inf
+        for i, rec in enumerate(recs):
+            ts = float(rec["ts"])
+            if rec["op"] == "clear" and i + 1 < len(recs):
+                ts = min(ts, float(recs[i + 1]["ts"]))
+            t = max(t, ts)
+            out.append((t, rec))
+        timed.append(out)
+    return list(heapq.merge(*timed, key=lambda p: p[0]))
+
+
 def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
-    """Replay store/remove/clear records (sorted by ts) and measure the caches. Records
-    :func:`valid_event` refuses (unknown op, no usable ts, ...) are skipped and counted in
-    ``skipped``: they neither change a cache nor stretch the span."""
+    """Replay store/remove/clear records (in :func:`replay_order`) and measure the caches.
+    Records :func:`valid_event` refuses (unknown op, no usable ts, ...) are skipped and
+    counted in ``skipped``: they neither change a cache nor stretch the span."""
     alive: dict[tuple[str, str], float] = {}
     holders: dict[str, set[str]] = defaultdict(set)
     occ: dict[str, ReplicaOccupancy] = {}
@@ -149,8 +180,7 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
             usable.append(rec)
         else:
             skipped += 1
-    for rec in sorted(usable, key=lambda r: float(r["ts"])):
-        ts = float(rec["ts"])
+    for ts, rec in replay_order(usable):
         if math.isnan(start):
             start = ts
         end = ts

@@ -159,3 +159,27 @@ def test_analyze_events_skips_invalid_records() -> None:
         ]
     )
     assert rep.skipped == 2 and rep.end_ts == 1.0 and rep.censored_lifetimes_s == [0.0]
+
+
+def test_fresh_agent_clear_does_not_wipe_replayed_stores() -> None:
+    """A fresh agent writes its start-up clear at its own time and then the engine's
+    replayed batches, which carry older engine times: the clear must apply before them."""
+    fresh = [
+        {"ts": 1000.0, "replica": "r0", "op": "clear"},
+        *({"ts": 500.0 + i, "replica": "r0", "op": "store", "key": f"k{i}"} for i in range(5)),
+        {"ts": 1001.0, "replica": "r0", "op": "remove", "key": "k0"},
+        {"ts": 700.0, "replica": "r1", "op": "store", "key": "k1"},
+    ]
+    rep = analyze_events(fresh)
+    # k1..k4 still cached on r0 and k1 on r1; the clear takes the first replayed batch's
+    # time, so the lifetimes count from the engine's store times
+    assert sorted(rep.censored_lifetimes_s) == [301.0, 497.0, 498.0, 499.0, 500.0]
+    assert rep.lifetimes_s == [501.0] and rep.start_ts == 500.0
+    assert rep.occupancy["r0"].samples[-1] == (1001.0, 4)
+    # appended to an earlier run's records that are newer than the replay: the clear still
+    # applies after them and before the replay, which is placed at the clear's time
+    old_run = [{"ts": 600.0 + i, "replica": "r0", "op": "store", "key": f"o{i}"} for i in range(3)]
+    rep = analyze_events(old_run + fresh)
+    assert sorted(rep.lifetimes_s) == [0.0, 1.0, 2.0, 399.0]  # o2, o1, o0 cleared; k0
+    assert sorted(rep.censored_lifetimes_s) == [301.0, 399.0, 399.0, 399.0, 399.0]
+    assert rep.occupancy["r0"].samples[-1] == (1001.0, 4)

@@ -269,6 +269,8 @@ class ReplicaSync:
                     self._reconfigure(cmd)
                     self.mirror.clear()
                     if self.trace is not None:
+                        # agent time: the batches after it (a replay) may be older; the
+                        # analysis replays a replica's records in file order for that
                         self.trace.clear(time.time(), self.replica_id)
                     await self._clear(cmd.state, cmd.engine_start, cmd.cause)
                     # a new stream (engine restart) may count from zero again

@@ -7,7 +7,12 @@ format of :mod:`cachecore.traceanalysis`::
 
 ``store`` is written whenever a key's tier set becomes or stays non-empty (``tier`` names the
 complete set), ``remove`` when it becomes empty, ``clear`` when the replica was cleared
-(AllBlocksCleared, engine restart, unrecoverable gap). ``ts`` is the engine batch timestamp.
+(AllBlocksCleared, engine restart, unrecoverable gap). ``ts`` is the engine batch timestamp,
+except for a clear no batch carried (agent start, engine restart, gap, new rank): that one
+has the agent's wall clock, which can be later than the batches applied after it (a fresh
+agent's start-up clear is followed by the engine's replay of older batches). The order of one
+replica's records in the file is the order they were applied; readers replay them in that
+order (:func:`cachecore.traceanalysis.replay_order`), not sorted by ``ts``.
 """
 
 from __future__ import annotations
