@@ -15,6 +15,15 @@ Two inputs, one module:
   lifetimes (stored -> removed, with the still-alive blocks reported as censored),
   prefix duplication across replicas, and per-request hit rates.
 
+  The analysed window runs from the first record to ``--end`` (default: the last record's
+  ts); the state after the last record counts until then. Mean occupancy is time-weighted
+  over the window (from a replica's first record); a censored lifetime is ``end - stored``.
+  **Duplication** is ``duplicated block-seconds / cached block-seconds``: at each instant the
+  cached blocks are the blocks held summed over replicas and the duplicated ones are the
+  copies beyond a key's first (cached - distinct keys), both integrated over the window.
+  Idle periods hold no blocks and so do not dilute it; when no cached state lasted any time
+  (all records at one instant, no ``--end``) it is the share at the end.
+
 ``kvgate trace analyze FILE...`` prints the tables.
 """
 
@@ -103,6 +112,8 @@ class ReplicaOccupancy:
     clears: int = 0
 
     def time_weighted_mean(self, end_ts: float) -> float:
+        """Mean blocks held from this replica's first record to ``end_ts`` (the report's
+        end: the last state counts until then)."""
         if not self.samples:
             return 0.0
         area = 0.0
@@ -123,7 +134,11 @@ class EventTraceReport:
     occupancy: dict[str, ReplicaOccupancy]
     lifetimes_s: list[float]
     censored_lifetimes_s: list[float]
-    duplication_time_weighted: float  # mean of (sum occupancy - distinct keys) / sum occ.
+    # duplicated_block_s / cached_block_s: the share of cached block-seconds held by a
+    # second (third, ...) copy of a key cached on another replica
+    duplication: float
+    cached_block_s: float  # integral over the window of the blocks cached on all replicas
+    duplicated_block_s: float  # the same for the copies beyond a key's first
     peak_duplicated_keys: int
     skipped: int = 0  # records that were not valid cache events
 
@@ -158,21 +173,27 @@ def replay_order(records: Iterable[dict[str, Any]]) -> list[tuple[float, dict[st
     return list(heapq.merge(*timed, key=lambda p: p[0]))
 
 
-def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
+def analyze_events(
+    records: Iterable[dict[str, Any]], end_ts: float | None = None
+) -> EventTraceReport:
     """Replay store/remove/clear records (in :func:`replay_order`) and measure the caches.
-    Records :func:`valid_event` refuses (unknown op, no usable ts, ...) are skipped and
-    counted in ``skipped``: they neither change a cache nor stretch the span."""
+
+    The window is ``[first record, end_ts]``; ``end_ts`` (default: the last record's time)
+    closes the state after the last record: mean occupancy, duplication and the censored
+    lifetimes of the blocks still cached all run to it, so a later ``end_ts`` weighs the
+    final state by how long it is known to have lasted. An ``end_ts`` before the last
+    record raises ValueError. Records :func:`valid_event` refuses (unknown op, no usable
+    ts, ...) are skipped and counted in ``skipped``: they neither change a cache nor
+    stretch the window."""
     alive: dict[tuple[str, str], float] = {}
     holders: dict[str, set[str]] = defaultdict(set)
     occ: dict[str, ReplicaOccupancy] = {}
     per_replica: dict[str, set[str]] = defaultdict(set)
     lifetimes: list[float] = []
-    start = end = math.nan
-    dup_area = 0.0
-    last_t: float | None = None
-    last_ratio = 0.0
+    start = last = math.nan
+    cached_area = dup_area = 0.0  # block-seconds: all copies, and copies beyond the first
     peak_dup = 0
-    total_blocks = 0
+    total_blocks = 0  # blocks cached, summed over replicas
     skipped = 0
     usable = []
     for rec in records:
@@ -182,16 +203,16 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
             skipped += 1
     for ts, rec in replay_order(usable):
         if math.isnan(start):
-            start = ts
-        end = ts
-        if last_t is not None:
-            dup_area += last_ratio * (ts - last_t)
-        last_t = ts
-        replica = str(rec["replica"])
+            start = last = ts
+        dup_keys = total_blocks - len(holders)
+        cached_area += total_blocks * (ts - last)
+        dup_area += dup_keys * (ts - last)
+        last = ts
+        replica = rec["replica"]
         o = occ.setdefault(replica, ReplicaOccupancy(replica))
         op = rec["op"]
         if op == "store":
-            key = str(rec["key"])
+            key = rec["key"]
             if key not in per_replica[replica]:
                 per_replica[replica].add(key)
                 holders[key].add(replica)
@@ -199,7 +220,7 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
                 total_blocks += 1
             o.stores += 1
         elif op == "remove":
-            key = str(rec["key"])
+            key = rec["key"]
             if key in per_replica[replica]:
                 per_replica[replica].discard(key)
                 holders[key].discard(replica)
@@ -218,19 +239,29 @@ def analyze_events(records: Iterable[dict[str, Any]]) -> EventTraceReport:
             per_replica[replica].clear()
             o.clears += 1
         o.samples.append((ts, len(per_replica[replica])))
-        distinct = len(holders)
-        dup_keys = total_blocks - distinct
-        peak_dup = max(peak_dup, dup_keys)
-        last_ratio = dup_keys / total_blocks if total_blocks else 0.0
-    censored = [end - t0 for t0 in alive.values()]
-    span = (end - start) if not math.isnan(start) else 0.0
+        peak_dup = max(peak_dup, total_blocks - len(holders))
+    if math.isnan(start):
+        start = last = 0.0 if end_ts is None else end_ts
+    if end_ts is None:
+        end_ts = last
+    elif end_ts < last:
+        raise ValueError(f"end {end_ts:g} is before the last record ({last:g})")
+    dup_keys = total_blocks - len(holders)
+    cached_area += total_blocks * (end_ts - last)
+    dup_area += dup_keys * (end_ts - last)
+    if cached_area > 0:
+        duplication = dup_area / cached_area
+    else:  # no cached state lasted any time: the state at the end
+        duplication = dup_keys / total_blocks if total_blocks else 0.0
     return EventTraceReport(
-        start_ts=0.0 if math.isnan(start) else start,
-        end_ts=0.0 if math.isnan(end) else end,
+        start_ts=start,
+        end_ts=end_ts,
         occupancy=occ,
         lifetimes_s=lifetimes,
-        censored_lifetimes_s=censored,
-        duplication_time_weighted=dup_area / span if span > 0 else last_ratio,
+        censored_lifetimes_s=[end_ts - t0 for t0 in alive.values()],
+        duplication=duplication,
+        cached_block_s=cached_area,
+        duplicated_block_s=dup_area,
         peak_duplicated_keys=peak_dup,
         skipped=skipped,
     )
@@ -358,7 +389,7 @@ def read_jsonl(paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[dict[s
 
 def format_event_report(rep: EventTraceReport) -> str:
     lines = [
-        f"span: {rep.end_ts - rep.start_ts:.1f} s",
+        f"span: {rep.end_ts - rep.start_ts:.1f} s (to end {rep.end_ts:.3f})",
         "",
         "| replica | stores | removes | clears | mean occupancy (blocks) | peak |",
         "|---|---|---|---|---|---|",
@@ -379,8 +410,8 @@ def format_event_report(rep: EventTraceReport) -> str:
         f"| still cached (censored) | {len(cz)} | {percentile(cz, 50):.2f} | "
         f"{percentile(cz, 90):.2f} | {percentile(cz, 99):.2f} |",
         "",
-        f"prefix duplication across replicas (time-weighted share of cached blocks that are a "
-        f"second copy): {rep.duplication_time_weighted:.1%}; peak duplicated blocks: "
+        f"prefix duplication across replicas (share of cached block-seconds held by a second "
+        f"copy of a key): {rep.duplication:.1%}; peak duplicated blocks: "
         f"{rep.peak_duplicated_keys}",
     ]
     return "\n".join(lines)
@@ -404,6 +435,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     a = sub.add_parser("analyze", help="analyse agent/gateway JSONL traces")
     a.add_argument("files", nargs="+", type=Path)
+    a.add_argument(
+        "--end",
+        type=float,
+        default=None,
+        help="end of the analysed window (same clock as the records' ts): the state after "
+        "the last record counts until then in mean occupancy, duplication and the ages of "
+        "the blocks still cached (default: the last record's ts, so that state has no weight)",
+    )
 
 
 def _fail(what: str) -> int:
@@ -412,6 +451,8 @@ def _fail(what: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.end is not None and not math.isfinite(args.end):
+        return _fail(f"--end must be a finite time, got {args.end}")
     try:
         events, requests, bad = read_jsonl(args.files)
     except OSError as exc:
@@ -424,7 +465,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     if events:
-        print(format_event_report(analyze_events(events)))
+        try:
+            report = analyze_events(events, args.end)
+        except ValueError as exc:  # "end X is before the last record (Y)"
+            return _fail(f"--{exc}")
+        print(format_event_report(report))
     if requests:
         print()
         print(format_request_report(analyze_requests(requests)))

@@ -59,8 +59,8 @@ def test_event_analysis_occupancy_lifetimes_duplication() -> None:
     assert rep.censored_lifetimes_s == [3.0]  # k2@r1 alive 2->5
     assert rep.occupancy["r1"].peak == 2 and rep.occupancy["r2"].clears == 1
     assert rep.peak_duplicated_keys == 1
-    # duplicated share: t in [1,2): 1/2, [2,3): 1/3, else 0 -> (0.5 + 0.333) / 5
-    assert rep.duplication_time_weighted == pytest.approx((0.5 + 1 / 3) / 5)
+    # cached block-seconds 1+2+3+2+1 over [0,5), duplicated 1 in [1,3)
+    assert rep.duplication == pytest.approx(2 / 9)
 
 
 def test_request_analysis_and_jsonl(tmp_path: Path) -> None:
@@ -183,3 +183,40 @@ def test_fresh_agent_clear_does_not_wipe_replayed_stores() -> None:
     assert sorted(rep.lifetimes_s) == [0.0, 1.0, 2.0, 399.0]  # o2, o1, o0 cleared; k0
     assert sorted(rep.censored_lifetimes_s) == [301.0, 399.0, 399.0, 399.0, 399.0]
     assert rep.occupancy["r0"].samples[-1] == (1001.0, 4)
+
+
+def _store(ts: float, replica: str, key: str) -> dict[str, object]:
+    return {"ts": ts, "replica": replica, "op": "store", "key": key}
+
+
+def test_duplication_is_block_seconds_weighted() -> None:
+    clears = [{"ts": 0.0, "replica": r, "op": "clear"} for r in ("r0", "r1")]
+    shared = [_store(100.0, r, k) for r in ("r0", "r1") for k in "abcd"]
+    # the same 4 blocks on two replicas: half the cached blocks are second copies, however
+    # long the caches were empty before and although nothing lasted after
+    assert analyze_events(clears + shared).duplication == pytest.approx(0.5)
+    assert analyze_events(shared).duplication == pytest.approx(0.5)
+    # one more r0 block at 200: [100,200) 4 of 8 duplicated; the end state has no weight
+    recs = [*clears, *shared, _store(200.0, "r0", "e")]
+    rep = analyze_events(recs)
+    assert rep.duplication == pytest.approx(0.5)
+    assert rep.cached_block_s == 800.0 and rep.duplicated_block_s == 400.0
+    # --end 300 weighs the final state (4 of 9) for 100 s
+    rep = analyze_events(recs, end_ts=300.0)
+    assert rep.duplication == pytest.approx((400 + 400) / (800 + 900))
+    assert rep.end_ts == 300.0 and sorted(rep.censored_lifetimes_s) == [100.0] + [200.0] * 8
+    # occupancy over the same window: r0 holds 0 for 100 s, 4 for 100 s, 5 for 100 s
+    assert rep.occupancy["r0"].time_weighted_mean(rep.end_ts) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="before the last record"):
+        analyze_events(recs, end_ts=199.0)
+
+
+def test_cli_end_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "t.jsonl"
+    recs = [_store(100.0, r, k) for r in ("r0", "r1") for k in "abcd"] + [_store(200, "r0", "e")]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    code, out, _ = _analyze_cli(capsys, f, "--end", "300")
+    assert code == 0 and "span: 200.0 s" in out and ": 47.1%;" in out
+    for bad, why in (("150", "--end 150 is before the last record (200)"), ("nan", "finite")):
+        code, out, err = _analyze_cli(capsys, f, "--end", bad)
+        assert code == 2 and out == "" and why in err and err.count("\n") == 1
