@@ -49,6 +49,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import Replica, ReplicaPool, ReplicaSpec
+from gateway.requesttrace import RequestTrace
 from gateway.routing import Candidate, Decision, Router, RouteRequest, Strategy
 from gateway.settings import GatewaySettings
 from gateway.tokenization import LocalPromptTokenizer, TokenizerPools, check_alignment
@@ -217,6 +218,7 @@ class Gateway:
         self._bg: set[asyncio.Task[None]] = set()
         self._settling: Counter[str] = Counter()  # claim checks waiting for their agent
         self.alignment_problems: list[str] = []
+        self.trace: RequestTrace | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -251,6 +253,9 @@ class Gateway:
             max_keepalive_connections=s.max_connections,
             keepalive_expiry=60.0,
         )
+        if s.trace_out is not None:
+            self.trace = RequestTrace(s.trace_out)
+            self.trace.start()
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(s.connect_timeout_s))
         self.upstream = LeanTransport(max_connections=s.max_connections)
         self.pool = ReplicaPool(self.client, self.policy.health, on_change=self._on_health)
@@ -367,6 +372,8 @@ class Gateway:
             await self.upstream.aclose()
         if self._tracer_provider is not None:
             self._tracer_provider.shutdown()
+        if self.trace is not None:
+            await self.trace.close()
 
     def _any_replica_url(self, model: str) -> str | None:
         if self.pool is None:
@@ -716,6 +723,8 @@ class Gateway:
                 self.pool.record_success(rid)
             elif out.error is not None and out.error not in ("connect", "timeout"):
                 self.pool.record_failure(rid)  # connect failures were counted at the time
+        if self.trace is not None:
+            self._trace(d, out)
         if out.cached_tokens is None or out.status != 200 or d.unkeyed:
             return  # a media request's engine tokens include its items: nothing to compare
         prompt = out.prompt_tokens if out.prompt_tokens is not None else d.prompt_tokens
@@ -732,6 +741,31 @@ class Gateway:
                 self._warn_precision("predicted and actual cached tokens disagree", d, out)
             self._check_claims(d, out.cached_tokens)
         self._fit(d, out, prompt)
+
+    def _trace(self, d: Dispatch, out: Outcome) -> None:
+        assert self.trace is not None
+        load = d.load_at_dispatch
+        predicted = None if d.ephemeral or d.unkeyed else d.decision.predicted_cached_tokens
+        self.trace.write(
+            {
+                "ts": time.time(),
+                "request_id": d.request_id,
+                "replica": d.replica,
+                "tenant": d.tenant,
+                "status": out.status,
+                "prompt_tokens": out.prompt_tokens
+                if out.prompt_tokens is not None
+                else d.prompt_tokens,
+                "cached_tokens": out.cached_tokens,
+                "predicted_cached_tokens": predicted,
+                "ttft_s": out.ttft_s,
+                "e2e_s": out.e2e_s,
+                "strategy": d.decision.strategy.value,
+                "reason": d.decision.reason,
+                "kv_usage": load.kv_usage if load is not None else None,
+                "queued_tokens": load.queued_prefill_tokens if load is not None else None,
+            }
+        )
 
     def _warn_precision(self, msg: str, d: Dispatch, out: Outcome) -> None:
         now = time.monotonic()

@@ -316,6 +316,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--gateway-id")
     parser.add_argument("--otel-endpoint")
+    parser.add_argument(
+        "--trace-out", type=Path, help="append one JSON line per answered request (trace analyze)"
+    )
     parser.add_argument("--log-level")
     parser.add_argument("--plain-logs", action="store_true", help="text logs instead of JSON")
 
@@ -324,7 +327,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     overrides: dict[str, Any] = {}
     for name in (
         "policy", "redis_url", "api_keys_file", "admin_key", "host", "port", "seed",
-        "gateway_id", "otel_endpoint", "log_level",
+        "gateway_id", "otel_endpoint", "log_level", "trace_out",
     ):  # fmt: skip
         value = getattr(args, name, None)
         if value is not None:

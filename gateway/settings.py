@@ -62,6 +62,8 @@ class GatewaySettings(BaseSettings):
     drain_grace_s: float = 1.0
     max_connections: int = 1024
     otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None = tracing off
+    # JSON lines, one per answered request (gateway/requesttrace.py): `kvgate trace analyze`
+    trace_out: Path | None = None
     otel_service_name: str = "kvgate-gateway"
     log_level: str = "INFO"
     log_json: bool = True

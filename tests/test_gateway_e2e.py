@@ -16,6 +16,7 @@ from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionMessageParam
 
 from cachecore.keys import Scope, ScopeKind
+from cachecore.traceanalysis import analyze_requests
 from gateway.auth import hash_key
 from tests.test_gateway_support import FAST, Stack, kill_replica, stack, words
 
@@ -554,3 +555,44 @@ async def test_a_stream_counts_as_queued_prefill_until_its_first_token() -> None
                 assert (requests, running) == (0, 1) and queued == 0
         assert chunks >= 2
         assert gw.inflight.own(rid) == (0.0, 0, 0)
+
+
+async def test_request_trace_feeds_trace_analyze(tmp_path: Path) -> None:
+    """--trace-out: one record per answered request, with the engine's and the predicted
+    cached tokens and the replica's occupancy at the decision; trace analyze reads it."""
+    path = tmp_path / "requests.jsonl"
+    system = words(400, 91)
+    async with stack(count=2, trace_out=path) as st:
+        c = st.client()
+        usages = []
+        for i in range(3):
+            r = await c.chat.completions.create(
+                model=st.model, messages=chat(system, words(8, 900 + i)), max_tokens=2
+            )
+            usages.append(r.usage)
+        stream = await c.chat.completions.create(
+            model=st.model,
+            messages=chat(system, "streamed"),
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usages.append(chunk.usage)
+        async with st.http() as h:
+            bad = await h.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+        assert bad.status_code == 404  # refused before routing: no record
+    records = [orjson.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 4 and all(r["status"] == 200 for r in records)
+    for rec, usage in zip(records, usages, strict=True):
+        assert usage is not None
+        assert rec["prompt_tokens"] == usage.prompt_tokens
+        assert rec["cached_tokens"] == cached(usage)
+        assert rec["predicted_cached_tokens"] == rec["cached_tokens"]
+        assert rec["tenant"] == "anonymous" and rec["strategy"] == "expected_latency"
+        assert 0.0 <= rec["kv_usage"] <= 1.0 and rec["e2e_s"] > 0
+    assert [r["ttft_s"] is None for r in records] == [True, True, True, False]
+    report = analyze_requests(records)
+    assert report.requests == 4 and report.cached_tokens == sum(cached(u) for u in usages)
+    assert report.predicted_error_tokens == 0
