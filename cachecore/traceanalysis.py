@@ -107,7 +107,8 @@ def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) ->
 class ReplicaOccupancy:
     replica: str
     samples: list[tuple[float, int]] = field(default_factory=list)  # (ts, blocks stored)
-    stores: int = 0
+    stores: int = 0  # keys newly cached on the replica
+    tier_changes: int = 0  # store records of a key it already held (a new tier set)
     removes: int = 0
     clears: int = 0
 
@@ -218,7 +219,9 @@ def analyze_events(
                 holders[key].add(replica)
                 alive[(replica, key)] = ts
                 total_blocks += 1
-            o.stores += 1
+                o.stores += 1
+            else:  # the agent re-emits a cached key whose tier set changed (GPU -> GPU|CPU)
+                o.tier_changes += 1
         elif op == "remove":
             key = rec["key"]
             if key in per_replica[replica]:
@@ -391,13 +394,13 @@ def format_event_report(rep: EventTraceReport) -> str:
     lines = [
         f"span: {rep.end_ts - rep.start_ts:.1f} s (to end {rep.end_ts:.3f})",
         "",
-        "| replica | stores | removes | clears | mean occupancy (blocks) | peak |",
-        "|---|---|---|---|---|---|",
+        "| replica | stores | tier changes | removes | clears | mean occupancy (blocks) | peak |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in sorted(rep.occupancy):
         o = rep.occupancy[name]
         lines.append(
-            f"| {name} | {o.stores} | {o.removes} | {o.clears} | "
+            f"| {name} | {o.stores} | {o.tier_changes} | {o.removes} | {o.clears} | "
             f"{o.time_weighted_mean(rep.end_ts):.1f} | {o.peak} |"
         )
     lt, cz = rep.lifetimes_s, rep.censored_lifetimes_s

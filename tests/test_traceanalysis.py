@@ -220,3 +220,16 @@ def test_cli_end_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     for bad, why in (("150", "--end 150 is before the last record (200)"), ("nan", "finite")):
         code, out, err = _analyze_cli(capsys, f, "--end", bad)
         assert code == 2 and out == "" and why in err and err.count("\n") == 1
+
+
+def test_tier_change_re_emission_is_not_a_store() -> None:
+    # the agent writes a store record again when a cached key's tier set changes
+    recs = [
+        {**_store(1.0, "r0", "a"), "tier": "GPU"},
+        {**_store(2.0, "r0", "a"), "tier": "GPU|CPU"},
+        {**_store(3.0, "r0", "a"), "tier": "CPU"},
+        {"ts": 4.0, "replica": "r0", "op": "remove", "key": "a", "tier": ""},
+        {**_store(5.0, "r0", "a"), "tier": "GPU"},
+    ]
+    o = analyze_events(recs).occupancy["r0"]
+    assert (o.stores, o.tier_changes, o.removes) == (2, 2, 1)
