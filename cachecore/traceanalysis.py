@@ -10,10 +10,16 @@ Two inputs, one module:
   engine-reported hit rates.
 * **Cache-event traces**: JSON lines ``{"ts", "replica", "op": "store"|"remove"|"clear",
   "key", "tier"}`` written by cache agents (``--trace-out``) and request records ``{"ts",
-  "replica", "tenant", "prompt_tokens", "cached_tokens", "predicted_cached_tokens"}``
-  written by the gateway. From them: per-replica occupancy over time, evictions, block
-  lifetimes (stored -> removed, with the still-alive blocks reported as censored),
-  prefix duplication across replicas, and per-request hit rates.
+  "replica", "tenant", "prompt_tokens", "cached_tokens", "predicted_cached_tokens"}``.
+  Nothing in kvgate writes request records: they are a format for your own tooling, e.g. a
+  client logging each response's ``x-kvgate-replica`` and ``x-kvgate-predicted-cached-tokens``
+  headers (``expose_replica``) with its usage's ``prompt_tokens`` and ``cached_tokens``.
+  ``cached_tokens`` and ``predicted_cached_tokens`` may be missing or null (not known): like
+  the gateway's ``kvgate_cached_tokens_error_total``, the prediction error counts only records
+  with both, and the hit rate only records with ``cached_tokens``. From them: per-replica
+  occupancy over time, evictions, block lifetimes (stored -> removed, with the still-alive
+  blocks reported as censored), prefix duplication across replicas, and per-request hit
+  rates.
 
   The analysed window runs from the first record to ``--end`` (default: the last record's
   ts); the state after the last record counts until then. Mean occupancy is time-weighted
@@ -24,7 +30,7 @@ Two inputs, one module:
   Idle periods hold no blocks and so do not dilute it; when no cached state lasted any time
   (all records at one instant, no ``--end``) it is the share at the end.
 
-``kvgate trace analyze FILE...`` prints the tables.
+``kvgate trace analyze FILE... [--end T]`` prints the tables.
 """
 
 from __future__ import annotations
@@ -282,35 +288,58 @@ def percentile(values: Sequence[float], q: float) -> float:
 @dataclass(frozen=True, slots=True)
 class RequestReport:
     requests: int
-    prompt_tokens: int
+    prompt_tokens: int  # all records
+    measured_prompt_tokens: int  # records with an actual cached count: the hit rate's base
     cached_tokens: int
-    predicted_error_tokens: int
-    by_replica: dict[str, tuple[int, int, int]]  # replica -> (requests, prompt, cached)
+    compared_prompt_tokens: int  # records with a predicted and an actual count
+    predicted_error_tokens: int  # sum |predicted - actual| over those records
+    # replica -> (requests, prompt tokens, measured prompt tokens, cached tokens)
+    by_replica: dict[str, tuple[int, int, int, int]]
 
     @property
     def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        m = self.measured_prompt_tokens
+        return self.cached_tokens / m if m else 0.0
 
     @property
     def prediction_error(self) -> float:
-        return self.predicted_error_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        """|predicted - actual| / prompt tokens over the records that carry both (a record
+        without one is not known to be right or wrong, so it is left out of the base too,
+        as the gateway's precision metric does)."""
+        c = self.compared_prompt_tokens
+        return self.predicted_error_tokens / c if c else 0.0
 
 
 def analyze_requests(records: Iterable[dict[str, Any]]) -> RequestReport:
-    n = prompt = cached = err = 0
-    by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    """Hit rate and prediction error of request records (assumed :func:`valid_request`)."""
+    n = prompt = measured = cached = compared = err = 0
+    by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for rec in records:
-        p, c = int(rec["prompt_tokens"]), int(rec.get("cached_tokens") or 0)
+        p = int(rec["prompt_tokens"])
+        c, pred = rec.get("cached_tokens"), rec.get("predicted_cached_tokens")
+        row = by[str(rec.get("replica", "?"))]
         n += 1
         prompt += p
-        cached += c
-        if rec.get("predicted_cached_tokens") is not None:
-            err += abs(int(rec["predicted_cached_tokens"]) - c)
-        row = by[str(rec.get("replica", "?"))]
         row[0] += 1
         row[1] += p
-        row[2] += c
-    return RequestReport(n, prompt, cached, err, {k: (v[0], v[1], v[2]) for k, v in by.items()})
+        if c is None:
+            continue
+        measured += p
+        cached += int(c)
+        row[2] += p
+        row[3] += int(c)
+        if pred is not None:
+            compared += p
+            err += abs(int(pred) - int(c))
+    return RequestReport(
+        n,
+        prompt,
+        measured,
+        cached,
+        compared,
+        err,
+        {k: (v[0], v[1], v[2], v[3]) for k, v in by.items()},
+    )
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -422,15 +451,17 @@ def format_event_report(rep: EventTraceReport) -> str:
 
 def format_request_report(rep: RequestReport) -> str:
     lines = [
-        f"requests: {rep.requests}, token hit rate {rep.hit_rate:.1%}, "
-        f"predicted-vs-actual cached error {rep.prediction_error:.2%} of prompt tokens",
+        f"requests: {rep.requests}, token hit rate {rep.hit_rate:.1%} "
+        f"({rep.measured_prompt_tokens} of {rep.prompt_tokens} prompt tokens with a cached "
+        f"count), predicted-vs-actual cached error {rep.prediction_error:.2%} of prompt tokens "
+        f"({rep.compared_prompt_tokens} prompt tokens with both counts)",
         "",
         "| replica | requests | prompt tokens | cached tokens | hit rate |",
         "|---|---|---|---|---|",
     ]
     for name in sorted(rep.by_replica):
-        n, p, c = rep.by_replica[name]
-        lines.append(f"| {name} | {n} | {p} | {c} | {c / p if p else 0:.1%} |")
+        n, p, m, c = rep.by_replica[name]
+        lines.append(f"| {name} | {n} | {p} | {c} | {c / m if m else 0:.1%} |")
     return "\n".join(lines)
 
 

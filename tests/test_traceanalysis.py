@@ -233,3 +233,19 @@ def test_tier_change_re_emission_is_not_a_store() -> None:
     ]
     o = analyze_events(recs).occupancy["r0"]
     assert (o.stores, o.tier_changes, o.removes) == (2, 2, 1)
+
+
+def test_request_counts_only_from_records_that_carry_them() -> None:
+    base = {"ts": 0, "replica": "a"}
+    rep = analyze_requests(
+        [
+            {**base, "prompt_tokens": 100, "cached_tokens": 50, "predicted_cached_tokens": 40},
+            {**base, "prompt_tokens": 300, "cached_tokens": 0},  # no prediction
+            {**base, "prompt_tokens": 500, "predicted_cached_tokens": 500},  # no actual
+            {**base, "prompt_tokens": 700, "cached_tokens": None},
+        ]
+    )
+    assert rep.requests == 4 and rep.prompt_tokens == 1600
+    assert rep.prediction_error == pytest.approx(10 / 100)  # the gateway's metric: 10 / 100
+    assert rep.hit_rate == pytest.approx(50 / 400)
+    assert rep.by_replica["a"] == (4, 1600, 400, 50)
