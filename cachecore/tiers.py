@@ -13,14 +13,17 @@ dominates short prefixes).
 throughput that sets prefill time and the copy bandwidths of the tiers it can reach
 (host memory; a Redis on loopback standing in for a remote tier), then prints the
 break-even table for Llama-3-8B and -70B shapes both for this machine and for a datasheet
-H100 (50% of ~1000 TFLOP/s bf16; PCIe 5 x16; 100 Gb/s network), and writes a plot.
+H100 (50% of ~1000 TFLOP/s bf16; PCIe 5 x16; 100 Gb/s network); with ``--plot FILE`` it
+also writes the break-even plot there (no file otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -124,7 +127,13 @@ def measure_redis_link(url: str, chunk_bytes: int = 2 * 1024 * 1024, chunks: int
     GET of ``chunks`` KV chunks, pipelined, plus one small GET for the fixed latency."""
     import redis
 
-    client = redis.Redis.from_url(url)
+    # bounded: an address that drops packets fails in seconds instead of hanging the bench
+    client = redis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=60.0)
+    try:
+        client.ping()  # unreachable: raise before the cleanup below would try again
+    except BaseException:
+        client.close()
+        raise
     payload = b"\x01" * chunk_bytes
     keys = [f"kvgate:tierbench:{i}" for i in range(chunks)]
     try:
@@ -141,7 +150,9 @@ def measure_redis_link(url: str, chunk_bytes: int = 2 * 1024 * 1024, chunks: int
         fixed = _timeit(lambda: client.get("kvgate:tierbench:small"), 50)
         return TierLink("remote (redis, loopback)", chunk_bytes * chunks / seconds, fixed, True)
     finally:
-        client.delete(*keys, "kvgate:tierbench:small")
+        # best effort: a cleanup error must not replace the error that got us here
+        with contextlib.suppress(redis.RedisError):
+            client.delete(*keys, "kvgate:tierbench:small")
         client.close()
 
 
@@ -242,21 +253,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemm", type=int, default=1024, help="GEMM size for FLOP/s")
 
 
+def _fail(what: str) -> int:
+    print(f"kvgate bench tiers: {what}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
+    from redis import RedisError
+
     from cachecore.testing import RedisServer
 
-    flops = measure_matmul_flops(args.gemm)
-    host = measure_copy_link()
+    if args.gemm <= 0:
+        return _fail(f"--gemm must be > 0 (the GEMM matrix size), got {args.gemm}")
+    if args.context < 0:
+        return _fail(f"--context must be >= 0 tokens, got {args.context}")
+    # the remote tier first: an unreachable --redis fails before the slower measurements
     server: RedisServer | None = None
     url = args.redis
-    if url is None:
-        server = RedisServer().start()
-        url = server.url
     try:
+        if url is None:
+            try:
+                server = RedisServer().start()
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                return _fail(f"cannot start a private redis-server ({exc}); pass --redis URL")
+            url = server.url
         remote = measure_redis_link(url)
+    except (RedisError, ValueError) as exc:  # ValueError: a URL redis-py refuses
+        return _fail(f"--redis: {exc}")  # not the URL itself: it may hold a password
     finally:
         if server is not None:
             server.close()
+    flops = measure_matmul_flops(args.gemm)
+    host = measure_copy_link()
     here = Platform(
         f"this machine (torch fp32 GEMM {flops / 1e9:.0f} GFLOP/s)",
         flops,

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from cachecore.tiers import (
     DATASHEET_H100,
     LLAMA3_8B,
@@ -44,3 +46,33 @@ def test_measurements_run_with_torch() -> None:
     assert measure_matmul_flops(n=128, repeat=2) > 1e6
     link = measure_copy_link(nbytes=1 << 20, repeat=2)
     assert link.bandwidth_bytes_s > 1e7 and link.fixed_s > 0
+
+
+def _bench_tiers(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    import argparse
+
+    from cachecore import tiers
+
+    parser = argparse.ArgumentParser(prog="kvgate bench tiers")
+    tiers.configure(parser)
+    code = tiers.run(parser.parse_args(list(argv)))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (("--gemm", "0"), "--gemm must be > 0"),
+        (("--gemm", "-8"), "--gemm must be > 0"),
+        (("--context", "-100000"), "--context must be >= 0"),
+        (("--redis", "redis://127.0.0.1:1/0"), "--redis: "),  # nothing listens on port 1
+        (("--redis", "http://127.0.0.1:1"), "--redis: "),  # a scheme redis-py refuses
+    ],
+)
+def test_bad_input_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], why: str
+) -> None:
+    code, out, err = _bench_tiers(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(f"kvgate bench tiers: {why}") and err.count("\n") == 1
