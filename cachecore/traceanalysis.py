@@ -11,12 +11,12 @@ Two inputs, one module:
 * **Cache-event traces**: JSON lines ``{"ts", "replica", "op": "store"|"remove"|"clear",
   "key", "tier"}`` written by cache agents (``--trace-out``) and request records ``{"ts",
   "replica", "tenant", "prompt_tokens", "cached_tokens", "predicted_cached_tokens"}``.
-  Nothing in kvgate writes request records: they are a format for your own tooling, e.g. a
-  client logging each response's ``x-kvgate-replica`` and ``x-kvgate-predicted-cached-tokens``
-  headers (``expose_replica``) with its usage's ``prompt_tokens`` and ``cached_tokens``.
+  Request records come from ``kvgate serve --trace-out`` (:mod:`gateway.requesttrace`, which
+  adds fields this module ignores) or from your own tooling in the same format.
   ``cached_tokens`` and ``predicted_cached_tokens`` may be missing or null (not known): like
   the gateway's ``kvgate_cached_tokens_error_total``, the prediction error counts only records
-  with both, and the hit rate only records with ``cached_tokens``. From them: per-replica
+  with both, and the hit rate only records with ``cached_tokens``; a record whose ``status``
+  is present and not 200 counts in neither. From them: per-replica
   occupancy over time, evictions, block lifetimes (stored -> removed, with the still-alive
   blocks reported as censored), prefix duplication across replicas, and per-request hit
   rates.
@@ -317,6 +317,8 @@ def analyze_requests(records: Iterable[dict[str, Any]]) -> RequestReport:
     for rec in records:
         p = int(rec["prompt_tokens"])
         c, pred = rec.get("cached_tokens"), rec.get("predicted_cached_tokens")
+        if rec.get("status", 200) != 200:  # a failed answer: its counts are not comparable
+            c = None
         row = by[str(rec.get("replica", "?"))]
         n += 1
         prompt += p

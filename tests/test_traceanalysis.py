@@ -249,3 +249,16 @@ def test_request_counts_only_from_records_that_carry_them() -> None:
     assert rep.prediction_error == pytest.approx(10 / 100)  # the gateway's metric: 10 / 100
     assert rep.hit_rate == pytest.approx(50 / 400)
     assert rep.by_replica["a"] == (4, 1600, 400, 50)
+
+
+def test_failed_answers_count_in_neither_rate() -> None:
+    # the gateway's --trace-out writes a record for every answered request, errors included
+    rep = analyze_requests(
+        [
+            {"ts": 0, "replica": "a", "status": 200, "prompt_tokens": 100, "cached_tokens": 50,
+             "predicted_cached_tokens": 50},
+            {"ts": 1, "replica": "a", "status": 500, "prompt_tokens": 900, "cached_tokens": 0,
+             "predicted_cached_tokens": 800},
+        ]
+    )  # fmt: skip
+    assert rep.hit_rate == pytest.approx(0.5) and rep.prediction_error == 0.0
