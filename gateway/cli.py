@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -29,6 +35,116 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # servers that drain gracefully on SIGTERM by their own handlers (and exit by the signal)
 SERVERS = frozenset({"serve", "agent", "replica"})
+
+
+class CommandError(Exception):
+    """Bad input a command finds only after parsing (a malformed trace file, ...):
+    :func:`main` prints it as ``kvgate <cmd>: <message>`` and exits 2, as argparse does."""
+
+
+# ---------------------------------------------------------------- argparse ``type=`` checks
+# They raise ArgumentTypeError so argparse prints its one-line usage error (exit 2) before a
+# command starts anything.
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {value}")
+    return value
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """A ``type=`` for ``a,b,c``: each part checked by ``item``, duplicates dropped (first
+    kept: a value given twice would be run and reported twice), at least one."""
+
+    def parse(text: str) -> list[T]:
+        out: list[T] = []
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            value = item(part)
+            if value not in out:
+                out.append(value)
+        if not out:
+            raise argparse.ArgumentTypeError(f"empty list: {text!r}")
+        return out
+
+    return parse
+
+
+def _check_creatable(text: str, path: Path) -> None:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+
+
+def writable_file(text: str) -> Path:
+    """An output file that can be written (checked up front: a failed write at the end
+    loses the whole run): not a directory, writable if it exists, else its nearest existing
+    ancestor is a writable directory (the writer creates the missing ones)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text}: not writable")
+        return path
+    _check_creatable(text, path.parent)
+    return path
+
+
+def writable_dir(text: str) -> Path:
+    """An output directory that is writable, or can be created."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    _check_creatable(text, path)
+    return path
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -63,8 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # its cleanup has run; no traceback for a stop request
         print(f"kvgate {name}: interrupted", file=sys.stderr)
         return 130
+    except CommandError as exc:
+        print(f"kvgate {name}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     return int(code or 0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m gateway.cli`` (how fleets start replicas): run the importable module's main,
+    # so the CommandError the subcommands raise is the class it catches, not __main__'s copy
+    from gateway.cli import main as _main
+
+    sys.exit(_main())

@@ -31,18 +31,27 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import xxhash
 
 from cachecore.tokenizer import WordVocabulary, builtin_tokenizer
+from gateway.cli import CommandError
 
 Api = Literal["chat", "completions"]
 MOONCAKE_BLOCK_TOKENS = 512
-# ../shared/traces beside the checkout; KVGATE_TRACE_DIR overrides
-DEFAULT_TRACE_DIR = Path(
-    os.environ.get("KVGATE_TRACE_DIR", Path(__file__).resolve().parents[2] / "shared" / "traces")
-)
+
+
+def trace_dir() -> Path:
+    """Where the trace files are: ``KVGATE_TRACE_DIR``, else ``../shared/traces`` beside the
+    checkout (read at each call, so a test or a caller can point it elsewhere)."""
+    env = os.environ.get("KVGATE_TRACE_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+class TraceError(CommandError, ValueError):
+    """A trace file that is missing, empty or malformed; the message names the file (and the
+    line) so ``kvgate`` can print it as one line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +100,9 @@ class Workload:
         return replace(self, items=items)
 
     def head(self, n: int) -> Workload:
+        """The first ``n`` items (a negative ``n`` would slice from the end: refused)."""
+        if n < 0:
+            raise ValueError(f"head({n}): n must be >= 0")
         return replace(self, items=self.items[:n])
 
     def sample_groups(self, n: int, seed: int) -> Workload:
@@ -503,6 +515,16 @@ def cache_flood(
 # ------------------------------------------------------------------------------ traces
 
 
+def _open_trace(path: Path) -> TextIO:
+    try:
+        return path.open()
+    except OSError as exc:
+        raise TraceError(
+            f"cannot read trace {path}: {exc.strerror or exc} (KVGATE_TRACE_DIR sets the "
+            "directory of the trace files)"
+        ) from None
+
+
 def mooncake(
     text: TextSource,
     path: Path | None = None,
@@ -513,17 +535,26 @@ def mooncake(
     """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``.
     Each hash id becomes a deterministic 512-token block; the prompt is the concatenation
     truncated to ``input_length`` (the last block is partial)."""
-    path = path or DEFAULT_TRACE_DIR / "mooncake_synthetic_trace.jsonl"
+    path = path or trace_dir() / "mooncake_synthetic_trace.jsonl"
     items: list[WorkItem] = []
-    with path.open() as fh:
-        for line in fh:
+    with _open_trace(path) as fh:
+        for lineno, line in enumerate(fh, 1):
             if max_requests is not None and len(items) >= max_requests:
                 break
             if not line.strip():
                 continue
-            row = json.loads(line)
-            n_in = int(row["input_length"])
-            hash_ids = list(row["hash_ids"])
+            try:
+                row = json.loads(line)
+                n_in = int(row["input_length"])
+                hash_ids = list(row["hash_ids"])
+                out = max(1, int(row["output_length"]))
+                t = float(row["timestamp"]) / 1000.0
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
+            except KeyError as exc:
+                raise TraceError(f"{path}:{lineno}: no field {exc}") from None
+            except (TypeError, ValueError) as exc:
+                raise TraceError(f"{path}:{lineno}: bad value: {exc}") from None
             if max_input_tokens is not None and n_in > max_input_tokens:
                 n_in = max_input_tokens
                 hash_ids = hash_ids[: -(-n_in // MOONCAKE_BLOCK_TOKENS)]
@@ -540,18 +571,19 @@ def mooncake(
                 remaining -= take
                 if remaining <= 0:
                     break
-            out = max(1, int(row["output_length"]))
             if output_cap is not None:
                 out = min(out, output_cap)
             items.append(
                 WorkItem(
-                    t=float(row["timestamp"]) / 1000.0,
+                    t=t,
                     api="completions",
                     max_tokens=out,
                     prompt="".join(parts),
                     group=f"h{hash_ids[0]}" if hash_ids else None,
                 )
             )
+    if not items and max_requests != 0:
+        raise TraceError(f"{path}: no rows")
     return Workload("mooncake", _sorted(items), f"Mooncake trace {path.name}, {len(items)} rows")
 
 
@@ -564,19 +596,25 @@ def azure(
     output_cap: int | None = 256,
 ) -> Workload:
     """Azure LLM inference trace 2023: arrivals and lengths, unique content per row."""
-    path = path or DEFAULT_TRACE_DIR / f"AzureLLMInferenceTrace_{kind}.csv"
+    path = path or trace_dir() / f"AzureLLMInferenceTrace_{kind}.csv"
     items = []
     t0: datetime | None = None
-    with path.open() as fh:
-        for i, row in enumerate(csv.DictReader(fh)):
+    with _open_trace(path) as fh:
+        reader = csv.DictReader(fh)
+        for i, row in enumerate(reader):
             if max_requests is not None and i >= max_requests:
                 break
-            ts = datetime.fromisoformat(row["TIMESTAMP"][:26])
+            try:
+                ts = datetime.fromisoformat(row["TIMESTAMP"][:26])
+                n_in = max(1, int(row["ContextTokens"]))
+                out = max(1, int(row["GeneratedTokens"]))
+            except KeyError as exc:
+                raise TraceError(f"{path}:{reader.line_num}: no column {exc}") from None
+            except (TypeError, ValueError) as exc:
+                raise TraceError(f"{path}:{reader.line_num}: bad value: {exc}") from None
             t0 = t0 or ts
-            n_in = max(1, int(row["ContextTokens"]))
             if max_input_tokens is not None:
                 n_in = min(n_in, max_input_tokens)
-            out = max(1, int(row["GeneratedTokens"]))
             if output_cap is not None:
                 out = min(out, output_cap)
             items.append(
@@ -588,6 +626,8 @@ def azure(
                     group="unique",
                 )
             )
+    if not items and max_requests != 0:
+        raise TraceError(f"{path}: no rows")
     return Workload(f"azure-{kind}", _sorted(items), f"Azure {kind} trace, {len(items)} rows")
 
 

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
-from loadtest.workloads import MOONCAKE_BLOCK_TOKENS, WORKLOADS, TextSource, build
+from loadtest.workloads import MOONCAKE_BLOCK_TOKENS, WORKLOADS, TextSource, TraceError, build
+
+_MC_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}'
+_AZ_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +98,75 @@ def test_sample_groups_takes_whole_groups_in_trace_order(text: TextSource) -> No
     # items without a group are groups of their own
     lone = replace(w, items=tuple(replace(it, group=None) for it in w.items[:10]))
     assert len(lone.sample_groups(4, seed=0).items) == 4
+
+
+def test_head_refuses_a_negative_count(text: TextSource) -> None:
+    w = build("short-unique", text, n=5)
+    assert len(w.head(3).items) == 3 and len(w.head(0).items) == 0
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        w.head(-2)  # would have sliced from the end: 3 items
+
+
+def test_a_missing_trace_names_the_file_and_the_variable(
+    tmp_path: Path, text: TextSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVGATE_TRACE_DIR", str(tmp_path))
+    with pytest.raises(TraceError, match="KVGATE_TRACE_DIR") as exc:
+        build("mooncake", text)
+    assert str(tmp_path / "mooncake_synthetic_trace.jsonl") in str(exc.value)
+    with pytest.raises(TraceError, match=r"AzureLLMInferenceTrace_conv\.csv"):
+        build("azure-conv", text)
+
+
+@pytest.mark.parametrize(
+    ("content", "where"),
+    [
+        ("", ": no rows"),
+        ("\n\n", ": no rows"),
+        (_MC_ROW + "\n{not json\n", ":2: not JSON"),
+        (
+            _MC_ROW + "\n\n" + '{"timestamp": 1, "input_length": 10}\n',
+            ":3: no field 'hash_ids'",
+        ),
+        ('{"timestamp": 1, "input_length": "x", "output_length": 1, "hash_ids": [1]}', ":1: bad"),
+        ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": 7}', ":1: bad"),
+    ],
+)
+def test_a_malformed_mooncake_trace_names_the_file_and_line(
+    tmp_path: Path, text: TextSource, content: str, where: str
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(content)
+    with pytest.raises(TraceError) as exc:
+        build("mooncake", text, path=path)
+    assert str(exc.value).startswith(f"{path}{where}"), str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "where"),
+    [
+        ("", ": no rows"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n", ": no rows"),
+        (_AZ_HEAD + "2023-11-16 18:15:46.6805900,374,44\nyesterday,1,2\n", ":3: bad value"),
+        (_AZ_HEAD + "2023-11-16 18:15:46.6805900,x,44\n", ":2: bad value"),
+        ("TIMESTAMP,Tokens\n2023-11-16 18:15:46.6805900,4\n", ":2: no column 'ContextTokens'"),
+    ],
+)
+def test_a_malformed_azure_trace_names_the_file_and_line(
+    tmp_path: Path, text: TextSource, content: str, where: str
+) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text(content)
+    with pytest.raises(TraceError) as exc:
+        build("azure-conv", text, path=path)
+    assert str(exc.value).startswith(f"{path}{where}"), str(exc.value)
+
+
+def test_a_well_formed_small_trace_still_loads(tmp_path: Path, text: TextSource) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(_MC_ROW + "\n")
+    w = build("mooncake", text, path=path)
+    assert len(w.items) == 1 and w.items[0].max_tokens == 3
+    csv_path = tmp_path / "trace.csv"
+    csv_path.write_text(_AZ_HEAD + "2023-11-16 18:15:46.6805900,374,44\n")
+    assert len(build("azure-code", text, path=csv_path).items) == 1
