@@ -42,7 +42,7 @@ from typing import Any
 
 from cachecore.engine.core import EngineConfig, EngineCore, StepResult, default_output_vocab
 from cachecore.engine.hashing import HashAlgo
-from cachecore.engine.latency import get_profile
+from cachecore.engine.latency import PROFILES, get_profile
 from cachecore.engine.request import EngineRequest, RequestOutput
 from cachecore.index.base import ReplicaState
 from cachecore.index.memory import MemoryIndex
@@ -52,11 +52,19 @@ from cachecore.process import batch_gc, freeze_startup_heap
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
 from cachecore.tokenizer import builtin_tokenizer
 from cachecore.traceanalysis import percentile
+from gateway.cli import (
+    CommandError,
+    comma_list,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    writable_file,
+)
 from gateway.load import InFlight, LoadTracker, SharedLoad, Ticket
 from gateway.routing import Candidate, Router, RouteRequest, Strategy
 from gateway.tokenization import LocalPromptTokenizer
 from loadtest.workloads import Api, TextSource, WorkItem, Workload, build
-from policies.schema import Policy, builtin_policy_path, load_policy
+from policies.schema import Policy, PolicyError, builtin_policy_path, load_policy
 
 MODEL = "kvgate-sim-8b"
 _SIM_SECRET = b"kvgate-simulator-salt-secret-0000"
@@ -192,8 +200,12 @@ class FleetSimulator:
         self._ff: list[tuple[float, float] | None] = [None] * cfg.replicas  # (start, t_step)
         self._version = [0] * cfg.replicas
         self._reqs: dict[str, _InFlightReq] = {}
+        if not cfg.scrape_interval_s > 0:  # a zero interval re-schedules itself forever
+            raise ValueError(f"scrape_interval_s must be > 0, got {cfg.scrape_interval_s}")
         self.result = SimResult(cfg.strategy.value, cfg.replicas, len(workload.items), 0.0, 0.0)
         self.result.per_replica_requests = [0] * cfg.replicas
+        # the simulated span: the last arrival or finish (not the scrape tick that follows)
+        self._last_work = 0.0
 
     def _push(self, t: float, kind: int, data: Any) -> None:
         self._seq += 1
@@ -394,6 +406,7 @@ class FleetSimulator:
                 res.generated_tokens += out.num_output_tokens
                 res.predicted_error_tokens += abs(st.predicted_cached - out.num_cached_tokens)
                 del self._reqs[out.request_id]
+                self._last_work = max(self._last_work, now)
 
     def _scrape(self) -> None:
         snap: dict[str, SharedLoad] = {}
@@ -421,6 +434,7 @@ class FleetSimulator:
                 now = items[pos].t
                 item = items[pos]
                 pos += 1
+                self._last_work = max(self._last_work, now)
                 await self._route(pos - 1, item, now)
                 continue
             if not heap:
@@ -450,7 +464,7 @@ class FleetSimulator:
                 if pos < len(items) or self._reqs:
                     self._push(now + self.cfg.scrape_interval_s, SCRAPE, None)
         self.result.wall_seconds = time.perf_counter() - wall0
-        self.result.sim_seconds = now
+        self.result.sim_seconds = self._last_work
         self.result.index_entries_end = (await self.index.stats()).stored_entries
         return self.result
 
@@ -490,7 +504,9 @@ def tiled_mooncake(text: TextSource, requests: int, rate: float, seed: int) -> W
     """The Mooncake trace tiled to ``requests`` rows: each copy gets its own hash-id space
     (no sharing across copies) and a random time offset, then arrivals are rescaled to the
     wanted mean rate. Rows keep their order and sharing within a copy."""
-    base = build("mooncake", text, max_input_tokens=16384, output_cap=256)
+    if requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    base = build("mooncake", text, max_input_tokens=16384, output_cap=256)  # never empty
     rng = random.Random(seed)
     span = base.duration_s or 1.0
     copies = math.ceil(requests / len(base.items))
@@ -538,15 +554,44 @@ async def calibrate_capacity(
         )
     sim = FleetSimulator(replace(cfg, strategy=Strategy.LEAST_LOADED), policy, probe)
     res = await sim.run()
-    return res.requests / res.sim_seconds if res.sim_seconds > 0 else math.inf
+    done = len(res.e2e)  # completed: a rejected request is no throughput
+    return done / res.sim_seconds if res.sim_seconds > 0 else math.inf
 
 
 # ------------------------------------------------------------------------------- CLI
 
 
+def profile_name(text: str) -> str:
+    """A ``type=`` for ``--profile``: a known latency profile."""
+    if text not in PROFILES:
+        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {', '.join(PROFILES)}")
+    return text
+
+
+def strategy_name(text: str) -> Strategy:
+    try:
+        return Strategy(text)
+    except ValueError:
+        known = ", ".join(s.value for s in Strategy)
+        raise argparse.ArgumentTypeError(f"unknown strategy {text!r}; known: {known}") from None
+
+
+def policy_file(text: str) -> Policy:
+    """A ``type=`` for ``--policy``: the file loaded and validated at parse time."""
+    try:
+        return load_policy(text)
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", default="64", help="fleet size, or a list: 8,16,64")
-    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument(
+        "--replicas",
+        type=comma_list(positive_int),
+        default="64",
+        help="fleet size, or a list: 8,16,64",
+    )
+    parser.add_argument("--requests", type=positive_int, default=100_000)
     parser.add_argument(
         "--workload",
         default="shared-prefix",
@@ -562,39 +607,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--load",
-        type=float,
+        type=positive_float,
         default=0.7,
         help="offered load as a fraction of least_loaded's capacity",
     )
     parser.add_argument(
-        "--rate", type=float, default=None, help="offered req/s (skips the capacity calibration)"
+        "--rate",
+        type=positive_float,
+        default=None,
+        help="offered req/s (skips the capacity calibration)",
     )
     parser.add_argument(
         "--strategies",
+        type=comma_list(strategy_name),
         default="expected_latency,least_loaded,prefix_affinity",
-        help="comma-separated strategies, run on the same workload",
+        help="comma-separated strategies, run on the same workload: "
+        + ", ".join(s.value for s in Strategy),
     )
-    parser.add_argument("--profile", default="8b-h100")
-    parser.add_argument("--blocks", type=int, default=4096, help="KV blocks per replica")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--event-delay-ms", type=float, default=20.0)
-    parser.add_argument("--scrape-interval-ms", type=float, default=500.0)
-    parser.add_argument("--policy", type=Path, default=None, help="policy YAML (default: shipped)")
-    parser.add_argument("--calibration-requests", type=int, default=None)
+    parser.add_argument("--profile", type=profile_name, default="8b-h100")
+    parser.add_argument("--blocks", type=positive_int, default=4096, help="KV blocks per replica")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--event-delay-ms", type=nonnegative_float, default=20.0)
+    parser.add_argument("--scrape-interval-ms", type=positive_float, default=500.0)
+    parser.add_argument(
+        "--policy", type=policy_file, default=None, help="policy YAML (default: shipped)"
+    )
+    parser.add_argument("--calibration-requests", type=positive_int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=None, help="write a scaling plot here")
+    parser.add_argument(
+        "--plot",
+        type=writable_file,
+        default=None,
+        help="write a scaling plot here (needs >= 2 fleet sizes)",
+    )
 
 
 def format_rows(rows: Sequence[tuple[SimResult, dict[str, float]]]) -> str:
     out = [
-        "| replicas | strategy | requests | hit rate | TTFT mean s | p50 | p90 | p99 | e2e p99 | "
-        "imbalance | preempt | pred. err | index peak | decision p50/p99 us | sim s | wall s | "
-        "speedup | tokens/wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| replicas | strategy | requests | rejected | hit rate | TTFT mean s | p50 | p90 | p99 | "
+        "e2e p99 | imbalance | preempt | pred. err | index peak | decision p50/p99 us | sim s | "
+        "wall s | speedup | tokens/wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res, row in rows:
         out.append(
-            f"| {res.replicas} | {res.strategy} | {res.requests} | {row['hit_rate']:.1%} | "
+            f"| {res.replicas} | {res.strategy} | {res.requests} | {res.rejected} | "
+            f"{row['hit_rate']:.1%} | "
             f"{row['ttft_mean']:.3f} | {row['ttft_p50']:.3f} | {row['ttft_p90']:.3f} | "
             f"{row['ttft_p99']:.3f} | {row['e2e_p99']:.2f} | {row['imbalance']:.2f} | "
             f"{res.preemptions} | {row['pred_error']:.2%} | {res.index_entries_peak:,} | "
@@ -607,10 +665,10 @@ def format_rows(rows: Sequence[tuple[SimResult, dict[str, float]]]) -> str:
 
 async def _main(args: argparse.Namespace) -> int:
     batch_gc()
-    policy = load_policy(args.policy or builtin_policy_path("default"))
+    policy = args.policy or load_policy(builtin_policy_path("default"))
     text = TextSource()
-    strategies = [Strategy(s.strip()) for s in args.strategies.split(",") if s.strip()]
-    sizes = [int(x) for x in str(args.replicas).split(",")]
+    strategies: list[Strategy] = args.strategies
+    sizes: list[int] = args.replicas
     rows: list[tuple[SimResult, dict[str, float]]] = []
     for n in sizes:
         cfg = SimConfig(
@@ -623,6 +681,11 @@ async def _main(args: argparse.Namespace) -> int:
             n_cal = args.calibration_requests or max(2000, min(args.requests // 5, 20 * n * 16))
             t0 = time.perf_counter()
             capacity = await calibrate_capacity(cfg, policy, args.workload, text, n_cal)
+            if not capacity > 0:
+                raise CommandError(
+                    f"calibration on {n} replicas completed no request (every one rejected: "
+                    "prompts larger than a replica's KV cache?); pass --rate or more --blocks"
+                )
             rate = args.load * capacity
             print(
                 f"# {n} replicas: least_loaded capacity {capacity:.1f} req/s "
@@ -646,10 +709,18 @@ async def _main(args: argparse.Namespace) -> int:
         f"scrape {args.scrape_interval_ms} ms, seed {args.seed}"
     )
     print(format_rows(rows))
-    if args.plot is not None and len(sizes) > 1:
+    rejected = [res for res, _ in rows if res.rejected]
+    if rejected:
+        worst = max(rejected, key=lambda r: r.rejected)
+        print(
+            f"\nWARNING: requests rejected by the engine in {len(rejected)} of {len(rows)} runs "
+            f"(up to {worst.rejected} of {worst.requests}): a prompt that does not fit a "
+            "replica's KV cache is refused; the figures cover only the admitted requests"
+        )
+    if args.plot is not None:
         plot_scaling(rows, args.plot)
         print(f"\nplot: {args.plot}")
-    return 0
+    return 1 if any(res.rejected == res.requests for res, _ in rows) else 0  # nothing measured
 
 
 def plot_scaling(rows: Sequence[tuple[SimResult, dict[str, float]]], out: Path) -> None:
@@ -685,4 +756,6 @@ def plot_scaling(rows: Sequence[tuple[SimResult, dict[str, float]]], out: Path) 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot is not None and len(args.replicas) < 2:
+        raise CommandError("--plot draws scaling over fleet sizes: give --replicas >= 2 sizes")
     return asyncio.run(_main(args))

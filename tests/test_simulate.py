@@ -4,7 +4,11 @@ the routing code it drives behaves as it does behind HTTP."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +102,93 @@ def test_a_chat_that_is_not_words_takes_the_tokenizer(text: TextSource) -> None:
     sim = FleetSimulator(SimConfig(replicas=2), pol, w)
     body = {"model": "m", "messages": [{"role": "user", "content": "Hello,  world!\nBye"}]}
     assert sim._chat_words(body) is None
+
+
+# ------------------------------------------------------------------ the CLI and its figures
+
+
+def _kvgate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_sim_seconds_end_when_the_last_request_finishes(text: TextSource) -> None:
+    """Not at the scrape tick after it: with a 10 s scrape the old figure was a multiple of
+    10 s, inflating "sim s" and "speedup" (and the calibration's divisor)."""
+    pol = load_policy(builtin_policy_path("default"))
+    w = scaled_workload("short-unique", 20, 2, 4.0, 0, text)
+    cfg = SimConfig(replicas=2, num_blocks=512, scrape_interval_s=10.0)
+    res = asyncio.run(FleetSimulator(cfg, pol, w).run())
+    assert len(res.e2e) == 20
+    # the last e2e recorded is the last request to finish: its arrival + e2e is the end
+    end_arrival = res.sim_seconds - res.e2e[-1]
+    assert any(abs(end_arrival - it.t) < 1e-9 for it in w.items)
+    assert res.sim_seconds % 10.0 != pytest.approx(0.0)
+
+
+def test_a_zero_scrape_interval_is_refused() -> None:
+    pol = load_policy(builtin_policy_path("default"))
+    w = scaled_workload("short-unique", 4, 2, 4.0, 0, TextSource())
+    with pytest.raises(ValueError, match="scrape_interval_s"):
+        FleetSimulator(SimConfig(replicas=2, scrape_interval_s=0.0), pol, w)
+
+
+def test_rejected_requests_are_shown_and_warned_about() -> None:
+    """Every prompt (2k-token system prompt) is larger than 140 blocks x 16 tokens: the run
+    measured nothing, which the table and a warning say, and the exit code is 1."""
+    proc = _kvgate(
+        "simulate", "--replicas", "2", "--requests", "20", "--rate", "5",
+        "--strategies", "round_robin", "--blocks", "140",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "| rejected |" in proc.stdout
+    assert "| 2 | round_robin | 20 | 20 |" in proc.stdout
+    assert "WARNING: requests rejected" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--requests", "-5"],
+        ["--requests", "0"],
+        ["--rate", "0"],
+        ["--rate", "-1"],
+        ["--load", "0"],
+        ["--scrape-interval-ms", "0"],
+        ["--replicas", "4,x"],
+        ["--replicas", "0"],
+        ["--strategies", "bogus"],
+        ["--strategies", ","],
+        ["--blocks", "0"],
+        ["--block-size", "0"],
+        ["--profile", "nope"],
+        ["--policy", "/nonexistent.yaml"],
+        ["--plot", "/tmp/kvgate-one-size.png", "--replicas", "2"],
+        ["--plot", "/dev/null/x/plot.png", "--replicas", "2,4"],
+    ],
+)
+def test_bad_simulate_arguments_are_one_line_errors(args: list[str]) -> None:
+    proc = _kvgate("simulate", "--requests", "10", *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""  # nothing ran
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("kvgate simulate: ")
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_trace_is_a_one_line_error(tmp_path: Path) -> None:
+    (tmp_path / "mooncake_synthetic_trace.jsonl").write_text("")
+    proc = _kvgate(
+        "simulate", "--workload", "mooncake", "--requests", "10", "--rate", "1",
+        env={"KVGATE_TRACE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        f"kvgate simulate: {tmp_path / 'mooncake_synthetic_trace.jsonl'}: no rows"
+    )
