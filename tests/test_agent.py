@@ -669,3 +669,33 @@ async def test_real_vllm_shaped_batches(rig: Rig) -> None:
     assert await rig.index_keys() == set(want[:3])
     assert rig.agent is not None
     assert counter_total(rig.agent.metrics.messages_dropped) == 0
+
+
+async def test_fresh_agent_trace_keeps_the_replayed_blocks(tmp_path: Path) -> None:
+    """A fresh agent against a running engine: its start-up clear (agent clock) is followed
+    in the trace by the engine's replayed batches (older engine times); the analysis must
+    not let the clear wipe them."""
+    import time
+
+    from cachecore.kvevents import EventBatch
+
+    out = tmp_path / "agent.jsonl"
+    r = Rig(MemoryIndex(), trace_out=out)
+    try:
+        for i in range(2):  # published before the agent exists: reach it only by replay
+            ev, _ = r.engine.store(toks(100 * i, 3))
+            await r.source.publish(EventBatch(ts=time.time() - 60, events=[ev]), send=False)
+        await r.start()
+        ev, _ = r.engine.store(toks(900, 1))
+        await r.publish(ev)  # seq 2 after nothing: a gap, replayed from the start
+        await r.settle()
+        mirrored = len(await r.index_keys())
+        await r.stop_agent()
+        events, _, bad = read_jsonl([out])
+        assert bad == 0 and events[0]["op"] == "clear"
+        assert events[0]["ts"] > events[1]["ts"]  # the clock mismatch this is about
+        report = analyze_events(events)
+        assert mirrored == 7 and len(report.censored_lifetimes_s) == mirrored
+        assert report.lifetimes_s == []
+    finally:
+        await r.close()
