@@ -53,6 +53,7 @@ def test_suite_catches_a_gateway_without_scoping(tmp_path: Path) -> None:
     broken = {name for name, r in by_name.items() if r["outcome"] == "BROKEN"}
     assert "1 timing: B probes A's cached prompts (engine TTFT)" in broken
     assert any(name.startswith("1 timing: gateway path") for name in broken)
+    assert any(name.startswith("1 timing: engine-tokenized path") for name in broken)
     assert "2 routing: B's replica for A's prefixes vs random" in broken
     assert "4 salt spoofing: client cache_salt (incl. A's real one)" in broken
     # The positive controls still fire: the misconfiguration is what is detected.

@@ -411,15 +411,26 @@ class TimingRig:
 
 
 @dataclass
+class PathArms:
+    """One gateway-path instrument's three arms (each a probe and maybe its replication)."""
+
+    cross: list[ProbeSample]
+    same: list[ProbeSample]
+    positive: list[ProbeSample]
+
+
+@dataclass
 class TimingReport:
     plan: PowerPlan
     cross: list[ProbeSample]
     same: list[ProbeSample]
     positive: list[ProbeSample]
-    path_cross: list[ProbeSample]
-    path_same: list[ProbeSample]
-    path_positive: list[ProbeSample]
+    path: PathArms  # the gateway's own tokenizer (its segment cache)
+    engine_path: PathArms  # a pool tokenized by the engine (the replica's render cache)
     wall_s: float
+
+
+ENGINE_RENDER_POLICY = "models: {default: {tokenizer: engine_render}}"
 
 
 async def _null_probe(run: Probe, alpha: float) -> list[ProbeSample]:
@@ -469,31 +480,58 @@ async def measure(cfg: TimingConfig) -> TimingReport:
             async def same() -> ProbeSample:
                 return await rig.probe(VICTIM, VICTIM, full, n)
 
-            async def path_cross() -> ProbeSample:
-                return await rig.gateway_path(VICTIM, ATTACKER, cfg.gateway_path_n)
-
-            async def path_same() -> ProbeSample:
-                return await rig.gateway_path(VICTIM, VICTIM, cfg.gateway_path_n)
-
             r_cross = await _null_probe(cross, cfg.alpha_null)
             r_same = await _detect_probe(same, cfg.alpha_detect)
-            r_path_cross = await _null_probe(path_cross, cfg.alpha_null)
-            r_path_same = await _detect_probe(path_same, cfg.alpha_detect)
+        path = await _path_arms(fleet.urls, tenants, http, model, cfg, None, 1)
+        # the same instrument when the engine tokenizes: the replica's render cache is then
+        # on the request path, so it must be scoped like the gateway's (by the salt)
+        engine = await _path_arms(fleet.urls, tenants, http, model, cfg, ENGINE_RENDER_POLICY, 3)
         async with running_gateway(fleet.urls, tenants, debug_shared_scope=True) as g:
-            rig = TimingRig(g, http, model, cfg, cfg.seed + 1)
+            rig = TimingRig(g, http, model, cfg, cfg.seed + 5)
 
             async def positive() -> ProbeSample:
                 return await rig.probe(VICTIM, ATTACKER, pc, n)
 
-            async def path_positive() -> ProbeSample:
-                return await rig.gateway_path(VICTIM, ATTACKER, cfg.gateway_path_n)
-
             r_pos = await _detect_probe(positive, cfg.alpha_detect)
-            r_path_pos = await _detect_probe(path_positive, cfg.alpha_detect)
     return TimingReport(
-        plan, r_cross, r_same, r_pos, r_path_cross, r_path_same, r_path_pos,
-        time.perf_counter() - t0,
+        plan, r_cross, r_same, r_pos, path, engine, time.perf_counter() - t0
     )  # fmt: skip
+
+
+async def _path_arms(
+    urls: Sequence[str],
+    tenants: Tenants,
+    http: httpx.AsyncClient,
+    model: str,
+    cfg: TimingConfig,
+    policy: str | None,
+    seed_offset: int,
+) -> PathArms:
+    """The gateway-path probe across tenants and inside one (under ``cfg``'s scoping), then
+    with scoping off (the positive control), each through its own gateway."""
+    n = cfg.gateway_path_n
+    async with running_gateway(
+        urls, tenants, policy=policy, seed=cfg.seed,
+        debug_shared_scope=cfg.unsafe_shared_scope,
+    ) as g:  # fmt: skip
+        rig = TimingRig(g, http, model, cfg, cfg.seed + seed_offset)
+
+        async def cross() -> ProbeSample:
+            return await rig.gateway_path(VICTIM, ATTACKER, n)
+
+        async def same() -> ProbeSample:
+            return await rig.gateway_path(VICTIM, VICTIM, n)
+
+        r_cross = await _null_probe(cross, cfg.alpha_null)
+        r_same = await _detect_probe(same, cfg.alpha_detect)
+    async with running_gateway(urls, tenants, policy=policy, debug_shared_scope=True) as g:
+        rig = TimingRig(g, http, model, cfg, cfg.seed + seed_offset + 1)
+
+        async def positive() -> ProbeSample:
+            return await rig.gateway_path(VICTIM, ATTACKER, n)
+
+        r_pos = await _detect_probe(positive, cfg.alpha_detect)
+    return PathArms(r_cross, r_same, r_pos)
 
 
 def _ps(samples: Sequence[ProbeSample]) -> str:
@@ -532,25 +570,34 @@ def results(rep: TimingReport, cfg: TimingConfig) -> list[AttackResult]:
             f"probe cached tokens {min(pos.probe_cached)}-{max(pos.probe_cached)}",
         ),
     ]
-    pc, ps, pp = rep.path_cross[-1], rep.path_same[-1], rep.path_positive[-1]
-    path_broken = all(s.p <= cfg.alpha_null for s in rep.path_cross)
-    if path_broken:
-        path_outcome = Outcome.BROKEN
-    elif ps.p < cfg.alpha_detect and pp.p < cfg.alpha_detect:
-        path_outcome = Outcome.HELD
-    else:
-        path_outcome = Outcome.NO_POWER
+    words = cfg.gateway_path_words
+    rows.append(_path_row(f"1 timing: gateway path, {words}-token system prompts", rep.path, cfg))
     rows.append(
-        AttackResult(
-            f"1 timing: gateway path, {cfg.gateway_path_words}-token system prompts",
-            f"3 x 2x{cfg.gateway_path_n}",
-            path_outcome,
-            f"cross-tenant p={_ps(rep.path_cross)} ({pc.median_diff_ms * 1e3:+.0f} us); "
-            f"same-tenant p={_ps(rep.path_same)} ({ps.median_diff_ms * 1e3:+.0f} us); "
-            f"scoping off p={_ps(rep.path_positive)} ({pp.median_diff_ms * 1e3:+.0f} us)",
+        _path_row(
+            f"1 timing: engine-tokenized path (engine_render), {words}-token system prompts",
+            rep.engine_path,
+            cfg,
         )
     )
     return rows
+
+
+def _path_row(title: str, arms: PathArms, cfg: TimingConfig) -> AttackResult:
+    pc, ps, pp = arms.cross[-1], arms.same[-1], arms.positive[-1]
+    if all(s.p <= cfg.alpha_null for s in arms.cross):
+        outcome = Outcome.BROKEN
+    elif ps.p < cfg.alpha_detect and pp.p < cfg.alpha_detect:
+        outcome = Outcome.HELD
+    else:
+        outcome = Outcome.NO_POWER
+    return AttackResult(
+        title,
+        f"3 x 2x{cfg.gateway_path_n}",
+        outcome,
+        f"cross-tenant p={_ps(arms.cross)} ({pc.median_diff_ms * 1e3:+.0f} us); "
+        f"same-tenant p={_ps(arms.same)} ({ps.median_diff_ms * 1e3:+.0f} us); "
+        f"scoping off p={_ps(arms.positive)} ({pp.median_diff_ms * 1e3:+.0f} us)",
+    )
 
 
 async def run_timing(cfg: TimingConfig | None = None) -> tuple[list[AttackResult], TimingReport]:
