@@ -3,6 +3,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,7 +186,7 @@ def test_fresh_agent_clear_does_not_wipe_replayed_stores() -> None:
     assert rep.occupancy["r0"].samples[-1] == (1001.0, 4)
 
 
-def _store(ts: float, replica: str, key: str) -> dict[str, object]:
+def _store(ts: float, replica: str, key: str) -> dict[str, Any]:
     return {"ts": ts, "replica": replica, "op": "store", "key": key}
 
 
