@@ -463,7 +463,8 @@ def format_request_report(rep: RequestReport) -> str:
     ]
     for name in sorted(rep.by_replica):
         n, p, m, c = rep.by_replica[name]
-        lines.append(f"| {name} | {n} | {p} | {c} | {c / m if m else 0:.1%} |")
+        rate = f"{c / m:.1%}" if m else "-"  # no record with a cached count: not 0%
+        lines.append(f"| {name} | {n} | {p} | {c} | {rate} |")
     return "\n".join(lines)
 
 

@@ -263,3 +263,10 @@ def test_failed_answers_count_in_neither_rate() -> None:
         ]
     )  # fmt: skip
     assert rep.hit_rate == pytest.approx(0.5) and rep.prediction_error == 0.0
+
+
+def test_replica_without_cached_counts_shows_no_hit_rate() -> None:
+    from cachecore.traceanalysis import format_request_report
+
+    rep = analyze_requests([{"ts": 0, "replica": "r1", "prompt_tokens": 100}])
+    assert "| r1 | 1 | 100 | 0 | - |" in format_request_report(rep)
