@@ -44,7 +44,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,6 +56,14 @@ from cachecore.scoring import hit_cap_blocks
 from cachecore.testing import free_port, free_ports
 from cachecore.tokenizer import builtin_tokenizer
 from cachecore.traceanalysis import RequestBlocks, lru_bound, percentile
+from gateway.cli import (
+    comma_list,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    writable_dir,
+    writable_file,
+)
 from gateway.routing import Strategy
 from gateway.tokenization import LocalPromptTokenizer
 from loadtest.harness import (
@@ -77,7 +85,7 @@ from loadtest.peers import (
     wait_router_ready,
 )
 from loadtest.replay import ReplayReport, format_table, replay
-from loadtest.simulate import SimConfig, calibrate_capacity, scaled_workload
+from loadtest.simulate import SimConfig, calibrate_capacity, profile_name, scaled_workload
 from loadtest.workloads import TextSource, WorkItem, Workload, build
 from policies.schema import builtin_policy_path, load_policy
 
@@ -111,15 +119,35 @@ SHARED_TARGET_WORKLOADS = ("shared-prefix", "mooncake", "mooncake-groups")
 def configure(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--workload", default="shared-prefix", choices=WORKLOAD_CHOICES)
-    a("--replicas", type=int, default=4)
-    a("--requests", type=int, default=200, help="requests per system and seed")
-    a("--rate", type=float, default=None, help="offered req/s in trace time (skips --load)")
-    a("--load", type=float, default=0.85, help="offered load, fraction of least_loaded's knee")
-    a("--seeds", default="0,1,2", help="comma-separated workload seeds")
-    a("--systems", default="all", help="comma list of systems, or all / kvgate / peers")
-    a("--time-scale", type=float, default=0.5, help="replicas' and replay's time scale")
-    a("--profile", default="8b-h100", help="replicas' latency profile")
-    a("--blocks", type=int, default=4096, help="KV blocks per replica")
+    a("--replicas", type=positive_int, default=4)
+    a("--requests", type=positive_int, default=200, help="requests per system and seed")
+    a(
+        "--rate",
+        type=positive_float,
+        default=None,
+        help="offered req/s in trace time (skips --load)",
+    )
+    a(
+        "--load",
+        type=positive_float,
+        default=0.85,
+        help="offered load, fraction of least_loaded's knee",
+    )
+    a(
+        "--seeds",
+        type=comma_list(nonnegative_int),
+        default="0,1,2",
+        help="comma-separated workload seeds (a repeated one runs once)",
+    )
+    a(
+        "--systems",
+        type=systems_arg,
+        default="all",
+        help="comma list of systems, or all / kvgate / peers",
+    )
+    a("--time-scale", type=positive_float, default=0.5, help="replicas' and replay's time scale")
+    a("--profile", type=profile_name, default="8b-h100", help="replicas' latency profile")
+    a("--blocks", type=positive_int, default=4096, help="KV blocks per replica")
     a(
         "--shared-process",
         action="store_true",
@@ -128,8 +156,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     a("--no-install", action="store_true", help="do not install peers (absent ones are skipped)")
     a("--peers-dir", type=Path, default=PEERS_DIR)
-    a("--out", type=Path, default=None, help="directory for the PNG plots")
-    a("--json", type=Path, default=None, help="write the results as JSON here ('-': stdout)")
+    a("--out", type=writable_dir, default=None, help="directory for the PNG plots")
+    a(
+        "--json",
+        type=json_target,
+        default=None,
+        help="write the results as JSON here ('-': stdout, which then holds only the JSON; "
+        "the tables go to stderr)",
+    )
+
+
+def json_target(text: str) -> Path:
+    return Path(text) if text == "-" else writable_file(text)
 
 
 # ------------------------------------------------------------------------ data
@@ -152,7 +190,7 @@ class System:
 class SystemRun:
     system: str
     seed: int
-    status: str  # ok | lag | misconfigured | skipped: ... | failed: ...
+    status: str  # ok | lag | errors | misconfigured | skipped: ... | failed: ...
     summary: dict[str, float] = field(default_factory=dict)
     ttft: list[float] = field(default_factory=list)
     per_replica: list[int] = field(default_factory=list)
@@ -162,7 +200,8 @@ class SystemRun:
 
     @property
     def counts(self) -> bool:
-        """Figures that count (ran, correctly set up; a lag-flagged run is kept, marked)."""
+        """Figures that count (ran, correctly set up, every request answered; a lag-flagged
+        run is kept, marked)."""
         return self.status in ("ok", "lag")
 
 
@@ -189,6 +228,17 @@ def parse_systems(spec: str) -> list[System]:
             names = (part,)
         out += [n for n in names if n not in out]
     return [System(n) for n in out]
+
+
+def systems_arg(text: str) -> list[System]:
+    """``--systems``' ``type=``: :func:`parse_systems`, at least one."""
+    try:
+        systems = parse_systems(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not systems:
+        raise argparse.ArgumentTypeError(f"no system named in {text!r}")
+    return systems
 
 
 # ------------------------------------------------------------------------ workloads
@@ -395,7 +445,7 @@ class Bench:
         samples: list[tuple[float, list[int]]],
         warm_hits: int,
     ) -> SystemRun:
-        summary = report.summary()
+        summary = report.summary([f"r{e.index}" for e in self.fleet.endpoints])
         if system.peer is None:
             ids = [f"r{e.index}" for e in self.fleet.endpoints]
             seen = Counter(r.replica for r in report.ok_results())
@@ -411,7 +461,11 @@ class Bench:
         )
         lag = lag_p99_ms(before, after)
         status = "ok"
-        if warm_hits <= 0:
+        # any failed request: the systems no longer replayed the same load and its TTFT is
+        # missing from the tail, so the run is no valid comparison (the issue's rule)
+        if summary["errors"] > 0:
+            status = "errors"
+        elif warm_hits <= 0:
             status = "misconfigured"
         elif lag > LAG_LIMIT_MS:
             status = "lag"
@@ -594,7 +648,11 @@ def aggregate(runs: Sequence[SystemRun]) -> dict[str, dict[str, tuple[float, flo
     return out
 
 
-def summary_table(agg: Mapping[str, Mapping[str, tuple[float, float, float]]], n: int) -> str:
+def summary_table(
+    agg: Mapping[str, Mapping[str, tuple[float, float, float]]], n: int | Mapping[str, int]
+) -> str:
+    """``n``: the seeds behind each row, one number for all or per system (the seeds whose
+    run counts)."""
     head = "| system | seeds | " + " | ".join(h for _, h, _ in _SUMMARY_KEYS) + " |"
     lines = [head, "|---|---|" + "---|" * len(_SUMMARY_KEYS)]
     for name, a in agg.items():
@@ -606,7 +664,8 @@ def summary_table(agg: Mapping[str, Mapping[str, tuple[float, float, float]]], n
                 if math.isnan(mean)
                 else f"{fmt.format(mean)} ({fmt.format(lo)}–{fmt.format(hi)})"
             )
-        lines.append(f"| {name} | {n} | " + " | ".join(cells) + " |")
+        seeds = n if isinstance(n, int) else n.get(name, 0)
+        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -648,7 +707,7 @@ def verdicts(
         out.append(f"- {'met' if ok else 'MISSED'}: {text}")
 
     if el is None:
-        return ["- not evaluated: expected_latency did not run"]
+        return ["- not evaluated: expected_latency has no valid run"]
     p99, mean, hit = el["ttft_p99_s"][0], el["ttft_mean_s"][0], el["token_hit_rate"][0]
     if workload in SHARED_TARGET_WORKLOADS:
         peers = {k: v for k, v in agg.items() if ":" in k}
@@ -678,7 +737,7 @@ def verdicts(
     ll = agg.get("least_loaded")
     if workload in ("short-unique", "hot-prefix"):
         if ll is None:
-            out.append("- not evaluated: least_loaded did not run")
+            out.append("- not evaluated: least_loaded has no valid run")
         else:
             lp99 = ll["ttft_p99_s"][0]
             limit = 1.05 * lp99 if workload == "short-unique" else lp99
@@ -794,13 +853,34 @@ def plot(
     return paths
 
 
+def json_text(doc: Any) -> str:
+    """Strict JSON: NaN and infinities (a figure with no sample, a lag above the last
+    bucket) become null; bare NaN is not JSON and breaks strict parsers."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, Mapping):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(doc), indent=1, default=str, allow_nan=False)
+
+
 def run(args: argparse.Namespace) -> int:
-    try:
-        systems = parse_systems(args.systems)
-        seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
-    except ValueError as exc:
-        print(f"kvgate bench routers: {exc}", file=sys.stderr)
-        return 2
+    if args.json is not None and str(args.json) == "-":
+        # stdout holds only the JSON document: the tables and progress go to stderr
+        out = sys.stdout
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run(args, out)
+    return _run(args, None)
+
+
+def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
+    systems: list[System] = args.systems
+    seeds: list[int] = args.seeds
     needed = sorted({s.peer for s in systems if s.peer is not None})
     peers = ensure_peers(needed, args.peers_dir, install=not args.no_install)
     for st in peers.values():
@@ -859,8 +939,8 @@ def run(args: argparse.Namespace) -> int:
         print(seed_table([r for r in runs if r.seed == s]))
     agg = aggregate(runs)
     fleet_bound = statistics.fmean(b.fleet_lru for b in bounds.values())
-    print(f"\n### summary over {len(seeds)} seeds: mean (min–max)\n")
-    print(summary_table(agg, len(seeds)))
+    print(f"\n### summary over {len(seeds)} seeds (the valid runs): mean (min–max)\n")
+    print(summary_table(agg, Counter(r.system for r in runs if r.counts)))
     floor_p99 = statistics.fmean(b.ttft_floor_p99_s for b in bounds.values())
     floor_mean = statistics.fmean(b.ttft_floor_mean_s for b in bounds.values())
     print(
@@ -877,7 +957,11 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(ver))
     errors = sum(int(r.summary.get("errors", 0)) for r in runs)
     if errors:
-        print(f"\nWARNING: {errors} requests failed")
+        bad = sum(1 for r in runs if r.status == "errors")
+        print(
+            f"\nWARNING: {errors} requests failed; {bad} run(s) with failed requests (status "
+            "`errors`) are left out of the summary and the targets"
+        )
     if args.json is not None:
         doc = {
             "workload": args.workload,
@@ -903,12 +987,20 @@ def run(args: argparse.Namespace) -> int:
             ],
             "verdicts": ver,
         }
-        text_out = json.dumps(doc, indent=1, default=str)
-        if str(args.json) == "-":
-            print(text_out)
+        text_out = json_text(doc)
+        if json_out is not None:
+            print(text_out, file=json_out, flush=True)
         else:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(text_out)
+    valid = any(r.counts for r in runs)
     # last: a plotting failure must not lose the figures above
-    for p in plot(runs, bounds, args.workload, args.out) if args.out is not None else []:
-        print(f"plot: {p}", file=sys.stderr if str(args.json) == "-" else sys.stdout)
+    for p in plot(runs, bounds, args.workload, args.out) if args.out is not None and valid else []:
+        print(f"plot: {p}")
+    if not valid:
+        print(
+            "\nno valid run: every run failed requests, failed its warm-up or did not run",
+            file=sys.stderr,
+        )
+        return 1
     return 0

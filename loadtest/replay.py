@@ -64,7 +64,9 @@ class ReplayReport:
     def ok_results(self) -> list[RequestResult]:
         return [r for r in self.results if r.ok]
 
-    def summary(self) -> dict[str, float]:
+    def summary(self, replicas: Sequence[str] | None = None) -> dict[str, float]:
+        """The run's figures. ``replicas``: every replica id of the fleet, so one that got
+        no request counts in the imbalance (without it only the replicas seen do)."""
         ok = self.ok_results()
         scale = self.time_scale or 1.0
         ttft = [r.ttft_s / scale for r in ok if r.ttft_s is not None]
@@ -74,6 +76,9 @@ class ReplayReport:
         pred = [r for r in ok if r.predicted_cached_tokens is not None]
         pred_prompt = sum(r.prompt_tokens for r in pred)
         per_replica = Counter(r.replica for r in ok if r.replica)
+        if per_replica:
+            for rid in replicas or ():
+                per_replica.setdefault(rid, 0)
         imbalance = (
             max(per_replica.values()) / (sum(per_replica.values()) / len(per_replica))
             if per_replica

@@ -9,7 +9,10 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -18,20 +21,24 @@ from cachecore.tokenizer import builtin_tokenizer
 from gateway.tokenization import LocalPromptTokenizer
 from loadtest.bench_routers import (
     ALL_SYSTEMS,
+    Bench,
     System,
     SystemRun,
     _floor_note,
     aggregate,
     block_order,
+    json_text,
     lag_p99_ms,
     make_workload,
     parse_systems,
     seed_p99_ratios,
+    summary_table,
     verdicts,
     workload_bounds,
 )
 from loadtest.peers import ensure_peer
-from loadtest.workloads import TextSource, build
+from loadtest.replay import ReplayReport, RequestResult
+from loadtest.workloads import TextSource, WorkItem, build
 
 
 def test_parse_systems_and_abba_order() -> None:
@@ -196,3 +203,128 @@ def test_mooncake_groups_keep_the_reuse_that_windows_lose() -> None:
     w_bound = workload_bounds(window, capacity_blocks=4 * 4096).infinite
     g_bound = workload_bounds(groups, capacity_blocks=4 * 4096).infinite
     assert w_bound < 0.1 < 0.4 < g_bound
+
+
+def _report(ok: int, failed: int) -> ReplayReport:
+    item = WorkItem(t=0.0, api="completions", max_tokens=4, prompt=" a b")
+    results = []
+    for i in range(ok + failed):
+        r = RequestResult(i, item, 0.0, status=200 if i < ok else 500)
+        if i < ok:
+            r.ttft_s, r.e2e_s, r.replica = 0.1, 0.2, "r0"
+            r.prompt_tokens, r.cached_tokens = 100, 50
+        else:
+            r.error = "upstream failed"
+        results.append(r)
+    return ReplayReport("w", results, wall_s=1.0, time_scale=1.0)
+
+
+def _bench_result(report: ReplayReport, replicas: int = 2) -> SystemRun:
+    fleet: Any = SimpleNamespace(endpoints=[SimpleNamespace(index=i) for i in range(replicas)])
+    args: Any = SimpleNamespace()
+    client: Any = None  # _result does no I/O
+    bench = Bench(args, fleet, Path("."), TextSource(), {}, None, client)
+    workload: Any = None
+    return bench._result(System("expected_latency"), workload, report, [], [], [], 100)
+
+
+def test_a_run_with_failed_requests_does_not_count() -> None:
+    """A run where requests failed replayed less load than the others and lost those
+    requests' TTFTs: status `errors`, left out of the aggregate and the verdicts."""
+    good = _bench_result(_report(ok=10, failed=0))
+    assert good.status == "ok" and good.counts
+    bad = _bench_result(_report(ok=9, failed=1))
+    assert bad.status == "errors" and not bad.counts
+    none = _bench_result(_report(ok=0, failed=10))
+    assert none.status == "errors" and not none.counts
+    assert aggregate([bad, none]) == {}
+    assert verdicts("shared-prefix", aggregate([bad]), 0.0, 0) == [
+        "- not evaluated: expected_latency has no valid run"
+    ]
+
+
+def test_imbalance_counts_a_replica_that_got_no_request() -> None:
+    """All 10 requests on r0 of a 2-replica fleet: max/mean = 2, not 1 (ReplayReport's
+    summary counted only the replicas that appeared; the demo relied on it)."""
+    report = _report(ok=10, failed=0)
+    assert report.summary()["load_imbalance"] == pytest.approx(1.0)  # r1 unknown to it
+    assert report.summary(["r0", "r1"])["load_imbalance"] == pytest.approx(2.0)
+    assert math.isnan(_report(ok=0, failed=3).summary(["r0", "r1"])["load_imbalance"])
+
+
+def test_json_is_strict_nan_and_infinity_become_null() -> None:
+    doc = json.loads(json_text({"a": math.nan, "b": [1.5, math.inf], "c": {"d": -math.inf}}))
+    assert doc == {"a": None, "b": [1.5, None], "c": {"d": None}}
+
+
+def _kvgate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--requests", "-3"],
+        ["--requests", "0"],
+        ["--rate", "0"],
+        ["--rate", "-2"],
+        ["--load", "0"],
+        ["--time-scale", "0"],
+        ["--time-scale", "-0.5"],
+        ["--replicas", "0"],
+        ["--replicas", "x"],
+        ["--blocks", "0"],
+        ["--profile", "nope"],
+        ["--seeds", ""],
+        ["--seeds", "0,x"],
+        ["--systems", ","],
+        ["--systems", "bogus"],
+        ["--json", "/dev/null/x/bench.json"],
+        ["--json", "/tmp"],
+        ["--out", "/dev/null/plots"],
+    ],
+)
+def test_bad_bench_routers_arguments_are_one_line_errors_before_the_fleet(
+    args: list[str],
+) -> None:
+    proc = _kvgate("bench", "routers", "--no-install", "--systems", "round_robin", *args)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout == ""  # no peer line, no calibration, no fleet
+    assert proc.stderr.strip().splitlines()[-1].startswith("kvgate bench routers: error: ")
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_failed_requests_make_no_valid_run_and_json_to_stdout_is_parseable(
+    tmp_path: Path,
+) -> None:
+    """100 blocks x 16 tokens cannot hold a 2k-token prompt: every request fails. The runs
+    are `errors`, no target is judged on them, the exit code says no valid run is left;
+    `--json -` puts only strict JSON on stdout; a seed given twice runs once."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "bench", "routers",
+         "--systems", "expected_latency,least_loaded", "--seeds", "0,0", "--replicas", "2",
+         "--requests", "4", "--rate", "3", "--blocks", "100", "--time-scale", "0.2",
+         "--no-install", "--peers-dir", str(tmp_path / "peers"), "--json", "-"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)  # strict: no NaN, no markdown before or after
+    assert doc["seeds"] == [0]
+    assert [r["status"] for r in doc["runs"]] == ["errors", "errors"]
+    for r in doc["runs"]:
+        assert r["summary"]["errors"] == 4 and r["summary"]["ttft_p99_s"] is None
+    assert not any(v.startswith("- met") for v in doc["verdicts"])
+    assert "| expected_latency |" in proc.stderr  # the tables went to stderr
+    assert "no valid run" in proc.stderr
+
+
+def test_the_summary_counts_only_the_seeds_whose_run_counts() -> None:
+    ok = _bench_result(_report(ok=10, failed=0))
+    bad = _bench_result(_report(ok=9, failed=1))
+    ok.seed, bad.seed = 0, 1
+    runs = [ok, bad]
+    table = summary_table(aggregate(runs), Counter(r.system for r in runs if r.counts))
+    assert "| expected_latency | 1 |" in table
