@@ -25,12 +25,14 @@ import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
 from cachecore.engine.latency import get_profile
 from cachecore.replica.fleet import FleetProcess, launch_fleet
+from gateway.cli import positive_float, positive_int, tcp_port
 from loadtest.harness import (
     MODEL,
     gateway,
@@ -51,19 +53,42 @@ PROFILE = "8b-h100"
 SLOTS = get_profile(PROFILE).max_num_seqs  # the policy declares the replicas' sequence slots
 
 
+def serve_flag(text: str) -> int:
+    if text.strip() not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"must be 0 or 1, got {text!r}")
+    return int(text)
+
+
+def seed_value(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=int(os.environ.get("DEMO_PORT", "8000")))
+    # string defaults from the environment go through type= too: a bad DEMO_* value is the
+    # same one-line error as a bad option (argparse names the option)
+    env = os.environ.get
+    parser.add_argument(
+        "--port", type=tcp_port, default=env("DEMO_PORT", "8000"), help="(env DEMO_PORT)"
+    )
     parser.add_argument(
         "--serve",
-        type=int,
-        default=int(os.environ.get("DEMO_SERVE", "1")),
-        help="1: keep serving after the comparison (Ctrl-C to stop); 0: exit",
+        type=serve_flag,
+        default=env("DEMO_SERVE", "1"),
+        help="1: keep serving after the comparison (Ctrl-C to stop); 0: exit (env DEMO_SERVE)",
     )
     parser.add_argument(
-        "--time-scale", type=float, default=float(os.environ.get("DEMO_TIME_SCALE", "1.0"))
+        "--time-scale",
+        type=positive_float,
+        default=env("DEMO_TIME_SCALE", "1.0"),
+        help="(env DEMO_TIME_SCALE)",
     )
-    parser.add_argument("--seed", type=int, default=int(os.environ.get("DEMO_SEED", "0")))
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument(
+        "--seed", type=seed_value, default=env("DEMO_SEED", "0"), help="(env DEMO_SEED)"
+    )
+    parser.add_argument("--requests", type=positive_int, default=120)
 
 
 def demo_workload(seed: int, requests: int) -> Workload:
@@ -103,8 +128,10 @@ async def _compare(
     return out
 
 
-def _print_comparison(results: list[tuple[str, ReplayReport]]) -> None:
-    rows = [(name, rep.summary()) for name, rep in results]
+def _print_comparison(results: list[tuple[str, ReplayReport]], replicas: Sequence[str]) -> None:
+    """``replicas``: the fleet's replica ids, so one that got no request shows in the
+    imbalance."""
+    rows = [(name, rep.summary(replicas)) for name, rep in results]
     print()
     print(
         "TTFT in seconds of engine time (wall / time scale); hit rate = engine-reported "
@@ -180,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"starting the gateway on 127.0.0.1:{args.port} ...", flush=True)
             with gateway(fleet, args.port, policy, keys, admin_key) as base:
                 results = asyncio.run(_compare(args, fleet, base, admin_key))
-                _print_comparison(results)
+                _print_comparison(results, [f"r{e.index}" for e in fleet.endpoints])
                 if not args.serve:
                     return 0
                 # Ctrl-C (or SIGTERM) from the moment the examples show is the normal end

@@ -321,6 +321,38 @@ def test_failed_requests_make_no_valid_run_and_json_to_stdout_is_parseable(
     assert "no valid run" in proc.stderr
 
 
+# ------------------------------------------------------------------ the demo and the fleet
+
+
+def test_the_demo_counts_a_replica_that_got_no_request(capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo passes its fleet's replica ids: 10 requests all on r0 of r0..r3 is an
+    imbalance of 4.00 (it printed 1.00: only the replicas seen were counted)."""
+    from loadtest.demo import _print_comparison
+
+    results = [("round_robin", _report(10, 0)), ("expected_latency", _report(10, 0))]
+    _print_comparison(results, ["r0", "r1", "r2", "r3"])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| round_robin")]
+    assert rows and rows[0].split("|")[11].strip() == "4.00", rows
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--port", "70000"],
+        ["--port", "0"],
+        ["--serve", "2"],
+        ["--serve", "yes"],
+        ["--time-scale", "0"],
+        ["--requests", "0"],
+    ],
+)
+def test_bad_demo_arguments_are_one_line_errors(args: list[str]) -> None:
+    proc = _kvgate("demo", *args)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout == ""  # no fleet started
+    assert proc.stderr.strip().splitlines()[-1].startswith("kvgate demo: error: argument ")
+
+
 def test_the_summary_counts_only_the_seeds_whose_run_counts() -> None:
     ok = _bench_result(_report(ok=10, failed=0))
     bad = _bench_result(_report(ok=9, failed=1))
