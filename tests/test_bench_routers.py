@@ -353,6 +353,19 @@ def test_bad_demo_arguments_are_one_line_errors(args: list[str]) -> None:
     assert proc.stderr.strip().splitlines()[-1].startswith("kvgate demo: error: argument ")
 
 
+def test_a_replica_that_exits_early_says_why(tmp_path: Path) -> None:
+    """The fleet's log is usually a temporary file deleted with the error's context: the
+    error carries its last lines (here the replica's own argparse error)."""
+    from cachecore.replica.fleet import launch_fleet
+
+    with (
+        pytest.raises(RuntimeError, match="exited with code 2") as exc,
+        launch_fleet(1, ["--profile", "nope"], log_path=tmp_path / "fleet.log", timeout_s=20),
+    ):
+        pass
+    assert "invalid choice: 'nope'" in str(exc.value)
+
+
 def test_the_summary_counts_only_the_seeds_whose_run_counts() -> None:
     ok = _bench_result(_report(ok=10, failed=0))
     bad = _bench_result(_report(ok=9, failed=1))

@@ -186,20 +186,47 @@ class FleetProcess:
                 p.wait(timeout=timeout_s)
 
 
-def _check_alive(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+LOG_TAIL_LINES = 15
+
+
+def _log_tail(log_path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of the fleet's log (the callers' logs are often temporary files,
+    deleted with the error's context: the reason must travel in the message)."""
+    if log_path is None:
+        return ""
+    try:
+        with log_path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))  # the tail is enough; logs can be large
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _check_alive(procs: Sequence[subprocess.Popen[bytes]], log_path: Path | None = None) -> None:
     for p in procs:
         if p.poll() is not None:
-            raise RuntimeError(f"kvgate replica exited with code {p.returncode}")
+            msg = f"kvgate replica exited with code {p.returncode}"
+            tail = _log_tail(log_path)
+            if tail:
+                msg += f"; the end of its log ({log_path}):\n{tail}"
+            elif log_path is None:
+                msg += " (pass log_path to launch_fleet to keep its output)"
+            raise RuntimeError(msg)
 
 
 def _wait_ready(
-    procs: Sequence[subprocess.Popen[bytes]], urls: Sequence[str], timeout_s: float
+    procs: Sequence[subprocess.Popen[bytes]],
+    urls: Sequence[str],
+    timeout_s: float,
+    log_path: Path | None = None,
 ) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(urls)
     with httpx.Client(timeout=1.0) as client:
         while pending:
-            _check_alive(procs)
+            _check_alive(procs, log_path)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not ready after {timeout_s}s: {pending}")
             url = pending[0]
@@ -219,7 +246,7 @@ def _wait_ready_lines(
     up, a moment before the endpoint lines are printed."""
     deadline = time.monotonic() + timeout_s
     while (b"\n" + log_path.read_bytes()).count(b"\nready {") < len(procs):
-        _check_alive(procs)
+        _check_alive(procs, log_path)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no ready line in {log_path} after {timeout_s}s")
         time.sleep(0.02)
@@ -277,7 +304,7 @@ def launch_fleet(
                     env={**os.environ, **(env or {})},
                 )
             )
-        _wait_ready(procs, [e.url for e in endpoints], timeout_s)
+        _wait_ready(procs, [e.url for e in endpoints], timeout_s, log_path)
         if log_path is not None:
             _wait_ready_lines(procs, log_path, timeout_s)
         yield fp
