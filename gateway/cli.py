@@ -182,6 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"kvgate {name}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # stdout's reader left (`kvgate ... | head`): stop quietly, as a Unix tool does;
+        # stdout goes to devnull so the interpreter's final flush cannot raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     return int(code or 0)
 
 

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +272,25 @@ def test_replica_without_cached_counts_shows_no_hit_rate() -> None:
 
     rep = analyze_requests([{"ts": 0, "replica": "r1", "prompt_tokens": 100}])
     assert "| r1 | 1 | 100 | 0 | - |" in format_request_report(rep)
+
+
+def test_a_reader_that_leaves_early_stops_the_command_quietly(tmp_path: Path) -> None:
+    """`kvgate trace analyze ... | head`: the closed pipe ends the command without a
+    traceback (exit 141, as a shell reports SIGPIPE)."""
+    f = tmp_path / "t.jsonl"
+    lines = [
+        json.dumps({"ts": 1.0, "replica": f"r{i}", "op": "store", "key": f"{i:032x}"})
+        for i in range(20_000)  # a table far larger than a pipe's buffer
+    ]
+    f.write_text("\n".join(lines) + "\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "trace", "analyze", str(f)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(100)
+    proc.stdout.close()  # the reader leaves
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err
