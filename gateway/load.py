@@ -141,7 +141,13 @@ class LoadTracker:
 class SharedLoadRefresher:
     """Keeps a local copy of the shared :class:`LoadStore` snapshot, refreshed every
     ``interval_s``, and flushes this gateway's in-flight deltas to it. "Others" are the
-    store's totals minus what this gateway had pushed when the snapshot was taken."""
+    store's totals minus what this gateway had pushed when the snapshot was taken.
+
+    Invariant: every in-flight delta is written to the store exactly once. A delta leaves
+    the retry batch as soon as its ``add_inflight`` returns (and is counted in ``_pushed``
+    then); when a refresh fails, only the deltas not yet written go back to
+    ``inflight.pending_deltas``, so a failure in a later write, the heartbeat or the
+    snapshot never replays one the store already holds."""
 
     def __init__(
         self,
@@ -169,12 +175,13 @@ class SharedLoadRefresher:
         now_ms = int(time.time() * 1000)
         deltas, self.inflight.pending_deltas = self.inflight.pending_deltas, {}
         try:
-            for rid, (d_req, d_tok) in deltas.items():
+            for rid, (d_req, d_tok) in list(deltas.items()):
                 if d_req or d_tok:
                     await self.store.add_inflight(self.gateway_id, rid, d_req, d_tok, now_ms)
                 p = self._pushed.setdefault(rid, [0, 0])
                 p[0] += d_req
                 p[1] += d_tok
+                del deltas[rid]  # written: never retried
             reps = self._replicas()
             mono = time.monotonic()
             if mono - self._last_hb > self.store.gateway_ttl_ms / 3000:
@@ -183,7 +190,7 @@ class SharedLoadRefresher:
             records = await self.store.snapshot(reps, now_ms)
         except Exception as exc:  # keep routing on the last snapshot
             self.errors += 1
-            for rid, d in deltas.items():  # retry these deltas next time
+            for rid, d in deltas.items():  # retry only the deltas not yet written
                 cur = self.inflight.pending_deltas.setdefault(rid, [0, 0])
                 cur[0] += d[0]
                 cur[1] += d[1]

@@ -487,3 +487,65 @@ async def test_engine_tokenizer_sends_the_scope_salt_and_the_rendering_fields() 
         "cache_salt": "scope-salt",
     }
     assert prompt == {"model": "m", "prompt": "hello", "cache_salt": "s2"}
+
+
+# ---------------------------------------------------------------- shared load refresh
+
+
+@pytest.mark.parametrize("stage", ["add_inflight", "heartbeat", "snapshot"])
+async def test_shared_refresh_failure_never_writes_a_delta_twice(stage: str) -> None:
+    import time
+    from typing import Any
+
+    from cachecore.loadstate import MemoryLoadStore
+    from gateway.load import SharedLoadRefresher
+
+    class FlakyStore(MemoryLoadStore):
+        """Fails once at ``stage``; for add_inflight, on the second replica's write (the
+        first one has reached the store by then)."""
+
+        fail_at: str | None = None
+
+        async def add_inflight(self, gid: str, rid: str, dr: int, dt: int, now: int) -> None:
+            if self.fail_at == "add_inflight" and rid == "r2":
+                self.fail_at = None
+                raise ConnectionError("redis timeout")
+            await super().add_inflight(gid, rid, dr, dt, now)
+
+        async def heartbeat(self, gid: str, reps: Any, now: int) -> None:
+            if self.fail_at == "heartbeat":
+                self.fail_at = None
+                raise ConnectionError("redis timeout")
+            await super().heartbeat(gid, reps, now)
+
+        async def snapshot(self, reps: Any, now: int) -> Any:
+            if self.fail_at == "snapshot":
+                self.fail_at = None
+                raise ConnectionError("redis timeout")
+            return await super().snapshot(reps, now)
+
+    store = FlakyStore()
+    mine, theirs = InFlight(), InFlight()
+    reps = ["r1", "r2"]
+    gw_a = SharedLoadRefresher(store, "gw-a", mine, lambda: reps)
+    gw_b = SharedLoadRefresher(store, "gw-b", theirs, lambda: reps)
+
+    async def store_counts() -> dict[str, tuple[int, int]]:
+        snap = await store.snapshot(reps, int(time.time() * 1000))
+        return {r: (s.inflight_requests, s.inflight_prefill_tokens) for r, s in snap.items()}
+
+    t1, t2 = mine.dispatch("r1", 100), mine.dispatch("r2", 50)
+    store.fail_at = stage
+    await gw_a.refresh_once()
+    assert gw_a.errors == 1 and store.fail_at is None
+    await gw_a.refresh_once()
+    assert await store_counts() == {"r1": (1, 100), "r2": (1, 50)}
+    await gw_b.refresh_once()
+    assert {r: s.other_requests for r, s in gw_b.snapshot().items()} == {"r1": 1, "r2": 1}
+    mine.done(t1)
+    mine.done(t2)
+    await gw_a.refresh_once()
+    assert await store_counts() == {"r1": (0, 0), "r2": (0, 0)}
+    await gw_b.refresh_once()
+    assert {r: s.other_requests for r, s in gw_b.snapshot().items()} == {"r1": 0, "r2": 0}
+    assert mine.pending_deltas == {}
