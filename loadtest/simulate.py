@@ -63,7 +63,7 @@ from gateway.cli import (
 from gateway.load import InFlight, LoadTracker, SharedLoad, Ticket
 from gateway.routing import Candidate, Router, RouteRequest, Strategy
 from gateway.tokenization import LocalPromptTokenizer
-from loadtest.workloads import Api, TextSource, WorkItem, Workload, build
+from loadtest.workloads import Api, TextSource, WorkItem, Workload, azure_window, build
 from policies.schema import Policy, PolicyError, builtin_policy_path, load_policy
 
 MODEL = "kvgate-sim-8b"
@@ -493,8 +493,14 @@ def scaled_workload(
         w = build(name, text, n=requests, cold_groups=max(16, 8 * replicas), rate=rate, seed=seed)
     elif name in ("short-unique", "long-prefix-pressure", "tenant-mix", "rag"):
         w = build(name, text, n=requests, rate=rate, seed=seed)
+    elif name == "multi-turn":
+        turns = 6
+        sessions = max(1, math.ceil(requests / turns))
+        w = build(name, text, sessions=sessions, turns=turns, rate=rate, seed=seed)
     elif name == "mooncake":
         w = tiled_mooncake(text, requests, rate, seed)
+    elif name in ("azure-conv", "azure-code"):
+        w = azure_window(text, "conv" if name == "azure-conv" else "code", requests, rate, seed)
     else:
         raise ValueError(f"workload {name!r} is not available in the simulator")
     return w.head(requests)
@@ -602,7 +608,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "rag",
             "long-prefix-pressure",
             "tenant-mix",
+            "multi-turn",
             "mooncake",
+            "azure-conv",
+            "azure-code",
         ],
     )
     parser.add_argument(

@@ -99,6 +99,17 @@ class Workload:
         items = tuple(replace(it, t=it.t / factor) for it in self.items)
         return replace(self, items=items)
 
+    def at_rate(self, rate: float) -> Workload:
+        """Arrivals shifted to start at 0 and rescaled so the mean rate is ``rate`` req/s
+        (the order and the shape of the gaps kept)."""
+        if len(self.items) < 2:
+            return self
+        t0 = self.items[0].t
+        span = (self.items[-1].t - t0) or 1.0
+        factor = rate / (len(self.items) / span)  # > 1: denser
+        items = tuple(replace(it, t=(it.t - t0) / factor) for it in self.items)
+        return replace(self, items=items)
+
     def head(self, n: int) -> Workload:
         """The first ``n`` items (a negative ``n`` would slice from the end: refused)."""
         if n < 0:
@@ -594,15 +605,19 @@ def azure(
     max_requests: int | None = None,
     max_input_tokens: int | None = 4096,
     output_cap: int | None = 256,
+    start: int = 0,
 ) -> Workload:
-    """Azure LLM inference trace 2023: arrivals and lengths, unique content per row."""
-    path = path or trace_dir() / f"AzureLLMInferenceTrace_{kind}.csv"
+    """Azure LLM inference trace 2023: arrivals and lengths, unique content per row; rows
+    ``start`` .. ``start + max_requests - 1`` (times from the first of them)."""
+    path = path or azure_path(kind)
     items = []
     t0: datetime | None = None
     with _open_trace(path) as fh:
         reader = csv.DictReader(fh)
         for i, row in enumerate(reader):
-            if max_requests is not None and i >= max_requests:
+            if i < start:
+                continue
+            if max_requests is not None and i >= start + max_requests:
                 break
             try:
                 ts = datetime.fromisoformat(row["TIMESTAMP"][:26])
@@ -627,8 +642,31 @@ def azure(
                 )
             )
     if not items and max_requests != 0:
-        raise TraceError(f"{path}: no rows")
+        raise TraceError(f"{path}: no rows" + (f" from row {start}" if start else ""))
     return Workload(f"azure-{kind}", _sorted(items), f"Azure {kind} trace, {len(items)} rows")
+
+
+def azure_path(kind: str) -> Path:
+    return trace_dir() / f"AzureLLMInferenceTrace_{kind}.csv"
+
+
+def azure_rows(kind: Literal["conv", "code"], path: Path | None = None) -> int:
+    """How many requests the Azure trace holds (its data rows)."""
+    path = path or azure_path(kind)
+    with _open_trace(path) as fh:
+        return max(0, sum(1 for line in fh if line.strip()) - 1)  # less the header
+
+
+def azure_window(
+    text: TextSource, kind: Literal["conv", "code"], requests: int, rate: float, seed: int
+) -> Workload:
+    """Seed k replays the Azure trace's k-th window of ``requests`` consecutive rows (it
+    wraps), arrivals rescaled to ``rate``: the trace's burstiness and lengths, and no
+    shared content (every row is unique), the boundary case of short-lived, non-repeating
+    traffic at production arrival patterns."""
+    rows = azure_rows(kind)
+    start = (seed * requests) % max(1, rows - requests + 1)
+    return azure(text, kind, max_requests=requests, start=start).at_rate(rate)
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {

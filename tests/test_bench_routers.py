@@ -80,6 +80,22 @@ def test_verdicts_report_missed_targets() -> None:
     assert lines[2].startswith("- MISSED")  # 50% < 90% of 60%
 
 
+@pytest.mark.parametrize("workload", ["short-unique", "azure-conv", "azure-code"])
+def test_non_repeating_workloads_are_held_within_5_percent_of_least_loaded(
+    workload: str,
+) -> None:
+    def agg(p99: float) -> dict[str, dict[str, tuple[float, float, float]]]:
+        other = {"ttft_mean_s": (0.5, 0.5, 0.5), "token_hit_rate": (0.0, 0.0, 0.0)}
+        return {
+            "expected_latency": {"ttft_p99_s": (p99, p99, p99), **other},
+            "least_loaded": {"ttft_p99_s": (1.0, 1.0, 1.0), **other},
+        }
+
+    (line,) = verdicts(workload, agg(1.04), 0.0, 0)
+    assert line.startswith("- met") and "within 5% of" in line
+    assert verdicts(workload, agg(1.06), 0.0, 0)[0].startswith("- MISSED")
+
+
 def test_verdicts_give_the_p99_ratio_seed_by_seed() -> None:
     def run(system: str, seed: int, p99: float, status: str = "ok") -> SystemRun:
         return SystemRun(system, seed, status, summary={"ttft_p99_s": p99})

@@ -6,7 +6,15 @@ from pathlib import Path
 import pytest
 
 from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
-from loadtest.workloads import MOONCAKE_BLOCK_TOKENS, WORKLOADS, TextSource, TraceError, build
+from loadtest.simulate import scaled_workload
+from loadtest.workloads import (
+    MOONCAKE_BLOCK_TOKENS,
+    WORKLOADS,
+    TextSource,
+    TraceError,
+    azure_rows,
+    build,
+)
 
 _MC_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}'
 _AZ_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -170,3 +178,21 @@ def test_a_well_formed_small_trace_still_loads(tmp_path: Path, text: TextSource)
     csv_path = tmp_path / "trace.csv"
     csv_path.write_text(_AZ_HEAD + "2023-11-16 18:15:46.6805900,374,44\n")
     assert len(build("azure-code", text, path=csv_path).items) == 1
+
+
+def test_azure_windows_and_multi_turn_at_a_rate(text: TextSource) -> None:
+    """The CLI's Azure workloads: seed k is the k-th window of consecutive rows, arrivals
+    rescaled to the wanted mean rate, every prompt unique; multi-turn resends history."""
+    full = build("azure-conv", text, max_requests=80)
+    for seed in (0, 1):
+        w = scaled_workload("azure-conv", 40, 4, 5.0, seed, text)
+        assert len(w.items) == 40 and w.items[0].t == 0.0
+        assert 40 / w.items[-1].t == pytest.approx(5.0)  # the mean rate asked for
+        assert len({it.prompt for it in w.items}) == 40  # nothing shared
+        window = full.items[40 * seed : 40 * seed + 40]
+        assert [it.max_tokens for it in w.items] == [it.max_tokens for it in window]
+    assert azure_rows("conv") > 10_000
+    mt = scaled_workload("multi-turn", 30, 4, 2.0, 0, text)
+    assert len(mt.items) == 30 and mt.items[0].messages is not None
+    longest = max(len(it.messages or []) for it in mt.items)
+    assert longest >= 7  # system + turns of history
