@@ -4,6 +4,11 @@ Health is decided here, by this gateway, from two signals: an active ``GET /heal
 every replica each ``health.interval_s``, and passive outlier ejection (``eject_after``
 consecutive request failures eject a replica for ``eject_s``; a refused connection ejects at
 once, because it is definitive and the retry has already moved the request).
+
+A refused connection also marks the replica unhealthy: it comes back only when ``eject_s``
+has passed *and* ``healthy_after`` consecutive OK health checks have come after the last
+failure (any request failure restarts that count), so one lucky check during a crash loop
+cannot bring it back early.
 """
 
 from __future__ import annotations
@@ -191,12 +196,13 @@ class ReplicaPool:
         if rep is None:
             return
         rep.consecutive_failures += 1
+        rep.health_oks = 0  # only OK checks after the last failure count towards healthy_after
         if definitive or rep.consecutive_failures >= self.policy.eject_after_failures:
             was = rep.routable(self._clock())
             rep.ejected_until = self._clock() + self.policy.eject_s
             rep.consecutive_failures = 0
             if definitive:
-                rep.healthy = False  # until an active check says otherwise
+                rep.healthy = False  # and healthy_after OK checks to come back
             log.warning(
                 "replica ejected",
                 extra={"replica": rep.id, "for_s": self.policy.eject_s, "definitive": definitive},
@@ -245,8 +251,7 @@ class ReplicaPool:
             rep.health_oks += 1
             rep.health_fails = 0
             if not rep.healthy and rep.health_oks >= p.healthy_after:
-                rep.healthy = True
-                rep.ejected_until = 0.0
+                rep.healthy = True  # an ejection still runs its eject_s
                 log.info("replica healthy", extra={"replica": rep.id})
             if refresh_models or rep.models is None:
                 await self._models(rep)

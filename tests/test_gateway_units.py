@@ -549,3 +549,56 @@ async def test_shared_refresh_failure_never_writes_a_delta_twice(stage: str) -> 
     await gw_b.refresh_once()
     assert {r: s.other_requests for r, s in gw_b.snapshot().items()} == {"r1": 0, "r2": 0}
     assert mine.pending_deltas == {}
+
+
+# ---------------------------------------------------------------- health and ejection
+
+
+class _Health:
+    """``GET /health`` answers for a ReplicaPool under test: 200 while ``ok``."""
+
+    def __init__(self) -> None:
+        self.ok = True
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(200 if self.ok else 503, json={})
+
+
+async def test_refused_connect_needs_eject_s_and_fresh_healthy_after_ok_checks() -> None:
+    from gateway.replicas import ReplicaPool, ReplicaSpec
+    from policies.schema import HealthPolicy
+
+    now = [100.0]
+    health = _Health()
+    policy = HealthPolicy(healthy_after=3, unhealthy_after=1, eject_s=30)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+        pool = ReplicaPool(client, policy, clock=lambda: now[0])
+        rep = pool.add(ReplicaSpec("a", "http://10.0.0.1:1"))
+        for _ in range(5):  # a long OK streak before the crash must not count afterwards
+            await pool.check_once()
+        pool.record_failure("a", definitive=True)
+        assert pool.candidates("m") == []
+        await pool.check_once()  # one OK check: not enough
+        assert not rep.healthy and pool.candidates("m") == []
+        await pool.check_once()
+        pool.record_failure("a")  # a late failure restarts the OK streak
+        for _ in range(2):
+            await pool.check_once()
+        assert not rep.healthy
+        await pool.check_once()  # the third OK check since the last failure
+        assert rep.healthy and pool.candidates("m") == []  # eject_s has not passed
+        now[0] += 30.1
+        assert [r.id for r in pool.candidates("m")] == ["a"]
+        # a replica that recovers only after eject_s still needs its healthy_after OK checks
+        pool.record_failure("a", definitive=True)
+        now[0] += 31
+        health.ok = False
+        await pool.check_once()
+        health.ok = True
+        for _ in range(2):
+            await pool.check_once()
+        assert pool.candidates("m") == []
+        await pool.check_once()
+        assert [r.id for r in pool.candidates("m")] == ["a"]
