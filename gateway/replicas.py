@@ -8,12 +8,14 @@ once, because it is definitive and the retry has already moved the request).
 A refused connection also marks the replica unhealthy: it comes back only when ``eject_s``
 has passed *and* ``healthy_after`` consecutive OK health checks have come after the last
 failure (any request failure restarts that count), so one lucky check during a crash loop
-cannot bring it back early.
+cannot bring it back early. ``on_change(replica, routable)`` fires on every change of
+:meth:`Replica.routable` from health checks, ejections, their expiry, cordon and drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -91,6 +93,7 @@ class Replica:
     cordoned: bool = False
     draining: bool = False
     in_flight: int = 0
+    reported: bool = True  # routability last given to on_change (a new replica starts routable)
     models: set[str] | None = None  # None: unknown yet (treated as serving everything)
     lora_base: dict[str, str] = field(default_factory=dict)  # adapter -> base model
     cards: dict[str, dict[str, object]] = field(default_factory=dict)  # its /v1/models entries
@@ -186,6 +189,19 @@ class ReplicaPool:
         return model, None
 
     # ---------------------------------------------------------------- passive signals
+    def _sync(self, rep: Replica) -> None:
+        """Tell on_change when ``rep``'s routability differs from what it last heard."""
+        now = self._clock()
+        routable = rep.routable(now)
+        if routable != rep.reported:
+            rep.reported = routable
+            self._changed(rep.id, routable)
+
+    def _expired(self, replica_id: str) -> None:
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            self._sync(rep)
+
     def record_success(self, replica_id: str) -> None:
         rep = self._replicas.get(replica_id)
         if rep is not None:
@@ -198,17 +214,21 @@ class ReplicaPool:
         rep.consecutive_failures += 1
         rep.health_oks = 0  # only OK checks after the last failure count towards healthy_after
         if definitive or rep.consecutive_failures >= self.policy.eject_after_failures:
-            was = rep.routable(self._clock())
-            rep.ejected_until = self._clock() + self.policy.eject_s
+            eject_s = self.policy.eject_s
+            rep.ejected_until = self._clock() + eject_s
             rep.consecutive_failures = 0
             if definitive:
                 rep.healthy = False  # and healthy_after OK checks to come back
             log.warning(
                 "replica ejected",
-                extra={"replica": rep.id, "for_s": self.policy.eject_s, "definitive": definitive},
+                extra={"replica": rep.id, "for_s": eject_s, "definitive": definitive},
             )
-            if was:
-                self._changed(rep.id, False)
+            self._sync(rep)
+            # report the expiry when it happens, not only at the next health round; a bit
+            # late so the clock has surely passed it (a timer of an earlier, superseded
+            # ejection finds the replica still out and reports nothing)
+            with contextlib.suppress(RuntimeError):  # no loop: the health rounds report it
+                asyncio.get_running_loop().call_later(eject_s + 0.01, self._expired, rep.id)
 
     def _changed(self, replica_id: str, healthy: bool) -> None:
         if self._on_change is not None:
@@ -220,11 +240,13 @@ class ReplicaPool:
         rep.cordoned = on
         if not on:
             rep.draining = False
+        self._sync(rep)
         return rep
 
     def drain(self, replica_id: str) -> Replica:
         rep = self._require(replica_id)
         rep.draining = True
+        self._sync(rep)
         return rep
 
     def _require(self, replica_id: str) -> Replica:
@@ -246,7 +268,6 @@ class ReplicaPool:
             ok = r.status_code == 200
         except httpx.HTTPError:
             ok = False
-        before = rep.routable(self._clock())
         if ok:
             rep.health_oks += 1
             rep.health_fails = 0
@@ -261,9 +282,7 @@ class ReplicaPool:
             if rep.healthy and rep.health_fails >= p.unhealthy_after:
                 rep.healthy = False
                 log.warning("replica unhealthy", extra={"replica": rep.id})
-        after = rep.routable(self._clock())
-        if before != after:
-            self._changed(rep.id, after)
+        self._sync(rep)  # also reports an ejection that expired since the last round
 
     async def _models(self, rep: Replica) -> None:
         try:

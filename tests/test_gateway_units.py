@@ -602,3 +602,54 @@ async def test_refused_connect_needs_eject_s_and_fresh_healthy_after_ok_checks()
         assert pool.candidates("m") == []
         await pool.check_once()
         assert [r.id for r in pool.candidates("m")] == ["a"]
+
+
+async def test_on_change_follows_routability_both_ways_including_expiry() -> None:
+    import asyncio
+
+    from gateway.replicas import ReplicaPool, ReplicaSpec
+    from policies.schema import HealthPolicy
+
+    seen: list[tuple[str, bool]] = []
+    back = asyncio.Event()
+
+    def changed(replica: str, routable: bool) -> None:
+        seen.append((replica, routable))
+        if routable:
+            back.set()
+
+    health = _Health()
+    policy = HealthPolicy(eject_after_failures=1, eject_s=0.05, healthy_after=1)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+        pool = ReplicaPool(client, policy, on_change=changed)
+        pool.add(ReplicaSpec("a", "http://10.0.0.1:1"))
+        pool.record_failure("a")  # a passive ejection ends by itself, with no health round
+        assert seen == [("a", False)]
+        await asyncio.wait_for(back.wait(), 2)
+        assert seen == [("a", False), ("a", True)] and pool.candidates("m")
+        pool.record_failure("a", definitive=True)  # back on the OK check after eject_s
+        await pool.check_once()
+        assert seen[2:] == [("a", False)]
+        await asyncio.sleep(0.1)
+        assert seen[2:] == [("a", False), ("a", True)]
+        pool.drain("a")
+        pool.cordon("a", on=False)
+        assert seen[4:] == [("a", False), ("a", True)]
+
+    # with a clock the loop does not follow, a health round reports the expiry
+    now = [100.0]
+    seen.clear()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+        pool = ReplicaPool(
+            client,
+            HealthPolicy(eject_after_failures=1, eject_s=5),
+            on_change=lambda r, ok: seen.append((r, ok)),
+            clock=lambda: now[0],
+        )
+        pool.add(ReplicaSpec("a", "http://10.0.0.1:1"))
+        pool.record_failure("a")
+        await pool.check_once()
+        assert seen == [("a", False)]
+        now[0] += 5.1
+        await pool.check_once()
+        assert seen == [("a", False), ("a", True)]
