@@ -119,6 +119,7 @@ class Dispatch:
     raw_body: bytes | None = None  # the client's bytes, when they parsed to ``body``
     lookup_ms: int = 0  # wall clock of the index lookup (the claim check's "since")
     unkeyed: bool = False  # media parts: routed by load, no keys, no precision or claims
+    cold_replicas: frozenset[str] | None = None  # the tenant's confinement (kept for retries)
     # the id the engine gets: the client's id made unique, so that no client-chosen id can
     # collide with another tenant's request on an engine (vLLM refuses or confuses a
     # duplicate id; the refusal would tell one tenant that another's is running)
@@ -600,6 +601,7 @@ class Gateway:
             salt_index=best_salt.get(decision.replica, 0),
             lookup_ms=now,
             unkeyed=unkeyed,
+            cold_replicas=cold,
         )
         if explain_only:
             return d
@@ -694,6 +696,7 @@ class Gateway:
             session_key=None,
             load_only=d.ephemeral or d.unkeyed,
             unkeyed=d.unkeyed,
+            cold_replicas=d.cold_replicas,  # a retry must not escape the confinement
             scope_key=d.scope.canonical(),
         )
         d.decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
@@ -721,7 +724,7 @@ class Gateway:
         if self.pool is not None:
             if out.status < 500 and out.error is None:
                 self.pool.record_success(rid)
-            elif out.error is not None and out.error not in ("connect", "timeout"):
+            elif out.error is not None and out.error != "connect":
                 self.pool.record_failure(rid)  # connect failures were counted at the time
         if self.trace is not None:
             self._trace(d, out)

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.core import Dispatch, Gateway, Outcome
 from gateway.errors import error_body, sse_error_event
 from gateway.settings import GatewaySettings
-from gateway.upstream import UpstreamResponse
+from gateway.upstream import MalformedResponseError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -272,10 +272,22 @@ class UpstreamExchange(Response):
                     )
                     return
                 except httpx.TimeoutException:
+                    # no response head in time: the engine has the request (not resent);
+                    # finish counts it towards ejection, so a wedged engine is taken out
                     gw.metrics.upstream_errors.labels(d.replica, "timeout").inc()
                     await self._send_error(conn, 504, "upstream replica timed out", "timeout")
                     self._finish(
                         Outcome(504, None, time.perf_counter() - t0, None, None, None, "timeout")
+                    )
+                    return
+                except MalformedResponseError as exc:
+                    gw.metrics.upstream_errors.labels(d.replica, "protocol").inc()
+                    await self._send_error(
+                        conn, 502, f"upstream replica sent an invalid response: {exc}",
+                        "upstream_error",
+                    )  # fmt: skip
+                    self._finish(
+                        Outcome(502, None, time.perf_counter() - t0, None, None, None, "protocol")
                     )
                     return
             if resp.status_code != 200 or not d.stream:
@@ -296,8 +308,28 @@ class UpstreamExchange(Response):
             if not self._finished:
                 self._finish(Outcome(500, None, time.perf_counter() - t0, None, None, None))
 
+    async def _read_failed(self, conn: ClientConnection, exc: httpx.HTTPError, t0: float) -> None:
+        """A response body that broke off or stalled after its head: 504 for a stall, else
+        502; counted towards the replica's ejection (by finish)."""
+        timeout = isinstance(exc, httpx.TimeoutException)
+        self.gw.metrics.upstream_errors.labels(
+            self.d.replica, "timeout" if timeout else "read"
+        ).inc()
+        if timeout:
+            await self._send_error(conn, 504, "upstream replica timed out", "timeout")
+        else:
+            await self._send_error(
+                conn, 502, "upstream replica failed mid-response", "upstream_error"
+            )
+        status = 504 if timeout else 502
+        self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, repr(exc)))
+
     async def _relay_error(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
-        raw = await resp.aread()
+        try:
+            raw = await resp.aread()
+        except httpx.HTTPError as exc:  # the error body broke off: an upstream failure
+            await self._read_failed(conn, exc, t0)
+            return
         status = resp.status_code
         try:
             parsed = orjson.loads(raw)
@@ -321,15 +353,10 @@ class UpstreamExchange(Response):
         self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, err))
 
     async def _relay_json(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
-        d = self.d
         try:
             raw = await resp.aread()
         except httpx.HTTPError as exc:
-            self.gw.metrics.upstream_errors.labels(d.replica, "read").inc()
-            await self._send_error(
-                conn, 502, "upstream replica failed mid-response", "upstream_error"
-            )
-            self._finish(Outcome(502, None, time.perf_counter() - t0, None, None, None, repr(exc)))
+            await self._read_failed(conn, exc, t0)
             return
         c0 = time.perf_counter_ns()
         usage = Usage()

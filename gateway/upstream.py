@@ -20,8 +20,9 @@ Contract (the parts of :class:`httpx.AsyncBaseTransport` the gateway uses):
   ``httpx.RemoteProtocolError`` (retried once on a fresh connection if the closed one was a
   reused keep-alive connection: the classic idle-close race); closing mid-body ->
   ``httpx.ReadError``; no byte within the read timeout -> ``httpx.ReadTimeout``; a malformed
-  response -> ``httpx.RemoteProtocolError``; no connection free within the pool timeout ->
-  ``httpx.PoolTimeout``.
+  response, or one cut inside its head -> :class:`MalformedResponseError` (the replica
+  answered: never resent, and not one of the connect-type errors the proxy retries
+  elsewhere); no connection free within the pool timeout -> ``httpx.PoolTimeout``.
 * Bodies must be framed (``content-length`` or chunked), as engines' HTTP/1.1 servers
   (uvicorn, SGLang's) always frame them; a body delimited only by the connection closing is
   reported as ``httpx.ReadError``.
@@ -44,6 +45,11 @@ import httpx
 
 _HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the socket
 _HostKey = tuple[str, int]
+
+
+class MalformedResponseError(httpx.HTTPError):
+    """The replica sent bytes that are not a valid response head (or closed inside one): it
+    received the request and may have run it, so it is not resent anywhere."""
 
 
 class _Conn(asyncio.Protocol):
@@ -83,7 +89,7 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"malformed response: {exc}"))
+            self._fail(MalformedResponseError(f"malformed response: {exc}"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -91,6 +97,8 @@ class _Conn(asyncio.Protocol):
         if self.head is not None and not self.complete:
             if self.head.done():
                 self._fail(httpx.ReadError("replica closed the connection mid-response"))
+            elif self.got_bytes:
+                self._fail(MalformedResponseError("replica closed the connection mid-head"))
             else:
                 self._fail(httpx.RemoteProtocolError("replica closed the connection"))
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cachecore.testing import free_port
-from gateway.upstream import LeanTransport
+from gateway.upstream import LeanTransport, MalformedResponseError
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUTS = {"connect": 1.0, "read": 1.0, "pool": 1.0}
@@ -177,8 +177,33 @@ async def test_malformed_response_is_a_protocol_error() -> None:
 
     t = LeanTransport()
     async with server(garbage) as (url, _):
-        with pytest.raises(httpx.RemoteProtocolError):
+        with pytest.raises(MalformedResponseError):  # not a connect-type error: not resent
             await t.post(url, "/x", [], b"{}", TIMEOUTS)
+    await t.aclose()
+
+
+async def test_a_head_cut_short_on_a_kept_alive_connection_is_not_resent() -> None:
+    """The idle-close race is retried only when the server sent nothing: a head cut short
+    means the server had the request."""
+    served: list[int] = []
+
+    async def cut_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(json_answer(b"{}"))
+        await writer.drain()
+        await read_request(reader)
+        served.append(1)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-le")
+        await writer.drain()
+
+    t = LeanTransport()
+    async with server(cut_second) as (url, conns):
+        r = await t.post(url, "/x", [], b"{}", TIMEOUTS)
+        await r.aread()
+        await r.aclose()
+        with pytest.raises(MalformedResponseError):
+            await t.post(url, "/x", [], b"{}", TIMEOUTS)
+        assert len(conns) == 1 and served == [1]
     await t.aclose()
 
 

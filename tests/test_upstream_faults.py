@@ -1,0 +1,191 @@
+"""Upstream failures through the real gateway, against scripted fake replicas (raw asyncio
+servers that answer health and model probes and script their completion answers): what
+is resent, what is counted towards ejection, what the client gets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from cachecore.testing import free_port
+from gateway.core import Gateway, _hrw
+from gateway.serve import build_gateway, serve_in_loop
+from gateway.settings import GatewaySettings
+from policies.schema import parse_policy_text
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "fake-model"
+Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+def answer(status: int, body: bytes) -> bytes:
+    head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    return head % (status, len(body)) + body
+
+
+OK = answer(
+    200,
+    json.dumps(
+        {
+            "choices": [{"index": 0, "text": "ok"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+        }
+    ).encode(),
+)
+
+
+async def read_request(r: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    try:
+        head = await r.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    n = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            n = int(line.split(b":", 1)[1])
+    return head, await r.readexactly(n) if n else b""
+
+
+class FakeReplica:
+    """Answers ``GET /health`` and ``GET /v1/models``; a completion POST is recorded in
+    ``posts`` and answered by ``script`` (default: a valid JSON completion)."""
+
+    def __init__(self, script: Script | None = None) -> None:
+        self.script = script
+        self.posts = 0
+        self.server: asyncio.Server | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            for _ in range(1000):  # bounded: a test sends a handful of requests
+                req = await read_request(r)
+                if req is None:
+                    return
+                line = req[0].split(b"\r\n", 1)[0]
+                if line.startswith(b"GET /health"):
+                    w.write(answer(200, b"{}"))
+                elif line.startswith(b"GET /v1/models"):
+                    models = {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+                    w.write(answer(200, json.dumps(models).encode()))
+                elif line.startswith(b"POST /v1/"):
+                    self.posts += 1
+                    if self.script is None:
+                        w.write(OK)
+                    else:
+                        await self.script(w)
+                        if w.is_closing():
+                            return
+                else:
+                    w.write(answer(404, b"{}"))
+                await w.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            w.close()
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    replicas: list[FakeReplica], policy: str = "", **settings: Any
+) -> AsyncIterator[tuple[Gateway, httpx.AsyncClient]]:
+    for rep in replicas:
+        await rep.start()
+    gs = GatewaySettings(
+        replicas=[r.url for r in replicas],
+        port=free_port(),
+        open_access=True,
+        salt_secrets=[SecretStr("s" * 32)],
+        seed=7,
+        **settings,
+    )
+    gw = build_gateway(gs, policy=parse_policy_text(policy))
+    try:
+        async with serve_in_loop(gw) as url, httpx.AsyncClient(base_url=url, timeout=10) as h:
+            yield gw, h
+    finally:
+        for rep in replicas:
+            await rep.stop()
+
+
+def completion(prompt: str = "hello world") -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+
+
+async def test_a_malformed_answer_is_a_502_and_never_resent() -> None:
+    """The replica answered (badly): it had the request and may have run it, so it is not
+    sent to another replica; the client gets a 502 and the replica a failure."""
+
+    async def garbage(w: asyncio.StreamWriter) -> None:
+        w.write(b"NOT HTTP AT ALL\r\n\r\n")
+
+    bad, good = FakeReplica(garbage), FakeReplica()
+    async with gateway([bad, good], "routing: {strategy: round_robin}") as (_, h):
+        statuses = [
+            (await h.post("/v1/completions", json=completion(f"p{i}"))).status_code
+            for i in range(4)
+        ]
+        assert statuses.count(502) == bad.posts >= 1
+        assert bad.posts + good.posts == 4  # each request ran once
+
+
+async def test_a_replica_that_never_answers_is_ejected() -> None:
+    async def silent(w: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    hung, good = FakeReplica(silent), FakeReplica()
+    policy = "routing: {strategy: round_robin}\nhealth: {eject_after_failures: 2, eject_s: 30}"
+    async with gateway([hung, good], policy, first_byte_timeout_s=0.3) as (gw, h):
+        assert gw.pool is not None
+        hung_id = next(r.id for r in gw.pool.all() if r.url == hung.url)
+        statuses = []
+        for i in range(8):  # bounded: two timeouts eject it, the rest go to the good one
+            statuses.append((await h.post("/v1/completions", json=completion(f"q{i}"))).status_code)
+        assert statuses.count(504) == 2 and statuses[-4:] == [200] * 4, statuses
+        assert hung_id not in {r.id for r in gw.pool.candidates(MODEL)}
+
+
+async def test_an_error_body_cut_short_is_a_502() -> None:
+    async def cut(w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 500 X\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{")
+        await w.drain()
+        w.close()
+
+    async with gateway([FakeReplica(cut)]) as (_, h):
+        r = await h.post("/v1/completions", json=completion())
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_error"
+
+
+async def test_a_retry_stays_inside_the_tenants_cold_replicas() -> None:
+    """A connect failure's retry is routed again: a tenant confined to k replicas for its
+    cold traffic stays on them (the retry's route used to forget the confinement)."""
+    reps = [FakeReplica() for _ in range(4)]
+    policy = "tenants: {anonymous: {limits: {cold_replica_count: 2}}}"
+    async with gateway(reps, policy) as (gw, _):
+        assert gw.pool is not None
+        ids = sorted((r.id for r in gw.pool.all()), key=lambda rid: _hrw("anonymous", rid))
+        cold = set(ids[-2:])
+        for i in range(20):
+            body = completion(f"cold prompt {i} " * 20)
+            d = await gw.prepare("completion", "anonymous", body, {}, f"r{i}", explain_only=True)
+            assert d.replica in cold
+            assert gw.reroute(d, d.replica)
+            assert d.replica in cold, (d.replica, cold)
