@@ -15,7 +15,8 @@ protocol's connection handling is unchanged: keep-alive and its timer, pipelined
 back-pressure, graceful shutdown (the last answer on a connection carries
 ``connection: close``). When the client goes away before its answer is complete, the
 cycle cancels the task that serves it; the exchange turns that into an aborted upstream
-request. Tests: tests/test_hotpath.py.
+request. An HTTP/1.0 client cannot read chunked framing (RFC 9112 s7): its stream goes
+out unframed and the connection closes at its end. Tests: tests/test_hotpath.py.
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ class HotCycle:
     (``body``, ``more_body``, ``message_event``, ``keep_alive``, ``disconnected``,
     ``response_complete``, ``run_asgi``). Invariants: the status line is written once,
     before any body byte; ``response_complete`` turns true exactly once, with the last byte
-    of the answer written; once ``disconnected`` nothing more is written.
+    of the answer written; once ``disconnected`` nothing more is written; a stream is
+    chunked or, for HTTP/1.0 (``chunked`` false), unframed and ended by closing the
+    connection (never kept alive).
     """
 
     __slots__ = (
         "_disconnected",
         "body",
+        "chunked",
         "content_length",
         "endpoint",
         "headers",
@@ -78,12 +82,14 @@ class HotCycle:
         keep_alive: bool,
         expect_100_continue: bool,
         content_length: int | None,
+        chunked: bool = True,
     ) -> None:
         self.proto = proto
         self.transport = proto.transport
         self.endpoint = endpoint
         self.headers = headers
         self.keep_alive = keep_alive
+        self.chunked = chunked  # streams may use chunked framing (HTTP/1.1)
         self.waiting_for_100_continue = expect_100_continue
         self.content_length = content_length  # as declared in this request's headers
         self.body = bytearray()
@@ -202,17 +208,22 @@ class HotCycle:
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         if not await self._writable():
             return
+        if not self.chunked:
+            self.keep_alive = False  # the close is the body's end (and the head says so)
         parts = self._head(status, headers)
-        parts += (_CHUNKED, b"\r\n")
+        if self.chunked:
+            parts.append(_CHUNKED)
+        parts.append(b"\r\n")
         self.transport.write(b"".join(parts))
 
     async def stream(self, data: bytes) -> None:
         if data and await self._writable():
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     async def end_stream(self) -> None:
         if await self._writable():
-            self.transport.write(b"0\r\n\r\n")
+            if self.chunked:
+                self.transport.write(b"0\r\n\r\n")
             self._complete()
 
     def _complete(self) -> None:
@@ -269,9 +280,16 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         ):
             super().on_headers_complete()  # ASGI, as uvicorn does it
             return
-        keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+        http11 = parser.get_http_version() != "1.0"
+        keep_alive = http11 and parser.should_keep_alive()
         cycle = HotCycle(
-            self, endpoint, self.headers, keep_alive, self.expect_100_continue, self.content_length
+            self,
+            endpoint,
+            self.headers,
+            keep_alive,
+            self.expect_100_continue,
+            self.content_length,
+            chunked=http11,
         )
         existing = self.cycle
         self.cycle = cast(Any, cycle)

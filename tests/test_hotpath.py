@@ -292,3 +292,23 @@ async def test_a_crash_in_the_handler_is_a_500_error_object(
         assert orjson.loads(body)["error"]["type"] == "server_error"
         writer.close()
         await settled(st.gw)
+
+
+async def test_http_1_0_stream_is_unframed_and_ends_with_the_close() -> None:
+    async with stack(count=1) as st:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port_of(st))
+        body = completion(st, words(20, 8), stream=True, max_tokens=4)
+        writer.write(request(body, version="1.0"))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        lines = head.decode("latin-1").lower().split("\r\n")
+        assert "connection: close" in lines and not any(
+            line.startswith(("transfer-encoding", "content-length")) for line in lines
+        )
+        payload = await asyncio.wait_for(reader.read(), 10)  # to EOF: the close ends the body
+        events = [e for e in payload.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and len(events) >= 2
+        assert all(e.startswith(b"data: ") for e in events)  # no chunk-size lines
+        assert orjson.loads(events[0][len(b"data: ") :])["object"] == "text_completion"
+        writer.close()
+        await settled(st.gw)
