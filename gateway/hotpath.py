@@ -16,7 +16,16 @@ back-pressure, graceful shutdown (the last answer on a connection carries
 ``connection: close``). When the client goes away before its answer is complete, the
 cycle cancels the task that serves it; the exchange turns that into an aborted upstream
 request. An HTTP/1.0 client cannot read chunked framing (RFC 9112 s7): its stream goes
-out unframed and the connection closes at its end. Tests: tests/test_hotpath.py.
+out unframed and the connection closes at its end.
+
+A request head (request target plus header lines) over :data:`MAX_HEADER_BYTES` is answered
+``431`` with an OpenAI error object and the connection is closed, on every path: httptools
+would otherwise buffer a header of any size. The count is exact for a head that arrives
+whole; one still arriving is also measured by the bytes received, so the gateway holds at
+most one socket read more than the limit. After the 431 the gateway shuts its side and
+drops what the client still sends for up to :data:`_LINGER_S` before closing: closing
+with unread bytes would reset the connection before the client reads its answer.
+Tests: tests/test_hotpath.py.
 """
 
 from __future__ import annotations
@@ -37,6 +46,12 @@ log = logging.getLogger(__name__)
 _HOT_PATHS = {path.encode(): endpoint for path, endpoint in Completions.ENDPOINTS.items()}
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _CLOSE = b"connection: close\r\n"
+MAX_HEADER_BYTES = 64 * 1024  # a request head larger than this is refused with a 431
+_LINGER_S = 2.0  # after a 431: how long the rest of the request is read and dropped
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing a request head over the limit."""
 
 
 class ClientGone(Exception):
@@ -250,6 +265,59 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # the hot request being served; with pipelining uvicorn's ``cycle`` is the newest
         # parsed one, which may still wait for its turn
         self.serving: HotCycle | None = None
+        self.head_bytes = 0  # of the head being parsed, as the parser hands it over
+        self.in_head = True  # bytes arriving now belong to a request head (not a body)
+        self.head_received = 0  # bytes received since the head began, while in_head
+        self.head_refused = False
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_refused:
+            return  # the rest of a refused request, dropped until the close
+        if self.in_head:
+            self.head_received += len(data)
+        super().data_received(data)  # a head over the limit in here: send_400_response
+        if self.in_head and self.head_received > MAX_HEADER_BYTES:
+            self._refuse_head()  # one header still arriving, buffered by the parser
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to a parser error, which is how a callback stops the parser
+        if self.head_refused:
+            self._refuse_head()
+        else:
+            super().send_400_response(msg)
+
+    def _count_head(self, n: int) -> None:
+        self.head_bytes += n
+        if self.head_bytes > MAX_HEADER_BYTES:
+            self.head_refused = True
+            raise _HeadTooLarge
+
+    def _refuse_head(self) -> None:
+        """431 and close. Nothing is written while an earlier answer is still going out (it
+        would land inside that answer): the connection just closes."""
+        self.head_refused = True
+        self.in_head = False
+        transport = self.transport
+        if transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            err = GatewayError(
+                431,
+                f"request headers larger than {MAX_HEADER_BYTES} bytes",
+                code="request_header_fields_too_large",
+            )
+            body = _error_bytes(err)
+            parts = [STATUS_LINE[431]]
+            for name, value in [*self.server_state.default_headers, *err.header_pairs()]:
+                parts += (name, b": ", value, b"\r\n")
+            parts += (_CLOSE, b"content-length: %d\r\n\r\n" % len(body), body)
+            transport.write(b"".join(parts))
+            if transport.can_write_eof():
+                transport.write_eof()  # the client sees the answer, then EOF
+                asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
+                return
+        transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)  # marks ``self.cycle``
@@ -257,8 +325,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if serving is not None and not serving.response_complete:
             serving.disconnected = True
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._count_head(len(url))
+
     def on_header(self, name: bytes, value: bytes) -> None:
         super().on_header(name, value)
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
         if len(name) == 14 and name.lower() == b"content-length":
             digits = value.strip()
             self.content_length = int(digits) if digits.isdigit() else None
@@ -266,8 +339,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.content_length = None
+        self.head_bytes = 0
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.in_head = True  # what comes next is the next request's head
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
+        self.head_received = 0
         parser = self.parser
         endpoint = (
             _HOT_PATHS.get(self.url.partition(b"?")[0])
