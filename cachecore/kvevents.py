@@ -85,8 +85,9 @@ class EventBatch:
     ts: float  # NaN when the engine sent no usable (finite) time
     events: list[KVEvent] = field(default_factory=list)
     data_parallel_rank: int | None = None
-    # tags of the events of a type this decoder does not know, skipped: a newer engine's
-    # event must not cost the rest of its batch (a lost batch is a gap, then a cold clear)
+    # the events left out, each as its tag (a type this decoder does not know) or
+    # "BlockStored:<why>" (a store with nothing to key, see _SkippedEvent): one such event
+    # must not cost the rest of its batch (a lost batch is a gap, then a cold clear)
     skipped: list[str] = field(default_factory=list)
 
 
@@ -219,8 +220,16 @@ def _fields(raw: Any, names: Sequence[str], required: int) -> list[Any]:
     return values
 
 
-class _UnknownEvent(Exception):
-    """A well-formed event of a type we do not know (its tag)."""
+class _SkippedEvent(Exception):
+    """A well-formed event the agent can leave out without harm (its message says which and
+    why): one of a type we do not know (a newer engine's), or a store of nothing we can key.
+    vLLM 0.33 publishes such stores beside ordinary ones in one batch: a hybrid model's
+    sliding-window or Mamba group leaves its masked blocks out of ``block_hashes`` while
+    ``token_ids`` still covers them (or every block is masked: no hashes), and CPU
+    offloading publishes tier placeholders with no tokens. Leaving a store out only loses
+    hits (a block stored after it, chained to it, is dropped for its unknown parent); losing
+    the batch instead was a gap, then a replay that failed the same way, then a cold
+    clear of the replica's whole index."""
 
 
 def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
@@ -236,6 +245,8 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
         return AllBlocksCleared()
     if tag == "BlockRemoved":
         r_hashes, r_medium, r_group = _fields(raw, _REMOVED_FIELDS, 1)
+        if isinstance(r_hashes, list) and not r_hashes:
+            raise _SkippedEvent("BlockRemoved:no_blocks")
         return BlockRemoved(
             block_hashes=_hash_list(r_hashes),
             medium=_opt_str(r_medium, "medium"),
@@ -255,9 +266,13 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             spec_kind,
             sliding_window,
         ) = _fields(raw, _STORED_FIELDS, _STORED_REQUIRED)
+        if isinstance(raw_hashes, list) and not raw_hashes:
+            raise _SkippedEvent("BlockStored:no_blocks")  # every block masked
         hashes = _hash_list(raw_hashes)
         if not isinstance(tokens, list) or len(tokens) > max_tokens:
             raise MalformedEventError("bad_field", "token_ids")
+        if not tokens:
+            raise _SkippedEvent("BlockStored:no_tokens")  # a tier placeholder (offloading)
         try:  # C-speed check that every id is an int in [0, 2**32)
             array.array("I", tokens)
         except (TypeError, OverflowError) as exc:
@@ -266,9 +281,9 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
         if block_size is None or block_size <= 0:
             raise MalformedEventError("bad_field", "block_size")
         if len(tokens) != block_size * len(hashes):
-            raise MalformedEventError(
-                "token_count_mismatch", f"{len(tokens)} tokens for {len(hashes)} blocks"
-            )
+            # masked blocks (a hybrid model's sliding-window group): the hashes cannot be
+            # matched to their tokens
+            raise _SkippedEvent("BlockStored:token_count_mismatch")
         extra_keys: list[tuple[Any, ...] | None] | None = None
         if extra is not None:
             if not isinstance(extra, list) or len(extra) != len(hashes):
@@ -288,7 +303,7 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             kv_cache_spec_sliding_window=_opt_int(sliding_window, "kv_cache_spec_sliding_window"),
         )
     if isinstance(tag, str) and tag:
-        raise _UnknownEvent(tag[:64])
+        raise _SkippedEvent(tag[:64])
     raise MalformedEventError("unknown_event", str(tag)[:64])
 
 
@@ -334,8 +349,8 @@ def decode_batch(
     for raw in events:
         try:
             decoded.append(_decode_event(raw, max_tokens_per_event))
-        except _UnknownEvent as unknown:
-            skipped.append(str(unknown))
+        except _SkippedEvent as skip:
+            skipped.append(str(skip))
     t = float(ts)
     return EventBatch(
         ts=t if math.isfinite(t) else math.nan,

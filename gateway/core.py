@@ -71,6 +71,14 @@ SETTLE_POLL_S = 0.25
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 _ENGINE_ID_FIELDS = frozenset(("request_id", "rid"))
 """Body fields an engine takes its request id from (vLLM's ``request_id``, SGLang's ``rid``)."""
+_OPERATOR_FIELDS = frozenset(("kv_transfer_params", "ec_transfer_params"))
+"""vLLM request fields only the serving stack may set: where a disaggregated engine reads
+its KV (remote block ids) or encoder cache from. From a client they could point an engine
+at blocks another tenant's request computed; they are removed."""
+_REPORT_MODE = "kv_cache_report_mode"
+"""A ``vllm_xargs`` key that makes vLLM 0.33 publish a BlockStored for each prefix-cache
+hit: indistinguishable on the wire from a new store, so a client could inflate the index's
+copies of blocks (one removal would no longer remove them). Removed."""
 
 AgentHook = Callable[
     [Sequence[ReplicaSpec], PrefixIndex, LoadStore | None, CollectorRegistry],
@@ -621,7 +629,14 @@ class Gateway:
         salt = d.salts[d.salt_index]
         raw = d.raw_body
         body_ids = _ENGINE_ID_FIELDS.intersection(d.body)
-        untouched = "cache_salt" not in d.body and not body_ids
+        xargs = d.body.get("vllm_xargs")
+        report_mode = isinstance(xargs, dict) and _REPORT_MODE in xargs
+        untouched = (
+            "cache_salt" not in d.body
+            and not body_ids
+            and not report_mode
+            and _OPERATOR_FIELDS.isdisjoint(d.body)
+        )
         if raw is not None and not d.stream and d.body and untouched:
             # nothing to replace: append the salt to the client's own bytes instead of
             # re-serializing the body (its prompt can be thousands of token ids)
@@ -632,6 +647,11 @@ class Gateway:
         body["cache_salt"] = salt  # replaces any client-supplied salt
         for name in body_ids:  # engine request ids in the body (vLLM's, SGLang's): ours
             body[name] = d.upstream_id
+        for name in _OPERATOR_FIELDS.intersection(body):
+            del body[name]
+        if report_mode:
+            assert isinstance(xargs, dict)
+            body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != _REPORT_MODE}
         if d.stream:
             opts = body.get("stream_options")
             opts = dict(opts) if isinstance(opts, dict) else {}

@@ -193,6 +193,36 @@ async def test_an_unknown_event_type_costs_only_itself_and_a_bad_time_only_the_t
     )
 
 
+async def test_vllm_033_stores_with_nothing_to_key_cost_only_themselves(rig: Rig) -> None:
+    """vLLM 0.33 batches hold, beside ordinary stores: a hybrid model's sliding-window group
+    store whose ``block_hashes`` leave masked blocks out while ``token_ids`` covers them,
+    one with every block masked (no hashes), a CPU-offload tier placeholder (no tokens,
+    block size 0), and an empty removal. Each is skipped and counted; the batch's other
+    events apply, with no gap and no cold clear (the batch used to be dropped as malformed,
+    then the replay failed the same way and the replica's index was cleared)."""
+    import msgpack
+
+    from cachecore.kvevents import encode_batch
+
+    agent = await rig.start()
+    clears_at_start = counter_total(agent.metrics.clears)
+    ev, _ = rig.engine.store(toks(0, 3))
+    body = msgpack.unpackb(encode_batch(batch(ev), Encoding.MAP), raw=False)
+    (full,) = body["events"]
+    body["events"] += [
+        {**full, "block_hashes": full["block_hashes"][2:], "group_idx": 1},  # 2 masked
+        {**full, "block_hashes": [], "group_idx": 1},  # all masked
+        {**full, "token_ids": [], "block_size": 0, "medium": "CPU", "extra_keys": None},
+        {"type": "BlockRemoved", "block_hashes": [], "medium": "GPU"},
+    ]
+    await rig.source.publish_payload(msgpack.packb(body))
+    await rig.settle()
+    assert await rig.index_keys() == rig.engine.keys() and len(rig.engine.keys()) == 3
+    assert counter_total(agent.metrics.events_skipped) == 4
+    assert counter_total(agent.metrics.clears) == clears_at_start
+    assert (await rig.index.meta("r0")).state is ReplicaState.LIVE
+
+
 async def test_all_blocks_cleared_empties_the_replica_and_keeps_it_live(rig: Rig) -> None:
     await rig.start()
     ev, _ = rig.engine.store(toks(0, 3))

@@ -107,7 +107,8 @@ class AgentMetrics:
         )  # fmt: skip
         self.events_skipped = Counter(
             "kvgate_agent_events_skipped",
-            "Events of a type the agent does not know, skipped (the rest of the batch applies)",
+            "Events skipped while the rest of their batch applies: of a type the agent does "
+            "not know, or stores with nothing to key (masked blocks, tier placeholders)",
             registry=r,
         )  # fmt: skip
         self.conflicts = Counter(

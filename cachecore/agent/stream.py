@@ -226,8 +226,8 @@ class EventStream:
         if batch.skipped:
             self.metrics.events_skipped.inc(len(batch.skipped))
             self._drop_log.warn(
-                "unknown_event_type",
-                "skipped events of an unknown type",
+                "skipped_events",
+                "skipped events: unknown types or stores with nothing to key",
                 replica=self.name,
                 source=source,
                 types=sorted(set(batch.skipped))[:8],
