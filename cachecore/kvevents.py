@@ -9,7 +9,8 @@ marker whose seq is -1 with an empty payload.
 Payload shapes, all decoded:
 
 * batch as an array ``[ts, events, data_parallel_rank?]`` (vLLM's ``array_like`` structs) or as a
-  map ``{"ts", "events", "data_parallel_rank"?}`` (newest vLLM, ``omit_defaults``);
+  map ``{"ts", "events", "data_parallel_rank"?}`` (one vLLM snapshot; 0.26 to 0.33 send an
+  array batch of map events, the simulated replica's default);
 * each event as a positional array whose first element is the tag, or as a map with the tag
   under ``"type"``;
 * block hashes as ints or bytes (bytes: the last 8 bytes, big-endian).
@@ -45,9 +46,9 @@ class MalformedEventError(ValueError):
 
 
 class Encoding(StrEnum):
-    MAP = "map"  # newest vLLM: batch and events are maps
+    MAP = "map"  # batch and events as maps (seen in one vLLM snapshot)
     ARRAY = "array"  # older vLLM: array_like batch and events
-    MIXED = "mixed"  # vLLM 0.2x: array batch, map events
+    MIXED = "mixed"  # vLLM 0.26 to 0.33 (current): array batch, map events
 
 
 @dataclass(frozen=True, slots=True)

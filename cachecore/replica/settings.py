@@ -44,7 +44,7 @@ class ReplicaSettings(BaseSettings):
     hash_algo: HashAlgo = HashAlgo.SHA256
     hash_seed: int | None = None
     event_hash_format: WireHashFormat = WireHashFormat.INT
-    event_encoding: Encoding = Encoding.MAP
+    event_encoding: Encoding = Encoding.MIXED
     events_topic: str = DEFAULT_TOPIC
     publish_events: bool = True
     replay_buffer_steps: Annotated[int, Field(ge=1)] = 10000
