@@ -339,10 +339,27 @@ class Gateway:
         rep = reps[0]
         models = sorted(rep.models or [])
         pools: dict[str, Any] = {}
+        engine_pools: dict[str, Any] = {}
         for m in models[:4] or ["default"]:
             pool = self.policy.models.pool(m)
             if pool.alignment_check and pool.tokenizer in ("builtin", "hf"):
                 pools[m] = pool
+            elif pool.tokenizer in ("engine_render", "engine_tokenize"):
+                engine_pools[m] = pool
+        for model, pool in engine_pools.items():
+            # the engine tokenizes this pool: it must answer (vLLM 0.33 serves the render
+            # endpoint only with --enable-scale-out; without it every request is a 502)
+            tokenizer = self.tokenizers.for_pool(model, pool)
+            probe = {"model": model, "messages": [{"role": "user", "content": "hello"}]}
+            try:
+                await tokenizer.chat(probe, self.minter.salt(Scope(ScopeKind.TENANT, "probe")))
+            except GatewayError as exc:
+                self.metrics.alignment.inc()
+                self.alignment_problems.append(f"{model}: {pool.tokenizer}: {exc.message}")
+                log.error(
+                    "the engine does not tokenize for this pool: its requests will fail",
+                    extra={"model": model, "tokenizer": pool.tokenizer, "problem": exc.message},
+                )
         for model, pool in pools.items():
             tok = self.tokenizers.local(pool)
             problems = await check_alignment(self.client, rep.url, model, tok)

@@ -189,3 +189,20 @@ async def test_a_retry_stays_inside_the_tenants_cold_replicas() -> None:
             assert d.replica in cold
             assert gw.reroute(d, d.replica)
             assert d.replica in cold, (d.replica, cold)
+
+
+async def test_an_engine_that_will_not_tokenize_is_reported_at_start_up() -> None:
+    """A pool tokenized by the engine whose render endpoint refuses (vLLM 0.33 without
+    --enable-scale-out answers 403): said at start-up, not discovered request by request."""
+
+    async def forbidden(w: asyncio.StreamWriter) -> None:
+        w.write(answer(403, b'{"error": {"message": "render needs --enable-scale-out"}}'))
+
+    policy = "models: {default: {tokenizer: engine_render}}"
+    async with gateway([FakeReplica(forbidden)], policy) as (gw, h):
+        assert any("engine_render" in p and "403" in p for p in gw.alignment_problems)
+        r = await h.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert r.status_code == 502
