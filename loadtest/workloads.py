@@ -528,7 +528,9 @@ def cache_flood(
 
 def _open_trace(path: Path) -> TextIO:
     try:
-        return path.open()
+        # undecodable bytes become U+FFFD: the row that holds them then fails its parse
+        # with the file and line named (a UnicodeDecodeError named neither)
+        return path.open(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise TraceError(
             f"cannot read trace {path}: {exc.strerror or exc} (KVGATE_TRACE_DIR sets the "

@@ -196,3 +196,13 @@ def test_azure_windows_and_multi_turn_at_a_rate(text: TextSource) -> None:
     assert len(mt.items) == 30 and mt.items[0].messages is not None
     longest = max(len(it.messages or []) for it in mt.items)
     assert longest >= 7  # system + turns of history
+
+
+def test_undecodable_bytes_in_a_trace_name_the_file_and_line(
+    tmp_path: Path, text: TextSource
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(_MC_ROW.encode() + b'\n{"timestamp": \xff\xfe}\n')
+    with pytest.raises(TraceError) as exc:
+        build("mooncake", text, path=path)
+    assert str(exc.value).startswith(f"{path}:2: not JSON"), str(exc.value)
