@@ -64,6 +64,7 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # vLLM 0.33: LOCAL or REMOTE to the publisher (its STORAGE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +106,15 @@ _STORED_FIELDS = (
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
 )
 _STORED_REQUIRED = 4  # block_hashes, parent, token_ids, block_size
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
 # Fields vLLM declares with a default: omitted from map encoding when they hold it.
 _STORED_DEFAULTED = frozenset(
-    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality"}
 )
-_REMOVED_DEFAULTED = frozenset({"group_idx"})
+_REMOVED_DEFAULTED = frozenset({"group_idx", "locality"})
 
 
 # ---------------------------------------------------------------------------------- encode
@@ -245,13 +248,14 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag == "BlockRemoved":
-        r_hashes, r_medium, r_group = _fields(raw, _REMOVED_FIELDS, 1)
+        r_hashes, r_medium, r_group, r_locality = _fields(raw, _REMOVED_FIELDS, 1)
         if isinstance(r_hashes, list) and not r_hashes:
             raise _SkippedEvent("BlockRemoved:no_blocks")
         return BlockRemoved(
             block_hashes=_hash_list(r_hashes),
             medium=_opt_str(r_medium, "medium"),
             group_idx=_opt_int(r_group, "group_idx"),
+            locality=_opt_str(r_locality, "locality"),
         )
     if tag == "BlockStored":
         (
@@ -266,6 +270,7 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             group_idx,
             spec_kind,
             sliding_window,
+            locality,
         ) = _fields(raw, _STORED_FIELDS, _STORED_REQUIRED)
         if isinstance(raw_hashes, list) and not raw_hashes:
             raise _SkippedEvent("BlockStored:no_blocks")  # every block masked
@@ -302,6 +307,7 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             group_idx=_opt_int(group_idx, "group_idx"),
             kv_cache_spec_kind=_opt_str(spec_kind, "kv_cache_spec_kind"),
             kv_cache_spec_sliding_window=_opt_int(sliding_window, "kv_cache_spec_sliding_window"),
+            locality=_opt_str(locality, "locality"),
         )
     if isinstance(tag, str) and tag:
         raise _SkippedEvent(tag[:64])

@@ -133,12 +133,16 @@ _MEDIUM_TO_TIER: Mapping[str, Tier] = {
 }
 
 
-def tier_of_medium(medium: str | None) -> Tier:
-    """vLLM's ``medium`` to a tier: None means GPU (vLLM's default medium); any medium we do
-    not know is treated as REMOTE, the most conservative (slowest) tier."""
+def tier_of_medium(medium: str | None, locality: str | None = None) -> Tier:
+    """vLLM's ``medium`` to a tier: None means GPU (vLLM's default medium); vLLM 0.33's
+    ``STORAGE`` is DISK when its ``locality`` says LOCAL, else REMOTE; any medium we do not
+    know is treated as REMOTE, the most conservative (slowest) tier."""
     if medium is None:
         return Tier.GPU
-    return _MEDIUM_TO_TIER.get(medium.upper(), Tier.REMOTE)
+    m = medium.upper()
+    if m == "STORAGE":
+        return Tier.DISK if (locality or "").upper() == "LOCAL" else Tier.REMOTE
+    return _MEDIUM_TO_TIER.get(m, Tier.REMOTE)
 
 
 class BlockState(StrEnum):
@@ -595,7 +599,7 @@ class ReplicaMirror:
         if not self._wanted_group(ev.group_idx):
             self.counters.dropped_other_group += n
             return
-        tier = int(tier_of_medium(ev.medium))
+        tier = int(tier_of_medium(ev.medium, ev.locality))
         parent_key: BlockKey | None = None
         salt: str | None = None
         index_it = True
@@ -706,7 +710,7 @@ class ReplicaMirror:
     def _removed(self, ev: BlockRemoved, write: IndexWrite) -> None:
         if not self._wanted_group(ev.group_idx):
             return
-        tier = int(tier_of_medium(ev.medium))
+        tier = int(tier_of_medium(ev.medium, ev.locality))
         hashes = ev.block_hashes
         n = len(hashes)
         engine = self._engine

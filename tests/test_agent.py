@@ -26,6 +26,7 @@ from cachecore.kvevents import (
     MalformedEventError,
     seq_to_bytes,
 )
+from cachecore.lifecycle import Tier
 from cachecore.loadstate import MemoryLoadStore
 from cachecore.registry import MemoryRegistry
 from cachecore.traceanalysis import analyze_events, read_jsonl
@@ -282,6 +283,14 @@ async def test_tiers_from_medium(rig: Rig) -> None:
     await rig.publish(BlockRemoved(hashes, "GPU"))
     await rig.settle()
     assert set((await rig.index.replica_blocks("r0")).values()) == {2}
+    # vLLM 0.33's STORAGE medium: local disk with locality LOCAL, remote otherwise
+    for locality, tier in (("LOCAL", int(Tier.DISK)), ("REMOTE", int(Tier.REMOTE))):
+        await rig.publish(replace(ev, medium="STORAGE", locality=locality))
+        await rig.settle()
+        assert set((await rig.index.replica_blocks("r0")).values()) == {2 | tier}
+        await rig.publish(BlockRemoved(hashes, "STORAGE", locality=locality))
+        await rig.settle()
+        assert set((await rig.index.replica_blocks("r0")).values()) == {2}
 
 
 async def test_batches_are_coalesced_into_fewer_index_writes(rig: Rig) -> None:
