@@ -152,6 +152,6 @@ class KVEventPublisher:
                 await asyncio.sleep(0)
         if self.legacy_replay_reply:
             end = [identity, b"", END_SEQ_BYTES, b""]
-        else:
-            end = [identity, b"", self.topic, END_SEQ_BYTES, b""]
+        else:  # vLLM 0.33's end marker carries an empty topic frame
+            end = [identity, b"", b"", END_SEQ_BYTES, b""]
         await router.send_multipart(end)
