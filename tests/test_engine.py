@@ -448,3 +448,53 @@ def test_fast_forward_takes_many_steps_at_once() -> None:
     assert res.num_steps == 199 and all(o.finished for o in res.outputs)
     assert res.duration_s == pytest.approx(199 * core.latency.decode_time(4))
     assert not core.has_work()
+
+
+def _admission_scenario(reserve: bool) -> tuple[EngineCore, int | None]:
+    """R1 (600-token prompt, 300 decode steps) fills most of 100 blocks; R2's 1,200-token
+    prompt arrives after R1's prefill: its first 256-token chunk fits, its whole sequence
+    does not."""
+    core = engine(
+        block_size=16, num_blocks=100, max_num_batched_tokens=256, max_model_len=1600,
+        reserve_full_sequence=reserve,
+    )  # fmt: skip
+    core.add_request(EngineRequest("R1", toks(600), max_tokens=300), 0.0)
+    now = 0.0
+    for _ in range(3):  # R1's prefill: 256 + 256 + 88 tokens
+        now += core.step(now).duration_s
+    core.add_request(EngineRequest("R2", toks(1200, 5000), max_tokens=4), now)
+    admitted = None
+    for k in range(1, 1000):  # bounded: ~305 steps
+        if not core.has_work():
+            break
+        now += core.step(now).duration_s
+        r2 = core.get_request("R2")
+        if admitted is None and r2 is not None and r2.first_scheduled_time is not None:
+            admitted = k
+    assert not core.has_work()
+    return core, admitted
+
+
+def test_a_request_is_admitted_only_when_its_whole_sequence_fits() -> None:
+    """vLLM's scheduler_reserve_full_isl (on by default): R2 waits for R1 to finish, with
+    no preemption and no prefill computed twice. Admitting on the first chunk alone let R2
+    in, then preempted it part-way (its chunks recomputed, R1's decode slowed)."""
+    core, admitted = _admission_scenario(True)
+    st = core.stats()
+    assert st.num_preemptions == 0 and st.num_prompt_tokens_computed == 1800
+    assert admitted is not None and admitted >= 299  # after R1's 300 decode steps
+    old, early = _admission_scenario(False)  # the first-chunk rule, for contrast
+    assert early == 1 and old.stats().num_preemptions >= 1
+    assert old.stats().num_prompt_tokens_computed > 1800
+
+
+def test_prefix_cache_counters_leave_out_readmissions_after_preemption() -> None:
+    """vLLM counts a preempted request's re-admission apart (preempted_queries / hits), not
+    in vllm:prefix_cache_queries / hits."""
+    core = engine(block_size=4, num_blocks=12, max_num_batched_tokens=64)
+    core.add_request(EngineRequest("R1", toks(16), max_tokens=20), 0.0)
+    core.add_request(EngineRequest("R2", toks(16, 100), max_tokens=20), 0.0)
+    run(core)
+    st = core.stats()
+    assert st.num_preemptions >= 1
+    assert st.prefix_cache_queries == 32 and st.prefix_cache_hits == 0

@@ -68,6 +68,10 @@ class EngineConfig:
     wire_hash_format: WireHashFormat = WireHashFormat.INT
     lora_names: tuple[str, ...] = ()
     enable_events: bool = True
+    # vLLM's scheduler_reserve_full_isl (default on): a waiting request is admitted only if
+    # its whole sequence fits in the free blocks, not just its first chunk; otherwise a
+    # long chunked prompt is admitted into a nearly full cache and preempted part-way
+    reserve_full_sequence: bool = True
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 2:
@@ -148,6 +152,7 @@ class EngineCore:
         self.block_size = config.block_size
         self.max_num_seqs = config.effective_max_num_seqs
         self.max_num_batched_tokens = config.effective_max_num_batched_tokens
+        self.reserve_full_sequence = config.reserve_full_sequence
         self.max_model_len = config.effective_max_model_len
         self.hasher = EngineHasher(config.hash_algo, config.hash_seed)
         self.pool = BlockPool(
@@ -278,14 +283,16 @@ class EngineCore:
                 req = waiting[0]
                 hits, n_hit = kv.get_computed_blocks(req)
                 n = min(req.num_tokens - n_hit, budget)
-                if not kv.allocate_slots(req, n, hits):
+                if not kv.allocate_slots(req, n, hits, self.reserve_full_sequence):
                     break
                 waiting.popleft()
-                stats.requests += 1
-                stats.queries += req.num_tokens
-                stats.hits += n_hit
                 req.status = RequestStatus.RUNNING
                 if req.num_cached_tokens < 0:
+                    # first admission: vLLM's prefix-cache query/hit counters leave out the
+                    # re-admissions of preempted requests (it counts those apart)
+                    stats.requests += 1
+                    stats.queries += req.num_tokens
+                    stats.hits += n_hit
                     req.num_cached_tokens = n_hit
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now

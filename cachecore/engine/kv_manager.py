@@ -63,15 +63,22 @@ class KVCacheManager:
         req: RequestState,
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
+        full_sequence_must_fit: bool = False,
     ) -> bool:
         """Reserve slots for ``num_new_tokens`` more tokens (after taking the prefix hit
         ``new_computed_blocks``, for a request being admitted) and register the blocks that
-        become full. False, with nothing changed, when the free queue is too short."""
+        become full. False, with nothing changed, when the free queue is too short: for the
+        new tokens, or with ``full_sequence_must_fit`` (vLLM's admission rule) for the
+        request's whole sequence, though only the new tokens' blocks are allocated."""
         hits = new_computed_blocks or []
         need = self.num_blocks_needed(req, num_new_tokens, len(hits))
         # hit blocks that sit in the free queue are taken out of it by touch()
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if max(need, 0) + evictable_hits > self.pool.num_free_blocks:
+        check = need
+        if full_sequence_must_fit:
+            rest = req.num_tokens - req.num_computed_tokens - len(hits) * self.block_size
+            check = max(need, self.num_blocks_needed(req, rest, len(hits)))
+        if max(check, 0) + evictable_hits > self.pool.num_free_blocks:
             return False
         if hits:
             self.pool.touch(hits)
