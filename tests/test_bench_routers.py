@@ -382,6 +382,23 @@ def test_a_replica_that_exits_early_says_why(tmp_path: Path) -> None:
     assert "invalid choice: 'nope'" in str(exc.value)
 
 
+def test_a_replica_that_never_gets_ready_shows_its_log(tmp_path: Path) -> None:
+    import subprocess
+
+    from cachecore.replica.fleet import _wait_ready_lines
+
+    log = tmp_path / "fleet.log"
+    log.write_text("loading the tokenizer ...\n")
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        with pytest.raises(TimeoutError, match="no ready line") as exc:
+            _wait_ready_lines([proc], log, timeout_s=0.2)
+        assert "loading the tokenizer" in str(exc.value)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_the_summary_counts_only_the_seeds_whose_run_counts() -> None:
     ok = _bench_result(_report(ok=10, failed=0))
     bad = _bench_result(_report(ok=9, failed=1))

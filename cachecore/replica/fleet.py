@@ -204,13 +204,18 @@ def _log_tail(log_path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+def _tail_note(log_path: Path | None) -> str:
+    tail = _log_tail(log_path)
+    return f"; the end of its log ({log_path}):\n{tail}" if tail else ""
+
+
 def _check_alive(procs: Sequence[subprocess.Popen[bytes]], log_path: Path | None = None) -> None:
     for p in procs:
         if p.poll() is not None:
             msg = f"kvgate replica exited with code {p.returncode}"
-            tail = _log_tail(log_path)
-            if tail:
-                msg += f"; the end of its log ({log_path}):\n{tail}"
+            note = _tail_note(log_path)
+            if note:
+                msg += note
             elif log_path is None:
                 msg += " (pass log_path to launch_fleet to keep its output)"
             raise RuntimeError(msg)
@@ -228,7 +233,9 @@ def _wait_ready(
         while pending:
             _check_alive(procs, log_path)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"replicas not ready after {timeout_s}s: {pending}")
+                raise TimeoutError(
+                    f"replicas not ready after {timeout_s}s: {pending}" + _tail_note(log_path)
+                )
             url = pending[0]
             try:
                 if client.get(f"{url}/health").status_code == 200:
@@ -248,7 +255,9 @@ def _wait_ready_lines(
     while (b"\n" + log_path.read_bytes()).count(b"\nready {") < len(procs):
         _check_alive(procs, log_path)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no ready line in {log_path} after {timeout_s}s")
+            raise TimeoutError(
+                f"no ready line in {log_path} after {timeout_s}s" + _tail_note(log_path)
+            )
         time.sleep(0.02)
 
 
