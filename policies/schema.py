@@ -23,14 +23,29 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
+# ``allow_inf_nan=False``: YAML reads ``.inf``, ``.nan`` and ``1e400`` (inf) as floats, and
+# a non-finite value here turns routing costs or timers into NaN at request time
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+UnitFloat = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+
+# Upper bounds on the cost model, so its arithmetic stays finite: a cost multiplies these by
+# token and request counts (far below 1e12) and, through the fit, by at most ``fit.bound``
+# (<= 1e3), which keeps every term below 1e30, nowhere near float overflow (1e308). Real
+# engines sit orders of magnitude inside them: tens of ms of overhead, under 1 ms per token.
+MAX_COST_MS = 1e6  # a fixed term (overhead, saturation): about 17 minutes
+MAX_COST_MS_PER_UNIT = 1e4  # per token or running request: 10 s each
+MAX_FIT_BOUND = 1e3
+MAX_TIER_LOAD_FACTOR = 1e4
+CostMs = Annotated[float, Field(ge=0, le=MAX_COST_MS, allow_inf_nan=False)]
+CostMsPerUnit = Annotated[float, Field(ge=0, le=MAX_COST_MS_PER_UNIT, allow_inf_nan=False)]
+TierFactor = Annotated[float, Field(gt=0, le=MAX_TIER_LOAD_FACTOR, allow_inf_nan=False)]
 
 
 class PrefixAffinityPolicy(_Section):
-    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
+    cache_threshold: UnitFloat = 0.3
     balance_abs_threshold: Annotated[int, Field(ge=0)] = 64
-    balance_rel_threshold: Annotated[float, Field(ge=1)] = 1.5
+    balance_rel_threshold: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
 
 
 class StickyPolicy(_Section):
@@ -42,9 +57,9 @@ class RoutingPolicy(_Section):
     strategy: Strategy = Strategy.EXPECTED_LATENCY
     temperature: NonNegFloat = 0.0
     tie_epsilon_ms: NonNegFloat = 0.5
-    tie_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
+    tie_fraction: UnitFloat = 0.1
     spill_queue_ms: PositiveFloat | None = None
-    cold_fraction: Annotated[float, Field(ge=0, le=1)] = 0.1
+    cold_fraction: UnitFloat = 0.1
     miss_tie_break: MissTieBreak = MissTieBreak.SCOPE_TREE
     prefix_affinity: PrefixAffinityPolicy = PrefixAffinityPolicy()
     sensitive_sticky: StickyPolicy = StickyPolicy()
@@ -69,26 +84,26 @@ class RoutingPolicy(_Section):
 
 class FitPolicy(_Section):
     enabled: bool = True
-    bound: Annotated[float, Field(ge=1)] = 4.0
-    forgetting: Annotated[float, Field(gt=0.5, le=1)] = 0.995
+    bound: Annotated[float, Field(ge=1, le=MAX_FIT_BOUND, allow_inf_nan=False)] = 4.0
+    forgetting: Annotated[float, Field(gt=0.5, le=1, allow_inf_nan=False)] = 0.995
     min_samples: Annotated[int, Field(ge=1)] = 20
 
 
 class TierLoadFactor(_Section):
-    cpu: PositiveFloat = 1.0
-    disk: PositiveFloat = 4.0
-    remote: PositiveFloat = 10.0
+    cpu: TierFactor = 1.0
+    disk: TierFactor = 4.0
+    remote: TierFactor = 10.0
 
 
 class CostPolicy(_Section):
-    overhead_ms: NonNegFloat = 30.0
-    prefill_ms_per_token: NonNegFloat = 0.25
-    load_ms_per_token: NonNegFloat = 0.01
-    decode_ms_per_running: NonNegFloat = 0.5
-    saturation_ms: NonNegFloat = 200.0
-    pending_weight: Annotated[float, Field(ge=0, le=1)] = 0.8
-    stall_weight: Annotated[float, Field(ge=0, le=10)] = 0.15
-    recompute_weight: Annotated[float, Field(ge=0, le=10)] = 1.0
+    overhead_ms: CostMs = 30.0
+    prefill_ms_per_token: CostMsPerUnit = 0.25
+    load_ms_per_token: CostMsPerUnit = 0.01
+    decode_ms_per_running: CostMsPerUnit = 0.5
+    saturation_ms: CostMs = 200.0
+    pending_weight: UnitFloat = 0.8
+    stall_weight: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = 0.15
+    recompute_weight: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = 1.0
     tier_load_factor: TierLoadFactor = TierLoadFactor()
     fit: FitPolicy = FitPolicy()
 
@@ -170,14 +185,14 @@ class TenantPolicy(_Section):
 
 class QuarantinePolicy(_Section):
     enabled: bool = True
-    missing_fraction: Annotated[float, Field(gt=0, le=1)] = 0.5  # X
+    missing_fraction: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.5  # X
     k: Annotated[int, Field(gt=0)] = 3
     m: Annotated[int, Field(gt=0)] = 5
     min_claimed_blocks: Annotated[int, Field(gt=0)] = 2
     recover_after: Annotated[int, Field(gt=0)] = 3
     # a disagreement waits this long for the agent to report the eviction behind it before
     # it counts as a false claim: an agent that lags (a starved CPU) is not a liar
-    settle_s: Annotated[float, Field(ge=0, le=60)] = 3.0
+    settle_s: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 3.0
     # agents stamp removals with their own clocks: a removal this much before the lookup
     # still counts as "after" it (lenient: it can only excuse a miss, never accuse)
     clock_skew_ms: Annotated[int, Field(ge=0, le=60_000)] = 250
@@ -200,7 +215,7 @@ class HealthPolicy(_Section):
 
 
 class PrecisionPolicy(_Section):
-    warn_error_fraction: Annotated[float, Field(ge=0, le=1)] = 0.05
+    warn_error_fraction: UnitFloat = 0.05
     warn_interval_s: PositiveFloat = 30.0
 
 

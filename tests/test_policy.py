@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from pathlib import Path
 
@@ -110,3 +111,40 @@ async def test_watch_picks_up_a_file_change(tmp_path: Path) -> None:
     finally:
         await store.stop()
     assert results == [True] and store.policy.routing.strategy is Strategy.RANDOM
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("cost: {prefill_ms_per_token: .inf}", "cost.prefill_ms_per_token"),
+        ("cost: {decode_ms_per_running: .inf}", "cost.decode_ms_per_running"),
+        ("cost: {load_ms_per_token: .nan}", "cost.load_ms_per_token"),
+        ("cost: {overhead_ms: 1e400}", "cost.overhead_ms"),  # YAML reads it as inf
+        ("cost: {overhead_ms: 1e308, prefill_ms_per_token: 1e308}", "cost.overhead_ms"),
+        ("cost: {saturation_ms: 1e7}", "cost.saturation_ms"),
+        ("cost: {prefill_ms_per_token: 1e5}", "cost.prefill_ms_per_token"),
+        ("cost: {tier_load_factor: {remote: 1e300}}", "cost.tier_load_factor.remote"),
+        ("cost: {fit: {bound: 1e300}}", "cost.fit.bound"),
+        ("routing: {temperature: .nan}", "routing.temperature"),
+        ("routing: {sensitive_sticky: {slack_ms: .inf}}", "routing.sensitive_sticky.slack_ms"),
+        ("health: {eject_s: .inf}", "health.eject_s"),
+        ("tenants: {a: {limits: {requests_per_s: .inf}}}", "tenants.a.limits.requests_per_s"),
+    ],
+)
+def test_non_finite_or_overflowing_numbers_are_refused(text: str, field: str) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy_text(text, "t.yaml")
+    assert field in err.value.fields
+
+
+def test_generous_cost_coefficients_stay_finite() -> None:
+    # the largest accepted values still give a finite cost for a huge prompt and queue
+    from cachecore.scoring import HitPrediction, LoadView, cost_of_hit
+
+    pol = parse_policy_text(
+        "cost: {overhead_ms: 1e6, saturation_ms: 1e6, prefill_ms_per_token: 1e4,"
+        " load_ms_per_token: 1e4, decode_ms_per_running: 1e4, stall_weight: 10}"
+    )
+    load = LoadView(running=10**6, queued_prefill_tokens=10**10, capacity=1)
+    hit = HitPrediction(10**8, 0, 0, 1e10, 0, 0.8)
+    assert math.isfinite(cost_of_hit(hit, load, pol.cost.coefficients()).cost_ms)
