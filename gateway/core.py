@@ -176,6 +176,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.stages = self.metrics.stages
         self.rng = random.Random(settings.seed)
+        self._tokenize_rng = random.Random(settings.seed)
         self.router = Router(pol.routing.params(), self.rng)
         self.fit = self._new_fit(pol)
         secrets = [s.get_secret_value().encode() for s in settings.salt_secrets]
@@ -244,10 +245,26 @@ class Gateway:
         )
 
     def _apply_policy(self, pol: Policy) -> None:
-        self.router = Router(pol.routing.params(), self.rng)
-        if self.fit.prior != pol.cost.coefficients():
+        params = pol.routing.params()
+        if params != self.router.params:
+            # a new router only when routing changed: its state (round-robin cursor, tie
+            # rounds, per-scope trees) survives a reload of limits or quarantine
+            self.router = Router(params, self.rng)
+        f = pol.cost.fit
+        fit = self.fit
+        if (
+            fit.prior != pol.cost.coefficients()
+            or (fit.bound, fit.forgetting, fit.min_samples)
+            != (f.bound, f.forgetting, f.min_samples)
+            or not f.enabled
+        ):
+            # the fit starts again from the prior: new settings, or disabled (routing then
+            # uses the prior, not what an earlier fit had learned)
             self.fit = self._new_fit(pol)
+        was = set(self.quarantine.quarantined())
         self.quarantine.configure(pol.quarantine)
+        for rid in was - set(self.quarantine.quarantined()):
+            self.metrics.quarantined.labels(rid).set(0)  # disabled: released
         if self.pool is not None:
             self.pool.policy = pol.health
         self.metrics.policy_reloads.labels("ok").inc()
@@ -405,7 +422,9 @@ class Gateway:
         if self.pool is None:
             return None
         reps = self.pool.candidates(model)
-        return self.rng.choice(reps).url if reps else None
+        # its own RNG: the routing RNG must not move for a tokenization (an explain then
+        # changed the next real routing decision; D9's rounds and `random` draw from it)
+        return self._tokenize_rng.choice(reps).url if reps else None
 
     def keyer(self, block_size: int) -> BlockKeyer:
         k = self._keyers.get(block_size)
@@ -511,7 +530,8 @@ class Gateway:
         base_model, lora = self.pool.base_model(model, reps)
         mpool = pol.models.pool(base_model)
         bs = mpool.block_size
-        tokenizer = self.tokenizers.for_pool(base_model, mpool)
+        # an engine that tokenizes must serve the requested model (an adapter too)
+        tokenizer = self.tokenizers.for_pool(model, mpool)
         st.add("parse", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()

@@ -271,10 +271,14 @@ class ReplicaPool:
         if ok:
             rep.health_oks += 1
             rep.health_fails = 0
+            recovered = False
             if not rep.healthy and rep.health_oks >= p.healthy_after:
                 rep.healthy = True  # an ejection still runs its eject_s
+                recovered = True
                 log.info("replica healthy", extra={"replica": rep.id})
-            if refresh_models or rep.models is None:
+            if refresh_models or rep.models is None or recovered:
+                # a replica back from a failure may be a restarted engine with other
+                # adapters: its old model list would route requests to it that it 404s
                 await self._models(rep)
         else:
             rep.health_fails += 1

@@ -1,0 +1,134 @@
+"""Policy reloads keep what they do not change (router state, a fit under the same
+settings) and apply what they do (fit settings, quarantine off); adapters on some replicas
+only, with the engine tokenizing; a replica back from a failure is re-read."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from cachecore.replica import ReplicaSettings, run_fleet
+from cachecore.scoring import LoadView, features
+from cachecore.testing import free_port
+from gateway.quarantine import ClaimCheck
+from gateway.serve import build_gateway, serve_in_loop
+from gateway.settings import GatewaySettings
+from policies.schema import parse_policy_text
+from tests.test_gateway_support import ADMIN, FAST, SECRET, stack, words
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def chat(model: str, text: str) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+
+
+@pytest.mark.parametrize("kind", ["engine_tokenize", "engine_render"])
+async def test_adapter_requests_are_tokenized_by_a_replica_that_has_the_adapter(
+    kind: str,
+) -> None:
+    """A pool the engine tokenizes, adapter a1 on one replica of two: the tokenizing call
+    went to any replica of the base model, and one without a1 answered 404 (a 502 to the
+    client, a third of the time)."""
+    with_a1 = ReplicaSettings(time_scale=0.05, lora=["a1"])
+    async with run_fleet(with_a1, count=1) as fa, run_fleet(FAST, count=1) as fb:
+        s = GatewaySettings(
+            replicas=fa.urls + fb.urls, port=free_port(), open_access=True,
+            salt_secrets=[SecretStr(SECRET)], admin_key=SecretStr(ADMIN), seed=7,
+        )  # fmt: skip
+        policy = parse_policy_text(f"models: {{default: {{tokenizer: {kind}}}}}")
+        gw = build_gateway(s, policy=policy)
+        async with serve_in_loop(gw) as url, httpx.AsyncClient(base_url=url, timeout=30) as h:
+            for i in range(12):
+                r = await h.post("/v1/chat/completions", json=chat("a1", words(30, 50 + i)))
+                assert r.status_code == 200, r.text
+
+
+async def test_explain_does_not_move_the_routing_rng_when_the_engine_tokenizes() -> None:
+    policy = "models: {default: {tokenizer: engine_tokenize}}\nrouting: {strategy: random}"
+
+    async def picks(explain_first: bool) -> list[int]:
+        async with stack(count=4, policy=policy) as st:
+            gw = st.gw
+            if explain_first:
+                await gw.prepare("chat", "anonymous", chat(st.model, "hi"), {}, "x", True)
+            order = [st.replica_id(i) for i in range(4)]  # ids differ between stacks
+            out = []
+            for i in range(8):
+                d = await gw.prepare("chat", "anonymous", chat(st.model, f"q{i}"), {}, "r", True)
+                out.append(order.index(d.replica))
+            return out
+
+    assert await picks(False) == await picks(True)
+
+
+async def test_a_reload_keeps_router_state_and_applies_fit_settings() -> None:
+    async with stack(count=3, policy="routing: {strategy: round_robin}") as st, st.http() as h:
+        gw = st.gw
+        admin = {"x-admin-key": ADMIN}
+        seen = []
+        for i in range(6):  # a reload of limits only between each pair: the cursor goes on
+            d = await gw.prepare(
+                "completion", "anonymous", {"model": st.model, "prompt": f"p{i}"}, {}, "r"
+            )
+            seen.append(d.replica)
+            if i % 2:
+                body = f"routing: {{strategy: round_robin}}\nhealth: {{eject_s: {5 + i}}}\n"
+                r = await h.post("/admin/policy", headers=admin, content=body)
+                assert r.status_code == 200, r.text
+        assert len(set(seen)) == 3 and seen[:3] == seen[3:]  # every replica, in turn
+        # the fit learns under its settings, is rebuilt when they change, prior when disabled
+        prior = gw.fit.prior
+        for k in range(40):
+            gw.fit.update(features(1000 + 10 * k, 0.0, LoadView()), 500.0 + k)
+        assert gw.fit.coefficients() != prior
+        fitted = gw.fit
+        r = await h.post(
+            "/admin/policy", headers=admin, content="routing: {strategy: round_robin}\n"
+        )
+        assert gw.fit is fitted  # the same settings: the fit carries on
+        body = "routing: {strategy: round_robin}\ncost: {fit: {enabled: false}}\n"
+        r = await h.post("/admin/policy", headers=admin, content=body)
+        assert r.status_code == 200 and gw.fit.coefficients() == prior
+        body = "routing: {strategy: round_robin}\ncost: {fit: {bound: 1.5, min_samples: 50}}\n"
+        r = await h.post("/admin/policy", headers=admin, content=body)
+        assert (gw.fit.bound, gw.fit.min_samples) == (1.5, 50)
+
+
+async def test_quarantine_off_releases_the_gauge() -> None:
+    async with stack(count=2) as st, st.http() as h:
+        gw = st.gw
+        rid = st.replica_id(0)
+        for _ in range(5):  # false claims: the replica is quarantined
+            changed = gw.quarantine.observe(ClaimCheck(rid, 8, 0, 8))
+            if changed:
+                gw.metrics.quarantined.labels(rid).set(1)
+        assert gw.quarantine.quarantined() == [rid]
+        r = await h.post(
+            "/admin/policy",
+            headers={"x-admin-key": ADMIN},
+            content="quarantine: {enabled: false}\n",
+        )
+        assert r.status_code == 200
+        text = (await h.get("/metrics", headers={"x-admin-key": ADMIN})).text
+        assert f'kvgate_replica_quarantined{{replica="{rid}"}} 0.0' in text
+
+
+async def test_a_replica_back_from_a_failure_has_its_models_read_again() -> None:
+    """A restarted engine may serve other adapters: its model list is re-read when it
+    comes back, not at the next refresh tick (requests for a gone adapter got 404s)."""
+    async with stack(count=1, policy="health: {models_refresh_s: 3600}") as st:
+        gw = st.gw
+        assert gw.pool is not None
+        rep = gw.pool.all()[0]
+        assert rep.models is not None
+        rep.models = {"stale-adapter"}  # what the engine served before its restart
+        gw.pool.record_failure(rep.id, definitive=True)
+        for _ in range(100):  # bounded: eject_s (5 s by default) is not needed for the read
+            await asyncio.sleep(0.05)
+            if rep.models != {"stale-adapter"}:
+                break
+        assert rep.models is not None and st.model in rep.models
