@@ -279,9 +279,54 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
         raise PolicyError(source, _problems(exc)) from None
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping repeats a key (``line`` and ``first_line`` count from 1)."""
+
+    def __init__(self, key: Any, line: int, first_line: int) -> None:
+        super().__init__(problem=f"duplicate key {key!r}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``safe_load`` that refuses a repeated mapping key: PyYAML keeps the last one, so a
+    second ``routing:`` block appended to a file would silently drop the first's settings.
+    Merge keys (``<<: *anchor``) still work: keys they bring in may be overridden."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()  # ids of the mapping nodes checked (all live)
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # construct_mapping flattens every mapping (and, recursively, the mappings merged
+        # into it) before reading it, and flattening rewrites ``node.value`` in place: so
+        # check here, once per node, while the node still holds only the keys written
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKeyError(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: construct_mapping reports it
+                    continue
+        super().flatten_mapping(node)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+
+
 def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
     try:
-        data = yaml.safe_load(text)
+        data = _load_yaml(text)
+    except DuplicateKeyError as exc:
+        where = f"line {exc.line} (first at line {exc.first_line})"
+        raise PolicyError(source, [("", f"duplicate key {exc.key!r} at {where}")]) from None
     except yaml.YAMLError as exc:
         raise PolicyError(source, [("", f"not valid YAML: {exc}")]) from None
     return parse_policy(data, source)

@@ -148,3 +148,50 @@ def test_generous_cost_coefficients_stay_finite() -> None:
     load = LoadView(running=10**6, queued_prefill_tokens=10**10, capacity=1)
     hit = HitPrediction(10**8, 0, 0, 1e10, 0, 0.8)
     assert math.isfinite(cost_of_hit(hit, load, pol.cost.coefficients()).cost_ms)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line"),
+    [
+        ("routing:\n  strategy: round_robin\nrouting:\n  tie_epsilon_ms: 1.0\n", "routing", 3),
+        ("cost:\n  saturation_ms: 4\n  overhead_ms: 1\n  saturation_ms: 1\n", "saturation_ms", 4),
+        ("tenants:\n  acme: {limits: {requests_per_s: 1}}\n  acme: {}\n", "acme", 3),
+        ("routing: {strategy: random, strategy: round_robin}\n", "strategy", 1),
+        # a duplicate inside an anchored mapping is refused even when only merged elsewhere
+        ("x: &d {limits: {}, limits: {}}\n", "limits", 1),
+    ],
+)
+def test_duplicate_keys_are_refused(text: str, key: str, line: int) -> None:
+    with pytest.raises(PolicyError, match=f"duplicate key '{key}' at line {line}"):
+        parse_policy_text(text, "t.yaml")
+
+
+def test_anchors_and_merge_keys_still_work() -> None:
+    pol = parse_policy_text(
+        "default_tenant: &d\n"
+        "  limits: {requests_per_s: 5, max_concurrency: 2}\n"
+        "  sensitive: {default: request}\n"
+        "tenants:\n"
+        "  acme:\n"
+        "    <<: *d\n"
+        "    sensitive: {default: session}\n"  # overrides the merged key: not a duplicate
+        "  beta:\n"
+        "    <<: [*d]\n"
+        "  gamma: *d\n"
+    )
+    assert pol.tenant("acme").sensitive.default == "session"
+    assert pol.tenant("acme").limits.requests_per_s == 5
+    assert pol.tenant("beta").sensitive.default == "request"
+    assert pol.tenant("gamma").limits.max_concurrency == 2
+
+
+def test_reload_with_a_duplicate_key_keeps_the_old_policy(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("routing:\n  strategy: round_robin\n")
+    store = PolicyStore(f)
+    _touch(f, f.read_text() + "routing:\n  tie_epsilon_ms: 1.0\n")
+    with pytest.raises(PolicyError, match="duplicate key 'routing' at line 3"):
+        store.reload_file()
+    assert current(store) is Strategy.ROUND_ROBIN and store.reloads == 0
+    with pytest.raises(PolicyError, match="duplicate key"):
+        PolicyStore(f)  # fatal at start-up too
