@@ -26,6 +26,7 @@ import orjson
 import xxhash
 from prometheus_client import CollectorRegistry
 
+from cachecore.agent.scrape import parse_metrics
 from cachecore.index.base import (
     IndexError_,
     PrefixIndex,
@@ -354,7 +355,10 @@ class Gateway:
         if not reps:
             return
         rep = reps[0]
-        models = sorted(rep.models or [])
+        # the base models: an adapter's requests use its base model's pool (checking it
+        # against the default pool gave false alarms, and four adapters hid the base)
+        models = sorted(m for m in rep.models or [] if m not in rep.lora_base)
+        await self._check_block_size(rep, models)
         pools: dict[str, Any] = {}
         engine_pools: dict[str, Any] = {}
         for m in models[:4] or ["default"]:
@@ -386,6 +390,28 @@ class Gateway:
                 log.error(
                     "TOKENIZER MISALIGNED with the engine: prefix routing will not hit",
                     extra={"model": model, "replica": rep.id, "problem": p},
+                )
+
+    async def _check_block_size(self, rep: Replica, models: Sequence[str]) -> None:
+        """The policy's block size per pool against the engine's (vLLM's
+        ``vllm:cache_config_info{block_size}``): a mismatch makes every key miss."""
+        assert self.client is not None
+        try:
+            r = await self.client.get(rep.url + "/metrics", timeout=2.0)
+            engine_bs = parse_metrics(r.text).block_size if r.status_code == 200 else None
+        except httpx.HTTPError:
+            engine_bs = None
+        if engine_bs is None:
+            return  # the engine does not say: nothing to compare
+        for model in models[:4] or ["default"]:
+            bs = self.policy.models.pool(model).block_size
+            if bs != engine_bs:
+                problem = f"{model}: policy block_size {bs} but the engine's is {engine_bs}"
+                self.metrics.alignment.inc()
+                self.alignment_problems.append(problem)
+                log.error(
+                    "BLOCK SIZE MISMATCH with the engine: no prefix key will match",
+                    extra={"model": model, "replica": rep.id, "problem": problem},
                 )
 
     async def stop(self) -> None:

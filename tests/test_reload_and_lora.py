@@ -132,3 +132,16 @@ async def test_a_replica_back_from_a_failure_has_its_models_read_again() -> None
             if rep.models != {"stale-adapter"}:
                 break
         assert rep.models is not None and st.model in rep.models
+
+
+async def test_a_block_size_unlike_the_engines_is_reported_at_start_up() -> None:
+    engine_32 = FAST.model_copy(update={"block_size": 32})
+    async with stack(count=1, replica=engine_32) as st:  # the default policy says 16
+        assert any("block_size 16" in p and "32" in p for p in st.gw.alignment_problems)
+    async with stack(
+        count=1, replica=engine_32, policy="models: {default: {block_size: 32}}"
+    ) as st:
+        assert not st.gw.alignment_problems
+    with_adapters = FAST.model_copy(update={"lora": ["a1", "a2", "a3", "a4"]})
+    async with stack(count=1, replica=with_adapters) as st:
+        assert not st.gw.alignment_problems  # the base model is checked, not its adapters
