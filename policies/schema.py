@@ -8,11 +8,20 @@ the gateway keeps its previous policy when that happens.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients
@@ -131,6 +140,33 @@ class IndexPolicy(_Section):
 TokenizerKind = Literal["builtin", "hf", "engine_render", "engine_tokenize"]
 
 
+def hf_dir_problem(directory: Path) -> str | None:
+    """Why :meth:`cachecore.tokenizer.HFTokenizer.from_dir` would fail on ``directory``
+    (None if its files are there). Checked when the policy loads: after a reload the
+    gateway opens the tokenizer only when a request needs it, so a bad directory was
+    accepted and then failed every request. Files are checked, not parsed:
+    ``tokenizer.json`` can be large, and a reload runs on the event loop."""
+    if not directory.is_dir():
+        return f"{str(directory)!r} is not a directory"
+    if not (directory / "tokenizer.json").is_file():
+        return f"no tokenizer.json in {str(directory)!r}"
+    cfg_file = directory / "tokenizer_config.json"
+    cfg: Any = {}
+    if cfg_file.is_file():  # from_dir reads it for the special tokens even beside a .jinja
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            return f"unreadable {str(cfg_file)!r}: {exc}"
+    if (directory / "chat_template.jinja").is_file():
+        return None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("chat_template"), str):
+        return (
+            f"no chat template in {str(directory)!r} (chat_template.jinja, or a string"
+            " chat_template in tokenizer_config.json)"
+        )
+    return None
+
+
 class ModelPool(_Section):
     """How the gateway tokenizes one model's prompts (must equal the engine's tokens)."""
 
@@ -142,6 +178,16 @@ class ModelPool(_Section):
     # prompt tokens counted per media part (image, audio, video) of a chat, which the gateway
     # cannot tokenize: for the routing cost and the tenant's uncached-token budget
     media_part_tokens: Annotated[int, Field(ge=0)] = 1024
+
+    @field_validator("tokenizer_dir")
+    @classmethod
+    def _hf_dir_loads(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # a field validator (not the model's) so the error names models.<pool>.tokenizer_dir
+        if v and info.data.get("tokenizer") == "hf":
+            problem = hf_dir_problem(Path(v))
+            if problem is not None:
+                raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _dir_for_hf(self) -> ModelPool:

@@ -195,3 +195,42 @@ def test_reload_with_a_duplicate_key_keeps_the_old_policy(tmp_path: Path) -> Non
     assert current(store) is Strategy.ROUND_ROBIN and store.reloads == 0
     with pytest.raises(PolicyError, match="duplicate key"):
         PolicyStore(f)  # fatal at start-up too
+
+
+def _hf_policy(directory: Path) -> str:
+    return f"models: {{pools: {{m: {{tokenizer: hf, tokenizer_dir: '{directory}'}}}}}}"
+
+
+def test_hf_tokenizer_dir_must_hold_what_from_dir_loads(tmp_path: Path) -> None:
+    from cachecore.tokenizer import HFTokenizer, export_builtin
+
+    field = "models.pools.m.tokenizer_dir"
+    with pytest.raises(PolicyError, match="is not a directory") as err:
+        parse_policy_text(_hf_policy(tmp_path / "missing"))
+    assert field in err.value.fields
+    export_builtin(tmp_path)
+    pol = parse_policy_text(_hf_policy(tmp_path))  # an exported dir loads
+    assert pol.models.pool("m").tokenizer_dir == str(tmp_path)
+    assert HFTokenizer.from_dir(tmp_path).vocab_size > 0
+
+    (tmp_path / "chat_template.jinja").unlink()  # the config's chat_template still serves
+    parse_policy_text(_hf_policy(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "x"}')
+    with pytest.raises(PolicyError, match="no chat template") as err:
+        parse_policy_text(_hf_policy(tmp_path))
+    assert field in err.value.fields
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(PolicyError, match="unreadable"):
+        parse_policy_text(_hf_policy(tmp_path))
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(PolicyError, match=r"no tokenizer\.json") as err:
+        parse_policy_text(_hf_policy(tmp_path))
+    assert field in err.value.fields
+
+
+def test_reload_with_a_bad_tokenizer_dir_keeps_the_old_policy(tmp_path: Path) -> None:
+    store = PolicyStore(None)
+    with pytest.raises(PolicyError, match="tokenizer_dir"):
+        store.reload_text(_hf_policy(tmp_path))  # an empty directory
+    assert store.reloads == 0 and store.policy.models.pool("m").tokenizer == "builtin"
+    assert store.last_error and "no tokenizer.json" in store.last_error
