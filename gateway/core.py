@@ -741,6 +741,8 @@ class Gateway:
             # count as queued prefill work all along
             ttft_s = max(0.001, d.decision.chosen.ttft_ms / 1000.0)
             asyncio.get_running_loop().call_later(ttft_s, self.inflight.first_token, ticket)
+        if len(d.salts) > 1:  # a rotation is under way: which secret still carries traffic
+            self.metrics.salt_secret.labels("primary" if d.salt_index == 0 else "previous").inc()
         rep = self.pool.get(d.replica) if self.pool else None
         if rep is not None:
             rep.in_flight += 1

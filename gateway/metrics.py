@@ -205,6 +205,12 @@ class GatewayMetrics:
         self.retries = Counter(
             "kvgate_upstream_retries", "Requests retried on another replica", registry=r
         )
+        self.salt_secret = Counter(
+            "kvgate_salt_secret_used",
+            "Requests sent with the primary salt secret's salt or the previous one's (during "
+            "a rotation; drop the previous secret once its count stops growing)",
+            ["secret"], registry=r,
+        )  # fmt: skip
         self.healthy = Gauge(
             "kvgate_replica_healthy", "1 while a replica is routable", ["replica"], registry=r
         )

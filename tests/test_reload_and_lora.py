@@ -10,6 +10,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from cachecore.keys import SaltMinter
 from cachecore.replica import ReplicaSettings, run_fleet
 from cachecore.scoring import LoadView, features
 from cachecore.testing import free_port
@@ -145,3 +146,20 @@ async def test_a_block_size_unlike_the_engines_is_reported_at_start_up() -> None
     with_adapters = FAST.model_copy(update={"lora": ["a1", "a2", "a3", "a4"]})
     async with stack(count=1, replica=with_adapters) as st:
         assert not st.gw.alignment_problems  # the base model is checked, not its adapters
+
+
+async def test_a_rotation_keeps_reuse_and_says_which_secret_carries_traffic() -> None:
+    """`new,old`: the old secret's blocks still hit (the longer match wins, so the old salt
+    is sent), and kvgate_salt_secret_used_total{secret} shows how much traffic still rides
+    on the previous secret: the runbook's signal for when to drop it."""
+    async with stack(count=1, agents=True) as st, st.http() as h:
+        gw = st.gw
+        prompt = words(400, 61)
+        body = {"model": st.model, "prompt": prompt, "max_tokens": 1}
+        assert (await h.post("/v1/completions", json=body)).status_code == 200
+        await asyncio.sleep(0.5)  # the embedded agent indexes the blocks
+        gw.minter = SaltMinter([b"n" * 32, SECRET.encode()])  # rotation: new, old
+        r = await h.post("/v1/completions", json={**body, "prompt": prompt + " again"})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 384
+        text = (await h.get("/metrics", headers={"x-admin-key": ADMIN})).text
+        assert 'kvgate_salt_secret_used_total{secret="previous"} 1.0' in text
