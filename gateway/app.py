@@ -341,7 +341,15 @@ def create_app(gw: Gateway) -> FastAPI:
             "reloads": gw.policies.reloads,
             "last_error": gw.policies.last_error,
             "policy": gw.policy.model_dump(mode="json"),
+            **_in_effect(),
         }
+
+    def _in_effect() -> dict[str, Any]:
+        # `kvgate serve --strategy` wins over the policy's: say so where the policy is shown
+        over = gw.strategy_override
+        return {"strategy_in_effect": (over or gw.policy.routing.strategy).value} | (
+            {"strategy_override": over.value} if over is not None else {}
+        )
 
     async def admin_policy_post(request: Request) -> Any:
         raw = await read_body(request, 1 << 20)
@@ -356,7 +364,7 @@ def create_app(gw: Gateway) -> FastAPI:
             body = err.body()
             body["error"]["fields"] = exc.fields
             return _json(body, 400)
-        return {"status": "reloaded", "strategy": pol.routing.strategy.value}
+        return {"status": "reloaded", "strategy": pol.routing.strategy.value, **_in_effect()}
 
     async def admin_explain(request: Request) -> Any:
         raw = await read_body(request, gw.settings.max_body_bytes)

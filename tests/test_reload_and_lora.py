@@ -15,6 +15,7 @@ from cachecore.replica import ReplicaSettings, run_fleet
 from cachecore.scoring import LoadView, features
 from cachecore.testing import free_port
 from gateway.quarantine import ClaimCheck
+from gateway.routing import Strategy
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from policies.schema import parse_policy_text
@@ -163,3 +164,18 @@ async def test_a_rotation_keeps_reuse_and_says_which_secret_carries_traffic() ->
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 384
         text = (await h.get("/metrics", headers={"x-admin-key": ADMIN})).text
         assert 'kvgate_salt_secret_used_total{secret="previous"} 1.0' in text
+
+
+async def test_a_strategy_override_is_shown_beside_the_policy() -> None:
+    """`kvgate serve --strategy X` wins over a reloaded policy's strategy: the admin views
+    say which one routes (they showed the policy's alone)."""
+    async with stack(count=1) as st, st.http() as h:
+        st.gw.strategy_override = Strategy.ROUND_ROBIN
+        admin = {"x-admin-key": ADMIN}
+        r = await h.post(
+            "/admin/policy", headers=admin, content="routing: {strategy: least_loaded}"
+        )
+        assert r.json()["strategy"] == "least_loaded"
+        assert r.json()["strategy_in_effect"] == r.json()["strategy_override"] == "round_robin"
+        got = (await h.get("/admin/policy", headers=admin)).json()
+        assert got["strategy_in_effect"] == "round_robin"
