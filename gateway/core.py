@@ -178,6 +178,7 @@ class Gateway:
         self.stages = self.metrics.stages
         self.rng = random.Random(settings.seed)
         self._tokenize_rng = random.Random(settings.seed)
+        self._ambiguous_models: set[str] = set()  # names already logged as ambiguous
         self.router = Router(pol.routing.params(), self.rng)
         self.fit = self._new_fit(pol)
         secrets = [s.get_secret_value().encode() for s in settings.salt_secrets]
@@ -554,6 +555,16 @@ class Gateway:
         tpol = pol.tenant(tenant)
         scope, session = self.resolve_scope(tenant, tpol, headers, body, model)
         base_model, lora = self.pool.base_model(model, reps)
+        same = self.pool.same_meaning(model, lora, base_model, reps)
+        if len(same) < len(reps):
+            if model not in self._ambiguous_models:
+                self._ambiguous_models.add(model)
+                log.error(
+                    "one model name, two models: a base model on some replicas, an adapter "
+                    "on others; routing to the base model's replicas only",
+                    extra={"model": model, "excluded": [r.id for r in reps if r not in same]},
+                )
+            reps = same
         mpool = pol.models.pool(base_model)
         bs = mpool.block_size
         # an engine that tokenizes must serve the requested model (an adapter too)

@@ -181,12 +181,28 @@ class ReplicaPool:
         ]
 
     def base_model(self, model: str, replicas: Iterable[Replica]) -> tuple[str, str | None]:
-        """(model the keys use, LoRA name) for a request naming ``model``."""
-        for r in replicas:
+        """(model the keys use, LoRA name) for a request naming ``model``. A name that is a
+        base model on one replica and an adapter on another means the base model (see
+        :meth:`same_meaning`)."""
+        reps = list(replicas)
+        if any(model not in r.lora_base for r in reps):
+            return model, None
+        for r in reps:
             base = r.lora_base.get(model)
             if base is not None:
                 return base, model
         return model, None
+
+    @staticmethod
+    def same_meaning(
+        model: str, lora: str | None, base: str, replicas: Iterable[Replica]
+    ) -> list[Replica]:
+        """The replicas on which ``model`` means what :meth:`base_model` decided: a base
+        model, or the adapter ``lora`` of ``base``. Two models answering under one name
+        (an adapter named like another replica's base model) must not share a request."""
+        if lora is None:
+            return [r for r in replicas if model not in r.lora_base]
+        return [r for r in replicas if r.lora_base.get(model) == base]
 
     # ---------------------------------------------------------------- passive signals
     def _sync(self, rep: Replica) -> None:

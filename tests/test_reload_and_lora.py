@@ -179,3 +179,24 @@ async def test_a_strategy_override_is_shown_beside_the_policy() -> None:
         assert r.json()["strategy_in_effect"] == r.json()["strategy_override"] == "round_robin"
         got = (await h.get("/admin/policy", headers=admin)).json()
         assert got["strategy_in_effect"] == "round_robin"
+
+
+async def test_an_adapter_named_like_another_replicas_base_model_is_not_mixed_in() -> None:
+    """Replica A serves base model "alpha"; replica B serves "beta" with an adapter named
+    "alpha": a request for "alpha" goes to A only (it was split over both: two different
+    models answering under one name)."""
+    ra = ReplicaSettings(time_scale=0.05, model="alpha")
+    rb = ReplicaSettings(time_scale=0.05, model="beta", lora=["alpha"])
+    async with run_fleet(ra, count=1) as fa, run_fleet(rb, count=1) as fb:
+        s = GatewaySettings(
+            replicas=fa.urls + fb.urls, port=free_port(), open_access=True,
+            salt_secrets=[SecretStr(SECRET)], admin_key=SecretStr(ADMIN), seed=7,
+        )  # fmt: skip
+        gw = build_gateway(s)
+        async with serve_in_loop(gw) as url, httpx.AsyncClient(base_url=url, timeout=30) as h:
+            served = set()
+            for i in range(8):
+                r = await h.post("/v1/chat/completions", json=chat("alpha", f"question {i}"))
+                assert r.status_code == 200, r.text
+                served.add(r.headers["x-kvgate-replica"])
+            assert served == {gw.specs[0].id}
