@@ -199,6 +199,8 @@ async def test_load_is_visible_while_requests_run(
     assert load["num_reqs"] == 1 and load["num_tokens"] >= 64
     r = await http.post("/flush_cache")  # blocks in use: refused, nothing changes
     assert r.status_code == 400 and "running" in r.json()["error"]["message"]
+    r = await http.post("/reset_prefix_cache")  # vLLM's shape: 200, success false
+    assert r.status_code == 200 and r.json() == {"success": False}
     fams = {m.name: m for m in text_string_to_metric_families((await http.get("/metrics")).text)}
     assert fams["vllm:num_requests_running"].samples[0].value == 1
     assert fams["vllm:kv_cache_usage_perc"].samples[0].value > 0
@@ -235,6 +237,8 @@ async def test_flush_cache_when_idle(client: AsyncOpenAI, http: httpx.AsyncClien
     r = await http.post("/flush_cache")
     assert r.status_code == 200
     assert (await http.get("/debug/blocks")).json()["blocks"] == []
+    r = await http.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"success": True}
     again = await client.completions.create(model=MODEL, prompt="y " * 64, max_tokens=2)
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens == 0

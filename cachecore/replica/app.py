@@ -435,8 +435,17 @@ def create_app(replica: SimReplica) -> FastAPI:
         await replica.driver.publish_now()
         return {"flushed": True, "message": "Cache flushed."}
 
-    app.api_route("/flush_cache", methods=["GET", "POST"])(flush)
-    app.post("/reset_prefix_cache")(flush)
+    app.api_route("/flush_cache", methods=["GET", "POST"])(flush)  # SGLang's: 400 when busy
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, bool]:
+        # vLLM's (dev mode) answers 200 {"success": false} while blocks are held: callers
+        # retry on the flag, not on the status
+        await replica.driver.between_steps()
+        ok = replica.core.reset_prefix_cache()
+        if ok:
+            await replica.driver.publish_now()
+        return {"success": ok}
 
     # ------------------------------------------------------------------ debug / chaos
     @app.get("/debug/blocks")
