@@ -185,7 +185,8 @@ class ReplicaPool:
         base model on one replica and an adapter on another means the base model (see
         :meth:`same_meaning`)."""
         reps = list(replicas)
-        if any(model not in r.lora_base for r in reps):
+        # a replica whose models are not read yet (just discovered) says nothing either way
+        if any(r.models is not None and model not in r.lora_base for r in reps):
             return model, None
         for r in reps:
             base = r.lora_base.get(model)
@@ -202,7 +203,7 @@ class ReplicaPool:
         (an adapter named like another replica's base model) must not share a request."""
         if lora is None:
             return [r for r in replicas if model not in r.lora_base]
-        return [r for r in replicas if r.lora_base.get(model) == base]
+        return [r for r in replicas if r.models is None or r.lora_base.get(model) == base]
 
     # ---------------------------------------------------------------- passive signals
     def _sync(self, rep: Replica) -> None:

@@ -18,11 +18,11 @@ from gateway.limits import TenantLimiter, TokenBucket
 from gateway.load import InFlight, LoadTracker, SharedLoad
 from gateway.proxy import _refused
 from gateway.quarantine import ClaimCheck, QuarantineTracker
-from gateway.replicas import ReplicaSpecError, parse_replica_spec
+from gateway.replicas import ReplicaPool, ReplicaSpec, ReplicaSpecError, parse_replica_spec
 from gateway.settings import GatewaySettings
 from gateway.tokenization import EnginePromptTokenizer
 from gateway.upstream import LeanTransport
-from policies.schema import QuarantinePolicy, TenantLimits, parse_policy_text
+from policies.schema import HealthPolicy, QuarantinePolicy, TenantLimits, parse_policy_text
 
 # ---------------------------------------------------------------- auth
 
@@ -653,3 +653,15 @@ async def test_on_change_follows_routability_both_ways_including_expiry() -> Non
         now[0] += 5.1
         await pool.check_once()
         assert seen == [("a", False), ("a", True)]
+
+
+def test_a_replica_whose_models_are_unknown_does_not_decide_what_a_name_means() -> None:
+    """A just-discovered replica (models not read yet) serves everything until probed: it
+    must not turn an adapter name into a base model, nor be the only replica left."""
+    pool = ReplicaPool(httpx.AsyncClient(), HealthPolicy())
+    r0 = pool.add(ReplicaSpec("r0", "http://a:1"))
+    r0.models, r0.lora_base = {"base", "lora-a"}, {"lora-a": "base"}
+    pool.add(ReplicaSpec("r1", "http://b:1"))  # models None
+    reps = pool.candidates("lora-a")
+    assert pool.base_model("lora-a", reps) == ("base", "lora-a")
+    assert [r.id for r in pool.same_meaning("lora-a", "lora-a", "base", reps)] == ["r0", "r1"]

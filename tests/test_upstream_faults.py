@@ -206,3 +206,27 @@ async def test_an_engine_that_will_not_tokenize_is_reported_at_start_up() -> Non
             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
         )
         assert r.status_code == 502
+
+
+async def test_clients_that_give_up_do_not_clear_a_wedged_replicas_failures() -> None:
+    """A client that leaves (499) says nothing of the replica: it was counted as a success,
+    which reset the first-byte timeouts counted towards ejection, so a wedged engine
+    stayed in with impatient and patient clients alternating."""
+
+    async def silent(w: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    hung = FakeReplica(silent)
+    policy = "health: {eject_after_failures: 2, eject_s: 30}"
+    async with gateway([hung], policy, first_byte_timeout_s=0.3) as (gw, h):
+        assert gw.pool is not None
+        rep = gw.pool.all()[0]
+        for i in range(4):  # a patient client (504), then one that gives up, twice
+            if i % 2 == 0:
+                r = await h.post("/v1/completions", json=completion(f"q{i}"))
+                assert r.status_code == 504
+            else:
+                with contextlib.suppress(httpx.TimeoutException):
+                    await h.post("/v1/completions", json=completion(f"q{i}"), timeout=0.1)
+                await asyncio.sleep(0.1)  # the gateway sees the disconnect
+        assert rep.id not in {r.id for r in gw.pool.candidates(MODEL)}  # ejected
