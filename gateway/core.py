@@ -80,6 +80,9 @@ _REPORT_MODE = "kv_cache_report_mode"
 """A ``vllm_xargs`` key that makes vLLM 0.33 publish a BlockStored for each prefix-cache
 hit: indistinguishable on the wire from a new store, so a client could inflate the index's
 copies of blocks (one removal would no longer remove them). Removed."""
+_REWRITTEN_FIELDS = frozenset(("cache_salt", *_ENGINE_ID_FIELDS, *_OPERATOR_FIELDS))
+"""Client fields upstream_body replaces or removes: a body with none of them (and no report
+mode) goes upstream as its own bytes with the salt appended."""
 
 AgentHook = Callable[
     [Sequence[ReplicaSpec], PrefixIndex, LoadStore | None, CollectorRegistry],
@@ -702,15 +705,9 @@ class Gateway:
         """The body sent upstream: the client's fields, our cache_salt, usage requested."""
         salt = d.salts[d.salt_index]
         raw = d.raw_body
-        body_ids = _ENGINE_ID_FIELDS.intersection(d.body)
         xargs = d.body.get("vllm_xargs")
         report_mode = isinstance(xargs, dict) and _REPORT_MODE in xargs
-        untouched = (
-            "cache_salt" not in d.body
-            and not body_ids
-            and not report_mode
-            and _OPERATOR_FIELDS.isdisjoint(d.body)
-        )
+        untouched = _REWRITTEN_FIELDS.isdisjoint(d.body) and not report_mode
         if raw is not None and not d.stream and d.body and untouched:
             # nothing to replace: append the salt to the client's own bytes instead of
             # re-serializing the body (its prompt can be thousands of token ids)
@@ -719,7 +716,7 @@ class Gateway:
                 return b"".join((end[:-1], b',"cache_salt":', orjson.dumps(salt), b"}"))
         body = dict(d.body)
         body["cache_salt"] = salt  # replaces any client-supplied salt
-        for name in body_ids:  # engine request ids in the body (vLLM's, SGLang's): ours
+        for name in _ENGINE_ID_FIELDS.intersection(body):  # vLLM's, SGLang's: ours
             body[name] = d.upstream_id
         for name in _OPERATOR_FIELDS.intersection(body):
             del body[name]

@@ -195,11 +195,7 @@ class HotCycle:
 
     # ---------------------------------------------------------------- ClientConnection
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
-        parts = [STATUS_LINE[status]]
-        for name, value in self.proto.server_state.default_headers:  # date, server
-            parts += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
+        parts = _status_and_headers(self.proto, status, headers)
         if not self.keep_alive:
             parts.append(_CLOSE)
         self.response_started = True
@@ -247,6 +243,19 @@ class HotCycle:
         if not self.keep_alive:
             self.transport.close()
         self.proto.on_response_complete()
+
+
+def _status_and_headers(
+    proto: HttpToolsProtocol, status: int, headers: list[tuple[bytes, bytes]]
+) -> list[bytes]:
+    """An answer's status line, the server's default headers (date, server) and ``headers``,
+    each line with its CRLF (the caller ends the head)."""
+    parts = [STATUS_LINE[status]]
+    for name, value in proto.server_state.default_headers:
+        parts += (name, b": ", value, b"\r\n")
+    for name, value in headers:
+        parts += (name, b": ", value, b"\r\n")
+    return parts
 
 
 def _error_bytes(err: GatewayError) -> bytes:
@@ -308,9 +317,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 code="request_header_fields_too_large",
             )
             body = _error_bytes(err)
-            parts = [STATUS_LINE[431]]
-            for name, value in [*self.server_state.default_headers, *err.header_pairs()]:
-                parts += (name, b": ", value, b"\r\n")
+            parts = _status_and_headers(self, 431, err.header_pairs())
             parts += (_CLOSE, b"content-length: %d\r\n\r\n" % len(body), body)
             transport.write(b"".join(parts))
             if transport.can_write_eof():

@@ -274,21 +274,15 @@ class UpstreamExchange(Response):
                 except httpx.TimeoutException:
                     # no response head in time: the engine has the request (not resent);
                     # finish counts it towards ejection, so a wedged engine is taken out
-                    gw.metrics.upstream_errors.labels(d.replica, "timeout").inc()
-                    await self._send_error(conn, 504, "upstream replica timed out", "timeout")
-                    self._finish(
-                        Outcome(504, None, time.perf_counter() - t0, None, None, None, "timeout")
+                    await self._upstream_failed(
+                        conn, t0, 504, "upstream replica timed out", "timeout", "timeout"
                     )
                     return
                 except MalformedResponseError as exc:
-                    gw.metrics.upstream_errors.labels(d.replica, "protocol").inc()
-                    await self._send_error(
-                        conn, 502, f"upstream replica sent an invalid response: {exc}",
-                        "upstream_error",
+                    await self._upstream_failed(
+                        conn, t0, 502, f"upstream replica sent an invalid response: {exc}",
+                        "upstream_error", "protocol",
                     )  # fmt: skip
-                    self._finish(
-                        Outcome(502, None, time.perf_counter() - t0, None, None, None, "protocol")
-                    )
                     return
             if resp.status_code != 200 or not d.stream:
                 gw.on_first_token(d)  # a JSON answer (or error) arrives whole
@@ -308,21 +302,36 @@ class UpstreamExchange(Response):
             if not self._finished:
                 self._finish(Outcome(500, None, time.perf_counter() - t0, None, None, None))
 
+    async def _upstream_failed(
+        self,
+        conn: ClientConnection,
+        t0: float,
+        status: int,
+        message: str,
+        code: str,
+        kind: str,
+        error: str | None = None,
+    ) -> None:
+        """The replica failed this request after taking it: count it by ``kind``, answer
+        the client, finish with the error (which counts towards the replica's ejection)."""
+        self.gw.metrics.upstream_errors.labels(self.d.replica, kind).inc()
+        await self._send_error(conn, status, message, code)
+        self._finish(
+            Outcome(status, None, time.perf_counter() - t0, None, None, None, error or kind)
+        )
+
     async def _read_failed(self, conn: ClientConnection, exc: httpx.HTTPError, t0: float) -> None:
         """A response body that broke off or stalled after its head: 504 for a stall, else
-        502; counted towards the replica's ejection (by finish)."""
-        timeout = isinstance(exc, httpx.TimeoutException)
-        self.gw.metrics.upstream_errors.labels(
-            self.d.replica, "timeout" if timeout else "read"
-        ).inc()
-        if timeout:
-            await self._send_error(conn, 504, "upstream replica timed out", "timeout")
-        else:
-            await self._send_error(
-                conn, 502, "upstream replica failed mid-response", "upstream_error"
+        502."""
+        if isinstance(exc, httpx.TimeoutException):
+            await self._upstream_failed(
+                conn, t0, 504, "upstream replica timed out", "timeout", "timeout", repr(exc)
             )
-        status = 504 if timeout else 502
-        self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, repr(exc)))
+        else:
+            await self._upstream_failed(
+                conn, t0, 502, "upstream replica failed mid-response", "upstream_error", "read",
+                repr(exc),
+            )  # fmt: skip
 
     async def _relay_error(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
         try:

@@ -126,6 +126,17 @@ def test_a_missing_trace_names_the_file_and_the_variable(
         build("azure-conv", text)
 
 
+def assert_trace_error(
+    path: Path, content: bytes, workload: str, text: TextSource, where: str
+) -> None:
+    """Loading ``workload`` from a file holding ``content`` raises a TraceError that starts
+    with the file's path and ``where`` (the line and what is wrong)."""
+    path.write_bytes(content)
+    with pytest.raises(TraceError) as exc:
+        build(workload, text, path=path)
+    assert str(exc.value).startswith(f"{path}{where}"), str(exc.value)
+
+
 @pytest.mark.parametrize(
     ("content", "where"),
     [
@@ -143,11 +154,7 @@ def test_a_missing_trace_names_the_file_and_the_variable(
 def test_a_malformed_mooncake_trace_names_the_file_and_line(
     tmp_path: Path, text: TextSource, content: str, where: str
 ) -> None:
-    path = tmp_path / "trace.jsonl"
-    path.write_text(content)
-    with pytest.raises(TraceError) as exc:
-        build("mooncake", text, path=path)
-    assert str(exc.value).startswith(f"{path}{where}"), str(exc.value)
+    assert_trace_error(tmp_path / "trace.jsonl", content.encode(), "mooncake", text, where)
 
 
 @pytest.mark.parametrize(
@@ -163,11 +170,7 @@ def test_a_malformed_mooncake_trace_names_the_file_and_line(
 def test_a_malformed_azure_trace_names_the_file_and_line(
     tmp_path: Path, text: TextSource, content: str, where: str
 ) -> None:
-    path = tmp_path / "trace.csv"
-    path.write_text(content)
-    with pytest.raises(TraceError) as exc:
-        build("azure-conv", text, path=path)
-    assert str(exc.value).startswith(f"{path}{where}"), str(exc.value)
+    assert_trace_error(tmp_path / "trace.csv", content.encode(), "azure-conv", text, where)
 
 
 def test_a_well_formed_small_trace_still_loads(tmp_path: Path, text: TextSource) -> None:
@@ -201,8 +204,5 @@ def test_azure_windows_and_multi_turn_at_a_rate(text: TextSource) -> None:
 def test_undecodable_bytes_in_a_trace_name_the_file_and_line(
     tmp_path: Path, text: TextSource
 ) -> None:
-    path = tmp_path / "trace.jsonl"
-    path.write_bytes(_MC_ROW.encode() + b'\n{"timestamp": \xff\xfe}\n')
-    with pytest.raises(TraceError) as exc:
-        build("mooncake", text, path=path)
-    assert str(exc.value).startswith(f"{path}:2: not JSON"), str(exc.value)
+    content = _MC_ROW.encode() + b'\n{"timestamp": \xff\xfe}\n'
+    assert_trace_error(tmp_path / "trace.jsonl", content, "mooncake", text, ":2: not JSON")
