@@ -138,6 +138,10 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
+def _nothing() -> None:
+    pass
+
+
 class UpstreamExchange(Response):
     """One routed request's trip upstream and back. :meth:`run` runs it against a client
     connection; as a starlette Response (ASGI) it watches for the client's disconnect
@@ -161,7 +165,11 @@ class UpstreamExchange(Response):
             await self._run(conn)
         finally:
             self._settled = True
-            self.on_done()
+            # dropped once called: the caller's callback usually closes over this
+            # exchange, a cycle that would keep the request's whole graph (its prompt
+            # too) alive until a GC pass instead of freeing it here
+            on_done, self.on_done = self.on_done, _nothing
+            on_done()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The exchange runs in this task; a watcher task cancels it if the client goes
