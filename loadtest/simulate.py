@@ -35,7 +35,7 @@ import random
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from cachecore.engine.core import EngineConfig, EngineCore, StepResult, default_
 from cachecore.engine.hashing import HashAlgo
 from cachecore.engine.latency import PROFILES, get_profile
 from cachecore.engine.request import EngineRequest, RequestOutput
-from cachecore.index.base import ReplicaState
+from cachecore.index.base import NO_MATCH, PrefixMatch, ReplicaState
 from cachecore.index.memory import MemoryIndex
 from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
 from cachecore.lifecycle import ReplicaMirror
@@ -70,6 +70,7 @@ MODEL = "kvgate-sim-8b"
 _SIM_SECRET = b"kvgate-simulator-salt-secret-0000"
 
 STEP_DONE, FF_DONE, INDEX, SCRAPE = 1, 2, 3, 4
+_MAX_WATCHED = 1 << 16  # first keys whose holders are tracked (then the map starts over)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,18 @@ class FleetSimulator:
         self.inflight = InFlight()
         self._snapshot: dict[str, SharedLoad] = {}
         self.tracker = LoadTracker(self.inflight, lambda: self._snapshot)
+        # The router's per-request inputs, kept current instead of rebuilt for every replica
+        # on every request (that was O(replicas) per request): each replica's LoadView and
+        # its no-match Candidate, rebuilt (by the same LoadTracker) only for the replicas
+        # whose in-flight counts changed since, and for all of them at a scrape.
+        self._views: dict[str, LoadView] = {}
+        self._cands: list[Candidate] = []
+        self._stale: set[str] = set(self.ids)
+        # First keys looked up -> a superset of the replicas that hold that key stored or
+        # pending: the index lookup asks only those (every other replica is a no-match).
+        # A key's set is built by one full lookup and grows with each index write or pending
+        # add that covers the key; replicas are never removed (a superset stays exact).
+        self._holders: dict[BlockKey, set[str]] = {}
         self.router = Router(policy.routing.params(), random.Random(cfg.seed))
         fit_pol = policy.cost.fit
         self.fit = OnlineFit(
@@ -294,14 +307,13 @@ class FleetSimulator:
         cap = min(hit_cap_blocks(n, bs), self.policy.index.max_prompt_blocks)
         keys: list[BlockKey] = self.keyer.keys(tokens, salt, MODEL, None, max_blocks=cap)
         now_ms = int(now * 1000)
-        matches = await self.index.lookup(keys, self.ids, now_ms) if keys else {}
-        loads = self.tracker.views(self.ids, self.capacity)
-        cands = [
-            Candidate(rid, loads[rid], matches[rid])
-            if rid in matches
-            else Candidate(rid, loads[rid])
-            for rid in self.ids
-        ]
+        matches = await self._lookup(keys, now_ms) if keys else {}
+        loads = self._fresh_views()
+        cands = self._cands.copy()
+        pos = self._pos
+        for mrid, m in matches.items():
+            if m is not NO_MATCH:
+                cands[pos[mrid]] = Candidate(mrid, loads[mrid], m)
         session = item.session or (f"{item.tenant}/{keys[0].hex()}" if keys else None)
         req = RouteRequest(
             prompt_tokens=n, block_size=bs, session_key=session, scope_key=item.tenant
@@ -312,12 +324,13 @@ class FleetSimulator:
         r = self._pos[rid]
         predicted = decision.predicted_cached_tokens
         ticket = self.inflight.dispatch(rid, max(0, n - predicted))
+        self._stale.add(rid)
         match = matches.get(rid)
         start = match.stored_blocks if match is not None else 0
         if start < len(keys):
-            await self.index.add_pending(
-                rid, keys[start:], self.policy.index.pending_ttl_ms, now_ms
-            )
+            pending = keys[start:]
+            self._hold(rid, filter(self._holders.__contains__, pending))
+            await self.index.add_pending(rid, pending, self.policy.index.pending_ttl_ms, now_ms)
         req_id = f"q{i}"
         engine = self.engines[r]
         deferred = self._ff[r] is not None
@@ -326,6 +339,7 @@ class FleetSimulator:
             engine.add_request(EngineRequest(req_id, tokens, item.max_tokens, salt), now)
         except ValueError:
             self.inflight.done(ticket)
+            self._stale.add(rid)
             self.result.rejected += 1
             if deferred:
                 self._kick(r, clock)
@@ -335,6 +349,42 @@ class FleetSimulator:
         if deferred or not self._busy[r]:
             # a cancelled decode stretch or an idle replica: schedule its next work now
             self._kick(r, clock)
+
+    async def _lookup(self, keys: list[BlockKey], now_ms: int) -> dict[str, PrefixMatch]:
+        """The index's matches for ``keys``, asked of the replicas that may hold the first
+        key; a replica left out is a no-match (NO_MATCH, what the index answers for a live
+        replica without the first key; every replica here is live)."""
+        holders = self._holders.get(keys[0])
+        if holders is None:
+            matches = await self.index.lookup(keys, self.ids, now_ms)
+            if len(self._holders) >= _MAX_WATCHED:  # unique prompts: bound the memory
+                self._holders.clear()
+            self._holders[keys[0]] = {r for r, m in matches.items() if m is not NO_MATCH}
+            return matches
+        return await self.index.lookup(keys, list(holders), now_ms) if holders else {}
+
+    def _hold(self, rid: str, keys: Iterable[BlockKey]) -> None:
+        """``rid`` now stores or has pending each of these watched first keys."""
+        holders = self._holders
+        for k in keys:
+            holders[k].add(rid)
+
+    def _fresh_views(self) -> dict[str, LoadView]:
+        """Every replica's LoadView, recomputed for the replicas marked stale."""
+        stale = self._stale
+        if stale:
+            views = self.tracker.views(
+                list(stale) if len(stale) < len(self.ids) else self.ids, self.capacity
+            )
+            self._views.update(views)
+            if not self._cands:
+                self._cands = [Candidate(rid, self._views[rid]) for rid in self.ids]
+            else:
+                cands, pos = self._cands, self._pos
+                for rid, view in views.items():
+                    cands[pos[rid]] = Candidate(rid, view)
+            stale.clear()
+        return self._views
 
     # ------------------------------------------------------------------ engine
     def _kick(self, r: int, now: float) -> None:
@@ -393,6 +443,7 @@ class FleetSimulator:
                 st.ttft = now - st.arrival
                 res.ttft.append(st.ttft)
                 self.inflight.first_token(st.ticket)
+                self._stale.add(st.ticket.replica)
                 if self.fit_enabled:
                     x = features(
                         max(0, st.prompt_tokens - out.num_cached_tokens), 0.0, st.load_at_dispatch
@@ -400,6 +451,7 @@ class FleetSimulator:
                     self.fit.update(x, st.ttft * 1000.0)
             if out.finished:
                 self.inflight.done(st.ticket)
+                self._stale.add(st.ticket.replica)
                 res.e2e.append(now - st.arrival)
                 res.prompt_tokens += out.num_prompt_tokens
                 res.cached_tokens += out.num_cached_tokens
@@ -414,6 +466,7 @@ class FleetSimulator:
             s = e.stats()
             snap[rid] = SharedLoad(s.num_running, s.num_waiting, s.kv_cache_usage, e.max_num_seqs)
         self._snapshot = snap
+        self._stale.update(self.ids)
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> SimResult:
@@ -455,7 +508,12 @@ class FleetSimulator:
                     self._kick(r, self._materialize(r, now))
             elif kind == INDEX:
                 r, write = data
-                await self.index.apply(self.ids[r], epochs[r], write, int(now * 1000))
+                rid = self.ids[r]
+                if self._holders:
+                    # a write may store a watched first key (a delete never adds a holder)
+                    blocks = write.blocks
+                    self._hold(rid, (k for k in blocks.keys() & self._holders.keys() if blocks[k]))
+                await self.index.apply(rid, epochs[r], write, int(now * 1000))
             elif kind == SCRAPE:
                 self._scrape()
                 # the index holds exactly the mirrors' keys (plus pending): O(replicas)
