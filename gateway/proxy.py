@@ -58,11 +58,13 @@ def _refused(exc: Exception) -> bool:
     return isinstance(exc, httpx.ConnectError) or isinstance(exc.__cause__, OSError)
 
 
-def _timeouts(s: GatewaySettings) -> dict[str, float]:
-    """Per-request upstream timeouts (httpx's ``timeout`` extension keys)."""
+def _timeouts(s: GatewaySettings, stream: bool) -> dict[str, float]:
+    """Per-request upstream timeouts (httpx's ``timeout`` extension keys). A non-streamed
+    answer's head comes after the whole generation, so it has its own, longer bound."""
     return {
         "connect": s.connect_timeout_s,
-        "first_byte": s.first_byte_timeout_s,  # the response head and a stream's first chunk
+        # the response head and a stream's first chunk
+        "first_byte": s.first_byte_timeout_s if stream else s.response_timeout_s,
         "read": s.read_timeout_s,  # between two chunks after that
         "write": 30.0,
         "pool": s.connect_timeout_s,
@@ -236,7 +238,7 @@ class UpstreamExchange(Response):
         gw, d = self.gw, self.d
         assert gw.upstream is not None and gw.pool is not None
         s = gw.settings
-        timeouts = _timeouts(s)
+        timeouts = _timeouts(s, d.stream)
         # vLLM takes the engine's request id from this header before the body's
         headers = [(b"content-type", _JSON), (b"x-request-id", d.upstream_id.encode())]
         if s.upstream_api_key is not None:

@@ -50,14 +50,18 @@ class GatewaySettings(BaseSettings):
     discover: bool = False  # add replicas that agents register (allowlisted URLs only)
     replica_allowlist: Annotated[list[str], NoDecode] = Field(default_factory=list)
     gateway_id: str | None = None
-    connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 300.0
-    read_timeout_s: float = 300.0  # between two chunks of a response
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    # a streamed answer's head and first chunk: they come after the queue and the prefill
+    first_byte_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    # a non-streamed answer's head, which comes after the whole generation: a long one is
+    # not a sick engine (a 16k-token reasoning answer at 50 tokens/s takes 320 s)
+    response_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
+    read_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # between two chunks of a response
     max_body_bytes: int = 8 * 1024 * 1024
     # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread
     tokenize_offload_chars: int = OFFLOAD_CHARS
     retries: int = 2  # extra replicas tried when a connection fails before the first byte
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     # SIGTERM: answer 503 (health, new requests) this long before closing the listener
     drain_grace_s: float = 1.0
     max_connections: int = 1024

@@ -152,7 +152,7 @@ async def test_a_replica_that_never_answers_is_ejected() -> None:
 
     hung, good = FakeReplica(silent), FakeReplica()
     policy = "routing: {strategy: round_robin}\nhealth: {eject_after_failures: 2, eject_s: 30}"
-    async with gateway([hung, good], policy, first_byte_timeout_s=0.3) as (gw, h):
+    async with gateway([hung, good], policy, response_timeout_s=0.3) as (gw, h):
         assert gw.pool is not None
         hung_id = next(r.id for r in gw.pool.all() if r.url == hung.url)
         statuses = []
@@ -218,7 +218,7 @@ async def test_clients_that_give_up_do_not_clear_a_wedged_replicas_failures() ->
 
     hung = FakeReplica(silent)
     policy = "health: {eject_after_failures: 2, eject_s: 30}"
-    async with gateway([hung], policy, first_byte_timeout_s=0.3) as (gw, h):
+    async with gateway([hung], policy, response_timeout_s=0.3) as (gw, h):
         assert gw.pool is not None
         rep = gw.pool.all()[0]
         for i in range(4):  # a patient client (504), then one that gives up, twice
@@ -230,3 +230,26 @@ async def test_clients_that_give_up_do_not_clear_a_wedged_replicas_failures() ->
                     await h.post("/v1/completions", json=completion(f"q{i}"), timeout=0.1)
                 await asyncio.sleep(0.1)  # the gateway sees the disconnect
         assert rep.id not in {r.id for r in gw.pool.candidates(MODEL)}  # ejected
+
+
+async def test_a_long_non_streamed_answer_is_not_a_timeout() -> None:
+    """A non-streamed answer's head comes after the whole generation, so it is bounded by
+    ``response_timeout_s``, not by the first-byte timeout that bounds a stream's first
+    chunk: a generation longer than that was a 504 to the client and a failure counted
+    against a healthy replica. A stream is still held to the first-byte bound."""
+
+    async def slow(w: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.6)  # a long generation, then the whole answer
+        w.write(OK)
+
+    policy = "health: {eject_after_failures: 1, eject_s: 30}"
+    settings = {"first_byte_timeout_s": 0.2, "response_timeout_s": 10.0}
+    async with gateway([FakeReplica(slow)], policy, **settings) as (gw, h):
+        assert gw.pool is not None
+        rep = gw.pool.all()[0]
+        r = await h.post("/v1/completions", json=completion("a long answer"))
+        assert r.status_code == 200, r.text
+        assert rep.id in {c.id for c in gw.pool.candidates(MODEL)}  # not charged a failure
+        r = await h.post("/v1/completions", json={**completion("streamed"), "stream": True})
+        assert r.status_code == 504
+        assert rep.id not in {c.id for c in gw.pool.candidates(MODEL)}
