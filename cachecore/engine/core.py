@@ -404,12 +404,11 @@ class EngineCore:
                     break
         if k <= 1:
             return self.step(now)
-        gen = self.tokens.tokens
-        new_tokens: list[list[int]] = []
-        for r in running:
-            toks = gen(r.fingerprint, r.num_output_tokens, k)
+        new_tokens = self.tokens.tokens_batch(
+            [r.fingerprint for r in running], [r.num_output_tokens for r in running], k
+        )
+        for r, toks in zip(running, new_tokens, strict=True):
             r.all_token_ids.extend(toks)
-            new_tokens.append(toks)
         kv, pool = self.kv, self.pool
         for s, idx, kind in crossings:
             r = running[idx]
