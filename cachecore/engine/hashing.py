@@ -37,6 +37,10 @@ ExtraKeys = tuple[Any, ...] | None
 _NATIVE_LITTLE = sys.byteorder == "little"
 
 
+_MEMO_BLOCKS = 16  # blocks per memoised span of EngineHasher.chain
+_MEMO_MAX = 256  # memoised spans per engine (256 x ~1.6 KiB at 16-token blocks)
+
+
 class HashAlgo(StrEnum):
     SHA256 = "sha256"  # vLLM's default
     XXHASH = "xxhash"  # vLLM's fast option (xxh3-128)
@@ -79,6 +83,11 @@ class EngineHasher:
             else xxhash.xxh3_128_digest
         )
         self.root: EngineHash = self._digest(b"root\x00" + seed_material)
+        # (parent, a span's token bytes, block 0's extra bytes or None, other blocks' extra
+        # bytes) -> the span's hashes: a prefix that many requests share (a system prompt, a
+        # document) is hashed once per engine instead of once per request. Cleared when
+        # full, so it holds at most _MEMO_MAX spans (of _MEMO_BLOCKS blocks each).
+        self._memo: dict[tuple[EngineHash, bytes, bytes | None, bytes], list[EngineHash]] = {}
 
     def block_hash(
         self, parent: EngineHash | None, tokens: Sequence[int], extra: ExtraKeys
@@ -97,14 +106,41 @@ class EngineHasher:
         """Hashes of the consecutive full blocks of ``tokens`` (a multiple of block_size)
         whose first block has index ``first_block_index`` in its request."""
         out: list[EngineHash] = []
-        digest = self._digest
         data = _token_bytes(tokens)
         step = block_size * 4
         h = self.root if parent is None else parent
         rest = extra_of_block.rest_bytes  # the same for every block but a request's first
-        for i, off in enumerate(range(0, len(data) - step + 1, step)):
-            extra = extra_of_block.first_bytes if first_block_index + i == 0 else rest
-            h = digest(h + data[off : off + step] + extra)
+        span = step * _MEMO_BLOCKS
+        memo = self._memo
+        off = 0
+        while off + span <= len(data):  # whole spans: memoised (identical hashes)
+            first = extra_of_block.first_bytes if first_block_index + off // step == 0 else None
+            chunk = data[off : off + span]
+            key = (h, chunk, first, rest)
+            hashes = memo.get(key)
+            if hashes is None:
+                hashes = self._run(h, chunk, step, first, rest)
+                if len(memo) >= _MEMO_MAX:
+                    memo.clear()
+                memo[key] = hashes
+            out += hashes
+            h = hashes[-1]
+            off += span
+        if off + step <= len(data):
+            first = extra_of_block.first_bytes if first_block_index + off // step == 0 else None
+            out += self._run(h, data[off:], step, first, rest)
+        return out
+
+    def _run(
+        self, h: EngineHash, data: bytes, step: int, first: bytes | None, rest: bytes
+    ) -> list[EngineHash]:
+        """The chained hashes of the whole blocks in ``data`` after parent ``h``; ``first``
+        (when not None) is the first block's extra bytes, ``rest`` the others'."""
+        digest = self._digest
+        out: list[EngineHash] = []
+        for off in range(0, len(data) - step + 1, step):
+            h = digest(h + data[off : off + step] + (rest if first is None else first))
+            first = None
             out.append(h)
         return out
 
