@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from cachecore.keys import tokens_to_bytes
@@ -70,10 +71,12 @@ class OutputTokens:
         n = len(fingerprints)
         if n * count < _NUMPY_MIN or n == 1:
             return [self.tokens(f, s, count) for f, s in zip(fingerprints, starts, strict=True)]
-        fp = np.array(fingerprints, dtype=np.uint64)[:, None]
-        pos = np.array(starts, dtype=np.uint64)[:, None] + np.arange(1, count + 1, dtype=np.uint64)
+        fp: npt.NDArray[np.uint64] = np.array(fingerprints, dtype=np.uint64)[:, None]
+        pos = np.add.outer(
+            np.array(starts, dtype=np.uint64), np.arange(1, count + 1, dtype=np.uint64)
+        ).astype(np.uint64)
         with np.errstate(over="ignore"):
-            x = fp + pos * np.uint64(_GOLDEN)
+            x: npt.NDArray[np.uint64] = fp + pos * np.uint64(_GOLDEN)
             x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
             x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
             x ^= x >> np.uint64(31)
