@@ -53,7 +53,12 @@ from gateway.replicas import Replica, ReplicaPool, ReplicaSpec
 from gateway.requesttrace import RequestTrace
 from gateway.routing import Candidate, Decision, Router, RouteRequest, Strategy
 from gateway.settings import GatewaySettings
-from gateway.tokenization import LocalPromptTokenizer, TokenizerPools, check_alignment
+from gateway.tokenization import (
+    LocalPromptTokenizer,
+    TokenizerPools,
+    check_alignment,
+    stream_requested,
+)
 from gateway.tracing import make_provider, make_tracer
 from gateway.upstream import LeanTransport
 from policies.schema import Policy, TenantPolicy
@@ -538,11 +543,7 @@ class Gateway:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise bad_request("'model' is required and must be a string", "model")
-        stream = body.get("stream", False)
-        if stream is None:  # nullable in OpenAI's schema and vLLM's: null is "not streamed"
-            stream = False
-        if not isinstance(stream, bool):
-            raise bad_request("'stream' must be a boolean", "stream")
+        stream = stream_requested(body)
         if endpoint == "chat" and not isinstance(body.get("messages"), list):
             raise bad_request("'messages' is required and must be an array", "messages")
         if endpoint == "completion" and "prompt" not in body:

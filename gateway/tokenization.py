@@ -79,6 +79,20 @@ def add_generation_prompt(body: Mapping[str, Any]) -> bool:
         ) from None
 
 
+def stream_requested(body: Mapping[str, Any]) -> bool:
+    """``stream`` read as vLLM reads it: null or absent is not streamed, a lax bool
+    otherwise (``"true"``, ``1``, ``"no"``...); anything else is a 400, as the engine
+    would answer. A client's ``"stream": "true"`` streams on the engine, so the gateway
+    must relay it as a stream."""
+    stream = body.get("stream")
+    if stream is None or stream is False or stream is True:
+        return bool(stream)
+    try:
+        return _LAX_BOOL.validate_python(stream)
+    except ValidationError:
+        raise bad_request("'stream' must be a boolean", "stream") from None
+
+
 class PromptTokenizer(Protocol):
     name: str
 

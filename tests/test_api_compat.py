@@ -135,6 +135,15 @@ async def test_openai_shapes_headers_and_model_cards() -> None:
                 "max_tokens": 2, "stream": None}  # fmt: skip
         r = await h.post("/v1/chat/completions", json=body, headers=auth)
         assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+        # any other value as vLLM's pydantic model reads it: a lax bool, else a 400
+        for value, streamed in (("false", False), ("no", False), (0, False), ("true", True),
+                                (1, True)):  # fmt: skip
+            r = await h.post("/v1/chat/completions", json={**body, "stream": value},
+                             headers=auth)  # fmt: skip
+            assert r.status_code == 200, (value, r.text)
+            assert r.headers["content-type"].startswith("text/event-stream") is streamed, value
+        r = await h.post("/v1/chat/completions", json={**body, "stream": "maybe"}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
         # add_generation_prompt as a string: the gateway's tokens equal the engine's
         for value in ("false", "no", "true"):
             body = {"model": st.model, "messages": [{"role": "user", "content": words(20, 7)}],
