@@ -237,3 +237,23 @@ async def test_cli_agent_process_end_to_end(redis_url: str, tmp_path: Path) -> N
         assert r.agent is None
         await r.close()
         await r.index.close()
+
+
+def test_cli_agent_http_port_in_use_is_a_one_line_error(redis_url: str) -> None:
+    """Two agents on one host with the same --http-port: the second says so in one line
+    and exits 2 (the bind in the server's constructor escaped the handler: a traceback)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = [
+            sys.executable, "-m", "gateway.cli", "agent", "--replica-id", "r9",
+            "--engine-url", "http://127.0.0.1:9", "--events", "tcp://127.0.0.1:9",
+            "--redis", redis_url, "--key-prefix", "kvgt", "--no-register",
+            "--http-port", str(port), "--log-level", "WARNING",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ)
+    assert done.returncode == 2, done.stderr
+    assert "cannot listen on" in done.stderr and "Traceback" not in done.stderr, done.stderr

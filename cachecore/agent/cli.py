@@ -205,8 +205,8 @@ async def _main(
     )
     try:
         if settings.http_port is not None:
-            server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
-            try:
+            try:  # the constructor binds: a port in use fails there
+                server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
                 await server.start()
             except OSError as exc:  # two agents on one host need their own --http-port
                 print(
