@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
 from policies.schema import builtin_policy_path
 
+_ZMQ_SCHEMES = ("tcp://", "ipc://")  # the agent endpoints a replica spec takes
+
 
 def _split_csv(value: object) -> object:
     if isinstance(value, str):
@@ -85,7 +87,23 @@ class GatewaySettings(BaseSettings):
     # controls (``kvgate attack``), which must show that their probes detect a shared cache.
     debug_unsafe_shared_scope: bool = False
 
-    @field_validator("salt_secrets", "replicas", "replica_allowlist", mode="before")
+    @field_validator("salt_secrets", "replica_allowlist", mode="before")
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replica_specs(cls, value: object) -> object:
+        """Comma-separated specs, where a spec with embedded agents (``URL=EVENTS,REPLAY``)
+        holds a comma itself: a part that is a ZMQ endpoint continues the spec before it."""
+        parts = _split_csv(value)
+        if not isinstance(parts, list):
+            return parts
+        specs: list[object] = []
+        for part in parts:
+            if specs and isinstance(part, str) and part.startswith(_ZMQ_SCHEMES):
+                specs[-1] = f"{specs[-1]},{part}"
+            else:
+                specs.append(part)
+        return specs

@@ -386,6 +386,8 @@ async def test_gateway_settings_bound_the_tokenizer_cache() -> None:
 
 
 def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.replicas import parse_replica_spec
+
     monkeypatch.setenv("KVGATE_SALT_SECRETS", "first-secret-0123456789, second-secret-0123456789")
     monkeypatch.setenv("KVGATE_REPLICAS", "http://a:1,gpu=http://b:2")
     monkeypatch.setenv("KVGATE_PORT", "9123")
@@ -399,6 +401,19 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.admin_key is not None and "zq-admin-7731" not in repr(s)  # secrets never print
     gw = Gateway(s, parse_policy_text(""))
     assert gw.minter.n_secrets == 2
+    # a spec with embedded agents holds a comma of its own (URL=EVENTS,REPLAY)
+    monkeypatch.setenv(
+        "KVGATE_REPLICAS",
+        "r0=http://a:1=tcp://a:5557,tcp://a:5558, http://b:2, r2=http://c:3=ipc:///e,ipc:///r",
+    )
+    s = GatewaySettings()
+    assert s.replicas == [
+        "r0=http://a:1=tcp://a:5557,tcp://a:5558",
+        "http://b:2",
+        "r2=http://c:3=ipc:///e,ipc:///r",
+    ]
+    specs = [parse_replica_spec(x) for x in s.replicas]
+    assert [sp.events for sp in specs] == ["tcp://a:5557", None, "ipc:///e"]
 
 
 async def test_passive_ejection_and_return() -> None:
