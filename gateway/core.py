@@ -27,6 +27,7 @@ import xxhash
 from prometheus_client import CollectorRegistry
 
 from cachecore.agent.scrape import parse_metrics
+from cachecore.agent.settings import AgentSettings
 from cachecore.index.base import (
     IndexError_,
     PrefixIndex,
@@ -302,7 +303,9 @@ class Gateway:
             self.pool.add(spec)
             self.metrics.healthy.labels(spec.id).set(1)
         embedded = self._index_arg is None
-        primary: PrefixIndex = self._index_arg if self._index_arg is not None else MemoryIndex()
+        primary: PrefixIndex = (
+            self._index_arg if self._index_arg is not None else self._embedded_index()
+        )
         local = None if isinstance(primary, MemoryIndex) else MemoryIndex()
         self.index = GatewayIndex(primary, self.metrics, local)
         if local is not None and self.specs:
@@ -342,6 +345,18 @@ class Gateway:
         self.pool.start()
         self.policies.start(s.policy_poll_s, self._on_reload_result)
         await self._check_alignment()
+
+    def _embedded_index(self) -> MemoryIndex:
+        """The in-process index. Its removal log (the gateways' claim checks read it) is
+        the agents' setting, ``KVGATE_AGENT_REMOVAL_LOG``, read as the embedded agents
+        read theirs; a standalone agent applies it to the Redis index itself."""
+        spec = next((sp for sp in self.specs if sp.events), None)
+        if spec is None or spec.events is None:
+            return MemoryIndex()
+        agent = AgentSettings(
+            replica_id=spec.id, engine_url=spec.url, events=spec.events, replay=spec.replay
+        )
+        return MemoryIndex(removal_log=agent.removal_log)
 
     async def _warm_index(self, primary: PrefixIndex) -> None:
         """One throw-away lookup before serving: it loads the lookup script and, on Redis

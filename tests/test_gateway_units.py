@@ -680,3 +680,28 @@ def test_a_replica_whose_models_are_unknown_does_not_decide_what_a_name_means() 
     reps = pool.candidates("lora-a")
     assert pool.base_model("lora-a", reps) == ("base", "lora-a")
     assert [r.id for r in pool.same_meaning("lora-a", "lora-a", "base", reps)] == ["r0", "r1"]
+
+
+async def test_the_embedded_index_keeps_the_agents_removal_log_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KVGATE_AGENT_REMOVAL_LOG sizes the index's removal log; with embedded agents the
+    index is the gateway's own, which kept the default whatever the variable said."""
+    from cachecore.index.memory import MemoryIndex
+    from gateway.replicas import parse_replica_spec
+
+    monkeypatch.setenv("KVGATE_AGENT_REMOVAL_LOG", "0")
+    spec = "r0=http://127.0.0.1:9=tcp://127.0.0.1:9,tcp://127.0.0.1:10"
+    for replicas, expected in (([spec], 0), (["http://127.0.0.1:9"], None)):
+        s = GatewaySettings(replicas=replicas, open_access=True, salt_secrets=["s" * 32])
+        specs = [parse_replica_spec(r) for r in s.replicas]
+        gw = Gateway(s, parse_policy_text(""), replica_specs=specs)  # no agent hook
+        await gw.start()
+        try:
+            assert gw.index is not None and isinstance(gw.index.primary, MemoryIndex)
+            if expected is None:  # no embedded agent: the index's own default
+                assert gw.index.primary.removal_log == MemoryIndex().removal_log
+            else:
+                assert gw.index.primary.removal_log == expected
+        finally:
+            await gw.stop()
