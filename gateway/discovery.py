@@ -30,6 +30,7 @@ class Discovery:
         static_ids: set[str],
         on_added: Callable[[ReplicaSpec], None] | None = None,
         interval_s: float = 2.0,
+        on_count: Callable[[str, int], None] | None = None,
     ) -> None:
         self.registry = registry
         self.allowlist = allowlist
@@ -40,6 +41,7 @@ class Discovery:
         self.discovered: dict[str, Registration] = {}
         self.rejected = 0
         self.errors = 0
+        self.on_count = on_count  # (outcome, n): "rejected" registrations, read "error"s
         self._task: asyncio.Task[None] | None = None
 
     async def refresh_once(self, now_ms: int | None = None) -> None:
@@ -48,10 +50,14 @@ class Discovery:
             regs = await self.registry.discover(now_ms)
         except Exception as exc:  # keep the replicas we have
             self.errors += 1
+            if self.on_count is not None:
+                self.on_count("error", 1)
             log.warning("replica discovery failed", extra={"error": repr(exc)})
             return
         accepted, rejected = self.allowlist.accept(regs)
         self.rejected += len(rejected)
+        if rejected and self.on_count is not None:
+            self.on_count("rejected", len(rejected))
         seen = set()
         for reg in accepted:
             seen.add(reg.replica_id)

@@ -225,6 +225,12 @@ class GatewayMetrics:
         self.policy_reloads = Counter(
             "kvgate_policy_reloads", "Policy reloads by outcome", ["outcome"], registry=r
         )
+        self.discovery = Counter(
+            "kvgate_discovery_events",
+            "Replica discovery: registrations refused by the allowlist (rejected) and "
+            "registry reads that failed (error)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.stages = StageTimes()
         r.register(_StageCollector(self.stages))
         self._err_abs = 0

@@ -237,13 +237,18 @@ async def test_discovery_adds_allowlisted_replicas_only_and_drops_expired() -> N
         pool = ReplicaPool(client, HealthPolicy())
         pool.add(ReplicaSpec("static-1", "http://10.0.0.1:8000"))
         allow = ReplicaAllowlist(["http://10.0.0.2:8000", "pinned=http://10.0.0.3:8000"])
-        disc = Discovery(registry, allow, pool, {"static-1"})
+        counted: dict[str, int] = {}
+        disc = Discovery(
+            registry, allow, pool, {"static-1"},
+            on_count=lambda outcome, n: counted.update({outcome: counted.get(outcome, 0) + n}),
+        )  # fmt: skip
         await registry.register(reg("gpu-2", "http://10.0.0.2:8000"), 1000, now_ms=0)
         await registry.register(reg("rogue", "http://evil.example:80"), 1000, now_ms=0)
         await registry.register(reg("thief", "http://10.0.0.3:8000"), 1000, now_ms=0)
         await disc.refresh_once(now_ms=10)
         assert sorted(pool.ids()) == ["gpu-2", "static-1"]
         assert disc.rejected == 2  # not allowlisted; pinned to another id
+        assert counted == {"rejected": 2}  # kvgate_discovery_events_total{outcome}
         await disc.refresh_once(now_ms=5000)  # every registration expired
         assert pool.ids() == ["static-1"]  # static replicas stay
 
