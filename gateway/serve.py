@@ -37,8 +37,10 @@ from typing import Any
 
 import httpx
 import uvicorn
+from pydantic import ValidationError
 
 from cachecore.index.base import PrefixIndex
+from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex, redis_client
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
@@ -84,6 +86,7 @@ def build_gateway(
     """Assemble a :class:`Gateway` from settings: replicas, keys, index, load store."""
     specs = [parse_replica_spec(r) for r in settings.replicas]
     url, cluster = settings.redis_url, settings.redis_cluster
+    layout = KeyLayout(settings.key_prefix)
     if cluster and not url:
         raise ValueError("redis_cluster (--redis-cluster) needs redis_url (--redis)")
     if key_store is None:
@@ -96,22 +99,26 @@ def build_gateway(
             redis_keys = redis_client(
                 url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25
             )
-        key_store = KeyStore(keys, redis_keys, open_access=settings.open_access)
+        key_store = KeyStore(
+            keys, redis_keys, open_access=settings.open_access, redis_hash=layout.api_keys()
+        )
     if not key_store.configured:
         raise ValueError(
             "no API keys configured: pass --api-keys FILE, --api-keys-redis, or --open"
         )
     if index is None and url:
-        index = RedisIndex.from_url(url, cluster=cluster)
+        index = RedisIndex.from_url(url, layout, cluster=cluster)
     if load_store is None:
-        load_store = RedisLoadStore.from_url(url, cluster=cluster) if url else MemoryLoadStore()
+        load_store = (
+            RedisLoadStore.from_url(url, layout, cluster=cluster) if url else MemoryLoadStore()
+        )
     registry = None
     if settings.discover:
         if not url:
             raise ValueError("--discover needs --redis (agents register there)")
         from cachecore.registry import RedisRegistry
 
-        registry = RedisRegistry.from_url(url, cluster=cluster)
+        registry = RedisRegistry.from_url(url, layout, cluster=cluster)
     gw = Gateway(
         settings,
         policy,
@@ -296,6 +303,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--redis", dest="redis_url", help="redis://... for the shared index")
     parser.add_argument(
+        "--key-prefix",
+        help="Redis key namespace, the agents' --key-prefix (env KVGATE_KEY_PREFIX; 'kvg')",
+    )
+    parser.add_argument(
         "--redis-cluster", action="store_true",
         help="--redis is a seed node of a Redis Cluster (env KVGATE_REDIS_CLUSTER)",
     )  # fmt: skip
@@ -327,7 +338,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     overrides: dict[str, Any] = {}
     for name in (
         "policy", "redis_url", "api_keys_file", "admin_key", "host", "port", "seed",
-        "gateway_id", "otel_endpoint", "log_level", "trace_out",
+        "gateway_id", "otel_endpoint", "log_level", "trace_out", "key_prefix",
     ):  # fmt: skip
         value = getattr(args, name, None)
         if value is not None:
@@ -349,8 +360,21 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(**overrides)
 
 
+def settings_error(exc: ValidationError) -> str:
+    """A settings refusal in one line, each field with its environment variable."""
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(x) for x in err["loc"]) or "settings"
+        parts.append(f"{field} (KVGATE_{field.upper()}): {err['msg']}")
+    return "; ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"kvgate serve: {settings_error(exc)}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level, settings.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
     try:

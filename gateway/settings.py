@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
 from policies.schema import builtin_policy_path
 
@@ -38,6 +39,9 @@ class GatewaySettings(BaseSettings):
     # redis_url is a seed node of a Redis Cluster: the index, load store, registry and API
     # key hash all go through a cluster client (which discovers the other nodes)
     redis_cluster: bool = False
+    # the Redis key namespace: the agents' KVGATE_AGENT_KEY_PREFIX (the API key hash too,
+    # <prefix>:apikeys); gateways and agents of one deployment share it
+    key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)
     api_keys_file: Path | None = None
     api_keys_redis: bool = False  # look API key hashes up in Redis hash <prefix>:apikeys
     open_access: bool = False  # no API keys: every request is tenant "anonymous"
@@ -91,6 +95,12 @@ class GatewaySettings(BaseSettings):
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        KeyLayout(value)  # raises on a prefix Redis keys cannot carry
+        return value
 
     @field_validator("replicas", mode="before")
     @classmethod

@@ -199,6 +199,67 @@ async def test_a_cluster_client_reaching_no_node_fails_as_the_stores_errors() ->
                 await closable.close()
 
 
+def test_bad_gateway_settings_are_one_line_errors() -> None:
+    """A refused setting (env or flag) is one line naming the field and its variable, exit
+    2, like every other bad input of ``kvgate serve``; it was a pydantic traceback, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    for env, flags, field in (
+        ({"KVGATE_FIRST_BYTE_TIMEOUT_S": "0"}, [], "KVGATE_FIRST_BYTE_TIMEOUT_S"),
+        ({}, ["--key-prefix", "bad prefix"], "KVGATE_KEY_PREFIX"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--open", *flags],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvgate serve: ") and field in lines[0]
+
+
+async def test_the_gateway_reads_the_agents_key_namespace(redis_url: str) -> None:
+    """``--key-prefix`` / KVGATE_KEY_PREFIX: the gateway's index, registry and API-key
+    hash live in the agents' namespace. They were fixed to ``kvg``, so a gateway never
+    saw an agent started with ``--key-prefix``."""
+    from cachecore.index.layout import KeyLayout
+    from cachecore.registry import Registration
+
+    args = _serve_args("--redis", redis_url, "--key-prefix", "team-a", "--open")
+    assert serve_settings_from_args(args).key_prefix == "team-a"
+    with pytest.raises(ValueError, match="invalid key prefix"):
+        GatewaySettings(key_prefix="no spaces")
+    layout = KeyLayout("team-a")
+    agent_index = RedisIndex.from_url(redis_url, layout)
+    agent_reg = RedisRegistry.from_url(redis_url, layout)
+    plain = redis.Redis.from_url(redis_url)
+    gw = build_gateway(
+        GatewaySettings(
+            redis_url=redis_url, key_prefix="team-a", api_keys_redis=True, discover=True
+        )
+    )
+    try:
+        now = int(time.time() * 1000)
+        await agent_index.set_state("r0", ReplicaState.LIVE, now)
+        reg = Registration(
+            replica_id="r0", url="http://127.0.0.1:9", model="m", block_size=16,
+            capacity_blocks=100, agent_id="agent-r0", registered_ms=now,
+        )  # fmt: skip
+        await agent_reg.register(reg, 10_000, now)
+        plain.hset("team-a:apikeys", hash_key("key-of-team-a"), "team_a")
+        assert isinstance(gw._index_arg, RedisIndex)
+        assert (await gw._index_arg.meta("r0")).state is ReplicaState.LIVE
+        assert gw.registry is not None
+        assert [r.replica_id for r in await gw.registry.discover(now)] == ["r0"]
+        assert await gw.key_store.tenant_for("Bearer key-of-team-a") == "team_a"
+    finally:
+        plain.close()
+        for closable in (agent_index, agent_reg, gw._index_arg, gw._load_store, gw.registry):
+            if closable is not None:
+                await closable.close()
+
+
 # ------------------------------------------------------------------------- end to end
 
 

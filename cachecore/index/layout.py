@@ -142,6 +142,10 @@ class KeyLayout:
     # epoch they read there, so no caller can name a stale epoch's key.
 
     # ---- scanning
+    def api_keys(self) -> str:
+        """The gateways' API key hash (field: the key's SHA-256 hex, value: the tenant)."""
+        return f"{self.prefix}:apikeys"
+
     def meta_pattern(self) -> str:
         return f"{self.prefix}:{{r:*}}:meta"
 
