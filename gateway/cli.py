@@ -26,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replica": ("cachecore.replica.cli", "serve N simulated vLLM-compatible engine replicas"),
     "agent": ("cachecore.agent.cli", "run a per-replica cache agent (engine events -> index)"),
     "demo": ("loadtest.demo", "fleet + agents + gateway on embedded defaults, with a comparison"),
-    "bench": ("loadtest.bench", "benchmarks: index, ingest, gateway, routers, keys, tiers"),
+    "bench": ("loadtest.bench", "benchmarks: index, ingest, gateway, routers, keys, tiers, soak"),
     "simulate": ("loadtest.simulate", "fleet simulation in virtual time (same engine + routing)"),
     "attack": ("loadtest.attack", "isolation attack suite; non-zero exit if an attack succeeds"),
     "trace": ("cachecore.traceanalysis", "analyse a trace: occupancy, duplication, lifetimes"),
