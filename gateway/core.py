@@ -182,6 +182,7 @@ class Gateway:
         self.settings = settings
         self.policies = PolicyStore(settings.policy if policy is None else None, policy)
         self.policies.on_change = self._apply_policy
+        self.policies.check = self._engine_mismatches
         pol = self.policies.policy
         self.metrics = GatewayMetrics()
         self.stages = self.metrics.stages
@@ -279,6 +280,24 @@ class Gateway:
         if self.pool is not None:
             self.pool.policy = pol.health
         self.metrics.policy_reloads.labels("ok").inc()
+
+    def _engine_mismatches(self, pol: Policy) -> list[tuple[str, str]]:
+        """A reloaded policy's block sizes against those the engines are known to use (read
+        at start-up, or registered by their agents): a mismatch makes every key miss, so
+        such a reload is refused as the start-up check would have reported it."""
+        problems: list[tuple[str, str]] = []
+        for rep in self.pool.all() if self.pool is not None else []:
+            if rep.block_size is None:
+                continue
+            for model in sorted(m for m in rep.models or [] if m not in rep.lora_base) or [
+                "default"
+            ]:
+                field = f"models.pools.{model}" if model in pol.models.pools else "models.default"
+                bs = pol.models.pool(model).block_size
+                if bs != rep.block_size:
+                    msg = f"{bs}, but replica {rep.id} serves {model} with block size "
+                    problems.append((f"{field}.block_size", msg + str(rep.block_size)))
+        return sorted(set(problems))
 
     def _on_health(self, replica: str, routable: bool) -> None:
         self.metrics.healthy.labels(replica).set(1 if routable else 0)
@@ -428,6 +447,7 @@ class Gateway:
             engine_bs = None
         if engine_bs is None:
             return  # the engine does not say: nothing to compare
+        rep.block_size = engine_bs  # a reload is checked against it
         for model in models[:4] or ["default"]:
             bs = self.policy.models.pool(model).block_size
             if bs != engine_bs:

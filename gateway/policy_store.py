@@ -24,6 +24,9 @@ class PolicyStore:
         self.policy = policy
         self._mtime = self._stat()
         self.on_change: Callable[[Policy], None] | None = None
+        # what the schema cannot know (the engines' block sizes): (field, problem) pairs
+        # that refuse a reload, checked before it is applied
+        self.check: Callable[[Policy], list[tuple[str, str]]] | None = None
         self.last_error: str | None = None
         self.reloads = 0
         self._task: asyncio.Task[None] | None = None
@@ -50,6 +53,7 @@ class PolicyStore:
         self._mtime = self._stat()
         try:
             policy = load_policy(self.path)
+            self._check(policy, str(self.path))
         except PolicyError as exc:
             self.last_error = str(exc)
             raise
@@ -59,11 +63,17 @@ class PolicyStore:
     def reload_text(self, text: str, source: str = "POST /admin/policy") -> Policy:
         try:
             policy = parse_policy_text(text, source)
+            self._check(policy, source)
         except PolicyError as exc:
             self.last_error = str(exc)
             raise
         self.apply(policy)
         return policy
+
+    def _check(self, policy: Policy, source: str) -> None:
+        problems = self.check(policy) if self.check is not None else []
+        if problems:
+            raise PolicyError(source, problems)
 
     def changed_on_disk(self) -> bool:
         m = self._stat()

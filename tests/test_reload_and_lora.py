@@ -149,6 +149,26 @@ async def test_a_block_size_unlike_the_engines_is_reported_at_start_up() -> None
         assert not st.gw.alignment_problems  # the base model is checked, not its adapters
 
 
+async def test_a_reload_with_a_block_size_unlike_the_engines_is_refused() -> None:
+    """The start-up check's rule on every reload: a policy whose block size differs from
+    the engine's makes every key miss, so it is refused (400 naming the field) and the old
+    policy stays. It was applied silently: the hit rate fell from 0.96 to 0.40."""
+    async with stack(count=1) as st, st.http() as h:
+        before = st.gw.policy
+        bad = "models: {default: {block_size: 32}}"
+        r = await h.post("/admin/policy", content=bad, headers=st.admin_headers())
+        assert r.status_code == 400, r.text
+        assert "models.default.block_size" in r.text and "block size 16" in r.text
+        assert st.gw.policy is before
+        ok = "models: {default: {block_size: 16}}\nrouting: {strategy: least_loaded}"
+        r = await h.post("/admin/policy", content=ok, headers=st.admin_headers())
+        assert r.status_code == 200, r.text
+        # a pool of its own for the served model is checked too
+        pools = f"models: {{pools: {{{st.model}: {{block_size: 64}}}}}}"
+        r = await h.post("/admin/policy", content=pools, headers=st.admin_headers())
+        assert r.status_code == 400 and f"models.pools.{st.model}.block_size" in r.text
+
+
 async def test_a_rotation_keeps_reuse_and_says_which_secret_carries_traffic() -> None:
     """`new,old`: the old secret's blocks still hit (the longer match wins, so the old salt
     is sent), and kvgate_salt_secret_used_total{secret} shows how much traffic still rides
