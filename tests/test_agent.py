@@ -479,6 +479,31 @@ async def test_engine_unavailable_then_back(rig: Rig) -> None:
     assert await rig.index_keys() == rig.engine.keys()
 
 
+async def test_an_engine_whose_metrics_fail_but_which_serves_stays_routable(rig: Rig) -> None:
+    """A slow or broken /metrics with /health answering: the engine serves and its events
+    keep the index current, so it stays LIVE (a slow /metrics made the agent call it
+    unreachable and hid a healthy replica's cache from routing); once /health fails too it
+    is UNAVAILABLE as before."""
+    rig.settings_kw["scrape_timeout_s"] = 0.2
+    await rig.start()
+    ev, _ = rig.engine.store(toks(0, 2))
+    await rig.publish(ev)
+    await rig.settle()
+    assert rig.agent is not None
+    errors0 = counter_total(rig.agent.metrics.scrape_errors)
+    for delay, status in ((0.5, 200), (0.0, 500)):  # slow, then broken
+        rig.stub.metrics_delay_s, rig.stub.metrics_status = delay, status
+        await asyncio.sleep(1.2)  # three times unavailable_after_s
+        assert await _state_is(rig, ReplicaState.LIVE), (delay, status)
+        match = await rig.index.lookup(list(rig.engine.keys()), ["r0"], 0)
+        assert match["r0"].stored_blocks == 2
+    assert counter_total(rig.agent.metrics.scrape_errors) > errors0
+    rig.stub.up = False  # gone: /health fails too
+    await until(lambda: _state_is(rig, ReplicaState.UNAVAILABLE), 5.0)
+    rig.stub.up, rig.stub.metrics_status = True, 200
+    await until(lambda: _state_is(rig, ReplicaState.LIVE), 5.0)
+
+
 async def test_engine_back_as_a_new_process_is_cleared(rig: Rig) -> None:
     await rig.start()
     ev, _ = rig.engine.store(toks(0, 2))

@@ -114,6 +114,7 @@ class Agent:
         self.last_snapshot: EngineSnapshot | None = None
         self.engine_reachable = False
         self._last_scrape_ok = 0.0
+        self._metrics_failing = False  # warned once while /metrics fails but /health answers
         self.syncs: dict[int, ReplicaSync] = {}
         self.stream: EventStream | None = None
         self.ready = asyncio.Event()
@@ -479,6 +480,7 @@ class Agent:
     # ----------------------------------------------------------------- engine
 
     def _scrape_ok(self, snap: EngineSnapshot) -> None:
+        self._metrics_failing = False
         self.last_snapshot = snap
         self._last_scrape_ok = time.monotonic()
         self.metrics.engine_up.set(1)
@@ -512,6 +514,18 @@ class Agent:
                 self.metrics.engine_up.set(0)
                 down_for = time.monotonic() - self._last_scrape_ok
                 if self.engine_reachable and down_for >= s.unavailable_after_s:
+                    if await self.scraper.healthy():
+                        # only its metrics fail (slow or broken): it serves, and its events
+                        # keep its index current, so its cache stays routable (a slow
+                        # /metrics used to hide a healthy replica's cache from routing)
+                        if not self._metrics_failing:
+                            self._metrics_failing = True
+                            log.warning(
+                                "engine metrics failing but /health answers: replica stays "
+                                "routable, its load is not published",
+                                extra={"replica": self.primary_id, "error": str(exc)},
+                            )
+                        continue
                     self.engine_reachable = False
                     log.warning(
                         "engine unreachable: replica unavailable for routing",

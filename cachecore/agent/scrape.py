@@ -101,6 +101,15 @@ class EngineScraper:
             raise ScrapeError("metrics too large")
         return parse_metrics(resp.text)
 
+    async def healthy(self) -> bool:
+        """``/health`` answers 200 within the timeout: tells an engine whose metrics fail
+        (slow, broken) from one that is gone or sick."""
+        try:
+            resp = await self._client.get(f"{self.engine_url}/health")
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
     async def model(self) -> str | None:
         """The first model id of ``/v1/models`` (None when the engine does not say)."""
         try:

@@ -153,6 +153,8 @@ class EngineStub:
         self.kv_usage = 0.0
         self.up = True
         self.scrapes = 0
+        self.metrics_delay_s = 0.0  # a slow /metrics (the engine itself still serves)
+        self.metrics_status = 200  # a broken /metrics (ditto)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -165,7 +167,15 @@ class EngineStub:
             self.scrapes += 1
             if not self.up:
                 return PlainTextResponse("down", status_code=503)
+            if self.metrics_delay_s > 0:
+                await asyncio.sleep(self.metrics_delay_s)
+            if self.metrics_status != 200:
+                return PlainTextResponse("broken", status_code=self.metrics_status)
             return PlainTextResponse(self.metrics_text())
+
+        @app.get("/health")
+        async def health() -> PlainTextResponse:
+            return PlainTextResponse("", status_code=200 if self.up else 503)
 
         @app.get("/v1/models")
         async def models() -> JSONResponse:
