@@ -97,6 +97,11 @@ class LoadView:
     waiting: int = 0
     capacity: int = 256
     kv_usage: float = 0.0
+    # how late (ms, past a grace) the oldest request still waiting for its first token is
+    # against its predicted TTFT: a replica that stopped making progress (a wedged engine
+    # whose HTTP still answers) shows here long before any timeout; a new request waits
+    # at least that long. 0 where nobody measures it (the simulator).
+    overdue_ms: float = 0.0
 
     @property
     def requests(self) -> int:
@@ -220,8 +225,10 @@ def cost(
     coeffs: Coefficients,
 ) -> CostBreakdown:
     """Routing cost (ms) of a request on a replica: see the module docstring. Its
-    ``ttft_ms`` equals ``dot(coeffs.as_vector(), features(...))`` (a test holds it to
-    that); written out because the router calls it for every replica of every request."""
+    ``ttft_ms`` equals ``dot(coeffs.as_vector(), features(...))`` plus the load's
+    ``overdue_ms`` (a test holds it to that; the fit learns the model, the lateness is
+    measured); written out because the router calls it for every replica of every
+    request."""
     return cost_of_hit(predict_hit(match, prompt_tokens, block_size, coeffs), load, coeffs)
 
 
@@ -235,6 +242,7 @@ def cost_of_hit(hit: HitPrediction, load: LoadView, coeffs: Coefficients) -> Cos
     over = load.running + ahead + 1 - load.capacity
     pt = coeffs.prefill_ms_per_token
     queue_ms = pt * load.queued_prefill_tokens + coeffs.decode_ms_per_running * load.running
+    queue_ms += load.overdue_ms
     if over > 0:
         queue_ms += coeffs.saturation_ms * over
     own_prefill = pt * uncached

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import re
 import time
@@ -671,7 +672,7 @@ class Gateway:
 
         t0 = time.perf_counter_ns()
         caps = {r.id: r.capacity or mpool.max_num_seqs for r in reps}
-        loads = self.load.views(ids, caps)
+        loads = self.load.views(ids, caps, time.monotonic())
         best_salt: dict[str, int] = {}
         cands: list[Candidate] = []
         for r in reps:
@@ -779,12 +780,16 @@ class Gateway:
         cand = next(c for c in d.candidates if c.replica == d.replica)
         d.load_at_dispatch = cand.load
         uncached = max(0, d.prompt_tokens - d.decision.predicted_cached_tokens)
-        ticket = d.ticket = self.inflight.dispatch(d.replica, uncached)
+        ttft_s = max(0.001, d.decision.chosen.ttft_ms / 1000.0)
+        grace_ms = self.policy.routing.overdue_grace_ms
+        # a stream's first token is watched: one this late makes its replica overdue
+        due = math.inf if grace_ms is None else time.monotonic() + ttft_s + grace_ms / 1000.0
+        ticket = d.ticket = self.inflight.dispatch(d.replica, uncached, due)
         if not d.stream:
             # a JSON answer arrives whole, long after its first token: assume the prefill
             # is done when its predicted TTFT has passed, so a long generation does not
-            # count as queued prefill work all along
-            ttft_s = max(0.001, d.decision.chosen.ttft_ms / 1000.0)
+            # count as queued prefill work all along (and it is never overdue: only its
+            # timeout sees a non-streamed request stuck)
             asyncio.get_running_loop().call_later(ttft_s, self.inflight.first_token, ticket)
         if len(d.salts) > 1:  # a rotation is under way: which secret still carries traffic
             self.metrics.salt_secret.labels("primary" if d.salt_index == 0 else "previous").inc()

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cachecore.loadstate import LoadStore
 from cachecore.scoring import LoadView
@@ -28,6 +30,9 @@ class _Own:
     queued_tokens: float = 0.0
     queued_requests: int = 0
     running: int = 0
+    # tickets with a due time, in dispatch order; those past their first token leave
+    # from the front lazily (at most the in-flight ones are held)
+    due: deque[Ticket] = field(default_factory=deque)
 
 
 @dataclass(slots=True)
@@ -38,6 +43,7 @@ class Ticket:
     replica: str
     tokens: float
     phase: int = 0  # 0 queued, 1 running, 2 done
+    due: float = math.inf  # monotonic s by which its first token is overdue
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +73,33 @@ class InFlight:
         d[0] += d_req
         d[1] += int(d_tok)
 
-    def dispatch(self, replica: str, uncached_tokens: float) -> Ticket:
+    def dispatch(self, replica: str, uncached_tokens: float, due: float = math.inf) -> Ticket:
+        """Count a request against ``replica``; with a finite ``due`` (monotonic s) its
+        first token is watched: past that it makes the replica :meth:`overdue_s`."""
         o = self._own.setdefault(replica, _Own())
         o.queued_tokens += uncached_tokens
         o.queued_requests += 1
         self._delta(replica, 1, uncached_tokens)
-        return Ticket(replica, uncached_tokens)
+        t = Ticket(replica, uncached_tokens, 0, due)
+        if due != math.inf:
+            o.due.append(t)
+        return t
+
+    def overdue_s(self, replica: str, now: float) -> float:
+        """How far past its due time the latest of ``replica``'s requests still waiting
+        for a first token is (0 when none is): evidence that the replica stopped making
+        progress, which its queue estimate cannot show."""
+        o = self._own.get(replica)
+        if o is None or not o.due:
+            return 0.0
+        due = o.due
+        while due and due[0].phase != 0:
+            due.popleft()
+        late = 0.0
+        for t in due:
+            if t.phase == 0 and now - t.due > late:
+                late = now - t.due
+        return late
 
     def first_token(self, t: Ticket) -> None:
         if t.phase != 0:
@@ -115,16 +142,25 @@ class LoadTracker:
     def set_shared(self, shared: Callable[[], Mapping[str, SharedLoad]] | None) -> None:
         self._shared = shared
 
-    def views(self, replicas: list[str], capacity: Mapping[str, int | None]) -> dict[str, LoadView]:
+    def views(
+        self,
+        replicas: list[str],
+        capacity: Mapping[str, int | None],
+        now: float | None = None,
+    ) -> dict[str, LoadView]:
+        """Each replica's load; with ``now`` (monotonic s) also how overdue its oldest
+        waiting request is (:meth:`InFlight.overdue_s`)."""
         snap = self._shared() if self._shared is not None else {}
         own = self.inflight.own
+        overdue = self.inflight.overdue_s
         default = self.default_capacity
         out: dict[str, LoadView] = {}
         for r in replicas:  # per replica per request: positional, no helper calls
             qt, qr, run = own(r)
+            late = 1000.0 * overdue(r, now) if now is not None else 0.0
             s = snap.get(r)
             if s is None:
-                out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0)
+                out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0, late)
                 continue
             running = run + s.other_requests
             out[r] = LoadView(
@@ -134,6 +170,7 @@ class LoadTracker:
                 s.waiting,
                 capacity.get(r) or s.capacity or default,
                 s.kv_usage,
+                late,
             )
         return out
 

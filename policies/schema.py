@@ -70,6 +70,10 @@ class RoutingPolicy(_Section):
     spill_queue_ms: PositiveFloat | None = None
     cold_fraction: UnitFloat = 0.1
     miss_tie_break: MissTieBreak = MissTieBreak.SCOPE_TREE
+    # a streamed request still without its first token this long after its predicted
+    # TTFT makes its replica overdue by the excess, added to that replica's queue wait
+    # (a wedged engine whose HTTP answers); None: off
+    overdue_grace_ms: PositiveFloat | None = 2000.0
     prefix_affinity: PrefixAffinityPolicy = PrefixAffinityPolicy()
     sensitive_sticky: StickyPolicy = StickyPolicy()
 

@@ -7,7 +7,9 @@ import asyncio
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -352,3 +354,55 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=5)
+
+
+async def test_a_wedged_replica_loses_its_traffic_once_a_stream_is_overdue() -> None:
+    """An engine that stops making progress while its HTTP still answers (paused here): a
+    stream sent to it gets no first token, and once that is later than its predicted TTFT
+    plus ``overdue_grace_ms`` the excess counts as queue wait there, so requests whose
+    prefix it holds go elsewhere. Before, the queue estimate saw only the few uncached
+    tokens of the stuck requests, and the hit kept the wedged replica winning until the
+    timeouts (a reviewer's 15 s pause: 24% of the traffic still went there, waiting up to
+    15 s)."""
+    policy = "routing: {overdue_grace_ms: 200}"
+    async with stack(count=2, policy=policy, agents=True) as st, st.http() as h:
+        prompt = words(600, 71)
+
+        def body(i: int) -> dict[str, object]:
+            return {"model": st.model, "prompt": prompt + f" q{i}", "max_tokens": 2,
+                    "stream": True}  # fmt: skip
+
+        async def choice(i: int) -> dict[str, Any]:
+            r = await h.post("/admin/route/explain", json=body(i), headers=st.admin_headers())
+            decision: dict[str, Any] = r.json()["decision"]
+            return decision
+
+        async def until_choice(i: int, pred: Callable[[str], bool]) -> dict[str, Any]:
+            for _ in range(150):  # bounded: 3 s
+                d = await choice(i)
+                if pred(d["replica"]):
+                    return d
+                await asyncio.sleep(0.02)
+            return d
+
+        first = await h.post("/v1/completions", json=body(0))
+        holder = first.headers["x-kvgate-replica"]
+        url = next(e.url for i, e in enumerate(st.fleet.endpoints) if st.replica_id(i) == holder)
+        d = await until_choice(1, lambda r: r == holder)  # its blocks are indexed
+        assert d["replica"] == holder and max(s["matched_blocks"] for s in d["scores"]) > 0
+        async with httpx.AsyncClient(timeout=10.0) as direct:
+            await direct.post(url + "/debug/pause", json={"seconds": 3.0})
+        stuck = asyncio.create_task(h.post("/v1/completions", json=body(2)))
+        try:
+            await asyncio.sleep(0.1)
+            assert (await choice(3))["replica"] == holder  # within the grace: the hit wins
+            d = await until_choice(3, lambda r: r != holder)
+            assert d["replica"] != holder, d
+            late = next(s for s in d["scores"] if s["replica"] == holder)
+            assert late["queue_ms"] > 200, late
+        finally:
+            r = await asyncio.wait_for(stuck, 10.0)  # the pause ends, the stream completes
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder
+        # its first token came: it is not overdue any more, and its hit wins again
+        d = await until_choice(4, lambda r: r == holder)
+        assert d["replica"] == holder, d

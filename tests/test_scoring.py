@@ -127,11 +127,13 @@ def test_cost_equals_the_linear_model_the_fit_uses() -> None:
             running=rng.randrange(0, 20),
             waiting=rng.randrange(0, 5),
             capacity=rng.randrange(1, 24),
+            overdue_ms=rng.choice([0.0, rng.uniform(0, 3000)]),
         )
         prompt = rng.randrange(1, 1200)
         b = cost(m, prompt, 16, load, C)
         x = features(b.hit.uncached_tokens, b.hit.loaded_weighted, load)
-        assert b.ttft_ms == pytest.approx(dot(C.as_vector(), x))
+        # the measured lateness of the replica's queue adds to the model's estimate
+        assert b.ttft_ms == pytest.approx(dot(C.as_vector(), x) + load.overdue_ms)
         # the routing cost adds the decode stall this prefill imposes on the running ones
         assert b.stall_ms == pytest.approx(C.stall_weight * b.prefill_ms * load.running)
         assert b.cost_ms == pytest.approx(b.ttft_ms + b.stall_ms)
