@@ -983,6 +983,34 @@ class Gateway:
                 else "replica left quarantine",
                 extra={"replica": d.replica, "claimed": claimed, "actual": actual},
             )
+            if changed:
+                self.spawn(self._watch_quarantine(d.replica))
+
+    async def _watch_quarantine(self, replica: str, interval_s: float = 1.0) -> None:
+        """While ``replica`` is quarantined, watch its index epoch: a new one means its
+        agent cleared the entries and wrote them again from the engine, so the claims that
+        earned the quarantine are gone, and it is lifted. Otherwise release needs
+        ``recover_after`` agreeing checks, which come slowly to a replica routed by load
+        only (a reviewer saw a rebuilt replica's cache ignored for about a minute)."""
+        assert self.index is not None
+        primary = self.index.primary
+        try:
+            epoch = (await primary.meta(replica)).epoch
+        except Exception:  # the index is down: release by checks only
+            return
+        while self.quarantine.is_quarantined(replica):
+            await asyncio.sleep(interval_s)
+            try:
+                now = (await primary.meta(replica)).epoch
+            except Exception:
+                continue
+            if now != epoch and self.quarantine.release(replica):
+                self.metrics.quarantined.labels(replica).set(0)
+                self.metrics.quarantine_changes.labels(replica, "out").inc()
+                log.warning(
+                    "replica left quarantine: its index was rebuilt from the engine",
+                    extra={"replica": replica, "epoch": now, "was": epoch},
+                )
 
     async def _restored_since_lookup(self, d: Dispatch, first_missing: int) -> bool | None:
         """Whether the index removed block ``first_missing`` of the claim from ``d.replica``

@@ -71,6 +71,17 @@ class QuarantineTracker:
     def quarantined(self) -> list[str]:
         return sorted(r for r, st in self._replicas.items() if st.quarantined)
 
+    def release(self, replica: str) -> bool:
+        """Lift ``replica``'s quarantine and forget its window (its index was rebuilt from
+        the engine: the old claims are gone). Returns whether it was quarantined."""
+        st = self._replicas.get(replica)
+        if st is None or not st.quarantined:
+            return False
+        st.quarantined = False
+        st.window.clear()
+        st.agreeing = 0
+        return True
+
     def forget(self, replica: str) -> None:
         self._replicas.pop(replica, None)
 

@@ -141,6 +141,40 @@ async def test_false_claims_quarantine_a_replica_and_truth_releases_it() -> None
         assert not gw.quarantine.is_quarantined(liar)
 
 
+async def test_a_quarantine_ends_when_the_replicas_index_is_rebuilt() -> None:
+    """A quarantined replica whose agent clears its entries and writes them again from the
+    engine (a new index epoch: a restart, a resync) no longer carries the claims that
+    earned the quarantine, so it is released at once. Before, release needed
+    ``recover_after`` agreeing checks, which come slowly to a replica routed by load only:
+    a reviewer saw a rebuilt replica's cache ignored for about a minute."""
+    policy = (
+        "quarantine: {missing_fraction: 0.5, k: 1, m: 1, min_claimed_blocks: 2, "
+        "recover_after: 50, settle_s: 0.3}"
+    )
+    async with stack(count=2, policy=policy) as st:
+        gw, c = st.gw, st.client()
+        assert gw.index is not None
+        liar = st.replica_id(0)
+        prompt = words(400, 2050)
+        await claim(gw, liar, prompt_keys(gw, prompt, st.model))  # a rogue agent's lie
+        raw = await c.completions.with_raw_response.create(
+            model=st.model, prompt=prompt, max_tokens=1
+        )
+        assert raw.headers["x-kvgate-replica"] == liar
+        assert (await checked(gw, liar, 1))["false"] == 1
+        assert gw.quarantine.is_quarantined(liar)
+        await asyncio.sleep(1.5)  # the same epoch: it stays quarantined
+        assert gw.quarantine.is_quarantined(liar)
+        index = gw.index.primary  # its agent clears and rebuilds its entries (epoch + 1)
+        await index.clear_replica(liar, ReplicaState.LIVE, int(time.time() * 1000))
+        for _ in range(60):  # bounded: 3 s
+            if not gw.quarantine.is_quarantined(liar):
+                break
+            await asyncio.sleep(0.05)
+        assert not gw.quarantine.is_quarantined(liar)
+        assert claim_checks(gw, liar)["false"] == 1
+
+
 async def test_an_eviction_reported_late_is_not_a_false_claim() -> None:
     """A lagging agent: the index claims blocks the engine no longer holds, and the removal
     reaches the index only after the response. Within settle_s that is an eviction."""
