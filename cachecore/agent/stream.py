@@ -293,21 +293,25 @@ class EventStream:
 
     # -------------------------------------------------------------- ordering
 
-    async def _route(self, seq: int, batch: EventBatch, digest: int) -> None:
+    async def _route(
+        self, seq: int, batch: EventBatch, digest: int, replayed: bool = False
+    ) -> None:
         rank = batch.data_parallel_rank
         sync = await self._sync_for(self.default_rank if rank is None else rank)
-        await sync.put(ApplyBatch(seq, batch, time.time()))
+        await sync.put(ApplyBatch(seq, batch, time.time(), replayed))
         self.last_seq = seq
         self.last_digest = digest
 
-    async def _accept_ordered(self, seq: int, batch: EventBatch, digest: int) -> None:
+    async def _accept_ordered(
+        self, seq: int, batch: EventBatch, digest: int, replayed: bool = False
+    ) -> None:
         """Apply without further replay: a hole before ``seq`` is unrecoverable."""
         if seq <= self.last_seq:
             self.metrics.stale_batches.inc()
             return
         if seq != self.last_seq + 1:
             await self.clear_all("gap_unrecoverable", ReplicaState.COLD)
-        await self._route(seq, batch, digest)
+        await self._route(seq, batch, digest, replayed)
 
     async def clear_all(self, cause: str, state: ReplicaState) -> None:
         cmd = await self._clear_command(cause, state)
@@ -354,7 +358,7 @@ class EventStream:
                         return "restarted"
                     if item.seq == self.last_seq:
                         continue  # no digest to compare (agent restarted); start time agrees
-                await self._accept_ordered(item.seq, batch, digest)
+                await self._accept_ordered(item.seq, batch, digest, replayed=True)
                 applied += 1
         finally:
             with contextlib.suppress(Exception):

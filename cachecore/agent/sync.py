@@ -55,6 +55,9 @@ class ApplyBatch:
     seq: int
     batch: EventBatch
     received: float  # time.time() when the agent received it
+    # came from a replay (a gap, a restart, catching up): its age is the backlog's, not
+    # the live event-to-index latency, which it would swamp for thousands of batches
+    replayed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +411,8 @@ class ReplicaSync:
         now = time.time()
         hist = self.metrics.event_to_index_seconds
         window = self.metrics.latency
-        timed = [cmd.batch.ts for cmd in covered if cmd.batch.ts > 0]  # NaN, 0: no time
+        # NaN, 0: no time; replayed batches are as old as the backlog, not a live latency
+        timed = [cmd.batch.ts for cmd in covered if cmd.batch.ts > 0 and not cmd.replayed]
         for ts in timed:
             lat = max(0.0, now - ts)
             hist.observe(lat)
