@@ -30,6 +30,8 @@ from typing import Any
 
 import msgpack
 
+from cachecore.keys import is_kvgate_salt
+
 END_SEQ = -1
 END_SEQ_BYTES = END_SEQ.to_bytes(8, "big", signed=True)
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -373,6 +375,6 @@ def salt_from_extra_keys(extra: tuple[Any, ...] | None) -> str | None:
     if not extra:
         return None
     for item in reversed(extra):
-        if isinstance(item, str) and item.startswith("kvg1:"):
+        if isinstance(item, str) and is_kvgate_salt(item):
             return item
     return None

@@ -156,7 +156,7 @@ def predict_hit(
     is charged at the fastest tier whose own prefix covers it (REMOTE when none does);
     blocks ``[stored, pending)`` are only pending.
     """
-    cap = (prompt_tokens - 1) // block_size if prompt_tokens > 0 else 0
+    cap = hit_cap_blocks(prompt_tokens, block_size)
     tb = match.tier_blocks
     gpu = min(tb.get(Tier.GPU, 0), cap)
     stored = max(gpu, min(match.stored_blocks, cap))

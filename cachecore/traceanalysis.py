@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachecore.scoring import hit_cap_blocks
+
 # --------------------------------------------------------------------------- bounds
 
 
@@ -61,9 +63,7 @@ class RequestBlocks:
 def capped_hit_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
     """Tokens an engine serves from cache for a matched prefix: vLLM caps a hit at
     ``prompt_len - 1`` tokens so the last token is always computed."""
-    if prompt_tokens <= 0:
-        return 0
-    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+    return min(matched_blocks, hit_cap_blocks(prompt_tokens, block_size)) * block_size
 
 
 @dataclass(frozen=True, slots=True)

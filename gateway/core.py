@@ -24,7 +24,6 @@ from typing import Any
 
 import httpx
 import orjson
-import xxhash
 from prometheus_client import CollectorRegistry
 
 from cachecore.agent.scrape import parse_metrics
@@ -53,7 +52,14 @@ from gateway.policy_store import PolicyStore
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import Replica, ReplicaPool, ReplicaSpec
 from gateway.requesttrace import RequestTrace
-from gateway.routing import Candidate, Decision, Router, RouteRequest, Strategy
+from gateway.routing import (
+    Candidate,
+    Decision,
+    Router,
+    RouteRequest,
+    Strategy,
+    rendezvous_weight,
+)
 from gateway.settings import GatewaySettings
 from gateway.tokenization import (
     LocalPromptTokenizer,
@@ -1099,7 +1105,8 @@ def _wants_usage(body: Mapping[str, Any]) -> bool:
 
 
 def _hrw(tenant: str, rid: str) -> int:
-    return xxhash.xxh3_64_intdigest(f"{tenant}\x00{rid}".encode())
+    """A tenant's stable ranking of replicas (its cold subset): rendezvous hashing."""
+    return rendezvous_weight(tenant, rid)
 
 
 def _best_match(rid: str, matches: Sequence[Mapping[str, PrefixMatch]]) -> tuple[PrefixMatch, int]:

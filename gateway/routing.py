@@ -197,11 +197,15 @@ def _grow_tree(tree: dict[str, int], req: RouteRequest, pick: ReplicaScore) -> N
     tree[pick.replica] = tree.get(pick.replica, 0) + new
 
 
+def rendezvous_weight(key: str, replica: str) -> int:
+    """``replica``'s highest-random-weight score for ``key``."""
+    return xxhash.xxh3_64_intdigest(f"{key}\x00{replica}".encode())
+
+
 def rendezvous(key: str, replicas: Sequence[str]) -> str:
     """Highest-random-weight hashing: stable when replicas join or leave (only the keys of
     a departed replica move)."""
-    kb = key.encode()
-    return max(replicas, key=lambda r: xxhash.xxh3_64_intdigest(kb + b"\x00" + r.encode()))
+    return max(replicas, key=lambda r: rendezvous_weight(key, r))
 
 
 class Router:

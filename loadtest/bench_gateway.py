@@ -133,7 +133,15 @@ class HttpConn:
     async def connect(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
 
-    async def request(self, raw: bytes) -> tuple[int, bytes, dict[bytes, bytes]]:
+    async def request(
+        self, raw: bytes, timeout_s: float = 60.0
+    ) -> tuple[int, bytes, dict[bytes, bytes]]:
+        """One request and its whole answer; a server that stalls raises TimeoutError after
+        ``timeout_s`` (a benchmark never hangs on it)."""
+        async with asyncio.timeout(timeout_s):
+            return await self._request(raw)
+
+    async def _request(self, raw: bytes) -> tuple[int, bytes, dict[bytes, bytes]]:
         if self.writer is None:
             await self.connect()
         assert self.reader is not None and self.writer is not None
@@ -491,9 +499,11 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     from cachecore.keys import BlockKeyer, SaltMinter, Scope, ScopeKind
     from cachecore.lifecycle import IndexWrite, Tier
     from cachecore.process import freeze_startup_heap
+    from cachecore.scoring import hit_cap_blocks
     from cachecore.testing import RedisServer
     from gateway.serve import build_gateway
     from gateway.settings import GatewaySettings
+    from policies.schema import Policy
 
     rng = random.Random(args.seed + 1)
     n_rep = args.decision_replicas
@@ -509,8 +519,9 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         index = RedisIndex.from_url(server.url)
         # the keys the gateway will compute: same secret, scope, model, block size
         salt = SaltMinter([SALT_SECRET.encode()]).salt(Scope(ScopeKind.TENANT, "anonymous"))
-        keyer = BlockKeyer(16)
-        keys = keyer.keys(tokens, salt, MODEL, None, max_blocks=(len(tokens) - 1) // 16)
+        bs = Policy().models.default.block_size  # the gateway's, under the default policy
+        keyer = BlockKeyer(bs)
+        keys = keyer.keys(tokens, salt, MODEL, None, max_blocks=hit_cap_blocks(len(tokens), bs))
         now = int(time.time() * 1000)
         holders = set(rng.sample(ids, 2))
         partial = rng.sample([r for r in ids if r not in holders], max(1, (n_rep - 2) // 4))
@@ -628,6 +639,8 @@ async def run_rate(args: argparse.Namespace, fleet: Fleet) -> tuple[list[str], l
         nxt += rng.expovariate(args.rate)
     if tasks:
         await asyncio.wait(tasks, timeout=30.0)
+        for t in list(tasks):  # still waiting after 30 s: abandoned, not left running
+            t.cancel()
     wall, cpu, busy = meter.read()
     for pool in pools.values():
         for c in pool:

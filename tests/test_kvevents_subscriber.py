@@ -101,7 +101,7 @@ class FactsSubscriber:
         out: list[Batch] = []
         try:
             await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
-            while True:
+            for _ in range(100_000):  # bounded: each receive has its timeout too
                 frames = await asyncio.wait_for(dealer.recv_multipart(), timeout_s)
                 if frames and frames[0] == b"":
                     frames = frames[1:]
@@ -114,6 +114,7 @@ class FactsSubscriber:
                     return out
                 ts, events = decode_payload(payload)
                 out.append(Batch(seq, ts, events, payload))
+            raise AssertionError("the replay did not end")
         finally:
             dealer.close(linger=0)
 
@@ -149,7 +150,7 @@ async def fleet_and_subscriber(
                 else:
                     pytest.fail("no event reached the subscriber")
                 with contextlib.suppress(TimeoutError):
-                    while True:  # drain the probes
+                    for _ in range(10_000):  # drain the probes (bounded)
                         await sub.recv(0.1)
                 sub.gaps.clear()
                 yield fleet, sub, client

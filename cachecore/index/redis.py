@@ -345,9 +345,6 @@ return 0
 """
 
 
-_C_PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
-
-
 def c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     """``cls`` (a redis-py asyncio connection class) packing commands with hiredis's C
     packer. redis-py's asyncio connections pack in Python, a few calls per argument: on the
@@ -356,25 +353,21 @@ def c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     rejects with DataError, a command name holding a space) goes the Python way."""
     if hiredis is None:  # pragma: no cover
         return cls
-    packed = _C_PACKING.get(cls)
-    if packed is None:
-        python_pack = cls.pack_command
-        c_pack = hiredis.pack_command
+    # a new subclass per call (one per client built, a handful per process): no
+    # module-level cache of them
+    python_pack = cls.pack_command
+    c_pack = hiredis.pack_command
 
-        def pack_command(self: AbstractConnection, *args: Any) -> list[bytes]:
-            head = args[0] if args else None
-            if (type(head) is str and " " not in head) or (
-                type(head) is bytes and b" " not in head
-            ):
-                try:
-                    return [c_pack(args)]
-                except TypeError:
-                    pass
-            return python_pack(self, *args)
+    def pack_command(self: AbstractConnection, *args: Any) -> list[bytes]:
+        head = args[0] if args else None
+        if (type(head) is str and " " not in head) or (type(head) is bytes and b" " not in head):
+            try:
+                return [c_pack(args)]
+            except TypeError:
+                pass
+        return python_pack(self, *args)
 
-        packed = type(f"CPacked{cls.__name__}", (cls,), {"pack_command": pack_command})
-        _C_PACKING[cls] = packed
-    return packed
+    return type(f"CPacked{cls.__name__}", (cls,), {"pack_command": pack_command})
 
 
 # Unbounded, as redis-py's standalone pool is by default. RedisCluster's own default (100
