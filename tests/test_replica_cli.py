@@ -82,3 +82,33 @@ def test_one_process_per_replica(tmp_path: Path) -> None:
                 )
                 assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 40
     assert all(p.returncode is not None for p in fleet.procs)
+
+
+def test_a_port_taken_between_its_pick_and_the_bind_is_picked_again(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Free ports are free when picked, not when the replica binds them: another process
+    took one under parallel test runs and `make demo` failed (exit 3, "address already in
+    use"). A bind failure on picked ports starts over on new ones."""
+    import socket
+
+    from cachecore.replica import fleet as fleet_mod
+
+    real_plan = fleet_mod.plan_ports
+    calls: list[int] = []
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+
+        def plan(count: int, base_port: int | None = None, ports: Any = None) -> Any:
+            calls.append(count)
+            planned = real_plan(count, base_port, ports)
+            if len(calls) == 1:  # the first pick collides with a port now in use
+                planned[0] = fleet_mod.ReplicaPorts(taken, planned[0].events, planned[0].replay)
+            return planned
+
+        monkeypatch.setattr(fleet_mod, "plan_ports", plan)
+        with launch_fleet(1, ["--time-scale", "0.1"], log_path=tmp_path / "f.log") as fp:
+            assert len(calls) == 2 and fp.endpoints[0].http_port != taken
+            assert httpx.get(fp.endpoints[0].url + "/health", timeout=5).status_code == 200

@@ -247,12 +247,13 @@ def _wait_ready(
 
 
 def _wait_ready_lines(
-    procs: Sequence[subprocess.Popen[bytes]], log_path: Path, timeout_s: float
+    procs: Sequence[subprocess.Popen[bytes]], log_path: Path, timeout_s: float, offset: int = 0
 ) -> None:
-    """Wait for every process's ``ready {...}`` line: /health answers as soon as uvicorn is
-    up, a moment before the endpoint lines are printed."""
+    """Wait for every process's ``ready {...}`` line (written past byte ``offset`` of the
+    log): /health answers as soon as uvicorn is up, a moment before the endpoint lines are
+    printed."""
     deadline = time.monotonic() + timeout_s
-    while (b"\n" + log_path.read_bytes()).count(b"\nready {") < len(procs):
+    while (b"\n" + log_path.read_bytes()[offset:]).count(b"\nready {") < len(procs):
         _check_alive(procs, log_path)
         if time.monotonic() > deadline:
             raise TimeoutError(
@@ -283,41 +284,63 @@ def launch_fleet(
     step timers (loop lag that stretches their modelled time); benchmarks that need each
     replica's clock to hold use it."""
     settings = settings or ReplicaSettings()
-    planned = plan_ports(count, ports=ports)
-    groups = [[p] for p in planned] if process_per_replica else [planned]
     model = settings.model
     if "--model" in extra_args:
         model = extra_args[list(extra_args).index("--model") + 1]
-    endpoints = [
-        endpoints_for(settings.model_copy(update={"model": model}), i, p)
-        for i, p in enumerate(planned)
-    ]
     log_file = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
-    procs: list[subprocess.Popen[bytes]] = []
-    fp = FleetProcess(procs, endpoints, log_path)
+    # ports picked here are free when picked, not when the replica binds them: another
+    # process may take one in between (seen under parallel test runs), so a bind failure
+    # on picked ports starts over on new ones; ports given by the caller are not retried
+    attempts = 3 if ports is None else 1
     try:
-        for group in groups:
-            cmd = [
-                sys.executable, "-m", "gateway.cli", "replica",
-                "--count", str(len(group)),
-                "--http-ports", ",".join(str(p.http) for p in group),
-                "--events-ports", ",".join(str(p.events) for p in group),
-                "--replay-ports", ",".join(str(p.replay) for p in group),
-                *extra_args,
-            ]  # fmt: skip
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    stdout=log_file if log_file is not None else subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT if log_file is not None else subprocess.DEVNULL,
-                    env={**os.environ, **(env or {})},
-                )
-            )
-        _wait_ready(procs, [e.url for e in endpoints], timeout_s, log_path)
-        if log_path is not None:
-            _wait_ready_lines(procs, log_path, timeout_s)
-        yield fp
+        for attempt in range(attempts):
+            planned = plan_ports(count, ports=ports)
+            groups = [[p] for p in planned] if process_per_replica else [planned]
+            endpoints = [
+                endpoints_for(settings.model_copy(update={"model": model}), i, p)
+                for i, p in enumerate(planned)
+            ]
+            procs: list[subprocess.Popen[bytes]] = []
+            fp = FleetProcess(procs, endpoints, log_path)
+            if log_file is not None:
+                log_file.flush()
+            offset = log_path.stat().st_size if log_path is not None else 0
+            try:
+                for group in groups:
+                    cmd = [
+                        sys.executable, "-m", "gateway.cli", "replica",
+                        "--count", str(len(group)),
+                        "--http-ports", ",".join(str(p.http) for p in group),
+                        "--events-ports", ",".join(str(p.events) for p in group),
+                        "--replay-ports", ",".join(str(p.replay) for p in group),
+                        *extra_args,
+                    ]  # fmt: skip
+                    procs.append(
+                        subprocess.Popen(
+                            cmd,
+                            stdout=log_file if log_file is not None else subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT
+                            if log_file is not None
+                            else subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})},
+                        )
+                    )
+                _wait_ready(procs, [e.url for e in endpoints], timeout_s, log_path)
+                if log_path is not None:
+                    _wait_ready_lines(procs, log_path, timeout_s, offset)
+            except RuntimeError as exc:
+                fp.stop()
+                if attempt + 1 < attempts and "already in use" in str(exc).lower():
+                    continue
+                raise
+            except BaseException:
+                fp.stop()
+                raise
+            break
+        try:
+            yield fp
+        finally:
+            fp.stop()
     finally:
-        fp.stop()
         if log_file is not None:
             log_file.close()
