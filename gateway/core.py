@@ -245,6 +245,7 @@ class Gateway:
         self.tracer = make_tracer(self._tracer_provider)
         self._warn_at = 0.0
         self._bg: set[asyncio.Task[None]] = set()
+        self._quarantine_watchers: dict[str, asyncio.Task[None]] = {}  # replica -> its watcher
         self._settling: Counter[str] = Counter()  # claim checks waiting for their agent
         self.alignment_problems: list[str] = []
         self.trace: RequestTrace | None = None
@@ -294,11 +295,9 @@ class Gateway:
         such a reload is refused as the start-up check would have reported it."""
         problems: list[tuple[str, str]] = []
         for rep in self.pool.all() if self.pool is not None else []:
-            if rep.block_size is None:
-                continue
-            for model in sorted(m for m in rep.models or [] if m not in rep.lora_base) or [
-                "default"
-            ]:
+            if rep.block_size is None or rep.models is None:
+                continue  # what it serves is not known yet: nothing to hold it to
+            for model in sorted(m for m in rep.models if m not in rep.lora_base) or ["default"]:
                 field = f"models.pools.{model}" if model in pol.models.pools else "models.default"
                 bs = pol.models.pool(model).block_size
                 if bs != rep.block_size:
@@ -510,10 +509,11 @@ class Gateway:
             k = self._keyers[block_size] = BlockKeyer(block_size)
         return k
 
-    def spawn(self, coro: Awaitable[None]) -> None:
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+        return task
 
     def begin(self) -> None:
         self.in_flight += 1
@@ -678,7 +678,9 @@ class Gateway:
 
         t0 = time.perf_counter_ns()
         caps = {r.id: r.capacity or mpool.max_num_seqs for r in reps}
-        loads = self.load.views(ids, caps, time.monotonic())
+        grace_ms = pol.routing.overdue_grace_ms
+        grace_s = None if grace_ms is None else grace_ms / 1000.0
+        loads = self.load.views(ids, caps, time.monotonic(), grace_s)
         best_salt: dict[str, int] = {}
         cands: list[Candidate] = []
         for r in reps:
@@ -787,10 +789,10 @@ class Gateway:
         d.load_at_dispatch = cand.load
         uncached = max(0, d.prompt_tokens - d.decision.predicted_cached_tokens)
         ttft_s = max(0.001, d.decision.chosen.ttft_ms / 1000.0)
-        grace_ms = self.policy.routing.overdue_grace_ms
-        # a stream's first token is watched: one this late makes its replica overdue
-        due = math.inf if grace_ms is None else time.monotonic() + ttft_s + grace_ms / 1000.0
-        ticket = d.ticket = self.inflight.dispatch(d.replica, uncached, due)
+        # a stream's first token is watched (D16): later than predicted by more than the
+        # policy's grace, it makes its replica overdue (the grace is read at each decision)
+        expected = time.monotonic() + ttft_s if d.stream else math.inf
+        ticket = d.ticket = self.inflight.dispatch(d.replica, uncached, expected)
         if not d.stream:
             # a JSON answer arrives whole, long after its first token: assume the prefill
             # is done when its predicted TTFT has passed, so a long generation does not
@@ -990,7 +992,11 @@ class Gateway:
                 extra={"replica": d.replica, "claimed": claimed, "actual": actual},
             )
             if changed:
-                self.spawn(self._watch_quarantine(d.replica))
+                # one watcher per quarantine: an earlier one's epoch baseline is stale
+                old = self._quarantine_watchers.pop(d.replica, None)
+                if old is not None:
+                    old.cancel()
+                self._quarantine_watchers[d.replica] = self.spawn(self._watch_quarantine(d.replica))
 
     async def _watch_quarantine(self, replica: str, interval_s: float = 1.0) -> None:
         """While ``replica`` is quarantined, watch its index epoch: a new one means its
@@ -1006,6 +1012,8 @@ class Gateway:
             return
         while self.quarantine.is_quarantined(replica):
             await asyncio.sleep(interval_s)
+            if self.pool is not None and self.pool.get(replica) is None:
+                return  # removed from the pool: nothing left to watch
             try:
                 now = (await primary.meta(replica)).epoch
             except Exception:

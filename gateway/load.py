@@ -30,9 +30,9 @@ class _Own:
     queued_tokens: float = 0.0
     queued_requests: int = 0
     running: int = 0
-    # tickets with a due time, in dispatch order; those past their first token leave
-    # from the front lazily (at most the in-flight ones are held)
-    due: deque[Ticket] = field(default_factory=deque)
+    # tickets with an expected first token, in dispatch order; those past their first
+    # token leave from the front lazily (at most the in-flight ones are held)
+    watched: deque[Ticket] = field(default_factory=deque)
 
 
 @dataclass(slots=True)
@@ -43,7 +43,9 @@ class Ticket:
     replica: str
     tokens: float
     phase: int = 0  # 0 queued, 1 running, 2 done
-    due: float = math.inf  # monotonic s by which its first token is overdue
+    # monotonic s at which its first token is predicted; past it plus the policy's grace
+    # (read when the lateness is measured, so a reload applies at once) it is overdue
+    expected: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,32 +75,34 @@ class InFlight:
         d[0] += d_req
         d[1] += int(d_tok)
 
-    def dispatch(self, replica: str, uncached_tokens: float, due: float = math.inf) -> Ticket:
-        """Count a request against ``replica``; with a finite ``due`` (monotonic s) its
-        first token is watched: past that it makes the replica :meth:`overdue_s`."""
+    def dispatch(self, replica: str, uncached_tokens: float, expected: float = math.inf) -> Ticket:
+        """Count a request against ``replica``; with a finite ``expected`` (monotonic s of
+        its predicted first token) the first token is watched (:meth:`overdue_s`)."""
         o = self._own.setdefault(replica, _Own())
         o.queued_tokens += uncached_tokens
         o.queued_requests += 1
         self._delta(replica, 1, uncached_tokens)
-        t = Ticket(replica, uncached_tokens, 0, due)
-        if due != math.inf:
-            o.due.append(t)
+        t = Ticket(replica, uncached_tokens, 0, expected)
+        if expected != math.inf:
+            o.watched.append(t)
         return t
 
-    def overdue_s(self, replica: str, now: float) -> float:
-        """How far past its due time the latest of ``replica``'s requests still waiting
-        for a first token is (0 when none is): evidence that the replica stopped making
-        progress, which its queue estimate cannot show."""
+    def overdue_s(self, replica: str, now: float, grace_s: float) -> float:
+        """How far the most overdue of ``replica``'s requests still waiting for a first
+        token is past its predicted first token plus ``grace_s`` (0 when none is):
+        evidence that the replica stopped making progress, which its queue estimate
+        cannot show."""
         o = self._own.get(replica)
-        if o is None or not o.due:
+        if o is None or not o.watched:
             return 0.0
-        due = o.due
-        while due and due[0].phase != 0:
-            due.popleft()
+        watched = o.watched
+        while watched and watched[0].phase != 0:
+            watched.popleft()
         late = 0.0
-        for t in due:
-            if t.phase == 0 and now - t.due > late:
-                late = now - t.due
+        cut = now - grace_s
+        for t in watched:
+            if t.phase == 0 and cut - t.expected > late:
+                late = cut - t.expected
         return late
 
     def first_token(self, t: Ticket) -> None:
@@ -147,9 +151,10 @@ class LoadTracker:
         replicas: list[str],
         capacity: Mapping[str, int | None],
         now: float | None = None,
+        grace_s: float | None = None,
     ) -> dict[str, LoadView]:
-        """Each replica's load; with ``now`` (monotonic s) also how overdue its oldest
-        waiting request is (:meth:`InFlight.overdue_s`)."""
+        """Each replica's load; with ``now`` (monotonic s) and ``grace_s`` also how
+        overdue its most overdue waiting request is (:meth:`InFlight.overdue_s`)."""
         snap = self._shared() if self._shared is not None else {}
         own = self.inflight.own
         overdue = self.inflight.overdue_s
@@ -157,7 +162,11 @@ class LoadTracker:
         out: dict[str, LoadView] = {}
         for r in replicas:  # per replica per request: positional, no helper calls
             qt, qr, run = own(r)
-            late = 1000.0 * overdue(r, now) if now is not None else 0.0
+            late = (
+                1000.0 * overdue(r, now, grace_s)
+                if now is not None and grace_s is not None
+                else 0.0
+            )
             s = snap.get(r)
             if s is None:
                 out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0, late)

@@ -434,6 +434,14 @@ async def test_a_wedged_replica_loses_its_traffic_once_a_stream_is_overdue() -> 
             assert d["replica"] != holder, d
             late = next(s for s in d["scores"] if s["replica"] == holder)
             assert late["queue_ms"] > 200, late
+            # the grace is the current policy's: off by a reload, at once for the stuck
+            # stream too (its due time used to be fixed at dispatch); on again, at once
+            adm = st.admin_headers()
+            off = "routing: {overdue_grace_ms: null}"
+            assert (await h.post("/admin/policy", content=off, headers=adm)).status_code == 200
+            assert (await choice(5))["replica"] == holder
+            assert (await h.post("/admin/policy", content=policy, headers=adm)).status_code == 200
+            assert (await choice(6))["replica"] != holder
         finally:
             r = await asyncio.wait_for(stuck, 10.0)  # the pause ends, the stream completes
         assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder

@@ -167,6 +167,14 @@ async def test_a_reload_with_a_block_size_unlike_the_engines_is_refused() -> Non
         pools = f"models: {{pools: {{{st.model}: {{block_size: 64}}}}}}"
         r = await h.post("/admin/policy", content=pools, headers=st.admin_headers())
         assert r.status_code == 400 and f"models.pools.{st.model}.block_size" in r.text
+        # a replica whose models are not known yet (discovered, not yet answered) is
+        # not held to the default pool: an unrelated reload still goes through
+        assert st.gw.pool is not None
+        rep = st.gw.pool.all()[0]
+        rep.models, rep.block_size = None, 32
+        ok = "routing: {strategy: round_robin}"
+        r = await h.post("/admin/policy", content=ok, headers=st.admin_headers())
+        assert r.status_code == 200, r.text
 
 
 async def test_a_rotation_keeps_reuse_and_says_which_secret_carries_traffic() -> None:
