@@ -4,6 +4,7 @@ shapes, headers on every answer, model cards, and a loop that a long prompt cann
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -152,14 +153,14 @@ async def test_openai_shapes_headers_and_model_cards() -> None:
             r = await h.post("/v1/chat/completions", json=body, headers=auth)
             assert r.json()["usage"]["prompt_tokens"] == ex.json()["prompt_tokens"], value
         # a refusal part in an assistant turn is text, as in vLLM
-        msgs = [{"role": "user", "content": "a"},
+        msgs: Any = [{"role": "user", "content": "a"},
                 {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
                 {"role": "user", "content": [{"type": "text", "text": "b"},
                                              {"type": "text", "text": "c"}]}]  # fmt: skip
         raw = await c.chat.completions.with_raw_response.create(
             model=st.model,
             messages=msgs,
-            max_tokens=1,  # type: ignore[arg-type]
+            max_tokens=1,
         )
         assert raw.headers["x-kvgate-replica"]
         # media parts: the gateway cannot key them as vLLM does (item hashes), so it sizes

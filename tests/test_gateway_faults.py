@@ -261,7 +261,9 @@ async def test_uncached_token_budget_and_concurrency_limits() -> None:
         with pytest.raises(openai.RateLimitError) as err:
             await c.completions.create(model=st.model, prompt=words(900, 3001), max_tokens=1)
         assert err.value.code == "rate_limit_exceeded"  # OpenAI's code, and its type
-        assert err.value.body["type"] == "tokens" and err.value.body["limit"] == "uncached_tokens"
+        body = err.value.body
+        assert isinstance(body, dict)
+        assert body["type"] == "tokens" and body["limit"] == "uncached_tokens"
         assert int(err.value.response.headers["retry-after"]) >= 1
         # concurrency: a second request while a long stream is open
         long = {"model": st.model, "prompt": prompt, "max_tokens": 300, "stream": True}

@@ -698,7 +698,7 @@ async def test_the_embedded_index_keeps_the_agents_removal_log_setting(
     monkeypatch.setenv("KVGATE_AGENT_REMOVAL_LOG", "0")
     spec = "r0=http://127.0.0.1:9=tcp://127.0.0.1:9,tcp://127.0.0.1:10"
     for replicas, expected in (([spec], 0), (["http://127.0.0.1:9"], None)):
-        s = GatewaySettings(replicas=replicas, open_access=True, salt_secrets=["s" * 32])
+        s = GatewaySettings(replicas=replicas, open_access=True, salt_secrets=[SecretStr("s" * 32)])
         specs = [parse_replica_spec(r) for r in s.replicas]
         gw = Gateway(s, parse_policy_text(""), replica_specs=specs)  # no agent hook
         await gw.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -28,7 +29,7 @@ G, C, D, R = int(Tier.GPU), int(Tier.CPU), int(Tier.DISK), int(Tier.REMOTE)
 KEYS = BlockKeyer(4).keys(list(range(4 * 64)), "kvg1:t", "m")
 
 
-def make_index(kind: str, request: pytest.FixtureRequest, **bounds: int) -> PrefixIndex:
+def make_index(kind: str, request: pytest.FixtureRequest, **bounds: Any) -> PrefixIndex:
     """A ``kind`` ("memory" or "redis") backend with ``bounds`` (the same keyword in both)."""
     if kind == "memory":
         return MemoryIndex(**bounds)

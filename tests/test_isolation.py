@@ -383,8 +383,10 @@ async def test_metrics_are_open_only_when_asked_or_with_one_tenant() -> None:
         assert (await h.get("/metrics", headers=auth("sk-a"))).status_code == 401
         r = await h.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200 and "kvgate_requests_total" in r.text  # Prometheus' form
-    public = {"open_access": False, "metrics_public": True}
-    async with stack(count=1, build=build, **public) as st, st.http() as h:
+    async with (
+        stack(count=1, build=build, open_access=False, metrics_public=True) as st,
+        st.http() as h,
+    ):
         assert (await h.get("/metrics")).status_code == 200
     async with stack(count=1) as st, st.http() as h:  # open access: one tenant
         assert (await h.get("/metrics")).status_code == 200

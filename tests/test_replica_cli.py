@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,7 @@ def test_a_port_taken_between_its_pick_and_the_bind_is_picked_again(
             calls.append(count)
             planned = real_plan(count, base_port, ports)
             if len(calls) == 1:  # the first pick collides with a port now in use
-                planned[0] = fleet_mod.ReplicaPorts(taken, planned[0].events, planned[0].replay)
+                planned[0] = replace(planned[0], http=taken)
             return planned
 
         monkeypatch.setattr(fleet_mod, "plan_ports", plan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -334,9 +335,10 @@ def test_cold_traffic_is_confined_but_warm_traffic_is_not() -> None:
     assert router().decide(req, cands, C).replica == "r0"
     # sensitive and media requests ignore matches, so they are cold: confined as well (a
     # flooding tenant must not escape its replicas by marking its floods sensitive)
-    for kw in ({"load_only": True}, {"load_only": True, "unkeyed": True},
-               {"load_only": True, "session_key": "s"}):  # fmt: skip
-        blind = RouteRequest(2048, 16, cold_replicas=frozenset({"r3"}), **kw)  # type: ignore[arg-type]
+    kws: list[dict[str, Any]] = [{"load_only": True}, {"load_only": True, "unkeyed": True},
+                                 {"load_only": True, "session_key": "s"}]  # fmt: skip
+    for kw in kws:
+        blind = RouteRequest(2048, 16, cold_replicas=frozenset({"r3"}), **kw)
         assert {router(seed=s).decide(blind, cands, C).replica for s in range(20)} == {"r3"}
 
 

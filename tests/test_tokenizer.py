@@ -10,6 +10,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,7 +114,7 @@ def test_a_repository_chat_template_renders_as_transformers_renders_it(tmp_path:
         {"id": "c2", "type": "function",
          "function": {"name": "x", "arguments": '{"city": "Rome"}'}},
     ]  # fmt: skip
-    turns = [{"role": "user", "content": "hi"},
+    turns: list[dict[str, Any]] = [{"role": "user", "content": "hi"},
              {"role": "assistant", "content": "calling", "tool_calls": calls},
              {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
     opts = ChatOptions(template_kwargs={"enable_thinking": False})
