@@ -28,6 +28,9 @@ from cachecore.index.layout import validate_replica_id
 from cachecore.tasks import cancel_and_wait
 from policies.schema import HealthPolicy
 
+AGENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://")
+"""The schemes of the agent endpoints a replica spec takes (``URL=EVENTS,REPLAY``)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -71,7 +74,7 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
         if not comma or not ev or not rp:
             raise ReplicaSpecError(f"agent endpoints must be EVENTS,REPLAY, got {agent!r}")
         for ep in (ev, rp):
-            if not ep.startswith(("tcp://", "ipc://")):
+            if not ep.startswith(AGENT_ENDPOINT_SCHEMES):
                 raise ReplicaSpecError(f"agent endpoint must be tcp:// or ipc://, got {ep!r}")
         events, replay = ev, rp
     rid = rid or default_replica_id(url)

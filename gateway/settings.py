@@ -14,9 +14,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
+from gateway.replicas import AGENT_ENDPOINT_SCHEMES
 from policies.schema import builtin_policy_path
-
-_ZMQ_SCHEMES = ("tcp://", "ipc://")  # the agent endpoints a replica spec takes
 
 
 def _split_csv(value: object) -> object:
@@ -112,7 +111,7 @@ class GatewaySettings(BaseSettings):
             return parts
         specs: list[object] = []
         for part in parts:
-            if specs and isinstance(part, str) and part.startswith(_ZMQ_SCHEMES):
+            if specs and isinstance(part, str) and part.startswith(AGENT_ENDPOINT_SCHEMES):
                 specs[-1] = f"{specs[-1]},{part}"
             else:
                 specs.append(part)

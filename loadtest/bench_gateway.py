@@ -718,8 +718,9 @@ async def _run(args: argparse.Namespace) -> int:
         # 200 requests/s of 2,048-token prompts held its queue at ~23 ms p50 and ~80 ms p99,
         # and the two arms' p99 then differed by that queue's sampling noise (-1.4 to +5.5
         # ms between runs of the same code), which hides the gateway's own tail
-        rate_args = argparse.Namespace(**{**vars(args), "time_scale": args.rate_time_scale})
-        rate_args.bare = False
+        rate_args = argparse.Namespace(
+            **{**vars(args), "time_scale": args.rate_time_scale, "bare": False}
+        )
         fleet = start_fleet(rate_args)
         try:
             rows, notes = await run_rate(rate_args, fleet)
