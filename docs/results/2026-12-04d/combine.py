@@ -8,6 +8,7 @@ if they were one run (used for shared-prefix 85%: seeds 0-2 and 3-5 ran separate
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -21,7 +22,9 @@ def main(workload: str, paths: list[str]) -> None:
         d = json.loads(Path(p).read_text())
         fleet_bounds += [b["fleet_lru"] for b in d["bounds"].values()]
         for r in d["runs"]:
-            run = SystemRun(r["system"], r["seed"], r["status"], r["summary"])
+            # the JSON writes a missing figure (a peer's prediction error) as null
+            summary = {k: math.nan if v is None else v for k, v in r["summary"].items()}
+            run = SystemRun(r["system"], r["seed"], r["status"], summary)
             run.warm_hits, run.lag_p99_ms = r["warm_hits"], r["lag_p99_ms"]
             runs.append(run)
     counted = [r for r in runs if r.counts]
