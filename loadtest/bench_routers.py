@@ -18,7 +18,8 @@ so its agents' event ingest does not share the CPU with a peer's run.
 
 Before each measured run a warm-up (one shared 600-token system prompt, sent replicas + 2
 times in a row) must get engine-reported hits above zero, otherwise the system is marked
-``misconfigured`` and its figures do not count. A run whose replicas' event-loop lag p99
+``misconfigured`` and its figures do not count; so is a vllm-router ``kv_aware`` run whose
+index lookups got no hit (its events never reached it). A run whose replicas' event-loop lag p99
 exceeds 5 ms is marked ``lag`` (the Python fleet shares the CPU with the router).
 
 The offered rate is ``--load`` times the throughput knee of least_loaded on this fleet,
@@ -76,10 +77,12 @@ from loadtest.harness import (
     write_api_keys,
 )
 from loadtest.peers import (
+    EVENTS_TOPIC,
     PEERS_DIR,
     PeerStatus,
     ensure_peers,
     ensure_tokenizer,
+    placement_lookups,
     router_command,
     running_router,
     wait_router_ready,
@@ -489,7 +492,11 @@ class Bench:
         keys_path = self.tmp / "keys.yaml"
         write_api_keys(keys_path, keys)
         out = []
-        with gateway(self.fleet, free_port(), policy, keys_path, self.admin_key) as base:
+        # the agents read the topic the fleet publishes under (see main's fleet_args)
+        topic = {"KVGATE_AGENT_TOPIC": EVENTS_TOPIC}
+        with gateway(
+            self.fleet, free_port(), policy, keys_path, self.admin_key, extra_env=topic
+        ) as base:
             for system in systems:
 
                 async def prepare(s: System = system, b: str = base) -> None:
@@ -531,7 +538,23 @@ class Bench:
             except (RuntimeError, TimeoutError) as exc:
                 tail = " / ".join(log.read_text(errors="replace").strip().splitlines()[-2:])
                 return SystemRun(system.name, -1, f"failed: {exc} ({tail[:200]})")
-            return await self.measure(system, base, workload, None, prepare)
+            run = await self.measure(system, base, workload, None, prepare)
+            if system.name == "vllm-router:kv_aware":
+                await self._check_placement(run, prom)
+            return run
+
+    async def _check_placement(self, run: SystemRun, prom: int) -> None:
+        """kv_aware's index lookups over the warm-up and the run (in the summary as
+        ``kv_placement_<result>``): with no hit its events never reached its index, it
+        routed by load alone, and the run is ``misconfigured``."""
+        r = await self.client.get(f"http://127.0.0.1:{prom}/metrics")
+        r.raise_for_status()
+        lookups = placement_lookups(r.text)
+        run.summary.update({f"kv_placement_{k}": v for k, v in lookups.items()})
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(lookups.items())) or "none"
+        print(f"    placement lookups: {shown}", flush=True)
+        if run.counts and lookups.get("hit", 0.0) <= 0:
+            run.status = "misconfigured"
 
 
 # ------------------------------------------------------------------------ the benchmark
@@ -903,6 +926,8 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
     fleet_args = [
         "--profile", args.profile, "--time-scale", str(args.time_scale), "--model", MODEL,
         "--blocks", str(args.blocks), "--block-size", str(BLOCK_SIZE), "--log-level", "WARNING",
+        # vLLM's default topic: vllm-router kv_aware's static sources take no other
+        "--events-topic", EVENTS_TOPIC,
     ]  # fmt: skip
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-routers-") as tmp:

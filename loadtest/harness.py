@@ -77,11 +77,12 @@ def gateway(
     keys: Path,
     admin_key: str,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
     """``kvgate serve`` in front of the fleet (embedded index, one agent per replica);
     yields its base URL and stops it on exit."""
-    with gateway_process(fleet, port, policy, keys, admin_key, extra_args) as (url, _):
-        yield url
+    with gateway_process(fleet, port, policy, keys, admin_key, extra_args, extra_env) as gw:
+        yield gw[0]
 
 
 @contextlib.contextmanager

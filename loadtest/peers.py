@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from cachecore.replica.settings import ReplicaEndpoints
 from cachecore.tokenizer import export_builtin
@@ -30,6 +31,10 @@ PEERS_DIR = ROOT / ".peers"
 INSTALL_TIMEOUT_S = 900.0
 PROBE_TIMEOUT_S = 30.0
 BLOCK_SIZE = 16
+# The replicas must publish KV events under vLLM's default topic "" for vllm-router
+# kv_aware: a static --kv-event-source subscribes with topic "" and then drops every frame
+# whose topic frame is not exactly that (its src/config/mod.rs, src/kv_index/subscriber.rs).
+EVENTS_TOPIC = ""
 
 # peer name -> PyPI package (its venv is .peers/<name>)
 PACKAGES: dict[str, str] = {"vllm-router": "vllm-router", "sglang-router": "sglang-router"}
@@ -168,6 +173,19 @@ def running_router(
             proc.kill()
             proc.wait(timeout=10)
         log.close()
+
+
+def placement_lookups(metrics_text: str) -> dict[str, float]:
+    """vllm-router kv_aware's index lookups by result (``hit``, ``miss``,
+    ``index_unavailable``, ...) from its Prometheus text: all misses means its index never
+    held the requests' blocks (the events did not reach it, see docs/peers.md)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == "vllm_router_kv_placement_lookups_total":
+                result = s.labels.get("result", "")
+                out[result] = out.get(result, 0.0) + s.value
+    return out
 
 
 def wait_router_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:

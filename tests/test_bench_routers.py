@@ -36,7 +36,7 @@ from loadtest.bench_routers import (
     verdicts,
     workload_bounds,
 )
-from loadtest.peers import ensure_peer
+from loadtest.peers import ensure_peer, placement_lookups
 from loadtest.replay import ReplayReport, RequestResult
 from loadtest.workloads import TextSource, WorkItem, build
 
@@ -406,3 +406,15 @@ def test_the_summary_counts_only_the_seeds_whose_run_counts() -> None:
     runs = [ok, bad]
     table = summary_table(aggregate(runs), Counter(r.system for r in runs if r.counts))
     assert "| expected_latency | 1 |" in table
+
+
+def test_placement_lookups_are_counted_by_result() -> None:
+    text = (
+        "# TYPE vllm_router_kv_placement_lookups_total counter\n"
+        'vllm_router_kv_placement_lookups_total{result="hit"} 5\n'
+        'vllm_router_kv_placement_lookups_total{result="miss"} 2\n'
+        "# TYPE vllm_router_requests_total counter\n"
+        'vllm_router_requests_total{route="/v1/completions"} 7\n'
+    )
+    assert placement_lookups(text) == {"hit": 5.0, "miss": 2.0}
+    assert placement_lookups("") == {}
