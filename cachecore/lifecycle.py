@@ -449,7 +449,9 @@ class ReplicaMirror:
             if isinstance(ev, BlockStored):
                 self._stored(ev, write)
             elif isinstance(ev, BlockRemoved):
-                self._removed(ev, write)
+                # an engine sends one event per evicted block: the common one goes the short way
+                if len(ev.block_hashes) != 1 or not self._removed_one(ev, write):
+                    self._removed(ev, write)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear()
                 write = IndexWrite()
@@ -644,6 +646,24 @@ class ReplicaMirror:
             self._stored_blocks(hashes, [*keys[:cut], *unkeyed], parent_key, tier, write)
             return
         by_key = self._by_key
+        if n == 1:
+            # one block (a decode step filling a block): the new-branch case below, written
+            # out for one key without the batch's sets and zips
+            h, k = hashes[0], keys[0]
+            if h in engine or k in by_key or k in self._children:
+                self._stored_blocks(hashes, keys, parent_key, tier, write)
+                return
+            rec = engine[h] = k + (parent_key or b"") + tail
+            write.mirror[h] = rec
+            by_key[k] = h
+            if parent_key is None:
+                value = tier
+            else:
+                value = entry_value(tier, self._value.get(parent_key, 0))
+                self._link(k, parent_key)
+            self._value[k] = write.blocks[k] = value
+            self.counters.stored_blocks += 1
+            return
         if (
             engine.keys().isdisjoint(hashes)
             and by_key.keys().isdisjoint(keys)
@@ -706,6 +726,36 @@ class ReplicaMirror:
                 self.counters.stored_blocks += 1
             parent = k
         self._settle(touched, write)
+
+    def _removed_one(self, ev: BlockRemoved, write: IndexWrite) -> bool:
+        """:meth:`_removed` of a one-block event in the steady state (its hash held once, on
+        the event's tier only, and alone holding its key, or holding none): the same state
+        and writes without the batch's lists. False, with nothing changed, for anything
+        else, which :meth:`_removed` then handles."""
+        h = ev.block_hashes[0]
+        engine = self._engine
+        rec = engine.get(h)
+        if rec is None or not self._wanted_group(ev.group_idx):
+            return False
+        tail = _ONE_COPY[int(tier_of_medium(ev.medium, ev.locality))]
+        if not rec.endswith(tail):
+            return False
+        key = _rec_key(rec)
+        if rec != tail and self._by_key.get(key) != h:
+            return False
+        del engine[h]
+        write.mirror[h] = None
+        self.counters.removed_blocks += 1
+        if not key:
+            return True
+        del self._by_key[key]
+        self._value.pop(key, None)
+        self._unlink(key)
+        write.blocks[key] = 0
+        write.removed.add(key)
+        if key in self._children:  # a parent before its children: rare on vLLM
+            self._settle_descendants(list(self._kids(key)), write)
+        return True
 
     def _removed(self, ev: BlockRemoved, write: IndexWrite) -> None:
         if not self._wanted_group(ev.group_idx):

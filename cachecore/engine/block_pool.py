@@ -24,14 +24,16 @@ Invariants (checked by :meth:`BlockPool.check_invariants`):
 3. a block in use (``ref_cnt > 0``) is never evicted: eviction only pops the free queue;
 4. each registration emits the block in exactly one ``BlockStored``; a registration ends by
    eviction (one ``BlockRemoved`` for that copy) or by :meth:`reset` (``AllBlocksCleared``);
-5. ``num_cached_blocks`` equals the number of blocks that have a hash.
+5. ``num_cached_blocks`` equals the number of blocks that have a hash;
+6. each cached hash's first registered copy still held is the one prefix lookups return.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import cast
 
 from cachecore.engine.hashing import EngineHash, ExtraKeys, WireHashFormat, int_hash, to_wire
@@ -91,7 +93,9 @@ class CachedBlockInfo:
 def _wire_hashes(hashes: Iterable[EngineHash], fmt: WireHashFormat) -> list[int]:
     # BlockStored/BlockRemoved are typed with the decoded (int) form; vLLM may also put the
     # raw digest on the wire, which encode_batch passes through unchanged.
-    return cast("list[int]", [to_wire(h, fmt) for h in hashes])
+    if fmt is WireHashFormat.BYTES:
+        return cast("list[int]", list(hashes))
+    return list(map(int_hash, hashes))  # to_wire's INT form, one C loop
 
 
 class BlockPool:
@@ -117,6 +121,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         # hash -> {block_id: block}; several ids when several requests computed the same block
         self._cached: dict[EngineHash, dict[int, KVBlock]] = {}
+        # hash -> the first registered copy (the first of its _cached entry): the prefix
+        # lookup of every admission reads it, one dict get per block
+        self._first: dict[EngineHash, KVBlock] = {}
         self._num_cached = 0
         self._events: list[KVEvent] = []
         self.num_evictions = 0
@@ -148,14 +155,9 @@ class BlockPool:
         """The cached block of each hash in order (the first registered copy), up to the
         first miss (vLLM's ``find_longest_cache_hit``): one call per request, not one per
         block."""
-        cached = self._cached
-        out: list[KVBlock] = []
-        for h in block_hashes:
-            copies = cached.get(h)
-            if not copies:
-                break
-            out.append(next(iter(copies.values())))
-        return out
+        # KVBlock has no __len__ or __bool__: every block is true, a miss (None) is not
+        get: Callable[[EngineHash], KVBlock | None] = self._first.get
+        return cast("list[KVBlock]", list(takewhile(bool, map(get, block_hashes))))
 
     def is_cached(self, block_hash: EngineHash) -> bool:
         return block_hash in self._cached
@@ -177,39 +179,44 @@ class BlockPool:
         return out
 
     def _evict(self, blk: KVBlock) -> None:
+        """Drop a free cached block's hash (one BlockRemoved per block, as vLLM sends)."""
         h = blk.block_hash
         assert h is not None and blk.ref_cnt == 0
         copies = self._cached[h]
         del copies[blk.block_id]
         if not copies:
             del self._cached[h]
+            del self._first[h]
+        elif self._first[h] is blk:
+            self._first[h] = next(iter(copies.values()))
         blk._clear_hash()
         self._num_cached -= 1
         self.num_evictions += 1
         if self.enable_events:
-            self._events.append(
-                BlockRemoved(block_hashes=_wire_hashes((h,), self.wire_format), medium=MEDIUM_GPU)
-            )
+            wire: int | bytes = int_hash(h) if self.wire_format is WireHashFormat.INT else h
+            self._events.append(BlockRemoved(cast("list[int]", [wire]), MEDIUM_GPU))
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """A cache hit: take a reference, pulling free blocks out of the eviction queue."""
         free = self._free
         for blk in blocks:
-            if blk.ref_cnt == 0:
+            ref = blk.ref_cnt
+            if not ref:
                 if blk.block_hash is None:
                     raise BlockPoolError(f"touching uncached free block {blk.block_id}")
                 del free[blk.block_id]
-            blk.ref_cnt += 1
+            blk.ref_cnt = ref + 1
 
     def free(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue in the
         given order (first given = evicted first among them)."""
         free = self._free
         for blk in ordered_blocks:
-            if blk.ref_cnt <= 0:
+            ref = blk.ref_cnt - 1  # read once: a request frees 100+ blocks at its finish
+            if ref < 0:
                 raise BlockPoolError(f"double free of block {blk.block_id}")
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
+            blk.ref_cnt = ref
+            if not ref:
                 free[blk.block_id] = blk
                 if blk.block_hash is None:
                     free.move_to_end(blk.block_id, last=False)
@@ -236,6 +243,7 @@ class BlockPool:
             raise BlockPoolError("cache_full_blocks: blocks, hashes, keys and tokens disagree")
         parent = parent_hash
         cached = self._cached
+        first = self._first
         for i, blk in enumerate(blocks):
             if blk.block_hash is not None:
                 raise BlockPoolError(f"block {blk.block_id} is already cached")
@@ -249,13 +257,14 @@ class BlockPool:
             copies = cached.get(h)
             if copies is None:
                 cached[h] = {blk.block_id: blk}
+                first[h] = blk
             else:
                 copies[blk.block_id] = blk
             parent = h
         self._num_cached += n
         if self.enable_events:
             fmt = self.wire_format
-            has_extra = any(e is not None for e in extra_keys)
+            has_extra = extra_keys.count(None) < n
             self._events.append(
                 BlockStored(
                     block_hashes=_wire_hashes(block_hashes, fmt),
@@ -280,6 +289,7 @@ class BlockPool:
             for blk in copies.values():
                 blk._clear_hash()
         self._cached.clear()
+        self._first.clear()
         self._num_cached = 0
         if self.enable_events:
             self._events.append(AllBlocksCleared())
@@ -328,8 +338,10 @@ class BlockPool:
         n_mapped = 0
         for h, copies in self._cached.items():
             assert copies, f"empty copy set for {h.hex()}"
+            assert self._first.get(h) is next(iter(copies.values())), f"first copy of {h.hex()}"
             for bid, blk in copies.items():
                 assert blk.block_id == bid and blk.block_hash == h, f"map entry {bid} is {blk}"
                 n_mapped += 1
         assert n_hashed == n_mapped == self._num_cached, (n_hashed, n_mapped, self._num_cached)
+        assert len(self._first) == len(self._cached), "first copies"
         assert len(self._free) == sum(1 for b in self.blocks if b.ref_cnt == 0)

@@ -105,10 +105,14 @@ class EngineHasher:
     ) -> list[EngineHash]:
         """Hashes of the consecutive full blocks of ``tokens`` (a multiple of block_size)
         whose first block has index ``first_block_index`` in its request."""
+        h = self.root if parent is None else parent
+        if len(tokens) == block_size:  # one block (a decode step filled it): no span to memo
+            xk = extra_of_block
+            extra = xk.first_bytes if first_block_index == 0 else xk.rest_bytes
+            return [self._digest(h + _token_bytes(tokens) + extra)]
         out: list[EngineHash] = []
         data = _token_bytes(tokens)
         step = block_size * 4
-        h = self.root if parent is None else parent
         rest = extra_of_block.rest_bytes  # the same for every block but a request's first
         span = step * _MEMO_BLOCKS
         memo = self._memo

@@ -5,10 +5,13 @@ of newly full blocks, freeing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from cachecore.engine.block_pool import BlockPool, KVBlock
 from cachecore.engine.hashing import EngineHasher
 from cachecore.engine.request import RequestState
+
+_REF_CNT = attrgetter("ref_cnt")  # read over a request's hit blocks at admission
 
 
 @dataclass(slots=True)
@@ -73,7 +76,7 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         need = self.num_blocks_needed(req, num_new_tokens, len(hits))
         # hit blocks that sit in the free queue are taken out of it by touch()
-        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        evictable_hits = list(map(_REF_CNT, hits)).count(0)
         check = need
         if full_sequence_must_fit:
             rest = req.num_tokens - req.num_computed_tokens - len(hits) * self.block_size
@@ -104,7 +107,8 @@ class KVCacheManager:
             req.block_hashes[start:n_full],
             req.block_hashes[start - 1] if start else None,
             req.all_token_ids[start * bs : n_full * bs],
-            [xk(i) for i in range(start, n_full)],
+            # xk(i) for each block: the salt's keys in block 0, the rest's after
+            [xk.first] + [xk.rest] * (n_full - 1) if start == 0 else [xk.rest] * (n_full - start),
             lora_id=req.lora_id,
             lora_name=req.lora_name,
         )

@@ -82,6 +82,9 @@ class RequestState:
     num_cached_tokens: int = -1  # set at first scheduling (vLLM's num_cached_tokens)
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    # the output tokens of positions 0..len-1, worked out ahead in chunks (each a pure
+    # function of the fingerprint and its position: EngineCore._planned_tokens)
+    output_plan: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
 import xxhash
 
 from cachecore.keys import tokens_to_bytes
@@ -59,27 +58,4 @@ class OutputTokens:
             x ^= x >> np.uint64(31)
         idx = (x % np.uint64(self._n)).astype(np.int64)
         out: list[int] = self._vocab_np[idx].tolist()
-        return out
-
-    def tokens_batch(
-        self, fingerprints: Sequence[int], starts: Sequence[int], count: int
-    ) -> list[list[int]]:
-        """``tokens(fingerprints[i], starts[i], count)`` for every i (the same values), in
-        one vectorised pass: a decode batch's next ``count`` tokens cost one numpy call
-        instead of one per request (or one Python loop per request when ``count`` is
-        short)."""
-        n = len(fingerprints)
-        if n * count < _NUMPY_MIN or n == 1:
-            return [self.tokens(f, s, count) for f, s in zip(fingerprints, starts, strict=True)]
-        fp: npt.NDArray[np.uint64] = np.array(fingerprints, dtype=np.uint64)[:, None]
-        pos = np.add.outer(
-            np.array(starts, dtype=np.uint64), np.arange(1, count + 1, dtype=np.uint64)
-        ).astype(np.uint64)
-        with np.errstate(over="ignore"):
-            x: npt.NDArray[np.uint64] = fp + pos * np.uint64(_GOLDEN)
-            x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
-            x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
-            x ^= x >> np.uint64(31)
-        idx = (x % np.uint64(self._n)).astype(np.int64)
-        out: list[list[int]] = self._vocab_np[idx].tolist()
         return out
