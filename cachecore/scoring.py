@@ -31,7 +31,7 @@ Pure code: no I/O, no clock, no asyncio, so a virtual-time simulator calls exact
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from cachecore.index.base import PrefixMatch
@@ -234,28 +234,48 @@ def cost(
 
 def cost_of_hit(hit: HitPrediction, load: LoadView, coeffs: Coefficients) -> CostBreakdown:
     """:func:`cost` for an already predicted hit (replicas without any match share one)."""
+    ((cost_ms, queue_ms, prefill_ms, load_ms, stall_ms),) = cost_terms(hit, (load,), coeffs)
+    return CostBreakdown(cost_ms, queue_ms, prefill_ms, load_ms, hit, stall_ms)
+
+
+def cost_terms(
+    hit: HitPrediction, loads: Iterable[LoadView], coeffs: Coefficients
+) -> list[tuple[float, float, float, float, float]]:
+    """``(cost_ms, queue_ms, prefill_ms, load_ms, stall_ms)`` of :func:`cost_of_hit` for
+    one hit on each load, in order: the router's no-match replicas in one call, with the
+    terms that depend only on the hit worked out once (the same floats, operation by
+    operation, as one call per load)."""
     uncached: float = hit.prompt_tokens - hit.gpu_tokens - hit.loaded_tokens
     uncached -= hit.pending_weight * hit.pending_tokens
     if uncached < 0.0:
         uncached = 0.0
-    ahead = load.queued_requests if load.queued_requests > load.waiting else load.waiting
-    over = load.running + ahead + 1 - load.capacity
     pt = coeffs.prefill_ms_per_token
-    queue_ms = pt * load.queued_prefill_tokens + coeffs.decode_ms_per_running * load.running
-    queue_ms += load.overdue_ms
-    if over > 0:
-        queue_ms += coeffs.saturation_ms * over
+    per_running = coeffs.decode_ms_per_running
+    saturation = coeffs.saturation_ms
+    overhead = coeffs.overhead_ms
     own_prefill = pt * uncached
     load_ms = coeffs.load_ms_per_token * hit.loaded_weighted
-    stall_ms = coeffs.stall_weight * own_prefill * load.running
-    return CostBreakdown(
-        coeffs.overhead_ms + queue_ms + own_prefill + load_ms + stall_ms,
-        queue_ms,
-        own_prefill,
-        load_ms,
-        hit,
-        stall_ms,
-    )
+    stall_per_running = coeffs.stall_weight * own_prefill
+    out: list[tuple[float, float, float, float, float]] = []
+    for load in loads:
+        running = load.running
+        ahead = load.queued_requests if load.queued_requests > load.waiting else load.waiting
+        over = running + ahead + 1 - load.capacity
+        queue_ms = pt * load.queued_prefill_tokens + per_running * running
+        queue_ms += load.overdue_ms
+        if over > 0:
+            queue_ms += saturation * over
+        stall_ms = stall_per_running * running
+        out.append(
+            (
+                overhead + queue_ms + own_prefill + load_ms + stall_ms,
+                queue_ms,
+                own_prefill,
+                load_ms,
+                stall_ms,
+            )
+        )
+    return out
 
 
 class OnlineFit:

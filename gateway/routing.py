@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from operator import attrgetter
 from typing import Any
 
 import xxhash
@@ -30,7 +31,7 @@ from cachecore.scoring import (
     HitPrediction,
     LoadView,
     cost,
-    cost_of_hit,
+    cost_terms,
     predict_hit,
 )
 
@@ -181,6 +182,14 @@ class Decision:
         }
 
 
+# per-replica fields read over every candidate of a decision: C loops (min(map(...)))
+_COST_MS = attrgetter("cost_ms")
+_PREFILL_MS = attrgetter("prefill_ms")
+_MATCHED_BLOCKS = attrgetter("matched_blocks")
+_REQUESTS = attrgetter("requests")
+_NOTE = attrgetter("note")
+
+
 def _matched_blocks(hit: HitPrediction, block_size: int) -> int:
     """Blocks a decision used from a match: stored on any tier or pending."""
     return (hit.stored_tokens + hit.pending_tokens) // block_size
@@ -285,46 +294,49 @@ class Router:
         bs = req.block_size
         n = req.prompt_tokens
         out: list[ReplicaScore] = []
-        # every replica without a match predicts the same hit: computed once per decision
-        no_hit: HitPrediction | None = None
-        no_hit_blocks = no_hit_cached = 0
+        # every replica without a match predicts the same hit: its costs on every replica's
+        # load in one call (a matched replica's are computed too and unused: there are few)
+        no_hit = predict_hit(NO_MATCH, n, bs, coeffs)
+        no_hit_blocks = _matched_blocks(no_hit, bs)
+        no_hit_cached = no_hit.predicted_cached_tokens
+        no_hit_terms = cost_terms(no_hit, [c.load for c in candidates], coeffs)
         best_cached = 0
-        for c in candidates:
+        load_only = req.load_only
+        for c, terms in zip(candidates, no_hit_terms, strict=True):
             note = ""
             match = c.match
-            if req.load_only:
+            if load_only:
                 match, note = NO_MATCH, "load_only"
             elif c.quarantined:
                 match, note = NO_MATCH, "quarantined"
+            load = c.load
             if match.pending_blocks == 0:  # pending >= stored >= any tier: nothing matched
-                if no_hit is None:
-                    no_hit = predict_hit(NO_MATCH, n, bs, coeffs)
-                    no_hit_blocks = _matched_blocks(no_hit, bs)
-                    no_hit_cached = no_hit.predicted_cached_tokens
-                b = cost_of_hit(no_hit, c.load, coeffs)
+                cost_ms, queue_ms, prefill_ms, load_ms, stall_ms = terms
                 blocks, cached = no_hit_blocks, no_hit_cached
             else:
-                b = cost(match, n, bs, c.load, coeffs)
+                b = cost(match, n, bs, load, coeffs)
+                cost_ms, queue_ms, prefill_ms, load_ms, stall_ms = (
+                    b.cost_ms, b.queue_ms, b.prefill_ms, b.load_ms, b.stall_ms
+                )  # fmt: skip
                 blocks, cached = _matched_blocks(b.hit, bs), b.hit.predicted_cached_tokens
             if cached > best_cached:
                 best_cached = cached
-            load = c.load
             # LoadView.requests written out: a property call per replica per decision cost
             # ~20% of a 64-replica decide
             ahead = load.queued_requests if load.queued_requests > load.waiting else load.waiting
             out.append(
                 ReplicaScore(
                     c.replica,
-                    b.cost_ms,
-                    b.queue_ms,
-                    b.prefill_ms,
-                    b.load_ms,
+                    cost_ms,
+                    queue_ms,
+                    prefill_ms,
+                    load_ms,
                     blocks,
                     cached,
                     ahead + load.running,
                     True,
                     note,
-                    b.stall_ms,
+                    stall_ms,
                 )
             )
         if coeffs.recompute_weight > 0 and best_cached > 0 and not req.load_only:
@@ -353,7 +365,7 @@ class Router:
         Relative to the cheapest prefill, so it is zero when no replica holds anything (or
         every replica holds the same), and a sensitive request (no matches) never pays it.
         """
-        low = min(s.prefill_ms for s in scores)
+        low = min(map(_PREFILL_MS, scores))
         for s in scores:
             extra = weight * (s.prefill_ms - low)
             if extra > 0:
@@ -364,9 +376,9 @@ class Router:
     def _ties(self, scores: Sequence[ReplicaScore]) -> list[ReplicaScore]:
         """The replicas whose cost ties with the lowest (D9's bands)."""
         p = self.params
-        best = min(s.cost_ms for s in scores)
+        best = min(map(_COST_MS, scores))
         eps = p.tie_epsilon_ms
-        if p.tie_fraction > 0 and not any(s.matched_blocks for s in scores):
+        if p.tie_fraction > 0 and not any(map(_MATCHED_BLOCKS, scores)):
             # no replica holds any of the prompt: the costs differ by load estimates only
             eps = max(eps, p.tie_fraction * best)
         bound = best + eps
@@ -425,8 +437,10 @@ class Router:
         unknown to routing then, and a tree that grows with every cold request it takes
         would keep repeats of those requests away from it, and with them the agreeing
         checks that release it (random rounds keep sending some)."""
-        if temperature_on(self.params, scores) or any(
-            s.matched_blocks or s.note == "quarantined" for s in scores
+        if (
+            temperature_on(self.params, scores)
+            or any(map(_MATCHED_BLOCKS, scores))
+            or "quarantined" in map(_NOTE, scores)
         ):
             return None
         ties = self._ties(scores)
@@ -464,7 +478,7 @@ class Router:
         return pick, "prefix_hit" if pick.matched_blocks > 0 else "lowest_cost"
 
     def _least_loaded(self, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
-        low = min(s.requests for s in scores)
+        low = min(map(_REQUESTS, scores))
         ties = [s for s in scores if s.requests == low]
         if len(ties) > 1:  # then the least queued prefill work
             q = min(s.queue_ms for s in ties)
