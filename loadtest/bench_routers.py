@@ -20,7 +20,8 @@ Before each measured run a warm-up (one shared 600-token system prompt, sent rep
 times in a row) must get engine-reported hits above zero, otherwise the system is marked
 ``misconfigured`` and its figures do not count; so is a vllm-router ``kv_aware`` run whose
 index lookups got no hit (its events never reached it). A run whose replicas' event-loop lag p99
-exceeds 5 ms is marked ``lag`` (the Python fleet shares the CPU with the router).
+exceeds 5 ms is marked ``lag`` and rejected (the Python fleet shares the CPU with the router):
+shown in its seed's table, left out of the summary and the targets.
 
 The offered rate is ``--load`` times the throughput knee of least_loaded on this fleet,
 found in virtual time by the simulator (:func:`loadtest.simulate.calibrate_capacity`,
@@ -208,9 +209,11 @@ class SystemRun:
 
     @property
     def counts(self) -> bool:
-        """Figures that count (ran, correctly set up, every request answered; a lag-flagged
-        run is kept, marked)."""
-        return self.status in ("ok", "lag")
+        """Figures that count: ran, correctly set up, every request answered, and the
+        replicas' loop lag within bounds. A ``lag`` run is rejected (the issue's rule: the
+        fleet was CPU-starved, so its TTFTs measure the machine): shown in its seed's table,
+        left out of the summary, the per-seed ratios and the targets."""
+        return self.status == "ok"
 
 
 @dataclass(slots=True)
@@ -769,8 +772,8 @@ def verdicts(
     if lag_flagged:
         out.append(
             f"- note: {lag_flagged} run(s) had replica loop-lag p99 > {LAG_LIMIT_MS:.0f} ms "
-            "(status `lag`): the fleet was CPU-starved there; by the issue's rule such a "
-            "run is not a valid reference"
+            "(status `lag`): the fleet was CPU-starved there, so by the issue's rule they are "
+            "rejected: left out of the summary and these targets (rerun their seeds to fill in)"
         )
     return out
 

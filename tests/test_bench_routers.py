@@ -408,6 +408,26 @@ def test_the_summary_counts_only_the_seeds_whose_run_counts() -> None:
     assert "| expected_latency | 1 |" in table
 
 
+def test_a_lagging_run_is_rejected_from_the_summary_and_the_targets() -> None:
+    """The issue's rule: a run whose replicas' loop lag p99 exceeded 5 ms is rejected. Its
+    TTFTs measure a CPU-starved machine, so they must not move the summary, the per-seed
+    ratios or a verdict (here the lagging peer run would otherwise make the p99 target
+    pass)."""
+    el, peer, lagging = (_bench_result(_report(ok=10, failed=0)) for _ in range(3))
+    peer.system = lagging.system = "sglang-router:cache_aware"
+    el.seed, peer.seed, lagging.seed = 0, 0, 1
+    lagging.status = "lag"
+    lagging.summary["ttft_p99_s"] = 50.0
+    runs = [el, peer, lagging]
+    assert not lagging.counts
+    agg = aggregate(runs)
+    assert agg["sglang-router:cache_aware"]["ttft_p99_s"][0] == pytest.approx(0.1)
+    assert seed_p99_ratios(runs) == [pytest.approx(1.0)]
+    out = verdicts("shared-prefix", agg, 0.5, lag_flagged=1)
+    assert out[0].startswith("- MISSED: expected_latency TTFT p99")
+    assert "rejected" in out[-1]
+
+
 def test_placement_lookups_are_counted_by_result() -> None:
     text = (
         "# TYPE vllm_router_kv_placement_lookups_total counter\n"
