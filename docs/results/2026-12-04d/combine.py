@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 
 from loadtest.bench_routers import SystemRun, aggregate, seed_p99_ratios, summary_table, verdicts
@@ -29,7 +30,7 @@ def main(workload: str, paths: list[str]) -> None:
             runs.append(run)
     counted = [r for r in runs if r.counts]
     agg = aggregate(counted)
-    print(summary_table(agg, len({r.seed for r in counted})))
+    print(summary_table(agg, Counter(r.system for r in counted)))  # seeds per system
     bound = sum(fleet_bounds) / len(fleet_bounds)
     lagged = sum(r.status == "lag" for r in runs)
     for v in verdicts(workload, agg, bound, lagged, seed_ratios=seed_p99_ratios(counted)):
