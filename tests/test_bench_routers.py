@@ -24,6 +24,7 @@ from loadtest.bench_routers import (
     Bench,
     System,
     SystemRun,
+    _bench,
     _floor_note,
     aggregate,
     block_order,
@@ -426,6 +427,42 @@ def test_a_lagging_run_is_rejected_from_the_summary_and_the_targets() -> None:
     out = verdicts("shared-prefix", agg, 0.5, lag_flagged=1)
     assert out[0].startswith("- MISSED: expected_latency TTFT p99")
     assert "rejected" in out[-1]
+
+
+async def test_a_lagging_run_is_rerun_on_its_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run rejected for loop lag is run again (``--lag-retries``) on the same seed, so the
+    summary compares every system over the same seeds; the other systems keep their runs,
+    and a system that lags on every try keeps its ``lag`` status."""
+    calls: list[tuple[str, int]] = []
+    lag_plan = {"expected_latency": [True, False], "sglang-router:cache_aware": [True, True]}
+
+    def fake_run(name: str) -> SystemRun:
+        n = sum(1 for c in calls if c[0] == name)
+        calls.append((name, n))
+        plan = lag_plan.get(name, [])
+        lagging = n < len(plan) and plan[n]
+        return SystemRun(name, -1, "lag" if lagging else "ok", {}, lag_p99_ms=10.0)
+
+    async def kvgate_block(self: Bench, block: Any, workload: Any) -> list[SystemRun]:
+        return [fake_run(s.name) for s in block]
+
+    async def peer(self: Bench, system: System, workload: Any) -> SystemRun:
+        return fake_run(system.name)
+
+    monkeypatch.setattr(Bench, "run_kvgate_block", kvgate_block)
+    monkeypatch.setattr(Bench, "run_peer", peer)
+    systems = parse_systems("round_robin,expected_latency,sglang-router:cache_aware")
+    args: Any = SimpleNamespace(lag_retries=1)
+    fleet: Any = SimpleNamespace(endpoints=[])
+    workloads: Any = {7: SimpleNamespace(items=[]), 8: SimpleNamespace(items=[])}
+    runs = await _bench(args, systems, fleet, Path("."), {}, None, workloads)
+    got = {(r.system, r.seed): (r.status, r.lag_retries) for r in runs}
+    assert len(runs) == 6
+    assert got[("round_robin", 7)] == ("ok", 0)
+    assert got[("expected_latency", 7)] == ("ok", 1)  # rerun once, then valid
+    assert got[("sglang-router:cache_aware", 7)] == ("lag", 1)  # lagged again: rejected
+    assert all(got[(s.name, 8)] == ("ok", 0) for s in systems)
+    assert calls.count(("expected_latency", 1)) == 1
 
 
 def test_placement_lookups_are_counted_by_result() -> None:
