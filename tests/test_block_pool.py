@@ -225,6 +225,24 @@ def test_duplicates_are_not_merged_and_each_copy_is_removed() -> None:
     assert pool.num_cached_blocks == 0
 
 
+@pytest.mark.parametrize("fmt", ["int", "bytes"])
+def test_a_removal_travels_in_the_format_of_its_store(fmt: str) -> None:
+    """A format given as its plain value (a CLI string) still puts a block's BlockRemoved in
+    the same wire form as its BlockStored: one that differed would never match in the mirror
+    (the eviction path once compared the format by identity with the enum)."""
+    pool = BlockPool(1, BS, wire_format=fmt)  # type: ignore[arg-type]
+    h = b"\x05" * 32
+    (a,) = pool.allocate(1)
+    _cache(pool, [a], [h])
+    pool.free([a])
+    pool.allocate(1)  # evicts it
+    events = pool.take_events()
+    stored = [e.block_hashes[0] for e in events if isinstance(e, BlockStored)]
+    removed = [e.block_hashes[0] for e in events if isinstance(e, BlockRemoved)]
+    want = int_hash(h) if fmt == "int" else h
+    assert stored == [want] and removed == [want]
+
+
 def test_reset_only_when_nothing_is_in_use() -> None:
     pool = BlockPool(2, BS)
     (a,) = pool.allocate(1)

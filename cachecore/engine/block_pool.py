@@ -113,7 +113,7 @@ class BlockPool:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.wire_format = wire_format
+        self.wire_format = WireHashFormat(wire_format)  # a plain "int" / "bytes" too
         self.enable_events = enable_events
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
         # OrderedDict gives O(1) pop-head, append-tail, push-head and remove-by-id: the
@@ -193,7 +193,7 @@ class BlockPool:
         self._num_cached -= 1
         self.num_evictions += 1
         if self.enable_events:
-            wire: int | bytes = int_hash(h) if self.wire_format is WireHashFormat.INT else h
+            wire: int | bytes = h if self.wire_format is WireHashFormat.BYTES else int_hash(h)
             self._events.append(BlockRemoved(cast("list[int]", [wire]), MEDIUM_GPU))
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
