@@ -557,14 +557,20 @@ class Bench:
     async def _check_placement(self, run: SystemRun, prom: int) -> None:
         """kv_aware's index lookups over the warm-up and the run (in the summary as
         ``kv_placement_<result>``): with no hit its events never reached its index, it
-        routed by load alone, and the run is ``misconfigured``."""
-        r = await self.client.get(f"http://127.0.0.1:{prom}/metrics")
-        r.raise_for_status()
+        routed by load alone, and the run is ``misconfigured`` (also when it lagged: a lag
+        rerun cannot fix a router that sees no events). Lookups that cannot be read fail
+        this run only."""
+        try:
+            r = await self.client.get(f"http://127.0.0.1:{prom}/metrics")
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            run.status = f"failed: placement lookups unreadable ({exc})"
+            return
         lookups = placement_lookups(r.text)
         run.summary.update({f"kv_placement_{k}": v for k, v in lookups.items()})
         shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(lookups.items())) or "none"
         print(f"    placement lookups: {shown}", flush=True)
-        if run.counts and lookups.get("hit", 0.0) <= 0:
+        if run.status in ("ok", "lag") and lookups.get("hit", 0.0) <= 0:
             run.status = "misconfigured"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from cachecore.engine.latency import get_profile
@@ -463,6 +464,32 @@ async def test_a_lagging_run_is_rerun_on_its_seed(monkeypatch: pytest.MonkeyPatc
     assert got[("sglang-router:cache_aware", 7)] == ("lag", 1)  # lagged again: rejected
     assert all(got[(s.name, 8)] == ("ok", 0) for s in systems)
     assert calls.count(("expected_latency", 1)) == 1
+
+
+async def test_kv_aware_placement_check_marks_the_run() -> None:
+    """After a kv_aware run: hits keep it; no hit makes it misconfigured even when it also
+    lagged (a lag rerun cannot fix a router that never sees events); a metrics endpoint
+    that fails makes this run failed instead of aborting the benchmark."""
+    answers = {
+        1: (200, 'vllm_router_kv_placement_lookups_total{result="hit"} 4\n'),
+        2: (200, 'vllm_router_kv_placement_lookups_total{result="miss"} 7\n'),
+        3: (503, "down"),
+    }
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        code, text = answers[int(req.url.port or 0) - 40000]
+        return httpx.Response(code, text=text)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        args: Any = SimpleNamespace()
+        fleet: Any = SimpleNamespace(endpoints=[])
+        bench = Bench(args, fleet, Path("."), TextSource(), {}, None, client)
+        runs = [SystemRun("vllm-router:kv_aware", -1, st, {}) for st in ("ok", "lag", "ok")]
+        for port, run in zip((40001, 40002, 40003), runs, strict=True):
+            await bench._check_placement(run, port)
+    assert runs[0].status == "ok" and runs[0].summary["kv_placement_hit"] == 4.0
+    assert runs[1].status == "misconfigured"
+    assert runs[2].status.startswith("failed: placement lookups unreadable")
 
 
 def test_placement_lookups_are_counted_by_result() -> None:
