@@ -281,14 +281,9 @@ def make_workload(
     return scaled_workload(name, requests, replicas, rate, seed, text)
 
 
-def workload_bounds(
-    w: Workload, capacity_blocks: int, profile: LatencyProfile | None = None
-) -> Bounds:
-    """Infinite-cache and pooled-fleet LRU token hit rates (engine hit cap applied), over the
-    prompts as the engine tokenizes them; tenants never share (one key space each). With the
-    replicas' latency ``profile``, also the TTFT floor: every request's TTFT alone on an idle
-    replica with the infinite cache's hit. Each request's real TTFT is at least its floor
-    (queueing and misses only add), so no router's p99 or mean can be below the floor's."""
+def request_blocks(w: Workload) -> list[RequestBlocks]:
+    """Each prompt's block keys as the engine tokenizes it (hit cap applied), under its
+    tenant: what the bounds replay through an LRU."""
     tok = LocalPromptTokenizer(builtin_tokenizer())
     keyer = BlockKeyer(BLOCK_SIZE)
     reqs = []
@@ -298,6 +293,18 @@ def workload_bounds(
         cap = hit_cap_blocks(len(tokens), BLOCK_SIZE)
         keys = list(keyer.keys(tokens, it.tenant, MODEL, None, max_blocks=cap))
         reqs.append(RequestBlocks(keys, len(tokens), BLOCK_SIZE))
+    return reqs
+
+
+def workload_bounds(
+    w: Workload, capacity_blocks: int, profile: LatencyProfile | None = None
+) -> Bounds:
+    """Infinite-cache and pooled-fleet LRU token hit rates (engine hit cap applied), over the
+    prompts as the engine tokenizes them; tenants never share (one key space each). With the
+    replicas' latency ``profile``, also the TTFT floor: every request's TTFT alone on an idle
+    replica with the infinite cache's hit. Each request's real TTFT is at least its floor
+    (queueing and misses only add), so no router's p99 or mean can be below the floor's."""
+    reqs = request_blocks(w)
     inf = lru_bound(reqs, None)
     floor_p99 = floor_mean = math.nan
     if profile is not None and reqs:
@@ -519,6 +526,13 @@ class Bench:
                 out.append(await self.measure(system, base, workload, keys, prepare))
         return out
 
+    async def run_block(self, block: Sequence[System], workload: Workload) -> list[SystemRun]:
+        """One block of :func:`block_order` (kvgate systems share a gateway; peers run one
+        by one), a run per system in order."""
+        if block[0].peer is None:
+            return await self.run_kvgate_block(block, workload)
+        return [await self.run_peer(s, workload) for s in block]
+
     async def run_peer(self, system: System, workload: Workload) -> SystemRun:
         assert system.peer is not None
         status = self.peers.get(system.peer)
@@ -601,31 +615,21 @@ async def _bench(
         bench = Bench(args, fleet, tmp, TextSource(), peers, tokenizer_dir, client)
         for k, (seed, workload) in enumerate(workloads.items()):
             print(f"seed {seed}: {len(workload.items)} requests per system", flush=True)
+            seed_runs: list[SystemRun] = []
             for block in block_order(systems, k):
-                if block[0].peer is None:
-                    got = await bench.run_kvgate_block(block, workload)
-                else:
-                    got = [await bench.run_peer(s, workload) for s in block]
-                runs += got
-            seed_runs = runs[len(runs) - len(systems) :]
+                seed_runs += await bench.run_block(block, workload)
             for i, r in enumerate(seed_runs):
-                for _ in range(args.lag_retries):
-                    if r.status != "lag":
-                        break
+                while r.status == "lag" and r.lag_retries < args.lag_retries:
                     # rejected (a CPU-starved fleet): run the system again on the same seed,
                     # so the summary does not compare systems over different seeds
                     print(f"  {r.system}: loop lag p99 {r.lag_p99_ms:.1f} ms, rerun", flush=True)
                     s = next(x for x in systems if x.name == r.system)
-                    again = (
-                        (await bench.run_kvgate_block([s], workload))[0]
-                        if s.peer is None
-                        else await bench.run_peer(s, workload)
-                    )
+                    again = (await bench.run_block([s], workload))[0]
                     again.lag_retries = r.lag_retries + 1
                     r = seed_runs[i] = again
             for r in seed_runs:
                 r.seed = seed
-            runs[len(runs) - len(systems) :] = seed_runs
+            runs += seed_runs
     return runs
 
 

@@ -9,13 +9,9 @@ import asyncio
 import sys
 from typing import Any
 
-from cachecore.keys import BlockKeyer
-from cachecore.scoring import hit_cap_blocks
-from cachecore.tokenizer import builtin_tokenizer
-from cachecore.traceanalysis import RequestBlocks, lru_bound
+from cachecore.traceanalysis import lru_bound
 from gateway.routing import Strategy
-from gateway.tokenization import LocalPromptTokenizer
-from loadtest.bench_routers import BLOCK_SIZE, MODEL, make_workload, simulated_knee
+from loadtest.bench_routers import BLOCK_SIZE, make_workload, request_blocks, simulated_knee
 from loadtest.simulate import FleetSimulator, SimConfig
 from loadtest.workloads import TextSource
 from policies.schema import builtin_policy_path, load_policy
@@ -24,14 +20,7 @@ wl, seed, load = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 text = TextSource()
 policy = load_policy(builtin_policy_path("default"))
 w = make_workload(wl, 120, 4, load * simulated_knee(wl, 4, text), seed, text)
-tok, keyer = LocalPromptTokenizer(builtin_tokenizer()), BlockKeyer(BLOCK_SIZE)
-reqs = []
-for it in w.items:
-    body = it.body(MODEL, stream=False)
-    tokens = tok.chat_sync(body) if it.api == "chat" else tok.completion_sync(body)
-    cap = hit_cap_blocks(len(tokens), BLOCK_SIZE)
-    keys = list(keyer.keys(tokens, it.tenant, MODEL, None, max_blocks=cap))
-    reqs.append(RequestBlocks(keys, len(tokens), BLOCK_SIZE))
+reqs = request_blocks(w)
 lru = lru_bound(reqs, 4 * 4096)
 decisions: dict[str, dict[int, tuple[float, Any]]] = {}
 hits: dict[str, dict[int, tuple[int, int]]] = {}
