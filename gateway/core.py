@@ -690,8 +690,9 @@ class Gateway:
         cold = None
         k_cold = tpol.limits.cold_replica_count
         if k_cold is not None and k_cold < len(ids):
-            ranked = sorted(ids, key=lambda rid: _hrw(tenant, rid))
-            cold = frozenset(ranked[-k_cold:])  # a stable per-tenant subset
+            # a stable per-tenant subset: the replicas ranked by rendezvous hashing
+            ranked = sorted(ids, key=lambda rid: rendezvous_weight(tenant, rid))
+            cold = frozenset(ranked[-k_cold:])
         if session is None and keys and keys[0]:
             session_for_hash: str | None = f"{tenant}/{keys[0][0].hex()}"
         else:
@@ -1110,11 +1111,6 @@ def _stricter(a: str, b: str) -> str:
 def _wants_usage(body: Mapping[str, Any]) -> bool:
     opts = body.get("stream_options")
     return isinstance(opts, dict) and bool(opts.get("include_usage"))
-
-
-def _hrw(tenant: str, rid: str) -> int:
-    """A tenant's stable ranking of replicas (its cold subset): rendezvous hashing."""
-    return rendezvous_weight(tenant, rid)
 
 
 def _best_match(rid: str, matches: Sequence[Mapping[str, PrefixMatch]]) -> tuple[PrefixMatch, int]:

@@ -15,7 +15,8 @@ import pytest
 from pydantic import SecretStr
 
 from cachecore.testing import free_port
-from gateway.core import Gateway, _hrw
+from gateway.core import Gateway
+from gateway.routing import rendezvous_weight
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from policies.schema import parse_policy_text
@@ -181,7 +182,9 @@ async def test_a_retry_stays_inside_the_tenants_cold_replicas() -> None:
     policy = "tenants: {anonymous: {limits: {cold_replica_count: 2}}}"
     async with gateway(reps, policy) as (gw, _):
         assert gw.pool is not None
-        ids = sorted((r.id for r in gw.pool.all()), key=lambda rid: _hrw("anonymous", rid))
+        ids = sorted(
+            (r.id for r in gw.pool.all()), key=lambda rid: rendezvous_weight("anonymous", rid)
+        )
         cold = set(ids[-2:])
         for i in range(20):
             body = completion(f"cold prompt {i} " * 20)
