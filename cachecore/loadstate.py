@@ -22,8 +22,16 @@ tests are deterministic. Redis keys also get a TTL (expiry plus a grace) for gar
 collection only.
 
 Redis layout (see :mod:`cachecore.index.layout`): ``kvg:{r:<id>}:load`` (agent-owned hash:
-running, waiting, kv_usage, metrics_ts_ms, expires_ms) and ``kvg:{r:<id>}:gw:inflight``
-(gateway-owned hash: ``<gateway>:r``, ``<gateway>:t``, ``<gateway>:x`` = liveness expiry).
+running, waiting, kv_usage, metrics_ts_ms, expires_ms, and since D17 stalled_since_ms and
+stalled_at_ms) and ``kvg:{r:<id>}:gw:inflight`` (gateway-owned hash: ``<gateway>:r``,
+``<gateway>:t``, ``<gateway>:x`` = liveness expiry).
+
+Compatibility: the record is a hash of named fields, so a field is only ever added, never
+renamed or reinterpreted, and a missing one reads as its "nothing to report" value (0). A
+record from an agent older than D17 has no stall fields and reads as not stalled; an older
+gateway reads the fields it knows. The stall counts only when ``stalled_at_ms`` equals the
+record's ``metrics_ts_ms``: an older agent taking over a key (a rollback) rewrites
+metrics_ts_ms but not the stall fields, and a stall left there must not grow forever.
 """
 
 from __future__ import annotations
@@ -82,12 +90,17 @@ class EngineLoad:
     num_waiting: int
     kv_usage: float  # vllm:kv_cache_usage_perc, 0..1
     metrics_ts_ms: int  # when the agent scraped /metrics
+    # since when (the agent's clock, ms) the engine has had requests and taken no step, as
+    # of this scrape (cachecore.agent.progress); 0 when it progresses, is idle or unknown
+    stalled_since_ms: int = 0
 
     def __post_init__(self) -> None:
         if self.num_running < 0 or self.num_waiting < 0:
             raise ValueError("negative request counts")
         if not 0.0 <= self.kv_usage <= 1.0:
             raise ValueError("kv_usage must be within [0, 1]")
+        if self.stalled_since_ms < 0 or self.stalled_since_ms > self.metrics_ts_ms:
+            raise ValueError("stalled_since_ms must be within [0, metrics_ts_ms]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +120,19 @@ class LoadRecord:
     inflight_requests: int = 0
     inflight_prefill_tokens: int = 0
     gateways: int = 0  # live gateways with counts on this replica
+    stalled_since_ms: int = 0  # EngineLoad.stalled_since_ms (0: not stalled, or no report)
 
     @property
     def has_engine(self) -> bool:
         return self.metrics_ts_ms > 0
+
+    @property
+    def stalled_ms(self) -> int:
+        """How long the engine had been busy without progress when last scraped (0 when
+        not). Both stamps are the agent's clock: no skew against the reader's."""
+        if self.stalled_since_ms <= 0 or not self.has_engine:
+            return 0
+        return max(0, self.metrics_ts_ms - self.stalled_since_ms)
 
     def age_ms(self, now_ms: int) -> int | None:
         """Age of the engine report, or None without one."""
@@ -246,6 +268,7 @@ class MemoryLoadStore:
                 inflight_requests=req,
                 inflight_prefill_tokens=tok,
                 gateways=live,
+                stalled_since_ms=eng.stalled_since_ms if eng else 0,
             )
         return out
 
@@ -264,13 +287,15 @@ for r = 1, #lkeys - first do
   local lkey = lkeys[first + r]
   local ikey = string.sub(lkey, 1, -5) .. 'gw:inflight'
   local l = redis.call('HMGET', lkey, 'running', 'waiting', 'kv_usage', 'metrics_ts_ms',
-                       'expires_ms')
-  local row = {0, 0, '0', 0, 0, 0, 0}
+                       'expires_ms', 'stalled_since_ms', 'stalled_at_ms')
+  local row = {0, 0, '0', 0, 0, 0, 0, 0}
   if l[5] and tonumber(l[5]) > now then
     row[1] = tonumber(l[1]) or 0
     row[2] = tonumber(l[2]) or 0
     row[3] = l[3] or '0'
     row[4] = tonumber(l[4]) or 0
+    -- absent before D17; stale (not this scrape's) after an older agent took the key over
+    if l[7] and l[4] and l[7] == l[4] then row[8] = tonumber(l[6]) or 0 end
   end
   local f = redis.call('HGETALL', ikey)
   local vals = {}
@@ -328,7 +353,8 @@ return 1
 
 _PUBLISH_LUA = """
 redis.call('HSET', KEYS[1], 'running', ARGV[1], 'waiting', ARGV[2], 'kv_usage', ARGV[3],
-           'metrics_ts_ms', ARGV[4], 'expires_ms', ARGV[5])
+           'metrics_ts_ms', ARGV[4], 'expires_ms', ARGV[5], 'stalled_since_ms', ARGV[7],
+           'stalled_at_ms', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 return 1
 """
@@ -383,6 +409,7 @@ class RedisLoadStore:
             load.metrics_ts_ms,
             now_ms + ttl_ms,
             max(1, ttl_ms) + GARBAGE_GRACE_MS,
+            load.stalled_since_ms,
         ]
         await self._run("publish_engine", self._publish, self.layout.load(replica), args)
 
@@ -466,6 +493,7 @@ class RedisLoadStore:
                 inflight_requests=int(row[4]),
                 inflight_prefill_tokens=int(row[5]),
                 gateways=int(row[6]),
+                stalled_since_ms=int(row[7]),
             )
         return out
 

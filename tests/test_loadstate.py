@@ -49,6 +49,60 @@ async def test_engine_load_and_freshness(store: LoadStore) -> None:
     assert not gone.has_engine and gone.num_waiting == 0
 
 
+async def test_engine_stall_round_trips(store: LoadStore) -> None:
+    """How long the engine has been busy without progress (D17) travels as its start, on
+    the agent's clock; 0 is not stalled; an expired report says nothing."""
+    await store.publish_engine("a", EngineLoad(2, 3, 0.5, 900, stalled_since_ms=400), 500, 1000)
+    a = (await store.snapshot(["a"], 1100))["a"]
+    assert (a.stalled_since_ms, a.stalled_ms, a.num_waiting) == (400, 500, 3)
+    await store.publish_engine("a", EngineLoad(2, 3, 0.5, 1900), 500, 2000)
+    a = (await store.snapshot(["a"], 2100))["a"]
+    assert (a.stalled_since_ms, a.stalled_ms) == (0, 0)
+    await store.publish_engine("a", EngineLoad(2, 3, 0.5, 2900, stalled_since_ms=2000), 500, 3000)
+    gone = (await store.snapshot(["a"], 3600))["a"]
+    assert (gone.stalled_since_ms, gone.stalled_ms, gone.has_engine) == (0, 0, False)
+    assert LoadRecord("x", stalled_since_ms=5).stalled_ms == 0  # no engine report
+
+
+async def test_a_record_from_an_older_agent_reads_as_not_stalled(redis_url: str) -> None:
+    """Records are hashes of named fields: one written without the stall fields (an agent
+    older than D17) parses, not stalled; stall fields a newer agent left behind count only
+    with the scrape that wrote them, so an older agent taking the key over (a rollback)
+    cannot leave a stall that grows for ever."""
+    red = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
+    admin = aioredis.Redis.from_url(redis_url)
+    key = "kvg:{r:a}:load"
+
+    async def old_agent_publishes(ts: int) -> None:  # the pre-D17 publish script's fields
+        await admin.hset(
+            key,
+            mapping={
+                "running": 1,
+                "waiting": 2,
+                "kv_usage": "0.25",
+                "metrics_ts_ms": ts,
+                "expires_ms": ts + 5000,
+            },
+        )
+
+    try:
+        await old_agent_publishes(1000)
+        a = (await red.snapshot(["a"], 1100))["a"]
+        assert (a.num_running, a.num_waiting, a.kv_usage, a.metrics_ts_ms) == (1, 2, 0.25, 1000)
+        assert (a.stalled_since_ms, a.stalled_ms) == (0, 0)
+        await red.publish_engine(
+            "a", EngineLoad(1, 2, 0.25, 2000, stalled_since_ms=1500), 5000, 2000
+        )
+        assert (await red.snapshot(["a"], 2100))["a"].stalled_ms == 500
+        await old_agent_publishes(9000)
+        a = (await red.snapshot(["a"], 9100))["a"]
+        assert await admin.hexists(key, "stalled_since_ms")  # left behind, and ignored
+        assert (a.metrics_ts_ms, a.stalled_since_ms, a.stalled_ms) == (9000, 0, 0)
+    finally:
+        await red.close()
+        await admin.aclose()
+
+
 async def test_inflight_is_summed_across_gateways(store: LoadStore) -> None:
     await store.add_inflight("gw1", "a", 1, 4000, 0)
     await store.add_inflight("gw1", "a", 1, 1000, 0)
@@ -118,6 +172,10 @@ async def test_bad_input(store: LoadStore) -> None:
         EngineLoad(-1, 0, 0.0, 0)
     with pytest.raises(ValueError):
         EngineLoad(0, 0, 1.5, 0)
+    with pytest.raises(ValueError):
+        EngineLoad(0, 0, 0.0, 100, stalled_since_ms=101)  # a stall after its own scrape
+    with pytest.raises(ValueError):
+        EngineLoad(0, 0, 0.0, 100, stalled_since_ms=-1)
     assert await store.snapshot([], 0) == {}
 
 

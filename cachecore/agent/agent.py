@@ -9,8 +9,8 @@ Tasks::
     supervisor   waits for the engine, loads persisted state, starts the others
     stream       SUB -> validate -> seq tracking / replay -> per-rank queues (EventStream)
     sync (each)  per-rank worker: mirror -> coalesced IndexWrite -> index (ReplicaSync)
-    scraper      engine /metrics every scrape_interval_s: load record, restart and
-                 reachability detection
+    scraper      engine /metrics every scrape_interval_s: load record (with how long the
+                 engine has been busy without progress), restart and reachability detection
     heartbeat    registration with a TTL (only URLs the operator declared are accepted)
     checker      index still holds our state? (Redis restart: changed run_id / lost meta)
 """
@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from cachecore.agent.links import LoadLink, RegistryLink
 from cachecore.agent.metrics import AgentMetrics
+from cachecore.agent.progress import ProgressTracker
 from cachecore.agent.replay import ReplayClient
 from cachecore.agent.scrape import EngineScraper, EngineSnapshot, ScrapeError
 from cachecore.agent.settings import AgentSettings
@@ -112,6 +113,7 @@ class Agent:
         self.registry_link = RegistryLink(registry, settings) if registry is not None else None
         self.engine: EngineInfo | None = None
         self.last_snapshot: EngineSnapshot | None = None
+        self.progress = ProgressTracker()  # busy without progress (D17), per scrape
         self.engine_reachable = False
         self._last_scrape_ok = 0.0
         self._metrics_failing = False  # warned once while /metrics fails but /health answers
@@ -535,8 +537,10 @@ class Agent:
                         await sync.put(SetEngineReachable(False))
                 continue
             self._scrape_ok(snap)
+            stalled_s = self.progress.observe(snap, time.monotonic())
+            self.metrics.engine_stalled.set(stalled_s)
             if self.load_link is not None:
-                await self.load_link.publish(self.primary_id, snap, self.metrics)
+                await self.load_link.publish(self.primary_id, snap, self.metrics, stalled_s)
             # a new process first clears (still unroutable), only then becomes reachable:
             # its old entries must never be routable, not even for a moment
             if self._start_changed(snap):

@@ -34,13 +34,19 @@ class LoadLink:
         self.ttl_ms = int(settings.load_ttl_s * 1000)
         self._failing = False
 
-    async def publish(self, replica: str, snap: EngineSnapshot, metrics: AgentMetrics) -> None:
+    async def publish(
+        self, replica: str, snap: EngineSnapshot, metrics: AgentMetrics, stalled_s: float = 0.0
+    ) -> None:
+        """``stalled_s``: how long the engine has been busy without progress
+        (:class:`~cachecore.agent.progress.ProgressTracker`), published as its start."""
         now = _now_ms()
+        stalled_ms = min(now, int(stalled_s * 1000)) if stalled_s > 0 else 0
         load = EngineLoad(
             num_running=max(0, int(snap.running)),
             num_waiting=max(0, int(snap.waiting)),
             kv_usage=min(1.0, max(0.0, snap.kv_usage)),
             metrics_ts_ms=now,
+            stalled_since_ms=now - stalled_ms if stalled_ms > 0 else 0,
         )
         try:
             await self.store.publish_engine(replica, load, self.ttl_ms, now)

@@ -177,6 +177,12 @@ class AgentMetrics:
         self.engine_up = Gauge(
             "kvgate_agent_engine_up", "1 when the last engine scrape succeeded", registry=r
         )
+        self.engine_stalled = Gauge(
+            "kvgate_agent_engine_stalled_seconds",
+            "How long the engine has had requests without advancing its token counters, "
+            "as of the last scrape (0: progressing, idle, or no counters)",
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "kvgate_agent_scrape_errors", "Failed engine /metrics scrapes", registry=r
         )

@@ -14,6 +14,10 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # vLLM v0 name, still seen in the wild
 CACHE_CONFIG = "vllm:cache_config_info"
 START_TIME = "process_start_time_seconds"
+# monotonic work counters (prometheus_client's parser names a counter's sample ``..._total``):
+# an engine with requests whose counters stand still is stalled (cachecore.agent.progress)
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 
 
@@ -32,6 +36,9 @@ class EngineSnapshot:
     num_gpu_blocks: int | None = None
     start_time: float | None = None
     model_name: str | None = None
+    # None when the engine does not export the series
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
 
 
 def _as_int(text: str | None) -> int | None:
@@ -52,6 +59,8 @@ def parse_metrics(text: str) -> EngineSnapshot:
     block_size = num_blocks = None
     start: float | None = None
     model: str | None = None
+    prompt: float | None = None
+    generation: float | None = None
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as exc:
@@ -75,11 +84,17 @@ def parse_metrics(text: str) -> EngineSnapshot:
                 num_blocks = _as_int(s.labels.get("num_gpu_blocks")) or num_blocks
             elif name == START_TIME:
                 start = value
+            elif name == PROMPT_TOKENS:
+                prompt = (prompt or 0.0) + value
+            elif name == GENERATION_TOKENS:
+                generation = (generation or 0.0) + value
             else:
                 continue
             model = model or s.labels.get("model_name")
     usage = kv_usage if kv_usage is not None else (kv_usage_old or 0.0)
-    return EngineSnapshot(running, waiting, usage, block_size, num_blocks, start, model)
+    return EngineSnapshot(
+        running, waiting, usage, block_size, num_blocks, start, model, prompt, generation
+    )
 
 
 class EngineScraper:

@@ -1,0 +1,146 @@
+"""Engine progress from its token counters (D17): busy without progress is a stall; idle,
+restarted or counter-less engines never are."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client.exposition import generate_latest
+
+from cachecore.agent.links import LoadLink
+from cachecore.agent.metrics import AgentMetrics
+from cachecore.agent.progress import ProgressTracker
+from cachecore.agent.scrape import EngineSnapshot, parse_metrics
+from cachecore.agent.settings import AgentSettings
+from cachecore.engine import EngineConfig, EngineCore, EngineRequest, LatencyProfile
+from cachecore.loadstate import MemoryLoadStore
+from cachecore.replica.metrics import ReplicaMetrics
+
+VOCAB = tuple(range(1000, 1500))
+FLAT = LatencyProfile("flat", 0.01, 0.001, 0.005, max_num_seqs=8)
+
+
+def snap(
+    prompt: float | None = 100.0,
+    gen: float | None = 10.0,
+    running: float = 1.0,
+    waiting: float = 0.0,
+    start: float | None = 1000.0,
+) -> EngineSnapshot:
+    return EngineSnapshot(
+        running=running,
+        waiting=waiting,
+        start_time=start,
+        prompt_tokens=prompt,
+        generation_tokens=gen,
+    )
+
+
+def test_busy_without_progress_counts_from_the_last_scrape_that_saw_progress() -> None:
+    t = ProgressTracker()
+    assert t.observe(snap(), 0.0) == 0.0  # first scrape: no baseline
+    assert t.observe(snap(gen=11.0), 1.0) == 0.0  # progress
+    assert t.observe(snap(gen=11.0), 2.0) == 1.0  # none since the scrape at 1.0
+    assert t.observe(snap(gen=11.0, running=0.0, waiting=3.0), 3.0) == 2.0  # waiting counts
+    # either counter moving is progress, and it starts the count over
+    assert t.observe(snap(prompt=150.0, gen=11.0), 4.0) == 0.0
+    assert t.observe(snap(prompt=150.0, gen=11.0), 6.5) == 2.5
+
+
+def test_an_idle_engine_is_never_stalled() -> None:
+    t = ProgressTracker()
+    for i in range(5):
+        assert t.observe(snap(running=0.0), float(i)) == 0.0
+    # requests arrive between scrapes: the first busy scrape starts the count (they may
+    # have just arrived), the next one without progress measures from it
+    assert t.observe(snap(running=2.0), 5.0) == 0.0
+    assert t.observe(snap(running=2.0), 6.0) == 1.0
+    assert t.observe(snap(running=0.0), 7.0) == 0.0  # idle again: over
+    assert t.observe(snap(running=1.0), 8.0) == 0.0
+    assert t.observe(snap(running=1.0), 9.0) == 1.0
+
+
+def test_a_restart_or_a_counter_going_back_starts_the_tracking_over() -> None:
+    t = ProgressTracker()
+    t.observe(snap(), 0.0)
+    assert t.observe(snap(), 1.0) == 1.0
+    # a new process (start time), counters not yet moved: not a stall
+    assert t.observe(snap(start=2000.0), 2.0) == 0.0
+    assert t.observe(snap(start=2000.0), 3.0) == 1.0
+    # counters back to 0 with the same start time (an engine that does not export one, or a
+    # restart within its resolution): reset, never a stall on the reset scrape
+    assert t.observe(snap(prompt=0.0, gen=0.0, start=2000.0), 4.0) == 0.0
+    assert t.observe(snap(prompt=0.0, gen=0.0, start=2000.0), 5.0) == 1.0
+    assert t.observe(snap(prompt=0.0, gen=0.0, start=None), 6.0) == 2.0  # no start time
+    t.reset()
+    assert t.observe(snap(), 7.0) == 0.0
+
+
+def test_an_engine_without_the_counters_is_never_stalled() -> None:
+    t = ProgressTracker()
+    for i in range(5):
+        assert t.observe(snap(prompt=None, gen=None, running=4.0), float(i)) == 0.0
+    # one counter is enough; a series appearing or vanishing starts the tracking over
+    assert t.observe(snap(prompt=None, gen=5.0), 5.0) == 0.0
+    assert t.observe(snap(prompt=None, gen=5.0), 6.0) == 1.0
+    assert t.observe(snap(prompt=7.0, gen=5.0), 7.0) == 0.0
+    assert t.observe(snap(prompt=None, gen=None), 8.0) == 0.0
+    assert t.observe(snap(prompt=7.0, gen=5.0), 9.0) == 0.0
+
+
+def test_parse_metrics_reads_the_token_counters() -> None:
+    text = (
+        "# TYPE vllm:prompt_tokens counter\n"
+        'vllm:prompt_tokens_total{model_name="m"} 120.0\n'
+        'vllm:prompt_tokens_created{model_name="m"} 1.7e9\n'
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 30.0\n'
+        'vllm:generation_tokens_total{model_name="m2"} 5.0\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 2.0\n'
+    )
+    s = parse_metrics(text)
+    assert (s.prompt_tokens, s.generation_tokens, s.running) == (120.0, 35.0, 2.0)
+    bare = parse_metrics('vllm:num_requests_running{model_name="m"} 2.0\n')
+    assert (bare.prompt_tokens, bare.generation_tokens) == (None, None)
+
+
+def test_the_simulated_replicas_metrics_show_a_stall_and_its_end() -> None:
+    """The replica's own exposition (its collector over a real engine): a request added
+    and no step taken (a paused engine) is a stall; a step is progress."""
+    core = EngineCore(EngineConfig(profile=FLAT, hash_seed=1), VOCAB)
+    metrics = ReplicaMetrics("m", lambda: core, 1000.0)
+
+    def scrape() -> EngineSnapshot:
+        return parse_metrics(generate_latest(metrics.registry).decode())
+
+    t = ProgressTracker()
+    first = scrape()
+    assert (first.prompt_tokens, first.generation_tokens) == (0.0, 0.0)
+    assert t.observe(first, 0.0) == 0.0
+    core.add_request(EngineRequest("a", list(range(200)), max_tokens=4), 0.0)
+    assert t.observe(scrape(), 1.0) == 0.0  # busy from here
+    assert t.observe(scrape(), 2.0) == 1.0  # no step: stalled
+    assert t.observe(scrape(), 3.5) == 2.5
+    core.step(3.6)
+    after = scrape()
+    assert after.prompt_tokens is not None and after.prompt_tokens > 0
+    assert t.observe(after, 4.0) == 0.0
+    # restarted (a new collector over a new engine, counters at 0, new start time)
+    core2 = EngineCore(EngineConfig(profile=FLAT, hash_seed=1), VOCAB)
+    core2.add_request(EngineRequest("b", list(range(50)), max_tokens=4), 4.5)
+    metrics = ReplicaMetrics("m", lambda: core2, 2000.0)
+    assert t.observe(scrape(), 5.0) == 0.0
+    assert t.observe(scrape(), 6.0) == 1.0
+
+
+async def test_the_load_link_publishes_the_stall_as_its_start() -> None:
+    store = MemoryLoadStore()
+    link = LoadLink(store, AgentSettings(replica_id="a", engine_url="http://x", events="tcp://x:1"))
+    m = AgentMetrics()
+    await link.publish("a", snap(running=2.0), m, 2.5)
+    rec = (await store.snapshot(["a"], int(time.time() * 1000)))["a"]
+    assert rec.stalled_ms == 2500 and rec.stalled_since_ms == rec.metrics_ts_ms - 2500
+    await link.publish("a", snap(running=2.0), m)
+    rec = (await store.snapshot(["a"], int(time.time() * 1000)))["a"]
+    assert (rec.stalled_since_ms, rec.stalled_ms, rec.num_running) == (0, 0, 2)
