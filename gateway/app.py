@@ -366,6 +366,10 @@ def create_app(gw: Gateway) -> FastAPI:
             return _json(body, 400)
         return {"status": "reloaded", "strategy": pol.routing.strategy.value, **_in_effect()}
 
+    def _stalled_ms(rid: str) -> float:
+        sl = gw.refresher.snapshot().get(rid) if gw.refresher is not None else None
+        return sl.stalled_ms if sl is not None else 0.0
+
     async def admin_explain(request: Request) -> Any:
         raw = await read_body(request, gw.settings.max_body_bytes)
         body = parse_json_object(raw)
@@ -395,6 +399,10 @@ def create_app(gw: Gateway) -> FastAPI:
             "salt_index": d.salt_index,
             "coefficients": gw.fit.coefficients().as_vector(),
             "decision": d.decision.to_dict(),
+            # already in each score's queue_ms: the larger of a late stream's excess (D16)
+            # and an engine stall's (D17), and the stall as the replica's agent last saw it
+            "overdue_ms": {c.replica: round(c.load.overdue_ms, 3) for c in d.candidates},
+            "stalled_ms": {c.replica: _stalled_ms(c.replica) for c in d.candidates},
         }
 
     async def admin_stages(request: Request) -> Any:

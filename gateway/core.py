@@ -344,7 +344,11 @@ class Gateway:
                     await primary.set_state(spec.id, ReplicaState.LIVE, now)
         if self._load_store is not None:
             self.refresher = SharedLoadRefresher(
-                self._load_store, self.gateway_id, self.inflight, self.pool.ids
+                self._load_store,
+                self.gateway_id,
+                self.inflight,
+                self.pool.ids,
+                grace_ms=lambda: self.policy.routing.overdue_grace_ms,
             )
             self.load.set_shared(self.refresher.snapshot)
             self.refresher.start()

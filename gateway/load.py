@@ -59,6 +59,9 @@ class SharedLoad:
     capacity: int | None = None
     other_queued_tokens: float = 0.0
     other_requests: int = 0
+    # how long the engine had been busy without advancing its token counters at its
+    # agent's last scrape (LoadRecord.stalled_ms, D17)
+    stalled_ms: float = 0.0
 
 
 class InFlight:
@@ -154,12 +157,16 @@ class LoadTracker:
         grace_s: float | None = None,
     ) -> dict[str, LoadView]:
         """Each replica's load; with ``now`` (monotonic s) and ``grace_s`` also how
-        overdue its most overdue waiting request is (:meth:`InFlight.overdue_s`)."""
+        overdue it is: the larger of its most overdue waiting stream's lateness
+        (:meth:`InFlight.overdue_s`, D16) and how far its engine's stall (busy without
+        progress, as its agent last scraped it, D17) exceeds the grace."""
         snap = self._shared() if self._shared is not None else {}
         own = self.inflight.own
         overdue = self.inflight.overdue_s
         default = self.default_capacity
         out: dict[str, LoadView] = {}
+        # a stall counts past the grace; unwatched (no now or grace), never
+        stall_cut = 1000.0 * grace_s if now is not None and grace_s is not None else math.inf
         for r in replicas:  # per replica per request: positional, no helper calls
             qt, qr, run = own(r)
             late = (
@@ -171,6 +178,8 @@ class LoadTracker:
             if s is None:
                 out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0, late)
                 continue
+            if s.stalled_ms - stall_cut > late:  # the larger of the two, never the sum
+                late = s.stalled_ms - stall_cut
             running = run + s.other_requests
             out[r] = LoadView(
                 qt + s.other_queued_tokens,
@@ -202,7 +211,11 @@ class SharedLoadRefresher:
         inflight: InFlight,
         replicas: Callable[[], list[str]],
         interval_s: float = 0.1,
+        grace_ms: Callable[[], float | None] | None = None,
     ) -> None:
+        """``grace_ms``: the current policy's ``routing.overdue_grace_ms``, read at each
+        refresh to log a replica's engine once when its stall passes it and once when it
+        is over (the views read the grace themselves, at each decision)."""
         self.store = store
         self.gateway_id = gateway_id
         self.inflight = inflight
@@ -213,6 +226,8 @@ class SharedLoadRefresher:
         self._task: asyncio.Task[None] | None = None
         self.errors = 0
         self._last_hb = 0.0
+        self._grace_ms = grace_ms
+        self.stalled: set[str] = set()  # replicas logged as stalled past the grace
 
     def snapshot(self) -> Mapping[str, SharedLoad]:
         return self._snap
@@ -252,8 +267,31 @@ class SharedLoadRefresher:
                 kv_usage=rec.kv_usage,
                 other_queued_tokens=float(max(0, rec.inflight_prefill_tokens - max(0, mine[1]))),
                 other_requests=max(0, rec.inflight_requests - max(0, mine[0])),
+                stalled_ms=float(rec.stalled_ms),
             )
         self._snap = snap
+        if self._grace_ms is not None:
+            self._log_stalls(snap, self._grace_ms())
+
+    def _log_stalls(self, snap: Mapping[str, SharedLoad], grace_ms: float | None) -> None:
+        for rid, sl in snap.items():
+            stalled = grace_ms is not None and sl.stalled_ms > grace_ms
+            if stalled and rid not in self.stalled:
+                self.stalled.add(rid)
+                log.warning(
+                    "engine busy without progress past the grace: its traffic is charged "
+                    "the excess",
+                    extra={"replica": rid, "stalled_ms": sl.stalled_ms, "grace_ms": grace_ms},
+                )
+            elif not stalled and rid in self.stalled:
+                self.stalled.discard(rid)
+                log.info(
+                    "engine progressing again (or within the grace)",
+                    extra={"replica": rid, "stalled_ms": sl.stalled_ms},
+                )
+        for rid in self.stalled - snap.keys():  # gone from the snapshot: no longer charged
+            self.stalled.discard(rid)
+            log.info("engine stall no longer reported", extra={"replica": rid})
 
     async def run(self) -> None:
         while True:

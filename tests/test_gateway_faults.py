@@ -450,3 +450,84 @@ async def test_a_wedged_replica_loses_its_traffic_once_a_stream_is_overdue() -> 
         # its first token came: it is not overdue any more, and its hit wins again
         d = await until_choice(4, lambda r: r == holder)
         assert d["replica"] == holder, d
+
+
+async def test_a_wedged_replica_loses_its_non_streamed_traffic_once_its_engine_stalls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D17: the same wedge with non-streamed requests only, whose first token the gateway
+    never sees. The replica's agent sees the engine have a request and advance neither
+    token counter; once that stall is longer than ``overdue_grace_ms`` the excess counts as
+    queue wait there, within the grace plus a couple of scrape intervals, and the replica
+    wins its traffic back once the engine steps again. Before, only the timeouts
+    (KVGATE_RESPONSE_TIMEOUT_S, 30 min) saw it."""
+    scrape_s, grace_ms, pause_s = 0.2, 300, 4.0
+    monkeypatch.setenv("KVGATE_AGENT_SCRAPE_INTERVAL_S", str(scrape_s))
+    policy = f"routing: {{overdue_grace_ms: {grace_ms}}}"
+    async with stack(count=2, policy=policy, agents=True) as st, st.http() as h:
+        prompt = words(600, 73)
+
+        def body(i: int) -> dict[str, object]:
+            return {"model": st.model, "prompt": prompt + f" q{i}", "max_tokens": 2}
+
+        async def explain(i: int) -> dict[str, Any]:
+            r = await h.post("/admin/route/explain", json=body(i), headers=st.admin_headers())
+            out: dict[str, Any] = r.json()
+            return out
+
+        async def until_choice(i: int, pred: Callable[[str], bool], limit_s: float) -> Any:
+            deadline = time.monotonic() + limit_s
+            for _ in range(500):  # bounded in count and in time
+                e = await explain(i)
+                if pred(e["decision"]["replica"]) or time.monotonic() > deadline:
+                    return e
+                await asyncio.sleep(0.02)
+            return e
+
+        first = await h.post("/v1/completions", json=body(0))
+        holder = first.headers["x-kvgate-replica"]
+        url = next(e.url for i, e in enumerate(st.fleet.endpoints) if st.replica_id(i) == holder)
+        e = await until_choice(1, lambda r: r == holder, 3.0)  # its blocks are indexed
+        scores = e["decision"]["scores"]
+        assert e["decision"]["replica"] == holder and max(s["matched_blocks"] for s in scores)
+        async with httpx.AsyncClient(timeout=10.0) as direct:
+            await direct.post(url + "/debug/pause", json={"seconds": pause_s})
+        t0 = time.monotonic()
+        stuck = asyncio.create_task(h.post("/v1/completions", json=body(2)))  # not streamed
+        try:
+            await asyncio.sleep(0.05)
+            assert (await explain(3))["decision"]["replica"] == holder  # the hit wins
+            e = await until_choice(3, lambda r: r != holder, 3.0)
+            moved_s = time.monotonic() - t0
+            assert e["decision"]["replica"] != holder, e
+            # detected by scrapes: the grace, the scrapes that measure it (the first busy
+            # one starts the count) and a load-store refresh, plus scheduling slack
+            assert moved_s < grace_ms / 1000 + 3 * scrape_s + 1.0, moved_s
+            late = next(s for s in e["decision"]["scores"] if s["replica"] == holder)
+            assert e["stalled_ms"][holder] > grace_ms
+            assert e["overdue_ms"][holder] == pytest.approx(e["stalled_ms"][holder] - grace_ms)
+            assert late["queue_ms"] >= e["overdue_ms"][holder] > 0, e
+            # a real request goes elsewhere and is answered while the engine is still paused
+            r = await h.post("/v1/completions", json=body(4))
+            assert r.status_code == 200 and r.headers["x-kvgate-replica"] != holder
+            assert time.monotonic() - t0 < pause_s
+        finally:
+            r = await asyncio.wait_for(stuck, 15.0)  # the pause ends, the request completes
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder
+        # the engine steps again: its next scrape ends the stall. Both replicas hold the
+        # prefix now (the request above went to the other), so the holder is as cheap as the
+        # best again and takes its share of the ties
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            e = await explain(5)
+            if e["stalled_ms"][holder] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert e["stalled_ms"][holder] == 0 and e["overdue_ms"][holder] == 0, e
+        costs = {s["replica"]: s["cost_ms"] for s in e["decision"]["scores"]}
+        assert costs[holder] == min(costs.values()), costs
+        served = [
+            (await h.post("/v1/completions", json=body(6 + i))).headers["x-kvgate-replica"]
+            for i in range(6)
+        ]
+        assert holder in served, served

@@ -215,6 +215,66 @@ def test_inflight_accounting_and_shared_merge() -> None:
     inf.done(t2)
 
 
+def test_an_engine_stall_past_the_grace_is_overdue_time_the_larger_not_the_sum() -> None:
+    """D17: the stall an agent reports counts, past the grace, as the same overdue time a
+    late stream does (D16); a replica's overdue time is the larger of the two."""
+    inf = InFlight()
+    shared = {"r": SharedLoad(running=1, stalled_ms=2500.0), "q": SharedLoad(running=1)}
+    tracker = LoadTracker(inf, lambda: shared)
+    caps: dict[str, int | None] = {}
+    v = tracker.views(["r", "q"], caps, 100.0, 2.0)
+    assert (v["r"].overdue_ms, v["q"].overdue_ms) == (500.0, 0.0)
+    assert tracker.views(["r"], caps, 100.0, 3.0)["r"].overdue_ms == 0.0  # within the grace
+    assert tracker.views(["r"], caps, 100.0, None)["r"].overdue_ms == 0.0  # grace off
+    assert tracker.views(["r"], caps)["r"].overdue_ms == 0.0  # unwatched (the simulator)
+    # a stream 1.2 s past its due time plus the grace: the larger of 1200 and 500
+    t = inf.dispatch("r", 10, expected=97.8 - 1.0)
+    assert tracker.views(["r"], caps, 100.0, 2.0)["r"].overdue_ms == pytest.approx(1200.0)
+    shared["r"] = SharedLoad(running=1, stalled_ms=4000.0)
+    assert tracker.views(["r"], caps, 100.0, 2.0)["r"].overdue_ms == 2000.0
+    inf.done(t)
+    # no stall: the very same view as without the field
+    shared["r"] = SharedLoad(running=1)
+    assert tracker.views(["r"], caps, 100.0, 2.0) == LoadTracker(
+        inf, lambda: {"r": SharedLoad(running=1)}
+    ).views(["r"], caps, 100.0, 2.0)
+
+
+async def test_the_refresher_logs_a_stall_once_when_it_passes_the_grace_and_once_at_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import time
+
+    from cachecore.loadstate import EngineLoad, MemoryLoadStore
+    from gateway.load import SharedLoadRefresher
+
+    store = MemoryLoadStore()
+    grace: list[float | None] = [2000.0]
+    ref = SharedLoadRefresher(store, "gw", InFlight(), lambda: ["r"], grace_ms=lambda: grace[0])
+
+    async def publish(stalled_ms: int) -> None:
+        now = int(time.time() * 1000)
+        since = now - stalled_ms if stalled_ms else 0
+        await store.publish_engine("r", EngineLoad(1, 0, 0.0, now, since), 5000, now)
+        await ref.refresh_once()
+
+    def said(words: str) -> int:
+        return sum(words in r.getMessage() for r in caplog.records)
+
+    caplog.set_level("INFO", logger="gateway.load")
+    for ms in (0, 1000, 2500, 3500, 4500):  # scrapes: within the grace, then past it
+        await publish(ms)
+    assert ref.snapshot()["r"].stalled_ms == 4500
+    assert said("busy without progress") == 1 and ref.stalled == {"r"}
+    await publish(0)
+    await publish(0)
+    assert said("progressing again") == 1 and ref.stalled == set()
+    await publish(3000)
+    grace[0] = None  # the policy turned the charge off: no longer stalled past a grace
+    await publish(4000)
+    assert said("busy without progress") == 2 and said("progressing again") == 2
+
+
 # ---------------------------------------------------------------- discovery
 
 
