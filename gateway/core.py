@@ -684,7 +684,8 @@ class Gateway:
         caps = {r.id: r.capacity or mpool.max_num_seqs for r in reps}
         grace_ms = pol.routing.overdue_grace_ms
         grace_s = None if grace_ms is None else grace_ms / 1000.0
-        loads = self.load.views(ids, caps, time.monotonic(), grace_s)
+        coeffs = self.fit.coefficients()
+        loads = self.load.views(ids, caps, time.monotonic(), grace_s, coeffs)
         best_salt: dict[str, int] = {}
         cands: list[Candidate] = []
         for r in reps:
@@ -711,9 +712,7 @@ class Gateway:
             scope_key=scope.canonical(),
         )
         with self.router.preview() if explain_only else contextlib.nullcontext():
-            decision = self.router.decide(
-                req, cands, self.fit.coefficients(), strategy or self.strategy_override
-            )
+            decision = self.router.decide(req, cands, coeffs, strategy or self.strategy_override)
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from cachecore.loadstate import LoadStore
-from cachecore.scoring import LoadView
+from cachecore.scoring import Coefficients, LoadView
 from cachecore.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,10 @@ class _Own:
     queued_tokens: float = 0.0
     queued_requests: int = 0
     running: int = 0
-    # tickets with an expected first token, in dispatch order; those past their first
-    # token leave from the front lazily (at most the in-flight ones are held)
-    watched: deque[Ticket] = field(default_factory=deque)
+    # the tickets still waiting for a first token, in dispatch order; those past it leave
+    # from the front lazily (at most the in-flight ones are held). Streams carry an
+    # expected first token (D16); every ticket's tokens explain an engine stall (D17)
+    queued: deque[Ticket] = field(default_factory=deque)
 
 
 @dataclass(slots=True)
@@ -86,8 +87,7 @@ class InFlight:
         o.queued_requests += 1
         self._delta(replica, 1, uncached_tokens)
         t = Ticket(replica, uncached_tokens, 0, expected)
-        if expected != math.inf:
-            o.watched.append(t)
+        o.queued.append(t)
         return t
 
     def overdue_s(self, replica: str, now: float, grace_s: float) -> float:
@@ -96,17 +96,22 @@ class InFlight:
         evidence that the replica stopped making progress, which its queue estimate
         cannot show."""
         o = self._own.get(replica)
-        if o is None or not o.watched:
+        if o is None or not o.queued:
             return 0.0
-        watched = o.watched
-        while watched and watched[0].phase != 0:
-            watched.popleft()
         late = 0.0
         cut = now - grace_s
-        for t in watched:
+        for t in o.queued:  # unwatched (non-streamed) tickets expect math.inf: never late
             if t.phase == 0 and cut - t.expected > late:
                 late = cut - t.expected
         return late
+
+    def longest_queued(self, replica: str) -> float:
+        """The most uncached tokens of one of ``replica``'s requests still waiting for a
+        first token (0 when none is): the longest prefill the engine may be running."""
+        o = self._own.get(replica)
+        if o is None:
+            return 0.0
+        return max((t.tokens for t in o.queued if t.phase == 0), default=0.0)
 
     def first_token(self, t: Ticket) -> None:
         if t.phase != 0:
@@ -116,6 +121,9 @@ class InFlight:
         o.queued_requests = max(0, o.queued_requests - 1)
         o.running += 1
         t.phase = 1
+        queued = o.queued
+        while queued and queued[0].phase != 0:
+            queued.popleft()
         self._delta(t.replica, 0, -t.tokens)
 
     def done(self, t: Ticket) -> None:
@@ -155,11 +163,15 @@ class LoadTracker:
         capacity: Mapping[str, int | None],
         now: float | None = None,
         grace_s: float | None = None,
+        coeffs: Coefficients | None = None,
     ) -> dict[str, LoadView]:
         """Each replica's load; with ``now`` (monotonic s) and ``grace_s`` also how
         overdue it is: the larger of its most overdue waiting stream's lateness
         (:meth:`InFlight.overdue_s`, D16) and how far its engine's stall (busy without
-        progress, as its agent last scraped it, D17) exceeds the grace."""
+        progress, as its agent last scraped it, D17) exceeds the grace plus, with
+        ``coeffs``, the predicted prefill time of the longest request this gateway has
+        waiting there (vLLM counts a prompt's tokens only when its prefill completes, so
+        one long prefill with nothing decoding beside it stands the counters still)."""
         snap = self._shared() if self._shared is not None else {}
         own = self.inflight.own
         overdue = self.inflight.overdue_s
@@ -167,6 +179,7 @@ class LoadTracker:
         out: dict[str, LoadView] = {}
         # a stall counts past the grace; unwatched (no now or grace), never
         stall_cut = 1000.0 * grace_s if now is not None and grace_s is not None else math.inf
+        longest = self.inflight.longest_queued
         for r in replicas:  # per replica per request: positional, no helper calls
             qt, qr, run = own(r)
             late = (
@@ -179,7 +192,11 @@ class LoadTracker:
                 out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0, late)
                 continue
             if s.stalled_ms - stall_cut > late:  # the larger of the two, never the sum
-                late = s.stalled_ms - stall_cut
+                excess = s.stalled_ms - stall_cut
+                if coeffs is not None and qr:
+                    excess -= coeffs.overhead_ms + coeffs.prefill_ms_per_token * longest(r)
+                if excess > late:
+                    late = excess
             running = run + s.other_requests
             out[r] = LoadView(
                 qt + s.other_queued_tokens,

@@ -10,6 +10,7 @@ import pytest
 from pydantic import SecretStr
 
 from cachecore.keys import ScopeKind
+from cachecore.scoring import Coefficients
 from cachecore.testing import free_port
 from gateway.auth import KeyFileError, KeyStore, check_admin, hash_key, load_key_file
 from gateway.core import Gateway
@@ -238,6 +239,50 @@ def test_an_engine_stall_past_the_grace_is_overdue_time_the_larger_not_the_sum()
     assert tracker.views(["r"], caps, 100.0, 2.0) == LoadTracker(
         inf, lambda: {"r": SharedLoad(running=1)}
     ).views(["r"], caps, 100.0, 2.0)
+
+
+def test_a_stall_the_longest_waiting_prefill_explains_is_not_charged() -> None:
+    """vLLM counts a prompt's tokens when its prefill completes: one long prefill with
+    nothing decoding beside it stands the counters still. The stall is charged only past
+    the grace plus the predicted prefill of the longest request this gateway has waiting
+    there; without such a request (or without coefficients) all of it past the grace."""
+    inf = InFlight()
+    shared = {"r": SharedLoad(running=1, stalled_ms=5000.0)}
+    tracker = LoadTracker(inf, lambda: shared)
+    caps: dict[str, int | None] = {}
+    coeffs = Coefficients(overhead_ms=30.0, prefill_ms_per_token=0.25)
+    assert tracker.views(["r"], caps, 100.0, 2.0, coeffs)["r"].overdue_ms == 3000.0
+    short = inf.dispatch("r", 400)  # 130 ms of prefill
+    long = inf.dispatch("r", 8000)  # 2,030 ms: the longest explains that much of the stall
+    assert tracker.views(["r"], caps, 100.0, 2.0, coeffs)["r"].overdue_ms == 970.0
+    assert tracker.views(["r"], caps, 100.0, 2.0)["r"].overdue_ms == 3000.0
+    inf.first_token(long)
+    assert tracker.views(["r"], caps, 100.0, 2.0, coeffs)["r"].overdue_ms == 2870.0
+    inf.done(short)
+    assert tracker.views(["r"], caps, 100.0, 2.0, coeffs)["r"].overdue_ms == 3000.0
+    inf.done(long)
+    # a stall within what the longest request explains is no overdue time at all
+    shared["r"] = SharedLoad(running=1, stalled_ms=3000.0)
+    t = inf.dispatch("r", 8000)
+    assert tracker.views(["r"], caps, 100.0, 2.0, coeffs)["r"].overdue_ms == 0.0
+    inf.done(t)
+
+
+def test_first_tokens_drop_the_waiting_tickets_in_order() -> None:
+    """The queue of waiting tickets stays bounded by the in-flight ones even where no view
+    ever reads it (the simulator): a ticket leaves it once every earlier one has its
+    first token."""
+    inf = InFlight()
+    a, b, c = inf.dispatch("r", 1), inf.dispatch("r", 2), inf.dispatch("r", 3)
+    inf.first_token(b)
+    assert len(inf._own["r"].queued) == 3 and inf.longest_queued("r") == 3
+    inf.first_token(a)
+    assert len(inf._own["r"].queued) == 1
+    inf.done(c)
+    assert len(inf._own["r"].queued) == 0 and inf.longest_queued("r") == 0.0
+    for _ in range(1000):
+        inf.done(inf.dispatch("r", 5))
+    assert len(inf._own["r"].queued) == 0
 
 
 async def test_the_refresher_logs_a_stall_once_when_it_passes_the_grace_and_once_at_its_end(
