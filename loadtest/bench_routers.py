@@ -221,6 +221,9 @@ class SystemRun:
     warm_hits: int = 0
     lag_p99_ms: float = math.nan
     lag_retries: int = 0  # runs of this system and seed rejected for loop lag before this one
+    # per request, in workload order: (index, TTFT s of engine time or None, prompt tokens,
+    # engine-reported cached tokens); where in a run its tail lies (docs/benchmarks.md)
+    requests: list[tuple[int, float | None, int, int]] = field(default_factory=list)
 
     @property
     def counts(self) -> bool:
@@ -494,6 +497,15 @@ class Bench:
             status = "lag"
         scale = report.time_scale or 1.0
         ttft = [r.ttft_s / scale for r in report.ok_results() if r.ttft_s is not None]
+        requests = [
+            (
+                r.index,
+                r.ttft_s / scale if r.ok and r.ttft_s is not None else None,
+                r.prompt_tokens,
+                r.cached_tokens,
+            )
+            for r in sorted(report.results, key=lambda r: r.index)
+        ]
         return SystemRun(
             system.name,
             -1,
@@ -504,6 +516,7 @@ class Bench:
             samples,
             warm_hits,
             lag,
+            requests=requests,
         )
 
     async def run_kvgate_block(
@@ -1050,6 +1063,7 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
                     "warm_hits": r.warm_hits,
                     "lag_p99_ms": r.lag_p99_ms,
                     "lag_retries": r.lag_retries,
+                    "requests": r.requests,
                 }
                 for r in runs
             ],

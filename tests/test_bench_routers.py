@@ -185,6 +185,11 @@ def test_bench_routers_kvgate_only(tmp_path: Path) -> None:
         assert r["status"] in ("ok", "lag"), r  # warm-up got engine-reported hits
         assert r["summary"]["errors"] == 0 and r["summary"]["requests"] == 48
         assert sum(r["per_replica"]) == 48
+        # every request's record, in workload order, agreeing with the summary
+        assert [q[0] for q in r["requests"]] == list(range(48))
+        assert all(q[1] is not None and q[1] > 0 for q in r["requests"])
+        cached = sum(q[3] for q in r["requests"]) / sum(q[2] for q in r["requests"])
+        assert cached == pytest.approx(r["summary"]["token_hit_rate"])
     hit = {r["system"]: r["summary"]["token_hit_rate"] for r in kv}
     assert hit["expected_latency"] > hit["round_robin"]
     bound = doc["bounds"]["0"]
