@@ -818,14 +818,18 @@ class Gateway:
                 ttl = self.policy.index.pending_ttl_ms
                 self.index.add_pending(d.replica, keys[start:], ttl, _now_ms())
 
-    def on_first_token(self, d: Dispatch) -> None:
+    def on_first_token(self, d: Dispatch, progressed: bool = True) -> None:
         """The request's prefill is over: its prefill tokens leave the replica's queue.
         For a stream that is its first body chunk, never its response headers: engines
         (vLLM, the simulated replica) send a stream's headers when they accept it, before
         the prefill, and a queue emptied at the headers hides every prefill still waiting
-        from expected_latency (it then sees only running requests)."""
+        from expected_latency (it then sees only running requests). ``progressed``: the
+        engine computed it (not an error answer), so no stall of the replica's engine
+        began before now (D17)."""
         if d.ticket is not None:
             self.inflight.first_token(d.ticket)
+        if progressed:
+            self.inflight.progressed(d.replica, time.monotonic())
 
     def reroute(self, d: Dispatch, failed: str) -> bool:
         """After a connection failure before the first byte: pick another replica."""

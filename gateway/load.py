@@ -30,10 +30,15 @@ class _Own:
     queued_tokens: float = 0.0
     queued_requests: int = 0
     running: int = 0
-    # the tickets still waiting for a first token, in dispatch order; those past it leave
-    # from the front lazily (at most the in-flight ones are held). Streams carry an
-    # expected first token (D16); every ticket's tokens explain an engine stall (D17)
-    queued: deque[Ticket] = field(default_factory=deque)
+    # streams (tickets with an expected first token, D16) in dispatch order; those past
+    # their first token leave from the front at each first token
+    watched: deque[Ticket] = field(default_factory=deque)
+    # every ticket still waiting for its first token (D17: their tokens explain an engine
+    # stall), by id: exactly the waiting ones are held, read only when a stall is reported
+    waiting: dict[int, Ticket] = field(default_factory=dict)
+    # monotonic s of the last progress this gateway saw on the replica (a stream's first
+    # chunk, a whole answer): an engine stall reported to have begun earlier is stale
+    progress_at: float = -math.inf
 
 
 @dataclass(slots=True)
@@ -87,7 +92,9 @@ class InFlight:
         o.queued_requests += 1
         self._delta(replica, 1, uncached_tokens)
         t = Ticket(replica, uncached_tokens, 0, expected)
-        o.queued.append(t)
+        if expected != math.inf:
+            o.watched.append(t)
+        o.waiting[id(t)] = t
         return t
 
     def overdue_s(self, replica: str, now: float, grace_s: float) -> float:
@@ -96,14 +103,26 @@ class InFlight:
         evidence that the replica stopped making progress, which its queue estimate
         cannot show."""
         o = self._own.get(replica)
-        if o is None or not o.queued:
+        if o is None or not o.watched:
             return 0.0
         late = 0.0
         cut = now - grace_s
-        for t in o.queued:  # unwatched (non-streamed) tickets expect math.inf: never late
+        for t in o.watched:
             if t.phase == 0 and cut - t.expected > late:
                 late = cut - t.expected
         return late
+
+    def progressed(self, replica: str, now: float) -> None:
+        """The replica's engine just produced something (a stream's first chunk, a whole
+        answer): evidence of progress at ``now`` (monotonic s)."""
+        o = self._own.setdefault(replica, _Own())
+        if now > o.progress_at:
+            o.progress_at = now
+
+    def since_progress_s(self, replica: str, now: float) -> float:
+        """Seconds since the last progress seen on ``replica`` (inf when none was)."""
+        o = self._own.get(replica)
+        return math.inf if o is None else now - o.progress_at
 
     def longest_queued(self, replica: str) -> float:
         """The most uncached tokens of one of ``replica``'s requests still waiting for a
@@ -111,7 +130,7 @@ class InFlight:
         o = self._own.get(replica)
         if o is None:
             return 0.0
-        return max((t.tokens for t in o.queued if t.phase == 0), default=0.0)
+        return max((t.tokens for t in o.waiting.values()), default=0.0)
 
     def first_token(self, t: Ticket) -> None:
         if t.phase != 0:
@@ -121,9 +140,10 @@ class InFlight:
         o.queued_requests = max(0, o.queued_requests - 1)
         o.running += 1
         t.phase = 1
-        queued = o.queued
-        while queued and queued[0].phase != 0:
-            queued.popleft()
+        del o.waiting[id(t)]
+        watched = o.watched
+        while watched and watched[0].phase != 0:
+            watched.popleft()
         self._delta(t.replica, 0, -t.tokens)
 
     def done(self, t: Ticket) -> None:
@@ -180,6 +200,7 @@ class LoadTracker:
         # a stall counts past the grace; unwatched (no now or grace), never
         stall_cut = 1000.0 * grace_s if now is not None and grace_s is not None else math.inf
         longest = self.inflight.longest_queued
+        since_progress = self.inflight.since_progress_s
         for r in replicas:  # per replica per request: positional, no helper calls
             qt, qr, run = own(r)
             late = (
@@ -192,7 +213,11 @@ class LoadTracker:
                 out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0, late)
                 continue
             if s.stalled_ms - stall_cut > late:  # the larger of the two, never the sum
-                excess = s.stalled_ms - stall_cut
+                # the agent reports a stall's end only at its next scrape: no stall began
+                # before the last progress this gateway saw there (the request that
+                # explained a long prefill may have just left the queue)
+                assert now is not None  # a finite stall_cut
+                excess = min(s.stalled_ms, 1000.0 * since_progress(r, now)) - stall_cut
                 if coeffs is not None and qr:
                     excess -= coeffs.overhead_ms + coeffs.prefill_ms_per_token * longest(r)
                 if excess > late:

@@ -295,7 +295,8 @@ class UpstreamExchange(Response):
                     )  # fmt: skip
                     return
             if resp.status_code != 200 or not d.stream:
-                gw.on_first_token(d)  # a JSON answer (or error) arrives whole
+                # a JSON answer (or error) arrives whole; only an answer is engine progress
+                gw.on_first_token(d, resp.status_code == 200)
             if resp.status_code != 200:
                 await self._relay_error(conn, resp, t0)
             elif d.stream:

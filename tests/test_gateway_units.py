@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import httpx
@@ -9,14 +10,17 @@ import orjson
 import pytest
 from pydantic import SecretStr
 
+from cachecore.agent.progress import ProgressTracker
+from cachecore.agent.scrape import EngineSnapshot
 from cachecore.keys import ScopeKind
+from cachecore.loadstate import EngineLoad, LoadRecord
 from cachecore.scoring import Coefficients
 from cachecore.testing import free_port
 from gateway.auth import KeyFileError, KeyStore, check_admin, hash_key, load_key_file
 from gateway.core import Gateway
 from gateway.errors import GatewayError
 from gateway.limits import TenantLimiter, TokenBucket
-from gateway.load import InFlight, LoadTracker, SharedLoad
+from gateway.load import InFlight, LoadTracker, SharedLoad, Ticket
 from gateway.proxy import _refused
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import ReplicaPool, ReplicaSpec, ReplicaSpecError, parse_replica_spec
@@ -269,20 +273,101 @@ def test_a_stall_the_longest_waiting_prefill_explains_is_not_charged() -> None:
 
 
 def test_first_tokens_drop_the_waiting_tickets_in_order() -> None:
-    """The queue of waiting tickets stays bounded by the in-flight ones even where no view
-    ever reads it (the simulator): a ticket leaves it once every earlier one has its
-    first token."""
+    """The waiting tickets stay bounded by the waiting ones even where no view ever reads
+    them (the simulator): a ticket leaves at its first token, in any order; a stream also
+    leaves D16's queue once every earlier stream has its first token."""
     inf = InFlight()
     a, b, c = inf.dispatch("r", 1), inf.dispatch("r", 2), inf.dispatch("r", 3)
     inf.first_token(b)
-    assert len(inf._own["r"].queued) == 3 and inf.longest_queued("r") == 3
+    assert len(inf._own["r"].waiting) == 2 and inf.longest_queued("r") == 3
     inf.first_token(a)
-    assert len(inf._own["r"].queued) == 1
+    assert len(inf._own["r"].waiting) == 1
     inf.done(c)
-    assert len(inf._own["r"].queued) == 0 and inf.longest_queued("r") == 0.0
+    assert len(inf._own["r"].waiting) == 0 and inf.longest_queued("r") == 0.0
     for _ in range(1000):
         inf.done(inf.dispatch("r", 5))
-    assert len(inf._own["r"].queued) == 0
+        inf.done(inf.dispatch("r", 5, expected=1.0))
+    assert len(inf._own["r"].waiting) == 0 and len(inf._own["r"].watched) == 0
+
+
+def _tickets_alive() -> int:
+    gc.collect()
+    return sum(isinstance(o, Ticket) for o in gc.get_objects())
+
+
+def test_finished_non_streamed_tickets_are_not_held_behind_a_waiting_stream() -> None:
+    """One stream still waiting for its first chunk (which may take up to the first-byte
+    timeout) must not keep the non-streamed requests that finished after it (found in
+    review: one queue of every ticket, pruned from the front, held them all)."""
+    inf = InFlight()
+    base = _tickets_alive()
+    stream = inf.dispatch("r", 100_000, expected=10.0)
+    for _ in range(1000):
+        inf.done(inf.dispatch("r", 50))  # non-streamed requests served meanwhile
+    assert _tickets_alive() - base <= 2, _tickets_alive() - base
+    inf.done(stream)
+
+
+def test_overdue_s_walks_streams_only() -> None:
+    """D16's scan (every replica, every decision) covers streams only; waiting
+    non-streamed requests (up to the engine's queue) must not add to its cost."""
+    walked = 0
+
+    class Counting(float):
+        def __rsub__(self, other: object) -> float:
+            nonlocal walked
+            walked += 1
+            return float(other) - float(self)  # type: ignore[arg-type]
+
+    inf = InFlight()
+    for _ in range(100):
+        t = inf.dispatch("r", 500)
+        t.expected = Counting(t.expected)
+    assert inf.overdue_s("r", 100.0, 2.0) == 0.0
+    assert walked == 0, walked
+
+
+def test_a_long_prefill_is_not_charged_as_a_stall_once_it_ends() -> None:
+    """vLLM counts a prompt's tokens when its prefill completes, the step that emits its
+    first token, but the agent reports the stall's end only at its next scrape. Meanwhile
+    the request that explained the stall has left the queue: the stall is capped by the
+    time since the progress the gateway saw (found in review). A wedge after that progress
+    is still charged."""
+    scrape_s, grace_s = 1.0, 2.0
+    coeffs = Coefficients(overhead_ms=0.0, prefill_ms_per_token=1.0)  # 5,000 tokens: 5 s
+    tracker = ProgressTracker()
+    idle = EngineSnapshot(0, 0, 0.0, prompt_tokens=100.0, generation_tokens=10.0)
+    busy = EngineSnapshot(1, 0, 0.1, prompt_tokens=100.0, generation_tokens=10.0)
+    assert tracker.observe(idle, 0.0) == 0.0
+    # the request arrives at t=0.5 and prefills (as predicted) until t=5.5; the counters
+    # stand still till then
+    stalled_s = 0.0
+    for k in range(1, 6):  # scrapes at t = 1..5
+        stalled_s = tracker.observe(busy, k * scrape_s)
+    metrics_ts = 1_000_000
+    load = EngineLoad(1, 0, 0.1, metrics_ts, metrics_ts - int(stalled_s * 1000))
+    rec = LoadRecord("r", 1, 0, 0.1, metrics_ts, stalled_since_ms=load.stalled_since_ms)
+    assert rec.stalled_ms == 4000  # the last report before the prefill ends
+    shared = {"r": SharedLoad(running=1, stalled_ms=float(rec.stalled_ms))}
+    inf = InFlight()
+    lt = LoadTracker(inf, lambda: shared)
+    t = inf.dispatch("r", 5000, expected=5.5)  # a stream
+    assert lt.views(["r"], {}, 5.2, grace_s, coeffs)["r"].overdue_ms == 0.0  # explained
+    inf.first_token(t)  # t=5.5: the first chunk, as Gateway.on_first_token records it
+    inf.progressed("r", 5.5)
+    # t=5.6: the agent's next scrape (t=6) has not come yet; the report still says 4 s
+    assert lt.views(["r"], {}, 5.6, grace_s, coeffs)["r"].overdue_ms == 0.0
+    # the engine wedges after that first chunk: a report of a 4.5 s stall at t=10 is
+    # charged past the grace
+    shared["r"] = SharedLoad(running=1, stalled_ms=4500.0)
+    assert lt.views(["r"], {}, 10.0, grace_s, coeffs)["r"].overdue_ms == pytest.approx(2500.0)
+    # with no progress ever seen (another gateway's traffic), the report alone counts
+    assert lt.views(["q"], {}, 10.0, grace_s, coeffs) == {
+        "q": LoadTracker(inf).views(["q"], {}, 10.0, grace_s, coeffs)["q"]
+    }
+    shared["q"] = SharedLoad(running=1, stalled_ms=4500.0)
+    assert lt.views(["q"], {}, 10.0, grace_s, coeffs)["q"].overdue_ms == 2500.0
+    inf.done(t)
 
 
 async def test_the_refresher_logs_a_stall_once_when_it_passes_the_grace_and_once_at_its_end(
