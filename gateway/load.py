@@ -322,7 +322,8 @@ class SharedLoadRefresher:
                 self.stalled.add(rid)
                 log.warning(
                     "engine busy without progress past the grace: its traffic is charged "
-                    "the excess",
+                    "what this gateway's own waiting prefills and the progress it saw do not "
+                    "explain",
                     extra={"replica": rid, "stalled_ms": sl.stalled_ms, "grace_ms": grace_ms},
                 )
             elif not stalled and rid in self.stalled:
