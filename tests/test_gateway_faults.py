@@ -26,7 +26,7 @@ from cachecore.testing import free_port
 from gateway.core import Gateway
 from gateway.serve import build_gateway, serve_in_loop, start_gateway_process
 from gateway.settings import GatewaySettings
-from tests.test_gateway_support import ADMIN, FAST, SECRET, kill_replica, stack, words
+from tests.test_gateway_support import ADMIN, FAST, SECRET, Stack, kill_replica, stack, words
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -392,6 +392,44 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path: Path) -> None:
                 proc.wait(timeout=5)
 
 
+async def explain(h: httpx.AsyncClient, st: Stack, body: dict[str, object]) -> dict[str, Any]:
+    """``POST /admin/route/explain`` for ``body``: the decision and its load figures."""
+    r = await h.post("/admin/route/explain", json=body, headers=st.admin_headers())
+    out: dict[str, Any] = r.json()
+    return out
+
+
+async def explain_until(
+    h: httpx.AsyncClient,
+    st: Stack,
+    body: dict[str, object],
+    pred: Callable[[str], bool],
+    limit_s: float,
+) -> dict[str, Any]:
+    """:func:`explain` until the chosen replica satisfies ``pred``, bounded in count and in
+    time (``limit_s``); the last answer either way."""
+    deadline = time.monotonic() + limit_s
+    for _ in range(500):
+        e = await explain(h, st, body)
+        if pred(e["decision"]["replica"]) or time.monotonic() > deadline:
+            return e
+        await asyncio.sleep(0.02)
+    return e
+
+
+async def indexed_holder(
+    h: httpx.AsyncClient, st: Stack, body: Callable[[int], dict[str, object]]
+) -> tuple[str, str]:
+    """Send ``body(0)``; once its blocks are indexed (``body(1)`` is routed to the same
+    replica on a match), that replica's id and URL."""
+    first = await h.post("/v1/completions", json=body(0))
+    holder = first.headers["x-kvgate-replica"]
+    url = next(e.url for i, e in enumerate(st.fleet.endpoints) if st.replica_id(i) == holder)
+    d = (await explain_until(h, st, body(1), lambda r: r == holder, 3.0))["decision"]
+    assert d["replica"] == holder and max(s["matched_blocks"] for s in d["scores"]) > 0, d
+    return holder, url
+
+
 async def test_a_wedged_replica_loses_its_traffic_once_a_stream_is_overdue() -> None:
     """An engine that stops making progress while its HTTP still answers (paused here): a
     stream sent to it gets no first token, and once that is later than its predicted TTFT
@@ -409,23 +447,14 @@ async def test_a_wedged_replica_loses_its_traffic_once_a_stream_is_overdue() -> 
                     "stream": True}  # fmt: skip
 
         async def choice(i: int) -> dict[str, Any]:
-            r = await h.post("/admin/route/explain", json=body(i), headers=st.admin_headers())
-            decision: dict[str, Any] = r.json()["decision"]
+            decision: dict[str, Any] = (await explain(h, st, body(i)))["decision"]
             return decision
 
         async def until_choice(i: int, pred: Callable[[str], bool]) -> dict[str, Any]:
-            for _ in range(150):  # bounded: 3 s
-                d = await choice(i)
-                if pred(d["replica"]):
-                    return d
-                await asyncio.sleep(0.02)
-            return d
+            decision: dict[str, Any] = (await explain_until(h, st, body(i), pred, 3.0))["decision"]
+            return decision
 
-        first = await h.post("/v1/completions", json=body(0))
-        holder = first.headers["x-kvgate-replica"]
-        url = next(e.url for i, e in enumerate(st.fleet.endpoints) if st.replica_id(i) == holder)
-        d = await until_choice(1, lambda r: r == holder)  # its blocks are indexed
-        assert d["replica"] == holder and max(s["matched_blocks"] for s in d["scores"]) > 0
+        holder, url = await indexed_holder(h, st, body)
         async with httpx.AsyncClient(timeout=10.0) as direct:
             await direct.post(url + "/debug/pause", json={"seconds": 3.0})
         stuck = asyncio.create_task(h.post("/v1/completions", json=body(2)))
@@ -470,34 +499,15 @@ async def test_a_wedged_replica_loses_its_non_streamed_traffic_once_its_engine_s
         def body(i: int) -> dict[str, object]:
             return {"model": st.model, "prompt": prompt + f" q{i}", "max_tokens": 2}
 
-        async def explain(i: int) -> dict[str, Any]:
-            r = await h.post("/admin/route/explain", json=body(i), headers=st.admin_headers())
-            out: dict[str, Any] = r.json()
-            return out
-
-        async def until_choice(i: int, pred: Callable[[str], bool], limit_s: float) -> Any:
-            deadline = time.monotonic() + limit_s
-            for _ in range(500):  # bounded in count and in time
-                e = await explain(i)
-                if pred(e["decision"]["replica"]) or time.monotonic() > deadline:
-                    return e
-                await asyncio.sleep(0.02)
-            return e
-
-        first = await h.post("/v1/completions", json=body(0))
-        holder = first.headers["x-kvgate-replica"]
-        url = next(e.url for i, e in enumerate(st.fleet.endpoints) if st.replica_id(i) == holder)
-        e = await until_choice(1, lambda r: r == holder, 3.0)  # its blocks are indexed
-        scores = e["decision"]["scores"]
-        assert e["decision"]["replica"] == holder and max(s["matched_blocks"] for s in scores)
+        holder, url = await indexed_holder(h, st, body)
         async with httpx.AsyncClient(timeout=10.0) as direct:
             await direct.post(url + "/debug/pause", json={"seconds": pause_s})
         t0 = time.monotonic()
         stuck = asyncio.create_task(h.post("/v1/completions", json=body(2)))  # not streamed
         try:
             await asyncio.sleep(0.05)
-            assert (await explain(3))["decision"]["replica"] == holder  # the hit wins
-            e = await until_choice(3, lambda r: r != holder, 3.0)
+            assert (await explain(h, st, body(3)))["decision"]["replica"] == holder  # hit wins
+            e = await explain_until(h, st, body(3), lambda r: r != holder, 3.0)
             moved_s = time.monotonic() - t0
             assert e["decision"]["replica"] != holder, e
             # detected by scrapes: the grace, the scrapes that measure it (the first busy
@@ -519,7 +529,7 @@ async def test_a_wedged_replica_loses_its_non_streamed_traffic_once_its_engine_s
         # best again and takes its share of the ties
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
-            e = await explain(5)
+            e = await explain(h, st, body(5))
             if e["stalled_ms"][holder] == 0:
                 break
             await asyncio.sleep(0.02)
