@@ -79,6 +79,14 @@ class InFlight:
         self._own: dict[str, _Own] = {}
         self.pending_deltas: dict[str, list[int]] = {}
 
+    def _entry(self, replica: str) -> _Own:
+        # not setdefault(replica, _Own()): that builds a throwaway _Own (a deque and a
+        # dict) at every dispatch and first token
+        o = self._own.get(replica)
+        if o is None:
+            o = self._own[replica] = _Own()
+        return o
+
     def _delta(self, replica: str, d_req: int, d_tok: float) -> None:
         d = self.pending_deltas.setdefault(replica, [0, 0])
         d[0] += d_req
@@ -87,7 +95,7 @@ class InFlight:
     def dispatch(self, replica: str, uncached_tokens: float, expected: float = math.inf) -> Ticket:
         """Count a request against ``replica``; with a finite ``expected`` (monotonic s of
         its predicted first token) the first token is watched (:meth:`overdue_s`)."""
-        o = self._own.setdefault(replica, _Own())
+        o = self._entry(replica)
         o.queued_tokens += uncached_tokens
         o.queued_requests += 1
         self._delta(replica, 1, uncached_tokens)
@@ -115,7 +123,7 @@ class InFlight:
     def progressed(self, replica: str, now: float) -> None:
         """The replica's engine just produced something (a stream's first chunk, a whole
         answer): evidence of progress at ``now`` (monotonic s)."""
-        o = self._own.setdefault(replica, _Own())
+        o = self._entry(replica)
         if now > o.progress_at:
             o.progress_at = now
 
