@@ -1,0 +1,200 @@
+"""The schedule floor: a TTFT percentile no router can beat on a given fleet and workload,
+counting the queueing that the workload's arrivals force, not only each request alone.
+
+The alone floor (:func:`loadtest.bench_routers.workload_bounds`) gives each request an idle
+replica. When many cold prefills arrive together that is far below anything reachable: four
+replicas cannot each serve three 0.5 s prefills that land in the same second in 0.5 s. This
+module bounds what a clairvoyant router could do, by a relaxation of the engine model
+(:mod:`cachecore.engine.latency`) that only ever makes scheduling easier:
+
+- a request's prefill is its uncached tokens under the *infinite* cache (every block any
+  earlier request holds counts as cached, even before that request has computed it);
+- a replica computes prefill tokens at ``1 / prefill_per_token`` tokens a second at most
+  (a step computing P tokens lasts ``overhead + P x per_token``), and a request's tokens
+  cannot start before one step overhead after its arrival (it joins the next step, whose
+  overhead comes first); decode costs nothing; no HTTP time;
+- the work is preemptive and migrates freely between replicas (a request is served by at
+  most one replica at a time, but by any one at any moment).
+
+Under that relaxation, "every request but ``k`` of them has TTFT <= x" is a mixed-integer
+feasibility problem over time intervals (Horn's flow construction for P|pmtn,r_j|Lmax, with
+a binary per request that may be dropped): each request's prefill time is spread over the
+intervals inside ``[arrival + overhead, arrival + x]``, at most an interval's length per
+request and ``replicas`` x its length per interval, unless the request is one of the ``k``
+dropped. A maximum flow (no drops) settles most ``x`` at once: no deficit is feasible, a
+deficit above the ``k`` largest prefills is not; HiGHS solves the rest. The smallest
+feasible ``x``, bisected, is a lower bound on the nearest-rank percentile that leaves ``k``
+requests above it. The flow runs on integer microseconds, rounded so that every rounding
+makes the test easier to pass, and the solver's tolerances can only do the same (the bound
+stays a bound).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array, csr_array
+from scipy.sparse.csgraph import maximum_flow
+
+from cachecore.engine.latency import LatencyProfile
+
+_US = 1_000_000
+_RESOLUTION_S = 0.0005  # bisection stops within half a millisecond
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    """One request as the relaxation sees it."""
+
+    arrival_s: float
+    work_s: float  # uncached prefill tokens x per-token time (no overhead)
+
+
+def prefill_jobs(
+    arrivals_s: Sequence[float], uncached_tokens: Sequence[int], profile: LatencyProfile
+) -> list[PrefillJob]:
+    if len(arrivals_s) != len(uncached_tokens):
+        raise ValueError("one arrival per request")
+    return [
+        PrefillJob(t, max(0, n) * profile.prefill_per_token_s)
+        for t, n in zip(arrivals_s, uncached_tokens, strict=True)
+    ]
+
+
+def deficit_s(jobs: Sequence[PrefillJob], replicas: int, overhead_s: float, ttft_s: float) -> float:
+    """Prefill seconds that no preemptive, migrating schedule on ``replicas`` can finish when
+    each request's tokens must run within ``[arrival + overhead, arrival + ttft]``."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    work = [math.floor(j.work_s * _US) for j in jobs]
+    total = sum(work)
+    if total == 0:
+        return 0.0
+    if ttft_s <= overhead_s:
+        return total / _US
+    # windows widened to whole microseconds (start down, end up): rounding only helps
+    starts = np.array([math.floor((j.arrival_s + overhead_s) * _US) for j in jobs], np.int64)
+    ends = np.array([math.ceil((j.arrival_s + ttft_s) * _US) for j in jobs], np.int64)
+    points = np.unique(np.concatenate([starts, ends]))
+    n, k = len(jobs), len(points) - 1
+    source, sink = 0, n + k + 1
+    rows: list[np.ndarray] = [np.zeros(n, dtype=np.int64)]
+    cols: list[np.ndarray] = [np.arange(1, n + 1, dtype=np.int64)]
+    caps: list[np.ndarray] = [np.array(work, dtype=np.int64)]
+    lengths = np.diff(points)
+    first = np.searchsorted(points, starts)  # the interval starting at the job's start
+    last = np.searchsorted(points, ends)  # the job's end point: intervals before it
+    for j in range(n):
+        if work[j] == 0 or last[j] <= first[j]:
+            continue
+        span = np.arange(first[j], last[j], dtype=np.int64)
+        rows.append(np.full(len(span), j + 1, dtype=np.int64))
+        cols.append(span + n + 1)
+        caps.append(lengths[span])
+    rows.append(np.arange(n + 1, n + k + 1, dtype=np.int64))
+    cols.append(np.full(k, sink, dtype=np.int64))
+    caps.append(lengths * replicas)
+    cap = np.concatenate(caps)
+    if cap.max(initial=0) >= 2**31:
+        raise ValueError("the workload spans too long for the solver's 32-bit capacities")
+    graph = csr_array(
+        (cap.astype(np.int32), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(n + k + 2, n + k + 2),
+    )
+    flow = int(maximum_flow(graph, source, sink).flow_value)
+    return (total - flow) / _US
+
+
+@dataclass(frozen=True, slots=True)
+class _Windows:
+    """The job -> interval edges of one TTFT bound, in milliseconds."""
+
+    job: np.ndarray  # per edge: its job
+    interval: np.ndarray  # per edge: its interval
+    length_ms: np.ndarray  # per interval
+    work_ms: np.ndarray  # per job
+
+
+def _windows(jobs: Sequence[PrefillJob], overhead_s: float, ttft_s: float) -> _Windows:
+    starts = np.array([j.arrival_s + overhead_s for j in jobs]) * 1000.0
+    ends = np.array([j.arrival_s + ttft_s for j in jobs]) * 1000.0
+    points = np.unique(np.concatenate([starts, ends]))
+    first, last = np.searchsorted(points, starts), np.searchsorted(points, ends)
+    counts = np.maximum(last - first, 0)  # the intervals inside each job's window
+    job = np.repeat(np.arange(len(jobs), dtype=np.int64), counts)
+    begin = np.repeat(np.cumsum(counts) - counts, counts)  # each job's first edge
+    interval = np.arange(len(job), dtype=np.int64) - begin + np.repeat(first, counts)
+    work = np.array([j.work_s * 1000.0 for j in jobs])
+    return _Windows(job, interval.astype(np.int64), np.diff(points), work)
+
+
+def _feasible_with_drops(w: _Windows, replicas: int, exceptions: int) -> bool:
+    """HiGHS: can every job but ``exceptions`` of them get its work inside its window?"""
+    n, k, e = len(w.work_ms), len(w.length_ms), len(w.job)
+    edges = np.arange(e)
+    jobs = np.arange(n)
+    # variables: one flow per edge, then one drop binary per job
+    per_job = coo_array(
+        (np.concatenate([np.ones(e), w.work_ms]), (np.concatenate([w.job, jobs]),
+         np.concatenate([edges, e + jobs]))), shape=(n, e + n),
+    )  # fmt: skip
+    per_interval = coo_array((np.ones(e), (w.interval, edges)), shape=(k, e + n))
+    drops = coo_array((np.ones(n), (np.zeros(n, np.int64), e + jobs)), shape=(1, e + n))
+    constraints = [
+        LinearConstraint(per_job, lb=w.work_ms, ub=np.inf),
+        LinearConstraint(per_interval, lb=0, ub=w.length_ms * replicas),
+        LinearConstraint(drops, lb=0, ub=exceptions),
+    ]
+    upper = np.concatenate([w.length_ms[w.interval], np.ones(n)])
+    integrality = np.concatenate([np.zeros(e), np.ones(n)])
+    res = milp(np.zeros(e + n), constraints=constraints, integrality=integrality,
+               bounds=Bounds(0, upper))  # fmt: skip
+    return bool(res.status == 0)
+
+
+def schedule_floor_s(
+    jobs: Sequence[PrefillJob], replicas: int, overhead_s: float, exceptions: int = 0
+) -> float:
+    """A lower bound on the TTFT that all requests but ``exceptions`` of them can meet on
+    ``replicas`` (module docstring): the largest bisected TTFT the relaxation rejects."""
+    if not jobs:
+        return math.nan
+    if exceptions >= len(jobs):
+        return 0.0
+    works = sorted((math.floor(j.work_s * _US) for j in jobs), reverse=True)
+    allowance = sum(works[:exceptions])
+
+    def feasible(x: float) -> bool:
+        short = deficit_s(jobs, replicas, overhead_s, x) * _US
+        if short == 0 or exceptions == 0 or short > allowance:
+            return short == 0
+        return _feasible_with_drops(_windows(jobs, overhead_s, x), replicas, exceptions)
+
+    span = max(j.arrival_s for j in jobs) - min(j.arrival_s for j in jobs)
+    lo, hi = overhead_s, overhead_s + span + sum(j.work_s for j in jobs) + _RESOLUTION_S
+    if feasible(lo):
+        return lo
+    while hi - lo > _RESOLUTION_S:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def percentile_exceptions(n: int, q: float) -> int:
+    """Requests a nearest-rank ``q`` percentile of ``n`` values leaves above it
+    (:func:`cachecore.traceanalysis.percentile`): 1 for the p99 of 120 to 199 requests."""
+    return n - max(1, math.ceil(q / 100.0 * n))
+
+
+def schedule_floor_percentile_s(
+    jobs: Sequence[PrefillJob], replicas: int, overhead_s: float, q: float
+) -> float:
+    """No router's nearest-rank ``q`` percentile of TTFT over these requests is below this."""
+    return schedule_floor_s(jobs, replicas, overhead_s, percentile_exceptions(len(jobs), q))
