@@ -208,17 +208,20 @@ async def test_a_head_cut_short_on_a_kept_alive_connection_is_not_resent() -> No
 
 
 async def test_cancelled_exchange_closes_its_connection() -> None:
-    closed = asyncio.Event()
+    got, closed = asyncio.Event(), asyncio.Event()
 
     async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
+        got.set()
         if await reader.read(1) == b"":  # EOF: the client closed the connection
             closed.set()
 
     t = LeanTransport()
     async with server(slow) as (url, _):
         task = asyncio.ensure_future(t.post(url, "/x", [], b"{}", TIMEOUTS))
-        await asyncio.sleep(0.1)
+        # cancelled only once the server has the request: cancelled while still connecting
+        # (a fixed 0.1 s was not always enough on a loaded machine), no connection to close
+        await asyncio.wait_for(got.wait(), 5.0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
