@@ -144,3 +144,62 @@ async def test_the_load_link_publishes_the_stall_as_its_start() -> None:
     await link.publish("a", snap(running=2.0), m)
     rec = (await store.snapshot(["a"], int(time.time() * 1000)))["a"]
     assert (rec.stalled_since_ms, rec.stalled_ms, rec.num_running) == (0, 0, 2)
+
+
+# an SGLang engine's /metrics (names and labels of sglang/srt/metrics/collector.py): its
+# token counters move only when a request finishes
+SGLANG_PAGE = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} {running}
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 2.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 0.28
+# HELP sglang:max_total_num_tokens Maximum total number of tokens in the KV cache pool.
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 65536.0
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="m"} 8128902.0
+# HELP sglang:generation_tokens_total Number of generation tokens processed.
+# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{model_name="m"} 7557572.0
+# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.7e9
+"""
+
+
+def test_parse_metrics_reads_sglang_load_but_not_its_token_counters() -> None:
+    s = parse_metrics(SGLANG_PAGE.replace("{running}", "3.0"))
+    assert (s.running, s.waiting, s.kv_usage) == (3.0, 2.0, 0.28)
+    assert s.model_name == "m" and s.start_time == 1.7e9
+    # SGLang exports its pool in tokens, not blocks
+    assert s.block_size is None and s.num_gpu_blocks is None
+    assert s.capacity_blocks(16) == 4096 and s.capacity_blocks(1) == 65536
+    # counted at request end: not progress evidence, so not read
+    assert (s.prompt_tokens, s.generation_tokens) == (None, None)
+
+
+def test_an_sglang_engine_busy_for_long_is_never_called_stalled() -> None:
+    t = ProgressTracker()
+    page = SGLANG_PAGE.replace("{running}", "5.0")
+    assert all(t.observe(parse_metrics(page), float(k)) == 0.0 for k in range(30))
+
+
+def test_vllm_names_win_where_both_are_exported() -> None:
+    both = SGLANG_PAGE.replace("{running}", "9.0") + (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 1.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{model_name="m"} 0.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )
+    s = parse_metrics(both)
+    assert (s.running, s.waiting, s.kv_usage) == (1.0, 0.0, 0.5)
+    vllm_blocks = EngineSnapshot(num_gpu_blocks=777, max_total_tokens=65536)
+    assert vllm_blocks.capacity_blocks(16) == 777

@@ -334,7 +334,8 @@ class Agent:
         block_size = self.settings.block_size or snap.block_size
         while block_size is None:
             log.error(
-                "engine reports no block size (vllm:cache_config_info); pass --block-size",
+                "engine reports no block size (vllm:cache_config_info); pass --block-size "
+                "(for SGLang: its --page-size)",
                 extra={"replica": self.primary_id},
             )
             await asyncio.sleep(max(5.0, self.settings.scrape_interval_s))
@@ -351,7 +352,9 @@ class Agent:
             )
             await asyncio.sleep(max(5.0, self.settings.scrape_interval_s))
             model = await self.scraper.model()
-        return EngineInfo(model, block_size, snap.num_gpu_blocks, snap.start_time or 0.0)
+        return EngineInfo(
+            model, block_size, snap.capacity_blocks(block_size), snap.start_time or 0.0
+        )
 
     async def _retry_index(self, call: Callable[[], Awaitable[bool]], what: str) -> bool:
         delay = 0.1
@@ -474,7 +477,9 @@ class Agent:
             self.engine = EngineInfo(
                 model or self.engine.model,
                 keyer.block_size if keyer else self.engine.block_size,
-                snap.num_gpu_blocks if snap else self.engine.num_gpu_blocks,
+                snap.capacity_blocks(keyer.block_size if keyer else self.engine.block_size)
+                if snap
+                else self.engine.num_gpu_blocks,
                 start,
             )
         return ClearReplica(state, self.engine.start_time, cause, keyer, model)
@@ -581,7 +586,8 @@ class Agent:
                 self.primary_id,
                 model=info.model,
                 block_size=info.block_size,
-                capacity_blocks=(snap.num_gpu_blocks if snap else None) or info.num_gpu_blocks,
+                capacity_blocks=(snap.capacity_blocks(info.block_size) if snap else None)
+                or info.num_gpu_blocks,
                 metrics=self.metrics,
             )
             await asyncio.sleep(self.settings.heartbeat_interval_s)

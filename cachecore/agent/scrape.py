@@ -1,4 +1,14 @@
-"""Engine scraping: vLLM's Prometheus ``/metrics`` (facts §3) and ``/v1/models``."""
+"""Engine scraping: vLLM's Prometheus ``/metrics`` (facts §3) and ``/v1/models``.
+
+SGLang's load gauges are read too (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+``sglang:token_usage``, ``sglang:max_total_num_tokens``), so an SGLang replica's agent
+publishes its load. Its token counters are deliberately not read: SGLang adds a request's
+prompt and generated tokens to ``sglang:prompt_tokens_total`` and
+``sglang:generation_tokens_total`` only when the request finishes
+(``TokenizerMetricsCollector.observe_one_finished_request``), so an engine busy with long
+generations would look stalled to D17's progress tracker. SGLang exports no block size:
+its agent needs ``--block-size`` (the engine's ``--page-size``).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +28,10 @@ START_TIME = "process_start_time_seconds"
 # an engine with requests whose counters stand still is stalled (cachecore.agent.progress)
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+SGLANG_RUNNING = "sglang:num_running_reqs"
+SGLANG_WAITING = "sglang:num_queue_reqs"
+SGLANG_KV_USAGE = "sglang:token_usage"  # fraction of the KV pool's tokens in use, 0..1
+SGLANG_MAX_TOKENS = "sglang:max_total_num_tokens"  # the KV pool's size in tokens
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 
 
@@ -39,6 +53,17 @@ class EngineSnapshot:
     # None when the engine does not export the series
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
+    # the KV pool in tokens, for engines that do not export their block count (SGLang)
+    max_total_tokens: int | None = None
+
+    def capacity_blocks(self, block_size: int) -> int | None:
+        """The KV pool in blocks of ``block_size``: the engine's own count if it exports
+        one, else its token capacity in whole blocks."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        if self.max_total_tokens is not None and block_size > 0:
+            return self.max_total_tokens // block_size
+        return None
 
 
 def _as_int(text: str | None) -> int | None:
@@ -52,7 +77,9 @@ def _as_int(text: str | None) -> int | None:
 
 def parse_metrics(text: str) -> EngineSnapshot:
     """Read the few series a router needs; every metric is summed over its ``model_name``
-    labels (one engine serves one model, but be tolerant)."""
+    labels (one engine serves one model, but be tolerant). vLLM's names win where an
+    engine exports both (a vLLM behind an SGLang-compatible shim, or the other way round
+    would otherwise count its requests twice)."""
     running = waiting = 0.0
     kv_usage: float | None = None
     kv_usage_old: float | None = None
@@ -61,6 +88,11 @@ def parse_metrics(text: str) -> EngineSnapshot:
     model: str | None = None
     prompt: float | None = None
     generation: float | None = None
+    sgl_running: float | None = None
+    sgl_waiting: float | None = None
+    sgl_usage: float | None = None
+    sgl_max_tokens: int | None = None
+    vllm_load = False
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as exc:
@@ -73,8 +105,10 @@ def parse_metrics(text: str) -> EngineSnapshot:
             name = s.name
             if name == RUNNING:
                 running += value
+                vllm_load = True
             elif name == WAITING:
                 waiting += value
+                vllm_load = True
             elif name == KV_USAGE:
                 kv_usage = max(kv_usage or 0.0, value)
             elif name == KV_USAGE_OLD:
@@ -88,12 +122,33 @@ def parse_metrics(text: str) -> EngineSnapshot:
                 prompt = (prompt or 0.0) + value
             elif name == GENERATION_TOKENS:
                 generation = (generation or 0.0) + value
+            elif name == SGLANG_RUNNING:
+                sgl_running = (sgl_running or 0.0) + value
+            elif name == SGLANG_WAITING:
+                sgl_waiting = (sgl_waiting or 0.0) + value
+            elif name == SGLANG_KV_USAGE:
+                sgl_usage = max(sgl_usage or 0.0, value)
+            elif name == SGLANG_MAX_TOKENS:
+                sgl_max_tokens = (sgl_max_tokens or 0) + int(value)
             else:
                 continue
             model = model or s.labels.get("model_name")
-    usage = kv_usage if kv_usage is not None else (kv_usage_old or 0.0)
+    usage = kv_usage if kv_usage is not None else kv_usage_old
+    if not vllm_load and (sgl_running is not None or sgl_waiting is not None):
+        running, waiting = sgl_running or 0.0, sgl_waiting or 0.0
+    if usage is None:
+        usage = sgl_usage
     return EngineSnapshot(
-        running, waiting, usage, block_size, num_blocks, start, model, prompt, generation
+        running,
+        waiting,
+        usage or 0.0,
+        block_size,
+        num_blocks,
+        start,
+        model,
+        prompt,
+        generation,
+        sgl_max_tokens,
     )
 
 
