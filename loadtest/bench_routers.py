@@ -896,6 +896,10 @@ def plot(
         if ttft:
             ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
             ax.plot(ttft, ys, label=name, lw=1.2, ls="--" if ":" in name else "-")
+    floors = [b.p99_floor_s for b in bounds.values() if not math.isnan(b.p99_floor_s)]
+    if floors:  # no router's p99 is left of it (the sharper floor, mean over seeds)
+        floor = statistics.fmean(floors)
+        ax.axvline(floor, color="k", ls=":", lw=1.0, label=f"p99 floor {floor:.3f} s")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s, engine time)")
     ax.set_ylabel("fraction of requests")
