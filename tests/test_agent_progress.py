@@ -203,3 +203,51 @@ def test_vllm_names_win_where_both_are_exported() -> None:
     assert (s.running, s.waiting, s.kv_usage) == (1.0, 0.0, 0.5)
     vllm_blocks = EngineSnapshot(num_gpu_blocks=777, max_total_tokens=65536)
     assert vllm_blocks.capacity_blocks(16) == 777
+
+
+def _sglang_rank(dp: int, tp: int, running: float, pages: float) -> str:
+    labels = f'dp_rank="{dp}",engine_type="unified",model_name="m",tp_rank="{tp}"'
+    return (
+        f"sglang:num_running_reqs{{{labels}}} {running}\n"
+        f"sglang:num_queue_reqs{{{labels}}} 1.0\n"
+        f"sglang:page_size{{{labels}}} 16.0\n"
+        f"sglang:num_pages{{{labels}}} {pages}\n"
+        f"sglang:max_total_num_tokens{{{labels}}} {pages * 16}\n"
+    )
+
+
+def test_sglang_ranks_count_once_per_data_parallel_rank() -> None:
+    # every scheduler exporting (--enable-metrics-for-all-schedulers): two tensor-parallel
+    # ranks of one batch and pool report the same values; two data-parallel ranks differ
+    page = (
+        "# TYPE sglang:num_running_reqs gauge\n# TYPE sglang:num_queue_reqs gauge\n"
+        "# TYPE sglang:page_size gauge\n# TYPE sglang:num_pages gauge\n"
+        "# TYPE sglang:max_total_num_tokens gauge\n"
+        + _sglang_rank(0, 0, 5.0, 1000.0)
+        + _sglang_rank(0, 1, 5.0, 1000.0)
+        + _sglang_rank(1, 0, 2.0, 1000.0)
+        + _sglang_rank(1, 1, 2.0, 1000.0)
+    )
+    s = parse_metrics(page)
+    assert (s.running, s.waiting) == (7.0, 2.0)
+    # recent SGLang versions export the page size and count: no --block-size needed
+    assert (s.block_size, s.num_gpu_blocks) == (16, 2000)
+    assert s.capacity_blocks(16) == 2000 and s.max_total_tokens == 32000
+
+
+def test_a_non_finite_gauge_is_skipped_not_fatal() -> None:
+    page = SGLANG_PAGE.replace("{running}", "3.0").replace("} 65536.0", "} +Inf")
+    assert "+Inf" in page
+    s = parse_metrics(page)
+    assert s.running == 3.0 and s.max_total_tokens is None
+    nan_running = 'vllm:num_requests_running{model_name="m"} NaN\n'
+    assert parse_metrics(nan_running).running == 0.0
+
+
+def test_each_load_series_falls_back_to_sglang_on_its_own() -> None:
+    # a page with vLLM's waiting count only: running comes from SGLang's gauge
+    page = SGLANG_PAGE.replace("{running}", "7.0") + (
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 4.0\n'
+    )
+    s = parse_metrics(page)
+    assert (s.running, s.waiting) == (7.0, 4.0)

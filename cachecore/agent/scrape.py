@@ -1,13 +1,17 @@
 """Engine scraping: vLLM's Prometheus ``/metrics`` (facts §3) and ``/v1/models``.
 
 SGLang's load gauges are read too (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
-``sglang:token_usage``, ``sglang:max_total_num_tokens``), so an SGLang replica's agent
-publishes its load. Its token counters are deliberately not read: SGLang adds a request's
+``sglang:token_usage``), and its pool (``sglang:page_size`` and ``sglang:num_pages`` where
+the version exports them, else ``sglang:max_total_num_tokens`` in whole blocks), so an
+SGLang replica's agent publishes its load. Every scheduler may export them
+(``--enable-metrics-for-all-schedulers``): tensor-parallel ranks report the same batch and
+pool, so a series counts once per ``dp_rank`` (the largest of its ranks) and is summed over
+data-parallel ranks. Its token counters are deliberately not read: SGLang adds a request's
 prompt and generated tokens to ``sglang:prompt_tokens_total`` and
 ``sglang:generation_tokens_total`` only when the request finishes
 (``TokenizerMetricsCollector.observe_one_finished_request``), so an engine busy with long
-generations would look stalled to D17's progress tracker. SGLang exports no block size:
-its agent needs ``--block-size`` (the engine's ``--page-size``).
+generations would look stalled to D17's progress tracker. An SGLang that exports no page
+size needs ``--block-size`` on its agent (the engine's ``--page-size``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ SGLANG_RUNNING = "sglang:num_running_reqs"
 SGLANG_WAITING = "sglang:num_queue_reqs"
 SGLANG_KV_USAGE = "sglang:token_usage"  # fraction of the KV pool's tokens in use, 0..1
 SGLANG_MAX_TOKENS = "sglang:max_total_num_tokens"  # the KV pool's size in tokens
+SGLANG_PAGE_SIZE = "sglang:page_size"  # tokens per KV page (recent versions)
+SGLANG_NUM_PAGES = "sglang:num_pages"
+_SGLANG_PER_RANK = (
+    SGLANG_RUNNING,
+    SGLANG_WAITING,
+    SGLANG_MAX_TOKENS,
+    SGLANG_PAGE_SIZE,
+    SGLANG_NUM_PAGES,
+)
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 
 
@@ -88,11 +101,10 @@ def parse_metrics(text: str) -> EngineSnapshot:
     model: str | None = None
     prompt: float | None = None
     generation: float | None = None
-    sgl_running: float | None = None
-    sgl_waiting: float | None = None
     sgl_usage: float | None = None
-    sgl_max_tokens: int | None = None
-    vllm_load = False
+    # SGLang series by dp_rank: the largest value its (tensor-parallel) ranks report
+    sgl: dict[str, dict[str, float]] = {}
+    vllm_running = vllm_waiting = False
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as exc:
@@ -100,15 +112,15 @@ def parse_metrics(text: str) -> EngineSnapshot:
     for fam in families:
         for s in fam.samples:
             value = float(s.value)
-            if math.isnan(value):
+            if not math.isfinite(value):  # NaN, or an infinity no gauge here can mean
                 continue
             name = s.name
             if name == RUNNING:
                 running += value
-                vllm_load = True
+                vllm_running = True
             elif name == WAITING:
                 waiting += value
-                vllm_load = True
+                vllm_waiting = True
             elif name == KV_USAGE:
                 kv_usage = max(kv_usage or 0.0, value)
             elif name == KV_USAGE_OLD:
@@ -122,22 +134,28 @@ def parse_metrics(text: str) -> EngineSnapshot:
                 prompt = (prompt or 0.0) + value
             elif name == GENERATION_TOKENS:
                 generation = (generation or 0.0) + value
-            elif name == SGLANG_RUNNING:
-                sgl_running = (sgl_running or 0.0) + value
-            elif name == SGLANG_WAITING:
-                sgl_waiting = (sgl_waiting or 0.0) + value
+            elif name in _SGLANG_PER_RANK:
+                ranks = sgl.setdefault(name, {})
+                rank = s.labels.get("dp_rank", "")
+                ranks[rank] = max(ranks.get(rank, value), value)
             elif name == SGLANG_KV_USAGE:
                 sgl_usage = max(sgl_usage or 0.0, value)
-            elif name == SGLANG_MAX_TOKENS:
-                sgl_max_tokens = (sgl_max_tokens or 0) + int(value)
             else:
                 continue
             model = model or s.labels.get("model_name")
     usage = kv_usage if kv_usage is not None else kv_usage_old
-    if not vllm_load and (sgl_running is not None or sgl_waiting is not None):
-        running, waiting = sgl_running or 0.0, sgl_waiting or 0.0
+    # vLLM's series first, each on its own (an engine exporting both is counted once)
+    if not vllm_running and SGLANG_RUNNING in sgl:
+        running = sum(sgl[SGLANG_RUNNING].values())
+    if not vllm_waiting and SGLANG_WAITING in sgl:
+        waiting = sum(sgl[SGLANG_WAITING].values())
     if usage is None:
         usage = sgl_usage
+    if block_size is None and SGLANG_PAGE_SIZE in sgl:
+        block_size = int(max(sgl[SGLANG_PAGE_SIZE].values())) or None
+    if num_blocks is None and SGLANG_NUM_PAGES in sgl:
+        num_blocks = int(sum(sgl[SGLANG_NUM_PAGES].values())) or None
+    max_tokens = sgl.get(SGLANG_MAX_TOKENS)
     return EngineSnapshot(
         running,
         waiting,
@@ -148,7 +166,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
         model,
         prompt,
         generation,
-        sgl_max_tokens,
+        int(sum(max_tokens.values())) if max_tokens else None,
     )
 
 
