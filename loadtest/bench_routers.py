@@ -54,7 +54,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachecore.engine.latency import LatencyProfile, get_profile
 from cachecore.keys import BlockKeyer
 from cachecore.replica.fleet import FleetProcess, launch_fleet
-from cachecore.scoring import hit_cap_blocks
 from cachecore.testing import free_port, free_ports
 from cachecore.tokenizer import builtin_tokenizer
 from cachecore.traceanalysis import RequestBlocks, lru_bound, percentile
@@ -240,6 +239,9 @@ class Bounds:
     infinite: float
     fleet_lru: float
     capacity_blocks: int
+    # The floors are per isolation scope (tenant): they bound every router whose engines keep
+    # tenants' caches apart, kvgate always (a peer run without cache salts may share blocks
+    # across tenants on a multi-tenant workload, and go below them there).
     # TTFT no router can beat: each request alone on an idle replica holding every block any
     # earlier request computed (the infinite cache), engine time; p99 and mean over requests
     ttft_floor_p99_s: float = math.nan
@@ -302,16 +304,17 @@ def make_workload(
 
 
 def request_blocks(w: Workload) -> list[RequestBlocks]:
-    """Each prompt's block keys as the engine tokenizes it (hit cap applied), under its
-    tenant: what the bounds replay through an LRU."""
+    """Each prompt's full blocks' keys as the engine tokenizes it, under its tenant: what the
+    bounds replay through an LRU. Every full block, the one holding the last token too: the
+    engine caches it (a longer prompt can hit it later); the hit cap applies to each
+    request's own hit (:func:`cachecore.traceanalysis.capped_hit_tokens`)."""
     tok = LocalPromptTokenizer(builtin_tokenizer())
     keyer = BlockKeyer(BLOCK_SIZE)
     reqs = []
     for it in w.items:
         body = it.body(MODEL, stream=False)
         tokens = tok.chat_sync(body) if it.api == "chat" else tok.completion_sync(body)
-        cap = hit_cap_blocks(len(tokens), BLOCK_SIZE)
-        keys = list(keyer.keys(tokens, it.tenant, MODEL, None, max_blocks=cap))
+        keys = list(keyer.keys(tokens, it.tenant, MODEL, None))
         reqs.append(RequestBlocks(keys, len(tokens), BLOCK_SIZE))
     return reqs
 
@@ -801,7 +804,7 @@ def verdicts(
     lag_limit_ms: float = LAG_LIMIT_MS,
 ) -> list[str]:
     """The issue's targets on the seed means: 'met' / 'MISSED' / 'not evaluated'. A peer
-    target below the workload's TTFT floor (no router can reach it) says so; the p99 line
+    target below the workload's TTFT floor (kvgate cannot reach it) says so; the p99 line
     also gives the ratio seed by seed (:func:`seed_p99_ratios`) when there are any."""
     out: list[str] = []
     el = agg.get("expected_latency")
@@ -873,7 +876,10 @@ def _floor_note(limit: float, floor: float, what: str) -> str:
     if math.isnan(floor):
         return ""
     if floor > limit:
-        return f" [unreachable by any router: the workload's TTFT floor {what} is {floor:.3f} s]"
+        return (
+            f" [unreachable for kvgate: the workload's TTFT floor {what} is {floor:.3f} s, "
+            "which no router keeping tenants' caches apart can beat]"
+        )
     return f" [TTFT floor {what} {floor:.3f} s]"
 
 

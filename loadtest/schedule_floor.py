@@ -45,6 +45,10 @@ from cachecore.engine.latency import LatencyProfile
 _US = 1_000_000
 _RESOLUTION_S = 0.0005  # bisection stops within half a millisecond
 _MILP_INFEASIBLE = 2  # scipy.optimize.milp's status for a proven infeasible problem
+_MILP_OPTIMAL = 0
+_MILP_TIME_LIMIT_S = 2.0  # per call; past it the LP relaxation decides (weaker, still valid)
+_MILP_MAX_REQUESTS = 1_000  # beyond this only the LP relaxation is tried
+_MAX_CAPACITY = 2**31 - 1  # the max-flow solver's 32-bit capacities
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,15 +75,19 @@ def deficit_s(jobs: Sequence[PrefillJob], replicas: int, overhead_s: float, ttft
     each request's tokens must run within ``[arrival + overhead, arrival + ttft]``."""
     if replicas < 1:
         raise ValueError("replicas must be >= 1")
-    work = [math.floor(j.work_s * _US) for j in jobs]
+    if ttft_s <= overhead_s:
+        return sum(j.work_s for j in jobs)
+    # time in whole units of ``unit`` us, a microsecond unless the work would overflow the
+    # solver's capacities: works and window starts rounded down, window ends up (every
+    # rounding only helps); no edge needs more than the whole work, so that caps them all
+    unit = max(1, math.ceil(sum(j.work_s for j in jobs) * _US / _MAX_CAPACITY))
+    scale = _US / unit
+    work = [math.floor(j.work_s * scale) for j in jobs]
     total = sum(work)
     if total == 0:
         return 0.0
-    if ttft_s <= overhead_s:
-        return total / _US
-    # windows widened to whole microseconds (start down, end up): rounding only helps
-    starts = np.array([math.floor((j.arrival_s + overhead_s) * _US) for j in jobs], np.int64)
-    ends = np.array([math.ceil((j.arrival_s + ttft_s) * _US) for j in jobs], np.int64)
+    starts = np.array([math.floor((j.arrival_s + overhead_s) * scale) for j in jobs], np.int64)
+    ends = np.array([math.ceil((j.arrival_s + ttft_s) * scale) for j in jobs], np.int64)
     points = np.unique(np.concatenate([starts, ends]))
     n, k = len(jobs), len(points) - 1
     source, sink = 0, n + k + 1
@@ -99,15 +107,13 @@ def deficit_s(jobs: Sequence[PrefillJob], replicas: int, overhead_s: float, ttft
     rows.append(np.arange(n + 1, n + k + 1, dtype=np.int64))
     cols.append(np.full(k, sink, dtype=np.int64))
     caps.append(lengths * replicas)
-    cap = np.concatenate(caps)
-    if cap.max(initial=0) >= 2**31:
-        raise ValueError("the workload spans too long for the solver's 32-bit capacities")
+    cap = np.minimum(np.concatenate(caps), total)  # more than the whole work never flows
     graph = csr_array(
         (cap.astype(np.int32), (np.concatenate(rows), np.concatenate(cols))),
         shape=(n + k + 2, n + k + 2),
     )
     flow = int(maximum_flow(graph, source, sink).flow_value)
-    return (total - flow) / _US
+    return (total - flow) / scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +140,10 @@ def _windows(jobs: Sequence[PrefillJob], overhead_s: float, ttft_s: float) -> _W
 
 
 def _feasible_with_drops(w: _Windows, replicas: int, exceptions: int) -> bool:
-    """HiGHS: can every job but ``exceptions`` of them get its work inside its window?"""
+    """HiGHS: can every job but ``exceptions`` of them get its work inside its window? With
+    whole jobs dropped (a MILP, time-limited) where that is affordable, else, or when the
+    MILP stops short, with fractions of jobs (its LP relaxation: feasible whenever the MILP
+    is, so the answer errs towards feasible and the floor stays a bound)."""
     n, k, e = len(w.work_ms), len(w.length_ms), len(w.job)
     edges = np.arange(e)
     jobs = np.arange(n)
@@ -150,10 +159,15 @@ def _feasible_with_drops(w: _Windows, replicas: int, exceptions: int) -> bool:
         LinearConstraint(per_interval, lb=0, ub=w.length_ms * replicas),
         LinearConstraint(drops, lb=0, ub=exceptions),
     ]
-    upper = np.concatenate([w.length_ms[w.interval], np.ones(n)])
-    integrality = np.concatenate([np.zeros(e), np.ones(n)])
-    res = milp(np.zeros(e + n), constraints=constraints, integrality=integrality,
-               bounds=Bounds(0, upper))  # fmt: skip
+    bounds = Bounds(0, np.concatenate([w.length_ms[w.interval], np.ones(n)]))
+    options = {"time_limit": _MILP_TIME_LIMIT_S}
+    if n <= _MILP_MAX_REQUESTS:
+        whole = np.concatenate([np.zeros(e), np.ones(n)])
+        res = milp(np.zeros(e + n), constraints=constraints, integrality=whole,
+                   bounds=bounds, options=options)  # fmt: skip
+        if res.status in (_MILP_OPTIMAL, _MILP_INFEASIBLE):
+            return bool(res.status == _MILP_OPTIMAL)
+    res = milp(np.zeros(e + n), constraints=constraints, bounds=bounds, options=options)
     # only a proof of infeasibility rejects x: a solver that stops short (a limit, a
     # numerical failure) must not raise the bound
     return bool(res.status != _MILP_INFEASIBLE)

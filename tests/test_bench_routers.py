@@ -156,7 +156,7 @@ def test_ttft_floor_is_each_request_alone_with_the_infinite_cache() -> None:
 
 
 def test_floor_note_says_when_a_target_is_out_of_reach() -> None:
-    assert "unreachable by any router" in _floor_note(0.4, 0.578, "p99")
+    assert "unreachable for kvgate" in _floor_note(0.4, 0.578, "p99")
     assert "unreachable" not in _floor_note(0.7, 0.578, "p99")
     assert _floor_note(0.7, math.nan, "p99") == ""
 

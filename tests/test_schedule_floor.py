@@ -138,3 +138,43 @@ def test_the_verdict_takes_the_sharper_floor() -> None:
     assert Bounds(0.5, 0.4, 10, 0.578, 0.1, 0.577).p99_floor_s == 0.578
     assert Bounds(0.5, 0.4, 10, 0.578, 0.1).p99_floor_s == 0.578  # no schedule floor
     assert math.isnan(Bounds(0.5, 0.4, 10).p99_floor_s)
+
+
+def test_the_infinite_cache_holds_the_block_with_a_prompts_last_token() -> None:
+    """The engine caches every full block of a prompt, the one holding its last token too
+    (only its own hit is capped): a 32-token prompt leaves 2 blocks that a 33-token
+    extension hits. The bounds counted 1 (the review's counterexample, where every
+    simulated strategy then beat both floors)."""
+    from cachecore.tokenizer import builtin_tokenizer
+    from cachecore.traceanalysis import lru_bound
+    from gateway.tokenization import LocalPromptTokenizer
+    from loadtest.bench_routers import request_blocks
+    from loadtest.harness import MODEL
+    from loadtest.workloads import WorkItem, Workload
+
+    text, tok = TextSource(), LocalPromptTokenizer(builtin_tokenizer())
+
+    def n_tokens(prompt: str) -> int:
+        return len(tok.completion_sync({"model": MODEL, "prompt": prompt, "max_tokens": 1}))
+
+    short = next(p for n in range(16, 40) if n_tokens(p := text.block("cap", n)) == 32)
+    longer = short + text.block("cap-next", 1)
+    assert n_tokens(longer) == 33
+    w = Workload(
+        "cap",
+        (
+            WorkItem(t=0.0, api="completions", max_tokens=1, prompt=short),
+            WorkItem(t=1.0, api="completions", max_tokens=1, prompt=longer),
+        ),
+    )
+    reqs = request_blocks(w)
+    assert [len(r.keys) for r in reqs] == [2, 2]
+    assert lru_bound(reqs, None).request_hits == (0, 32)  # the first: capped at 1 block
+
+
+def test_work_beyond_the_solvers_32_bit_microseconds() -> None:
+    # 3,000 s of prefill (past 2^31 us): the flow runs in a coarser unit instead of failing
+    jobs = [PrefillJob(0.0, 300.0) for _ in range(10)]
+    got = schedule_floor_s(jobs, 4, OH)
+    assert OH + 750.0 - 0.01 <= got <= OH + 750.0  # McNaughton: 10 x 300 s / 4
+    assert deficit_s(jobs, 4, OH, OH + 700.0) == pytest.approx(200.0, abs=0.01)
