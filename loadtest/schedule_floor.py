@@ -46,7 +46,8 @@ _US = 1_000_000
 _RESOLUTION_S = 0.0005  # bisection stops within half a millisecond
 _MILP_INFEASIBLE = 2  # scipy.optimize.milp's status for a proven infeasible problem
 _MILP_OPTIMAL = 0
-_MILP_TIME_LIMIT_S = 2.0  # per call; past it the LP relaxation decides (weaker, still valid)
+_MILP_NODE_LIMIT = 200  # branch-and-bound nodes per call: a limit that does not depend on the clock
+_MILP_TIME_LIMIT_S = 30.0  # a backstop; past either limit the LP relaxation decides
 _MILP_MAX_REQUESTS = 1_000  # beyond this only the LP relaxation is tried
 _MAX_CAPACITY = 2**31 - 1  # the max-flow solver's 32-bit capacities
 
@@ -160,7 +161,7 @@ def _feasible_with_drops(w: _Windows, replicas: int, exceptions: int) -> bool:
         LinearConstraint(drops, lb=0, ub=exceptions),
     ]
     bounds = Bounds(0, np.concatenate([w.length_ms[w.interval], np.ones(n)]))
-    options = {"time_limit": _MILP_TIME_LIMIT_S}
+    options = {"time_limit": _MILP_TIME_LIMIT_S, "node_limit": _MILP_NODE_LIMIT}
     if n <= _MILP_MAX_REQUESTS:
         whole = np.concatenate([np.zeros(e), np.ones(n)])
         res = milp(np.zeros(e + n), constraints=constraints, integrality=whole,
@@ -171,6 +172,20 @@ def _feasible_with_drops(w: _Windows, replicas: int, exceptions: int) -> bool:
     # only a proof of infeasibility rejects x: a solver that stops short (a limit, a
     # numerical failure) must not raise the bound
     return bool(res.status != _MILP_INFEASIBLE)
+
+
+def _list_schedule_ttft(jobs: Sequence[PrefillJob], replicas: int, overhead_s: float) -> float:
+    """The largest TTFT of one real schedule of the relaxation (each request in arrival
+    order, whole, to the replica that finishes it first): a TTFT every request can meet,
+    so where the bisection may start instead of the whole work's span."""
+    free = [0.0] * replicas
+    worst = overhead_s
+    for j in sorted(jobs, key=lambda j: j.arrival_s):
+        start = j.arrival_s + overhead_s
+        r = min(range(replicas), key=lambda i: max(free[i], start))
+        free[r] = max(free[r], start) + j.work_s
+        worst = max(worst, free[r] - j.arrival_s)
+    return worst
 
 
 def schedule_floor_s(
@@ -191,8 +206,7 @@ def schedule_floor_s(
             return short == 0
         return _feasible_with_drops(_windows(jobs, overhead_s, x), replicas, exceptions)
 
-    span = max(j.arrival_s for j in jobs) - min(j.arrival_s for j in jobs)
-    lo, hi = overhead_s, overhead_s + span + sum(j.work_s for j in jobs) + _RESOLUTION_S
+    lo, hi = overhead_s, _list_schedule_ttft(jobs, replicas, overhead_s) + _RESOLUTION_S
     if feasible(lo):
         return lo
     while hi - lo > _RESOLUTION_S:
