@@ -89,30 +89,14 @@ def deficit_s(jobs: Sequence[PrefillJob], replicas: int, overhead_s: float, ttft
         return 0.0
     starts = np.array([math.floor((j.arrival_s + overhead_s) * scale) for j in jobs], np.int64)
     ends = np.array([math.ceil((j.arrival_s + ttft_s) * scale) for j in jobs], np.int64)
-    points = np.unique(np.concatenate([starts, ends]))
-    n, k = len(jobs), len(points) - 1
+    job, interval, lengths = _edges(starts, ends)
+    n, k = len(jobs), len(lengths)
     source, sink = 0, n + k + 1
-    rows: list[np.ndarray] = [np.zeros(n, dtype=np.int64)]
-    cols: list[np.ndarray] = [np.arange(1, n + 1, dtype=np.int64)]
-    caps: list[np.ndarray] = [np.array(work, dtype=np.int64)]
-    lengths = np.diff(points)
-    first = np.searchsorted(points, starts)  # the interval starting at the job's start
-    last = np.searchsorted(points, ends)  # the job's end point: intervals before it
-    for j in range(n):
-        if work[j] == 0 or last[j] <= first[j]:
-            continue
-        span = np.arange(first[j], last[j], dtype=np.int64)
-        rows.append(np.full(len(span), j + 1, dtype=np.int64))
-        cols.append(span + n + 1)
-        caps.append(lengths[span])
-    rows.append(np.arange(n + 1, n + k + 1, dtype=np.int64))
-    cols.append(np.full(k, sink, dtype=np.int64))
-    caps.append(lengths * replicas)
-    cap = np.minimum(np.concatenate(caps), total)  # more than the whole work never flows
-    graph = csr_array(
-        (cap.astype(np.int32), (np.concatenate(rows), np.concatenate(cols))),
-        shape=(n + k + 2, n + k + 2),
-    )
+    rows = np.concatenate([np.zeros(n, np.int64), job + 1, np.arange(n + 1, n + k + 1)])
+    cols = np.concatenate([np.arange(1, n + 1), interval + n + 1, np.full(k, sink, np.int64)])
+    caps = np.concatenate([np.array(work, np.int64), lengths[interval], lengths * replicas])
+    cap = np.minimum(caps, total)  # more than the whole work never flows
+    graph = csr_array((cap.astype(np.int32), (rows, cols)), shape=(n + k + 2, n + k + 2))
     flow = int(maximum_flow(graph, source, sink).flow_value)
     return (total - flow) / scale
 
@@ -127,17 +111,24 @@ class _Windows:
     work_ms: np.ndarray  # per job
 
 
-def _windows(jobs: Sequence[PrefillJob], overhead_s: float, ttft_s: float) -> _Windows:
-    starts = np.array([j.arrival_s + overhead_s for j in jobs]) * 1000.0
-    ends = np.array([j.arrival_s + ttft_s for j in jobs]) * 1000.0
+def _edges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The time intervals between every window's start and end points, and the edges from
+    each job to the intervals inside its window ``[starts[j], ends[j]]``: (per edge its job,
+    per edge its interval, per interval its length)."""
     points = np.unique(np.concatenate([starts, ends]))
     first, last = np.searchsorted(points, starts), np.searchsorted(points, ends)
     counts = np.maximum(last - first, 0)  # the intervals inside each job's window
-    job = np.repeat(np.arange(len(jobs), dtype=np.int64), counts)
+    job = np.repeat(np.arange(len(starts), dtype=np.int64), counts)
     begin = np.repeat(np.cumsum(counts) - counts, counts)  # each job's first edge
     interval = np.arange(len(job), dtype=np.int64) - begin + np.repeat(first, counts)
-    work = np.array([j.work_s * 1000.0 for j in jobs])
-    return _Windows(job, interval.astype(np.int64), np.diff(points), work)
+    return job, interval.astype(np.int64), np.diff(points)
+
+
+def _windows(jobs: Sequence[PrefillJob], overhead_s: float, ttft_s: float) -> _Windows:
+    starts = np.array([j.arrival_s + overhead_s for j in jobs]) * 1000.0
+    ends = np.array([j.arrival_s + ttft_s for j in jobs]) * 1000.0
+    job, interval, lengths = _edges(starts, ends)
+    return _Windows(job, interval, lengths, np.array([j.work_s * 1000.0 for j in jobs]))
 
 
 def _feasible_with_drops(w: _Windows, replicas: int, exceptions: int) -> bool:
