@@ -7,17 +7,12 @@ TTFT p99 and mean, then the same for the first fifth of each run's requests and 
 """
 
 import json
-import math
 import statistics
 import sys
-from collections.abc import Sequence
+
+from cachecore.traceanalysis import percentile
 
 VALID = "ok"
-
-
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def main() -> None:
@@ -47,9 +42,9 @@ def main() -> None:
     for name in every:
         a, b, c = every[name], first.get(name, []), rest.get(name, [])
         print(
-            f"| {name} | {seeds[name]} | {nearest_rank(a, 99):.3f} | {statistics.fmean(a):.3f} | "
-            f"{nearest_rank(b, 99):.3f} / {statistics.fmean(b):.3f} | "
-            f"{nearest_rank(c, 99):.3f} / {statistics.fmean(c):.3f} |"
+            f"| {name} | {seeds[name]} | {percentile(a, 99):.3f} | {statistics.fmean(a):.3f} | "
+            f"{percentile(b, 99):.3f} / {statistics.fmean(b):.3f} | "
+            f"{percentile(c, 99):.3f} / {statistics.fmean(c):.3f} |"
         )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import cachecore.scoring as scoring
 import gateway.routing as routing
+from cachecore.traceanalysis import percentile
 from gateway.routing import ReplicaScore, Strategy
 from loadtest.bench_routers import BLOCK_SIZE, make_workload, simulated_knee
 from loadtest.simulate import FleetSimulator, SimConfig
@@ -102,11 +103,6 @@ def kv_like(scores: Sequence[ReplicaScore], rng: Random, queue: bool = True) -> 
     return rng.choice([s for s, c in zip(scores, cost, strict=True) if c <= low]).replica, KV_LIKE
 
 
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
-
-
 def seeds_arg(text: str) -> list[int]:
     if "-" in text:
         lo, hi = text.split("-")
@@ -164,9 +160,9 @@ def main() -> None:
                 every.append(ttft)
                 (first if i < cut else rest).append(ttft)
         print(
-            f"| {rule} | {nearest_rank(every, 99):.3f} | {statistics.fmean(every):.3f} | "
-            f"{nearest_rank(first, 99):.3f} / {statistics.fmean(first):.3f} | "
-            f"{nearest_rank(rest, 99):.3f} / {statistics.fmean(rest):.3f} |",
+            f"| {rule} | {percentile(every, 99):.3f} | {statistics.fmean(every):.3f} | "
+            f"{percentile(first, 99):.3f} / {statistics.fmean(first):.3f} | "
+            f"{percentile(rest, 99):.3f} / {statistics.fmean(rest):.3f} |",
             flush=True,
         )
 

@@ -19,10 +19,10 @@ import copy
 import math
 import statistics
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from cachecore.engine.request import EngineRequest
+from cachecore.traceanalysis import percentile
 from gateway.routing import Decision, Strategy
 from loadtest.bench_routers import BLOCK_SIZE, make_workload, simulated_knee
 from loadtest.simulate import FleetSimulator, SimConfig
@@ -30,11 +30,6 @@ from loadtest.workloads import TextSource
 from policies.schema import builtin_policy_path, load_policy
 
 MAX_STEPS = 10_000  # a copy's steps until the first token: bounded
-
-
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
 def seeds_arg(text: str) -> list[int]:
@@ -136,15 +131,15 @@ def main() -> None:
         per_seed: list[float] = []
         for w in workloads:
             got = run(rule, w, policy)
-            per_seed.append(nearest_rank([t for _, t in got], 99))
+            per_seed.append(percentile([t for _, t in got], 99))
             for i, ttft in got:
                 every.append(ttft)
                 (first if i < cut else rest).append(ttft)
         print(
-            f"| {rule} | {statistics.fmean(per_seed):.3f} | {nearest_rank(every, 99):.3f} | "
+            f"| {rule} | {statistics.fmean(per_seed):.3f} | {percentile(every, 99):.3f} | "
             f"{statistics.fmean(every):.3f} | "
-            f"{nearest_rank(first, 99):.3f} / {statistics.fmean(first):.3f} | "
-            f"{nearest_rank(rest, 99):.3f} / {statistics.fmean(rest):.3f} |",
+            f"{percentile(first, 99):.3f} / {statistics.fmean(first):.3f} | "
+            f"{percentile(rest, 99):.3f} / {statistics.fmean(rest):.3f} |",
             flush=True,
         )
         print("  per seed: " + ", ".join(f"{x:.3f}" for x in per_seed), flush=True)
