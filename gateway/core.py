@@ -349,6 +349,7 @@ class Gateway:
                 self.inflight,
                 self.pool.ids,
                 grace_ms=lambda: self.policy.routing.overdue_grace_ms,
+                coeffs=lambda: self.fit.coefficients(),
             )
             self.load.set_shared(self.refresher.snapshot)
             self.refresher.start()

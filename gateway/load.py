@@ -140,6 +140,29 @@ class InFlight:
             return 0.0
         return max((t.tokens for t in o.waiting.values()), default=0.0)
 
+    def unexplained_stall_ms(
+        self,
+        replica: str,
+        stalled_ms: float,
+        cut_ms: float,
+        now: float,
+        coeffs: Coefficients | None,
+    ) -> float:
+        """How far an engine stall its agent reported (D17) exceeds what explains it: the
+        grace (``cut_ms``); the time before the last progress this gateway saw there (the
+        agent reports a stall's end only at its next scrape, and the request that explained
+        a long prefill may have just left the queue); with ``coeffs``, the predicted prefill
+        time of the longest request this gateway has waiting there (vLLM counts a prompt's
+        tokens only when its prefill completes, so one long prefill with nothing decoding
+        beside it stands the counters still). Positive: the stall is charged."""
+        excess = min(stalled_ms, 1000.0 * self.since_progress_s(replica, now)) - cut_ms
+        o = self._own.get(replica)
+        if coeffs is not None and o is not None and o.queued_requests:
+            excess -= coeffs.overhead_ms + coeffs.prefill_ms_per_token * self.longest_queued(
+                replica
+            )
+        return excess
+
     def first_token(self, t: Ticket) -> None:
         if t.phase != 0:
             return
@@ -207,8 +230,7 @@ class LoadTracker:
         out: dict[str, LoadView] = {}
         # a stall counts past the grace; unwatched (no now or grace), never
         stall_cut = 1000.0 * grace_s if now is not None and grace_s is not None else math.inf
-        longest = self.inflight.longest_queued
-        since_progress = self.inflight.since_progress_s
+        unexplained = self.inflight.unexplained_stall_ms
         for r in replicas:  # per replica per request: positional, no helper calls
             qt, qr, run = own(r)
             late = (
@@ -221,13 +243,8 @@ class LoadTracker:
                 out[r] = LoadView(qt, qr, run, 0, capacity.get(r) or default, 0.0, late)
                 continue
             if s.stalled_ms - stall_cut > late:  # the larger of the two, never the sum
-                # the agent reports a stall's end only at its next scrape: no stall began
-                # before the last progress this gateway saw there (the request that
-                # explained a long prefill may have just left the queue)
                 assert now is not None  # a finite stall_cut
-                excess = min(s.stalled_ms, 1000.0 * since_progress(r, now)) - stall_cut
-                if coeffs is not None and qr:
-                    excess -= coeffs.overhead_ms + coeffs.prefill_ms_per_token * longest(r)
+                excess = unexplained(r, s.stalled_ms, stall_cut, now, coeffs)
                 if excess > late:
                     late = excess
             running = run + s.other_requests
@@ -262,10 +279,14 @@ class SharedLoadRefresher:
         replicas: Callable[[], list[str]],
         interval_s: float = 0.1,
         grace_ms: Callable[[], float | None] | None = None,
+        coeffs: Callable[[], Coefficients] | None = None,
     ) -> None:
         """``grace_ms``: the current policy's ``routing.overdue_grace_ms``, read at each
-        refresh to log a replica's engine once when its stall passes it and once when it
-        is over (the views read the grace themselves, at each decision)."""
+        refresh to log a replica's engine once when its stall starts to be charged and once
+        when it no longer is (the views read the grace themselves, at each decision);
+        ``coeffs``: the current cost coefficients, with which a stall that this gateway's
+        own long prefill explains is not reported (:meth:`InFlight.unexplained_stall_ms`,
+        the same rule as the charge)."""
         self.store = store
         self.gateway_id = gateway_id
         self.inflight = inflight
@@ -277,7 +298,8 @@ class SharedLoadRefresher:
         self.errors = 0
         self._last_hb = 0.0
         self._grace_ms = grace_ms
-        self.stalled: set[str] = set()  # replicas logged as stalled past the grace
+        self._coeffs = coeffs
+        self.stalled: set[str] = set()  # replicas logged as charged for a stall
 
     def snapshot(self) -> Mapping[str, SharedLoad]:
         return self._snap
@@ -324,20 +346,35 @@ class SharedLoadRefresher:
             self._log_stalls(snap, self._grace_ms())
 
     def _log_stalls(self, snap: Mapping[str, SharedLoad], grace_ms: float | None) -> None:
+        # a long prefill stands vLLM's counters still: only a stall that this gateway's own
+        # waiting prefills and the progress it saw do not explain is a warning (it is what
+        # the views charge); an explained one is routine with long prompts
+        now = time.monotonic()
+        coeffs = self._coeffs() if self._coeffs is not None else None
         for rid, sl in snap.items():
-            stalled = grace_ms is not None and sl.stalled_ms > grace_ms
+            excess = (
+                self.inflight.unexplained_stall_ms(rid, sl.stalled_ms, grace_ms, now, coeffs)
+                if grace_ms is not None and sl.stalled_ms > grace_ms
+                else 0.0
+            )
+            stalled = excess > 0
             if stalled and rid not in self.stalled:
                 self.stalled.add(rid)
                 log.warning(
-                    "engine busy without progress past the grace: its traffic is charged "
-                    "what this gateway's own waiting prefills and the progress it saw do not "
-                    "explain",
-                    extra={"replica": rid, "stalled_ms": sl.stalled_ms, "grace_ms": grace_ms},
+                    "engine busy without progress past the grace, more than this gateway's "
+                    "own waiting prefills explain: its traffic is charged the excess",
+                    extra={
+                        "replica": rid,
+                        "stalled_ms": sl.stalled_ms,
+                        "grace_ms": grace_ms,
+                        "charged_ms": round(excess, 1),
+                    },
                 )
             elif not stalled and rid in self.stalled:
                 self.stalled.discard(rid)
                 log.info(
-                    "engine progressing again (or within the grace)",
+                    "engine stall no longer charged (progressing again, within the grace, "
+                    "or explained)",
                     extra={"replica": rid, "stalled_ms": sl.stalled_ms},
                 )
         for rid in self.stalled - snap.keys():  # gone from the snapshot: no longer charged

@@ -398,11 +398,52 @@ async def test_the_refresher_logs_a_stall_once_when_it_passes_the_grace_and_once
     assert said("busy without progress") == 1 and ref.stalled == {"r"}
     await publish(0)
     await publish(0)
-    assert said("progressing again") == 1 and ref.stalled == set()
+    assert said("no longer charged") == 1 and ref.stalled == set()
     await publish(3000)
     grace[0] = None  # the policy turned the charge off: no longer stalled past a grace
     await publish(4000)
-    assert said("busy without progress") == 2 and said("progressing again") == 2
+    assert said("busy without progress") == 2 and said("no longer charged") == 2
+
+
+async def test_the_refresher_does_not_report_a_stall_its_own_long_prefill_explains(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM counts a prompt only when its prefill completes: an 8k-token prefill reads as a
+    2 s stall. The log follows the charge (InFlight.unexplained_stall_ms): no warning while
+    this gateway's waiting request explains the stall, one once it no longer does."""
+    import time
+
+    from cachecore.loadstate import EngineLoad, MemoryLoadStore
+    from cachecore.scoring import Coefficients
+    from gateway.load import SharedLoadRefresher
+
+    store = MemoryLoadStore()
+    inflight = InFlight()
+    coeffs = Coefficients(overhead_ms=30.0, prefill_ms_per_token=0.25)
+    ref = SharedLoadRefresher(
+        store, "gw", inflight, lambda: ["r"], grace_ms=lambda: 2000.0, coeffs=lambda: coeffs
+    )
+
+    async def publish(stalled_ms: int) -> None:
+        now = int(time.time() * 1000)
+        await store.publish_engine("r", EngineLoad(1, 0, 0.0, now, now - stalled_ms), 5000, now)
+        await ref.refresh_once()
+
+    def said(words: str) -> int:
+        return sum(words in r.getMessage() for r in caplog.records)
+
+    caplog.set_level("INFO", logger="gateway.load")
+    long = inflight.dispatch("r", 8000.0)  # explains 30 + 0.25 x 8000 = 2,030 ms past the grace
+    await publish(3500)
+    await publish(4000)
+    assert said("busy without progress") == 0 and ref.stalled == set()
+    inflight.done(long)
+    short = inflight.dispatch("r", 100.0)  # explains 55 ms: the rest is charged
+    await publish(4000)
+    assert said("busy without progress") == 1 and ref.stalled == {"r"}
+    rec = next(r for r in caplog.records if "busy without progress" in r.getMessage())
+    assert rec.__dict__["charged_ms"] == pytest.approx(4000 - 2000 - 55, abs=1.0)
+    inflight.done(short)
 
 
 # ---------------------------------------------------------------- discovery
