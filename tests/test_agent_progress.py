@@ -10,7 +10,7 @@ from prometheus_client.exposition import generate_latest
 from cachecore.agent.links import LoadLink
 from cachecore.agent.metrics import AgentMetrics
 from cachecore.agent.progress import ProgressTracker
-from cachecore.agent.scrape import EngineSnapshot, parse_metrics
+from cachecore.agent.scrape import EngineCounters, EngineSnapshot, parse_metrics
 from cachecore.agent.settings import AgentSettings
 from cachecore.engine import EngineConfig, EngineCore, EngineRequest, LatencyProfile
 from cachecore.loadstate import MemoryLoadStore
@@ -251,3 +251,41 @@ def test_each_load_series_falls_back_to_sglang_on_its_own() -> None:
     )
     s = parse_metrics(page)
     assert (s.running, s.waiting) == (7.0, 4.0)
+
+
+def test_a_wedged_core_of_a_data_parallel_engine_is_a_stall_beside_working_ones() -> None:
+    """vLLM with data parallelism in one server exports each series once per engine core
+    (label ``engine``): the sums move while core 1 is wedged, so each core is judged apart
+    and the engine's stall is its most stalled core's."""
+
+    def exposition(gen0: float, gen1: float, busy1: float) -> str:
+        return (
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            f'vllm:num_requests_running{{engine="1",model_name="m"}} {busy1}\n'
+            "# TYPE vllm:generation_tokens counter\n"
+            f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {gen0}\n'
+            f'vllm:generation_tokens_total{{engine="1",model_name="m"}} {gen1}\n'
+            "# TYPE vllm:prompt_tokens counter\n"
+            'vllm:prompt_tokens_total{engine="0",model_name="m"} 500.0\n'
+            'vllm:prompt_tokens_total{engine="1",model_name="m"} 300.0\n'
+            "# TYPE process_start_time_seconds gauge\n"
+            "process_start_time_seconds 1000.0\n"
+        )
+
+    first = parse_metrics(exposition(10.0, 20.0, 1.0))
+    assert (first.running, first.generation_tokens, first.prompt_tokens) == (3.0, 30.0, 800.0)
+    assert first.engines["1"] == EngineCounters(1.0, 300.0, 20.0)
+    t = ProgressTracker()
+    assert t.observe(first, 0.0) == 0.0
+    assert t.observe(parse_metrics(exposition(15.0, 25.0, 1.0)), 1.0) == 0.0  # both move
+    # core 1 keeps its request and stops after the scrape at 1.0; core 0 goes on, so the
+    # sums still grow (the old summed tracker read no stall at all)
+    assert t.observe(parse_metrics(exposition(20.0, 25.0, 1.0)), 2.0) == 1.0
+    assert t.observe(parse_metrics(exposition(25.0, 25.0, 1.0)), 3.0) == 2.0
+    assert t.observe(parse_metrics(exposition(30.0, 25.0, 1.0)), 4.5) == 3.5
+    # core 1 idle: nothing to progress on, no stall
+    assert t.observe(parse_metrics(exposition(35.0, 25.0, 0.0)), 5.0) == 0.0
+    # an unlabelled exposition (one core) is the same engine judged as a whole
+    single = parse_metrics('vllm:generation_tokens_total{model_name="m"} 1.0\n')
+    assert set(single.engines) == {""}

@@ -15,11 +15,48 @@ interval may not show at all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from cachecore.agent.scrape import EngineSnapshot
+from cachecore.agent.scrape import EngineCounters, EngineSnapshot
 
 _START_TIME_TOLERANCE_S = 1e-3
+_Counters = tuple[float | None, float | None]
+
+
+@dataclass(slots=True)
+class _CoreProgress:
+    """One engine core's counters across scrapes."""
+
+    counters: _Counters | None = None
+    # monotonic s since which the core is busy and its counters have not moved; None
+    # while idle or untracked
+    since: float | None = None
+
+    def observe(self, busy: bool, counters: _Counters, restarted: bool, now: float) -> float:
+        prev, since = self.counters, self.since
+        self.counters = counters
+        if counters == (None, None):
+            self.since = None  # no counters: never judged
+            return 0.0
+        if prev is None or restarted or _presence(prev) != _presence(counters):
+            self.since = now if busy else None  # tracking starts over
+            return 0.0
+        if not busy:
+            self.since = None
+            return 0.0
+        moved = False
+        for old, new in zip(prev, counters, strict=True):
+            if old is None or new is None:
+                continue
+            if new < old:  # a reset counter (a restart the start time did not show)
+                self.since = now
+                return 0.0
+            if new > old:
+                moved = True
+        if moved or since is None:
+            self.since = now
+            return 0.0
+        return now - since
 
 
 @dataclass(slots=True)
@@ -27,58 +64,48 @@ class ProgressTracker:
     """One engine's progress across scrapes. :meth:`observe` is called once per scrape
     with a monotonic clock.
 
-    Never a stall: an idle engine; an engine without these counters (no evidence either
-    way); the scrape after a restart (new ``process_start_time_seconds``, or a counter that
-    went backwards, which starts the tracking over); the first busy scrape (the requests
-    may have just arrived).
+    Each engine core is judged apart: a data-parallel vLLM server exports its series once
+    per core (label ``engine``), and the engine's stall is its most stalled core's (summed
+    counters would hide one wedged core beside working ones).
+
+    Never a stall: an idle core; a core without these counters (no evidence either way);
+    the scrape after a restart (new ``process_start_time_seconds``, or a counter that went
+    backwards, which starts that core's tracking over); a core's first busy scrape (the
+    requests may have just arrived).
     """
 
-    _counters: tuple[float | None, float | None] | None = None
     _start_time: float | None = None
-    # monotonic s since which the engine is busy and its counters have not moved; None
-    # while idle or untracked
-    _since: float | None = None
+    _cores: dict[str, _CoreProgress] = field(default_factory=dict)
 
     def reset(self) -> None:
-        self._counters = None
         self._start_time = None
-        self._since = None
+        self._cores.clear()
 
     def observe(self, snap: EngineSnapshot, now: float) -> float:
-        """Seconds the engine has been busy without progress as of this scrape (0.0 when
-        it progresses, is idle, or cannot be judged)."""
-        counters = (snap.prompt_tokens, snap.generation_tokens)
-        busy = snap.running + snap.waiting > 0
-        prev, since = self._counters, self._since
+        """Seconds the engine's most stalled core has been busy without progress as of this
+        scrape (0.0 when every core progresses, is idle, or cannot be judged)."""
         restarted = (
             snap.start_time is not None
             and self._start_time is not None
             and abs(snap.start_time - self._start_time) > _START_TIME_TOLERANCE_S
         )
-        self._counters, self._start_time = counters, snap.start_time
-        if counters == (None, None):
-            self._since = None  # no counters: never judged
-            return 0.0
-        if prev is None or restarted or _presence(prev) != _presence(counters):
-            self._since = now if busy else None  # tracking starts over
-            return 0.0
-        if not busy:
-            self._since = None
-            return 0.0
-        moved = False
-        for old, new in zip(prev, counters, strict=True):
-            if old is None or new is None:
-                continue
-            if new < old:  # a reset counter (a restart the start time did not show)
-                self._since = now
-                return 0.0
-            if new > old:
-                moved = True
-        if moved or since is None:
-            self._since = now
-            return 0.0
-        return now - since
+        self._start_time = snap.start_time
+        cores = snap.engines or {
+            "": EngineCounters(
+                snap.running + snap.waiting, snap.prompt_tokens, snap.generation_tokens
+            )
+        }
+        for gone in self._cores.keys() - cores.keys():
+            del self._cores[gone]
+        stalled = 0.0
+        for name, c in cores.items():
+            core = self._cores.get(name)
+            if core is None:
+                core = self._cores[name] = _CoreProgress()
+            s = core.observe(c.busy > 0, (c.prompt_tokens, c.generation_tokens), restarted, now)
+            stalled = max(stalled, s)
+        return stalled
 
 
-def _presence(counters: tuple[float | None, float | None]) -> tuple[bool, bool]:
+def _presence(counters: _Counters) -> tuple[bool, bool]:
     return (counters[0] is not None, counters[1] is not None)

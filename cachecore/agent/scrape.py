@@ -17,7 +17,8 @@ size needs ``--block-size`` on its agent (the engine's ``--page-size``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,6 +54,17 @@ class ScrapeError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """One engine core's share of a vLLM ``/metrics``: a data-parallel server exports every
+    series once per core (label ``engine``), and D17 judges each core's progress apart (a
+    wedged core beside working ones would not show in the sums)."""
+
+    busy: float = 0.0  # running + waiting
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """What one scrape of the engine's ``/metrics`` says."""
 
@@ -68,6 +80,9 @@ class EngineSnapshot:
     generation_tokens: float | None = None
     # the KV pool in tokens, for engines that do not export their block count (SGLang)
     max_total_tokens: int | None = None
+    # vLLM's busy gauges and token counters by ``engine`` label ("" when unlabelled); empty
+    # when the engine exports none of them
+    engines: Mapping[str, EngineCounters] = field(default_factory=dict)
 
     def capacity_blocks(self, block_size: int) -> int | None:
         """The KV pool in blocks of ``block_size``: the engine's own count if it exports
@@ -105,6 +120,8 @@ def parse_metrics(text: str) -> EngineSnapshot:
     # SGLang series by dp_rank: the largest value its (tensor-parallel) ranks report
     sgl: dict[str, dict[str, float]] = {}
     vllm_running = vllm_waiting = False
+    # per engine core: [busy, prompt tokens, generation tokens]
+    cores: dict[str, list[float | None]] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError, IndexError) as exc:
@@ -118,9 +135,11 @@ def parse_metrics(text: str) -> EngineSnapshot:
             if name == RUNNING:
                 running += value
                 vllm_running = True
+                _add(cores, s.labels, 0, value)
             elif name == WAITING:
                 waiting += value
                 vllm_waiting = True
+                _add(cores, s.labels, 0, value)
             elif name == KV_USAGE:
                 kv_usage = max(kv_usage or 0.0, value)
             elif name == KV_USAGE_OLD:
@@ -132,8 +151,10 @@ def parse_metrics(text: str) -> EngineSnapshot:
                 start = value
             elif name == PROMPT_TOKENS:
                 prompt = (prompt or 0.0) + value
+                _add(cores, s.labels, 1, value)
             elif name == GENERATION_TOKENS:
                 generation = (generation or 0.0) + value
+                _add(cores, s.labels, 2, value)
             elif name in _SGLANG_PER_RANK:
                 ranks = sgl.setdefault(name, {})
                 rank = s.labels.get("dp_rank", "")
@@ -167,7 +188,16 @@ def parse_metrics(text: str) -> EngineSnapshot:
         prompt,
         generation,
         int(sum(max_tokens.values())) if max_tokens else None,
+        {k: EngineCounters(v[0] or 0.0, v[1], v[2]) for k, v in cores.items()},
     )
+
+
+def _add(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int, v: float) -> None:
+    """Add ``v`` to field ``i`` of the sample's engine core (summed over its other labels)."""
+    core = cores.get(labels.get("engine", ""))
+    if core is None:
+        core = cores[labels.get("engine", "")] = [None, None, None]
+    core[i] = (core[i] or 0.0) + v
 
 
 class EngineScraper:
