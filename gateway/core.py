@@ -248,6 +248,8 @@ class Gateway:
         self._quarantine_watchers: dict[str, asyncio.Task[None]] = {}  # replica -> its watcher
         self._settling: Counter[str] = Counter()  # claim checks waiting for their agent
         self.alignment_problems: list[str] = []
+        self._started = False  # replicas coming into service are checked from then on
+        self._tokenizers_checked = False
         self.trace: RequestTrace | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -307,6 +309,10 @@ class Gateway:
 
     def _on_health(self, replica: str, routable: bool) -> None:
         self.metrics.healthy.labels(replica).set(1 if routable else 0)
+        if routable and self._started and not self.draining:
+            # a replica coming (back) into service may be a new engine: one that was down
+            # at start-up, discovered, or restarted with another configuration
+            self.spawn(self._check_replica(replica))
 
     async def start(self) -> None:
         s = self.settings
@@ -405,15 +411,41 @@ class Gateway:
             self.metrics.policy_reloads.labels("invalid").inc()
 
     async def _check_alignment(self) -> None:
-        assert self.pool is not None and self.tokenizers is not None and self.client is not None
+        """At start-up: every healthy replica's block size, and the tokenizers against the
+        first one. A replica that is not healthy yet is checked when it comes into service
+        (:meth:`_on_health`); the tokenizers then, if no replica was healthy here."""
+        assert self.pool is not None
+        self._started = True
         reps = [r for r in self.pool.all() if r.healthy]
         if not reps:
+            log.warning(
+                "no replica is healthy at start-up: the block size and tokenizer checks "
+                "run when one comes into service"
+            )
             return
-        rep = reps[0]
-        # the base models: an adapter's requests use its base model's pool (checking it
-        # against the default pool gave false alarms, and four adapters hid the base)
-        models = sorted(m for m in rep.models or [] if m not in rep.lora_base)
-        await self._check_block_size(rep, models)
+        await asyncio.gather(*(self._check_block_size(r, _base_models(r)) for r in reps))
+        self._tokenizers_checked = True
+        await self._check_tokenizers(reps[0], _base_models(reps[0]))
+
+    async def _check_replica(self, replica_id: str) -> None:
+        """One replica that came into service: its block size, and the tokenizers if no
+        replica had been checked for them."""
+        rep = self.pool.get(replica_id) if self.pool is not None else None
+        if rep is None:
+            return
+        await self._check_block_size(rep, _base_models(rep))
+        if not self._tokenizers_checked:
+            self._tokenizers_checked = True
+            await self._check_tokenizers(rep, _base_models(rep))
+
+    def _alignment_problem(self, problem: str) -> None:
+        self.metrics.alignment.inc()
+        if problem not in self.alignment_problems:  # a replica back in service, again
+            self.alignment_problems.append(problem)
+
+    async def _check_tokenizers(self, rep: Replica, models: Sequence[str]) -> None:
+        """The gateway's tokens against ``rep``'s engine for up to four of its models."""
+        assert self.tokenizers is not None and self.client is not None
         pools: dict[str, Any] = {}
         engine_pools: dict[str, Any] = {}
         for m in models[:4] or ["default"]:
@@ -430,8 +462,7 @@ class Gateway:
             try:
                 await tokenizer.chat(probe, self.minter.salt(Scope(ScopeKind.TENANT, "probe")))
             except GatewayError as exc:
-                self.metrics.alignment.inc()
-                self.alignment_problems.append(f"{model}: {pool.tokenizer}: {exc.message}")
+                self._alignment_problem(f"{model}: {pool.tokenizer}: {exc.message}")
                 log.error(
                     "the engine does not tokenize for this pool: its requests will fail",
                     extra={"model": model, "tokenizer": pool.tokenizer, "problem": exc.message},
@@ -440,8 +471,7 @@ class Gateway:
             tok = self.tokenizers.local(pool)
             problems = await check_alignment(self.client, rep.url, model, tok)
             for p in problems:
-                self.metrics.alignment.inc()
-                self.alignment_problems.append(f"{model}: {p}")
+                self._alignment_problem(f"{model}: {p}")
                 log.error(
                     "TOKENIZER MISALIGNED with the engine: prefix routing will not hit",
                     extra={"model": model, "replica": rep.id, "problem": p},
@@ -463,8 +493,7 @@ class Gateway:
             bs = self.policy.models.pool(model).block_size
             if bs != engine_bs:
                 problem = f"{model}: policy block_size {bs} but the engine's is {engine_bs}"
-                self.metrics.alignment.inc()
-                self.alignment_problems.append(problem)
+                self._alignment_problem(problem)
                 log.error(
                     "BLOCK SIZE MISMATCH with the engine: no prefix key will match",
                     extra={"model": model, "replica": rep.id, "problem": problem},
@@ -1105,6 +1134,13 @@ class Gateway:
         if rep is None:
             raise GatewayError(404, f"unknown replica {replica_id!r}", code="unknown_replica")
         return rep
+
+
+def _base_models(rep: Replica) -> list[str]:
+    """The base models ``rep`` serves: an adapter's requests use its base model's pool
+    (checking it against the default pool gave false alarms, and four adapters hid the
+    base)."""
+    return sorted(m for m in rep.models or [] if m not in rep.lora_base)
 
 
 def _now_ms() -> int:

@@ -149,6 +149,25 @@ async def test_a_block_size_unlike_the_engines_is_reported_at_start_up() -> None
         assert not st.gw.alignment_problems  # the base model is checked, not its adapters
 
 
+async def test_a_replica_coming_into_service_has_its_block_size_checked() -> None:
+    """The start-up check saw only the replicas healthy then: one that was down (or comes
+    back as a restarted engine) is checked when it comes into service. Before, a replica
+    down at start-up was never checked: a 32-token engine behind a 16-token policy gave
+    predicted 0 against 544 cached tokens, silently."""
+    engine_32 = FAST.model_copy(update={"block_size": 32})
+    async with stack(count=1, replica=engine_32, policy="health: {eject_s: 0.2}") as st:
+        gw = st.gw
+        assert gw.pool is not None
+        gw.alignment_problems.clear()  # as if it had been down at start-up
+        rep = gw.pool.all()[0]
+        gw.pool.record_failure(rep.id, definitive=True)
+        for _ in range(200):  # bounded: back after eject_s and one OK health check
+            await asyncio.sleep(0.05)
+            if gw.alignment_problems:
+                break
+        assert any("block_size 16" in p and "32" in p for p in gw.alignment_problems)
+
+
 async def test_a_reload_with_a_block_size_unlike_the_engines_is_refused() -> None:
     """The start-up check's rule on every reload: a policy whose block size differs from
     the engine's makes every key miss, so it is refused (400 naming the field) and the old
