@@ -149,6 +149,7 @@ class Dispatch:
     # collide with another tenant's request on an engine (vLLM refuses or confuses a
     # duplicate id; the refusal would tell one tenant that another's is running)
     upstream_id: str = ""
+    charged_uncached: float = 0.0  # what the tenant's uncached-token budget was charged
 
     @property
     def replica(self) -> str:
@@ -775,6 +776,7 @@ class Gateway:
         if rej is not None:
             self.metrics.rate_limited.labels(tenant, rej.limit).inc()
             raise rate_limited(rej.message, rej.retry_after_s, rej.limit)
+        d.charged_uncached = uncached
         self.metrics.decisions.labels(decision.strategy.value, decision.reason).inc()
         # the exchange counts it and writes its pending entries (on_dispatch) right after
         # the upstream write, in the same loop tick: before any other request's lookup
@@ -909,6 +911,13 @@ class Gateway:
                 self.pool.record_success(rid)
             elif out.error is not None and out.error != "connect":
                 self.pool.record_failure(rid)  # connect failures were counted at the time
+        if d.charged_uncached and (
+            (400 <= out.status < 500 and out.status != 499) or out.error == "connect"
+        ):
+            # no engine computed it: an engine's 4xx is a refusal before any prefill
+            # (validation, length, unknown model), and a connect failure reached none
+            self.limiter.refund_uncached(d.tenant, d.charged_uncached, time.monotonic())
+            d.charged_uncached = 0.0
         if self.trace is not None:
             self._trace(d, out)
         if out.cached_tokens is None or out.status != 200 or d.unkeyed:

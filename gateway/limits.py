@@ -32,6 +32,11 @@ class TokenBucket:
             self.level = min(self.burst, self.level + (now - self._t) * self.rate)
         self._t = now
 
+    def give(self, amount: float, now: float) -> None:
+        """Return ``amount`` taken for work that was not done (up to ``burst``)."""
+        self._refill(now)
+        self.level = min(self.burst, self.level + amount)
+
     def take(self, amount: float, now: float) -> float:
         """Take ``amount``; return 0.0 on success, else the seconds to wait before retrying."""
         self._refill(now)
@@ -97,6 +102,14 @@ class TenantLimiter:
                 "uncached_tokens", wait, "uncached prompt token budget exceeded for this key"
             )
         return None
+
+    def refund_uncached(self, tenant: str, tokens: float, now: float) -> None:
+        """Give back what :meth:`charge_uncached` took for a request no engine computed
+        (refused by the engine, or no replica reachable): the budget limits prefill work,
+        and a tenant whose malformed requests fail fast must not be locked out for them."""
+        st = self._tenants.get(tenant)
+        if st is not None and st.tokens is not None and tokens > 0:
+            st.tokens.give(tokens, now)
 
     def release(self, tenant: str) -> None:
         st = self._tenants.get(tenant)

@@ -283,6 +283,22 @@ async def test_uncached_token_budget_and_concurrency_limits() -> None:
             )
 
 
+async def test_a_request_the_engine_refuses_gives_back_its_uncached_token_charge() -> None:
+    """The budget limits prefill work: a request the engine refuses before computing (here
+    token ids outside its vocabulary, a 400) costs none, so its charge is given back. It was
+    kept: a tenant's six refused 30k-token prompts locked it out with 429s."""
+    policy = "default_tenant:\n  limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 1000}"
+    async with stack(count=1, policy=policy) as st:
+        c = st.client()
+        for _ in range(3):
+            with pytest.raises(openai.BadRequestError):
+                await c.completions.create(model=st.model, prompt=[10**6] * 900, max_tokens=1)
+        # the budget is whole again: 900 uncached tokens pass (without the refund: a 429)
+        await c.completions.create(model=st.model, prompt=words(900, 3100), max_tokens=1)
+        with pytest.raises(openai.RateLimitError):  # and it is spent by what was computed
+            await c.completions.create(model=st.model, prompt=words(900, 3101), max_tokens=1)
+
+
 async def test_lora_requests_go_only_to_replicas_with_the_adapter() -> None:
     with_lora = ReplicaSettings(time_scale=0.05, lora=["adapter-x"])
     async with run_fleet(with_lora, count=1) as fa, run_fleet(FAST, count=2) as fb:

@@ -103,6 +103,10 @@ def test_tenant_limiter_rate_concurrency_tokens() -> None:
     rej = lim.charge_uncached("f", tok, 500, 0.0)
     assert rej is not None and rej.limit == "uncached_tokens"
     assert rej.retry_after_s == pytest.approx(0.5)
+    # a refund (work no engine did) fills the bucket again, never past its burst
+    lim.refund_uncached("f", 10**6, 0.0)
+    assert lim.charge_uncached("f", tok, 2000, 0.0) is None
+    assert lim.charge_uncached("f", tok, 1, 0.0) is not None
 
 
 # ---------------------------------------------------------------- quarantine
