@@ -51,6 +51,12 @@ DEMO_TENANT = "demo"
 REPLICAS = 4
 PROFILE = "8b-h100"
 SLOTS = get_profile(PROFILE).max_num_seqs  # the policy declares the replicas' sequence slots
+# the printed examples' prompt: longer than a few KV blocks, so that after the chat example the
+# explain example shows its cached prefix; no quote characters (it sits in shell and JSON quotes)
+EXAMPLE_PROMPT = (
+    "Explain in two sentences what a KV cache is and why routing requests to the replica "
+    "that already holds their prefix saves prefill time."
+)
 
 
 def serve_flag(text: str) -> int:
@@ -152,33 +158,38 @@ def _print_comparison(results: list[tuple[str, ReplayReport]], replicas: Sequenc
         print(f"WARNING: {errors} requests failed")
 
 
-def _print_examples(port: int, admin_key: str) -> None:
+def examples_text(port: int, admin_key: str) -> str:
+    """The commands printed while the demo serves: each works pasted into a shell as shown
+    (the explain names the demo's tenant, whose cached prefixes it then shows)."""
     base = f"http://127.0.0.1:{port}"
-    print(
-        f"""
+    return f"""
 kvgate is serving on {base} (4 simulated replicas, embedded index and agents).
 
   curl -s {base}/v1/chat/completions \\
     -H 'authorization: Bearer {DEMO_KEY}' -H 'content-type: application/json' \\
     -d '{{"model": "{MODEL}", "max_tokens": 16,
-         "messages": [{{"role": "user", "content": "hello there"}}]}}'
+         "messages": [{{"role": "user", "content": "{EXAMPLE_PROMPT}"}}]}}'
 
   .venv/bin/python -c "
 from openai import OpenAI
 c = OpenAI(base_url='{base}/v1', api_key='{DEMO_KEY}')
 r = c.chat.completions.create(model='{MODEL}', max_tokens=16,
-    messages=[{{'role': 'user', 'content': 'hello there'}}])
+    messages=[{{'role': 'user', 'content': '{EXAMPLE_PROMPT}'}}])
 print(r.choices[0].message.content, r.usage)"
 
   metrics (the admin key): curl -s {base}/metrics -H 'x-admin-key: {admin_key}' | grep kvgate_
 
-  why a request would go where (admin key of this run, nothing is sent):
-  curl -s {base}/admin/route/explain -H 'x-admin-key: {admin_key}' \
-    -H 'content-type: application/json' \
-    -d '{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hello there"}}]}}'
-Ctrl-C to stop.""",
-        flush=True,
-    )
+  why a request would go where (admin key of this run, nothing is sent); after the chat
+  request above, the replica that served it shows the prompt's cached blocks (matched_blocks):
+  curl -s '{base}/admin/route/explain?tenant={DEMO_TENANT}' -H 'x-admin-key: {admin_key}' \\
+    -H 'content-type: application/json' \\
+    -d '{{"model": "{MODEL}",
+         "messages": [{{"role": "user", "content": "{EXAMPLE_PROMPT}"}}]}}'
+Ctrl-C to stop."""
+
+
+def _print_examples(port: int, admin_key: str) -> None:
+    print(examples_text(port, admin_key), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ subprocesses, embedded agents, the same code path as `make demo`."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -104,3 +105,46 @@ def test_sigterm_stops_the_demo_and_every_process_it_started() -> None:
         for pid in started:  # never leave a failed run's processes behind
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _curl_args(command: str) -> list[str]:
+    """The arguments bash passes to curl for ``command`` as printed (continuations and
+    quoting as a shell reads them), with curl stubbed out."""
+    out = subprocess.run(
+        ["bash", "-c", "curl() { printf '%s\\0' \"$@\"; }\n" + command],
+        capture_output=True, text=True, timeout=10, check=True,
+    )  # fmt: skip
+    return out.stdout.split("\0")[:-1]
+
+
+def test_the_printed_curl_examples_work_as_shown() -> None:
+    """The explain example names the demo's tenant (else it explains as ``anonymous`` and
+    shows no match) and its line continuations are real (not one space-padded line)."""
+    from loadtest.demo import DEMO_KEY, DEMO_TENANT, EXAMPLE_PROMPT, examples_text
+    from loadtest.harness import MODEL
+
+    text = examples_text(8123, "adm")
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip().startswith("curl -s ")]
+    commands = []
+    for i in starts:
+        j = i  # the command goes on past a trailing backslash or an open quote
+        while lines[j].endswith("\\") or "\n".join(lines[i : j + 1]).count("'") % 2:
+            j += 1
+        commands.append("\n".join(lines[i : j + 1]))
+    chat = next(c for c in commands if "/v1/chat/completions" in c)
+    explain = next(c for c in commands if "/admin/route/explain" in c)
+    assert explain.count("\n") == 3 and chat.count("\n") == 3
+    args = _curl_args(explain)
+    assert args[:2] == ["-s", f"http://127.0.0.1:8123/admin/route/explain?tenant={DEMO_TENANT}"]
+    assert args[2:6] == ["-H", "x-admin-key: adm", "-H", "content-type: application/json"]
+    assert args[6] == "-d" and len(args) == 8
+    explained = json.loads(args[7])
+    args = _curl_args(chat)
+    assert args[:2] == ["-s", "http://127.0.0.1:8123/v1/chat/completions"]
+    assert args[2:4] == ["-H", f"authorization: Bearer {DEMO_KEY}"] and args[6] == "-d"
+    sent = json.loads(args[7])
+    # the explain shows the chat example's prefix: the same prompt, longer than a KV block
+    assert explained["model"] == sent["model"] == MODEL
+    assert explained["messages"] == sent["messages"]
+    assert sent["messages"][0]["content"] == EXAMPLE_PROMPT and len(EXAMPLE_PROMPT.split()) > 16
