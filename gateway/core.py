@@ -628,10 +628,17 @@ class Gateway:
             raise bad_request("'prompt' is required", "prompt")
         reps = self.pool.candidates(model)
         if not reps:
-            if not any(r.serves(model) for r in self.pool.all()):
+            serving = [r for r in self.pool.all() if r.serves(model)]
+            if not serving:
                 raise GatewayError(
                     404, f"The model `{model}` does not exist.", code="model_not_found",
                     param="model",
+                )  # fmt: skip
+            if all(r.cordoned or r.draining for r in serving):
+                # healthy perhaps, but taken out of service by an operator: say so
+                raise GatewayError(
+                    503, "every replica serving this model is cordoned or draining",
+                    code="no_replica",
                 )  # fmt: skip
             raise GatewayError(503, "no healthy replica serves this model", code="no_replica")
         tpol = pol.tenant(tenant)

@@ -358,6 +358,11 @@ async def test_admin_policy_reload_explain_cordon() -> None:
             )
             served[raw.headers["x-kvgate-replica"]] += 1
         assert served == Counter({st.replica_id(1): 4})
+        await h.post(f"/admin/replicas/{st.replica_id(1)}/cordon", headers=adm)
+        with pytest.raises(openai.InternalServerError) as err:  # 503: says why
+            await c.completions.create(model=st.model, prompt=words(20, 600), max_tokens=1)
+        assert err.value.status_code == 503 and "cordoned" in str(err.value)
+        await h.post(f"/admin/replicas/{st.replica_id(1)}/uncordon", headers=adm)
         r = await h.get("/admin/replicas")
         assert r.status_code == 401
         metrics = (await h.get("/metrics")).text
