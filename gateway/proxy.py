@@ -217,9 +217,9 @@ class UpstreamExchange(Response):
         headers = [(b"content-type", content_type), (b"x-request-id", self.d.request_id.encode())]
         if self.gw.settings.expose_replica:
             headers.append((b"x-kvgate-replica", self.d.replica.encode()))
-            if not self.d.ephemeral:
+            if not self.d.ephemeral and not self.d.unkeyed:
                 # the prediction under the caller's own scope: lets benchmarks measure the
-                # precision per request (sensitive requests have none)
+                # precision per request (sensitive and media requests have none)
                 predicted = str(self.d.decision.predicted_cached_tokens).encode()
                 headers.append((b"x-kvgate-predicted-cached-tokens", predicted))
         return headers

@@ -181,6 +181,9 @@ async def test_openai_shapes_headers_and_model_cards() -> None:
         r = await h.post("/v1/chat/completions", json={**with_image, "max_tokens": 1}, headers=auth)
         assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
         assert r.headers["x-kvgate-replica"]  # routed and sent, not refused by the gateway
+        # no keys, so no prediction to report (a text chat has one)
+        assert "x-kvgate-predicted-cached-tokens" not in r.headers
+        assert "x-kvgate-predicted-cached-tokens" in raw.headers
 
 
 async def test_only_uncached_text_past_the_bound_goes_to_a_thread(
