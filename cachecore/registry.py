@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -31,8 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cachecore.index.base import IndexError_
 from cachecore.index.layout import REPLICA_ID_PATTERN, KeyLayout, validate_replica_id
 from cachecore.index.redis import REDIS_FAILURES, RedisClient, RedisScript, redis_client
-
-log = logging.getLogger(__name__)
 
 MAX_REGISTRATION_BYTES = 4096
 DEFAULT_REGISTRATION_TTL_MS = 10_000
@@ -153,7 +150,8 @@ class ReplicaAllowlist:
         self, registrations: Iterable[Registration]
     ) -> tuple[list[Registration], list[Rejection]]:
         """Split into accepted and rejected. Two registrations claiming the same URL and DP
-        rank cannot both be right: both are rejected (pin the ids to resolve it)."""
+        rank cannot both be right: both are rejected (pin the ids to resolve it). Logging
+        the rejections is the caller's (discovery logs each once while it persists)."""
         ok: list[Registration] = []
         rejected: list[Rejection] = []
         for reg in registrations:
@@ -171,11 +169,6 @@ class ReplicaAllowlist:
                 accepted.append(regs[0])
             else:
                 rejected.extend(Rejection(r.replica_id, r.url, "url_conflict") for r in regs)
-        for rej in rejected:
-            log.warning(
-                "replica registration rejected",
-                extra={"replica": rej.replica_id, "url": rej.url, "reason": rej.reason},
-            )
         accepted.sort(key=lambda r: r.replica_id)
         return accepted, rejected
 

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from cachecore.registry import Registration, RegistryStore, ReplicaAllowlist
+from cachecore.registry import Registration, RegistryStore, Rejection, ReplicaAllowlist
 from cachecore.tasks import cancel_and_wait
 from gateway.replicas import ReplicaPool, ReplicaSpec
 
@@ -39,7 +39,10 @@ class Discovery:
         self.on_added = on_added
         self.interval_s = interval_s
         self.discovered: dict[str, Registration] = {}
-        self.rejected = 0
+        self.rejected = 0  # every rejection of every refresh (the metric counts the same)
+        # the rejections of the last refresh read: one persisting is logged once, not at
+        # every refresh while its agent keeps re-registering
+        self._rejections: set[Rejection] = set()
         self.errors = 0
         self.on_count = on_count  # (outcome, n): "rejected" registrations, read "error"s
         self._task: asyncio.Task[None] | None = None
@@ -58,6 +61,14 @@ class Discovery:
         self.rejected += len(rejected)
         if rejected and self.on_count is not None:
             self.on_count("rejected", len(rejected))
+        current = set(rejected)
+        for rej in sorted(current - self._rejections, key=lambda r: (r.replica_id, r.url)):
+            log.warning(
+                "replica registration rejected (logged once while it persists; "
+                "kvgate_discovery_events_total counts every refresh)",
+                extra={"replica": rej.replica_id, "url": rej.url, "reason": rej.reason},
+            )
+        self._rejections = current
         seen = set()
         for reg in accepted:
             seen.add(reg.replica_id)

@@ -488,6 +488,52 @@ async def test_discovery_adds_allowlisted_replicas_only_and_drops_expired() -> N
         assert pool.ids() == ["static-1"]  # static replicas stay
 
 
+async def test_a_persisting_rejected_registration_is_logged_once_and_counted_each_refresh(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import httpx
+
+    from cachecore.registry import MemoryRegistry, Registration, ReplicaAllowlist
+    from gateway.discovery import Discovery
+    from gateway.replicas import ReplicaPool
+    from policies.schema import HealthPolicy
+
+    def reg(rid: str, url: str) -> Registration:
+        return Registration(
+            replica_id=rid, url=url, model="m", block_size=16, capacity_blocks=100,
+            agent_id=f"agent-{rid}", registered_ms=0,
+        )  # fmt: skip
+
+    def logged() -> list[tuple[str, str, str]]:
+        return [
+            (r.__dict__["replica"], r.__dict__["url"], r.__dict__["reason"])
+            for r in caplog.records
+            if r.getMessage().startswith("replica registration rejected")
+        ]
+
+    registry = MemoryRegistry()
+    counted: dict[str, int] = {}
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(client, HealthPolicy())
+        allow = ReplicaAllowlist(["pinned=http://10.0.0.3:8000"])
+        disc = Discovery(
+            registry, allow, pool, set(),
+            on_count=lambda outcome, n: counted.update({outcome: counted.get(outcome, 0) + n}),
+        )  # fmt: skip
+        caplog.set_level("WARNING", logger="gateway.discovery")
+        await registry.register(reg("rogue", "http://evil.example:80"), 60_000, now_ms=0)
+        for t in range(3):  # the agent's heartbeat keeps it registered
+            await disc.refresh_once(now_ms=10 + t)
+        assert logged() == [("rogue", "http://evil.example:80", "not_allowlisted")]
+        assert counted == {"rejected": 3} and disc.rejected == 3
+        # a new reason (the same id now claims a pinned URL) is news: logged once more
+        await registry.register(reg("rogue", "http://10.0.0.3:8000"), 60_000, now_ms=20)
+        await disc.refresh_once(now_ms=30)
+        await disc.refresh_once(now_ms=31)
+        assert logged()[1:] == [("rogue", "http://10.0.0.3:8000", "pinned_to_other_id")]
+        assert counted == {"rejected": 5}
+
+
 # ---------------------------------------------------------------- SSE relay
 
 
