@@ -369,6 +369,27 @@ def settings_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:
+    """The start-up line (level, message) of a gateway with no static replica: with
+    discovery and an allowlist the replicas come from the agents' registrations (not a
+    problem); with discovery and no allowlist every registration is rejected."""
+    if settings.discover and any(entry.strip() for entry in settings.replica_allowlist):
+        return logging.INFO, (
+            "no --replica given: replicas come from discovery (allowlisted agent "
+            "registrations); requests get 503 until one has registered"
+        )
+    if settings.discover:
+        return logging.WARNING, (
+            "no --replica and no --allow given: discovery rejects every registration, "
+            "so every request will get 503"
+        )
+    return (
+        logging.WARNING,
+        "no --replica and no --discover given: every request will get 503 (pass --replica "
+        "URL, or --redis URL --discover --allow URL)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -384,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate serve: {exc}", file=sys.stderr)
         return 2
     if not gw.specs:
-        log.warning("no --replica given: every request will get 503 until replicas are added")
+        log.log(*no_replica_notice(settings))
     server = _DrainingServer(
         uvicorn_config(gw), gw, freeze_gc=settings.gc_freeze, drain_grace_s=settings.drain_grace_s
     )
