@@ -369,6 +369,34 @@ def settings_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` (e.g. "Address already in use"), or
+    None. Binds and closes each address the server would (with SO_REUSEADDR, as asyncio's
+    ``create_server`` does, so a port in TIME_WAIT is not taken for busy)."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as exc:  # socket.gaierror: a host name that does not resolve
+        return exc.strerror or str(exc)
+    for family, kind, proto, _, addr in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this host lacks (no IPv6): asyncio skips it too
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                return exc.strerror or str(exc)
+    return None
+
+
 def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:
     """The start-up line (level, message) of a gateway with no static replica: with
     discovery and an allowlist the replicas come from the agents' registrations (not a
@@ -398,6 +426,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
+    problem = listen_problem(settings.host, settings.port)
+    if problem is not None:  # else uvicorn logs "[Errno 98] ..." and exits 3
+        print(
+            f"kvgate serve: cannot listen on {settings.host}:{settings.port} ({problem}); "
+            "pick another --port (KVGATE_PORT) or stop what holds it",
+            file=sys.stderr,
+        )
+        return 2
     try:
         gw = build_gateway(settings, strategy=Strategy(args.strategy) if args.strategy else None)
     except (PolicyError, ValueError, OSError) as exc:

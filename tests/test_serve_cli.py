@@ -1,14 +1,40 @@
-"""`kvgate serve`'s start-up messages: a fleet that discovery will fill."""
+"""`kvgate serve`'s start-up messages: a port in use, a fleet that discovery will fill."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from cachecore.testing import free_port
 from gateway import serve
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_and_exits_2() -> None:
+    """Like `kvgate agent`: one line naming the address, exit 2 (it was uvicorn's
+    "[Errno 98] ..." log line and exit 3)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--open", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"kvgate serve: cannot listen on 127.0.0.1:{port} (Address already in use); "
+        "pick another --port (KVGATE_PORT) or stop what holds it"
+    ]
+
+
+def test_listen_problem_is_none_for_a_free_port() -> None:
+    assert serve.listen_problem("127.0.0.1", free_port()) is None
+    assert serve.listen_problem("127.0.0.1", 0) is None
 
 
 def _start_up_records(
