@@ -32,6 +32,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class FieldValueError(ValueError):
+    """A model validator's refusal naming the field it is about, relative to the model it
+    validates: pydantic places a model validator's error at the model itself (at the root
+    for :class:`Policy`), so without it :class:`PolicyError` could not name the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 # ``allow_inf_nan=False``: YAML reads ``.inf``, ``.nan`` and ``1e400`` (inf) as floats, and
 # a non-finite value here turns routing costs or timers into NaN at request time
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -196,7 +206,7 @@ class ModelPool(_Section):
     @model_validator(mode="after")
     def _dir_for_hf(self) -> ModelPool:
         if self.tokenizer == "hf" and not self.tokenizer_dir:
-            raise ValueError("tokenizer 'hf' needs tokenizer_dir")
+            raise FieldValueError("tokenizer_dir", "tokenizer 'hf' needs tokenizer_dir")
         return self
 
 
@@ -250,7 +260,7 @@ class QuarantinePolicy(_Section):
     @model_validator(mode="after")
     def _k_le_m(self) -> QuarantinePolicy:
         if self.k > self.m:
-            raise ValueError("quarantine.k must be <= quarantine.m")
+            raise FieldValueError("k", "must be <= quarantine.m")
         return self
 
 
@@ -289,11 +299,17 @@ class Policy(_Section):
             if g is None:
                 continue
             if g not in self.trust_groups:
-                raise ValueError(f"tenants.{name}.trust_group: undeclared trust group {g!r}")
+                raise FieldValueError(
+                    f"tenants.{name}.trust_group", f"undeclared trust group {g!r}"
+                )
             if name not in self.trust_groups[g]:
-                raise ValueError(f"tenants.{name}.trust_group: {name!r} is not a member of {g!r}")
+                raise FieldValueError(
+                    f"tenants.{name}.trust_group", f"{name!r} is not a member of {g!r}"
+                )
         if self.default_tenant.trust_group is not None:
-            raise ValueError("default_tenant.trust_group: the default tenant cannot join a group")
+            raise FieldValueError(
+                "default_tenant.trust_group", "the default tenant cannot join a group"
+            )
         return self
 
     def tenant(self, name: str) -> TenantPolicy:
@@ -301,11 +317,12 @@ class Policy(_Section):
 
 
 class PolicyError(ValueError):
-    """An invalid policy file; ``fields`` lists the failing dotted paths."""
+    """An invalid policy file; ``fields`` lists the failing dotted paths (a problem with no
+    field, such as YAML that does not parse, adds none)."""
 
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
-        self.fields = [f for f, _ in problems]
+        self.fields = [f for f, _ in problems if f]
         lines = "; ".join(f"{f}: {m}" if f else m for f, m in problems)
         super().__init__(f"invalid policy {source}: {lines}")
 
@@ -313,8 +330,11 @@ class PolicyError(ValueError):
 def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     out = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"])
-        out.append((path, str(err["msg"])))
+        loc = [str(p) for p in err["loc"]]
+        error = err.get("ctx", {}).get("error")
+        if isinstance(error, FieldValueError):  # a model validator's: it names its field
+            loc.append(error.field)
+        out.append((".".join(loc), str(err["msg"])))
     return out
 
 
@@ -371,12 +391,46 @@ def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
 
 
+def _key_path(text: str, key: Any, line: int) -> str:
+    """The dotted path of the mapping key ``key`` written at ``line`` (from 1) of ``text``
+    (``routing.strategy``; a sequence item is its index), or "" if it is not found."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)  # nodes only: no duplicate check
+    except yaml.YAMLError:
+        return ""
+    seen: set[int] = set()  # an aliased node is walked once, where its anchor is
+
+    def walk(node: yaml.Node | None, path: list[str]) -> list[str] | None:
+        if node is None or id(node) in seen:
+            return None
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+                if key_node.start_mark.line + 1 == line and name == str(key):
+                    return [*path, name]
+                found = walk(value, [*path, name])
+                if found is not None:
+                    return found
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                found = walk(item, [*path, str(i)])
+                if found is not None:
+                    return found
+        return None
+
+    return ".".join(walk(root, []) or [])
+
+
 def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
     try:
         data = _load_yaml(text)
     except DuplicateKeyError as exc:
         where = f"line {exc.line} (first at line {exc.first_line})"
-        raise PolicyError(source, [("", f"duplicate key {exc.key!r} at {where}")]) from None
+        field = _key_path(text, exc.key, exc.line)
+        raise PolicyError(source, [(field, f"duplicate key {exc.key!r} at {where}")]) from None
     except yaml.YAMLError as exc:
         raise PolicyError(source, [("", f"not valid YAML: {exc}")]) from None
     return parse_policy(data, source)

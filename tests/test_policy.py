@@ -62,6 +62,36 @@ def test_not_yaml_and_not_a_mapping() -> None:
         parse_policy_text("- a list")
 
 
+@pytest.mark.parametrize(
+    ("text", "fields"),
+    [
+        # model-level checks: pydantic places them at the model, the error names the field
+        ("tenants: {a: {trust_group: g}}", ["tenants.a.trust_group"]),
+        ("tenants: {a: {trust_group: g}}\ntrust_groups: {g: [b]}", ["tenants.a.trust_group"]),
+        ("default_tenant: {trust_group: g}", ["default_tenant.trust_group"]),
+        ("quarantine: {k: 9}", ["quarantine.k"]),
+        ("models: {pools: {m: {tokenizer: hf}}}", ["models.pools.m.tokenizer_dir"]),
+        # a repeated key: where it is written
+        ("routing:\n  strategy: round_robin\nrouting:\n  tie_epsilon_ms: 1.0\n", ["routing"]),
+        ("cost:\n  saturation_ms: 4\n  saturation_ms: 1\n", ["cost.saturation_ms"]),
+        ("tenants:\n  acme: {}\n  acme: {}\n", ["tenants.acme"]),
+        ("x: &d {limits: {}, limits: {}}\n", ["x.limits"]),
+        ("l:\n  - a: 1\n    a: 2\n", ["l.0.a"]),
+        # no field to name: none (it was [""])
+        ("routing: [unclosed", []),
+        ("- a list", []),
+        ("42", []),
+    ],
+)
+def test_policy_errors_name_the_real_field_or_none(text: str, fields: list[str]) -> None:
+    """``PolicyError.fields`` is what POST /admin/policy answers as ``error.fields``."""
+    with pytest.raises(PolicyError) as err:
+        parse_policy_text(text, "t.yaml")
+    assert err.value.fields == fields
+    for field in fields:  # the message names it once, before its problem
+        assert str(err.value).count(f"{field}:") == 1
+
+
 def current(store: PolicyStore) -> Strategy:
     return store.policy.routing.strategy
 
