@@ -35,6 +35,13 @@ from policies.schema import PolicyError
 
 log = logging.getLogger(__name__)
 
+# the 401s of a gateway started without an admin key: no key opens these, so none is asked for
+ADMIN_DISABLED = "the admin API is disabled: no admin key is configured (KVGATE_ADMIN_KEY)"
+METRICS_DISABLED = (
+    "/metrics needs the admin key and none is configured (set KVGATE_ADMIN_KEY, or "
+    "KVGATE_METRICS_PUBLIC=true on a trusted network)"
+)
+
 
 def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
@@ -283,8 +290,10 @@ def create_app(gw: Gateway) -> FastAPI:
         return _json({"status": "ok", "in_flight": gw.in_flight})
 
     # ------------------------------------------------------------------ admin
-    def admin(request: Request) -> None:
+    def admin(request: Request, unconfigured: str = ADMIN_DISABLED) -> None:
         key = gw.settings.admin_key.get_secret_value() if gw.settings.admin_key else None
+        if not key:  # no key can open it: say so rather than ask for one
+            raise GatewayError(401, unconfigured, code="invalid_admin_key")
         provided = request.headers.get("x-admin-key") or request.headers.get("authorization")
         if not check_admin(provided, key):
             raise GatewayError(401, "admin key required", code="invalid_admin_key")
@@ -294,7 +303,7 @@ def create_app(gw: Gateway) -> FastAPI:
         s = gw.settings
         if not (s.metrics_public or s.open_access):
             try:  # Prometheus: `authorization: {credentials: <admin key>}` in the job
-                admin(request)
+                admin(request, METRICS_DISABLED)
             except GatewayError as exc:
                 return exc.response()
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -19,6 +19,7 @@ from cachecore.index.base import PrefixIndex
 from cachecore.keys import ScopeKind
 from cachecore.loadstate import LoadStore
 from cachecore.tokenizer import SegmentCache, builtin_tokenizer
+from gateway.app import ADMIN_DISABLED, METRICS_DISABLED
 from gateway.auth import KeyStore, hash_key
 from gateway.core import DEBUG_SHARED_SCOPE, Gateway
 from gateway.replicas import ReplicaSpec
@@ -370,6 +371,15 @@ async def test_every_admin_endpoint_needs_the_admin_key(admin_configured: bool) 
                 r = await h.request(method, path, headers=headers, content=b"")
                 assert r.status_code == 401, (method, path, headers, r.status_code)
                 assert r.json()["error"]["code"] == "invalid_admin_key"
+                # no key configured: no key opens it, and the answer says so
+                message = r.json()["error"]["message"]
+                if admin_configured:
+                    assert message == "admin key required"
+                elif path == "/metrics":
+                    assert message == METRICS_DISABLED
+                else:
+                    assert message == ADMIN_DISABLED
+                    assert "admin API is disabled" in message and "no admin key" in message
             r = await h.request(method, path, headers={"x-admin-key": ADMIN}, content=b"{}")
             if admin_configured:
                 assert r.status_code != 401, (method, path)
