@@ -179,8 +179,10 @@ class FleetSimulator:
         words = tok.word_vocabulary
         self._word_ids: dict[str, int] | None = dict(zip(words.words, words.ids, strict=True))
         self._word_checks: dict[Api, int] = {"chat": 16, "completions": 16}  # both APIs checked
-        self._role_ids: dict[str, list[int]] = {}
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()  # LRU of chat pieces' ids
+        # a chat's roles -> the ids of its template text around the contents (None: the
+        # template does not render those roles as text + content + text)
+        self._frames: dict[tuple[Any, ...], list[list[int]] | None] = {}
+        self._contents: OrderedDict[str, list[int]] = OrderedDict()  # LRU of contents' ids
         self.inflight = InFlight()
         self._snapshot: dict[str, SharedLoad] = {}
         self.tracker = LoadTracker(self.inflight, lambda: self._snapshot)
@@ -238,42 +240,72 @@ class FleetSimulator:
         return None if None in ids else ids  # type: ignore[return-value]
 
     def _chat_words(self, body: dict[str, Any]) -> list[int] | None:
-        """A chat's ids without BPE when every message is made of single-token words: the
-        template's pieces between special tokens are ``role\n w1 w2 ...``, and the
-        tokenizer encodes each piece on its own (SegmentCache's invariant), the role line
-        apart from the words (checked against the tokenizer on the first chats)."""
-        segments = self.tokenizer.segments
-        if not segments.enabled or segments.split_pattern is None:
+        """A chat's ids without rendering or BPE when every message is made of single-token
+        words: the template's text around the contents (its frame, rendered once per role
+        sequence) and each content encode on their own (SegmentCache's invariant: the
+        special tokens split the text; the role line apart from the words), so the ids are
+        the frame's pieces with each content's word ids between them (checked against the
+        tokenizer on the first chats and on each new frame's first)."""
+        messages = body["messages"]
+        if not messages:
             return None
-        text = self.tokenizer.tok.apply_chat_template(body["messages"], True)
-        out: list[int] = []
-        for i, piece in enumerate(segments.split_pattern.split(text)):
-            if i % 2:
-                out.append(segments.special_ids[piece])
-                continue
-            if not piece:
-                continue
-            known = self._pieces.get(piece)
-            if known is not None:  # a system prompt, a document: seen before
-                self._pieces.move_to_end(piece)
-                out += known
-                continue
-            head, sep, rest = piece.partition("\n")
-            ids = self._word_run(rest) if sep and rest.startswith(" ") else None
-            if ids is None:
-                if sep and not rest:  # a bare role line ("assistant\n")
-                    ids = []
-                else:
+        roles = tuple(m.get("role") for m in messages)
+        frame = self._frames.get(roles)
+        if frame is None:
+            if roles in self._frames or not self._frame(roles, messages):
+                return None
+            frame = self._frames[roles]
+            assert frame is not None
+            self._word_checks["chat"] = max(1, self._word_checks["chat"])  # check its first
+        contents = self._contents
+        out = list(frame[0])
+        for m, after in zip(messages, frame[1:], strict=True):
+            content = m.get("content")
+            if len(m) != 2 or not isinstance(content, str):  # a name, tool calls, parts
+                return None
+            ids = contents.get(content)
+            if ids is not None:  # a system prompt, a document: seen before
+                contents.move_to_end(content)
+            else:
+                found = self._word_run(content) if content.startswith(" ") else None
+                if not content:
+                    found = []
+                if found is None:
                     return None
-            line = self._role_ids.get(head)
-            if line is None:
-                line = self._role_ids[head] = self.tokenizer.tok.encode(head + "\n")
-            ids = line + ids
-            self._pieces[piece] = ids
-            if len(self._pieces) > 8192:
-                self._pieces.popitem(last=False)
+                ids = contents[content] = found
+                if len(contents) > 8192:
+                    contents.popitem(last=False)
             out += ids
+            out += after
         return out
+
+    def _frame(self, roles: tuple[Any, ...], messages: Sequence[dict[str, Any]]) -> bool:
+        """Render the template once for these roles with a marker for each content and keep
+        the ids of the text between the markers; False (and None kept) when it does not
+        split that way: every text before a content ends its role line with a newline."""
+        segments = self.tokenizer.segments
+        self._frames[roles] = None
+        if not segments.enabled or segments.split_pattern is None:
+            return False
+        if not all(isinstance(r, str) for r in roles):
+            return False
+        marker = "\x00"
+        probe = [{"role": m.get("role"), "content": marker} for m in messages]
+        text = self.tokenizer.tok.apply_chat_template(probe, True)
+        texts = text.split(marker)
+        if len(texts) != len(messages) + 1 or not all(t.endswith("\n") for t in texts[:-1]):
+            return False
+        frame: list[list[int]] = []
+        for t in texts:
+            ids: list[int] = []
+            for i, piece in enumerate(segments.split_pattern.split(t)):
+                if i % 2:
+                    ids.append(segments.special_ids[piece])
+                elif piece:
+                    ids += self.tokenizer.tok.encode(piece)
+            frame.append(ids)
+        self._frames[roles] = frame
+        return True
 
     def _tokens(self, item: WorkItem) -> list[int]:
         body = item.body(MODEL, stream=False)

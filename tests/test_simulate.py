@@ -71,7 +71,8 @@ def test_tiled_mooncake_arrives_at_the_wanted_rate() -> None:
 
 
 @pytest.mark.parametrize(
-    "workload_name", ["shared-prefix", "hot-prefix", "tenant-mix", "rag", "short-unique"]
+    "workload_name",
+    ["shared-prefix", "hot-prefix", "tenant-mix", "rag", "short-unique", "multi-turn"],
 )
 def test_the_word_shortcut_gives_the_tokenizers_ids(text: TextSource, workload_name: str) -> None:
     """The simulator reads a chat made of single-token words without BPE; its ids must be
