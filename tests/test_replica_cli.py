@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from openai import AsyncOpenAI
 
 from cachecore.replica import launch_fleet
@@ -113,3 +114,20 @@ def test_a_port_taken_between_its_pick_and_the_bind_is_picked_again(
         with launch_fleet(1, ["--time-scale", "0.1"], log_path=tmp_path / "f.log") as fp:
             assert len(calls) == 2 and fp.endpoints[0].http_port != taken
             assert httpx.get(fp.endpoints[0].url + "/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("count", "says"), [("0", "must be >= 1, got 0"), ("x", "not an integer: 'x'")]
+)
+def test_a_bad_count_is_an_argparse_error(
+    count: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything starts, with argparse's prefix and exit code, as every other
+    flag is (it printed a bare "--count must be >= 1")."""
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["replica", "--count", count])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"kvgate replica: error: argument --count: {says}"
