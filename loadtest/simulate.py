@@ -37,6 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -235,9 +236,14 @@ class FleetSimulator:
     def _word_run(self, text: str) -> list[int] | None:
         """The ids of ``" w1 w2 ..."`` made of single-token words, else None."""
         assert self._word_ids is not None
-        get = self._word_ids.get
-        ids = list(map(get, text[1:].split(" ")))  # a double space or newline: no match
-        return None if None in ids else ids  # type: ignore[return-value]
+        words = text[1:].split(" ")  # a double space or newline: a word that is not known
+        try:
+            if len(words) == 1:
+                return [self._word_ids[words[0]]]
+            # one C call for all the words (a map of dict.get and a scan for None cost 1/4 more)
+            return list(itemgetter(*words)(self._word_ids))
+        except KeyError:
+            return None
 
     def _chat_words(self, body: dict[str, Any]) -> list[int] | None:
         """A chat's ids without rendering or BPE when every message is made of single-token
