@@ -39,7 +39,8 @@ from cachecore.engine.request import (
     RequestState,
     RequestStatus,
 )
-from cachecore.engine.tokens import OutputTokens, prompt_fingerprint
+from cachecore.engine.tokens import OutputTokens, bytes_fingerprint
+from cachecore.keys import tokens_to_bytes
 from cachecore.kvevents import KVEvent
 
 if TYPE_CHECKING:
@@ -197,17 +198,19 @@ class EngineCore:
                 raise RequestRejectedError(f"unknown LoRA adapter {request.lora_name!r}")
         if request.cache_salt is not None and not request.cache_salt:
             raise RequestRejectedError("cache_salt must be a non-empty string")
+        prompt_bytes = tokens_to_bytes(request.prompt_token_ids)
         state = RequestState(
             request_id=request.request_id,
             all_token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=n_prompt,
             max_tokens=request.max_tokens,
             extra_keys=ExtraKeysFn(request.lora_name, request.cache_salt),
-            fingerprint=prompt_fingerprint(request.prompt_token_ids),
+            fingerprint=bytes_fingerprint(prompt_bytes),
             arrival_time=now,
             cache_salt=request.cache_salt,
             lora_name=request.lora_name,
             lora_id=lora_id,
+            prompt_bytes=prompt_bytes,
         )
         self._requests[request.request_id] = state
         self.waiting.append(state)

@@ -105,13 +105,27 @@ class EngineHasher:
     ) -> list[EngineHash]:
         """Hashes of the consecutive full blocks of ``tokens`` (a multiple of block_size)
         whose first block has index ``first_block_index`` in its request."""
-        h = self.root if parent is None else parent
         if len(tokens) == block_size:  # one block (a decode step filled it): no span to memo
             xk = extra_of_block
             extra = xk.first_bytes if first_block_index == 0 else xk.rest_bytes
+            h = self.root if parent is None else parent
             return [self._digest(h + _token_bytes(tokens) + extra)]
+        return self.chain_bytes(
+            parent, _token_bytes(tokens), block_size, first_block_index, extra_of_block
+        )
+
+    def chain_bytes(
+        self,
+        parent: EngineHash | None,
+        data: bytes,
+        block_size: int,
+        first_block_index: int,
+        extra_of_block: ExtraKeysFn,
+    ) -> list[EngineHash]:
+        """:meth:`chain` of tokens already in their byte form (uint32 little-endian): a
+        prompt is converted once at admission, not again for its hashes."""
+        h = self.root if parent is None else parent
         out: list[EngineHash] = []
-        data = _token_bytes(tokens)
         step = block_size * 4
         rest = extra_of_block.rest_bytes  # the same for every block but a request's first
         span = step * _MEMO_BLOCKS

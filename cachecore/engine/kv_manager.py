@@ -37,11 +37,19 @@ class KVCacheManager:
             return
         bs = self.block_size
         parent = req.block_hashes[-1] if have else None
-        req.block_hashes.extend(
-            self.hasher.chain(
+        prompt = req.prompt_bytes
+        if prompt and n_blocks * bs <= req.num_prompt_tokens:
+            # prompt blocks (the admission's lookup): from the bytes the fingerprint used
+            hashes = self.hasher.chain_bytes(
+                parent, prompt[have * bs * 4 : n_blocks * bs * 4], bs, have, req.extra_keys
+            )
+            if (n_blocks + 1) * bs > req.num_prompt_tokens:
+                req.prompt_bytes = b""  # every full prompt block is hashed: not needed again
+        else:
+            hashes = self.hasher.chain(
                 parent, req.all_token_ids[have * bs : n_blocks * bs], bs, have, req.extra_keys
             )
-        )
+        req.block_hashes.extend(hashes)
 
     def get_computed_blocks(self, req: RequestState) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of full blocks, capped so at least one prompt token is

@@ -85,6 +85,9 @@ class RequestState:
     # the output tokens of positions 0..len-1, worked out ahead in chunks (each a pure
     # function of the fingerprint and its position: EngineCore._planned_tokens)
     output_plan: list[int] = field(default_factory=list)
+    # the prompt's ids as the hashes consume them (uint32 little-endian), made once for
+    # the fingerprint and kept until the prompt's full blocks are hashed
+    prompt_bytes: bytes = b""
 
     @property
     def num_tokens(self) -> int:

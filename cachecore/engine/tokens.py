@@ -30,7 +30,12 @@ _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def prompt_fingerprint(prompt_token_ids: Sequence[int]) -> int:
-    return xxhash.xxh3_64_intdigest(tokens_to_bytes(prompt_token_ids))
+    return bytes_fingerprint(tokens_to_bytes(prompt_token_ids))
+
+
+def bytes_fingerprint(prompt_bytes: bytes) -> int:
+    """:func:`prompt_fingerprint` of the prompt's ids already in their byte form."""
+    return xxhash.xxh3_64_intdigest(prompt_bytes)
 
 
 class OutputTokens:
