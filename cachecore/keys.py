@@ -165,8 +165,11 @@ class BlockKeyer:
         if n_blocks == 0:
             return []
         step = self.block_size * 4
-        data = memoryview(tokens_to_bytes(tokens[: n_blocks * self.block_size]))
-        key = root_key(salt, model, lora, bytes(data[:step]))
+        n = n_blocks * self.block_size
+        # the whole list unless the cap leaves much of it out (a list slice costs as much as
+        # converting a third of it); bytes slices are cheaper than a memoryview's here
+        data = tokens_to_bytes(tokens if 2 * n >= len(tokens) else tokens[:n])
+        key = root_key(salt, model, lora, data[:step])
         out = [key]
         h = xxhash.xxh3_128_digest
         for off in range(step, n_blocks * step, step):
