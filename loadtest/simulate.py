@@ -501,8 +501,8 @@ class FleetSimulator:
     def _scrape(self) -> None:
         snap: dict[str, SharedLoad] = {}
         for rid, e in zip(self.ids, self.engines, strict=True):
-            s = e.stats()
-            snap[rid] = SharedLoad(s.num_running, s.num_waiting, s.kv_cache_usage, e.max_num_seqs)
+            # the three gauges of EngineStats, read without building all of its fields
+            snap[rid] = SharedLoad(len(e.running), len(e.waiting), e.pool.usage(), e.max_num_seqs)
         self._snapshot = snap
         self._stale.update(self.ids)
 
