@@ -131,3 +131,24 @@ def test_a_bad_count_is_an_argparse_error(
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == f"kvgate replica: error: argument --count: {says}"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--http-ports", "9000", "argument --http-ports: needs 2 ports (--count), got 1"),
+        ("--events-ports", "1,x", "argument --events-ports: must be comma-separated integers"),
+    ],
+)
+def test_a_bad_port_list_is_a_usage_error(
+    flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Port lists are checked against --count after parsing, with argparse's prefix and
+    exit code all the same (they exited 1 with a bare message)."""
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["replica", "--count", "2", flag, value])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"kvgate replica: error: {says}")

@@ -13,7 +13,7 @@ import json
 import logging
 import signal
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
@@ -110,10 +110,16 @@ def _ports(arg: str | None, name: str, count: int) -> list[int] | None:
     try:
         ports = [int(p) for p in arg.split(",") if p.strip()]
     except ValueError:
-        raise SystemExit(f"--{name} must be comma-separated integers") from None
+        _usage_error(f"argument --{name}: must be comma-separated integers, got {arg!r}")
     if len(ports) != count:
-        raise SystemExit(f"--{name} needs {count} ports, got {len(ports)}")
+        _usage_error(f"argument --{name}: needs {count} ports (--count), got {len(ports)}")
     return ports
+
+
+def _usage_error(message: str) -> NoReturn:
+    """A bad flag found after parsing: argparse's form and exit code, as for every other."""
+    print(f"kvgate replica: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def build_settings(args: argparse.Namespace) -> ReplicaSettings:
