@@ -550,6 +550,12 @@ class Gateway:
         task.add_done_callback(self._bg.discard)
         return task
 
+    def background_settled(self) -> bool:
+        """No one-shot background task (a claim check, a replica check) is running; the
+        quarantine watchers, which live as long as their quarantine, do not count."""
+        watchers = self._quarantine_watchers.values()
+        return all(t in watchers for t in self._bg)
+
     def begin(self) -> None:
         self.in_flight += 1
         self._idle.clear()

@@ -342,7 +342,9 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
             requests_until += 1
             if await st.ask(prompt) == liar:
                 misrouted += 1
-            await until(lambda: not gw._bg, Q_SETTLE_S + 2.0)  # claim checks run after responses
+            # claim checks run after responses (a quarantine's watcher is not one: waiting
+            # on every background task cost the full timeout per request while quarantined)
+            await until(gw.background_settled, Q_SETTLE_S + 2.0)
         quarantined = gw.quarantine.is_quarantined(liar)
         admin = (
             await st.http.get(st.g.url + "/admin/quarantine", headers=st.g.admin_headers)
@@ -366,7 +368,7 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
             await st.settled("r1", 5.0)
             await st.ask(prompt)
             honest += 2
-            await until(lambda: not gw._bg, Q_SETTLE_S + 2.0)
+            await until(gw.background_settled, Q_SETTLE_S + 2.0)
         released = not gw.quarantine.is_quarantined(liar)
     finally:
         await rogue.close()
