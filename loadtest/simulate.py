@@ -762,7 +762,7 @@ def format_rows(rows: Sequence[tuple[SimResult, dict[str, float]]]) -> str:
             f"{row['ttft_p99']:.3f} | {row['e2e_p99']:.2f} | {row['imbalance']:.2f} | "
             f"{res.preemptions} | {row['pred_error']:.2%} | {res.index_entries_peak:,} | "
             f"{row['decision_p50_us']:.0f}/{row['decision_p99_us']:.0f} | "
-            f"{res.sim_seconds:.0f} | {res.wall_seconds:.0f} | {row['speedup']:.1f}x | "
+            f"{res.sim_seconds:.0f} | {res.wall_seconds:.1f} | {row['speedup']:.1f}x | "
             f"{row['tokens_per_wall_s']:,.0f} |"
         )
     return "\n".join(out)
