@@ -26,7 +26,7 @@ import httpx
 import orjson
 from prometheus_client import CollectorRegistry
 
-from cachecore.agent.scrape import parse_metrics
+from cachecore.agent.scrape import ScrapeError, parse_metrics
 from cachecore.agent.settings import AgentSettings
 from cachecore.index.base import (
     IndexError_,
@@ -251,6 +251,11 @@ class Gateway:
         self.alignment_problems: list[str] = []
         self._started = False  # replicas coming into service are checked from then on
         self._tokenizers_checked = False
+        # replicas whose engine answered the block-size check since they last came into
+        # service, and those with a check running; any other is checked at its next OK
+        # probe (one down at start-up, a discovered one, a restarted engine)
+        self._verified: set[str] = set()
+        self._verifying: set[str] = set()
         self.trace: RequestTrace | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -310,9 +315,19 @@ class Gateway:
 
     def _on_health(self, replica: str, routable: bool) -> None:
         self.metrics.healthy.labels(replica).set(1 if routable else 0)
-        if routable and self._started and not self.draining:
-            # a replica coming (back) into service may be a new engine: one that was down
-            # at start-up, discovered, or restarted with another configuration
+        if not routable:
+            # back in service it may be another engine (a restart with another config)
+            self._verified.discard(replica)
+        else:
+            self._on_probe_ok(replica)
+
+    def _on_probe_ok(self, replica: str) -> None:
+        if (
+            self._started
+            and not self.draining
+            and replica not in self._verified
+            and replica not in self._verifying
+        ):
             self.spawn(self._check_replica(replica))
 
     async def start(self) -> None:
@@ -327,7 +342,12 @@ class Gateway:
             self.trace.start()
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(s.connect_timeout_s))
         self.upstream = LeanTransport(max_connections=s.max_connections)
-        self.pool = ReplicaPool(self.client, self.policy.health, on_change=self._on_health)
+        self.pool = ReplicaPool(
+            self.client,
+            self.policy.health,
+            on_change=self._on_health,
+            on_probe_ok=self._on_probe_ok,
+        )
         self.tokenizers = TokenizerPools(
             self.client, self._any_replica_url, s.tokenizer_cache_tokens
         )
@@ -424,20 +444,23 @@ class Gateway:
                 "run when one comes into service"
             )
             return
-        await asyncio.gather(*(self._check_block_size(r, _base_models(r)) for r in reps))
-        self._tokenizers_checked = True
-        await self._check_tokenizers(reps[0], _base_models(reps[0]))
+        await asyncio.gather(*(self._check_replica(r.id) for r in reps))
 
     async def _check_replica(self, replica_id: str) -> None:
-        """One replica that came into service: its block size, and the tokenizers if no
-        replica had been checked for them."""
+        """One replica's block size against the policy's (it is verified once its engine
+        answered), and the tokenizers on the first replica checked."""
         rep = self.pool.get(replica_id) if self.pool is not None else None
-        if rep is None:
+        if rep is None or replica_id in self._verifying:
             return
-        await self._check_block_size(rep, _base_models(rep))
-        if not self._tokenizers_checked:
-            self._tokenizers_checked = True
-            await self._check_tokenizers(rep, _base_models(rep))
+        self._verifying.add(replica_id)
+        try:
+            if await self._check_block_size(rep, _base_models(rep)):
+                self._verified.add(replica_id)
+            if not self._tokenizers_checked:
+                self._tokenizers_checked = True
+                await self._check_tokenizers(rep, _base_models(rep))
+        finally:
+            self._verifying.discard(replica_id)
 
     def _alignment_problem(self, problem: str) -> None:
         self.metrics.alignment.inc()
@@ -478,17 +501,23 @@ class Gateway:
                     extra={"model": model, "replica": rep.id, "problem": p},
                 )
 
-    async def _check_block_size(self, rep: Replica, models: Sequence[str]) -> None:
+    async def _check_block_size(self, rep: Replica, models: Sequence[str]) -> bool:
         """The policy's block size per pool against the engine's (vLLM's
-        ``vllm:cache_config_info{block_size}``): a mismatch makes every key miss."""
+        ``vllm:cache_config_info{block_size}``): a mismatch makes every key miss. False
+        when the engine did not answer with its metrics (checked again later)."""
         assert self.client is not None
         try:
             r = await self.client.get(rep.url + "/metrics", timeout=2.0)
-            engine_bs = parse_metrics(r.text).block_size if r.status_code == 200 else None
         except httpx.HTTPError:
-            engine_bs = None
+            return False  # not reachable yet
+        if r.status_code != 200:
+            return r.status_code == 404  # no metrics at all: nothing to compare, ever
+        try:
+            engine_bs = parse_metrics(r.text).block_size
+        except ScrapeError:
+            return True  # not a metrics page (a proxy's catch-all): nothing to compare
         if engine_bs is None:
-            return  # the engine does not say: nothing to compare
+            return True  # the engine does not say: nothing to compare
         rep.block_size = engine_bs  # a reload is checked against it
         for model in models[:4] or ["default"]:
             bs = self.policy.models.pool(model).block_size
@@ -499,6 +528,7 @@ class Gateway:
                     "BLOCK SIZE MISMATCH with the engine: no prefix key will match",
                     extra={"model": model, "replica": rep.id, "problem": problem},
                 )
+        return True
 
     async def stop(self) -> None:
         self.draining = True

@@ -143,11 +143,14 @@ class ReplicaPool:
         policy: HealthPolicy,
         on_change: Callable[[str, bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_probe_ok: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_probe_ok(replica)``: after every health probe it answers (its models read)."""
         self._client = client
         self.policy = policy
         self._replicas: dict[str, Replica] = {}
         self._on_change = on_change
+        self._on_probe_ok = on_probe_ok
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
         self._last_models = 0.0
@@ -300,6 +303,8 @@ class ReplicaPool:
                 # a replica back from a failure may be a restarted engine with other
                 # adapters: its old model list would route requests to it that it 404s
                 await self._models(rep)
+            if self._on_probe_ok is not None:
+                self._on_probe_ok(rep.id)
         else:
             rep.health_fails += 1
             rep.health_oks = 0

@@ -168,6 +168,87 @@ async def test_a_replica_coming_into_service_has_its_block_size_checked() -> Non
         assert any("block_size 16" in p and "32" in p for p in gw.alignment_problems)
 
 
+async def test_a_discovered_replica_has_its_block_size_checked() -> None:
+    """A discovered replica is routable from its first probe (no change of routability to
+    react to): it is checked at its first OK probe, as any replica not yet verified."""
+    import time
+
+    from cachecore.registry import MemoryRegistry, Registration
+
+    engine_32 = FAST.model_copy(update={"block_size": 32})
+    async with run_fleet(FAST, count=1) as fa, run_fleet(engine_32, count=1) as fb:
+        url32 = fb.endpoints[0].url
+        gs = GatewaySettings(
+            replicas=[fa.endpoints[0].url], port=free_port(), salt_secrets=[SecretStr(SECRET)],
+            admin_key=SecretStr(ADMIN), seed=7, open_access=True,
+            replica_allowlist=[f"new32={url32}"],
+        )  # fmt: skip
+        gw = build_gateway(gs)
+        gw.registry = MemoryRegistry()
+        async with serve_in_loop(gw):
+            assert not gw.alignment_problems
+            now = int(time.time() * 1000)
+            reg = Registration(
+                replica_id="new32", url=url32, model="m", block_size=32,
+                capacity_blocks=100, agent_id="a-new32", registered_ms=now,
+            )  # fmt: skip
+            await gw.registry.register(reg, 60_000, now_ms=now)
+            assert gw.discovery is not None
+            await gw.discovery.refresh_once()
+            for _ in range(60):  # bounded: a few health rounds (interval 0.5 s)
+                await asyncio.sleep(0.05)
+                if gw.alignment_problems:
+                    break
+            assert any("32" in p for p in gw.alignment_problems)
+
+
+async def test_a_replica_down_at_start_up_is_checked_when_it_comes_up() -> None:
+    """With ``unhealthy_after > 1`` a replica down at start-up may still count as healthy
+    when it comes up: no change of routability, yet it is checked (its engine had not
+    answered the check)."""
+    engine_32 = FAST.model_copy(update={"block_size": 32})
+    port = free_port()
+    async with stack(
+        count=1, extra_replicas=[f"late=http://127.0.0.1:{port}"],
+        policy="health: {unhealthy_after: 3}",
+    ) as st:  # fmt: skip
+        gw = st.gw
+        assert not gw.alignment_problems
+        async with run_fleet(engine_32, count=1, base_port=port):
+            for _ in range(60):  # bounded: a few health rounds
+                await asyncio.sleep(0.05)
+                if gw.alignment_problems:
+                    break
+            assert any("32" in p for p in gw.alignment_problems)
+
+
+async def test_a_replica_with_unparseable_metrics_does_not_stop_the_gateway() -> None:
+    """A 200 that is not a metrics page (a catch-all proxy) has nothing to compare: the
+    start-up check must not raise (it took the gateway down at start)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for _ in range(1000):  # bounded: one connection's requests
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\nOK"
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    port = free_port()
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    try:
+        async with stack(count=1, extra_replicas=[f"odd=http://127.0.0.1:{port}"]) as st:
+            assert st.gw.pool is not None and st.gw.pool.get("odd") is not None
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_reload_with_a_block_size_unlike_the_engines_is_refused() -> None:
     """The start-up check's rule on every reload: a policy whose block size differs from
     the engine's makes every key miss, so it is refused (400 naming the field) and the old
