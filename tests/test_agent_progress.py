@@ -286,6 +286,19 @@ def test_a_wedged_core_of_a_data_parallel_engine_is_a_stall_beside_working_ones(
     assert t.observe(parse_metrics(exposition(30.0, 25.0, 1.0)), 4.5) == 3.5
     # core 1 idle: nothing to progress on, no stall
     assert t.observe(parse_metrics(exposition(35.0, 25.0, 0.0)), 5.0) == 0.0
-    # an unlabelled exposition (one core) is the same engine judged as a whole
+    # an unlabelled exposition (one core) is the engine judged on its totals, as before
     single = parse_metrics('vllm:generation_tokens_total{model_name="m"} 1.0\n')
-    assert set(single.engines) == {""}
+    assert single.engines == {}
+
+
+def test_a_page_with_vllm_counters_and_sglang_busy_gauges_is_judged_on_its_totals() -> None:
+    """vLLM's counters beside SGLang's running gauge (an engine exporting both): busy comes
+    from the totals, so a stall still shows (per-core judging read it as idle)."""
+    page = (
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{model_name="m"} 10.0\n'
+        "# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{model_name="m"} 2.0\n'
+    )
+    t = ProgressTracker()
+    assert [t.observe(parse_metrics(page), float(i)) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]

@@ -80,8 +80,8 @@ class EngineSnapshot:
     generation_tokens: float | None = None
     # the KV pool in tokens, for engines that do not export their block count (SGLang)
     max_total_tokens: int | None = None
-    # vLLM's busy gauges and token counters by ``engine`` label ("" when unlabelled); empty
-    # when the engine exports none of them
+    # vLLM's busy gauges and token counters by ``engine`` label, for a data-parallel server
+    # (several cores); empty otherwise, when the totals above are judged
     engines: Mapping[str, EngineCounters] = field(default_factory=dict)
 
     def capacity_blocks(self, block_size: int) -> int | None:
@@ -188,7 +188,11 @@ def parse_metrics(text: str) -> EngineSnapshot:
         prompt,
         generation,
         int(sum(max_tokens.values())) if max_tokens else None,
-        {k: EngineCounters(v[0] or 0.0, v[1], v[2]) for k, v in cores.items()},
+        # per core only where vLLM says which core is busy: one core (or busy gauges from
+        # SGLang's names) is judged on the totals, as it always was
+        {k: EngineCounters(v[0] or 0.0, v[1], v[2]) for k, v in cores.items()}
+        if len(cores) > 1 and (vllm_running or vllm_waiting)
+        else {},
     )
 
 
