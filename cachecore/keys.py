@@ -168,7 +168,12 @@ class BlockKeyer:
         n = n_blocks * self.block_size
         # the whole list unless the cap leaves much of it out (a list slice costs as much as
         # converting a third of it); bytes slices are cheaper than a memoryview's here
-        data = tokens_to_bytes(tokens if 2 * n >= len(tokens) else tokens[:n])
+        try:
+            data = tokens_to_bytes(tokens if 2 * n >= len(tokens) else tokens[:n])
+        except (OverflowError, TypeError):
+            # an id past the keyed blocks that is no uint32 (an engine's /tokenize reply is
+            # not checked): it is never keyed, so it must not fail the keys before it
+            data = tokens_to_bytes(tokens[:n])
         key = root_key(salt, model, lora, data[:step])
         out = [key]
         h = xxhash.xxh3_128_digest

@@ -80,3 +80,15 @@ def test_bad_key_material() -> None:
         BlockKeyer(0)
     with pytest.raises(KeyMaterialError):
         BlockKeyer(4).chain(None, [1, 2, 3, 4], None, "m", None)
+
+
+def test_an_id_past_the_keyed_blocks_is_never_read() -> None:
+    """Ids after the last keyed block are not key material: an out-of-range one there (an
+    engine's /tokenize reply is not validated) must not fail the keys before it, as it
+    never did before the whole-list conversion; one inside a keyed block still does."""
+    k = BlockKeyer(4)
+    good = list(range(8))
+    assert k.keys([*good, 2**40], "s", "m") == k.keys(good, "s", "m")
+    assert k.keys([*good, 1, 2, 3, -1], "s", "m", max_blocks=2) == k.keys(good, "s", "m")
+    with pytest.raises(OverflowError):
+        k.keys([0, 1, 2, 2**40, *good], "s", "m")
