@@ -388,6 +388,13 @@ def create_app(gw: Gateway) -> FastAPI:
         if endpoint not in ("chat", "completion"):
             raise bad_request("endpoint must be chat or completion")
         tenant = request.query_params.get("tenant") or request.headers.get("x-kvgate-tenant")
+        auth = request.headers.get("authorization")
+        if not tenant and auth and request.headers.get("x-admin-key"):
+            # the admin key in its own header: Authorization is a client's API key, and the
+            # request is explained as that client's tenant (as it would be routed)
+            tenant = await gw.key_store.tenant_for(auth)
+            if tenant is None:
+                raise invalid_api_key()
         tenant = tenant or "anonymous"
         strategy = request.query_params.get("strategy")
         try:

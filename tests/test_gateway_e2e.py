@@ -222,6 +222,20 @@ async def test_tenant_spoofing_a_salt_gets_no_hit(tmp_path: Path) -> None:
         assert cached(rb.usage) == 0
         ra = await a.completions.create(model=st.model, prompt=prompt, max_tokens=1)
         assert cached(ra.usage) >= 784
+        # explain as a client: the admin key in x-admin-key, the client's key in Authorization
+        only_a = words(800, 6)
+        await a.completions.create(model=st.model, prompt=only_a, max_tokens=1)
+        body = {"model": st.model, "prompt": only_a, "max_tokens": 1}
+        adm = st.admin_headers()
+        async with st.http() as h:
+            for key, tenant, hit in (("sk-a", "a", True), ("sk-b", "b", False)):
+                hdrs = {**adm, "authorization": f"Bearer {key}"}
+                ex = (await h.post("/admin/route/explain", json=body, headers=hdrs)).json()
+                assert ex["tenant"] == tenant
+                assert any(s["matched_blocks"] for s in ex["decision"]["scores"]) is hit
+            bad = {**adm, "authorization": "Bearer sk-nobody"}
+            r = await h.post("/admin/route/explain", json=body, headers=bad)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 async def test_sensitive_requests_are_not_indexed_and_stay_in_their_session() -> None:
