@@ -350,11 +350,11 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
 
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):
-    """A mapping repeats a key (``line`` and ``first_line`` count from 1)."""
+    """A mapping repeats a key (``line``, ``column`` and ``first_line`` count from 1)."""
 
-    def __init__(self, key: Any, line: int, first_line: int) -> None:
+    def __init__(self, key: Any, line: int, first_line: int, column: int = 0) -> None:
         super().__init__(problem=f"duplicate key {key!r}")
-        self.key, self.line, self.first_line = key, line, first_line
+        self.key, self.line, self.first_line, self.column = key, line, first_line, column
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -380,7 +380,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 line = key_node.start_mark.line + 1
                 try:
                     if key in seen:
-                        raise DuplicateKeyError(key, line, seen[key])
+                        column = key_node.start_mark.column + 1
+                        raise DuplicateKeyError(key, line, seen[key], column)
                     seen[key] = line
                 except TypeError:  # an unhashable key: construct_mapping reports it
                     continue
@@ -391,9 +392,11 @@ def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
 
 
-def _key_path(text: str, key: Any, line: int) -> str:
-    """The dotted path of the mapping key ``key`` written at ``line`` (from 1) of ``text``
-    (``routing.strategy``; a sequence item is its index), or "" if it is not found."""
+def _key_path(text: str, key: Any, line: int, column: int = 0) -> str:
+    """The dotted path of the mapping key ``key`` written at ``line`` and, if given,
+    ``column`` (from 1) of ``text`` (``routing.strategy``; a sequence item is its index), or
+    "" if it is not found. The column tells apart two keys of one name on one line (flow
+    style: ``{a: {x: 1}, b: {x: 1, x: 2}}``)."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)  # nodes only: no duplicate check
     except yaml.YAMLError:
@@ -409,7 +412,12 @@ def _key_path(text: str, key: Any, line: int) -> str:
                 if key_node.tag == "tag:yaml.org,2002:merge":
                     continue
                 name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
-                if key_node.start_mark.line + 1 == line and name == str(key):
+                mark = key_node.start_mark
+                if (
+                    mark.line + 1 == line
+                    and (not column or mark.column + 1 == column)
+                    and name == str(key)
+                ):
                     return [*path, name]
                 found = walk(value, [*path, name])
                 if found is not None:
@@ -429,7 +437,7 @@ def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
         data = _load_yaml(text)
     except DuplicateKeyError as exc:
         where = f"line {exc.line} (first at line {exc.first_line})"
-        field = _key_path(text, exc.key, exc.line)
+        field = _key_path(text, exc.key, exc.line, exc.column)
         raise PolicyError(source, [(field, f"duplicate key {exc.key!r} at {where}")]) from None
     except yaml.YAMLError as exc:
         raise PolicyError(source, [("", f"not valid YAML: {exc}")]) from None

@@ -77,6 +77,12 @@ def test_not_yaml_and_not_a_mapping() -> None:
         ("tenants:\n  acme: {}\n  acme: {}\n", ["tenants.acme"]),
         ("x: &d {limits: {}, limits: {}}\n", ["x.limits"]),
         ("l:\n  - a: 1\n    a: 2\n", ["l.0.a"]),
+        # flow style: one key name twice on one line, told apart by its column
+        (
+            "tenants: {a: {limits: {max_concurrency: 1}}, "
+            "b: {limits: {max_concurrency: 1, max_concurrency: 2}}}",
+            ["tenants.b.limits.max_concurrency"],
+        ),
         # no field to name: none (it was [""])
         ("routing: [unclosed", []),
         ("- a list", []),
