@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import signal
 import sys
@@ -17,6 +16,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TypeVar
+
+# re-exported: the subcommands import their checks from here
+from cachecore.argtypes import nonnegative_float as nonnegative_float
+from cachecore.argtypes import nonnegative_int as nonnegative_int
+from cachecore.argtypes import positive_float as positive_float
+from cachecore.argtypes import positive_int as positive_int
+from cachecore.argtypes import tcp_port as tcp_port
 
 T = TypeVar("T")
 
@@ -44,49 +50,8 @@ class CommandError(Exception):
 
 # ---------------------------------------------------------------- argparse ``type=`` checks
 # They raise ArgumentTypeError so argparse prints its one-line usage error (exit 2) before a
-# command starts anything.
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _finite_float(strictly_positive: bool) -> Callable[[str], float]:
-    bound = "> 0" if strictly_positive else ">= 0"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        ok = value > 0 if strictly_positive else value >= 0
-        if not (ok and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
-        return value
-
-    return parse
-
-
-positive_int = _int_at_least(1)
-nonnegative_int = _int_at_least(0)
-positive_float = _finite_float(strictly_positive=True)
-nonnegative_float = _finite_float(strictly_positive=False)
-
-
-def tcp_port(text: str) -> int:
-    value = positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {value}")
-    return value
+# command starts anything; the numeric ones are cachecore.argtypes' (imported above, and
+# re-exported), shared with the subcommands that live in cachecore.
 
 
 def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import zmq
 
+from cachecore.argtypes import positive_int
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
@@ -49,21 +50,9 @@ _SETTINGS_FLAGS = {
 }
 
 
-def _count(text: str) -> int:
-    """``--count``: refused by argparse (``kvgate replica: error: argument --count: ...``,
-    exit 2) before anything starts."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--count", type=_count, default=1, help="number of replicas (default 1)")
+    a("--count", type=positive_int, default=1, help="number of replicas (default 1)")
     a("--base-port", type=int, default=DEFAULT_BASE_PORT, help="HTTP port of replica 0 (9100)")
     a("--http-ports", help="comma-separated HTTP ports (overrides --base-port)")
     a("--events-ports", help="comma-separated KV-event PUB ports (default P+1000+i)")
