@@ -316,10 +316,9 @@ class Gateway:
     def _on_health(self, replica: str, routable: bool) -> None:
         self.metrics.healthy.labels(replica).set(1 if routable else 0)
         if not routable:
-            # back in service it may be another engine (a restart with another config)
+            # back in service it may be another engine (a restart with another config): it
+            # is checked again at its next OK probe
             self._verified.discard(replica)
-        else:
-            self._on_probe_ok(replica)
 
     def _on_probe_ok(self, replica: str) -> None:
         if (
@@ -433,8 +432,8 @@ class Gateway:
 
     async def _check_alignment(self) -> None:
         """At start-up: every healthy replica's block size, and the tokenizers against the
-        first one. A replica that is not healthy yet is checked when it comes into service
-        (:meth:`_on_health`); the tokenizers then, if no replica was healthy here."""
+        first one. Any other replica is checked at its OK health probes until its engine
+        answers (:meth:`_on_probe_ok`); the tokenizers then, if no replica was healthy here."""
         assert self.pool is not None
         self._started = True
         reps = [r for r in self.pool.all() if r.healthy]
