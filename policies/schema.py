@@ -352,7 +352,7 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
 class DuplicateKeyError(yaml.constructor.ConstructorError):
     """A mapping repeats a key (``line``, ``column`` and ``first_line`` count from 1)."""
 
-    def __init__(self, key: Any, line: int, first_line: int, column: int = 0) -> None:
+    def __init__(self, key: Any, line: int, first_line: int, column: int) -> None:
         super().__init__(problem=f"duplicate key {key!r}")
         self.key, self.line, self.first_line, self.column = key, line, first_line, column
 
@@ -392,9 +392,9 @@ def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
 
 
-def _key_path(text: str, key: Any, line: int, column: int = 0) -> str:
-    """The dotted path of the mapping key ``key`` written at ``line`` and, if given,
-    ``column`` (from 1) of ``text`` (``routing.strategy``; a sequence item is its index), or
+def _key_path(text: str, key: Any, line: int, column: int) -> str:
+    """The dotted path of the mapping key ``key`` written at ``line`` and ``column``
+    (from 1) of ``text`` (``routing.strategy``; a sequence item is its index), or
     "" if it is not found. The column tells apart two keys of one name on one line (flow
     style: ``{a: {x: 1}, b: {x: 1, x: 2}}``)."""
     try:
@@ -413,11 +413,7 @@ def _key_path(text: str, key: Any, line: int, column: int = 0) -> str:
                     continue
                 name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
                 mark = key_node.start_mark
-                if (
-                    mark.line + 1 == line
-                    and (not column or mark.column + 1 == column)
-                    and name == str(key)
-                ):
+                if mark.line + 1 == line and mark.column + 1 == column and name == str(key):
                     return [*path, name]
                 found = walk(value, [*path, name])
                 if found is not None:
