@@ -198,9 +198,10 @@ def parse_metrics(text: str) -> EngineSnapshot:
 
 def _add(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int, v: float) -> None:
     """Add ``v`` to field ``i`` of the sample's engine core (summed over its other labels)."""
-    core = cores.get(labels.get("engine", ""))
+    name = labels.get("engine", "")
+    core = cores.get(name)
     if core is None:
-        core = cores[labels.get("engine", "")] = [None, None, None]
+        core = cores[name] = [None, None, None]
     core[i] = (core[i] or 0.0) + v
 
 
