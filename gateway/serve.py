@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_AGENT_MODULE = "cachecore.agent.embedded"
 EMBEDDED_AGENT_FUNCTION = "start_embedded_agents"
+LISTEN_BACKLOG = 2048
 
 
 def default_agent_hook() -> AgentHook | None:
@@ -160,6 +161,10 @@ class _DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if sockets is not None and self.started:  # uvicorn logs its address only without them
+            for sock in sockets:
+                host, port = sock.getsockname()[:2]
+                log.info("serving", extra={"url": f"http://{_url_host(host)}:{port}"})
         if self.freeze_gc and not self.should_exit:
             freeze_startup_heap()
 
@@ -177,6 +182,10 @@ class _DrainingServer(uvicorn.Server):
 
     def _end_grace(self) -> None:
         self.should_exit = True
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 class _InLoopServer(_DrainingServer):
@@ -202,7 +211,7 @@ def uvicorn_config(gw: Gateway, **overrides: Any) -> uvicorn.Config:
         "proxy_headers": False,
         "timeout_graceful_shutdown": int(s.drain_timeout_s),
         "timeout_keep_alive": 75,
-        "backlog": 2048,
+        "backlog": LISTEN_BACKLOG,
     }
     kwargs.update(overrides)
     return uvicorn.Config(app, **kwargs)
@@ -369,32 +378,53 @@ def settings_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def listen_problem(host: str, port: int) -> str | None:
-    """Why a server could not listen on ``host:port`` (e.g. "Address already in use"), or
-    None. Binds and closes each address the server would (with SO_REUSEADDR, as asyncio's
-    ``create_server`` does, so a port in TIME_WAIT is not taken for busy)."""
-    if port == 0:
-        return None
+class ListenError(OSError):
+    """``kvgate serve`` cannot listen on its address; ``reason`` says why (e.g. "Address
+    already in use")."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
+    """Listening sockets on each address a server on ``host:port`` would listen on, so the
+    port is held from the check to the serving with no window for another process to take
+    it (a socket only bound does not hold it against SO_REUSEADDR binders on Linux).
+    Connections made before the server starts wait in the backlog. With SO_REUSEADDR, as
+    asyncio's ``create_server`` sets, so a port in TIME_WAIT is not taken for busy. Raises
+    :class:`ListenError` naming the first failure (nothing stays open)."""
     try:
         infos = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError as exc:  # socket.gaierror: a host name that does not resolve
-        return exc.strerror or str(exc)
-    for family, kind, proto, _, addr in infos:
-        try:
-            sock = socket.socket(family, kind, proto)
-        except OSError:  # a family this host lacks (no IPv6): asyncio skips it too
-            continue
-        with sock:
+        raise ListenError(exc.strerror or str(exc)) from exc
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in infos:
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this host lacks (no IPv6): asyncio skips it too
+                continue
+            bound.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 sock.bind(addr)
+                sock.listen(backlog)
             except OSError as exc:
-                return exc.strerror or str(exc)
-    return None
+                raise ListenError(exc.strerror or str(exc)) from exc
+            if port == 0:  # every family on the port the first one got, as asyncio does
+                port = sock.getsockname()[1]
+        if not bound:
+            raise ListenError("no address to listen on")
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
 
 
 def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:
@@ -426,24 +456,36 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
-    problem = listen_problem(settings.host, settings.port)
-    if problem is not None:  # else uvicorn logs "[Errno 98] ..." and exits 3
+    try:
+        # held from here on and handed to uvicorn: a check that closed them again left a
+        # window (the gateway's start-up) for another process to take the port
+        listeners = bind_listeners(settings.host, settings.port)
+    except ListenError as exc:  # else uvicorn logs "[Errno 98] ..." and exits 3
         print(
-            f"kvgate serve: cannot listen on {settings.host}:{settings.port} ({problem}); "
+            f"kvgate serve: cannot listen on {settings.host}:{settings.port} ({exc.reason}); "
             "pick another --port (KVGATE_PORT) or stop what holds it",
             file=sys.stderr,
         )
         return 2
     try:
-        gw = build_gateway(settings, strategy=Strategy(args.strategy) if args.strategy else None)
-    except (PolicyError, ValueError, OSError) as exc:
-        log.error("cannot start the gateway", extra={"error": str(exc)})
-        print(f"kvgate serve: {exc}", file=sys.stderr)
-        return 2
-    if not gw.specs:
-        log.log(*no_replica_notice(settings))
-    server = _DrainingServer(
-        uvicorn_config(gw), gw, freeze_gc=settings.gc_freeze, drain_grace_s=settings.drain_grace_s
-    )
-    server.run()
+        try:
+            gw = build_gateway(
+                settings, strategy=Strategy(args.strategy) if args.strategy else None
+            )
+        except (PolicyError, ValueError, OSError) as exc:
+            log.error("cannot start the gateway", extra={"error": str(exc)})
+            print(f"kvgate serve: {exc}", file=sys.stderr)
+            return 2
+        if not gw.specs:
+            log.log(*no_replica_notice(settings))
+        server = _DrainingServer(
+            uvicorn_config(gw),
+            gw,
+            freeze_gc=settings.gc_freeze,
+            drain_grace_s=settings.drain_grace_s,
+        )
+        server.run(sockets=listeners)
+    finally:
+        for sock in listeners:
+            sock.close()
     return 0

@@ -32,9 +32,50 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_and_exits_2() -> None:
     ]
 
 
-def test_listen_problem_is_none_for_a_free_port() -> None:
-    assert serve.listen_problem("127.0.0.1", free_port()) is None
-    assert serve.listen_problem("127.0.0.1", 0) is None
+def test_bind_listeners_holds_the_port_until_closed() -> None:
+    port = free_port()
+    socks = serve.bind_listeners("127.0.0.1", port)
+    try:
+        assert [s.getsockname()[1] for s in socks] == [port]
+        with pytest.raises(serve.ListenError, match="Address already in use"):
+            serve.bind_listeners("127.0.0.1", port)
+    finally:
+        for s in socks:
+            s.close()
+    for s in serve.bind_listeners("127.0.0.1", port):  # free again once closed
+        s.close()
+    with pytest.raises(serve.ListenError):
+        serve.bind_listeners("no-such-host.invalid", port)
+
+
+def test_serve_holds_its_port_from_the_check_to_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port is taken before the gateway is built (its start-up can take seconds: Redis,
+    replica checks) and the same sockets are what uvicorn serves on: no other process can
+    take the port in between (the check used to close its probe socket again)."""
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    port = free_port()
+    args = parser.parse_args(["--open", "--port", str(port)])
+    monkeypatch.setattr(serve, "configure_logging", lambda *a, **k: None)
+    seen: dict[str, object] = {}
+    build = serve.build_gateway
+
+    def build_while_held(*a: object, **k: object) -> object:
+        with pytest.raises(serve.ListenError, match="Address already in use"):
+            serve.bind_listeners("127.0.0.1", port)
+        seen["built"] = True
+        return build(*a, **k)  # type: ignore[arg-type]
+
+    def run(self: object, sockets: list[socket.socket] | None = None) -> None:
+        assert sockets is not None
+        seen["served"] = [s.getsockname()[1] for s in sockets]
+
+    monkeypatch.setattr(serve, "build_gateway", build_while_held)
+    monkeypatch.setattr(serve._DrainingServer, "run", run)
+    assert serve.run(args) == 0
+    assert seen == {"built": True, "served": [port]}
+    for s in serve.bind_listeners("127.0.0.1", port):  # closed again after serving
+        s.close()
 
 
 def _start_up_records(
