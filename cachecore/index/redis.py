@@ -90,15 +90,20 @@ ConnectionError): callers must degrade alike on both."""
 # The same steps as cachecore.index.base.search_prefix / run_end, so both backends answer
 # alike even on inconsistent data: per replica, the end of the stored run (entries whose
 # "stored run broken" bit is clear), each tier's run within it, then the pending keys after
-# it, each end found by probing the run's first key, its last, then bisecting. Almost all
-# of a lookup's cost is per Redis call the script issues (~1 us each here), so a replica
-# that holds nothing costs three (meta, first key, its pending score), a complete hit three,
-# a partial one O(log n). Probed values are cached per replica.
+# it, each end found by probing the run's first key, its last, then bisecting: a replica
+# that holds nothing costs three Redis calls (meta, first key, its pending score), a
+# complete hit three, a partial one O(log n). Probed values are cached per replica. Costs
+# measured here (16 replicas, 8k-token prompt, ~78 calls): ~0.4 us per call, ~13 us for
+# the 8 KiB key blob, and Lua allocation (each table, closure and string feeds Lua's
+# incremental GC; batching probes into HMGETs made it slower for that reason): so the
+# predicates are made once, not per replica, and a replica without the first key builds
+# no tier runs (145-212 -> 113-131 us of Redis time per lookup).
 LOOKUP_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
 local now = tonumber(ARGV[1])
 local blob = ARGV[2]
 local n = math.floor(#blob / 16)
-local call, sub, band, bnot, rshift = redis.call, string.sub, bit.band, bit.bnot, bit.rshift
+local call, sub, floor = redis.call, string.sub, math.floor
+local band, bnot, rshift = bit.band, bit.bnot, bit.rshift
 local keys = {}
 local function key(i)  -- 0-based
   local k = keys[i]
@@ -113,10 +118,33 @@ local function run_end(ok, lo, hi)
   if ok(hi - 1) then return hi end
   lo, hi = lo + 1, hi - 1
   while lo < hi do
-    local mid = math.floor((lo + hi) / 2)
+    local mid = floor((lo + hi) / 2)
     if ok(mid) then lo = mid + 1 else hi = mid end
   end
   return lo
+end
+-- One replica at a time: its hash and zset names and its probed values, as upvalues of
+-- predicates made once (closures and tables per replica were most of the script's cost).
+local bkey, pkey, seen, tier_bit
+local function value(i)
+  local v = seen[i]
+  if v == nil then
+    v = tonumber(call('HGET', bkey, key(i))) or 0
+    seen[i] = v
+  end
+  return v
+end
+local function in_stored_run(i)
+  local v = value(i)
+  return band(v, 15) ~= 0 and band(v, 256) == 0
+end
+local function in_tier_run(i)
+  local v = value(i)
+  return band(band(v, tier_bit), bnot(rshift(v, 4))) ~= 0
+end
+local function pending_live(i)
+  local sc = call('ZSCORE', pkey, key(i))  -- a missing zset answers nil
+  return sc and tonumber(sc) > now
 end
 local metas, first = KEYS, 0
 if #KEYS == 0 then metas, first = ARGV, 2 end  -- Cluster: undeclared keys, after the ARGV
@@ -130,39 +158,20 @@ for r = 1, #metas - first do
   else
     local base = sub(meta, 1, -5)
     local epoch = m[1] or '0'
-    local bkey = base .. 'b:' .. epoch
-    local seen = {}
-    local function value(i)
-      local v = seen[i]
-      if v == nil then
-        local raw = call('HGET', bkey, key(i))
-        if raw then v = tonumber(raw) else v = 0 end
-        seen[i] = v
-      end
-      return v
-    end
-    local function in_stored_run(i)
-      local v = value(i)
-      return band(v, 15) ~= 0 and band(v, 256) == 0
-    end
+    bkey, seen = base .. 'b:' .. epoch, {}
     local stored = run_end(in_stored_run, 0, n)
-    local t = {}
-    for b = 1, 4 do
-      local tb = ({1, 2, 4, 8})[b]
-      t[b] = run_end(function(i)
-        local v = value(i)
-        return band(band(v, tb), bnot(rshift(v, 4))) ~= 0
-      end, 0, stored)
+    local t1, t2, t3, t4, pend = 0, 0, 0, 0, stored
+    if stored > 0 then  -- else every tier's run is empty without a probe
+      tier_bit = 1; t1 = run_end(in_tier_run, 0, stored)
+      tier_bit = 2; t2 = run_end(in_tier_run, 0, stored)
+      tier_bit = 4; t3 = run_end(in_tier_run, 0, stored)
+      tier_bit = 8; t4 = run_end(in_tier_run, 0, stored)
     end
-    local pend = stored
     if stored < n then
-      local pkey = base .. 'gw:p:' .. epoch
-      pend = run_end(function(i)
-        local sc = call('ZSCORE', pkey, key(i))  -- a missing zset answers nil
-        return sc and tonumber(sc) > now
-      end, stored, n)
+      pkey = base .. 'gw:p:' .. epoch
+      pend = run_end(pending_live, stored, n)
     end
-    out[r] = {state, t[1], t[2], t[3], t[4], stored, pend}
+    out[r] = {state, t1, t2, t3, t4, stored, pend}
   end
 end
 return out
