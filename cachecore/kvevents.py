@@ -1,5 +1,6 @@
 """vLLM KV-cache event wire format: the one codec the simulated engine publishes with and
-the cache agent decodes with.
+the cache agent decodes with. SGLang publishes the same frames and batches (its own event
+structs, a subset of vLLM's fields plus the extensions listed below; docs/agent.md).
 
 Transport (ZMQ PUB): one multipart message per engine step,
 ``[topic, seq (8 bytes big-endian), payload (msgpack)]``. Replay (ZMQ ROUTER): a DEALER sends
@@ -13,7 +14,13 @@ Payload shapes, all decoded:
   array batch of map events, the simulated replica's default);
 * each event as a positional array whose first element is the tag, or as a map with the tag
   under ``"type"``;
-* block hashes as ints or bytes (bytes: the last 8 bytes, big-endian).
+* block hashes as ints or bytes (bytes: the last 8 bytes, big-endian);
+* SGLang's request salt: the ``cache_salt`` key of a map event (SGLang after its switch to
+  map events), or the metadata map SGLang 0.5.18 appends to an array BlockStored where vLLM
+  has ``lora_name`` (``["BlockStored", ..., medium, {"cache_salt": ...}]``), read into
+  :attr:`BlockStored.cache_salt`;
+* SGLang's EAGLE stores (``token_ids`` of ``[token, next token]`` pairs): skipped, see
+  :class:`_SkippedEvent`.
 
 Unknown fields are ignored and missing trailing optional fields default to ``None``. Anything
 else raises :class:`MalformedEventError` with a short ``reason`` the agent counts by.
@@ -67,6 +74,10 @@ class BlockStored:
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
     locality: str | None = None  # vLLM 0.33: LOCAL or REMOTE to the publisher (its STORAGE)
+    # SGLang (0.5.18+): the request's cache_salt, on every store of a salted request; vLLM
+    # carries the salt in block 0's extra_keys instead. Not positional: written in map
+    # encodings only.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +152,11 @@ def _event_to_wire(ev: KVEvent, as_map: bool) -> Any:
             if v is None and n in defaulted:
                 continue
             out[n] = v
+        if isinstance(ev, BlockStored) and ev.cache_salt is not None:
+            out["cache_salt"] = ev.cache_salt
         return out
+    if isinstance(ev, BlockStored) and ev.cache_salt is not None:
+        raise ValueError("cache_salt is written in map encodings only")
     # array_like with omit_defaults drops trailing fields that hold their default
     while values and values[-1] is None and names[len(values) - 1] in defaulted:
         values.pop()
@@ -235,7 +250,10 @@ class _SkippedEvent(Exception):
     offloading publishes tier placeholders with no tokens. Leaving a store out only loses
     hits (a block stored after it, chained to it, is dropped for its unknown parent); losing
     the batch instead was a gap, then a replay that failed the same way, then a cold
-    clear of the replica's whole index."""
+    clear of the replica's whole index. SGLang under EAGLE speculative decoding publishes
+    stores whose ``token_ids`` are ``[token, next token]`` pairs (its radix cache is keyed by
+    them): a block's content then depends on the token after it, which our key cannot say,
+    so they are left out too."""
 
 
 def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
@@ -284,6 +302,10 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
         try:  # C-speed check that every id is an int in [0, 2**32)
             array.array("I", tokens)
         except (TypeError, OverflowError) as exc:
+            if all(isinstance(t, list) and len(t) == 2 for t in tokens):
+                # SGLang under EAGLE: its radix cache is keyed by (token, next token) pairs
+                # and its stores say so; a page's blocks then hang on the token after it
+                raise _SkippedEvent("BlockStored:bigram_tokens") from None
             raise MalformedEventError("bad_field", "token_ids values") from exc
         block_size = _opt_int(raw_block_size, "block_size")
         if block_size is None or block_size <= 0:
@@ -292,6 +314,18 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             # masked blocks (a hybrid model's sliding-window group): the hashes cannot be
             # matched to their tokens
             raise _SkippedEvent("BlockStored:token_count_mismatch")
+        cache_salt: str | None = None
+        if isinstance(lora_name, Mapping):
+            # SGLang 0.5.18's salted store: its metadata map sits where vLLM has lora_name
+            cache_salt = _opt_str(lora_name.get("cache_salt"), "cache_salt")
+            lora_name = None
+        elif isinstance(raw, Mapping):
+            # SGLang's map events carry the salt by name (the metadata map: a draft shape)
+            meta = raw.get("metadata")
+            named = raw.get("cache_salt")
+            if named is None and isinstance(meta, Mapping):
+                named = meta.get("cache_salt")
+            cache_salt = _opt_str(named, "cache_salt")
         extra_keys: list[tuple[Any, ...] | None] | None = None
         if extra is not None:
             if not isinstance(extra, list) or len(extra) != len(hashes):
@@ -310,6 +344,7 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             kv_cache_spec_kind=_opt_str(spec_kind, "kv_cache_spec_kind"),
             kv_cache_spec_sliding_window=_opt_int(sliding_window, "kv_cache_spec_sliding_window"),
             locality=_opt_str(locality, "locality"),
+            cache_salt=cache_salt,
         )
     if isinstance(tag, str) and tag:
         raise _SkippedEvent(tag[:64])
@@ -367,6 +402,15 @@ def decode_batch(
         data_parallel_rank=_opt_int(dp, "data_parallel_rank"),
         skipped=skipped,
     )
+
+
+def root_salt(ev: BlockStored) -> str | None:
+    """The kvgate salt of a chain's first block: vLLM's (block 0's ``extra_keys``), else
+    SGLang's (its ``cache_salt`` field); None when neither is a kvgate salt."""
+    salt = salt_from_extra_keys(ev.extra_keys[0] if ev.extra_keys else None)
+    if salt is None and ev.cache_salt is not None and is_kvgate_salt(ev.cache_salt):
+        salt = ev.cache_salt
+    return salt
 
 
 def salt_from_extra_keys(extra: tuple[Any, ...] | None) -> str | None:

@@ -35,7 +35,7 @@ from cachecore.kvevents import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    salt_from_extra_keys,
+    root_salt,
 )
 
 
@@ -606,7 +606,7 @@ class ReplicaMirror:
         salt: str | None = None
         index_it = True
         if ev.parent_block_hash is None:
-            salt = salt_from_extra_keys(ev.extra_keys[0] if ev.extra_keys else None)
+            salt = root_salt(ev)
             if salt is None:
                 self.counters.dropped_unscoped += n
                 index_it = False
