@@ -22,6 +22,7 @@ the index holds against the keys the gateway's BlockKeyer computes for the same 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -295,6 +296,24 @@ async def test_tenants_with_the_same_prompt_stay_apart(rig: Rig) -> None:
     assert await rig.index_keys() == set(gateway_keys(tokens, sb))
 
 
+async def test_unsalted_stores_are_dropped_and_said_once(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SGLang to April 2026 (and any request that bypassed the gateway): no salt in the
+    events. Nothing is indexed (tenant isolation), the drop is counted, and one warning
+    names the cause."""
+    agent = await rig.start()
+    with caplog.at_level(logging.WARNING, logger="cachecore.agent.sync"):
+        await rig.source.publish_payload(sgl_batch(per_page_stores(toks(0, 3), BS)))
+        await rig.source.publish_payload(sgl_batch(per_page_stores(toks(200, 2), BS)))
+        await rig.settle()
+    assert await rig.index_keys() == set()
+    # the counter counts the blocks of the stores that start a chain (one page each here)
+    assert counter_total(agent.metrics.blocks_dropped, reason="unscoped") == 2
+    said = [r for r in caplog.records if "no kvgate salt" in r.getMessage()]
+    assert len(said) == 1 and "SGLang before 0.5.18" in said[0].getMessage()
+
+
 async def test_foreign_and_sensitive_salts_are_not_indexed(rig: Rig) -> None:
     agent = await rig.start()
     ephemeral = MINTER.salt(Scope(ScopeKind.SESSION, "sess-9"))
@@ -309,6 +328,31 @@ async def test_foreign_and_sensitive_salts_are_not_indexed(rig: Rig) -> None:
     # each chain's first page is counted; the page chained after it inherits its fate
     assert counter_total(agent.metrics.blocks_dropped, reason="ephemeral") == 1
     assert counter_total(agent.metrics.blocks_dropped, reason="unscoped") == 1
+
+
+async def test_page_size_one_against_the_policy_block_size_is_said_once(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An SGLang left at its default page size (1) behind a gateway keyed in larger blocks:
+    its stores cannot be keyed; each is dropped and counted, and one warning says why and
+    what to set."""
+    agent = await rig.start()
+    s = salt("acme")
+    tokens = toks(0, 8, page=1)
+    with caplog.at_level(logging.WARNING, logger="cachecore.agent.sync"):
+        for _ in range(2):
+            hashes = page_hashes(tokens, 1, s)
+            await rig.source.publish_payload(
+                sgl_batch([stored_array(hashes, None, tokens, 1, cache_salt=s)])
+            )
+            tokens = [t + 1000 for t in tokens]
+        await rig.settle()
+    assert await rig.index_keys() == set()
+    assert counter_total(agent.metrics.messages_dropped, reason="block_size_mismatch") == 2
+    said = [r for r in caplog.records if "--page-size" in r.getMessage()]
+    assert len(said) == 1 and f"blocks of 1 tokens but this replica is keyed in blocks of {BS}" in (
+        said[0].getMessage()
+    )
 
 
 async def test_an_eagle_store_costs_only_itself(rig: Rig) -> None:

@@ -146,6 +146,9 @@ class ReplicaSync:
         self._task: asyncio.Task[None] | None = None
         self._inflight: asyncio.Task[None] | None = None
         self._counters = replace(mirror.counters)
+        # block sizes already warned about, and whether unscoped drops were (once each)
+        self._warned_sizes: set[int] = set()
+        self._warned_unscoped = False
         self._retry_s = 0.05
         self._next_retry = 0.0
         self._m_events = metrics.events_applied.labels(replica_id)
@@ -314,11 +317,43 @@ class ReplicaSync:
                     self.mirror.group_idx = ev.group_idx
                 if ev.block_size != bs and self.mirror._wanted_group(ev.group_idx):
                     self.metrics.messages_dropped.labels("block_size_mismatch").inc()
+                    self._warn_block_size(ev.block_size, bs)
                     continue
             elif isinstance(ev, BlockRemoved) and not ev.block_hashes:
                 continue
             out.append(ev)
         return out
+
+    def _warn_block_size(self, got: int, bs: int) -> None:
+        if got in self._warned_sizes:
+            return
+        self._warned_sizes.add(got)
+        log.warning(
+            "the engine publishes blocks of %d tokens but this replica is keyed in blocks of "
+            "%d: every such store is dropped (messages_dropped{reason=block_size_mismatch}) "
+            "and nothing of it can be routed to. Start the engine with the block size of "
+            "the gateway policy's pool (vLLM --block-size; SGLang --page-size, whose default "
+            "is 1) and give the agent no --block-size, or that same one",
+            got,
+            bs,
+            extra={"replica": self.replica_id, "engine_block_size": got, "block_size": bs},
+        )
+
+    def _warn_unscoped(self, dropped: int) -> None:
+        self._warned_unscoped = True
+        log.warning(
+            "dropped %d blocks starting chains that carry no kvgate salt, and the blocks "
+            "chained after them: they are never indexed (tenant isolation, "
+            "docs/security.md; the first counted in blocks_dropped{reason=unscoped}; "
+            "logged once). Expected for requests that did "
+            "not come through a kvgate gateway. If every request does, the engine does not "
+            "report the gateway's cache_salt in its events and none of its prefixes can be "
+            "routed to: vLLM without cache_salt support, or SGLang before 0.5.18 (its cache "
+            "is isolated by cache_salt but its events carry no salt; docs/agent.md)%s",
+            dropped,
+            "" if self.mirror.counters.stored_blocks else "; no block of it was indexed so far",
+            extra={"replica": self.replica_id},
+        )
 
     def _apply_to_mirror(self, cmd: ApplyBatch) -> tuple[IndexWrite, bool]:
         events = self._filter(cmd.batch.events)
@@ -343,6 +378,8 @@ class ReplicaSync:
             return
         self._counters = replace(self.mirror.counters)
         rid = self.replica_id
+        if "dropped_unscoped" in deltas and not self._warned_unscoped:
+            self._warn_unscoped(deltas["dropped_unscoped"])
         for name, n in deltas.items():
             if name == "stored_blocks":
                 self._m_stored.inc(n)
