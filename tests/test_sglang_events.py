@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from cachecore.agent.scrape import parse_metrics
 from cachecore.index.layout import engine_hash_field, engine_hash_from_field
 from cachecore.index.memory import MemoryIndex
 from cachecore.keys import BlockKeyer, Scope, ScopeKind
@@ -235,6 +236,25 @@ def test_page_size_one_keys_every_token_when_the_policy_says_so() -> None:
     b = decode_batch(sgl_batch([stored_array(hashes, None, tokens, 1, cache_salt=s)]))
     write, _ = mirror.apply(b.events)
     assert set(write.blocks) == set(gateway_keys(tokens, s, block_size=1))
+
+
+def test_scrape_reads_sglang_cache_config_info() -> None:
+    """SGLang since February 2026 says its page size and page count only as labels of an
+    info gauge (no ``sglang:page_size`` series)."""
+    text = (
+        "# TYPE sglang:cache_config_info gauge\n"
+        'sglang:cache_config_info{num_pages="5000",page_size="16"} 1.0\n'
+        "# TYPE sglang:num_running_reqs gauge\n"
+        'sglang:num_running_reqs{model_name="m",dp_rank="0"} 2.0\n'
+    )
+    snap = parse_metrics(text)
+    assert (snap.block_size, snap.num_gpu_blocks, snap.running) == (16, 5000, 2.0)
+    gauges = (
+        'sglang:page_size{dp_rank="0"} 32.0\n'
+        'sglang:num_pages{dp_rank="0"} 100.0\n'
+        'sglang:cache_config_info{num_pages="5000",page_size="16"} 1.0\n'
+    )
+    assert (parse_metrics(gauges).block_size, parse_metrics(gauges).num_gpu_blocks) == (32, 100)
 
 
 # ----------------------------------------------------------------------- through the agent

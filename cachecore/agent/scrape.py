@@ -2,8 +2,10 @@
 
 SGLang's load gauges are read too (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
 ``sglang:token_usage``), and its pool (``sglang:page_size`` and ``sglang:num_pages`` where
-the version exports them, else ``sglang:max_total_num_tokens`` in whole blocks), so an
-SGLang replica's agent publishes its load. Every scheduler may export them
+the version exports them, else the labels of ``sglang:cache_config_info{page_size,
+num_pages}``, which SGLang exports since February 2026 (its PR 17273), else
+``sglang:max_total_num_tokens`` in whole blocks), so an SGLang replica's agent publishes its
+load. Every scheduler may export them
 (``--enable-metrics-for-all-schedulers``): tensor-parallel ranks report the same batch and
 pool, so a series counts once per ``dp_rank`` (the largest of its ranks) and is summed over
 data-parallel ranks. Its token counters are deliberately not read: SGLang adds a request's
@@ -39,6 +41,9 @@ SGLANG_KV_USAGE = "sglang:token_usage"  # fraction of the KV pool's tokens in us
 SGLANG_MAX_TOKENS = "sglang:max_total_num_tokens"  # the KV pool's size in tokens
 SGLANG_PAGE_SIZE = "sglang:page_size"  # tokens per KV page (recent versions)
 SGLANG_NUM_PAGES = "sglang:num_pages"
+# an info-style gauge whose labels say the page size and the page count (no rank label:
+# ranks with equal pools export one sample, so its count is one rank's)
+SGLANG_CACHE_CONFIG = "sglang:cache_config_info"
 _SGLANG_PER_RANK = (
     SGLANG_RUNNING,
     SGLANG_WAITING,
@@ -117,6 +122,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
     prompt: float | None = None
     generation: float | None = None
     sgl_usage: float | None = None
+    sgl_info_bs = sgl_info_pages = None
     # SGLang series by dp_rank: the largest value its (tensor-parallel) ranks report
     sgl: dict[str, dict[str, float]] = {}
     vllm_running = vllm_waiting = False
@@ -161,6 +167,13 @@ def parse_metrics(text: str) -> EngineSnapshot:
                 ranks[rank] = max(ranks.get(rank, value), value)
             elif name == SGLANG_KV_USAGE:
                 sgl_usage = max(sgl_usage or 0.0, value)
+            elif name == SGLANG_CACHE_CONFIG:
+                page = _as_int(s.labels.get("page_size"))
+                pages = _as_int(s.labels.get("num_pages"))
+                if page is not None and page > 0:
+                    sgl_info_bs = max(sgl_info_bs or 0, page)
+                if pages is not None and pages > 0:
+                    sgl_info_pages = max(sgl_info_pages or 0, pages)
             else:
                 continue
             model = model or s.labels.get("model_name")
@@ -176,6 +189,10 @@ def parse_metrics(text: str) -> EngineSnapshot:
         block_size = int(max(sgl[SGLANG_PAGE_SIZE].values())) or None
     if num_blocks is None and SGLANG_NUM_PAGES in sgl:
         num_blocks = int(sum(sgl[SGLANG_NUM_PAGES].values())) or None
+    if block_size is None:
+        block_size = sgl_info_bs
+    if num_blocks is None:
+        num_blocks = sgl_info_pages
     max_tokens = sgl.get(SGLANG_MAX_TOKENS)
     return EngineSnapshot(
         running,
