@@ -285,3 +285,37 @@ def test_chain_equals_block_by_block_hashes(lora: str | None, salt: str | None) 
     assert tail == expected[2:]
     unsalted = hasher.chain(None, tokens, BS, 0, ExtraKeysFn(lora, None))
     assert (unsalted[0] == expected[0]) == (salt is None)  # the salt goes into block 0
+    assert hasher.next_hash(expected[2], tokens[3 * BS : 4 * BS], xk.rest_bytes) == expected[3]
+
+
+@pytest.mark.parametrize("fmt", list(WireHashFormat))
+@pytest.mark.parametrize("extra", [None, ("ad",)])
+def test_one_block_paths_equal_the_batch_ones(
+    fmt: WireHashFormat, extra: tuple[str] | None
+) -> None:
+    """allocate_one and cache_full_block leave the state and send the events that
+    allocate(1) and cache_full_blocks of one block do, evictions included."""
+    pools = [BlockPool(3, BS, wire_format=fmt) for _ in range(2)]
+    for one, pool in enumerate(pools):
+        parent = b"\x01" * 32
+        for i in range(5):  # 3 blocks: the 4th and 5th allocations evict
+            toks = list(range(i * BS, (i + 1) * BS))
+            h = bytes([i + 2]) * 32
+            if one:
+                blk = pool.allocate_one()
+                pool.cache_full_block(blk, h, parent, toks, extra, 1, "ad")
+            else:
+                (blk,) = pool.allocate(1)
+                pool.cache_full_blocks([blk], [h], parent, toks, [extra], 1, "ad")
+            pool.free([blk])
+            parent = h
+        pool.check_invariants()
+    assert pools[0].take_events() == pools[1].take_events()
+    assert pools[0].cached_blocks() == pools[1].cached_blocks()
+    assert pools[0].free_queue_ids() == pools[1].free_queue_ids()
+    empty = BlockPool(1, BS)
+    empty.allocate_one()
+    with pytest.raises(NoFreeBlocksError):
+        empty.allocate_one()
+    with pytest.raises(BlockPoolError):
+        empty.cache_full_block(empty.blocks[0], b"\x09" * 32, None, [1], None)  # short

@@ -57,6 +57,9 @@ def test_agent_chain_equals_gateway_keys(tokens: list[int], block_size: int) -> 
         "l",
     )
     assert head + tail == full
+    for i in range(1, n):  # one block after its parent: the agent's decode-block path
+        one = k.chain(full[i - 1], tokens[i * block_size : (i + 1) * block_size], None, "m", "l")
+        assert one == [full[i]]
 
 
 def test_salts_scope_separation_and_rotation() -> None:

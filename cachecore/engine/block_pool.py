@@ -178,6 +178,17 @@ class BlockPool:
             out.append(blk)
         return out
 
+    def allocate_one(self) -> KVBlock:
+        """:meth:`allocate` of one block, without the list (a decode step crossing into a
+        new block: most allocations)."""
+        if not self._free:
+            raise NoFreeBlocksError("need 1 blocks, 0 free")
+        _, blk = self._free.popitem(last=False)
+        if blk.block_hash is not None:
+            self._evict(blk)
+        blk.ref_cnt = 1
+        return blk
+
     def _evict(self, blk: KVBlock) -> None:
         """Drop a free cached block's hash (one BlockRemoved per block, as vLLM sends)."""
         h = blk.block_hash
@@ -277,6 +288,59 @@ class BlockPool:
                     medium=MEDIUM_GPU,
                     lora_name=lora_name,
                     extra_keys=list(extra_keys) if has_extra else None,
+                )
+            )
+
+    def cache_full_block(
+        self,
+        blk: KVBlock,
+        block_hash: EngineHash,
+        parent_hash: EngineHash | None,
+        token_ids: list[int],
+        extra_keys: ExtraKeys,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+    ) -> None:
+        """:meth:`cache_full_blocks` of one block (what a decode step that fills a block
+        registers): the same state and event without the batch's slices and loop.
+        ``token_ids`` is kept by the block: pass a list nobody changes afterwards."""
+        if len(token_ids) != self.block_size:
+            raise BlockPoolError("cache_full_blocks: blocks, hashes, keys and tokens disagree")
+        if blk.block_hash is not None:
+            raise BlockPoolError(f"block {blk.block_id} is already cached")
+        if blk.ref_cnt <= 0:
+            raise BlockPoolError(f"caching free block {blk.block_id}")
+        blk.block_hash = block_hash
+        blk.parent_hash = parent_hash
+        blk.token_ids = token_ids
+        blk.extra_keys = extra_keys
+        copies = self._cached.get(block_hash)
+        if copies is None:
+            self._cached[block_hash] = {blk.block_id: blk}
+            self._first[block_hash] = blk
+        else:
+            copies[blk.block_id] = blk
+        self._num_cached += 1
+        if self.enable_events:
+            wire: int | bytes
+            parent_wire: int | bytes | None
+            if self.wire_format is WireHashFormat.BYTES:
+                wire, parent_wire = block_hash, parent_hash
+            else:  # int_hash written out: one call less per block
+                wire = int.from_bytes(block_hash[-8:], "big")
+                parent_wire = (
+                    None if parent_hash is None else int.from_bytes(parent_hash[-8:], "big")
+                )
+            self._events.append(
+                BlockStored(
+                    cast("list[int]", [wire]),
+                    cast("int | None", parent_wire),
+                    list(token_ids),
+                    self.block_size,
+                    lora_id,
+                    MEDIUM_GPU,
+                    lora_name,
+                    None if extra_keys is None else [extra_keys],
                 )
             )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from cachecore.engine.block_pool import BlockPool, CachedBlockInfo
@@ -404,8 +405,11 @@ class EngineCore:
             c = r.num_computed_tokens  # step s computes the KV of position c + s - 1
             s_alloc = (-c) % bs + 1
             s_cache = (-c - 1) % bs + 1
-            crossings.extend((s, idx, 0) for s in range(s_alloc, k + 1, bs))
-            crossings.extend((s, idx, 1) for s in range(s_cache, k + 1, bs))
+            # the tuples built by C loops (a generator per request cost 1/3 of this)
+            if s_alloc <= k:
+                crossings += zip(range(s_alloc, k + 1, bs), repeat(idx), repeat(0))
+            if s_cache <= k:
+                crossings += zip(range(s_cache, k + 1, bs), repeat(idx), repeat(1))
         crossings.sort()
         free = self.pool.num_free_blocks
         n_alloc = 0
@@ -428,7 +432,7 @@ class EngineCore:
         for s, idx, kind in crossings:
             r = running[idx]
             if kind == 0:
-                r.blocks.extend(pool.allocate(1))
+                r.blocks.append(pool.allocate_one())
             else:
                 kv.cache_blocks(r, (r.num_computed_tokens + s) // bs)
         outputs: list[RequestOutput] = []

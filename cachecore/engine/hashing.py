@@ -95,6 +95,11 @@ class EngineHasher:
         head = self.root if parent is None else parent
         return self._digest(head + _token_bytes(tokens) + _extra_bytes(extra))
 
+    def next_hash(self, parent: EngineHash, tokens: Sequence[int], extra: bytes) -> EngineHash:
+        """The hash of one full block (not a request's first) after ``parent``; ``extra``
+        is its extra keys' bytes (``ExtraKeysFn.rest_bytes``): :meth:`chain` of one block."""
+        return self._digest(parent + _token_bytes(tokens) + extra)
+
     def chain(
         self,
         parent: EngineHash | None,

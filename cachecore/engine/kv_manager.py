@@ -108,8 +108,22 @@ class KVCacheManager:
         if n_full <= start:
             return
         bs = self.block_size
-        self._ensure_hashes(req, n_full)
         xk = req.extra_keys
+        if n_full == start + 1 and start and n_full * bs > req.num_prompt_tokens:
+            # one block holding output tokens (a decode step filled it): most registrations;
+            # the same hash and registration as below without the batch's lists
+            hashes = req.block_hashes
+            tokens = req.all_token_ids[start * bs : n_full * bs]
+            parent = hashes[start - 1]
+            if len(hashes) == start:  # >= start: blocks before it were registered
+                hashes.append(self.hasher.next_hash(parent, tokens, xk.rest_bytes))
+            self.pool.cache_full_block(
+                req.blocks[start], hashes[start], parent, tokens, xk.rest, req.lora_id,
+                req.lora_name,
+            )  # fmt: skip
+            req.num_cached_blocks = n_full
+            return
+        self._ensure_hashes(req, n_full)
         self.pool.cache_full_blocks(
             req.blocks[start:n_full],
             req.block_hashes[start:n_full],
