@@ -85,10 +85,13 @@ SETTLE_POLL_S = 0.25
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 _ENGINE_ID_FIELDS = frozenset(("request_id", "rid"))
 """Body fields an engine takes its request id from (vLLM's ``request_id``, SGLang's ``rid``)."""
-_OPERATOR_FIELDS = frozenset(("kv_transfer_params", "ec_transfer_params"))
-"""vLLM request fields only the serving stack may set: where a disaggregated engine reads
-its KV (remote block ids) or encoder cache from. From a client they could point an engine
-at blocks another tenant's request computed; they are removed."""
+_OPERATOR_FIELDS = frozenset(("kv_transfer_params", "ec_transfer_params", "extra_key"))
+"""Request fields only the serving stack may set, removed from a client's: vLLM's
+``kv_transfer_params`` / ``ec_transfer_params`` (where a disaggregated engine reads its KV
+or encoder cache from: a client could point an engine at blocks another tenant's request
+computed) and SGLang's ``extra_key`` (a cache namespace beside ``cache_salt``: a client's
+would split the engine's cache under the index's keys, so every prediction for it
+over-claims and the claim check could quarantine a healthy replica for it)."""
 _REPORT_MODE = "kv_cache_report_mode"
 """A ``vllm_xargs`` key that makes vLLM 0.33 publish a BlockStored for each prefix-cache
 hit: indistinguishable on the wire from a new store, so a client could inflate the index's

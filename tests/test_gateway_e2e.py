@@ -188,10 +188,12 @@ async def test_client_cache_salt_has_no_effect() -> None:
             d = await gw.prepare("completion", "someone-else", dict(body), {}, "t", True)
             assert orjson.loads(gw.upstream_body(d))["stream_options"] == want
         # fields only the serving stack may set are removed, on either path: where a
-        # disaggregated engine reads KV from, and vLLM's per-hit store reports
+        # disaggregated engine reads KV from, SGLang's cache namespace beside the salt, and
+        # vLLM's per-hit store reports
         operator = {
             "kv_transfer_params": {"remote_block_ids": [1, 2], "remote_engine_id": "p0"},
             "ec_transfer_params": {"x": 1},
+            "extra_key": "mine",
             "vllm_xargs": {"kv_cache_report_mode": "full", "other": 1},
         }
         for stream in (False, True):
@@ -201,6 +203,7 @@ async def test_client_cache_salt_has_no_effect() -> None:
             d.raw_body = raw
             sent = orjson.loads(gw.upstream_body(d))
             assert "kv_transfer_params" not in sent and "ec_transfer_params" not in sent
+            assert "extra_key" not in sent
             assert sent["vllm_xargs"] == {"other": 1} and sent["cache_salt"] == salt_b
 
 
