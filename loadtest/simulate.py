@@ -47,7 +47,7 @@ from cachecore.engine.latency import PROFILES, get_profile
 from cachecore.engine.request import EngineRequest, RequestOutput
 from cachecore.index.base import NO_MATCH, PrefixMatch, ReplicaState
 from cachecore.index.memory import MemoryIndex
-from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
+from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind, tokens_to_bytes
 from cachecore.lifecycle import ReplicaMirror
 from cachecore.process import batch_gc, freeze_startup_heap
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
@@ -183,7 +183,10 @@ class FleetSimulator:
         # a chat's roles -> the ids of its template text around the contents (None: the
         # template does not render those roles as text + content + text)
         self._frames: dict[tuple[Any, ...], list[list[int]] | None] = {}
-        self._contents: OrderedDict[str, list[int]] = OrderedDict()  # LRU of contents' ids
+        self._frame_bytes: dict[tuple[Any, ...], list[bytes]] = {}  # the same as uint32 bytes
+        # LRU of contents' ids and their uint32 bytes: a prompt's bytes for the engine are
+        # joined from its pieces' instead of converted again from its ids per request
+        self._contents: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
         self.inflight = InFlight()
         self._snapshot: dict[str, SharedLoad] = {}
         self.tracker = LoadTracker(self.inflight, lambda: self._snapshot)
@@ -245,13 +248,14 @@ class FleetSimulator:
         except KeyError:
             return None
 
-    def _chat_words(self, body: dict[str, Any]) -> list[int] | None:
+    def _chat_words(self, body: dict[str, Any]) -> tuple[list[int], bytes] | None:
         """A chat's ids without rendering or BPE when every message is made of single-token
         words: the template's text around the contents (its frame, rendered once per role
         sequence) and each content encode on their own (SegmentCache's invariant: the
         special tokens split the text; the role line apart from the words), so the ids are
         the frame's pieces with each content's word ids between them (checked against the
-        tokenizer on the first chats and on each new frame's first)."""
+        tokenizer on the first chats and on each new frame's first). With the ids, their
+        uint32 bytes (tokens_to_bytes), joined from the pieces' bytes."""
         messages = body["messages"]
         if not messages:
             return None
@@ -264,13 +268,15 @@ class FleetSimulator:
             assert frame is not None
             self._word_checks["chat"] = max(1, self._word_checks["chat"])  # check its first
         contents = self._contents
+        frame_bytes = self._frame_bytes[roles]
         out = list(frame[0])
-        for m, after in zip(messages, frame[1:], strict=True):
+        parts = [frame_bytes[0]]
+        for m, after, after_bytes in zip(messages, frame[1:], frame_bytes[1:], strict=True):
             content = m.get("content")
             if len(m) != 2 or not isinstance(content, str):  # a name, tool calls, parts
                 return None
-            ids = contents.get(content)
-            if ids is not None:  # a system prompt, a document: seen before
+            seen = contents.get(content)
+            if seen is not None:  # a system prompt, a document: seen before
                 contents.move_to_end(content)
             else:
                 found = self._word_run(content) if content.startswith(" ") else None
@@ -278,12 +284,14 @@ class FleetSimulator:
                     found = []
                 if found is None:
                     return None
-                ids = contents[content] = found
+                seen = contents[content] = (found, tokens_to_bytes(found))
                 if len(contents) > 8192:
                     contents.popitem(last=False)
+            ids, data = seen
             out += ids
             out += after
-        return out
+            parts += (data, after_bytes)
+        return out, b"".join(parts)
 
     def _frame(self, roles: tuple[Any, ...], messages: Sequence[dict[str, Any]]) -> bool:
         """Render the template once for these roles with a marker for each content and keep
@@ -311,33 +319,39 @@ class FleetSimulator:
                     ids += self.tokenizer.tok.encode(piece)
             frame.append(ids)
         self._frames[roles] = frame
+        self._frame_bytes[roles] = [tokens_to_bytes(ids) for ids in frame]
         return True
 
-    def _tokens(self, item: WorkItem) -> list[int]:
+    def _tokens(self, item: WorkItem) -> tuple[list[int], bytes | None]:
+        """The prompt's ids, and their uint32 bytes when the shortcut made them (else None:
+        the engine converts the ids)."""
         body = item.body(MODEL, stream=False)
         tok = self.tokenizer
         exact = tok.chat_sync if item.api == "chat" else tok.completion_sync
         ids: list[int] | None = None
+        data: bytes | None = None
         if self._word_ids is not None:
             # workload text is single-token words: " w1 w2" encodes to their ids exactly
             # (WordVocabulary's invariant); checked against the tokenizer on the first ones
             if item.api == "chat":
-                ids = self._chat_words(body)
+                found = self._chat_words(body)
+                if found is not None:
+                    ids, data = found
             elif item.prompt and item.prompt.startswith(" "):
                 ids = self._word_run(item.prompt)
         if ids is None:
-            return exact(body)
+            return exact(body), None
         if self._word_checks[item.api] > 0:
             self._word_checks[item.api] -= 1
             truth = exact(body)
             if ids != truth:
                 self._word_ids = None  # never trust the shortcut again
-                return truth
-        return ids
+                return truth, None
+        return ids, data
 
     # ------------------------------------------------------------------ routing
     async def _route(self, i: int, item: WorkItem, now: float) -> None:
-        tokens = self._tokens(item)
+        tokens, prompt_bytes = self._tokens(item)
         n = len(tokens)
         bs = self.cfg.block_size
         t0 = time.perf_counter()
@@ -374,7 +388,10 @@ class FleetSimulator:
         deferred = self._ff[r] is not None
         clock = self._materialize(r, now) if deferred else now
         try:
-            engine.add_request(EngineRequest(req_id, tokens, item.max_tokens, salt), now)
+            engine.add_request(
+                EngineRequest(req_id, tokens, item.max_tokens, salt, prompt_bytes=prompt_bytes),
+                now,
+            )
         except ValueError:
             self.inflight.done(ticket)
             self._stale.add(rid)

@@ -22,6 +22,7 @@ from cachecore.engine import (
     WireHashFormat,
 )
 from cachecore.engine.hashing import int_hash
+from cachecore.keys import tokens_to_bytes
 from cachecore.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 VOCAB = tuple(range(1000, 1500))
@@ -106,6 +107,24 @@ def test_cached_tokens_counted_at_first_scheduling_and_in_prefix_stats() -> None
     assert {o.num_cached_tokens for o in outs} == {80}
     st = core.stats()
     assert (st.prefix_cache_queries, st.prefix_cache_hits) == (200, 80)
+
+
+def test_prompt_bytes_from_the_caller_change_nothing() -> None:
+    """A caller's prompt_bytes (the simulator's) give the steps and events the engine's own
+    conversion gives; bytes of the wrong length are refused."""
+    results = []
+    for given in (False, True):
+        core = engine(block_size=4)
+        for i, salt in enumerate(("kvg1:s1", "kvg1:s1", "kvg1:s2")):
+            prompt = toks(37, 10 * i)
+            data = tokens_to_bytes(prompt) if given else None
+            req = EngineRequest(f"r{i}", prompt, 9, salt, prompt_bytes=data)
+            core.add_request(req, 0.0)
+        steps, _ = run(core)
+        results.append((events(steps), outputs(steps)))
+    assert results[0] == results[1]
+    with pytest.raises(ValueError, match="prompt_bytes"):
+        engine().add_request(EngineRequest("x", toks(4), prompt_bytes=b"\x00" * 12), 0.0)
 
 
 def test_salt_and_lora_enter_the_extra_keys_and_isolate() -> None:

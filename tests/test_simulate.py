@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cachecore.keys import tokens_to_bytes
 from gateway.routing import Strategy
 from loadtest.simulate import (
     FleetSimulator,
@@ -90,8 +91,11 @@ def test_the_word_shortcut_gives_the_tokenizers_ids(text: TextSource, workload_n
         )
         fast = sim._chat_words(body) if item.api == "chat" else None
         shortcut += fast is not None
-        assert fast is None or fast == exact
-        assert sim._tokens(item) == exact
+        # the ids, and their bytes as the engine would convert them
+        assert fast is None or fast == (exact, tokens_to_bytes(exact))
+        ids, data = sim._tokens(item)
+        assert ids == exact
+        assert data is None or data == tokens_to_bytes(exact)
     if workload_name in ("shared-prefix", "hot-prefix"):
         assert shortcut == len(w.items)  # these are word-only chats: no BPE at all
     assert sim._word_ids is not None  # the in-run check never tripped

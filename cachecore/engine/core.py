@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 DEFAULT_NUM_BLOCKS = 4096  # x 16 tokens = 65,536 tokens per replica
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_MODEL_LEN = 32768
+_EXTRA_KEYS_MAX = 4096  # (adapter, salt) pairs whose ExtraKeysFn an engine keeps
 _PLAN_TOKENS = 256  # output tokens worked out per request ahead of the steps that sample them
 
 
@@ -166,6 +167,7 @@ class EngineCore:
             output_vocab if output_vocab is not None else default_output_vocab()
         )
         self._lora_ids = {name: i + 1 for i, name in enumerate(config.lora_names)}
+        self._extra_keys: dict[tuple[str | None, str | None], ExtraKeysFn] = {}
         self.running: list[RequestState] = []
         self.waiting: deque[RequestState] = deque()
         self._requests: dict[str, RequestState] = {}
@@ -199,13 +201,25 @@ class EngineCore:
                 raise RequestRejectedError(f"unknown LoRA adapter {request.lora_name!r}")
         if request.cache_salt is not None and not request.cache_salt:
             raise RequestRejectedError("cache_salt must be a non-empty string")
-        prompt_bytes = tokens_to_bytes(request.prompt_token_ids)
+        prompt_bytes = request.prompt_bytes
+        if prompt_bytes is None:
+            prompt_bytes = tokens_to_bytes(request.prompt_token_ids)
+        elif len(prompt_bytes) != 4 * n_prompt:
+            raise ValueError("prompt_bytes is not the prompt's ids as uint32")
+        # one per (adapter, salt), immutable: its keys' msgpack encodings made once, not
+        # per request (a tenant's requests share it)
+        xk_key = (request.lora_name, request.cache_salt)
+        extra_keys = self._extra_keys.get(xk_key)
+        if extra_keys is None:
+            if len(self._extra_keys) >= _EXTRA_KEYS_MAX:
+                self._extra_keys.clear()
+            extra_keys = self._extra_keys[xk_key] = ExtraKeysFn(*xk_key)
         state = RequestState(
             request_id=request.request_id,
             all_token_ids=list(request.prompt_token_ids),
             num_prompt_tokens=n_prompt,
             max_tokens=request.max_tokens,
-            extra_keys=ExtraKeysFn(request.lora_name, request.cache_salt),
+            extra_keys=extra_keys,
             fingerprint=bytes_fingerprint(prompt_bytes),
             arrival_time=now,
             cache_salt=request.cache_salt,

@@ -39,6 +39,10 @@ class EngineRequest:
     max_tokens: int = DEFAULT_MAX_TOKENS
     cache_salt: str | None = None
     lora_name: str | None = None
+    # the prompt's ids as uint32 little-endian (cachecore.keys.tokens_to_bytes), when the
+    # caller has them already (the simulator builds them from cached pieces); None: the
+    # engine converts them
+    prompt_bytes: bytes | None = None
 
 
 @dataclass(slots=True)
