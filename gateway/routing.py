@@ -184,7 +184,6 @@ class Decision:
 
 # per-replica fields read over every candidate of a decision: C loops (min(map(...)))
 _COST_MS = attrgetter("cost_ms")
-_PREFILL_MS = attrgetter("prefill_ms")
 _MATCHED_BLOCKS = attrgetter("matched_blocks")
 _REQUESTS = attrgetter("requests")
 _NOTE = attrgetter("note")
@@ -300,27 +299,60 @@ class Router:
         no_hit_blocks = _matched_blocks(no_hit, bs)
         no_hit_cached = no_hit.predicted_cached_tokens
         no_hit_terms = cost_terms(no_hit, [c.load for c in candidates], coeffs)
-        best_cached = 0
         load_only = req.load_only
+        # the matched replicas' costs first (a match of a quarantined replica, or any match
+        # of a load_only request, is ignored), so the recompute charge is known before the
+        # scores are built: one pass instead of a second one over every score
+        hits = (
+            []
+            if load_only
+            else [
+                cost(c.match, n, bs, c.load, coeffs)
+                for c in candidates
+                if c.match.pending_blocks and not c.quarantined
+            ]
+        )
+        unmatched = len(hits) < len(candidates)
+        best_cached = max(0, no_hit_cached) if unmatched else 0
+        low = no_hit_terms[0][2] if unmatched else math.inf  # the no-match prefill: one value
+        for b in hits:
+            best_cached = max(best_cached, b.hit.predicted_cached_tokens)
+            low = min(low, b.prefill_ms)
+        # The recompute charge: weight x (own prefill ms - the smallest among the replicas)
+        # on each cost. A replica's cost is the request's own expected TTFT there. Sending a
+        # request past a replica that holds its prefix makes the fleet compute those tokens
+        # again, and that work is capacity every request queued behind it pays for, which
+        # the request's own TTFT does not show; the myopic cost trades hits for balance too
+        # readily under load. Relative to the cheapest prefill, so it is zero when no
+        # replica holds anything (or every replica holds the same), and a sensitive request
+        # (no matches) never pays it.
+        weight = coeffs.recompute_weight
+        charge = weight > 0 and best_cached > 0 and not load_only
+        no_hit_extra = weight * (no_hit_terms[0][2] - low) if charge and unmatched else 0.0
+        matched = iter(hits)
         for c, terms in zip(candidates, no_hit_terms, strict=True):
             note = ""
-            match = c.match
             if load_only:
-                match, note = NO_MATCH, "load_only"
+                note = "load_only"
             elif c.quarantined:
-                match, note = NO_MATCH, "quarantined"
+                note = "quarantined"
             load = c.load
-            if match.pending_blocks == 0:  # pending >= stored >= any tier: nothing matched
+            if note or c.match.pending_blocks == 0:  # pending >= stored >= any tier: no match
                 cost_ms, queue_ms, prefill_ms, load_ms, stall_ms = terms
                 blocks, cached = no_hit_blocks, no_hit_cached
+                extra = no_hit_extra
             else:
-                b = cost(match, n, bs, load, coeffs)
+                b = next(matched)
                 cost_ms, queue_ms, prefill_ms, load_ms, stall_ms = (
                     b.cost_ms, b.queue_ms, b.prefill_ms, b.load_ms, b.stall_ms
                 )  # fmt: skip
                 blocks, cached = _matched_blocks(b.hit, bs), b.hit.predicted_cached_tokens
-            if cached > best_cached:
-                best_cached = cached
+                extra = weight * (prefill_ms - low) if charge else 0.0
+            if extra > 0:
+                recompute_ms = extra
+                cost_ms += extra
+            else:
+                recompute_ms = 0.0
             # LoadView.requests written out: a property call per replica per decision cost
             # ~20% of a 64-replica decide
             ahead = load.queued_requests if load.queued_requests > load.waiting else load.waiting
@@ -337,10 +369,9 @@ class Router:
                     True,
                     note,
                     stall_ms,
+                    recompute_ms,
                 )
             )
-        if coeffs.recompute_weight > 0 and best_cached > 0 and not req.load_only:
-            self._charge_recompute(out, coeffs.recompute_weight)
         cold = req.cold_replicas
         # sensitive and media requests count as cold too (their matches are ignored): a
         # confined tenant must not escape its replicas by asking for them
@@ -353,24 +384,6 @@ class Router:
                 if s.replica not in cold:
                     s.eligible, s.note = False, "cold_confined"
         return out
-
-    @staticmethod
-    def _charge_recompute(scores: Sequence[ReplicaScore], weight: float) -> None:
-        """Add ``weight x (own prefill ms - the smallest among the replicas)`` to each cost.
-
-        A replica's cost is the request's own expected TTFT there. Sending a request past a
-        replica that holds its prefix makes the fleet compute those tokens again, and that
-        work is capacity every request queued behind it pays for, which the request's own
-        TTFT does not show; the myopic cost trades hits for balance too readily under load.
-        Relative to the cheapest prefill, so it is zero when no replica holds anything (or
-        every replica holds the same), and a sensitive request (no matches) never pays it.
-        """
-        low = min(map(_PREFILL_MS, scores))
-        for s in scores:
-            extra = weight * (s.prefill_ms - low)
-            if extra > 0:
-                s.recompute_ms = extra
-                s.cost_ms += extra
 
     # ------------------------------------------------------------------ strategies
     def _ties(self, scores: Sequence[ReplicaScore]) -> list[ReplicaScore]:
