@@ -103,15 +103,13 @@ class RequestState:
 
     @property
     def remaining_tokens(self) -> int:
-        return self.max_tokens - self.num_output_tokens
+        return self.max_tokens - (len(self.all_token_ids) - self.num_prompt_tokens)
 
     @property
     def is_decoding(self) -> bool:
         """Has an output token and only that last token's KV is missing."""
-        return (
-            self.num_tokens > self.num_prompt_tokens
-            and self.num_computed_tokens == self.num_tokens - 1
-        )
+        n = len(self.all_token_ids)  # num_tokens read once: called per request per step
+        return n > self.num_prompt_tokens and self.num_computed_tokens == n - 1
 
     def output(self, new_token_ids: list[int], first_token: bool) -> RequestOutput:
         status = self.status

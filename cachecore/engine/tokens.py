@@ -71,5 +71,6 @@ class OutputTokens:
         x *= _MIX2_U64
         x ^= x >> _S31
         x %= self._n_u64
-        out: list[int] = self._vocab_np[x.astype(np.intp)].tolist()
+        # every x < n now: its int64 view is the same indices, without astype's copy
+        out: list[int] = self._vocab_np[x.view(np.int64)].tolist()
         return out
