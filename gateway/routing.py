@@ -187,6 +187,7 @@ _COST_MS = attrgetter("cost_ms")
 _MATCHED_BLOCKS = attrgetter("matched_blocks")
 _REQUESTS = attrgetter("requests")
 _NOTE = attrgetter("note")
+_QUARANTINED = attrgetter("quarantined")  # read over the candidates
 
 
 def _matched_blocks(hit: HitPrediction, block_size: int) -> int:
@@ -292,7 +293,6 @@ class Router:
     ) -> list[ReplicaScore]:
         bs = req.block_size
         n = req.prompt_tokens
-        out: list[ReplicaScore] = []
         # every replica without a match predicts the same hit: its costs on every replica's
         # load in one call (a matched replica's are computed too and unused: there are few)
         no_hit = predict_hit(NO_MATCH, n, bs, coeffs)
@@ -307,15 +307,15 @@ class Router:
             []
             if load_only
             else [
-                cost(c.match, n, bs, c.load, coeffs)
-                for c in candidates
+                (i, cost(c.match, n, bs, c.load, coeffs))
+                for i, c in enumerate(candidates)
                 if c.match.pending_blocks and not c.quarantined
             ]
         )
         unmatched = len(hits) < len(candidates)
         best_cached = max(0, no_hit_cached) if unmatched else 0
         low = no_hit_terms[0][2] if unmatched else math.inf  # the no-match prefill: one value
-        for b in hits:
+        for _, b in hits:
             best_cached = max(best_cached, b.hit.predicted_cached_tokens)
             low = min(low, b.prefill_ms)
         # The recompute charge: weight x (own prefill ms - the smallest among the replicas)
@@ -328,50 +328,46 @@ class Router:
         # (no matches) never pays it.
         weight = coeffs.recompute_weight
         charge = weight > 0 and best_cached > 0 and not load_only
-        no_hit_extra = weight * (no_hit_terms[0][2] - low) if charge and unmatched else 0.0
-        matched = iter(hits)
-        for c, terms in zip(candidates, no_hit_terms, strict=True):
-            note = ""
-            if load_only:
-                note = "load_only"
-            elif c.quarantined:
-                note = "quarantined"
-            load = c.load
-            if note or c.match.pending_blocks == 0:  # pending >= stored >= any tier: no match
-                cost_ms, queue_ms, prefill_ms, load_ms, stall_ms = terms
-                blocks, cached = no_hit_blocks, no_hit_cached
-                extra = no_hit_extra
-            else:
-                b = next(matched)
-                cost_ms, queue_ms, prefill_ms, load_ms, stall_ms = (
-                    b.cost_ms, b.queue_ms, b.prefill_ms, b.load_ms, b.stall_ms
-                )  # fmt: skip
-                blocks, cached = _matched_blocks(b.hit, bs), b.hit.predicted_cached_tokens
-                extra = weight * (prefill_ms - low) if charge else 0.0
-            if extra > 0:
-                recompute_ms = extra
-                cost_ms += extra
-            else:
-                recompute_ms = 0.0
-            # LoadView.requests written out: a property call per replica per decision cost
-            # ~20% of a 64-replica decide
-            ahead = load.queued_requests if load.queued_requests > load.waiting else load.waiting
-            out.append(
+        extra = weight * (no_hit_terms[0][2] - low) if charge and unmatched else 0.0
+        note = "load_only" if load_only else ""
+        # every replica scored as a no-match in one comprehension (the matched few are
+        # replaced below); LoadView.requests written out: a property call per replica per
+        # decision cost ~20% of a 64-replica decide
+        if extra > 0:
+            out = [
                 ReplicaScore(
-                    c.replica,
-                    cost_ms,
-                    queue_ms,
-                    prefill_ms,
-                    load_ms,
-                    blocks,
-                    cached,
-                    ahead + load.running,
-                    True,
-                    note,
-                    stall_ms,
-                    recompute_ms,
+                    c.replica, t[0] + extra, t[1], t[2], t[3], no_hit_blocks, no_hit_cached,
+                    (ld.queued_requests if ld.queued_requests > ld.waiting else ld.waiting)
+                    + ld.running,
+                    True, note, t[4], extra,
                 )
-            )
+                for c, t in zip(candidates, no_hit_terms, strict=True)
+                for ld in (c.load,)
+            ]  # fmt: skip
+        else:
+            out = [
+                ReplicaScore(
+                    c.replica, t[0], t[1], t[2], t[3], no_hit_blocks, no_hit_cached,
+                    (ld.queued_requests if ld.queued_requests > ld.waiting else ld.waiting)
+                    + ld.running,
+                    True, note, t[4], 0.0,
+                )
+                for c, t in zip(candidates, no_hit_terms, strict=True)
+                for ld in (c.load,)
+            ]  # fmt: skip
+        if not load_only and any(map(_QUARANTINED, candidates)):
+            for s, c in zip(out, candidates, strict=True):
+                if c.quarantined:
+                    s.note = "quarantined"
+        for i, b in hits:
+            s = out[i]
+            e = weight * (b.prefill_ms - low) if charge else 0.0
+            hit = b.hit
+            out[i] = ReplicaScore(
+                s.replica, b.cost_ms + e if e > 0 else b.cost_ms, b.queue_ms, b.prefill_ms,
+                b.load_ms, _matched_blocks(hit, bs), hit.predicted_cached_tokens, s.requests,
+                True, "", b.stall_ms, e if e > 0 else 0.0,
+            )  # fmt: skip
         cold = req.cold_replicas
         # sensitive and media requests count as cold too (their matches are ignored): a
         # confined tenant must not escape its replicas by asking for them
