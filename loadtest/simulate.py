@@ -350,7 +350,7 @@ class FleetSimulator:
         return ids, data
 
     # ------------------------------------------------------------------ routing
-    async def _route(self, i: int, item: WorkItem, now: float) -> None:
+    def _route(self, i: int, item: WorkItem, now: float) -> None:
         tokens, prompt_bytes = self._tokens(item)
         n = len(tokens)
         bs = self.cfg.block_size
@@ -359,7 +359,7 @@ class FleetSimulator:
         cap = min(hit_cap_blocks(n, bs), self.policy.index.max_prompt_blocks)
         keys: list[BlockKey] = self.keyer.keys(tokens, salt, MODEL, None, max_blocks=cap)
         now_ms = int(now * 1000)
-        matches = await self._lookup(keys, now_ms) if keys else {}
+        matches = self._lookup(keys, now_ms) if keys else {}
         loads = self._fresh_views()
         cands = self._cands.copy()
         pos = self._pos
@@ -382,7 +382,8 @@ class FleetSimulator:
         if start < len(keys):
             pending = keys[start:]
             self._hold(rid, filter(self._holders.__contains__, pending))
-            await self.index.add_pending(rid, pending, self.policy.index.pending_ttl_ms, now_ms)
+            # the gateway's own synchronous call (no coroutine per request)
+            self.index.add_pending_now(rid, pending, self.policy.index.pending_ttl_ms, now_ms)
         req_id = f"q{i}"
         engine = self.engines[r]
         deferred = self._ff[r] is not None
@@ -405,18 +406,18 @@ class FleetSimulator:
             # a cancelled decode stretch or an idle replica: schedule its next work now
             self._kick(r, clock)
 
-    async def _lookup(self, keys: list[BlockKey], now_ms: int) -> dict[str, PrefixMatch]:
+    def _lookup(self, keys: list[BlockKey], now_ms: int) -> dict[str, PrefixMatch]:
         """The index's matches for ``keys``, asked of the replicas that may hold the first
         key; a replica left out is a no-match (NO_MATCH, what the index answers for a live
         replica without the first key; every replica here is live)."""
         holders = self._holders.get(keys[0])
         if holders is None:
-            matches = await self.index.lookup(keys, self.ids, now_ms)
+            matches = self.index.lookup_now(keys, self.ids, now_ms)
             if len(self._holders) >= _MAX_WATCHED:  # unique prompts: bound the memory
                 self._holders.clear()
             self._holders[keys[0]] = {r for r, m in matches.items() if m is not NO_MATCH}
             return matches
-        return await self.index.lookup(keys, list(holders), now_ms) if holders else {}
+        return self.index.lookup_now(keys, list(holders), now_ms) if holders else {}
 
     def _hold(self, rid: str, keys: Iterable[BlockKey]) -> None:
         """``rid`` now stores or has pending each of these watched first keys."""
@@ -543,7 +544,7 @@ class FleetSimulator:
                 item = items[pos]
                 pos += 1
                 self._last_work = max(self._last_work, now)
-                await self._route(pos - 1, item, now)
+                self._route(pos - 1, item, now)
                 continue
             if not heap:
                 break
@@ -568,7 +569,7 @@ class FleetSimulator:
                     # a write may store a watched first key (a delete never adds a holder)
                     blocks = write.blocks
                     self._hold(rid, (k for k in blocks.keys() & self._holders.keys() if blocks[k]))
-                await self.index.apply(rid, epochs[r], write, int(now * 1000))
+                self.index.apply_now(rid, epochs[r], write, int(now * 1000))
             elif kind == SCRAPE:
                 self._scrape()
                 # the index holds exactly the mirrors' keys (plus pending): O(replicas)

@@ -249,6 +249,12 @@ class MemoryIndex:
     async def lookup(
         self, keys: Sequence[BlockKey], replicas: Sequence[str], now_ms: int
     ) -> dict[str, PrefixMatch]:
+        return self.lookup_now(keys, replicas, now_ms)
+
+    def lookup_now(
+        self, keys: Sequence[BlockKey], replicas: Sequence[str], now_ms: int
+    ) -> dict[str, PrefixMatch]:
+        """:meth:`lookup` without the coroutine (the simulator calls it per request)."""
         out: dict[str, PrefixMatch] = {}
         for rid in replicas:
             rep = self._replicas.get(rid)
@@ -286,6 +292,10 @@ class MemoryIndex:
         self._drain()
 
     async def apply(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
+        self.apply_now(replica, epoch, write, now_ms)
+
+    def apply_now(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
+        """:meth:`apply` without the coroutine (the simulator calls it per engine step)."""
         rep = self._rep(replica)
         if epoch != rep.epoch:
             raise StaleEpochError(f"replica {replica}: epoch {epoch} != current {rep.epoch}")
