@@ -395,8 +395,14 @@ def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[
     asyncio's ``create_server`` sets, so a port in TIME_WAIT is not taken for busy. Raises
     :class:`ListenError` naming the first failure (nothing stays open)."""
     try:
-        infos = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        # a name listed twice (two /etc/hosts lines) resolves twice: one socket per address,
+        # as asyncio's create_server does, or the second bind fails against the first
+        infos = list(
+            dict.fromkeys(
+                socket.getaddrinfo(
+                    host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                )
+            )
         )
     except OSError as exc:  # socket.gaierror: a host name that does not resolve
         raise ListenError(exc.strerror or str(exc)) from exc
@@ -416,8 +422,6 @@ def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[
                 sock.listen(backlog)
             except OSError as exc:
                 raise ListenError(exc.strerror or str(exc)) from exc
-            if port == 0:  # every family on the port the first one got, as asyncio does
-                port = sock.getsockname()[1]
         if not bound:
             raise ListenError("no address to listen on")
     except BaseException:

@@ -48,6 +48,21 @@ def test_bind_listeners_holds_the_port_until_closed() -> None:
         serve.bind_listeners("no-such-host.invalid", port)
 
 
+def test_bind_listeners_tolerates_a_host_that_resolves_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name on two /etc/hosts lines resolves to one address twice (common in containers):
+    one socket for it, not a second bind that fails against the first."""
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: real(*a, **k) * 2)
+    socks = serve.bind_listeners("127.0.0.1", free_port())
+    try:
+        assert len(socks) == 1
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_serve_holds_its_port_from_the_check_to_serving(monkeypatch: pytest.MonkeyPatch) -> None:
     """The port is taken before the gateway is built (its start-up can take seconds: Redis,
     replica checks) and the same sockets are what uvicorn serves on: no other process can
