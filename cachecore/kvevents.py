@@ -204,6 +204,23 @@ def normalize_hash(value: Any) -> int:
     raise MalformedEventError("bad_hash", type(value).__name__)
 
 
+def _salt_field(value: Any) -> str | None:
+    """SGLang's ``cache_salt`` of a store: None or a string. Any other value skips the store
+    (not the batch: before SGLang's salt was read, such a field was ignored, and failing
+    the batch would be a gap, a replay failing alike, then a cold clear); its children
+    then drop for their unknown parent, so nothing is indexed under a guessed scope."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise _SkippedEvent("BlockStored:bad_cache_salt") from None
+    if not isinstance(value, str):
+        raise _SkippedEvent("BlockStored:bad_cache_salt")
+    return value
+
+
 def _opt_int(value: Any, name: str) -> int | None:
     if value is None:
         return None
@@ -317,7 +334,7 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
         cache_salt: str | None = None
         if isinstance(lora_name, Mapping):
             # SGLang 0.5.18's salted store: its metadata map sits where vLLM has lora_name
-            cache_salt = _opt_str(lora_name.get("cache_salt"), "cache_salt")
+            cache_salt = _salt_field(lora_name.get("cache_salt"))
             lora_name = None
         elif isinstance(raw, Mapping):
             # SGLang's map events carry the salt by name (the metadata map: a draft shape)
@@ -325,7 +342,7 @@ def _decode_event(raw: Any, max_tokens: int) -> KVEvent:
             named = raw.get("cache_salt")
             if named is None and isinstance(meta, Mapping):
                 named = meta.get("cache_salt")
-            cache_salt = _opt_str(named, "cache_salt")
+            cache_salt = _salt_field(named)
         extra_keys: list[tuple[Any, ...] | None] | None = None
         if extra is not None:
             if not isinstance(extra, list) or len(extra) != len(hashes):
@@ -405,12 +422,17 @@ def decode_batch(
 
 
 def root_salt(ev: BlockStored) -> str | None:
-    """The kvgate salt of a chain's first block: vLLM's (block 0's ``extra_keys``), else
-    SGLang's (its ``cache_salt`` field); None when neither is a kvgate salt."""
+    """The kvgate salt of a chain's first block: vLLM's (block 0's ``extra_keys``) or
+    SGLang's (its ``cache_salt`` field); None when neither is a kvgate salt, and None when
+    a store carries both and they differ (no engine sends two; choosing one could index a
+    sensitive request's blocks under a tenant's scope)."""
     salt = salt_from_extra_keys(ev.extra_keys[0] if ev.extra_keys else None)
-    if salt is None and ev.cache_salt is not None and is_kvgate_salt(ev.cache_salt):
-        salt = ev.cache_salt
-    return salt
+    named = ev.cache_salt
+    if named is None:
+        return salt
+    if salt is not None:
+        return salt if named == salt else None
+    return named if is_kvgate_salt(named) else None
 
 
 def salt_from_extra_keys(extra: tuple[Any, ...] | None) -> str | None:

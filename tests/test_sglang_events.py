@@ -196,6 +196,38 @@ def test_decode_map_events_carry_the_salt_by_name() -> None:
     assert [e.cache_salt for e in b.events if isinstance(e, BlockStored)] == [s, s]
 
 
+@pytest.mark.parametrize(
+    "extra", [{"cache_salt": 5}, {"cache_salt": ["kvg1:x"]}, {"metadata": {"cache_salt": 7}}]
+)
+def test_a_bad_cache_salt_costs_its_store_not_the_batch(extra: dict[str, Any]) -> None:
+    """A salt that is no string skips its store (the field was ignored before SGLang's salt
+    was read; failing the batch would be a gap, a replay failing alike, a cold clear)."""
+    tokens = toks(0, 1)
+    good = stored_map([1], None, tokens, BS)
+    bad = {**stored_map([2], None, tokens, BS), **extra}
+    b = decode_batch(sgl_batch([good, bad]))
+    assert b.skipped == ["BlockStored:bad_cache_salt"]
+    assert [e.block_hashes for e in b.events if isinstance(e, BlockStored)] == [[1]]
+    arr = [*stored_array([3], None, tokens, BS), {"cache_salt": 9}]
+    assert decode_batch(sgl_batch([arr])).skipped == ["BlockStored:bad_cache_salt"]
+
+
+def test_two_salts_on_one_root_store_that_disagree_index_nothing() -> None:
+    """No engine sends both; if one did, neither scope is trusted: a sensitive request's
+    blocks must not land under a tenant's salt (nor a tenant's under another's)."""
+    tokens = toks(0, 1)
+    acme, other = salt("acme"), salt("other")
+    ephemeral = MINTER.salt(Scope(ScopeKind.SESSION, "s1"))
+    for named in (ephemeral, other, "foreign"):
+        ev = {**stored_map([1], None, tokens, BS, cache_salt=named), "extra_keys": [[acme]]}
+        write, _ = ReplicaMirror(BlockKeyer(BS), MODEL).apply(decode_batch(sgl_batch([ev])).events)
+        assert not write.blocks, named
+    # the same salt twice is one scope
+    ev = {**stored_map([1], None, tokens, BS, cache_salt=acme), "extra_keys": [[acme]]}
+    write, _ = ReplicaMirror(BlockKeyer(BS), MODEL).apply(decode_batch(sgl_batch([ev])).events)
+    assert set(write.blocks) == set(gateway_keys(tokens, acme))
+
+
 def test_decode_eagle_bigram_stores_are_skipped_not_the_batch() -> None:
     """Under EAGLE SGLang publishes a page's tokens as [token, next token] pairs."""
     tokens = toks(0, 1)
