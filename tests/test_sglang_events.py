@@ -30,11 +30,12 @@ from typing import Any
 import msgpack
 import pytest
 
+from cachecore.agent.frames import parse_live
 from cachecore.agent.scrape import parse_metrics
 from cachecore.index.layout import engine_hash_field, engine_hash_from_field
 from cachecore.index.memory import MemoryIndex
 from cachecore.keys import BlockKeyer, Scope, ScopeKind
-from cachecore.kvevents import BlockRemoved, BlockStored, decode_batch
+from cachecore.kvevents import BlockRemoved, BlockStored, MalformedEventError, decode_batch
 from cachecore.lifecycle import TIER_MASK, ReplicaMirror, Tier
 from tests.test_agent_helpers import BS, MINTER, MODEL, Rig, counter_total, salt
 
@@ -226,6 +227,14 @@ def test_two_salts_on_one_root_store_that_disagree_index_nothing() -> None:
     ev = {**stored_map([1], None, tokens, BS, cache_salt=acme), "extra_keys": [[acme]]}
     write, _ = ReplicaMirror(BlockKeyer(BS), MODEL).apply(decode_batch(sgl_batch([ev])).events)
     assert set(write.blocks) == set(gateway_keys(tokens, acme))
+
+
+def test_a_topic_with_sglangs_epoch_suffix_is_the_topic() -> None:
+    frame = [b"kv-events\0sgl-kv-epoch=3", (7).to_bytes(8, "big"), b"x"]
+    assert parse_live(frame, b"kv-events", 10).seq == 7
+    for other in (b"kv-events-2", b"kv-events2\0sgl-kv-epoch=3", b"kv\0x"):
+        with pytest.raises(MalformedEventError, match="bad_topic"):
+            parse_live([other, (7).to_bytes(8, "big"), b"x"], b"kv-events", 10)
 
 
 def test_decode_eagle_bigram_stores_are_skipped_not_the_batch() -> None:

@@ -31,9 +31,11 @@ def parse_live(frames: Sequence[bytes], topic: bytes, max_payload_bytes: int) ->
     if len(frames) != 3:
         raise MalformedEventError("bad_frames", f"{len(frames)} frames")
     got_topic, raw_seq, payload = frames
-    if topic and got_topic != topic:
+    if topic and got_topic != topic and not bytes(got_topic).startswith(topic + b"\0"):
         # SUB filters by prefix only: "kv" also receives "kv-events". An empty topic (vLLM's
-        # default) subscribes to everything the engine publishes, whatever its topic.
+        # default) subscribes to everything the engine publishes, whatever its topic. After
+        # a NUL the frame carries metadata, not topic: SGLang with a snapshot endpoint
+        # appends "\0sgl-kv-epoch=N" (docs/agent.md)
         raise MalformedEventError("bad_topic", repr(bytes(got_topic[:32])))
     seq = seq_from_bytes(raw_seq)
     if seq < 0:
