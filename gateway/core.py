@@ -85,13 +85,31 @@ SETTLE_POLL_S = 0.25
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 _ENGINE_ID_FIELDS = frozenset(("request_id", "rid"))
 """Body fields an engine takes its request id from (vLLM's ``request_id``, SGLang's ``rid``)."""
-_OPERATOR_FIELDS = frozenset(("kv_transfer_params", "ec_transfer_params", "extra_key"))
-"""Request fields only the serving stack may set, removed from a client's: vLLM's
-``kv_transfer_params`` / ``ec_transfer_params`` (where a disaggregated engine reads its KV
-or encoder cache from: a client could point an engine at blocks another tenant's request
-computed) and SGLang's ``extra_key`` (a cache namespace beside ``cache_salt``: a client's
-would split the engine's cache under the index's keys, so every prediction for it
-over-claims and the claim check could quarantine a healthy replica for it)."""
+_OPERATOR_FIELDS = frozenset(
+    (
+        # vLLM
+        "kv_transfer_params",
+        "ec_transfer_params",
+        # SGLang
+        "extra_key",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "session_params",
+        "routed_dp_rank",
+        "data_parallel_rank",
+        "disagg_prefill_dp_rank",
+    )
+)
+"""Request fields only the serving stack may set, removed from a client's. Where a
+disaggregated engine reads its KV or encoder cache from (vLLM's ``kv_transfer_params`` /
+``ec_transfer_params``, SGLang's ``bootstrap_*``) and which session's context a request
+continues (SGLang's ``session_params``): from a client they could point an engine at what
+another tenant's request computed. SGLang's ``extra_key``, a cache namespace beside
+``cache_salt``: a client's would split the engine's cache under the index's keys, so every
+prediction for it over-claims and the claim check could quarantine a healthy replica for
+it. The data-parallel rank an engine runs a request on (``routed_dp_rank``, its deprecated
+``data_parallel_rank``, ``disagg_prefill_dp_rank``): routing is the gateway's."""
 _REPORT_MODE = "kv_cache_report_mode"
 """A ``vllm_xargs`` key that makes vLLM 0.33 publish a BlockStored for each prefix-cache
 hit: indistinguishable on the wire from a new store, so a client could inflate the index's
