@@ -132,7 +132,7 @@ class ReplicaScore:
     eligible: bool
     note: str = ""
     stall_ms: float = 0.0  # cost_ms = predicted TTFT + stall_ms (cachecore.scoring)
-    recompute_ms: float = 0.0  # + this: Router._charge_recompute
+    recompute_ms: float = 0.0  # + this: charged in Router._score (D12)
 
     @property
     def ttft_ms(self) -> float:

@@ -517,3 +517,33 @@ def test_prefix_cache_counters_leave_out_readmissions_after_preemption() -> None
     st = core.stats()
     assert st.num_preemptions >= 1
     assert st.prefix_cache_queries == 32 and st.prefix_cache_hits == 0
+
+
+def test_prompt_bytes_of_another_prompt_are_refused() -> None:
+    """EngineRequest.prompt_bytes is trusted input checked at constant cost (length, first
+    and last id): bytes of another prompt would cache blocks under hashes they do not hold
+    and serve a later prompt KV it never computed (review of ff513cb)."""
+    e = _review_engine()
+    a, b = [*range(8), 99], [*range(100, 108), 99]
+    with pytest.raises(ValueError, match="prompt_bytes"):
+        e.add_request(EngineRequest("a", a, 2, prompt_bytes=tokens_to_bytes(b)), 0.0)
+    with pytest.raises(ValueError, match="prompt_bytes"):
+        e.add_request(EngineRequest("a", a, 2, prompt_bytes=tokens_to_bytes(a)[:-4]), 0.0)
+    e.add_request(EngineRequest("a", a, 2, prompt_bytes=tokens_to_bytes(a)), 0.0)
+    assert e.has_work()
+
+
+def test_a_salt_that_is_no_string_is_refused() -> None:
+    """1 == True == 1.0: the engine's per-(adapter, salt) cache of encodings would let such
+    salts share blocks although they hash differently; vLLM takes strings only."""
+    e = _review_engine()
+    for bad in (1, True, 1.0, b"s"):
+        with pytest.raises(RequestRejectedError, match="cache_salt"):
+            e.add_request(EngineRequest("x", list(range(9)), 1, cache_salt=bad), 0.0)  # type: ignore[arg-type]
+
+
+def _review_engine() -> EngineCore:
+    flat = LatencyProfile("flat", 0.01, 0.001, 0.005, max_num_seqs=8)
+    return EngineCore(
+        EngineConfig(profile=flat, hash_seed=1, block_size=4, num_blocks=64), range(1000, 1100)
+    )

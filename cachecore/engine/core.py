@@ -199,12 +199,21 @@ class EngineCore:
             lora_id = self._lora_ids.get(request.lora_name)
             if lora_id is None:
                 raise RequestRejectedError(f"unknown LoRA adapter {request.lora_name!r}")
-        if request.cache_salt is not None and not request.cache_salt:
+        salt = request.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            # a string as vLLM takes it; the ExtraKeysFn cache below also relies on it
+            # (1 == True == 1.0 would share one entry while their encodings differ)
             raise RequestRejectedError("cache_salt must be a non-empty string")
+        ids = request.prompt_token_ids
         prompt_bytes = request.prompt_bytes
         if prompt_bytes is None:
-            prompt_bytes = tokens_to_bytes(request.prompt_token_ids)
-        elif len(prompt_bytes) != 4 * n_prompt:
+            prompt_bytes = tokens_to_bytes(ids)
+        elif len(prompt_bytes) != 4 * n_prompt or (
+            prompt_bytes[:4] != tokens_to_bytes(ids[:1])
+            or prompt_bytes[-4:] != tokens_to_bytes(ids[-1:])
+        ):
+            # trusted input (the caller converted the same ids), checked at constant cost:
+            # bytes of another prompt would cache blocks under hashes they do not hold
             raise ValueError("prompt_bytes is not the prompt's ids as uint32")
         # one per (adapter, salt), immutable: its keys' msgpack encodings made once, not
         # per request (a tenant's requests share it)

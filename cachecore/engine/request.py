@@ -41,7 +41,8 @@ class EngineRequest:
     lora_name: str | None = None
     # the prompt's ids as uint32 little-endian (cachecore.keys.tokens_to_bytes), when the
     # caller has them already (the simulator builds them from cached pieces); None: the
-    # engine converts them
+    # engine converts them. Trusted: the engine checks only their length and first and
+    # last id, so a caller that cannot vouch for them must leave them out
     prompt_bytes: bytes | None = None
 
 
