@@ -333,28 +333,19 @@ class Router:
         # every replica scored as a no-match in one comprehension (the matched few are
         # replaced below); LoadView.requests written out: a property call per replica per
         # decision cost ~20% of a 64-replica decide
-        if extra > 0:
-            out = [
-                ReplicaScore(
-                    c.replica, t[0] + extra, t[1], t[2], t[3], no_hit_blocks, no_hit_cached,
-                    (ld.queued_requests if ld.queued_requests > ld.waiting else ld.waiting)
-                    + ld.running,
-                    True, note, t[4], extra,
-                )
-                for c, t in zip(candidates, no_hit_terms, strict=True)
-                for ld in (c.load,)
-            ]  # fmt: skip
-        else:
-            out = [
-                ReplicaScore(
-                    c.replica, t[0], t[1], t[2], t[3], no_hit_blocks, no_hit_cached,
-                    (ld.queued_requests if ld.queued_requests > ld.waiting else ld.waiting)
-                    + ld.running,
-                    True, note, t[4], 0.0,
-                )
-                for c, t in zip(candidates, no_hit_terms, strict=True)
-                for ld in (c.load,)
-            ]  # fmt: skip
+        if not extra > 0:  # nothing to add (NaN included): no addition per score
+            extra = 0.0
+        out = [
+            ReplicaScore(
+                c.replica, t[0] + extra if extra else t[0], t[1], t[2], t[3], no_hit_blocks,
+                no_hit_cached,
+                (ld.queued_requests if ld.queued_requests > ld.waiting else ld.waiting)
+                + ld.running,
+                True, note, t[4], extra,
+            )
+            for c, t in zip(candidates, no_hit_terms, strict=True)
+            for ld in (c.load,)
+        ]  # fmt: skip
         if not load_only and any(map(_QUARANTINED, candidates)):
             for s, c in zip(out, candidates, strict=True):
                 if c.quarantined:
