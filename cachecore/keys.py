@@ -196,7 +196,7 @@ class BlockKeyer:
         bs = self.block_size
         if len(tokens) == bs and parent is not None:
             # one block after a known parent (a decode step filled it): most events
-            return [xxhash.xxh3_128_digest(parent + tokens_to_bytes(tokens))]
+            return [chain_key(parent, tokens_to_bytes(tokens))]
         if len(tokens) % bs:
             raise KeyMaterialError("token count is not a multiple of block_size")
         if parent is None and salt is None:

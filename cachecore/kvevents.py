@@ -209,16 +209,10 @@ def _salt_field(value: Any) -> str | None:
     (not the batch: before SGLang's salt was read, such a field was ignored, and failing
     the batch would be a gap, a replay failing alike, then a cold clear); its children
     then drop for their unknown parent, so nothing is indexed under a guessed scope."""
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError:
-            raise _SkippedEvent("BlockStored:bad_cache_salt") from None
-    if not isinstance(value, str):
-        raise _SkippedEvent("BlockStored:bad_cache_salt")
-    return value
+    try:
+        return _opt_str(value, "cache_salt")
+    except MalformedEventError:
+        raise _SkippedEvent("BlockStored:bad_cache_salt") from None
 
 
 def _opt_int(value: Any, name: str) -> int | None:

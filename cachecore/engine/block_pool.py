@@ -322,15 +322,9 @@ class BlockPool:
             copies[blk.block_id] = blk
         self._num_cached += 1
         if self.enable_events:
-            wire: int | bytes
-            parent_wire: int | bytes | None
-            if self.wire_format is WireHashFormat.BYTES:
-                wire, parent_wire = block_hash, parent_hash
-            else:  # int_hash written out: one call less per block
-                wire = int.from_bytes(block_hash[-8:], "big")
-                parent_wire = (
-                    None if parent_hash is None else int.from_bytes(parent_hash[-8:], "big")
-                )
+            fmt = self.wire_format
+            wire = to_wire(block_hash, fmt)
+            parent_wire = None if parent_hash is None else to_wire(parent_hash, fmt)
             self._events.append(
                 BlockStored(
                     cast("list[int]", [wire]),

@@ -225,7 +225,7 @@ class EngineCore:
             extra_keys = self._extra_keys[xk_key] = ExtraKeysFn(*xk_key)
         state = RequestState(
             request_id=request.request_id,
-            all_token_ids=list(request.prompt_token_ids),
+            all_token_ids=list(ids),
             num_prompt_tokens=n_prompt,
             max_tokens=request.max_tokens,
             extra_keys=extra_keys,

@@ -96,8 +96,9 @@ class EngineHasher:
         return self._digest(head + _token_bytes(tokens) + _extra_bytes(extra))
 
     def next_hash(self, parent: EngineHash, tokens: Sequence[int], extra: bytes) -> EngineHash:
-        """The hash of one full block (not a request's first) after ``parent``; ``extra``
-        is its extra keys' bytes (``ExtraKeysFn.rest_bytes``): :meth:`chain` of one block."""
+        """The hash of one full block after ``parent`` (the root for a request's first);
+        ``extra`` is its extra keys' bytes (``ExtraKeysFn.first_bytes`` or ``rest_bytes``):
+        :meth:`chain` of one block."""
         return self._digest(parent + _token_bytes(tokens) + extra)
 
     def chain(
@@ -113,8 +114,7 @@ class EngineHasher:
         if len(tokens) == block_size:  # one block (a decode step filled it): no span to memo
             xk = extra_of_block
             extra = xk.first_bytes if first_block_index == 0 else xk.rest_bytes
-            h = self.root if parent is None else parent
-            return [self._digest(h + _token_bytes(tokens) + extra)]
+            return [self.next_hash(self.root if parent is None else parent, tokens, extra)]
         return self.chain_bytes(
             parent, _token_bytes(tokens), block_size, first_block_index, extra_of_block
         )

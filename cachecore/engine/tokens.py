@@ -15,8 +15,6 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from cachecore.keys import tokens_to_bytes
-
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -29,12 +27,9 @@ _MIX2_U64 = np.uint64(_MIX2)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
-def prompt_fingerprint(prompt_token_ids: Sequence[int]) -> int:
-    return bytes_fingerprint(tokens_to_bytes(prompt_token_ids))
-
-
 def bytes_fingerprint(prompt_bytes: bytes) -> int:
-    """:func:`prompt_fingerprint` of the prompt's ids already in their byte form."""
+    """A prompt's fingerprint (what its output tokens are drawn from), from its ids as
+    uint32 bytes (:func:`cachecore.keys.tokens_to_bytes`)."""
     return xxhash.xxh3_64_intdigest(prompt_bytes)
 
 
