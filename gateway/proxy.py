@@ -257,10 +257,13 @@ class UpstreamExchange(Response):
                     self._finish(Outcome(503, None, time.perf_counter() - t0, None, None, None))
                     return
                 payload = gw.upstream_body(d)
+                sent = headers
+                if rep.dp_rank is not None:  # one rank of an engine that serves several
+                    sent = [*headers, (b"x-data-parallel-rank", b"%d" % rep.dp_rank)]
                 gw.stages.add("proxy", time.perf_counter_ns() - c0)
                 try:
                     resp = await gw.upstream.post(
-                        rep.url, d.path, headers, payload, timeouts, self._dispatched
+                        rep.url, d.path, sent, payload, timeouts, self._dispatched
                     )
                     break
                 except _RETRYABLE as exc:

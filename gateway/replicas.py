@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from cachecore.index.layout import validate_replica_id
+from cachecore.index.layout import split_dp_replica_id, validate_replica_id
 from cachecore.tasks import cancel_and_wait
 from policies.schema import HealthPolicy
 
@@ -102,6 +102,9 @@ class Replica:
     cards: dict[str, dict[str, object]] = field(default_factory=dict)  # its /v1/models entries
     block_size: int | None = None
     capacity: int | None = None
+    # the engine core this replica is, for engines that serve several data-parallel ranks
+    # behind one URL (sent as ``X-data-parallel-rank``); None: the URL is this replica's own
+    dp_rank: int | None = None
 
     @property
     def id(self) -> str:
@@ -131,6 +134,7 @@ class Replica:
             "models": sorted(self.models) if self.models is not None else None,
             "lora": dict(self.lora_base),
             "routable": self.routable(now),
+            "dp_rank": self.dp_rank,
         }
 
 
@@ -155,16 +159,45 @@ class ReplicaPool:
         self._task: asyncio.Task[None] | None = None
         self._last_models = 0.0
         self._started = int(time.time())  # a card's `created` when its engine gives none
+        self._shared_warned: set[str] = set()  # URLs shared without DP ids, warned once
 
     # ---------------------------------------------------------------- membership
     def add(self, spec: ReplicaSpec) -> Replica:
         rep = self._replicas.get(spec.id)
         if rep is None:
             rep = self._replicas[spec.id] = Replica(spec)
+            self._assign_dp_ranks()
         return rep
 
     def remove(self, replica_id: str) -> None:
-        self._replicas.pop(replica_id, None)
+        if self._replicas.pop(replica_id, None) is not None:
+            self._assign_dp_ranks()
+
+    def _assign_dp_ranks(self) -> None:
+        """Replicas sharing one URL are the data-parallel ranks of one engine (vLLM's
+        internal load balancing: one API server, a KV cache per rank) when their ids are
+        its agents' index ids, ``R`` (rank 0) and ``R@dpN``: each request then names its
+        rank, so it runs on the cache the index matched. Replicas sharing a URL under
+        other ids get no rank, and a warning: their caches are one engine's, not several."""
+        by_url: dict[str, list[Replica]] = {}
+        for rep in self._replicas.values():
+            by_url.setdefault(rep.url.rstrip("/").lower(), []).append(rep)
+        for url, reps in by_url.items():
+            ranks: list[int | None] = [None] * len(reps)
+            if len(reps) > 1:
+                split = [split_dp_replica_id(r.id) for r in reps]
+                given = [0 if rank is None else rank for _, rank in split]
+                if len({name for name, _ in split}) == 1 and len(set(given)) == len(reps):
+                    ranks = list(given)
+                elif url not in self._shared_warned:
+                    self._shared_warned.add(url)
+                    log.warning(
+                        "replicas share one URL without data-parallel ids (R, R@dp1, ...): "
+                        "requests cannot be pinned to a cache, so predictions will miss",
+                        extra={"url": url, "replicas": sorted(r.id for r in reps)},
+                    )
+            for rep, rank in zip(reps, ranks, strict=True):
+                rep.dp_rank = rank
 
     def get(self, replica_id: str) -> Replica | None:
         return self._replicas.get(replica_id)

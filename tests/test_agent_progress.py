@@ -275,7 +275,7 @@ def test_a_wedged_core_of_a_data_parallel_engine_is_a_stall_beside_working_ones(
 
     first = parse_metrics(exposition(10.0, 20.0, 1.0))
     assert (first.running, first.generation_tokens, first.prompt_tokens) == (3.0, 30.0, 800.0)
-    assert first.engines["1"] == EngineCounters(1.0, 300.0, 20.0)
+    assert first.engines["1"] == EngineCounters(1.0, 300.0, 20.0, running=1.0)
     t = ProgressTracker()
     assert t.observe(first, 0.0) == 0.0
     assert t.observe(parse_metrics(exposition(15.0, 25.0, 1.0)), 1.0) == 0.0  # both move

@@ -542,10 +542,13 @@ class Agent:
                         await sync.put(SetEngineReachable(False))
                 continue
             self._scrape_ok(snap)
-            stalled_s = self.progress.observe(snap, time.monotonic())
+            # one rank of a data-parallel server: its own core's queues and progress (the
+            # server's /metrics holds every rank's, labelled by engine)
+            core = snap.for_core(s.data_parallel_rank)
+            stalled_s = self.progress.observe(core, time.monotonic())
             self.metrics.engine_stalled.set(stalled_s)
             if self.load_link is not None:
-                await self.load_link.publish(self.primary_id, snap, self.metrics, stalled_s)
+                await self.load_link.publish(self.primary_id, core, self.metrics, stalled_s)
             # a new process first clears (still unroutable), only then becomes reachable:
             # its old entries must never be routable, not even for a moment
             if self._start_changed(snap):

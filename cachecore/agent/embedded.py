@@ -28,6 +28,7 @@ from cachecore.agent.agent import Agent
 from cachecore.agent.metrics import AgentsCollector
 from cachecore.agent.settings import AgentSettings
 from cachecore.index.base import PrefixIndex
+from cachecore.index.layout import split_dp_replica_id
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore
 
@@ -53,7 +54,7 @@ class EmbeddedAgents:
         self.ctx = ctx
 
     def by_replica(self) -> dict[str, Agent]:
-        return {a.replica_id: a for a in self.agents}
+        return {a.primary_id: a for a in self.agents}
 
     async def stop(self) -> None:
         for agent in self.agents:
@@ -74,8 +75,12 @@ def build_embedded_agents(
     for spec in specs:
         if not spec.events:
             continue
+        # an id R@dpN is rank N of engine R: the agent's index ids are R@dpN for its
+        # batches of rank N (vLLM names the rank in each batch), not R@dpN@dpN
+        name, rank = split_dp_replica_id(spec.id)
         settings = AgentSettings(
-            replica_id=spec.id,
+            replica_id=name,
+            data_parallel_rank=rank,
             engine_url=spec.url,
             events=spec.events,
             replay=spec.replay,
@@ -99,11 +104,11 @@ async def start_embedded_agents(
     group = build_embedded_agents(specs, index, load_store, None, **overrides)
     collector = None
     if metrics_registry is not None:
-        collector = AgentsCollector({a.replica_id: a.metrics.registry for a in group.agents})
+        collector = AgentsCollector({a.primary_id: a.metrics.registry for a in group.agents})
         metrics_registry.register(collector)
     for agent in group.agents:
         await agent.start()
-    log.info("embedded agents started", extra={"replicas": [a.replica_id for a in group.agents]})
+    log.info("embedded agents started", extra={"replicas": [a.primary_id for a in group.agents]})
 
     async def stop() -> None:
         if collector is not None and metrics_registry is not None:

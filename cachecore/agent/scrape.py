@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,6 +67,8 @@ class EngineCounters:
     busy: float = 0.0  # running + waiting
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
+    running: float = 0.0
+    waiting: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,22 @@ class EngineSnapshot:
     # vLLM's busy gauges and token counters by ``engine`` label, for a data-parallel server
     # (several cores); empty otherwise, when the totals above are judged
     engines: Mapping[str, EngineCounters] = field(default_factory=dict)
+
+    def for_core(self, rank: int | None) -> EngineSnapshot:
+        """This snapshot as one data-parallel rank's engine core sees it: its own queues and
+        token counters (vLLM's ``engine`` label is the rank), the pool-wide figures kept.
+        Unchanged when ``rank`` is None or the server exports no such core."""
+        core = self.engines.get(str(rank)) if rank is not None else None
+        if core is None:
+            return self
+        return replace(
+            self,
+            running=core.running,
+            waiting=core.waiting,
+            prompt_tokens=core.prompt_tokens,
+            generation_tokens=core.generation_tokens,
+            engines={},
+        )
 
     def capacity_blocks(self, block_size: int) -> int | None:
         """The KV pool in blocks of ``block_size``: the engine's own count if it exports
@@ -126,7 +144,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
     # SGLang series by dp_rank: the largest value its (tensor-parallel) ranks report
     sgl: dict[str, dict[str, float]] = {}
     vllm_running = vllm_waiting = False
-    # per engine core: [busy, prompt tokens, generation tokens]
+    # per engine core: [busy, prompt tokens, generation tokens, running, waiting]
     cores: dict[str, list[float | None]] = {}
     try:
         families = list(text_string_to_metric_families(text))
@@ -142,10 +160,12 @@ def parse_metrics(text: str) -> EngineSnapshot:
                 running += value
                 vllm_running = True
                 _add(cores, s.labels, 0, value)
+                _add(cores, s.labels, 3, value)
             elif name == WAITING:
                 waiting += value
                 vllm_waiting = True
                 _add(cores, s.labels, 0, value)
+                _add(cores, s.labels, 4, value)
             elif name == KV_USAGE:
                 kv_usage = max(kv_usage or 0.0, value)
             elif name == KV_USAGE_OLD:
@@ -207,7 +227,10 @@ def parse_metrics(text: str) -> EngineSnapshot:
         int(sum(max_tokens.values())) if max_tokens else None,
         # per core only where vLLM says which core is busy: one core (or busy gauges from
         # SGLang's names) is judged on the totals, as it always was
-        {k: EngineCounters(v[0] or 0.0, v[1], v[2]) for k, v in cores.items()}
+        {
+            k: EngineCounters(v[0] or 0.0, v[1], v[2], v[3] or 0.0, v[4] or 0.0)
+            for k, v in cores.items()
+        }
         if len(cores) > 1 and (vllm_running or vllm_waiting)
         else {},
     )
@@ -218,7 +241,7 @@ def _add(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int
     name = labels.get("engine", "")
     core = cores.get(name)
     if core is None:
-        core = cores[name] = [None, None, None]
+        core = cores[name] = [None, None, None, None, None]
     core[i] = (core[i] or 0.0) + v
 
 
