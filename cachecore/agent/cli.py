@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from cachecore.agent.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings
@@ -110,6 +112,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--log-text", action="store_true", help="plain text logs instead of JSON")
 
 
+def settings_error(exc: ValidationError) -> str:
+    """A settings refusal in one line, each field with its flag and environment variable.
+    pydantic's own text spans lines and quotes the input, which holds the Redis URL and its
+    password."""
+    flags = {name: flag for flag, name in _FIELDS.items()}
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(x) for x in err["loc"]) or "settings"
+        flag = flags.get(field)
+        where = f"--{flag.replace('_', '-')}, " if flag else ""
+        parts.append(f"{field} ({where}KVGATE_AGENT_{field.upper()}): {err['msg']}")
+    return "; ".join(parts)
+
+
 def settings_from_args(args: argparse.Namespace) -> AgentSettings:
     """Flags override ``KVGATE_AGENT_*`` environment variables."""
     given: dict[str, Any] = {}
@@ -128,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine scrape
     try:
         settings = settings_from_args(args)
-    except ValueError as exc:  # pydantic's ValidationError is one
-        print(f"kvgate agent: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        print(f"kvgate agent: {settings_error(exc)}", file=sys.stderr)
         return 2
     if not settings.redis:
         print(

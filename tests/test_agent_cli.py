@@ -1,0 +1,49 @@
+"""``kvgate agent``'s refusals of bad settings: one line naming each field's flag and
+environment variable, never the input (it holds the Redis URL and its password)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cachecore.agent import cli
+
+
+def _run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    for var in ("REPLICA_ID", "ENGINE_URL", "EVENTS", "REDIS"):
+        monkeypatch.delenv(f"KVGATE_AGENT_{var}", raising=False)
+    parser = argparse.ArgumentParser(prog="kvgate agent")
+    cli.configure(parser)
+    return cli.run(parser.parse_args(argv))
+
+
+def test_missing_settings_are_one_line_naming_flags_without_the_redis_password(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing --engine-url printed pydantic's multi-line dump, whose input_value quoted
+    the settings given, the Redis URL with its password among them."""
+    redis = "redis://agent-r9:S3CRETPW@127.0.0.1:6379/0"
+    argv = ["--replica-id", "r9", "--events", "tcp://127.0.0.1:9", "--redis", redis]
+    rc = _run(argv, monkeypatch)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1, err
+    assert "RETPW" not in err and "input_value" not in err, err
+    assert "engine_url (--engine-url, KVGATE_AGENT_ENGINE_URL): Field required" in err, err
+
+
+def test_an_invalid_value_names_its_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--replica-id", "r9", "--engine-url", "127.0.0.1:9100",
+        "--events", "tcp://127.0.0.1:9", "--redis", "redis://u:S3CRETPW@127.0.0.1:6379/0",
+    ]  # fmt: skip
+    rc = _run(argv, monkeypatch)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1, err
+    assert "127.0.0.1:9100" not in err and "RETPW" not in err, err
+    assert "engine_url (--engine-url, KVGATE_AGENT_ENGINE_URL)" in err, err
+    assert "must be an http(s) URL" in err, err
