@@ -322,7 +322,7 @@ class PolicyError(ValueError):
 
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
-        self.fields = [f for f, _ in problems if f]
+        self.fields = list(dict.fromkeys(f for f, _ in problems if f))  # each once
         lines = "; ".join(f"{f}: {m}" if f else m for f, m in problems)
         super().__init__(f"invalid policy {source}: {lines}")
 

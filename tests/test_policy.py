@@ -270,3 +270,19 @@ def test_reload_with_a_bad_tokenizer_dir_keeps_the_old_policy(tmp_path: Path) ->
         store.reload_text(_hf_policy(tmp_path))  # an empty directory
     assert store.reloads == 0 and store.policy.models.pool("m").tokenizer == "builtin"
     assert store.last_error and "no tokenizer.json" in store.last_error
+
+
+def test_policy_error_lists_each_field_once() -> None:
+    """A reload refused for two replicas' block sizes answered POST /admin/policy with
+    ``fields: ["models.default.block_size", "models.default.block_size"]``: a field is
+    listed once however many problems it has, and the message keeps every problem."""
+    err = PolicyError(
+        "POST /admin/policy",
+        [
+            ("models.default.block_size", "32, but replica r0 serves m with block size 16"),
+            ("models.default.block_size", "32, but replica r1 serves m with block size 16"),
+            ("", "no field"),
+        ],
+    )
+    assert err.fields == ["models.default.block_size"]
+    assert "replica r0" in str(err) and "replica r1" in str(err)
