@@ -125,6 +125,29 @@ def test_a_rank_agent_reads_its_own_core_from_a_data_parallel_servers_metrics() 
     assert snap.for_core(None) is snap and snap.for_core(7) is snap  # no such core
 
 
+def test_a_rank_agent_reads_its_own_rank_from_sglangs_metrics() -> None:
+    """SGLang labels each attention-DP rank's series ``dp_rank`` (and each tensor-parallel
+    rank ``tp_rank``: the largest value of a DP rank's TP ranks counts once)."""
+    text = "\n".join(
+        [
+            "# TYPE sglang:num_running_reqs gauge",
+            'sglang:num_running_reqs{dp_rank="0",model_name="m",tp_rank="0"} 2',
+            'sglang:num_running_reqs{dp_rank="0",model_name="m",tp_rank="1"} 2',
+            'sglang:num_running_reqs{dp_rank="1",model_name="m",tp_rank="0"} 6',
+            "# TYPE sglang:num_queue_reqs gauge",
+            'sglang:num_queue_reqs{dp_rank="0",model_name="m",tp_rank="0"} 1',
+            'sglang:num_queue_reqs{dp_rank="1",model_name="m",tp_rank="0"} 4',
+        ]
+    )
+    snap = parse_metrics(text)
+    assert (snap.running, snap.waiting) == (8, 5)
+    assert (snap.for_core(1).running, snap.for_core(1).waiting) == (6, 4)
+    assert (snap.for_core(0).running, snap.for_core(0).waiting) == (2, 1)
+    assert snap.engines == {}  # SGLang's ranks are not judged for stalls (no counters)
+    one_rank = parse_metrics('sglang:num_running_reqs{dp_rank="0",model_name="m"} 3\n')
+    assert one_rank.for_core(0) is one_rank
+
+
 async def test_each_request_runs_on_the_rank_whose_cache_the_index_matched() -> None:
     seen: list[int | None] = []
     async with run_fleet(FAST, count=2) as fleet, dp_front(fleet, seen) as front:

@@ -90,12 +90,18 @@ class EngineSnapshot:
     # vLLM's busy gauges and token counters by ``engine`` label, for a data-parallel server
     # (several cores); empty otherwise, when the totals above are judged
     engines: Mapping[str, EngineCounters] = field(default_factory=dict)
+    # SGLang's queues by ``dp_rank`` label, for a server with several data-parallel ranks
+    # (only for :meth:`for_core`: SGLang exports no token counters to judge progress by)
+    dp_ranks: Mapping[str, EngineCounters] = field(default_factory=dict)
 
     def for_core(self, rank: int | None) -> EngineSnapshot:
         """This snapshot as one data-parallel rank's engine core sees it: its own queues and
-        token counters (vLLM's ``engine`` label is the rank), the pool-wide figures kept.
+        token counters (vLLM's ``engine`` label, SGLang's ``dp_rank``, is the rank), the
+        pool-wide figures kept.
         Unchanged when ``rank`` is None or the server exports no such core."""
-        core = self.engines.get(str(rank)) if rank is not None else None
+        if rank is None:
+            return self
+        core = self.engines.get(str(rank)) or self.dp_ranks.get(str(rank))
         if core is None:
             return self
         return replace(
@@ -105,6 +111,7 @@ class EngineSnapshot:
             prompt_tokens=core.prompt_tokens,
             generation_tokens=core.generation_tokens,
             engines={},
+            dp_ranks={},
         )
 
     def capacity_blocks(self, block_size: int) -> int | None:
@@ -233,7 +240,22 @@ def parse_metrics(text: str) -> EngineSnapshot:
         }
         if len(cores) > 1 and (vllm_running or vllm_waiting)
         else {},
+        _sglang_ranks(sgl) if not (vllm_running or vllm_waiting) else {},
     )
+
+
+def _sglang_ranks(sgl: Mapping[str, Mapping[str, float]]) -> dict[str, EngineCounters]:
+    """SGLang's running and queued requests per ``dp_rank``, when it labels several."""
+    run, wait = sgl.get(SGLANG_RUNNING, {}), sgl.get(SGLANG_WAITING, {})
+    ranks = (run.keys() | wait.keys()) - {""}
+    if len(ranks) < 2:
+        return {}
+    return {
+        r: EngineCounters(
+            run.get(r, 0.0) + wait.get(r, 0.0), running=run.get(r, 0.0), waiting=wait.get(r, 0.0)
+        )
+        for r in ranks
+    }
 
 
 def _add(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int, v: float) -> None:
