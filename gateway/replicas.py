@@ -196,8 +196,14 @@ class ReplicaPool:
                         "requests cannot be pinned to a cache, so predictions will miss",
                         extra={"url": url, "replicas": sorted(r.id for r in reps)},
                     )
-            for rep, rank in zip(reps, ranks, strict=True):
-                rep.dp_rank = rank
+            if any(r.dp_rank != rank for r, rank in zip(reps, ranks, strict=True)):
+                for rep, rank in zip(reps, ranks, strict=True):
+                    rep.dp_rank = rank
+                if ranks[0] is not None:
+                    log.info(
+                        "data-parallel ranks behind one URL: each request names its rank",
+                        extra={"url": url, "ranks": {r.id: r.dp_rank for r in reps}},
+                    )
 
     def get(self, replica_id: str) -> Replica | None:
         return self._replicas.get(replica_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -82,6 +83,7 @@ def test_split_dp_replica_id_inverts_dp_replica_id() -> None:
 async def test_replicas_sharing_a_url_get_ranks_only_under_dp_ids(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.replicas")
     async with httpx.AsyncClient() as client:
         pool = ReplicaPool(client, HealthPolicy())
         a = pool.add(ReplicaSpec("R", "http://h:8000"))
@@ -90,6 +92,7 @@ async def test_replicas_sharing_a_url_get_ranks_only_under_dp_ids(
         c = pool.add(ReplicaSpec("R@dp2", "http://H:8000"))
         other = pool.add(ReplicaSpec("S@dp1", "http://h:8001"))
         assert [r.dp_rank for r in (a, b, c, other)] == [0, 1, 2, None]
+        assert "data-parallel ranks behind one URL" in caplog.text
         assert pool.get("R@dp2") is c and c.state(0.0)["dp_rank"] == 2
         pool.remove("R@dp1")
         pool.remove("R@dp2")
