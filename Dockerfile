@@ -10,4 +10,7 @@ COPY loadtest ./loadtest
 RUN pip install --no-cache-dir .
 EXPOSE 8000
 ENTRYPOINT ["kvgate"]
+# The gateway refuses to start without tenants: mount a key file and set
+# KVGATE_API_KEYS_FILE=/path (or KVGATE_API_KEYS_REDIS with KVGATE_REDIS_URL); pass --open
+# only on a trusted network, as docker-compose.yml does. Other roles: `agent`, `replica`.
 CMD ["serve", "--host", "0.0.0.0"]

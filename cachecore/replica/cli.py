@@ -77,7 +77,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a(
         "--event-encoding",
         choices=[e.value for e in Encoding],
-        help="map (default, newest vLLM), array (older) or mixed",
+        help="mixed (default: array batch, map events, as vLLM 0.26-0.33), map or array (older)",
     )
     a("--events-topic", help="ZMQ topic (default kv-events)")
     a("--replay-buffer-steps", type=int, help="batches kept for replay (default 10000)")
