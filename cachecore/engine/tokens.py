@@ -25,6 +25,10 @@ _GOLDEN_U64 = np.uint64(_GOLDEN)
 _MIX1_U64 = np.uint64(_MIX1)
 _MIX2_U64 = np.uint64(_MIX2)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+# (j + 1) * golden (mod 2**64) for j < _STEP_TABLE_LEN: a chunk's positions' first term is
+# one slice plus its start's, instead of an arange and a multiply per call
+_STEP_TABLE_LEN = 1024
+_STEP_TABLE = np.arange(1, _STEP_TABLE_LEN + 1, dtype=np.uint64) * _GOLDEN_U64
 
 
 def bytes_fingerprint(prompt_bytes: bytes) -> int:
@@ -56,10 +60,14 @@ class OutputTokens:
         if count < _NUMPY_MIN:
             tok = self.token
             return [tok(fingerprint, p) for p in range(start, start + count)]
-        # in place on one array (uint64 arrays wrap silently, as the masks above do)
-        x = np.arange(start + 1, start + count + 1, dtype=np.uint64)
-        x *= _GOLDEN_U64
-        x += np.uint64(fingerprint)
+        # in place on one array (uint64 arrays wrap silently, as the masks above do);
+        # (start + j + 1) * golden + fp = (j + 1) * golden + (start * golden + fp)
+        if count <= _STEP_TABLE_LEN:
+            x = _STEP_TABLE[:count] + np.uint64((fingerprint + start * _GOLDEN) & _M64)
+        else:
+            x = np.arange(start + 1, start + count + 1, dtype=np.uint64)
+            x *= _GOLDEN_U64
+            x += np.uint64(fingerprint)
         x ^= x >> _S30
         x *= _MIX1_U64
         x ^= x >> _S27
