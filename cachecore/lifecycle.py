@@ -248,6 +248,7 @@ _COUNT_BYTES = len(ALL_TIERS)
 _ROOT_REC = KEY_BYTES + _COUNT_BYTES
 _CHILD_REC = 2 * KEY_BYTES + _COUNT_BYTES
 _TIER_POS: Mapping[int, int] = {int(t): i for i, t in enumerate(ALL_TIERS)}
+_GPU = int(Tier.GPU)  # tier_of_medium of None and of "GPU", whatever the locality
 _ONE_COPY: Mapping[int, bytes] = {
     int(t): bytes(1 if j == i else 0 for j in range(_COUNT_BYTES)) for i, t in enumerate(ALL_TIERS)
 }
@@ -598,10 +599,14 @@ class ReplicaMirror:
     def _stored(self, ev: BlockStored, write: IndexWrite) -> None:
         hashes = ev.block_hashes
         n = len(hashes)
-        if not self._wanted_group(ev.group_idx):
+        if ev.group_idx is not None and not self._wanted_group(ev.group_idx):
             self.counters.dropped_other_group += n
             return
-        tier = int(tier_of_medium(ev.medium, ev.locality))
+        medium = ev.medium
+        # an engine's GPU store (every simulated one) without the call: the same tier
+        tier = (
+            _GPU if medium is None or medium == "GPU" else int(tier_of_medium(medium, ev.locality))
+        )
         parent_key: BlockKey | None = None
         salt: str | None = None
         index_it = True
@@ -618,7 +623,10 @@ class ReplicaMirror:
             if parent is None:
                 self.counters.dropped_unknown_parent += n
                 return
-            parent_key = _rec_key(parent) or None
+            # _rec_key written out (once per stored event)
+            parent_key = (
+                parent[:KEY_BYTES] if len(parent) == _CHILD_REC else parent[:-_COUNT_BYTES]
+            ) or None
             if parent_key is None:
                 # child of an unscoped or ephemeral block: inherit its fate
                 index_it = False
@@ -636,7 +644,7 @@ class ReplicaMirror:
         if len(keys) != n:
             self.counters.dropped_unknown_parent += n
             return
-        cut = _first_unkeyable(ev.extra_keys, ev.lora_name, n)
+        cut = _first_unkeyable(ev.extra_keys, ev.lora_name, n) if ev.extra_keys else n
         if cut < n:
             # a block holding an image (audio, ...) is keyed by vLLM with the item's hash,
             # which our token-only key cannot reproduce: two prompts with different images
@@ -660,7 +668,13 @@ class ReplicaMirror:
                 value = tier
             else:
                 value = entry_value(tier, self._value.get(parent_key, 0))
-                self._link(k, parent_key)
+                # _link written out: the parent's first child, or its second (a set)
+                self._parent[k] = parent_key
+                kids = self._children.get(parent_key)
+                if kids is None:
+                    self._children[parent_key] = k
+                else:
+                    self._link(k, parent_key)
             self._value[k] = write.blocks[k] = value
             self.counters.stored_blocks += 1
             return
@@ -735,12 +749,16 @@ class ReplicaMirror:
         h = ev.block_hashes[0]
         engine = self._engine
         rec = engine.get(h)
-        if rec is None or not self._wanted_group(ev.group_idx):
+        if rec is None or (ev.group_idx is not None and not self._wanted_group(ev.group_idx)):
             return False
-        tail = _ONE_COPY[int(tier_of_medium(ev.medium, ev.locality))]
+        medium = ev.medium
+        tier = (
+            _GPU if medium is None or medium == "GPU" else int(tier_of_medium(medium, ev.locality))
+        )
+        tail = _ONE_COPY[tier]
         if not rec.endswith(tail):
             return False
-        key = _rec_key(rec)
+        key = rec[:KEY_BYTES] if len(rec) == _CHILD_REC else rec[:-_COUNT_BYTES]  # _rec_key
         if rec != tail and self._by_key.get(key) != h:
             return False
         del engine[h]
