@@ -1,27 +1,24 @@
 """Data-parallel engines behind one URL (vLLM's internal load balancing): the replicas
 ``R`` and ``R@dpN`` share the URL, each rank has its own KV cache and event stream, and the
 gateway names the rank it chose in ``X-data-parallel-rank`` so the request runs on the
-cache the index matched. The engine here is two simulated replicas behind a front that
-does what vLLM's API server does with the header: the named rank, else its own balancing."""
+cache the index matched. The engine is a simulated data-parallel replica
+(``kvgate replica --data-parallel-size 2``: two engine cores behind one port that, like
+vLLM's API server, run a request on the named core, else on the least loaded)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request, Response
 from pydantic import SecretStr
 
 from cachecore.agent.scrape import parse_metrics
 from cachecore.index.layout import dp_replica_id, split_dp_replica_id
-from cachecore.replica.fleet import Fleet, run_fleet
+from cachecore.replica.dp import DataParallelFront
+from cachecore.replica.fleet import run_fleet
 from cachecore.testing import free_port
 from gateway.replicas import ReplicaPool, ReplicaSpec
 from gateway.serve import build_gateway, serve_in_loop
@@ -31,43 +28,7 @@ from tests.test_gateway_support import FAST, SECRET, words
 
 pytestmark = pytest.mark.timeout(90)
 
-
-@contextlib.asynccontextmanager
-async def dp_front(fleet: Fleet, seen: list[int | None]) -> AsyncIterator[str]:
-    """One HTTP endpoint for the fleet's replicas as the ranks of one engine. ``seen``
-    gets the rank each completion request named (None: none named)."""
-    app = FastAPI()
-    client = httpx.AsyncClient(timeout=30.0)
-    rng = random.Random(5)  # the engine's own balancing, blind to caches
-
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def forward(path: str, request: Request) -> Response:
-        named = request.headers.get("x-data-parallel-rank")
-        rank = int(named) if named is not None else None
-        if path.startswith("v1/") and path.endswith("completions"):
-            seen.append(rank)
-        if rank is None:
-            rank = 0 if request.method == "GET" else rng.randrange(len(fleet.endpoints))
-        body = await request.body()
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
-        url = f"{fleet.endpoints[rank].url}/{path}"
-        r = await client.request(request.method, url, content=body, headers=headers)
-        keep = {k: v for k, v in r.headers.items() if k.lower() == "content-type"}
-        return Response(r.content, r.status_code, keep)
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    task = asyncio.create_task(server.serve())
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-        await client.aclose()
+RANK = "x-data-parallel-rank"
 
 
 def test_split_dp_replica_id_inverts_dp_replica_id() -> None:
@@ -152,13 +113,14 @@ def test_a_rank_agent_reads_its_own_rank_from_sglangs_metrics() -> None:
 
 
 async def test_each_request_runs_on_the_rank_whose_cache_the_index_matched() -> None:
-    seen: list[int | None] = []
-    async with run_fleet(FAST, count=2) as fleet, dp_front(fleet, seen) as front:
+    dp2 = FAST.model_copy(update={"data_parallel_size": 2})
+    async with run_fleet(dp2, count=1) as fleet:
         e0, e1 = fleet.endpoints
+        assert e0.url == e1.url and (e0.dp_rank, e1.dp_rank) == (0, 1)
         gs = GatewaySettings(
             replicas=[
-                f"R={front}={e0.events_endpoint},{e0.replay_endpoint}",
-                f"R@dp1={front}={e1.events_endpoint},{e1.replay_endpoint}",
+                f"R={e0.url}={e0.events_endpoint},{e0.replay_endpoint}",
+                f"R@dp1={e1.url}={e1.events_endpoint},{e1.replay_endpoint}",
             ],
             port=free_port(),
             salt_secrets=[SecretStr(SECRET)],
@@ -166,13 +128,17 @@ async def test_each_request_runs_on_the_rank_whose_cache_the_index_matched() -> 
             seed=3,
         )
         gw = build_gateway(gs)
+        front = fleet.fronts[0]
+        assert isinstance(front, DataParallelFront)
         async with serve_in_loop(gw) as url, httpx.AsyncClient(base_url=url) as h:
             assert gw.pool is not None
             assert [gw.pool.get(r).dp_rank for r in ("R", "R@dp1")] == [0, 1]  # type: ignore[union-attr]
+            before = list(front.requests_by_rank)  # the start-up tokenizer probe
             served: list[str] = []
             predicted = actual = prompt = 0
+            # three prefixes on two cores: a balancer taking turns moves each one every round
             for round_ in range(3):
-                for prefix in range(4):
+                for prefix in range(3):
                     body: dict[str, Any] = {
                         "model": e0.model,
                         "prompt": words(640, prefix) + words(16, 100 * round_ + prefix),
@@ -186,9 +152,43 @@ async def test_each_request_runs_on_the_rank_whose_cache_the_index_matched() -> 
                     actual += usage["prompt_tokens_details"]["cached_tokens"]
                     prompt += usage["prompt_tokens"]
                     await asyncio.sleep(0.15)  # its KV events reach the index
-            # every request named the rank of the replica the gateway chose
-            assert seen == [split_dp_replica_id(rid)[1] or 0 for rid in served]
-            assert set(served) == {"R", "R@dp1"}  # the four prefixes spread over both
-            # the repeats hit on their rank: the predictions are the engines' own counts
-            assert actual > 0.6 * prompt
+            routed = [n - b for n, b in zip(front.requests_by_rank, before, strict=True)]
+            assert routed == [served.count("R"), served.count("R@dp1")]
+            assert set(served) == {"R", "R@dp1"}  # the prefixes spread over both cores
+            # the repeats hit on their core: the predictions are the engines' own counts
+            assert actual >= 0.6 * prompt
             assert abs(predicted - actual) <= 0.03 * prompt
+
+
+async def test_the_data_parallel_replica_serves_its_cores_as_vllm_does() -> None:
+    dp2 = FAST.model_copy(update={"data_parallel_size": 2})
+    async with run_fleet(dp2, count=1) as fleet, httpx.AsyncClient(base_url=fleet.urls[0]) as h:
+        body = {"model": fleet.endpoints[0].model, "prompt": words(64, 1), "max_tokens": 1}
+        for rank in (1, 1, 0):
+            r = await h.post("/v1/completions", json=body, headers={RANK: str(rank)})
+            assert r.status_code == 200, r.text
+        front = fleet.fronts[0]
+        assert isinstance(front, DataParallelFront)
+        assert front.requests_by_rank == [1, 2]
+        # the second request on core 1 hit its cache; core 0 had not seen the prompt
+        stats = [rep.core.stats() for rep in fleet.replicas]
+        assert [s.prefix_cache_hits for s in stats] == [0, 48]
+        for bad in ("2", "-1", "x"):
+            r = await h.post("/v1/completions", json=body, headers={RANK: bad})
+            assert r.status_code == 400 and "X-data-parallel-rank" in r.text
+        # one exposition, each core's series labelled engine="N": a rank's agent reads its own
+        snap = parse_metrics((await h.get("/metrics")).text)
+        assert set(snap.engines) == {"0", "1"}
+        assert snap.for_core(1).prompt_tokens == 64 + 16 and snap.for_core(0).prompt_tokens == 64
+        loads = (await h.get("/get_load")).json()
+        assert [x["dp_rank"] for x in loads] == [0, 1]
+        # a flush resets every core
+        assert (await h.post("/flush_cache")).status_code == 200
+        r = await h.post("/v1/completions", json=body, headers={RANK: "1"})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # without a header, the least loaded core (idle: in turn)
+        for _ in range(4):
+            assert (await h.post("/v1/completions", json=body)).status_code == 200
+        assert front.requests_by_rank == [3, 5]
+        info = (await h.get("/get_server_info")).json()
+        assert info["dp_size"] == 2

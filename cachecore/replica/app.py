@@ -369,7 +369,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         core = replica.core
         return [
             {
-                "dp_rank": 0,
+                "dp_rank": replica.dp_rank or 0,
                 "num_reqs": len(core.running) + len(core.waiting),
                 "num_waiting_reqs": len(core.waiting),
                 "num_tokens": core.num_tokens_in_flight(),
@@ -396,7 +396,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             "prefix_caching_hash_algo": s.hash_algo.value,
             "hash_seed": s.hash_seed,
             "lora": list(s.lora),
-            "dp_size": 1,
+            "dp_size": s.data_parallel_size,
             "tp_size": 1,
             "process_start_time": replica.start_time,
             "kv_events": {

@@ -47,6 +47,7 @@ _SETTINGS_FLAGS = {
     "replay_buffer_steps": "replay_buffer_steps",
     "lora": "lora",
     "tokenizer_dir": "tokenizer_dir",
+    "data_parallel_size": "data_parallel_size",
 }
 
 
@@ -84,6 +85,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--legacy-replay-reply", action="store_true", help="reply [b'', seq, payload] on replay")
     a("--no-events", action="store_true", help="do not publish KV events")
     a("--lora", action="append", metavar="NAME", help="serve a LoRA adapter name (repeatable)")
+    a(
+        "--data-parallel-size",
+        type=positive_int,
+        help="engine cores per replica behind its one HTTP port, each with its own KV cache "
+        "and events on the replica's event/replay port + rank (x --count); requests name a "
+        "core in X-data-parallel-rank (default 1)",
+    )
     a(
         "--tokenizer-dir",
         help="HF model dir with tokenizer.json + chat template (default: the built-in one)",
@@ -144,8 +152,9 @@ async def _serve(settings: ReplicaSettings, ports: list[ReplicaPorts]) -> None:
     async with run_fleet(settings, len(ports), ports=ports) as fleet:
         freeze_startup_heap()  # a full collection would otherwise stall the engine loops
         for ep in fleet.endpoints:
+            rank = "" if ep.dp_rank is None else f" (data-parallel rank {ep.dp_rank})"
             print(
-                f"replica {ep.index}: {ep.url}  events {ep.events_endpoint}  "
+                f"replica {ep.index}{rank}: {ep.url}  events {ep.events_endpoint}  "
                 f"replay {ep.replay_endpoint}  model {ep.model}",
                 flush=True,
             )

@@ -24,12 +24,14 @@ import time
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
 import zmq.asyncio
 
 from cachecore.replica.app import create_app
+from cachecore.replica.dp import DataParallelFront
 from cachecore.replica.server import SimReplica, TokenText
 from cachecore.replica.settings import (
     ReplicaEndpoints,
@@ -55,8 +57,10 @@ class _Server(uvicorn.Server):
 @dataclass
 class Fleet:
     settings: ReplicaSettings
-    replicas: list[SimReplica]
+    replicas: list[SimReplica]  # every engine core (a data-parallel replica's ranks in order)
     servers: list[uvicorn.Server] = field(default_factory=list)
+    # each HTTP server's app: a replica's own, or the front of a data-parallel one's cores
+    fronts: list[Any] = field(default_factory=list)
 
     @property
     def endpoints(self) -> list[ReplicaEndpoints]:
@@ -90,6 +94,31 @@ def plan_ports(
     return [ReplicaPorts(free[3 * i], free[3 * i + 1], free[3 * i + 2]) for i in range(count)]
 
 
+def plan_rank_ports(
+    servers: Sequence[ReplicaPorts], dp: int, planned: bool
+) -> list[list[ReplicaPorts]]:
+    """Each server's engine cores: core 0 on the server's ports, core r (data parallelism)
+    on its HTTP port with its own event and replay ports: planned ports + r x servers (one
+    server: + r, vLLM's offset by rank), else free ones."""
+    if dp == 1:
+        return [[p] for p in servers]
+    n = len(servers)
+    free = iter(free_ports(2 * n * (dp - 1))) if not planned else None
+    out: list[list[ReplicaPorts]] = []
+    for p in servers:
+        ranks = [p]
+        for r in range(1, dp):
+            if free is None:
+                ranks.append(ReplicaPorts(p.http, p.events + r * n, p.replay + r * n))
+            else:
+                ranks.append(ReplicaPorts(p.http, next(free), next(free)))
+        out.append(ranks)
+    taken = [q.events for ranks in out for q in ranks] + [q.replay for ranks in out for q in ranks]
+    if len(set(taken)) != len(taken):
+        raise ValueError("the cores' event and replay ports overlap: space the ports apart")
+    return out
+
+
 @contextlib.asynccontextmanager
 async def run_fleet(
     settings: ReplicaSettings | None = None,
@@ -109,17 +138,26 @@ async def run_fleet(
     text = TokenText(tokenizer)
     vocab = output_vocabulary(tokenizer)
     ctx = zmq.asyncio.Context()
+    dp = settings.data_parallel_size
+    server_ports = plan_ports(count, base_port, ports)
+    cores = plan_rank_ports(server_ports, dp, planned=base_port is not None or ports is not None)
+    # one SimReplica per engine core; a data-parallel replica's cores share its HTTP port
     replicas = [
-        SimReplica(i, settings, p, tokenizer, ctx, text, vocab)
-        for i, p in enumerate(plan_ports(count, base_port, ports))
+        SimReplica(i * dp + r, settings, p, tokenizer, ctx, text, vocab, r if dp > 1 else None)
+        for i, ranks in enumerate(cores)
+        for r, p in enumerate(ranks)
     ]
     fleet = Fleet(settings, replicas)
     tasks: list[asyncio.Task[None]] = []
     try:
         for rep in replicas:
             await rep.start()
+        for i in range(count):
+            rep = replicas[i * dp]
+            app = create_app(rep) if dp == 1 else DataParallelFront(replicas[i * dp : i * dp + dp])
+            fleet.fronts.append(app)
             config = uvicorn.Config(
-                create_app(rep),
+                app,
                 host=settings.host,
                 port=rep.ports.http,
                 lifespan="off",

@@ -55,11 +55,15 @@ class SimReplica:
         zmq_ctx: zmq.asyncio.Context,
         token_text: TokenText | None = None,
         output_vocab: Sequence[int] | None = None,
+        dp_rank: int | None = None,
     ) -> None:
+        """``dp_rank``: this is one engine core of a data-parallel replica (its batches
+        carry the rank; :mod:`cachecore.replica.dp` serves the cores on one port)."""
         self.index = index
         self.settings = settings
         self.ports = ports
-        self.endpoints: ReplicaEndpoints = endpoints_for(settings, index, ports)
+        self.dp_rank = dp_rank
+        self.endpoints: ReplicaEndpoints = endpoints_for(settings, index, ports, dp_rank)
         self.tokenizer = tokenizer
         self.token_text = token_text or TokenText(tokenizer)
         self.output_vocab = tuple(output_vocab or tokenizer.word_vocabulary.ids)
@@ -77,6 +81,7 @@ class SimReplica:
                 encoding=settings.event_encoding,
                 buffer_steps=settings.replay_buffer_steps,
                 legacy_replay_reply=settings.legacy_replay_reply,
+                data_parallel_rank=dp_rank,
             )
         self.num_restarts = 0
         self._build_engine()

@@ -52,6 +52,9 @@ class ReplicaSettings(BaseSettings):
     lora: list[str] = Field(default_factory=list)
     tokenizer_dir: str | None = None  # HF model dir (tokenizer.json + chat template)
     access_log: bool = False  # uvicorn access log (debugging which endpoints peers call)
+    # engine cores behind each replica's one HTTP port, each with its own KV cache and event
+    # stream (vLLM's --data-parallel-size with its internal load balancing)
+    data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
 
     @field_validator("profile")
     @classmethod
@@ -102,18 +105,24 @@ class ReplicaEndpoints:
     http_port: int
     events_port: int
     replay_port: int
+    dp_rank: int | None = None  # the engine core, when several serve one URL
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "index": self.index,
             "url": self.url,
             "events_endpoint": self.events_endpoint,
             "replay_endpoint": self.replay_endpoint,
             "model": self.model,
         }
+        if self.dp_rank is not None:
+            out["dp_rank"] = self.dp_rank
+        return out
 
 
-def endpoints_for(settings: ReplicaSettings, index: int, ports: ReplicaPorts) -> ReplicaEndpoints:
+def endpoints_for(
+    settings: ReplicaSettings, index: int, ports: ReplicaPorts, dp_rank: int | None = None
+) -> ReplicaEndpoints:
     ev_host = "127.0.0.1" if settings.events_host in ("0.0.0.0", "*") else settings.events_host
     http_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     return ReplicaEndpoints(
@@ -125,4 +134,5 @@ def endpoints_for(settings: ReplicaSettings, index: int, ports: ReplicaPorts) ->
         http_port=ports.http,
         events_port=ports.events,
         replay_port=ports.replay,
+        dp_rank=dp_rank,
     )
