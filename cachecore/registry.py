@@ -28,7 +28,12 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cachecore.index.base import IndexError_
-from cachecore.index.layout import REPLICA_ID_PATTERN, KeyLayout, validate_replica_id
+from cachecore.index.layout import (
+    REPLICA_ID_PATTERN,
+    KeyLayout,
+    split_dp_replica_id,
+    validate_replica_id,
+)
 from cachecore.index.redis import REDIS_FAILURES, RedisClient, RedisScript, redis_client
 
 MAX_REGISTRATION_BYTES = 4096
@@ -109,15 +114,18 @@ class Registration(BaseModel):
 class Rejection:
     replica_id: str
     url: str
-    reason: str  # "not_allowlisted" | "pinned_to_other_id" | "url_conflict" | "bad_url"
+    # "not_allowlisted" | "pinned_to_other_id" | "rank_mismatch" | "url_conflict" | "bad_url"
+    reason: str
 
 
 class ReplicaAllowlist:
-    """Operator-declared replica URLs; ``id=URL`` entries also pin the replica id."""
+    """Operator-declared replica URLs; ``id=URL`` entries also pin the replica id. A pin
+    names an engine: ``R`` (or ``R@dpN``) at a URL admits that engine's data-parallel
+    ranks there too, ``R`` and ``R@dpN`` (its agents' ids), and no other id."""
 
     def __init__(self, specs: Iterable[str]) -> None:
         self._urls: set[str] = set()
-        self._pinned: dict[str, str] = {}  # normalized URL -> pinned replica id
+        self._pinned: dict[str, set[str]] = {}  # normalized URL -> pinned engine names
         for spec in specs:
             spec = spec.strip()
             if not spec:
@@ -125,7 +133,8 @@ class ReplicaAllowlist:
             rid, sep, url = spec.partition("=")
             if sep and "://" not in rid:
                 norm = normalize_url(url)
-                self._pinned[norm] = validate_replica_id(rid)
+                name = split_dp_replica_id(validate_replica_id(rid))[0]
+                self._pinned.setdefault(norm, set()).add(name)
             else:
                 norm = normalize_url(spec)
             self._urls.add(norm)
@@ -141,8 +150,11 @@ class ReplicaAllowlist:
             return "bad_url"
         if norm not in self._urls:
             return "not_allowlisted"
+        name, rank = split_dp_replica_id(reg.replica_id)
+        if (rank or 0) != (reg.dp_rank or 0):
+            return "rank_mismatch"  # an agent's id carries its rank (index_replica_id)
         pinned = self._pinned.get(norm)
-        if pinned is not None and pinned != reg.replica_id:
+        if pinned is not None and name not in pinned:
             return "pinned_to_other_id"
         return None
 

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from cachecore.index.layout import split_dp_replica_id, validate_replica_id
+from cachecore.registry import InvalidURLError, normalize_url
 from cachecore.tasks import cancel_and_wait
 from policies.schema import HealthPolicy
 
@@ -160,6 +161,8 @@ class ReplicaPool:
         self._last_models = 0.0
         self._started = int(time.time())  # a card's `created` when its engine gives none
         self._shared_warned: set[str] = set()  # URLs shared without DP ids, warned once
+        # URL -> (engine name, lowest rank seen): a data-parallel engine's ranks, remembered
+        self._dp_groups: dict[str, tuple[str, int]] = {}
 
     # ---------------------------------------------------------------- membership
     def add(self, spec: ReplicaSpec) -> Replica:
@@ -173,37 +176,62 @@ class ReplicaPool:
         if self._replicas.pop(replica_id, None) is not None:
             self._assign_dp_ranks()
 
+    def _url_key(self, rep: Replica) -> str:
+        try:
+            return normalize_url(rep.url)
+        except InvalidURLError:  # a spec's URL is checked when parsed; be tolerant here
+            return rep.url.rstrip("/").lower()
+
     def _assign_dp_ranks(self) -> None:
         """Replicas sharing one URL are the data-parallel ranks of one engine (vLLM's
         internal load balancing: one API server, a KV cache per rank) when their ids are
         its agents' index ids, ``R`` (rank 0) and ``R@dpN``: each request then names its
-        rank, so it runs on the cache the index matched. Replicas sharing a URL under
+        rank, so it runs on the cache the index matched. The rank sent is counted from the
+        lowest rank seen at the URL (vLLM's hybrid balancing numbers a node's engines from
+        0, its agents by the global rank), and a URL once seen with ranks keeps them while
+        a rank's registration comes and goes: a lone ``R@dpN`` at any other URL is a server
+        of its own (external balancing) and gets no header. Replicas sharing a URL under
         other ids get no rank, and a warning: their caches are one engine's, not several."""
         by_url: dict[str, list[Replica]] = {}
         for rep in self._replicas.values():
-            by_url.setdefault(rep.url.rstrip("/").lower(), []).append(rep)
+            by_url.setdefault(self._url_key(rep), []).append(rep)
         for url, reps in by_url.items():
             ranks: list[int | None] = [None] * len(reps)
-            if len(reps) > 1:
-                split = [split_dp_replica_id(r.id) for r in reps]
-                given = [0 if rank is None else rank for _, rank in split]
-                if len({name for name, _ in split}) == 1 and len(set(given)) == len(reps):
-                    ranks = list(given)
-                elif url not in self._shared_warned:
-                    self._shared_warned.add(url)
-                    log.warning(
-                        "replicas share one URL without data-parallel ids (R, R@dp1, ...): "
-                        "requests cannot be pinned to a cache, so predictions will miss",
-                        extra={"url": url, "replicas": sorted(r.id for r in reps)},
-                    )
+            split = [split_dp_replica_id(r.id) for r in reps]
+            names = {name for name, _ in split}
+            given = [0 if rank is None else rank for _, rank in split]
+            seen = self._dp_groups.get(url)
+            if len(names) == 1 and len(set(given)) == len(reps):
+                name = next(iter(names))
+                if len(reps) > 1 or (seen is not None and seen[0] == name):
+                    base = min(given)
+                    if seen is not None and seen[0] == name:
+                        base = min(base, seen[1])
+                    self._dp_groups[url] = (name, base)
+                    ranks = [g - base for g in given]
+            elif url not in self._shared_warned:
+                self._shared_warned.add(url)
+                log.warning(
+                    "replicas share one URL without data-parallel ids (R, R@dp1, ...): "
+                    "requests cannot be pinned to a cache, so predictions will miss",
+                    extra={"url": url, "replicas": sorted(r.id for r in reps)},
+                )
             if any(r.dp_rank != rank for r, rank in zip(reps, ranks, strict=True)):
                 for rep, rank in zip(reps, ranks, strict=True):
                     rep.dp_rank = rank
-                if ranks[0] is not None:
+                if any(rank is not None for rank in ranks):
                     log.info(
                         "data-parallel ranks behind one URL: each request names its rank",
                         extra={"url": url, "ranks": {r.id: r.dp_rank for r in reps}},
                     )
+
+    def same_server(self, replica_id: str) -> list[Replica]:
+        """The replicas served at ``replica_id``'s URL (itself included)."""
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            return []
+        key = self._url_key(rep)
+        return [r for r in self._replicas.values() if r is rep or self._url_key(r) == key]
 
     def get(self, replica_id: str) -> Replica | None:
         return self._replicas.get(replica_id)
@@ -273,6 +301,15 @@ class ReplicaPool:
         rep = self._replicas.get(replica_id)
         if rep is None:
             return
+        if definitive and rep.dp_rank is not None:
+            # a refused connection is the whole server's: its other ranks too (a retry on
+            # a sibling rank would meet the same closed port)
+            for other in self.same_server(replica_id):
+                if other is not rep and other.dp_rank is not None:
+                    self._record_failure(other, True)
+        self._record_failure(rep, definitive)
+
+    def _record_failure(self, rep: Replica, definitive: bool) -> None:
         rep.consecutive_failures += 1
         rep.health_oks = 0  # only OK checks after the last failure count towards healthy_after
         if definitive or rep.consecutive_failures >= self.policy.eject_after_failures:

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import httpx
 import pytest
 from pydantic import SecretStr
 
+from cachecore.agent.embedded import build_embedded_agents
 from cachecore.agent.scrape import parse_metrics
 from cachecore.index.layout import dp_replica_id, split_dp_replica_id
+from cachecore.index.memory import MemoryIndex
+from cachecore.registry import MemoryRegistry, Registration, ReplicaAllowlist
 from cachecore.replica.dp import DataParallelFront
 from cachecore.replica.fleet import run_fleet
 from cachecore.testing import free_port
+from gateway.discovery import Discovery
 from gateway.replicas import ReplicaPool, ReplicaSpec
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from policies.schema import HealthPolicy
-from tests.test_gateway_support import FAST, SECRET, words
+from tests.test_gateway_support import FAST, SECRET, kill_replica, words
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,7 +41,7 @@ def test_split_dp_replica_id_inverts_dp_replica_id() -> None:
         for rank in (1, 2, 17, 1023):
             assert split_dp_replica_id(dp_replica_id(name, rank)) == (name, rank)
     assert split_dp_replica_id("R") == ("R", None)
-    assert split_dp_replica_id("R@dp0") == ("R", 0)
+    assert split_dp_replica_id("R@dp0") == ("R@dp0", None)  # rank 0 is R itself
     assert split_dp_replica_id("R@dp01") == ("R@dp01", None)  # not an id the agent makes
     assert split_dp_replica_id("@dp1") == ("@dp1", None)
 
@@ -57,7 +62,8 @@ async def test_replicas_sharing_a_url_get_ranks_only_under_dp_ids(
         assert pool.get("R@dp2") is c and c.state(0.0)["dp_rank"] == 2
         pool.remove("R@dp1")
         pool.remove("R@dp2")
-        assert pool.get("R") is a and [r.dp_rank for r in pool.all()] == [None, None]
+        # the URL is a data-parallel server's: R stays its rank 0 while the others are gone
+        assert pool.get("R") is a and [r.dp_rank for r in pool.all()] == [0, None]
         # two names at one URL are one engine's cache, not ranks: no header, and a warning
         x = pool.add(ReplicaSpec("x", "http://h:9000"))
         y = pool.add(ReplicaSpec("y", "http://h:9000"))
@@ -192,3 +198,125 @@ async def test_the_data_parallel_replica_serves_its_cores_as_vllm_does() -> None
         assert front.requests_by_rank == [3, 5]
         info = (await h.get("/get_server_info")).json()
         assert info["dp_size"] == 2
+
+
+# ------------------------------------------------------------------ review cases
+
+
+def _reg(rid: str, url: str, dp: int | None) -> Registration:
+    return Registration(
+        replica_id=rid, url=url, model="m", block_size=16, capacity_blocks=100,
+        dp_rank=dp, agent_id=f"agent-{rid}", registered_ms=0,
+    )  # fmt: skip
+
+
+async def test_ranks_group_by_the_normalized_url_and_count_from_the_servers_lowest() -> None:
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(client, HealthPolicy())
+        a = pool.add(ReplicaSpec("R", "http://engine"))
+        b = pool.add(ReplicaSpec("R@dp1", "http://ENGINE:80/"))
+        assert [a.dp_rank, b.dp_rank] == [0, 1]  # one server, the default port spelled out
+        # vLLM's hybrid balancing: node 1's API server numbers its engines (global ranks 2
+        # and 3, as its agents name them) from 0
+        c = pool.add(ReplicaSpec("R@dp2", "http://node1:8000"))
+        d = pool.add(ReplicaSpec("R@dp3", "http://node1:8000"))
+        assert [c.dp_rank, d.dp_rank] == [0, 1]
+        # R@dp0 is not an id an agent makes for a rank (rank 0 is R): two engines' names
+        e = pool.add(ReplicaSpec("R@dp0", "http://node2:8000"))
+        f = pool.add(ReplicaSpec("Q@dp1", "http://node2:8000"))
+        assert [e.dp_rank, f.dp_rank] == [None, None]
+
+
+def test_an_embedded_agent_for_an_id_that_is_not_a_rank_indexes_under_it() -> None:
+    specs = [
+        ReplicaSpec("R@dp0", "http://h:8000", "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
+        ReplicaSpec("R@dp1", "http://h:8000", "tcp://127.0.0.1:3", "tcp://127.0.0.1:4"),
+        ReplicaSpec("S", "http://h:8001", "tcp://127.0.0.1:5", "tcp://127.0.0.1:6"),
+    ]
+    group = build_embedded_agents(specs, MemoryIndex(), None, None)
+    try:
+        assert [a.primary_id for a in group.agents] == ["R@dp0", "R@dp1", "S"]
+        assert [a.settings.data_parallel_rank for a in group.agents] == [None, 1, None]
+    finally:
+        group.ctx.destroy(linger=0)
+
+
+def test_a_rank_reads_its_own_kv_usage() -> None:
+    text = "\n".join(
+        [
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0",model_name="m"} 3',
+            'vllm:num_requests_running{engine="1",model_name="m"} 0',
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.95',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.05',
+        ]
+    )
+    snap = parse_metrics(text)
+    assert snap.kv_usage == 0.95
+    assert snap.for_core(1).kv_usage == 0.05 and snap.for_core(0).kv_usage == 0.95
+
+
+async def test_discovery_admits_the_ranks_of_a_pinned_engine() -> None:
+    """A static ``R`` pins its URL to engine R: its ranks' registrations are admitted,
+    another engine's id at that URL is not, nor an id whose rank is not its registration's."""
+    url = "http://10.0.0.1:8000"
+    for static in (["R"], ["R", "R@dp1"]):
+        registry = MemoryRegistry()
+        async with httpx.AsyncClient() as client:
+            pool = ReplicaPool(client, HealthPolicy())
+            for rid in static:
+                pool.add(ReplicaSpec(rid, url))
+            allow = ReplicaAllowlist([f"{rid}={url}" for rid in static])  # as the gateway pins
+            disc = Discovery(registry, allow, pool, set(static))
+            for rid, rank in (("R", 0), ("R@dp1", 1), ("R@dp2", 2)):
+                await registry.register(_reg(rid, url, rank), 60_000, now_ms=0)
+            await registry.register(_reg("X", url, 3), 60_000, now_ms=0)
+            await registry.register(_reg("R@dp4", url, 5), 60_000, now_ms=0)
+            await disc.refresh_once(now_ms=10)
+            assert sorted(pool.ids()) == ["R", "R@dp1", "R@dp2"], static
+            assert [pool.get(r).dp_rank for r in ("R", "R@dp1", "R@dp2")] == [0, 1, 2]  # type: ignore[union-attr]
+            assert disc.rejected == 2
+
+
+async def test_a_rank_keeps_its_header_while_a_sibling_agent_restarts() -> None:
+    registry = MemoryRegistry()
+    url = "http://10.0.0.1:8000"
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(client, HealthPolicy())
+        disc = Discovery(registry, ReplicaAllowlist([url]), pool, set())
+        await registry.register(_reg("R", url, 0), 60_000, now_ms=0)
+        await registry.register(_reg("R@dp1", url, 1), 60_000, now_ms=0)
+        await disc.refresh_once(now_ms=10)
+        assert [pool.get(r).dp_rank for r in ("R", "R@dp1")] == [0, 1]  # type: ignore[union-attr]
+        await registry.deregister("R", "agent-R")  # its agent stops (a rolling restart)
+        await disc.refresh_once(now_ms=20)
+        assert pool.ids() == ["R@dp1"] and pool.get("R@dp1").dp_rank == 1  # type: ignore[union-attr]
+        # a lone R@dpN at a URL never seen with its siblings is a server of its own
+        lone = pool.add(ReplicaSpec("T@dp3", "http://10.0.0.2:8000"))
+        assert lone.dp_rank is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_dead_data_parallel_server_is_left_whole(seed: int) -> None:
+    """A refused connection is the server's: every rank behind the URL is ejected, so the
+    retry goes to another server, not to a sibling rank on the same closed port."""
+    async with run_fleet(FAST, count=2) as fleet:
+        e0, e1 = fleet.endpoints
+        gs = GatewaySettings(
+            replicas=[f"R={e0.url}", f"R@dp1={e0.url}", f"R@dp2={e0.url}",
+                      f"R@dp3={e0.url}", f"S={e1.url}"],
+            port=free_port(), salt_secrets=[SecretStr(SECRET)], open_access=True, seed=seed,
+        )  # fmt: skip
+        gw = build_gateway(gs)
+        async with serve_in_loop(gw) as url, httpx.AsyncClient(base_url=url) as h:
+            assert gw.pool is not None
+            assert [r.dp_rank for r in gw.pool.all()] == [0, 1, 2, 3, None]
+            await kill_replica(fleet, 0)
+            statuses = []
+            for i in range(6):
+                body = {"model": e1.model, "prompt": words(64, 1000 + i), "max_tokens": 1}
+                r = await h.post("/v1/completions", json=body, timeout=30.0)
+                statuses.append(r.status_code)
+            assert statuses == [200] * 6, statuses
+            assert not any(r.routable(time.monotonic()) for r in gw.pool.all()[:4])

@@ -69,6 +69,7 @@ class EngineCounters:
     generation_tokens: float | None = None
     running: float = 0.0
     waiting: float = 0.0
+    kv_usage: float | None = None  # the core's own KV pool use (vLLM labels it per engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class EngineSnapshot:
             self,
             running=core.running,
             waiting=core.waiting,
+            kv_usage=self.kv_usage if core.kv_usage is None else core.kv_usage,
             prompt_tokens=core.prompt_tokens,
             generation_tokens=core.generation_tokens,
             engines={},
@@ -151,7 +153,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
     # SGLang series by dp_rank: the largest value its (tensor-parallel) ranks report
     sgl: dict[str, dict[str, float]] = {}
     vllm_running = vllm_waiting = False
-    # per engine core: [busy, prompt tokens, generation tokens, running, waiting]
+    # per engine core: [busy, prompt tokens, generation tokens, running, waiting, KV usage]
     cores: dict[str, list[float | None]] = {}
     try:
         families = list(text_string_to_metric_families(text))
@@ -175,8 +177,10 @@ def parse_metrics(text: str) -> EngineSnapshot:
                 _add(cores, s.labels, 4, value)
             elif name == KV_USAGE:
                 kv_usage = max(kv_usage or 0.0, value)
+                _max(cores, s.labels, 5, value)
             elif name == KV_USAGE_OLD:
                 kv_usage_old = max(kv_usage_old or 0.0, value)
+                _max(cores, s.labels, 5, value)
             elif name == CACHE_CONFIG:
                 block_size = _as_int(s.labels.get("block_size")) or block_size
                 num_blocks = _as_int(s.labels.get("num_gpu_blocks")) or num_blocks
@@ -235,7 +239,7 @@ def parse_metrics(text: str) -> EngineSnapshot:
         # per core only where vLLM says which core is busy: one core (or busy gauges from
         # SGLang's names) is judged on the totals, as it always was
         {
-            k: EngineCounters(v[0] or 0.0, v[1], v[2], v[3] or 0.0, v[4] or 0.0)
+            k: EngineCounters(v[0] or 0.0, v[1], v[2], v[3] or 0.0, v[4] or 0.0, v[5])
             for k, v in cores.items()
         }
         if len(cores) > 1 and (vllm_running or vllm_waiting)
@@ -263,8 +267,15 @@ def _add(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int
     name = labels.get("engine", "")
     core = cores.get(name)
     if core is None:
-        core = cores[name] = [None, None, None, None, None]
+        core = cores[name] = [None] * 6
     core[i] = (core[i] or 0.0) + v
+
+
+def _max(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int, v: float) -> None:
+    """Field ``i`` of the sample's engine core is the largest value seen (a fraction)."""
+    _add(cores, labels, i, 0.0)
+    core = cores[labels.get("engine", "")]
+    core[i] = max(core[i] or 0.0, v)
 
 
 class EngineScraper:

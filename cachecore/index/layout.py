@@ -56,12 +56,13 @@ def dp_replica_id(name: str, dp_rank: int | None) -> str:
     return validate_replica_id(rid)
 
 
-_DP_SUFFIX_RE = re.compile(r"(.+)@dp(0|[1-9][0-9]{0,3})\Z")
+_DP_SUFFIX_RE = re.compile(r"(.+)@dp([1-9][0-9]{0,3})\Z")
 
 
 def split_dp_replica_id(replica: str) -> tuple[str, int | None]:
-    """``(name, rank)`` of an id made by :func:`dp_replica_id`: ``("R", 2)`` for ``R@dp2``,
-    ``(replica, None)`` for an id without a rank suffix."""
+    """``(name, rank)`` of an id the agents make for a rank (``index_replica_id``):
+    ``("R", 2)`` for ``R@dp2``, ``(replica, None)`` for any other id. Rank 0 is ``R``
+    itself, so ``R@dp0`` is an ordinary id (an agent whose id it is indexes under it)."""
     m = _DP_SUFFIX_RE.match(replica)
     return (m.group(1), int(m.group(2))) if m else (replica, None)
 
