@@ -305,10 +305,12 @@ class MemoryIndex:
         removed = rep.removed if self.removal_log else None
         for k, bits in reversed(write.blocks.items()):
             if bits:
-                if k not in blocks:
+                if k in blocks:
+                    blocks[k] = bits
+                    blocks.move_to_end(k)
+                else:  # a new key is inserted last already: no move
                     added += 1
-                blocks[k] = bits
-                blocks.move_to_end(k)
+                    blocks[k] = bits
             elif blocks.pop(k, None) is not None:
                 added -= 1
                 if removed is not None:
