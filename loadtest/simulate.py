@@ -72,7 +72,7 @@ _SIM_SECRET = b"kvgate-simulator-salt-secret-0000"
 
 STEP_DONE, FF_DONE, INDEX, SCRAPE = 1, 2, 3, 4
 _MAX_WATCHED = 1 << 16  # first keys whose holders are tracked (then the map starts over)
-_TOKENIZE_AHEAD = 256  # arrivals tokenized at once (FleetSimulator.run)
+_WORDS_AHEAD = 256  # arrivals whose chat contents' word ids are looked up at once (run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +249,26 @@ class FleetSimulator:
         except KeyError:
             return None
 
+    def _prefetch_words(self, items: Sequence[WorkItem]) -> None:
+        """Put the word ids (and bytes) of these chats' new contents in the contents LRU
+        that :meth:`_chat_words` reads, a batch of arrivals at once: the vocabulary's table
+        stays in the CPU cache over the batch instead of being evicted by the fleet between
+        two arrivals (a 128-word question took ~2x as long one arrival at a time). Only
+        what _chat_words would put there; each prompt is still put together from them
+        when it arrives (as the gateway tokenizes right before it keys)."""
+        if self._word_ids is None:
+            return
+        contents = self._contents
+        for item in items:
+            for m in item.messages or ():
+                content = m.get("content")
+                if isinstance(content, str) and content.startswith(" ") and content not in contents:
+                    found = self._word_run(content)
+                    if found is not None:
+                        contents[content] = (found, tokens_to_bytes(found))
+        while len(contents) > 8192:
+            contents.popitem(last=False)
+
     def _chat_words(self, body: dict[str, Any]) -> tuple[list[int], bytes] | None:
         """A chat's ids without rendering or BPE when every message is made of single-token
         words: the template's text around the contents (its frame, rendered once per role
@@ -351,10 +371,8 @@ class FleetSimulator:
         return ids, data
 
     # ------------------------------------------------------------------ routing
-    def _route(
-        self, i: int, item: WorkItem, now: float, tokens: list[int], prompt_bytes: bytes | None
-    ) -> None:
-        """Route request ``i`` (its prompt already tokenized: ``_tokens``) and admit it."""
+    def _route(self, i: int, item: WorkItem, now: float) -> None:
+        tokens, prompt_bytes = self._tokens(item)
         n = len(tokens)
         bs = self.cfg.block_size
         t0 = time.perf_counter()
@@ -541,26 +559,17 @@ class FleetSimulator:
         heap = self._heap
         # every request finishes well within a day of sim time after the last arrival
         horizon = (items[-1].t if items else 0.0) + 86_400.0
-        # prompts are tokenized _TOKENIZE_AHEAD arrivals at a time, in arrival order (the
-        # same calls in the same order, timed as before): the tokenizer's tables stay in
-        # the CPU cache across a batch instead of being evicted by the fleet between two
-        # arrivals (a 128-word question's ids took ~3x as long one arrival at a time)
-        ahead: list[tuple[list[int], bytes | None] | None] = []
-        ahead_from = 0
+        words_to = 0  # arrivals before this one have their contents' word ids looked up
         while pos < len(items) or heap:
             if pos < len(items) and (not heap or items[pos].t <= heap[0][0]):
                 now = items[pos].t
                 item = items[pos]
-                j = pos - ahead_from
-                if j >= len(ahead):
-                    ahead = [self._tokens(it) for it in items[pos : pos + _TOKENIZE_AHEAD]]
-                    ahead_from, j = pos, 0
-                prompt = ahead[j]
-                ahead[j] = None  # the engine keeps its own copy
-                assert prompt is not None
+                if pos >= words_to:
+                    words_to = pos + _WORDS_AHEAD
+                    self._prefetch_words(items[pos:words_to])
                 pos += 1
                 self._last_work = max(self._last_work, now)
-                self._route(pos - 1, item, now, *prompt)
+                self._route(pos - 1, item, now)
                 continue
             if not heap:
                 break
