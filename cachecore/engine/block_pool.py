@@ -119,13 +119,11 @@ class BlockPool:
         # OrderedDict gives O(1) pop-head, append-tail, push-head and remove-by-id: the
         # operations of vLLM's doubly linked FreeKVCacheBlockQueue.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        # every cached hash -> its first registered copy still cached: the prefix lookup of
-        # every admission reads it, one dict get per block
+        # hash -> {block_id: block}; several ids when several requests computed the same block
+        self._cached: dict[EngineHash, dict[int, KVBlock]] = {}
+        # hash -> the first registered copy (the first of its _cached entry): the prefix
+        # lookup of every admission reads it, one dict get per block
         self._first: dict[EngineHash, KVBlock] = {}
-        # a hash several requests computed (registered by several blocks) -> {block_id:
-        # block} of every copy in registration order (its first is _first's); a hash held
-        # once has no entry here (no dict per registered block: most are held once)
-        self._copies: dict[EngineHash, dict[int, KVBlock]] = {}
         self._num_cached = 0
         self._events: list[KVEvent] = []
         self.num_evictions = 0
@@ -162,22 +160,7 @@ class BlockPool:
         return cast("list[KVBlock]", list(takewhile(bool, map(get, block_hashes))))
 
     def is_cached(self, block_hash: EngineHash) -> bool:
-        return block_hash in self._first
-
-    def _copies_of(self, block_hash: EngineHash) -> Iterable[KVBlock]:
-        """Every cached copy of a cached hash, in registration order."""
-        copies = self._copies.get(block_hash)
-        return (self._first[block_hash],) if copies is None else copies.values()
-
-    def _register(self, blk: KVBlock, block_hash: EngineHash) -> None:
-        """Add ``blk`` as a copy of ``block_hash`` (its first unless one is cached)."""
-        first = self._first.setdefault(block_hash, blk)
-        if first is not blk:
-            copies = self._copies.get(block_hash)
-            if copies is None:
-                self._copies[block_hash] = {first.block_id: first, blk.block_id: blk}
-            else:
-                copies[blk.block_id] = blk
+        return block_hash in self._cached
 
     # ------------------------------------------------------------------ mutations
     def allocate(self, n: int) -> list[KVBlock]:
@@ -210,16 +193,13 @@ class BlockPool:
         """Drop a free cached block's hash (one BlockRemoved per block, as vLLM sends)."""
         h = blk.block_hash
         assert h is not None and blk.ref_cnt == 0
-        copies = self._copies.get(h)
-        if copies is None:  # its only copy
-            assert self._first[h] is blk
+        copies = self._cached[h]
+        del copies[blk.block_id]
+        if not copies:
+            del self._cached[h]
             del self._first[h]
-        else:
-            del copies[blk.block_id]
-            if len(copies) == 1:
-                del self._copies[h]
-            if self._first[h] is blk:
-                self._first[h] = next(iter(copies.values()))
+        elif self._first[h] is blk:
+            self._first[h] = next(iter(copies.values()))
         blk._clear_hash()
         self._num_cached -= 1
         self.num_evictions += 1
@@ -273,7 +253,8 @@ class BlockPool:
         if len(block_hashes) != n or len(extra_keys) != n or len(token_ids) != n * bs:
             raise BlockPoolError("cache_full_blocks: blocks, hashes, keys and tokens disagree")
         parent = parent_hash
-        register = self._register
+        cached = self._cached
+        first = self._first
         for i, blk in enumerate(blocks):
             if blk.block_hash is not None:
                 raise BlockPoolError(f"block {blk.block_id} is already cached")
@@ -284,7 +265,12 @@ class BlockPool:
             blk.parent_hash = parent
             blk.token_ids = token_ids[i * bs : (i + 1) * bs]
             blk.extra_keys = extra_keys[i]
-            register(blk, h)
+            copies = cached.get(h)
+            if copies is None:
+                cached[h] = {blk.block_id: blk}
+                first[h] = blk
+            else:
+                copies[blk.block_id] = blk
             parent = h
         self._num_cached += n
         if self.enable_events:
@@ -328,8 +314,12 @@ class BlockPool:
         blk.parent_hash = parent_hash
         blk.token_ids = token_ids
         blk.extra_keys = extra_keys
-        if self._first.setdefault(block_hash, blk) is not blk:  # _register's common case
-            self._register(blk, block_hash)
+        copies = self._cached.get(block_hash)
+        if copies is None:
+            self._cached[block_hash] = {blk.block_id: blk}
+            self._first[block_hash] = blk
+        else:
+            copies[blk.block_id] = blk
         self._num_cached += 1
         if self.enable_events:
             fmt = self.wire_format
@@ -353,11 +343,11 @@ class BlockPool:
         returns False and changes nothing otherwise."""
         if len(self._free) != self.num_blocks:
             return False
-        for h in self._first:
-            for blk in self._copies_of(h):
+        for copies in self._cached.values():
+            for blk in copies.values():
                 blk._clear_hash()
+        self._cached.clear()
         self._first.clear()
-        self._copies.clear()
         self._num_cached = 0
         if self.enable_events:
             self._events.append(AllBlocksCleared())
@@ -370,8 +360,8 @@ class BlockPool:
     # ------------------------------------------------------------------ introspection
     def cached_blocks(self) -> list[CachedBlockInfo]:
         out: list[CachedBlockInfo] = []
-        for h in self._first:
-            for blk in self._copies_of(h):
+        for h, copies in self._cached.items():
+            for blk in copies.values():
                 out.append(
                     CachedBlockInfo(
                         block_id=blk.block_id,
@@ -400,18 +390,16 @@ class BlockPool:
             assert (blk.ref_cnt == 0) == (blk.block_id in self._free), f"free queue vs {blk}"
             if blk.block_hash is not None:
                 n_hashed += 1
-                assert blk.block_hash in self._first, f"unmapped {blk}"
-                assert blk in self._copies_of(blk.block_hash), f"unmapped {blk}"
+                copies = self._cached.get(blk.block_hash)
+                assert copies is not None and copies.get(blk.block_id) is blk, f"unmapped {blk}"
                 assert len(blk.token_ids) == self.block_size, f"partial block cached: {blk}"
         n_mapped = 0
-        for h, copies in self._copies.items():
-            assert len(copies) >= 2, f"one copy of {h.hex()} in the copies map"
+        for h, copies in self._cached.items():
+            assert copies, f"empty copy set for {h.hex()}"
             assert self._first.get(h) is next(iter(copies.values())), f"first copy of {h.hex()}"
             for bid, blk in copies.items():
-                assert blk.block_id == bid, f"map entry {bid} is {blk}"
-        for h in self._first:
-            for blk in self._copies_of(h):
-                assert blk.block_hash == h, f"{blk} under {h.hex()}"
+                assert blk.block_id == bid and blk.block_hash == h, f"map entry {bid} is {blk}"
                 n_mapped += 1
         assert n_hashed == n_mapped == self._num_cached, (n_hashed, n_mapped, self._num_cached)
+        assert len(self._first) == len(self._cached), "first copies"
         assert len(self._free) == sum(1 for b in self.blocks if b.ref_cnt == 0)
