@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"kvgate agent: {settings_error(exc)}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # pydantic-settings' SettingsError: an environment value unparsed
+        print(f"kvgate agent: {exc}", file=sys.stderr)
+        return 2
     if not settings.redis:
         print(
             "kvgate agent: --redis is required for a standalone agent (the embedded index "
