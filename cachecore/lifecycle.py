@@ -145,6 +145,17 @@ def tier_of_medium(medium: str | None, locality: str | None = None) -> Tier:
     return _MEDIUM_TO_TIER.get(m, Tier.REMOTE)
 
 
+_GPU = int(Tier.GPU)  # tier_of_medium of None and of "GPU", whatever the locality
+
+
+def _event_tier(medium: str | None, locality: str | None) -> int:
+    """:func:`tier_of_medium` as an int, an engine's GPU store (every simulated one, most
+    real ones) answered without the lookup."""
+    if medium is None or medium == "GPU":
+        return _GPU
+    return int(tier_of_medium(medium, locality))
+
+
 class BlockState(StrEnum):
     ABSENT = "absent"
     PENDING = "pending"
@@ -248,7 +259,6 @@ _COUNT_BYTES = len(ALL_TIERS)
 _ROOT_REC = KEY_BYTES + _COUNT_BYTES
 _CHILD_REC = 2 * KEY_BYTES + _COUNT_BYTES
 _TIER_POS: Mapping[int, int] = {int(t): i for i, t in enumerate(ALL_TIERS)}
-_GPU = int(Tier.GPU)  # tier_of_medium of None and of "GPU", whatever the locality
 _ONE_COPY: Mapping[int, bytes] = {
     int(t): bytes(1 if j == i else 0 for j in range(_COUNT_BYTES)) for i, t in enumerate(ALL_TIERS)
 }
@@ -602,11 +612,7 @@ class ReplicaMirror:
         if ev.group_idx is not None and not self._wanted_group(ev.group_idx):
             self.counters.dropped_other_group += n
             return
-        medium = ev.medium
-        # an engine's GPU store (every simulated one) without the call: the same tier
-        tier = (
-            _GPU if medium is None or medium == "GPU" else int(tier_of_medium(medium, ev.locality))
-        )
+        tier = _event_tier(ev.medium, ev.locality)
         parent_key: BlockKey | None = None
         salt: str | None = None
         index_it = True
@@ -623,10 +629,7 @@ class ReplicaMirror:
             if parent is None:
                 self.counters.dropped_unknown_parent += n
                 return
-            # _rec_key written out (once per stored event)
-            parent_key = (
-                parent[:KEY_BYTES] if len(parent) == _CHILD_REC else parent[:-_COUNT_BYTES]
-            ) or None
+            parent_key = _rec_key(parent) or None
             if parent_key is None:
                 # child of an unscoped or ephemeral block: inherit its fate
                 index_it = False
@@ -668,13 +671,7 @@ class ReplicaMirror:
                 value = tier
             else:
                 value = entry_value(tier, self._value.get(parent_key, 0))
-                # _link written out: the parent's first child, or its second (a set)
-                self._parent[k] = parent_key
-                kids = self._children.get(parent_key)
-                if kids is None:
-                    self._children[parent_key] = k
-                else:
-                    self._link(k, parent_key)
+                self._link(k, parent_key)
             self._value[k] = write.blocks[k] = value
             self.counters.stored_blocks += 1
             return
@@ -751,14 +748,10 @@ class ReplicaMirror:
         rec = engine.get(h)
         if rec is None or (ev.group_idx is not None and not self._wanted_group(ev.group_idx)):
             return False
-        medium = ev.medium
-        tier = (
-            _GPU if medium is None or medium == "GPU" else int(tier_of_medium(medium, ev.locality))
-        )
-        tail = _ONE_COPY[tier]
+        tail = _ONE_COPY[_event_tier(ev.medium, ev.locality)]
         if not rec.endswith(tail):
             return False
-        key = rec[:KEY_BYTES] if len(rec) == _CHILD_REC else rec[:-_COUNT_BYTES]  # _rec_key
+        key = _rec_key(rec)
         if rec != tail and self._by_key.get(key) != h:
             return False
         del engine[h]
