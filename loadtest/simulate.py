@@ -73,6 +73,7 @@ _SIM_SECRET = b"kvgate-simulator-salt-secret-0000"
 STEP_DONE, FF_DONE, INDEX, SCRAPE = 1, 2, 3, 4
 _MAX_WATCHED = 1 << 16  # first keys whose holders are tracked (then the map starts over)
 _WORDS_AHEAD = 256  # arrivals whose chat contents' word ids are looked up at once (run)
+_CONTENTS_KEPT = 8192  # chat contents whose word ids and bytes are remembered (an LRU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,16 +259,29 @@ class FleetSimulator:
         when it arrives (as the gateway tokenizes right before it keys)."""
         if self._word_ids is None:
             return
-        contents = self._contents
         for item in items:
             for m in item.messages or ():
                 content = m.get("content")
-                if isinstance(content, str) and content.startswith(" ") and content not in contents:
-                    found = self._word_run(content)
-                    if found is not None:
-                        contents[content] = (found, tokens_to_bytes(found))
-        while len(contents) > 8192:
+                if isinstance(content, str):
+                    self._content_words(content)
+
+    def _content_words(self, content: str) -> tuple[list[int], bytes] | None:
+        """One chat content's word ids and their bytes, remembered (an LRU of
+        _CONTENTS_KEPT); None when it is not a run of single-token words."""
+        contents = self._contents
+        seen = contents.get(content)
+        if seen is not None:  # a system prompt, a document: seen before
+            contents.move_to_end(content)
+            return seen
+        found = self._word_run(content) if content.startswith(" ") else None
+        if not content:
+            found = []
+        if found is None:
+            return None
+        seen = contents[content] = (found, tokens_to_bytes(found))
+        if len(contents) > _CONTENTS_KEPT:
             contents.popitem(last=False)
+        return seen
 
     def _chat_words(self, body: dict[str, Any]) -> tuple[list[int], bytes] | None:
         """A chat's ids without rendering or BPE when every message is made of single-token
@@ -288,7 +302,6 @@ class FleetSimulator:
             frame = self._frames[roles]
             assert frame is not None
             self._word_checks["chat"] = max(1, self._word_checks["chat"])  # check its first
-        contents = self._contents
         frame_bytes = self._frame_bytes[roles]
         out = list(frame[0])
         parts = [frame_bytes[0]]
@@ -296,18 +309,9 @@ class FleetSimulator:
             content = m.get("content")
             if len(m) != 2 or not isinstance(content, str):  # a name, tool calls, parts
                 return None
-            seen = contents.get(content)
-            if seen is not None:  # a system prompt, a document: seen before
-                contents.move_to_end(content)
-            else:
-                found = self._word_run(content) if content.startswith(" ") else None
-                if not content:
-                    found = []
-                if found is None:
-                    return None
-                seen = contents[content] = (found, tokens_to_bytes(found))
-                if len(contents) > 8192:
-                    contents.popitem(last=False)
+            seen = self._content_words(content)
+            if seen is None:
+                return None
             ids, data = seen
             out += ids
             out += after
