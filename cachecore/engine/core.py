@@ -399,12 +399,7 @@ class EngineCore:
             return False
         if self.waiting and len(running) < self.max_num_seqs:
             return False
-        # RequestState.is_decoding written out: called several times per decode stretch
-        for r in running:
-            n = len(r.all_token_ids)
-            if n <= r.num_prompt_tokens or r.num_computed_tokens != n - 1:
-                return False
-        return True
+        return all(r.is_decoding for r in running)
 
     def fast_forward(
         self, now: float, max_steps: int, max_duration_s: float | None = None
