@@ -18,6 +18,18 @@ def _run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     return cli.run(parser.parse_args(argv))
 
 
+def _refusal(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """The one line ``kvgate agent`` exits 2 with, without the Redis password."""
+    rc = _run(argv, monkeypatch)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1, err
+    assert "RETPW" not in err, err
+    return err
+
+
 def test_missing_settings_are_one_line_naming_flags_without_the_redis_password(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -25,11 +37,8 @@ def test_missing_settings_are_one_line_naming_flags_without_the_redis_password(
     the settings given, the Redis URL with its password among them."""
     redis = "redis://agent-r9:S3CRETPW@127.0.0.1:6379/0"
     argv = ["--replica-id", "r9", "--events", "tcp://127.0.0.1:9", "--redis", redis]
-    rc = _run(argv, monkeypatch)
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert err.count("\n") == 1, err
-    assert "RETPW" not in err and "input_value" not in err, err
+    err = _refusal(argv, monkeypatch, capsys)
+    assert "input_value" not in err, err
     assert "engine_url (--engine-url, KVGATE_AGENT_ENGINE_URL): Field required" in err, err
 
 
@@ -40,10 +49,7 @@ def test_an_invalid_value_names_its_flag(
         "--replica-id", "r9", "--engine-url", "127.0.0.1:9100",
         "--events", "tcp://127.0.0.1:9", "--redis", "redis://u:S3CRETPW@127.0.0.1:6379/0",
     ]  # fmt: skip
-    rc = _run(argv, monkeypatch)
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert err.count("\n") == 1, err
-    assert "127.0.0.1:9100" not in err and "RETPW" not in err, err
+    err = _refusal(argv, monkeypatch, capsys)
+    assert "127.0.0.1:9100" not in err, err
     assert "engine_url (--engine-url, KVGATE_AGENT_ENGINE_URL)" in err, err
     assert "must be an http(s) URL" in err, err
