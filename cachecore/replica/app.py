@@ -366,15 +366,7 @@ def create_app(replica: SimReplica) -> FastAPI:
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, int]]:
-        core = replica.core
-        return [
-            {
-                "dp_rank": replica.dp_rank or 0,
-                "num_reqs": len(core.running) + len(core.waiting),
-                "num_waiting_reqs": len(core.waiting),
-                "num_tokens": core.num_tokens_in_flight(),
-            }
-        ]
+        return [replica.load()]
 
     def server_info() -> dict[str, Any]:
         core, s = replica.core, replica.settings

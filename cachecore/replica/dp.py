@@ -19,7 +19,7 @@ What the front does, as vLLM's API server does it:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -27,16 +27,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachecore.replica.app import create_app
 from cachecore.replica.protocol import error_body
 from cachecore.replica.server import SimReplica
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 RANK_HEADER = b"x-data-parallel-rank"
 START_TIME = "process_start_time_seconds"
@@ -111,23 +107,13 @@ class DataParallelFront:
                 rank = -1
             if not 0 <= rank < len(self.ranks):
                 msg = f"X-data-parallel-rank must be 0 to {len(self.ranks) - 1}, got {named!r}"
-                await _json(send, 400, error_body(msg, 400, "BadRequestError"))
+                await _json(400, error_body(msg, 400, "BadRequestError"))(scope, receive, send)
                 return
         if path == "/metrics":
-            await _reply(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+            body = generate_latest(self.registry)
+            await Response(body, 200, media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
         elif path == "/get_load":
-            loads = []
-            for r, rep in enumerate(self.ranks):
-                core = rep.core
-                loads.append(
-                    {
-                        "dp_rank": r,
-                        "num_reqs": len(core.running) + len(core.waiting),
-                        "num_waiting_reqs": len(core.waiting),
-                        "num_tokens": core.num_tokens_in_flight(),
-                    }
-                )
-            await _json(send, 200, loads)
+            await _json(200, [rep.load() for rep in self.ranks])(scope, receive, send)
         elif path in _FAN_OUT and rank is None:
             await self._fan_out(scope, send)
         else:
@@ -158,11 +144,5 @@ class DataParallelFront:
             await send(m)
 
 
-async def _reply(send: Send, status: int, body: bytes, content_type: str) -> None:
-    headers = [(b"content-type", content_type.encode()), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _json(send: Send, status: int, data: Any) -> None:
-    await _reply(send, status, orjson.dumps(data), "application/json")
+def _json(status: int, data: Any) -> Response:
+    return Response(orjson.dumps(data), status, media_type="application/json")

@@ -123,6 +123,16 @@ class SimReplica:
             extra={"replica": self.index, "process_start_time": self.start_time},
         )
 
+    def load(self) -> dict[str, int]:
+        """Its core's load in SGLang's ``/get_load`` shape (one entry per core)."""
+        core = self.core
+        return {
+            "dp_rank": self.dp_rank or 0,
+            "num_reqs": len(core.running) + len(core.waiting),
+            "num_waiting_reqs": len(core.waiting),
+            "num_tokens": core.num_tokens_in_flight(),
+        }
+
     def resolve_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` selects (None: the base model). Raises
         KeyError for a model this replica does not serve."""
