@@ -262,19 +262,24 @@ def _sglang_ranks(sgl: Mapping[str, Mapping[str, float]]) -> dict[str, EngineCou
     }
 
 
-def _add(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int, v: float) -> None:
-    """Add ``v`` to field ``i`` of the sample's engine core (summed over its other labels)."""
+def _core(cores: dict[str, list[float | None]], labels: Mapping[str, str]) -> list[float | None]:
+    """The fields of the sample's engine core (label ``engine``)."""
     name = labels.get("engine", "")
     core = cores.get(name)
     if core is None:
         core = cores[name] = [None] * 6
+    return core
+
+
+def _add(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int, v: float) -> None:
+    """Add ``v`` to field ``i`` of the sample's engine core (summed over its other labels)."""
+    core = _core(cores, labels)
     core[i] = (core[i] or 0.0) + v
 
 
 def _max(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int, v: float) -> None:
     """Field ``i`` of the sample's engine core is the largest value seen (a fraction)."""
-    _add(cores, labels, i, 0.0)
-    core = cores[labels.get("engine", "")]
+    core = _core(cores, labels)
     core[i] = max(core[i] or 0.0, v)
 
 
