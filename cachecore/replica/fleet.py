@@ -24,11 +24,11 @@ import time
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import uvicorn
 import zmq.asyncio
+from starlette.types import ASGIApp
 
 from cachecore.replica.app import create_app
 from cachecore.replica.dp import DataParallelFront
@@ -60,7 +60,7 @@ class Fleet:
     replicas: list[SimReplica]  # every engine core (a data-parallel replica's ranks in order)
     servers: list[uvicorn.Server] = field(default_factory=list)
     # each HTTP server's app: a replica's own, or the front of a data-parallel one's cores
-    fronts: list[Any] = field(default_factory=list)
+    fronts: list[ASGIApp] = field(default_factory=list)
 
     @property
     def endpoints(self) -> list[ReplicaEndpoints]:
