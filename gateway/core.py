@@ -63,6 +63,7 @@ from gateway.routing import (
 from gateway.settings import GatewaySettings
 from gateway.tokenization import (
     LocalPromptTokenizer,
+    TokenIds,
     TokenizerPools,
     check_alignment,
     stream_requested,
@@ -752,7 +753,9 @@ class Gateway:
         if not scope.ephemeral and not unkeyed:
             keyer = self.keyer(bs)
             cap = min(hit_cap_blocks(n_prompt, bs), pol.index.max_prompt_blocks)
-            keys = [keyer.keys(tokens, s, base_model, lora, max_blocks=cap) for s in salts]
+            # a token-id prompt's ids are already packed (its check): no second conversion
+            ids_in = tokens.packed if isinstance(tokens, TokenIds) else tokens
+            keys = [keyer.keys(ids_in, s, base_model, lora, max_blocks=cap) for s in salts]
         st.add("keys", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()

@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from cachecore.agent.progress import ProgressTracker
 from cachecore.agent.scrape import EngineSnapshot
-from cachecore.keys import ScopeKind
+from cachecore.keys import BlockKeyer, ScopeKind
 from cachecore.loadstate import EngineLoad, LoadRecord
 from cachecore.scoring import Coefficients
 from cachecore.testing import free_port
@@ -25,7 +25,7 @@ from gateway.proxy import _refused
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import ReplicaPool, ReplicaSpec, ReplicaSpecError, parse_replica_spec
 from gateway.settings import GatewaySettings
-from gateway.tokenization import EnginePromptTokenizer
+from gateway.tokenization import EnginePromptTokenizer, TokenIds, completion_prompt
 from gateway.upstream import LeanTransport
 from policies.schema import HealthPolicy, QuarantinePolicy, TenantLimits, parse_policy_text
 
@@ -991,3 +991,17 @@ async def test_the_embedded_index_keeps_the_agents_removal_log_setting(
                 assert gw.index.primary.removal_log == expected
         finally:
             await gw.stop()
+
+
+def test_token_id_prompt_carries_its_packed_ids_and_keys_alike() -> None:
+    ids = [5, 0, 2**32 - 1, 7] * 40
+    prompt = completion_prompt({"prompt": ids})
+    assert isinstance(prompt, TokenIds) and prompt == ids and prompt is not ids
+    assert list(prompt.packed) == ids
+    keyer = BlockKeyer(16)
+    for cap in (None, 3):
+        packed = keyer.keys(prompt.packed, "s", "m", None, cap)
+        assert packed == keyer.keys(ids, "s", "m", None, cap)
+    assert completion_prompt({"prompt": [ids[:3], [1]]}) == ids[:3]  # a batch: the first
+    with pytest.raises(GatewayError):
+        completion_prompt({"prompt": [1, -1, 2, 3]})  # not token ids
