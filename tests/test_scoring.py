@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -154,3 +155,52 @@ def test_a_long_miss_prefers_the_replica_with_fewer_decoding_requests() -> None:
     assert b.cost_ms - i.cost_ms == pytest.approx(5.0 + C.stall_weight * 1000.0 * 10)
     assert b.ttft_ms - i.ttft_ms == pytest.approx(5.0)  # what the fit predicts is unchanged
     assert cost(gpu_match(240), 4000, 16, busy, C).cost_ms < i.cost_ms
+
+
+def test_with_vector_keeps_every_other_field() -> None:
+    """with_vector names every field itself: a field added to Coefficients must be too."""
+    base = Coefficients()
+    odd = {f.name: getattr(base, f.name) for f in fields(Coefficients)}
+    odd.update({k: v * 3.0 + 1.0 for k, v in odd.items() if isinstance(v, float)})
+    odd["tier_load_factor"] = {Tier.CPU: 2.0}
+    c = Coefficients(**odd)
+    got = c.with_vector([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert got == replace(
+        c, overhead_ms=1.0, prefill_ms_per_token=2.0, load_ms_per_token=3.0,
+        decode_ms_per_running=4.0, saturation_ms=5.0,
+    )  # fmt: skip
+
+
+def test_online_fit_matches_the_textbook_recursion() -> None:
+    """The fit's update (C-level dot products) against the plain loops, bit for bit."""
+    rng = random.Random(5)
+    fit = OnlineFit(Coefficients(), min_samples=5, max_trace=50.0)
+    n = len(FEATURES)
+    theta, p = list(fit._theta), [list(r) for r in fit._p]
+    resid_var, samples = 0.0, 0
+    for _ in range(500):
+        x = [1.0, rng.uniform(0, 8000), rng.uniform(0, 1e5), rng.randrange(64), rng.random()]
+        y = rng.uniform(0, 500) if rng.random() > 0.05 else rng.uniform(0, 1e6)
+        z = [x[i] * OnlineFit._SCALES[i] for i in range(n)]
+        resid = y - math.fsum(theta[i] * z[i] for i in range(n))
+        outlier = samples >= 5 and resid_var > 0 and abs(resid) > 6.0 * math.sqrt(resid_var)
+        assert fit.update(x, y) is not outlier
+        if outlier:
+            resid_var *= 1.05
+        else:
+            pz = [math.fsum(p[i][j] * z[j] for j in range(n)) for i in range(n)]
+            denom = 0.995 + math.fsum(z[i] * pz[i] for i in range(n))
+            gain = [v / denom for v in pz]
+            for i in range(n):
+                theta[i] = min(fit._hi[i], max(fit._lo[i], theta[i] + gain[i] * resid))
+            for i in range(n):
+                for j in range(n):
+                    p[i][j] = (p[i][j] - gain[i] * pz[j]) / 0.995
+            trace = sum(p[i][i] for i in range(n))
+            if trace > 50.0:
+                for i in range(n):
+                    for j in range(n):
+                        p[i][j] *= 50.0 / trace
+            resid_var = resid * resid if samples == 0 else 0.98 * resid_var + 0.02 * resid * resid
+            samples += 1
+        assert fit._theta == theta and fit._p == p and fit._resid_var == resid_var
