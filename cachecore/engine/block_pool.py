@@ -50,9 +50,20 @@ class NoFreeBlocksError(BlockPoolError):
 
 class KVBlock:
     """One KV block. ``parent_hash``/``token_ids``/``extra_keys`` describe a cached block's
-    content (what its BlockStored carried) so the pool can be dumped and compared."""
+    content (what its BlockStored carried) so the pool can be dumped and compared;
+    ``wire_hash`` is its hash as its events carry it (``to_wire``; None with events off),
+    kept from its BlockStored for its BlockRemoved. These four are meaningful only while
+    ``block_hash`` is set: an evicted block keeps stale values until it is cached again."""
 
-    __slots__ = ("block_hash", "block_id", "extra_keys", "parent_hash", "ref_cnt", "token_ids")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "extra_keys",
+        "parent_hash",
+        "ref_cnt",
+        "token_ids",
+        "wire_hash",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -61,12 +72,14 @@ class KVBlock:
         self.parent_hash: EngineHash | None = None
         self.token_ids: Sequence[int] = ()
         self.extra_keys: ExtraKeys = None
+        self.wire_hash: int | bytes | None = None
 
     def _clear_hash(self) -> None:
         self.block_hash = None
         self.parent_hash = None
         self.token_ids = ()
         self.extra_keys = None
+        self.wire_hash = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:12] if self.block_hash else None
@@ -200,12 +213,13 @@ class BlockPool:
             del self._first[h]
         elif self._first[h] is blk:
             self._first[h] = next(iter(copies.values()))
-        blk._clear_hash()
+        # the other content fields go stale (see KVBlock): one store instead of five
+        blk.block_hash = None
         self._num_cached -= 1
         self.num_evictions += 1
         if self.enable_events:
-            wire: int | bytes = h if self.wire_format is WireHashFormat.BYTES else int_hash(h)
-            self._events.append(BlockRemoved(cast("list[int]", [wire]), MEDIUM_GPU))
+            # the wire form its BlockStored computed, not converted again
+            self._events.append(BlockRemoved(cast("list[int]", [blk.wire_hash]), MEDIUM_GPU))
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """A cache hit: take a reference, pulling free blocks out of the eviction queue."""
@@ -224,13 +238,15 @@ class BlockPool:
         free = self._free
         for blk in ordered_blocks:
             ref = blk.ref_cnt - 1  # read once: a request frees 100+ blocks at its finish
-            if ref < 0:
-                raise BlockPoolError(f"double free of block {blk.block_id}")
-            blk.ref_cnt = ref
-            if not ref:
+            if not ref:  # the common case first: one test per block
+                blk.ref_cnt = 0
                 free[blk.block_id] = blk
                 if blk.block_hash is None:
                     free.move_to_end(blk.block_id, last=False)
+            elif ref > 0:
+                blk.ref_cnt = ref
+            else:
+                raise BlockPoolError(f"double free of block {blk.block_id}")
 
     def cache_full_blocks(
         self,
@@ -255,6 +271,8 @@ class BlockPool:
         parent = parent_hash
         cached = self._cached
         first = self._first
+        fmt = self.wire_format
+        wires = _wire_hashes(block_hashes, fmt) if self.enable_events else [None] * n
         for i, blk in enumerate(blocks):
             if blk.block_hash is not None:
                 raise BlockPoolError(f"block {blk.block_id} is already cached")
@@ -265,6 +283,7 @@ class BlockPool:
             blk.parent_hash = parent
             blk.token_ids = token_ids[i * bs : (i + 1) * bs]
             blk.extra_keys = extra_keys[i]
+            blk.wire_hash = wires[i]
             copies = cached.get(h)
             if copies is None:
                 cached[h] = {blk.block_id: blk}
@@ -274,11 +293,10 @@ class BlockPool:
             parent = h
         self._num_cached += n
         if self.enable_events:
-            fmt = self.wire_format
             has_extra = extra_keys.count(None) < n
             self._events.append(
                 BlockStored(
-                    block_hashes=_wire_hashes(block_hashes, fmt),
+                    block_hashes=cast("list[int]", wires),
                     parent_block_hash=None
                     if parent_hash is None
                     else cast("int", to_wire(parent_hash, fmt)),
@@ -303,7 +321,8 @@ class BlockPool:
     ) -> None:
         """:meth:`cache_full_blocks` of one block (what a decode step that fills a block
         registers): the same state and event without the batch's slices and loop.
-        ``token_ids`` is kept by the block: pass a list nobody changes afterwards."""
+        ``token_ids`` is kept by the block and its event: pass a list nobody changes
+        afterwards."""
         if len(token_ids) != self.block_size:
             raise BlockPoolError("cache_full_blocks: blocks, hashes, keys and tokens disagree")
         if blk.block_hash is not None:
@@ -323,13 +342,19 @@ class BlockPool:
         self._num_cached += 1
         if self.enable_events:
             fmt = self.wire_format
-            wire = to_wire(block_hash, fmt)
-            parent_wire = None if parent_hash is None else to_wire(parent_hash, fmt)
+            wire = blk.wire_hash = to_wire(block_hash, fmt)
+            if parent_hash is None:
+                parent_wire = None
+            else:
+                # the parent's own wire form when it is cached (a request's previous block
+                # is, while the request holds it), not converted again
+                held = self._first.get(parent_hash)
+                parent_wire = held.wire_hash if held is not None else to_wire(parent_hash, fmt)
             self._events.append(
                 BlockStored(
                     cast("list[int]", [wire]),
                     cast("int | None", parent_wire),
-                    list(token_ids),
+                    token_ids,  # shared with the block: neither changes it
                     self.block_size,
                     lora_id,
                     MEDIUM_GPU,
@@ -393,6 +418,9 @@ class BlockPool:
                 copies = self._cached.get(blk.block_hash)
                 assert copies is not None and copies.get(blk.block_id) is blk, f"unmapped {blk}"
                 assert len(blk.token_ids) == self.block_size, f"partial block cached: {blk}"
+                if self.enable_events:
+                    want = to_wire(blk.block_hash, self.wire_format)
+                    assert blk.wire_hash == want, f"wire hash of {blk}"
         n_mapped = 0
         for h, copies in self._cached.items():
             assert copies, f"empty copy set for {h.hex()}"
