@@ -29,7 +29,15 @@ from enum import IntFlag, StrEnum
 from itertools import pairwise, repeat
 from typing import Any, cast
 
-from cachecore.keys import KEY_BYTES, SALT_PREFIX, BlockKey, BlockKeyer, is_ephemeral_salt
+from cachecore.keys import (
+    KEY_BYTES,
+    SALT_PREFIX,
+    BlockKey,
+    BlockKeyer,
+    chain_key,
+    is_ephemeral_salt,
+    tokens_to_bytes,
+)
 from cachecore.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
@@ -263,6 +271,7 @@ _ONE_COPY: Mapping[int, bytes] = {
     int(t): bytes(1 if j == i else 0 for j in range(_COUNT_BYTES)) for i, t in enumerate(ALL_TIERS)
 }
 """Per tier bit: the count bytes of a hash held once, on that tier only."""
+_GPU_COPY = _ONE_COPY[_GPU]  # the steady state's record tail
 
 
 def _rec_key(rec: bytes) -> BlockKey:
@@ -458,7 +467,9 @@ class ReplicaMirror:
         cleared = False
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._stored(ev, write)
+                # a decode step's one-block store the short way, as the removal below
+                if len(ev.block_hashes) != 1 or not self._stored_one(ev, write):
+                    self._stored(ev, write)
             elif isinstance(ev, BlockRemoved):
                 # an engine sends one event per evicted block: the common one goes the short way
                 if len(ev.block_hashes) != 1 or not self._removed_one(ev, write):
@@ -657,24 +668,6 @@ class ReplicaMirror:
             self._stored_blocks(hashes, [*keys[:cut], *unkeyed], parent_key, tier, write)
             return
         by_key = self._by_key
-        if n == 1:
-            # one block (a decode step filling a block): the new-branch case below, written
-            # out for one key without the batch's sets and zips
-            h, k = hashes[0], keys[0]
-            if h in engine or k in by_key or k in self._children:
-                self._stored_blocks(hashes, keys, parent_key, tier, write)
-                return
-            rec = engine[h] = k + (parent_key or b"") + tail
-            write.mirror[h] = rec
-            by_key[k] = h
-            if parent_key is None:
-                value = tier
-            else:
-                value = entry_value(tier, self._value.get(parent_key, 0))
-                self._link(k, parent_key)
-            self._value[k] = write.blocks[k] = value
-            self.counters.stored_blocks += 1
-            return
         if (
             engine.keys().isdisjoint(hashes)
             and by_key.keys().isdisjoint(keys)
@@ -703,6 +696,42 @@ class ReplicaMirror:
             self.counters.stored_blocks += n
             return
         self._stored_blocks(hashes, keys, parent_key, tier, write)
+
+    def _stored_one(self, ev: BlockStored, write: IndexWrite) -> bool:
+        """:meth:`_stored` of a one-block event in the steady state (a decode step filling a
+        block): on the GPU tier, with no group or extra keys, after an indexed parent, a
+        new hash whose key is neither held nor waited for by a child. The same state and
+        writes without the general path's checks and lists; False, with nothing changed,
+        for anything else, which :meth:`_stored` then handles."""
+        medium = ev.medium
+        if ev.group_idx is not None or ev.extra_keys or not (medium is None or medium == "GPU"):
+            return False
+        parent_hash = ev.parent_block_hash
+        if parent_hash is None:
+            return False
+        engine = self._engine
+        parent = engine.get(parent_hash)
+        h = ev.block_hashes[0]
+        tokens = ev.token_ids
+        # a record longer than its counts starts with its key (see _rec_key)
+        if parent is None or len(parent) == _COUNT_BYTES or h in engine:
+            return False
+        if len(tokens) != self.keyer.block_size:
+            return False
+        parent_key = parent[:KEY_BYTES]
+        k = chain_key(parent_key, tokens_to_bytes(tokens))  # BlockKeyer.chain of one block
+        by_key = self._by_key
+        if k in by_key or k in self._children:
+            return False
+        rec = engine[h] = k + parent_key + _GPU_COPY
+        write.mirror[h] = rec
+        by_key[k] = h
+        self._link(k, parent_key)
+        pv = self._value.get(parent_key, 0)
+        # a parent stored on this tier alone with no broken run: the same plain value
+        self._value[k] = write.blocks[k] = _GPU if pv == _GPU else entry_value(_GPU, pv)
+        self.counters.stored_blocks += 1
+        return True
 
     def _stored_blocks(
         self,
@@ -748,10 +777,12 @@ class ReplicaMirror:
         rec = engine.get(h)
         if rec is None or (ev.group_idx is not None and not self._wanted_group(ev.group_idx)):
             return False
-        tail = _ONE_COPY[_event_tier(ev.medium, ev.locality)]
+        medium = ev.medium
+        gpu = medium is None or medium == "GPU"  # _event_tier's shortcut, without the call
+        tail = _GPU_COPY if gpu else _ONE_COPY[_event_tier(medium, ev.locality)]
         if not rec.endswith(tail):
             return False
-        key = _rec_key(rec)
+        key = rec[:KEY_BYTES] if len(rec) == _CHILD_REC else rec[:-_COUNT_BYTES]  # _rec_key
         if rec != tail and self._by_key.get(key) != h:
             return False
         del engine[h]
