@@ -35,6 +35,7 @@ import logging
 from typing import Any, cast
 
 import orjson
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.app import Completions
@@ -63,7 +64,7 @@ class HotCycle:
 
     Implements the :class:`~gateway.proxy.ClientConnection` the exchange writes to, and the
     part of uvicorn's ``RequestResponseCycle`` that :class:`HttpToolsProtocol` touches
-    (``body``, ``more_body``, ``message_event``, ``keep_alive``, ``disconnected``,
+    (``more_body``, ``message_event``, ``keep_alive``, ``disconnected``,
     ``response_complete``, ``run_asgi``). Invariants: the status line is written once,
     before any body byte; ``response_complete`` turns true exactly once, with the last byte
     of the answer written; once ``disconnected`` nothing more is written; a stream is
@@ -73,8 +74,9 @@ class HotCycle:
 
     __slots__ = (
         "_disconnected",
-        "body",
+        "body_size",
         "chunked",
+        "chunks",
         "content_length",
         "endpoint",
         "headers",
@@ -107,7 +109,10 @@ class HotCycle:
         self.chunked = chunked  # streams may use chunked framing (HTTP/1.1)
         self.waiting_for_100_continue = expect_100_continue
         self.content_length = content_length  # as declared in this request's headers
-        self.body = bytearray()
+        # the body as the parser hands it over (``GatewayHttpProtocol.on_body``): a body in
+        # one piece is never copied (uvicorn's bytearray costs two copies of it)
+        self.chunks: list[bytes] = []
+        self.body_size = 0
         self.more_body = True
         self.message_event = asyncio.Event()
         self.response_started = False
@@ -182,16 +187,16 @@ class HotCycle:
         while self.more_body:
             if self._disconnected:
                 raise ClientGone
-            if len(self.body) > limit:
+            if self.body_size > limit:
                 raise body_too_large(limit)
             self.proto.flow.resume_reading()
             await self.message_event.wait()
             self.message_event.clear()
-        if len(self.body) > limit:
+        if self.body_size > limit:
             raise body_too_large(limit)
         # the cycle outlives the request (uvicorn keeps the last one per connection)
-        raw, self.body = bytes(self.body), bytearray()
-        return raw
+        chunks, self.chunks, self.body_size = self.chunks, [], 0
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # ---------------------------------------------------------------- ClientConnection
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
@@ -342,6 +347,20 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if len(name) == 14 and name.lower() == b"content-length":
             digits = value.strip()
             self.content_length = int(digits) if digits.isdigit() else None
+
+    def on_body(self, body: bytes) -> None:
+        cycle: object = self.cycle
+        if not isinstance(cycle, HotCycle):
+            super().on_body(body)
+            return
+        # uvicorn's on_body, keeping the pieces (a hot cycle is never an upgrade)
+        if cycle.response_complete:
+            return
+        cycle.chunks.append(body)
+        cycle.body_size += len(body)
+        if cycle.body_size > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
