@@ -175,6 +175,7 @@ class FleetSimulator:
         self.index = MemoryIndex(
             max_entries=max(1_000_000, 4 * cfg.replicas * cfg.num_blocks),
             removal_log=0,  # no claim checks in virtual time
+            keep_mirror=False,  # nor agent restarts: the mirrors' records are never read back
         )
         self.minter = SaltMinter([_SIM_SECRET])
         tok = builtin_tokenizer()
@@ -594,10 +595,11 @@ class FleetSimulator:
             elif kind == INDEX:
                 r, write = data
                 rid = self.ids[r]
-                if self._holders:
-                    # a write may store a watched first key (a delete never adds a holder)
-                    blocks = write.blocks
-                    self._hold(rid, (k for k in blocks.keys() & self._holders.keys() if blocks[k]))
+                # a write may store a watched first key (a delete never adds a holder)
+                blocks = write.blocks
+                watched = blocks.keys() & self._holders.keys()
+                if watched:
+                    self._hold(rid, (k for k in watched if blocks[k]))
                 self.index.apply_now(rid, epochs[r], write, int(now * 1000))
             elif kind == SCRAPE:
                 self._scrape()

@@ -247,6 +247,21 @@ async def test_removal_log_off_cannot_tell(kind: str, request: pytest.FixtureReq
 # ------------------------------------------------------------------ MemoryIndex only
 
 
+async def test_memory_mirror_records_on_and_off() -> None:
+    """A write's mirror records are kept (set, and deleted by None) unless keep_mirror is
+    off; the entries are the same either way."""
+    kept, off = MemoryIndex(), MemoryIndex(keep_mirror=False)
+    for idx in (kept, off):
+        await live(idx, "a")
+        await idx.apply("a", 0, IndexWrite({KEYS[0]: G}, {1: b"r1", 2: b"r2", 3: None}), 1)
+        await idx.apply("a", 0, IndexWrite({KEYS[1]: G}, {2: None, 4: b"r4"}), 2)
+        assert await idx.replica_blocks("a") == {KEYS[0]: G, KEYS[1]: G}
+        idx.check_invariants()
+    assert await kept.load_mirror("a") == {1: b"r1", 4: b"r4"}
+    assert list(kept._replicas["a"].mirror) == [1, 4]
+    assert await off.load_mirror("a") == {}
+
+
 async def test_memory_bound_lru_and_fairness() -> None:
     idx = MemoryIndex(max_entries=1000)
     await live(idx, "big", "small")

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import eq
-from typing import Any
+from typing import Any, cast
 
 from cachecore.index.base import (
     DEFAULT_REMOVAL_LOG,
@@ -63,7 +63,7 @@ from cachecore.index.base import (
 )
 from cachecore.index.layout import validate_replica_id
 from cachecore.keys import BlockKey
-from cachecore.lifecycle import IndexWrite, check_entry_values
+from cachecore.lifecycle import TIER_MASK, IndexWrite, check_entry_values
 
 DEFAULT_MAX_ENTRIES = 2_000_000
 DEFAULT_MAX_PENDING_PER_REPLICA = 262_144
@@ -182,6 +182,7 @@ class MemoryIndex:
         max_entries: int = DEFAULT_MAX_ENTRIES,
         max_pending_per_replica: int = DEFAULT_MAX_PENDING_PER_REPLICA,
         removal_log: int = DEFAULT_REMOVAL_LOG,
+        keep_mirror: bool = True,
     ) -> None:
         if max_entries <= 0 or max_pending_per_replica <= 0 or removal_log < 0:
             raise ValueError("bounds must be positive")
@@ -190,6 +191,10 @@ class MemoryIndex:
         # 0 keeps no log (the simulator: nothing checks claims there); removed_since then
         # answers None, "unknown"
         self.removal_log = removal_log
+        # False keeps no mirror records (the simulator: no agent restarts in virtual time,
+        # and a write per stored and evicted block into a fleet-sized dict is not free);
+        # load_mirror then answers {}, as for a replica never written
+        self.keep_mirror = keep_mirror
         self._replicas: dict[str, _Replica] = {}
         self._n_blocks = 0  # live entries + entries waiting in the graveyard
         # old-epoch containers waiting to be freed; the bool says whether they hold stored
@@ -286,24 +291,28 @@ class MemoryIndex:
         rep = self._rep(replica)
         rep.pending.add(keys, now_ms + ttl_ms, now_ms, self.max_pending_per_replica)
         blocks = rep.blocks
-        for k in reversed(keys):  # routed over: recently used, parents last (most recent)
-            if k in blocks:
-                blocks.move_to_end(k)
-        self._drain()
+        # routed over: recently used, parents last (most recent); C loops over the keys,
+        # most of which this replica does not store (they are the ones pending)
+        deque(map(blocks.move_to_end, filter(blocks.__contains__, reversed(keys))), maxlen=0)
+        if self._graveyard:
+            self._drain()
 
     async def apply(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
         self.apply_now(replica, epoch, write, now_ms)
 
     def apply_now(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
         """:meth:`apply` without the coroutine (the simulator calls it per engine step)."""
-        rep = self._rep(replica)
+        rep = self._replicas.get(replica) or self._rep(replica)
         if epoch != rep.epoch:
             raise StaleEpochError(f"replica {replica}: epoch {epoch} != current {rep.epoch}")
-        check_write_values(write)
+        wblocks = write.blocks
+        # check_write_values, whose full check only values past plain tier bits need
+        if wblocks and (max(wblocks.values()) > TIER_MASK or min(wblocks.values()) < 0):
+            check_entry_values(wblocks.values())
         blocks = rep.blocks
         added = 0
         removed = rep.removed if self.removal_log else None
-        for k, bits in reversed(write.blocks.items()):
+        for k, bits in reversed(wblocks.items()):
             if bits:
                 if k in blocks:
                     blocks[k] = bits
@@ -324,17 +333,21 @@ class MemoryIndex:
                     removed.move_to_end(k)
             while len(removed) > self.removal_log:
                 rep.removed_floor = max(rep.removed_floor, removed.popitem(last=False)[1])
-        mirror = rep.mirror
-        for h, rec in write.mirror.items():
-            if rec is None:
-                mirror.pop(h, None)
-            else:
-                mirror[h] = rec
+        wmirror = write.mirror
+        if wmirror and self.keep_mirror:
+            # every record in one C call, then the deleted ones (None) out again: the same
+            # contents and order as setting and popping them one by one
+            mirror = rep.mirror
+            mirror.update(cast("dict[int, bytes]", wmirror))  # its Nones go next
+            for h in [h for h, rec in wmirror.items() if rec is None]:
+                del mirror[h]
         if write.seq is not None:
             rep.last_seq = write.seq
         rep.updated_ms = now_ms
-        self._drain()
-        self._enforce_bound()
+        if self._graveyard:
+            self._drain()
+        if self._n_blocks > self.max_entries:
+            self._enforce_bound()
 
     async def clear_replica(
         self, replica: str, state: ReplicaState, now_ms: int, engine_start: float = 0.0
