@@ -63,7 +63,6 @@ from gateway.routing import (
 from gateway.settings import GatewaySettings
 from gateway.tokenization import (
     LocalPromptTokenizer,
-    TokenIds,
     TokenizerPools,
     check_alignment,
     stream_requested,
@@ -732,8 +731,10 @@ class Gateway:
                 media_tokens = media_parts * mpool.media_part_tokens
                 chat_body = {**body, "messages": text_only} if unkeyed else body
                 tokens = await tokenizer.chat(chat_body, cs, off)
+                packed: Sequence[int] = tokens
             else:
-                tokens = await tokenizer.completion(body, cs, off)
+                # a token-id prompt comes packed by its check: the keys need no second pass
+                tokens, packed = await tokenizer.completion_packed(body, cs, off)
         else:
             # the engine tokenizes: under the scope's salt, so no cache of the engine's
             # is shared between scopes (the same timing channel as the segment cache's)
@@ -743,6 +744,7 @@ class Gateway:
                 if endpoint == "chat"
                 else tokenizer.completion(body, salt)
             )
+            packed = tokens
         st.add("tokenize", time.perf_counter_ns() - t0)
         # media parts count at the pool's estimate: for the cost and the flooding budget
         n_prompt = len(tokens) + media_tokens
@@ -753,9 +755,7 @@ class Gateway:
         if not scope.ephemeral and not unkeyed:
             keyer = self.keyer(bs)
             cap = min(hit_cap_blocks(n_prompt, bs), pol.index.max_prompt_blocks)
-            # a token-id prompt's ids are already packed (its check): no second conversion
-            ids_in = tokens.packed if isinstance(tokens, TokenIds) else tokens
-            keys = [keyer.keys(ids_in, s, base_model, lora, max_blocks=cap) for s in salts]
+            keys = [keyer.keys(packed, s, base_model, lora, max_blocks=cap) for s in salts]
         st.add("keys", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()

@@ -12,7 +12,7 @@ import array
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
@@ -35,44 +35,42 @@ from policies.schema import ModelPool
 log = logging.getLogger(__name__)
 
 
-class TokenIds(list[int]):
-    """A client's token-id prompt (a copy of its list) with ``packed``, the same ids as the
-    uint32 array the check built: the block keys hash its bytes instead of converting the
-    list a second time (each conversion is ~100 instructions per id)."""
-
-    __slots__ = ("packed",)
-    packed: array.array[int]
-
-
-def _token_ids(value: Any) -> TokenIds | None:
-    """``value`` as token ids if it is a list of non-negative 32-bit ints (checked in C)."""
+def _token_ids(value: Any) -> array.array[int] | None:
+    """``value`` packed as uint32 if it is a list of non-negative 32-bit ints: the packing
+    (in C) is the check, and the block keys hash the packed ids (no second conversion of
+    the list: each costs ~100 instructions per id)."""
     if not isinstance(value, list) or not value or isinstance(value[0], bool):
         return None
     try:
-        packed = array.array("I", value)
+        return array.array("I", value)
     except (TypeError, OverflowError):
         return None
-    ids = TokenIds(value)
-    ids.packed = packed
-    return ids
+
+
+def completion_prompt_packed(
+    body: Mapping[str, Any],
+) -> tuple[str | list[int], array.array[int] | None]:
+    """The prompt that decides routing, and for token ids (only) the same ids packed as
+    uint32. A batch of prompts routes by its first one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
+    packed = _token_ids(prompt)
+    if packed is not None:
+        return cast(list[int], prompt), packed
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first, None
+        packed = _token_ids(first)
+        if packed is not None:
+            return first, packed
+    raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
 
 
 def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
     """The prompt that decides routing. A batch of prompts routes by its first one."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    ids = _token_ids(prompt)
-    if ids is not None:
-        return ids
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, str):
-            return first
-        ids = _token_ids(first)
-        if ids is not None:
-            return ids
-    raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
+    return completion_prompt_packed(body)[0]
 
 
 _LAX_BOOL = TypeAdapter(bool)  # immutable: a validator, no state
@@ -146,6 +144,18 @@ class LocalPromptTokenizer:
         if isinstance(prompt, list):
             return prompt
         return await self.segments.encode_async(prompt, scope, offload_chars)
+
+    async def completion_packed(
+        self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
+    ) -> tuple[list[int], Sequence[int]]:
+        """:meth:`completion`, with the ids for the block keys: a token-id prompt's packed
+        ids (its check built them), else the token list itself."""
+        prompt, packed = completion_prompt_packed(body)
+        if isinstance(prompt, str):
+            tokens = await self.segments.encode_async(prompt, scope, offload_chars)
+            return tokens, tokens
+        assert packed is not None  # token ids come packed
+        return prompt, packed
 
 
 def _response_ids(payload: Any) -> list[int] | None:

@@ -28,7 +28,12 @@ from gateway.proxy import _refused
 from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.replicas import ReplicaPool, ReplicaSpec, ReplicaSpecError, parse_replica_spec
 from gateway.settings import GatewaySettings
-from gateway.tokenization import EnginePromptTokenizer, TokenIds, completion_prompt
+from gateway.tokenization import (
+    EnginePromptTokenizer,
+    LocalPromptTokenizer,
+    completion_prompt,
+    completion_prompt_packed,
+)
 from gateway.upstream import LeanTransport
 from policies.schema import HealthPolicy, QuarantinePolicy, TenantLimits, parse_policy_text
 
@@ -996,18 +1001,24 @@ async def test_the_embedded_index_keeps_the_agents_removal_log_setting(
             await gw.stop()
 
 
-def test_token_id_prompt_carries_its_packed_ids_and_keys_alike() -> None:
+async def test_token_id_prompt_comes_packed_and_keys_alike() -> None:
+    from cachecore.tokenizer import builtin_tokenizer
+
     ids = [5, 0, 2**32 - 1, 7] * 40
-    prompt = completion_prompt({"prompt": ids})
-    assert isinstance(prompt, TokenIds) and prompt == ids and prompt is not ids
-    assert list(prompt.packed) == ids
+    prompt, packed = completion_prompt_packed({"prompt": ids})
+    assert prompt is ids and packed is not None and list(packed) == ids
     keyer = BlockKeyer(16)
     for cap in (None, 3):
-        packed = keyer.keys(prompt.packed, "s", "m", None, cap)
-        assert packed == keyer.keys(ids, "s", "m", None, cap)
+        assert keyer.keys(packed, "s", "m", None, cap) == keyer.keys(ids, "s", "m", None, cap)
+    assert completion_prompt_packed({"prompt": "hi"}) == ("hi", None)
     assert completion_prompt({"prompt": [ids[:3], [1]]}) == ids[:3]  # a batch: the first
     with pytest.raises(GatewayError):
         completion_prompt({"prompt": [1, -1, 2, 3]})  # not token ids
+    lp = LocalPromptTokenizer(builtin_tokenizer())
+    tokens, keyed = await lp.completion_packed({"prompt": ids})
+    assert tokens is ids and list(keyed) == ids
+    tokens, keyed = await lp.completion_packed({"prompt": "hello world"})
+    assert tokens == await lp.completion({"prompt": "hello world"}) and keyed is tokens
 
 
 def test_metric_fast_paths_record_what_prometheus_client_records() -> None:
