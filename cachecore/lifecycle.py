@@ -335,11 +335,12 @@ class ReplicaMirror:
     eviction emits its own BlockRemoved, so the tier holds the hash while any copy remains.
 
     Per held key (a key some engine hash holds): ``_by_key[k]`` is the engine hash holding
-    it (an int: the usual case) or the set of two or more hashes; ``_parent[k]`` its
-    parent's key (absent for a chain's first block); ``_value[k]`` its index entry value
-    (tier bits and run certificates, :func:`entry_value`). ``_children[p]`` is the held
-    key, or set of held keys, whose parent is ``p`` (``p`` itself may not be held: an
-    evicted parent's children wait there for it to come back).
+    it (an int: the usual case) or the set of two or more hashes; its parent's key is in
+    their records (:meth:`_parent_of`: a key is the hash of its parent's, so every record
+    of a key names the same parent, and none a chain's first block); ``_value[k]`` its
+    index entry value (tier bits and run certificates, :func:`entry_value`).
+    ``_children[p]`` is the held key, or set of held keys, whose parent is ``p`` (``p``
+    itself may not be held: an evicted parent's children wait there for it to come back).
 
     Invariants (``check_invariants``):
 
@@ -348,7 +349,7 @@ class ReplicaMirror:
       that set is non-empty;
     * ``_value[k] == entry_value(tiers(k), _value.get(parent) or 0 / None for a root)``
       for every held key: the run certificates are exact;
-    * ``_children`` is the inverse of ``_parent``;
+    * ``_children`` is the inverse of the held keys' parents;
     * every IndexWrite returned describes the complete new state of each key it touches.
 
     Events whose blocks are all new (BlockStored) or all held once, on the event's tier
@@ -368,7 +369,6 @@ class ReplicaMirror:
         self._engine: dict[int, bytes] = {}
         self._wide: dict[int, list[int]] = {}
         self._by_key: dict[BlockKey, int | set[int]] = {}
-        self._parent: dict[BlockKey, BlockKey] = {}
         self._children: dict[BlockKey, BlockKey | set[BlockKey]] = {}
         self._value: dict[BlockKey, int] = {}
         self.counters = MirrorCounters()
@@ -419,11 +419,15 @@ class ReplicaMirror:
             want = self._fresh_value(k)
             assert self._value[k] == want, (k.hex(), self._value[k], want)
         inverse: dict[BlockKey, set[BlockKey]] = {}
-        for c, p in self._parent.items():
-            inverse.setdefault(p, set()).add(c)
+        for rec in self._engine.values():
+            k, p = _rec_key(rec), _rec_parent(rec)
+            if not k:
+                continue
+            assert p == self._parent_of(k), f"records of {k.hex()} name two parents"
+            if p is not None:
+                inverse.setdefault(p, set()).add(k)
         kids = {p: ({v} if isinstance(v, bytes) else set(v)) for p, v in self._children.items()}
         assert kids == inverse, "children"
-        assert set(self._parent) <= set(self._by_key), "parent of an unheld key"
 
     # ---- restore
     def restore(self, records: Mapping[int, bytes]) -> None:
@@ -446,7 +450,7 @@ class ReplicaMirror:
 
     def _recompute_values(self) -> None:
         """Every held key's entry value, parents before children (restore)."""
-        value, parent, held = self._value, self._parent, self._by_key
+        value, held = self._value, self._by_key
         value.clear()
         for k in held:
             if k in value:
@@ -455,7 +459,7 @@ class ReplicaMirror:
             x: BlockKey | None = k
             while x is not None and x not in value and x in held and len(path) <= len(held):
                 path.append(x)
-                x = parent.get(x)
+                x = self._parent_of(x)
             for y in reversed(path):
                 value[y] = self._fresh_value(y)
 
@@ -488,7 +492,6 @@ class ReplicaMirror:
         self._engine.clear()
         self._wide.clear()
         self._by_key.clear()
-        self._parent.clear()
         self._children.clear()
         self._value.clear()
 
@@ -542,8 +545,17 @@ class ReplicaMirror:
         return False
 
     # ---- the key tree (parents, children) and entry values
+    def _parent_of(self, key: BlockKey) -> BlockKey | None:
+        """A held key's parent key, from one of its records (None: a chain's first block,
+        or a key not held)."""
+        holders = self._by_key.get(key)
+        if holders is None:
+            return None
+        rec = self._engine[holders if isinstance(holders, int) else next(iter(holders))]
+        return _rec_parent(rec)
+
     def _link(self, key: BlockKey, parent: BlockKey) -> None:
-        self._parent[key] = parent
+        """``key`` (held, with ``parent`` in its records) is one of ``parent``'s children."""
         kids = self._children.get(parent)
         if kids is None:
             self._children[parent] = key
@@ -553,10 +565,10 @@ class ReplicaMirror:
         else:
             kids.add(key)
 
-    def _unlink(self, key: BlockKey) -> None:
-        """``key`` is no longer held: forget its link to its parent (its own children keep
-        waiting under it). Its value goes in :meth:`_settle`, which needs the old one."""
-        parent = self._parent.pop(key, None)
+    def _unlink(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """``key`` is no longer held: forget its link to ``parent``, the parent its records
+        named (its own children keep waiting under it). Its value goes in :meth:`_settle`,
+        which needs the old one."""
         if parent is None:
             return
         kids = self._children.get(parent)
@@ -613,7 +625,7 @@ class ReplicaMirror:
         tiers = self.key_tiers(key)
         if not tiers:
             return 0
-        p = self._parent.get(key)
+        p = self._parent_of(key)
         return entry_value(tiers, None if p is None else self._value.get(p, 0))
 
     # ---- events, per kind
@@ -688,7 +700,6 @@ class ReplicaMirror:
             else:
                 value = entry_value(tier, self._value.get(parent_key, 0))
                 self._link(keys[0], parent_key)
-            self._parent.update(zip(keys[1:], keys, strict=False))
             self._children.update(pairwise(keys))
             values = dict.fromkeys(keys, value)
             self._value.update(values)
@@ -792,7 +803,7 @@ class ReplicaMirror:
             return True
         del self._by_key[key]
         self._value.pop(key, None)
-        self._unlink(key)
+        self._unlink(key, rec[KEY_BYTES : 2 * KEY_BYTES] if len(rec) == _CHILD_REC else None)
         write.blocks[key] = 0
         write.removed.add(key)
         if key in self._children:  # a parent before its children: rare on vLLM
@@ -820,11 +831,11 @@ class ReplicaMirror:
                 by_key = self._by_key
                 orphaned: list[BlockKey] = []
                 children = self._children
-                for k in keys:
+                for k, held in zip(keys, recs, strict=True):
                     if k:
                         del by_key[k]
                         self._value.pop(k, None)
-                        self._unlink(k)
+                        self._unlink(k, _rec_parent(held))
                         if k in children:  # a parent before its children: rare on vLLM
                             orphaned.extend(self._kids(k))
                 write.mirror.update(dict.fromkeys(hashes))
@@ -869,5 +880,5 @@ class ReplicaMirror:
         if not key:
             return None
         if self._release(key, h):
-            self._unlink(key)
+            self._unlink(key, _rec_parent(rec))
         return key
