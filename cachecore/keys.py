@@ -23,8 +23,9 @@ from __future__ import annotations
 import array
 import hashlib
 import hmac
+import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -122,9 +123,32 @@ class SaltMinter:
         return list(cached)
 
 
+_PACK_MAX = 64  # up to this many ids a precompiled struct packs faster than an array
+_PACKERS: dict[int, Callable[..., bytes]] = {}  # n -> struct.Struct(f"<{n}I").pack
+
+
 def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32, the byte form every key hashes."""
-    arr = array.array("I", tokens)
+    """Token ids as little-endian uint32, the byte form every key hashes.
+
+    A block's few ids (a decode step's block, keyed by the agent and hashed by the engine)
+    go through a struct made once per length (about twice as fast as an array for 16);
+    a list through ``array.fromlist`` (a third faster than the array constructor's
+    generic sequence loop on a 2,000-id prompt). The same bytes either way, and an id
+    that is no uint32 raises the array's error (OverflowError, TypeError) as before."""
+    n = len(tokens)
+    if n <= _PACK_MAX:
+        pack = _PACKERS.get(n)
+        if pack is None:
+            pack = _PACKERS[n] = struct.Struct(f"<{n}I").pack
+        try:
+            return pack(*tokens)
+        except struct.error:
+            pass  # not a uint32: the array below raises its own error
+    arr = array.array("I")
+    if type(tokens) is list:
+        arr.fromlist(tokens)
+    else:
+        arr.extend(tokens)
     if not _NATIVE_LITTLE:  # pragma: no cover - big-endian hosts
         arr.byteswap()
     return arr.tobytes()
@@ -201,12 +225,17 @@ class BlockKeyer:
             raise KeyMaterialError("token count is not a multiple of block_size")
         if parent is None and salt is None:
             raise KeyMaterialError("a root block needs the salt")
-        out: list[BlockKey] = []
         data = tokens_to_bytes(tokens)
+        if not data:
+            return []
         step = bs * 4
-        key = parent
-        for off in range(0, len(data), step):
-            chunk = data[off : off + step]
-            key = root_key(salt or "", model, lora, chunk) if key is None else chain_key(key, chunk)
+        first = data[:step]
+        key = (
+            root_key(salt or "", model, lora, first) if parent is None else chain_key(parent, first)
+        )
+        out = [key]
+        h = xxhash.xxh3_128_digest  # chain_key of each further block, without a call per block
+        for off in range(step, len(data), step):
+            key = h(key + data[off : off + step])
             out.append(key)
         return out

@@ -18,10 +18,8 @@ default) or as the raw bytes: :class:`WireHashFormat`.
 
 from __future__ import annotations
 
-import array
 import hashlib
 import os
-import sys
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
@@ -29,12 +27,12 @@ from typing import Any
 import msgpack
 import xxhash
 
+from cachecore.keys import tokens_to_bytes
+
 EngineHash = bytes
 """A block hash as the engine holds it (a digest)."""
 
 ExtraKeys = tuple[Any, ...] | None
-
-_NATIVE_LITTLE = sys.byteorder == "little"
 
 
 _MEMO_BLOCKS = 16  # blocks per memoised span of EngineHasher.chain
@@ -51,11 +49,9 @@ class WireHashFormat(StrEnum):
     BYTES = "bytes"  # the raw digest
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    arr = array.array("I", tokens)
-    if not _NATIVE_LITTLE:  # pragma: no cover - big-endian hosts
-        arr.byteswap()
-    return arr.tobytes()
+# uint32 little-endian, as the block keys take them (one implementation: its fast paths
+# serve a decode step's block in both the engine's hash and the agent's key)
+_token_bytes = tokens_to_bytes
 
 
 def _extra_bytes(extra: ExtraKeys) -> bytes:
