@@ -424,27 +424,31 @@ class EngineCore:
         # Block-boundary crossings within steps 1..k, in single-step order: step, then
         # position in the batch, then allocation (kind 0) before caching (kind 1).
         crossings: list[tuple[int, int, int]] = []
+        n_alloc = 0
         for idx, r in enumerate(running):
             c = r.num_computed_tokens  # step s computes the KV of position c + s - 1
             s_alloc = (-c) % bs + 1
             s_cache = (-c - 1) % bs + 1
             # the tuples built by C loops (a generator per request cost 1/3 of this)
             if s_alloc <= k:
-                crossings += zip(range(s_alloc, k + 1, bs), repeat(idx), repeat(0))
+                allocs = range(s_alloc, k + 1, bs)
+                n_alloc += len(allocs)
+                crossings += zip(allocs, repeat(idx), repeat(0))
             if s_cache <= k:
                 crossings += zip(range(s_cache, k + 1, bs), repeat(idx), repeat(1))
         crossings.sort()
         free = self.pool.num_free_blocks
-        n_alloc = 0
-        for pos, (s, _, kind) in enumerate(crossings):
-            if kind == 0:
-                n_alloc += 1
-                if n_alloc > free:  # this step would preempt: stop before it
-                    k = s - 1
-                    crossings = crossings[:pos]
-                    while crossings and crossings[-1][0] > k:
-                        crossings.pop()
-                    break
+        if n_alloc > free:  # some allocation would preempt: stop before its step
+            n_alloc = 0
+            for pos, (s, _, kind) in enumerate(crossings):
+                if kind == 0:
+                    n_alloc += 1
+                    if n_alloc > free:
+                        k = s - 1
+                        crossings = crossings[:pos]
+                        while crossings and crossings[-1][0] > k:
+                            crossings.pop()
+                        break
         if k <= 1:
             return self.step(now)
         planned = self._planned_tokens
