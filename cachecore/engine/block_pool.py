@@ -30,7 +30,6 @@ Invariants (checked by :meth:`BlockPool.check_invariants`):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -59,7 +58,9 @@ class KVBlock:
         "block_hash",
         "block_id",
         "extra_keys",
+        "next_free",
         "parent_hash",
+        "prev_free",
         "ref_cnt",
         "token_ids",
         "wire_hash",
@@ -73,6 +74,9 @@ class KVBlock:
         self.token_ids: Sequence[int] = ()
         self.extra_keys: ExtraKeys = None
         self.wire_hash: int | bytes | None = None
+        # neighbours in the pool's free queue (both None while the block is not in it)
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
 
     def _clear_hash(self) -> None:
         self.block_hash = None
@@ -129,9 +133,20 @@ class BlockPool:
         self.wire_format = WireHashFormat(wire_format)  # a plain "int" / "bytes" too
         self.enable_events = enable_events
         self.blocks: list[KVBlock] = [KVBlock(i) for i in range(num_blocks)]
-        # OrderedDict gives O(1) pop-head, append-tail, push-head and remove-by-id: the
-        # operations of vLLM's doubly linked FreeKVCacheBlockQueue.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        # The free queue, vLLM's FreeKVCacheBlockQueue: a doubly linked list through the
+        # blocks' prev_free/next_free, circular around a sentinel (its next_free is the
+        # head, its prev_free the tail). O(1) pop-head, append-tail, push-head and remove
+        # that touch only the block and its neighbours: no hash table (an OrderedDict's
+        # insert was the costliest line of a simulated fleet's block frees).
+        self._sentinel = sentinel = KVBlock(-1)
+        prev = sentinel
+        for blk in self.blocks:
+            prev.next_free = blk
+            blk.prev_free = prev
+            prev = blk
+        prev.next_free = sentinel
+        sentinel.prev_free = prev
+        self._num_free = num_blocks
         # hash -> {block_id: block}; several ids when several requests computed the same block
         self._cached: dict[EngineHash, dict[int, KVBlock]] = {}
         # hash -> the first registered copy (the first of its _cached entry): the prefix
@@ -144,7 +159,7 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -152,12 +167,12 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
 
     def usage(self) -> float:
         """Fraction of blocks in use by requests (vLLM's kv_cache_usage_perc, 0..1); free
         blocks that still hold cached data count as free."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self._num_free / self.num_blocks
 
     def get_cached_block(self, block_hash: EngineHash) -> KVBlock | None:
         """A cached block with this hash (the first registered copy), or None."""
@@ -179,24 +194,39 @@ class BlockPool:
     def allocate(self, n: int) -> list[KVBlock]:
         """``n`` blocks from the head of the free queue, each with ref_cnt 1; cached ones are
         evicted first (BlockRemoved)."""
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"need {n} blocks, {len(self._free)} free")
+        if n > self._num_free:
+            raise NoFreeBlocksError(f"need {n} blocks, {self._num_free} free")
         out: list[KVBlock] = []
-        pop = self._free.popitem
+        sentinel = self._sentinel
+        blk = sentinel
         for _ in range(n):
-            _, blk = pop(last=False)
+            blk = cast("KVBlock", blk.next_free)
+            blk.prev_free = None  # out of the queue (next_free cleared below, read first)
             if blk.block_hash is not None:
                 self._evict(blk)
             blk.ref_cnt = 1
             out.append(blk)
+        # the n blocks left the head at once: link the sentinel to the one after them
+        head = cast("KVBlock", blk.next_free)
+        for taken in out:
+            taken.next_free = None
+        sentinel.next_free = head
+        head.prev_free = sentinel
+        self._num_free -= n
         return out
 
     def allocate_one(self) -> KVBlock:
         """:meth:`allocate` of one block, without the list (a decode step crossing into a
         new block: most allocations)."""
-        if not self._free:
+        if not self._num_free:
             raise NoFreeBlocksError("need 1 blocks, 0 free")
-        _, blk = self._free.popitem(last=False)
+        sentinel = self._sentinel
+        blk = cast("KVBlock", sentinel.next_free)
+        head = cast("KVBlock", blk.next_free)
+        sentinel.next_free = head
+        head.prev_free = sentinel
+        blk.prev_free = blk.next_free = None
+        self._num_free -= 1
         if blk.block_hash is not None:
             self._evict(blk)
         blk.ref_cnt = 1
@@ -223,26 +253,37 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """A cache hit: take a reference, pulling free blocks out of the eviction queue."""
-        free = self._free
         for blk in blocks:
             ref = blk.ref_cnt
             if not ref:
                 if blk.block_hash is None:
                     raise BlockPoolError(f"touching uncached free block {blk.block_id}")
-                del free[blk.block_id]
+                prev, nxt = blk.prev_free, blk.next_free
+                prev.next_free = nxt  # type: ignore[union-attr]
+                nxt.prev_free = prev  # type: ignore[union-attr]
+                blk.prev_free = blk.next_free = None
+                self._num_free -= 1
             blk.ref_cnt = ref + 1
 
     def free(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue in the
         given order (first given = evicted first among them)."""
-        free = self._free
+        sentinel = self._sentinel
         for blk in ordered_blocks:
             ref = blk.ref_cnt - 1  # read once: a request frees 100+ blocks at its finish
             if not ref:  # the common case first: one test per block
                 blk.ref_cnt = 0
-                free[blk.block_id] = blk
-                if blk.block_hash is None:
-                    free.move_to_end(blk.block_id, last=False)
+                if blk.block_hash is None:  # nothing reusable: to the head, reused first
+                    nxt = cast("KVBlock", sentinel.next_free)
+                    blk.prev_free = sentinel
+                    blk.next_free = nxt
+                    sentinel.next_free = nxt.prev_free = blk
+                else:  # to the tail: evicted last
+                    last = cast("KVBlock", sentinel.prev_free)
+                    blk.prev_free = last
+                    blk.next_free = sentinel
+                    sentinel.prev_free = last.next_free = blk
+                self._num_free += 1
             elif ref > 0:
                 blk.ref_cnt = ref
             else:
@@ -366,7 +407,7 @@ class BlockPool:
     def reset(self) -> bool:
         """Drop every cached hash (vLLM's reset_prefix_cache). Only when no block is in use:
         returns False and changes nothing otherwise."""
-        if len(self._free) != self.num_blocks:
+        if self._num_free != self.num_blocks:
             return False
         for copies in self._cached.values():
             for blk in copies.values():
@@ -404,7 +445,13 @@ class BlockPool:
 
     def free_queue_ids(self) -> list[int]:
         """Block ids in eviction order (head first). O(num_blocks): tests and debugging."""
-        return list(self._free)
+        out: list[int] = []
+        blk = self._sentinel.next_free
+        while blk is not self._sentinel:
+            assert blk is not None
+            out.append(blk.block_id)
+            blk = blk.next_free
+        return out
 
     def check_invariants(self) -> None:
         """Raise AssertionError when an invariant of the class docstring is broken.
@@ -412,7 +459,9 @@ class BlockPool:
         n_hashed = 0
         for blk in self.blocks:
             assert blk.ref_cnt >= 0, f"negative ref count on {blk}"
-            assert (blk.ref_cnt == 0) == (blk.block_id in self._free), f"free queue vs {blk}"
+            queued = blk.next_free is not None
+            assert (blk.ref_cnt == 0) == queued, f"free queue vs {blk}"
+            assert (blk.prev_free is not None) == queued, f"half-linked {blk}"
             if blk.block_hash is not None:
                 n_hashed += 1
                 copies = self._cached.get(blk.block_hash)
@@ -430,4 +479,12 @@ class BlockPool:
                 n_mapped += 1
         assert n_hashed == n_mapped == self._num_cached, (n_hashed, n_mapped, self._num_cached)
         assert len(self._first) == len(self._cached), "first copies"
-        assert len(self._free) == sum(1 for b in self.blocks if b.ref_cnt == 0)
+        ids = self.free_queue_ids()
+        assert len(ids) == len(set(ids)) == self._num_free, "free queue length"
+        assert self._num_free == sum(1 for b in self.blocks if b.ref_cnt == 0)
+        blk = self._sentinel
+        for _ in range(self._num_free + 1):  # every link is mirrored by its back link
+            nxt = blk.next_free
+            assert nxt is not None and nxt.prev_free is blk, f"broken link after {blk}"
+            blk = nxt
+        assert blk is self._sentinel
