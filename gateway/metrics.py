@@ -8,7 +8,6 @@ sums prompt tokens, so the error fraction is ``abs_error / prompt`` over any win
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,36 +41,16 @@ class _CachedLabels:
         return child
 
 
-# The mutators below take prometheus-client's own path (its checks, then ``_value``) in
-# one call where the library makes three (observable? -> check -> update); anything
-# unusual (a parent, an exemplar, a negative count, NaN, the mostrecent mode) goes to the
-# library as before. A dozen such updates per request.
-
-
 class Counter(_CachedLabels, _Counter):
-    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
-        if exemplar is None and amount >= 0 and (self._labelvalues or not self._labelnames):
-            self._value.inc(amount)
-        else:
-            super().inc(amount, exemplar)
+    pass
 
 
 class Gauge(_CachedLabels, _Gauge):
-    def set(self, value: float) -> None:
-        if not self._is_most_recent and (self._labelvalues or not self._labelnames):
-            self._value.set(float(value))
-        else:
-            super().set(value)
+    pass
 
 
 class Histogram(_CachedLabels, _Histogram):
-    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
-        if exemplar is not None or amount != amount or not self._labelvalues:
-            super().observe(amount, exemplar)  # (every histogram here has labels)
-            return
-        self._sum.inc(amount)
-        # the first bucket whose bound is >= amount (the last bound is +Inf)
-        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
+    pass
 
 
 _LATENCY_BUCKETS = (
