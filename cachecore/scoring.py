@@ -348,12 +348,14 @@ class OnlineFit:
 
     def update(self, x: Sequence[float], observed_ms: float) -> bool:
         """Feed one observation. Returns False if it was rejected (non-finite or outlier)."""
+        n = len(FEATURES)
+        if len(x) < n:  # map() below would silently drop the missing features
+            raise ValueError(f"{len(x)} features for a fit of {n}")
         if not math.isfinite(observed_ms) or observed_ms < 0 or not all(map(math.isfinite, x)):
             self.skipped += 1
             return False
         # the same float operations in the same order as the textbook loops, with the
         # dot products in C (map) and the rows hoisted: bit-identical results, fewer bytecodes
-        n = len(FEATURES)
         z = list(map(mul, x, self._SCALES))  # the first n features, as x[i] for i < n
         theta = self._theta
         resid = observed_ms - math.fsum(map(mul, theta, z))

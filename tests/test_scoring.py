@@ -204,3 +204,15 @@ def test_online_fit_matches_the_textbook_recursion() -> None:
             resid_var = resid * resid if samples == 0 else 0.98 * resid_var + 0.02 * resid * resid
             samples += 1
         assert fit._theta == theta and fit._p == p and fit._resid_var == resid_var
+
+
+def test_online_fit_refuses_a_short_or_lenless_feature_vector() -> None:
+    """A vector shorter than FEATURES (or one without a length) is an error, not a sample
+    taken with features missing (review of the fit's C loops, which would truncate)."""
+    fit = OnlineFit(Coefficients())
+    before = list(fit._theta)
+    with pytest.raises(ValueError):
+        fit.update([1.0, 100.0, 0.0], 50.0)
+    with pytest.raises(TypeError):
+        fit.update(iter([1.0, 100.0, 0.0, 2.0, 0.0]), 50.0)  # type: ignore[arg-type]
+    assert fit._theta == before and fit.samples == 0

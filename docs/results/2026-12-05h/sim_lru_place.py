@@ -65,9 +65,11 @@ def run(seed: int) -> None:
     def eviction_age(r: int, need: int) -> int:
         """The free stamp of the youngest cached block that ``need`` new blocks evict."""
         youngest = 0
-        for i, blk in enumerate(sim.engines[r].pool._free.values()):
+        pool = sim.engines[r].pool
+        for i, block_id in enumerate(pool.free_queue_ids()):
             if i >= need:
                 break
+            blk = pool.blocks[block_id]
             if blk.block_hash is not None:
                 youngest = max(youngest, freed_at[r].get(blk.block_id, 0))
         return youngest
