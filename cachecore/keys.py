@@ -130,26 +130,30 @@ _PACKERS: dict[int, Callable[..., bytes]] = {}  # n -> struct.Struct(f"<{n}I").p
 def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32, the byte form every key hashes.
 
-    A block's few ids (a decode step's block, keyed by the agent and hashed by the engine)
-    go through a struct made once per length (about twice as fast as an array for 16);
-    a list through ``array.fromlist`` (a third faster than the array constructor's
-    generic sequence loop on a 2,000-id prompt). The same bytes either way, and an id
-    that is no uint32 raises the array's error (OverflowError, TypeError) as before."""
-    n = len(tokens)
-    if n <= _PACK_MAX:
-        pack = _PACKERS.get(n)
-        if pack is None:
-            pack = _PACKERS[n] = struct.Struct(f"<{n}I").pack
-        try:
-            return pack(*tokens)
-        except struct.error:
-            pass  # not a uint32: the array below raises its own error
-    arr = array.array("I")
+    A list of a block's few ids (a decode step's block, keyed by the agent and hashed by
+    the engine) goes through a struct made once per length (about twice as fast as an
+    array for 16); a longer list through ``array.fromlist`` (a third faster than the array
+    constructor's generic sequence loop on a 2,000-id prompt); a uint32 array as it is;
+    anything else through the array constructor. The same bytes every way, and an id that
+    is no uint32 raises the array's error (OverflowError, TypeError)."""
     if type(tokens) is list:
+        n = len(tokens)
+        if n <= _PACK_MAX:
+            pack = _PACKERS.get(n)
+            if pack is None:
+                pack = _PACKERS[n] = struct.Struct(f"<{n}I").pack
+            try:
+                return pack(*tokens)
+            except struct.error:
+                pass  # not a uint32: fromlist below raises the array's error
+        arr = array.array("I")
         arr.fromlist(tokens)
+    elif type(tokens) is array.array and tokens.typecode == "I":
+        arr = tokens  # the gateway's packed prompt, or a slice of it
     else:
-        arr.extend(tokens)
+        arr = array.array("I", tokens)  # converts any int array or sequence, checking ids
     if not _NATIVE_LITTLE:  # pragma: no cover - big-endian hosts
+        arr = array.array("I", arr)
         arr.byteswap()
     return arr.tobytes()
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from cachecore.keys import (
     Scope,
     ScopeKind,
     is_ephemeral_salt,
+    tokens_to_bytes,
 )
 
 SECRET = b"s" * 32
@@ -95,3 +97,24 @@ def test_an_id_past_the_keyed_blocks_is_never_read() -> None:
     assert k.keys([*good, 1, 2, 3, -1], "s", "m", max_blocks=2) == k.keys(good, "s", "m")
     with pytest.raises(OverflowError):
         k.keys([0, 1, 2, 2**40, *good], "s", "m")
+
+
+@pytest.mark.parametrize("typecode", ["l", "q", "i", "H", "L", "I"])
+@pytest.mark.parametrize("n", [3, 16, 100])
+def test_tokens_to_bytes_of_any_int_array_equals_the_list(typecode: str, n: int) -> None:
+    """Every input form packs to the same bytes (the review of the struct/fromlist paths:
+    an array of another typecode longer than the struct's limit was refused)."""
+    ids = list(range(n))
+    want = array.array("I", ids).tobytes()
+    assert tokens_to_bytes(array.array(typecode, ids)) == want
+    assert tokens_to_bytes(ids) == tokens_to_bytes(tuple(ids)) == want
+    keyer = BlockKeyer(16)
+    assert keyer.keys(array.array(typecode, ids), "s", "m") == keyer.keys(ids, "s", "m")
+
+
+def test_tokens_to_bytes_refuses_what_is_no_uint32_with_the_arrays_errors() -> None:
+    for bad in ([1, -2], [1, 2**32], [*range(70), -1], array.array("i", [1, -2])):
+        with pytest.raises(OverflowError):
+            tokens_to_bytes(bad)
+    with pytest.raises(TypeError):
+        tokens_to_bytes([1, "2"])  # type: ignore[list-item]
