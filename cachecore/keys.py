@@ -170,6 +170,18 @@ def chain_key(parent: BlockKey, block_tokens: bytes) -> BlockKey:
     return xxhash.xxh3_128_digest(parent + block_tokens)
 
 
+def _chained(first: BlockKey, data: bytes, step: int, end: int) -> list[BlockKey]:
+    """``first`` (the key of ``data[:step]``) and the key of each further block of
+    ``step`` bytes before ``end``: :func:`chain_key` without a call per block."""
+    key = first
+    out = [key]
+    h = xxhash.xxh3_128_digest
+    for off in range(step, end, step):
+        key = h(key + data[off : off + step])
+        out.append(key)
+    return out
+
+
 class BlockKeyer:
     """Computes the chained keys of every full block of a token sequence."""
 
@@ -202,13 +214,7 @@ class BlockKeyer:
             # an id past the keyed blocks that is no uint32 (an engine's /tokenize reply is
             # not checked): it is never keyed, so it must not fail the keys before it
             data = tokens_to_bytes(tokens[:n])
-        key = root_key(salt, model, lora, data[:step])
-        out = [key]
-        h = xxhash.xxh3_128_digest
-        for off in range(step, n_blocks * step, step):
-            key = h(key + data[off : off + step])
-            out.append(key)
-        return out
+        return _chained(root_key(salt, model, lora, data[:step]), data, step, n_blocks * step)
 
     def chain(
         self,
@@ -237,9 +243,4 @@ class BlockKeyer:
         key = (
             root_key(salt or "", model, lora, first) if parent is None else chain_key(parent, first)
         )
-        out = [key]
-        h = xxhash.xxh3_128_digest  # chain_key of each further block, without a call per block
-        for off in range(step, len(data), step):
-            key = h(key + data[off : off + step])
-            out.append(key)
-        return out
+        return _chained(key, data, step, len(data))

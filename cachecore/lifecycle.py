@@ -724,12 +724,11 @@ class ReplicaMirror:
         parent = engine.get(parent_hash)
         h = ev.block_hashes[0]
         tokens = ev.token_ids
-        # a record longer than its counts starts with its key (see _rec_key)
-        if parent is None or len(parent) == _COUNT_BYTES or h in engine:
+        if parent is None or h in engine or len(tokens) != self.keyer.block_size:
             return False
-        if len(tokens) != self.keyer.block_size:
+        parent_key = _rec_key(parent)
+        if not parent_key:  # after an unscoped or ephemeral block: the general path
             return False
-        parent_key = parent[:KEY_BYTES]
         k = chain_key(parent_key, tokens_to_bytes(tokens))  # BlockKeyer.chain of one block
         by_key = self._by_key
         if k in by_key or k in self._children:
@@ -803,7 +802,7 @@ class ReplicaMirror:
             return True
         del self._by_key[key]
         self._value.pop(key, None)
-        self._unlink(key, rec[KEY_BYTES : 2 * KEY_BYTES] if len(rec) == _CHILD_REC else None)
+        self._unlink(key, _rec_parent(rec))
         write.blocks[key] = 0
         write.removed.add(key)
         if key in self._children:  # a parent before its children: rare on vLLM

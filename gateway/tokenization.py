@@ -144,10 +144,8 @@ class LocalPromptTokenizer:
     async def completion(
         self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
     ) -> list[int]:
-        prompt = completion_prompt(body)
-        if isinstance(prompt, list):
-            return prompt
-        return await self.segments.encode_async(prompt, scope, offload_chars)
+        tokens, _ = await self.completion_packed(body, scope, offload_chars)
+        return tokens
 
     async def completion_packed(
         self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS

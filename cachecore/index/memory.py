@@ -156,9 +156,11 @@ class _Replica:
 def check_write_values(write: IndexWrite) -> None:
     """Every value of ``write.blocks`` must be an entry value (0 deletes;
     :func:`cachecore.lifecycle.check_entry_values`); checked before any change so a bad
-    write changes nothing."""
-    if write.blocks:
-        check_entry_values(write.blocks.values())
+    write changes nothing. Values within 0..TIER_MASK (deletes and plain tier bits, every
+    value of a steady engine) are valid as they are: the full check only for the others."""
+    values = write.blocks.values()
+    if values and (min(values) < 0 or max(values) > TIER_MASK):
+        check_entry_values(values)
 
 
 def _search(rep: _Replica, keys: Sequence[BlockKey], now_ms: int) -> PrefixMatch:
@@ -305,14 +307,11 @@ class MemoryIndex:
         rep = self._replicas.get(replica) or self._rep(replica)
         if epoch != rep.epoch:
             raise StaleEpochError(f"replica {replica}: epoch {epoch} != current {rep.epoch}")
-        wblocks = write.blocks
-        # check_write_values, whose full check only values past plain tier bits need
-        if wblocks and (max(wblocks.values()) > TIER_MASK or min(wblocks.values()) < 0):
-            check_entry_values(wblocks.values())
+        check_write_values(write)
         blocks = rep.blocks
         added = 0
         removed = rep.removed if self.removal_log else None
-        for k, bits in reversed(wblocks.items()):
+        for k, bits in reversed(write.blocks.items()):
             if bits:
                 if k in blocks:
                     blocks[k] = bits
