@@ -515,7 +515,10 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     verdicts: list[str] = []
     try:
         _wait_health(f"http://127.0.0.1:{rport}/health", replica)
-        ids = [f"d{i}" for i in range(n_rep)]
+        # one simulated server serves every candidate: as the ranks of one data-parallel
+        # engine (D20), so the pool sees a valid fleet (no shared-URL warning); nothing
+        # is sent, only decided
+        ids = ["d"] + [f"d@dp{i}" for i in range(1, n_rep)]
         index = RedisIndex.from_url(server.url)
         # the keys the gateway will compute: same secret, scope, model, block size
         salt = SaltMinter([SALT_SECRET.encode()]).salt(Scope(ScopeKind.TENANT, "anonymous"))
