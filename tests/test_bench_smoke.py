@@ -34,6 +34,8 @@ def test_bench_gateway_smoke_run_prints_every_part() -> None:
     assert {r[0] for r in rows} == {"direct", "gateway"}
     assert all(int(sent) > 0 and int(errors) == 0 for _, sent, errors in rows)
     assert text.count("target:") >= 4
+    # the decision part's fleet is valid: its candidates are one server's ranks (D20)
+    assert "share one URL" not in text + out.stderr
 
 
 def test_bench_index_quick_run_proves_one_call_per_lookup() -> None:
