@@ -220,6 +220,11 @@ class InvalidTransitionError(ValueError):
         self.state, self.event = state, event
 
 
+class MirrorRecordError(ValueError):
+    """Persisted mirror records that no :class:`ReplicaMirror` wrote (a corrupt or foreign
+    index): restoring them would invent keys or link a key under two parents."""
+
+
 def transition(state: BlockState, event: BlockEvent) -> BlockState:
     try:
         return TRANSITIONS[(state, event)]
@@ -266,6 +271,7 @@ class IndexWrite:
 _COUNT_BYTES = len(ALL_TIERS)
 _ROOT_REC = KEY_BYTES + _COUNT_BYTES
 _CHILD_REC = 2 * KEY_BYTES + _COUNT_BYTES
+_RECORD_LENGTHS = frozenset((_COUNT_BYTES, _ROOT_REC, _CHILD_REC))
 _TIER_POS: Mapping[int, int] = {int(t): i for i, t in enumerate(ALL_TIERS)}
 _ONE_COPY: Mapping[int, bytes] = {
     int(t): bytes(1 if j == i else 0 for j in range(_COUNT_BYTES)) for i, t in enumerate(ALL_TIERS)
@@ -431,21 +437,36 @@ class ReplicaMirror:
 
     # ---- restore
     def restore(self, records: Mapping[int, bytes]) -> None:
+        """Adopt the records the index persisted (an agent restart). Raises
+        :class:`MirrorRecordError`, leaving the mirror empty, for records no mirror writes:
+        a length other than 4, 20 or 36 bytes, or one key's records naming two parents
+        (every record of a key names the same parent: the key hashes it)."""
         self._reset()
-        parents: dict[BlockKey, BlockKey] = {}
+        try:
+            self._restore(records)
+        except MirrorRecordError:
+            self._reset()
+            raise
+
+    def _restore(self, records: Mapping[int, bytes]) -> None:
+        parents: dict[BlockKey, BlockKey | None] = {}
         for h, raw in records.items():
-            if len(raw) < _COUNT_BYTES:
-                raise ValueError(f"mirror record of {len(raw)} bytes")
+            if len(raw) not in _RECORD_LENGTHS:
+                raise MirrorRecordError(f"mirror record of {len(raw)} bytes (engine hash {h})")
             rec = bytes(raw)
             self._engine[h] = rec
             key = _rec_key(rec)
             if key:
-                self._hold(key, h)
                 parent = _rec_parent(rec)
-                if parent is not None:
-                    parents[key] = parent
+                if parents.get(key, parent) != parent or parent == key:
+                    raise MirrorRecordError(
+                        f"mirror records of key {key.hex()} name two parents (engine hash {h})"
+                    )
+                parents[key] = parent
+                self._hold(key, h)
         for key, parent in parents.items():
-            self._link(key, parent)
+            if parent is not None:
+                self._link(key, parent)
         self._recompute_values()
 
     def _recompute_values(self) -> None:

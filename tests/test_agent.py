@@ -26,7 +26,7 @@ from cachecore.kvevents import (
     MalformedEventError,
     seq_to_bytes,
 )
-from cachecore.lifecycle import Tier
+from cachecore.lifecycle import IndexWrite, Tier
 from cachecore.loadstate import MemoryLoadStore
 from cachecore.registry import MemoryRegistry
 from cachecore.traceanalysis import analyze_events, read_jsonl
@@ -477,6 +477,38 @@ async def test_agent_restart_restores_the_mirror_and_replays(rig: Rig) -> None:
     ev3, _ = eng.store(toks(700, 2), tenant="c")
     await rig.publish(ev3)
     await rig.start()
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    assert rig.agent is not None
+    for sync in rig.agent.syncs.values():
+        await sync.check_invariants()
+
+
+@pytest.mark.parametrize("record", [b"\x01", b"\x01" * 10], ids=["short", "odd_length"])
+async def test_a_corrupt_persisted_mirror_is_dropped_not_retried_forever(
+    rig: Rig, record: bytes
+) -> None:
+    """An agent restarting on mirror records it cannot restore (a corrupt index) retried
+    the load forever, logging "index not reachable": the replica never came back. It must
+    drop the replica's entries (a clear, counted by cause) and rebuild them from the
+    engine's events (its replay, then the live stream)."""
+    await rig.start()
+    eng = rig.engine
+    ev, _ = eng.store(toks(0, 3))
+    await rig.publish(ev)
+    await rig.settle()
+    assert await rig.index_keys() == eng.keys()
+    await rig.stop_agent()
+    meta = await rig.index.meta("r0")
+    await rig.index.apply("r0", meta.epoch, IndexWrite(mirror={12345: record}), 1)
+    agent = await rig.start()  # ready within wait_ready's 10 s, or this fails
+    await rig.settle()
+    assert counter_total(agent.metrics.clears, cause="corrupt_mirror") == 1
+    assert (await rig.index.meta("r0")).epoch > meta.epoch
+    # the entries were rebuilt from the engine's replay of its events, and new ones follow
+    assert await rig.index_keys() == eng.keys()
+    ev2, _ = eng.store(toks(900, 2), tenant="z")
+    await rig.publish(ev2)
     await rig.settle()
     assert await rig.index_keys() == eng.keys()
     assert rig.agent is not None

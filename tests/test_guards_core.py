@@ -274,3 +274,30 @@ def test_a_bool_is_not_a_block_hash() -> None:
         normalize_hash(True)
     assert err.value.reason == "bad_hash"
     assert normalize_hash(1) == 1
+
+
+def test_restore_refuses_records_no_mirror_writes() -> None:
+    """A persisted mirror that no mirror wrote (a record of another length, or one key's
+    records naming two parents: a corrupt or foreign index) was restored as it was: garbage
+    keys, and children linked under one parent while the values followed the other."""
+    from cachecore.lifecycle import MirrorRecordError
+
+    keys = BlockKeyer(4).keys(list(range(8)), SALT, "m")
+    gpu = bytes([1, 0, 0, 0])
+    good = {1: keys[0] + gpu, 2: keys[1] + keys[0] + gpu}
+    mirror = ReplicaMirror(BlockKeyer(4), "m")
+    mirror.restore(good)
+    mirror.check_invariants()
+    assert mirror.blocks().keys() == {keys[0], keys[1]}
+    other_parent = bytes(16)
+    for bad in (
+        {**good, 3: b"\x01" * 10},  # neither 4, 20 nor 36 bytes
+        {**good, 3: b"\x01"},
+        {**good, 3: keys[1] + other_parent + gpu},  # keys[1] under two parents
+        {**good, 3: keys[1] + gpu},  # keys[1] both a root and a child
+    ):
+        with pytest.raises(MirrorRecordError):
+            mirror.restore(bad)
+        assert len(mirror) == 0 and mirror.snapshot() == {}  # nothing half-restored
+    mirror.restore(good)  # and usable again
+    mirror.check_invariants()

@@ -46,7 +46,7 @@ from cachecore.agent.trace import TraceWriter
 from cachecore.index.base import PrefixIndex, ReplicaState
 from cachecore.index.layout import dp_replica_id
 from cachecore.keys import BlockKeyer
-from cachecore.lifecycle import ReplicaMirror
+from cachecore.lifecycle import MirrorRecordError, ReplicaMirror
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore
 from cachecore.tasks import cancel_and_wait
@@ -228,11 +228,11 @@ class Agent:
             self.engine = info
             self.engine_reachable = True
             primary = await self._new_sync(self.settings.data_parallel_rank or 0)
-            loaded = await self._retry_index(primary.load, "load")
+            loaded, cause = await self._load(primary)
             restart_first = False
             if not loaded:
                 await primary.put(
-                    ClearReplica(ReplicaState.LIVE, info.start_time, "fresh", None, None)
+                    ClearReplica(ReplicaState.LIVE, info.start_time, cause, None, None)
                 )
             else:
                 known = primary.engine_start
@@ -356,11 +356,29 @@ class Agent:
             model, block_size, snap.capacity_blocks(block_size), snap.start_time or 0.0
         )
 
+    async def _load(self, sync: ReplicaSync) -> tuple[bool, str]:
+        """Adopt the index's persisted state for ``sync``: (True, "") when adopted, else
+        (False, the cause of the clear it needs): "fresh" when the index knows nothing of
+        the replica, "corrupt_mirror" when its records cannot be restored (a corrupt or
+        foreign index: its entries are dropped and rebuilt from the engine's events, as no
+        retry would make them restorable)."""
+        try:
+            return await self._retry_index(sync.load, "load"), "fresh"
+        except MirrorRecordError as exc:
+            log.error(
+                "the index's mirror records of this replica cannot be restored: its "
+                "entries are dropped and rebuilt from the engine's events",
+                extra={"replica": sync.replica_id, "error": str(exc)},
+            )
+            return False, "corrupt_mirror"
+
     async def _retry_index(self, call: Callable[[], Awaitable[bool]], what: str) -> bool:
         delay = 0.1
         while True:
             try:
                 return await call()
+            except MirrorRecordError:
+                raise  # the index answered: with records no retry makes restorable
             except Exception as exc:
                 log.warning(
                     "index not reachable at startup; retrying",
@@ -416,9 +434,9 @@ class Agent:
             return sync
         sync = await self._new_sync(rank)
         assert self.engine is not None
-        loaded = await self._retry_index(sync.load, "load")
+        loaded, cause = await self._load(sync)
         if not loaded:
-            await sync.put(ClearReplica(ReplicaState.LIVE, self.engine.start_time, "fresh"))
+            await sync.put(ClearReplica(ReplicaState.LIVE, self.engine.start_time, cause))
         else:
             # a rank we had not seen since the agent started: its seq history is unknown
             # to this stream, so its persisted entries cannot be trusted
