@@ -64,6 +64,26 @@ async def test_agent_restart_on_redis_restores_mirror_and_replays(redis_rig: Rig
         await sync.check_invariants()
 
 
+async def test_an_unreadable_mirror_field_on_redis_is_dropped_not_retried(redis_rig: Rig) -> None:
+    """A mirror hash field no agent writes (not an engine hash's 8 or 18 bytes) made the
+    restarting agent retry its load for ever as if Redis were down."""
+    r = redis_rig
+    await r.start()
+    eng = r.engine
+    ev, _ = eng.store(toks(0, 3))
+    await r.publish(ev)
+    await r.settle()
+    await r.stop_agent()
+    index = r.index
+    assert isinstance(index, RedisIndex)
+    epoch = (await index.meta("r0")).epoch
+    await index.client.hset(index.layout.mirror("r0", epoch), b"abc", b"\x01\x00\x00\x00")
+    agent = await r.start()  # ready within wait_ready's 10 s, or this fails
+    await r.settle()
+    assert counter_total(agent.metrics.clears, cause="corrupt_mirror") == 1
+    assert await r.index_keys() == eng.keys()  # rebuilt from the engine's replay
+
+
 async def test_redis_restart_is_resynced_from_the_mirror(redis_own: RedisServer) -> None:
     index = _index(redis_own.url)
     r = Rig(index)

@@ -58,7 +58,7 @@ from cachecore.index.layout import (
 )
 from cachecore.index.memory import check_write_values
 from cachecore.keys import KEY_BYTES, BlockKey
-from cachecore.lifecycle import IndexWrite, Tier
+from cachecore.lifecycle import IndexWrite, MirrorRecordError, Tier
 
 try:
     import hiredis
@@ -837,7 +837,10 @@ class RedisIndex:
 
     async def load_mirror(self, replica: str) -> dict[int, bytes]:
         raw = await self._scan_epoch_hash(replica, "m")
-        return {engine_hash_from_field(f): v for f, v in raw.items()}
+        try:
+            return {engine_hash_from_field(f): v for f, v in raw.items()}
+        except ValueError as exc:  # a field no agent writes: no retry reads it better
+            raise MirrorRecordError(f"replica {replica}: {exc}") from None
 
     async def replica_blocks(self, replica: str) -> dict[BlockKey, int]:
         raw = await self._scan_epoch_hash(replica, "b")
