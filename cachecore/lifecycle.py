@@ -460,7 +460,8 @@ class ReplicaMirror:
                 parent = _rec_parent(rec)
                 if parents.get(key, parent) != parent or parent == key:
                     raise MirrorRecordError(
-                        f"mirror records of key {key.hex()} name two parents (engine hash {h})"
+                        f"mirror records of key {key.hex()} name two parents, or the key "
+                        f"itself (engine hash {h})"
                     )
                 parents[key] = parent
                 self._hold(key, h)

@@ -295,6 +295,7 @@ def test_restore_refuses_records_no_mirror_writes() -> None:
         {**good, 3: b"\x01"},
         {**good, 3: keys[1] + other_parent + gpu},  # keys[1] under two parents
         {**good, 3: keys[1] + gpu},  # keys[1] both a root and a child
+        {1: keys[0] + keys[0] + gpu},  # its own parent
     ):
         with pytest.raises(MirrorRecordError):
             mirror.restore(bad)
