@@ -31,9 +31,10 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
 
     host: str = "127.0.0.1"
-    port: int = 8000
+    # a port past 65535 would be truncated to 16 bits by the socket layer (99999 -> 34463)
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
     policy: Path = Field(default_factory=lambda: builtin_policy_path("default"))
-    policy_poll_s: float = 2.0
+    policy_poll_s: Annotated[float, Field(gt=0)] = 2.0
     redis_url: str | None = None
     # redis_url is a seed node of a Redis Cluster: the index, load store, registry and API
     # key hash all go through a cluster client (which discovers the other nodes)
@@ -62,14 +63,16 @@ class GatewaySettings(BaseSettings):
     # not a sick engine (a 16k-token reasoning answer at 50 tokens/s takes 320 s)
     response_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
     read_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # between two chunks of a response
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: Annotated[int, Field(ge=1)] = 8 * 1024 * 1024
     # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread
     tokenize_offload_chars: int = OFFLOAD_CHARS
-    retries: int = 2  # extra replicas tried when a connection fails before the first byte
+    # extra replicas tried when a connection fails before the first byte
+    retries: Annotated[int, Field(ge=0)] = 2
     drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     # SIGTERM: answer 503 (health, new requests) this long before closing the listener
-    drain_grace_s: float = 1.0
-    max_connections: int = 1024
+    drain_grace_s: Annotated[float, Field(ge=0)] = 1.0
+    # upstream connections per replica host: 0 would make every request a pool timeout
+    max_connections: Annotated[int, Field(ge=1)] = 1024
     otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None = tracing off
     # JSON lines, one per answered request (gateway/requesttrace.py): `kvgate trace analyze`
     trace_out: Path | None = None

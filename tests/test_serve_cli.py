@@ -7,6 +7,7 @@ import logging
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -137,3 +138,56 @@ def test_a_gateway_that_can_get_no_replica_warns(
 ) -> None:
     records = _start_up_records(argv, monkeypatch, caplog)
     assert [r.getMessage() for r in records if r.levelno == logging.WARNING and says in r.msg]
+
+
+def _serve_refusal(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """`kvgate serve ARGV`'s exit status must be 2 (it must not serve); returns what it
+    wrote to stderr."""
+    parser = argparse.ArgumentParser()
+    serve.configure(parser)
+    args = parser.parse_args(argv)
+    monkeypatch.setattr(serve, "configure_logging", lambda *a, **k: None)
+
+    def served(self: object, sockets: object = None) -> None:
+        raise AssertionError(f"kvgate serve {argv} started serving")
+
+    monkeypatch.setattr(serve._DrainingServer, "run", served)
+    assert serve.run(args) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [(["--port", "99999"], "port"), (["--port", "-1"], "port")],
+)
+def test_a_port_out_of_range_is_refused_not_wrapped(
+    flags: list[str],
+    field: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review: `--port 99999` served on port 34463 (99999 - 65536, the socket layer's
+    16-bit truncation), so a typo put the gateway on a port nobody was told about."""
+    err = _serve_refusal(["--open", *flags], monkeypatch, capsys)
+    assert f"{field} (KVGATE_{field.upper()})" in err
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("max_connections", 0),  # every request a PoolTimeout, then a 502, replicas failed
+        ("max_body_bytes", 0),
+        ("retries", -1),
+        ("drain_grace_s", -1.0),
+        ("policy_poll_s", 0.0),
+    ],
+)
+def test_settings_out_of_their_range_are_refused(setting: str, value: Any) -> None:
+    from pydantic import ValidationError
+
+    from gateway.settings import GatewaySettings
+
+    with pytest.raises(ValidationError, match=setting):
+        GatewaySettings(**{setting: value})
