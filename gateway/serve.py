@@ -49,7 +49,7 @@ from gateway.app import create_app
 from gateway.auth import KeyStore, load_key_file
 from gateway.core import AgentHook, Gateway
 from gateway.hotpath import GatewayHttpProtocol
-from gateway.replicas import parse_replica_spec
+from gateway.replicas import ReplicaSpecError, parse_replica_spec
 from gateway.routing import Strategy
 from gateway.settings import GatewaySettings
 from policies.schema import Policy, PolicyError
@@ -86,6 +86,16 @@ def build_gateway(
 ) -> Gateway:
     """Assemble a :class:`Gateway` from settings: replicas, keys, index, load store."""
     specs = [parse_replica_spec(r) for r in settings.replicas]
+    declared: dict[str, str] = {}
+    for spec in specs:
+        # the pool keeps one replica per id: a second declaration would be dropped while
+        # its embedded agent still wrote its engine's blocks under the same id
+        if spec.id in declared:
+            raise ReplicaSpecError(
+                f"replica id {spec.id!r} is declared twice ({declared[spec.id]} and "
+                f"{spec.url}): give each engine (or data-parallel rank) its own ID="
+            )
+        declared[spec.id] = spec.url
     url, cluster = settings.redis_url, settings.redis_cluster
     layout = KeyLayout(settings.key_prefix)
     if cluster and not url:

@@ -191,3 +191,25 @@ def test_settings_out_of_their_range_are_refused(setting: str, value: Any) -> No
 
     with pytest.raises(ValidationError, match=setting):
         GatewaySettings(**{setting: value})
+
+
+@pytest.mark.parametrize(
+    "replicas",
+    [
+        # one id, two engines: both embedded agents would write their engine's blocks
+        # under that id, while requests go to one of them
+        ["r1=http://127.0.0.1:9101", "r1=http://127.0.0.1:9102"],
+        ["http://127.0.0.1:9101", "http://127.0.0.1:9101/"],  # the same default id twice
+    ],
+)
+def test_a_replica_id_declared_twice_is_refused(
+    replicas: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: the second declaration of an id was dropped without a word (the pool keeps
+    the first), but its embedded agent still started and wrote under the same id."""
+    argv = ["--open", "--port", str(free_port())]
+    for spec in replicas:
+        argv += ["--replica", spec]
+    err = _serve_refusal(argv, monkeypatch, capsys)
+    assert "declared twice" in err, err
+    assert "'r1'" in err or "'127.0.0.1-9101'" in err, err
