@@ -3,7 +3,8 @@
 Why not httpx's own transport or aiohttp's: per proxied request they cost 0.5-1 ms of CPU on
 a 2-core VM (connection-pool bookkeeping, several task hops, header objects built twice),
 more than all of the routing work. This transport does only what the gateway's upstream leg
-needs: ``POST`` with a body already in memory to a small, known set of replicas, answers
+needs: ``POST`` with a body already in memory to a small, known set of replicas (``https://``
+ones over TLS, trusted as httpx trusts them), answers
 read as they arrive (SSE relayed chunk by chunk), keep-alive reuse, and the httpx error
 types the proxy already acts on. Parsing is httptools' (llhttp, C); the exchange is one
 :class:`asyncio.Protocol` per connection, so a response costs one callback per packet and
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from itertools import chain
@@ -44,7 +46,7 @@ import httptools
 import httpx
 
 _HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the socket
-_HostKey = tuple[str, int]
+_HostKey = tuple[str, int, bool]  # host, port, TLS
 
 
 class MalformedResponseError(httpx.HTTPError):
@@ -250,15 +252,16 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._idle: dict[_HostKey, deque[_Conn]] = {}
         self._active: dict[_HostKey, int] = {}
         self._waiting: dict[_HostKey, deque[asyncio.Future[None]]] = {}
-        self._hosts: dict[str, _HostKey] = {}  # base URL -> (host, port), parsed once
+        self._hosts: dict[str, _HostKey] = {}  # base URL -> (host, port, TLS), parsed once
         self._host_header: dict[_HostKey, bytes] = {}
+        self._ssl: ssl.SSLContext | None = None  # made at the first https:// connection
         self._closed = False
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """httpx's transport API (for callers holding an :class:`httpx.Request`)."""
         url = request.url
         resp = await self.send(
-            (url.host, url.port or 80),
+            _host_key(url),
             _request_bytes(
                 request.method.encode("ascii"),
                 request.url.raw_path,
@@ -290,11 +293,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
         key = self._hosts.get(base_url)
         if key is None:
             url = httpx.URL(base_url)
-            if url.scheme != "http":
-                raise httpx.UnsupportedProtocol(f"upstream must be http://, not {base_url!r}")
-            key = self._hosts[base_url] = (url.host, url.port or 80)
+            if url.scheme not in ("http", "https"):
+                raise httpx.UnsupportedProtocol(
+                    f"upstream must be http:// or https://, not {base_url!r}"
+                )
+            key = self._hosts[base_url] = _host_key(url)
             self._host_header[key] = f"{url.host}:{key[1]}".encode("ascii")
-        prefix = base_url[len("http://") :].split("/", 1)
+        prefix = base_url.split("://", 1)[1].split("/", 1)
         target = ("/" + prefix[1].rstrip("/") if len(prefix) > 1 else "") + path
         framing = [(b"host", self._host_header[key]), (b"content-length", b"%d" % len(body))]
         data = _request_bytes(b"POST", target.encode("ascii"), chain(framing, headers), body)
@@ -370,7 +375,14 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._active[key] = self._active.get(key, 0) + 1
         try:
             async with asyncio.timeout(connect_s):
-                _, proto = await loop.create_connection(lambda: _Conn(loop), key[0], key[1])
+                tls = self._ssl_context() if key[2] else None
+                _, proto = await loop.create_connection(
+                    lambda: _Conn(loop),
+                    key[0],
+                    key[1],
+                    ssl=tls,
+                    server_hostname=key[0] if tls is not None else None,
+                )
         except TimeoutError:
             self._release(key, None)
             raise httpx.ConnectTimeout(f"connect to {key[0]}:{key[1]} timed out") from None
@@ -381,6 +393,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
             self._release(key, None)
             raise
         return proto
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        """The TLS settings of the gateway's other httpx clients (its health checks): the
+        certifi bundle, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set."""
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()
+        return self._ssl
 
     def _take_idle(self, key: _HostKey) -> _Conn | None:
         """An open idle connection to ``key``, counted as in use (closed ones are dropped)."""
@@ -414,6 +433,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 idle.pop().close()
         with contextlib.suppress(Exception):
             await asyncio.sleep(0)  # let the transports run their close callbacks
+
+
+def _host_key(url: httpx.URL) -> _HostKey:
+    tls = url.scheme == "https"
+    return (url.host, url.port or (443 if tls else 80), tls)
 
 
 def _request_bytes(
