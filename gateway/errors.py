@@ -92,6 +92,39 @@ def error_body(
     }
 
 
+def engine_error_body(parsed: object, status: int) -> dict[str, Any] | None:
+    """An engine's error answer in OpenAI's shape, keeping its words; None when it has none.
+    OpenAI's ``{"error": {...}}`` (vLLM) is returned as it is; the flat object SGLang (and
+    vLLM before its envelope) answer with, ``{"object": "error", "message", "type",
+    "param", "code"}``, and a FastAPI ``{"detail": ...}`` (a string, or its validation
+    errors) are put into it."""
+    if not isinstance(parsed, dict):
+        return None
+    if isinstance(parsed.get("error"), dict):
+        return parsed
+    message = parsed.get("message")
+    if isinstance(message, str) and message:
+        kind, param = parsed.get("type"), parsed.get("param")
+        return error_body(
+            status,
+            message,
+            code=parsed.get("code") if isinstance(parsed.get("code"), (str, int)) else None,
+            param=param if isinstance(param, str) else None,
+            type_=kind if isinstance(kind, str) and kind else None,
+        )
+    detail = parsed.get("detail")
+    if isinstance(detail, str) and detail:
+        return error_body(status, detail)
+    if isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail):
+        parts = []
+        for d in detail:
+            loc = ".".join(str(x) for x in d.get("loc") or ())
+            msg = str(d.get("msg", ""))
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return error_body(status, "; ".join(parts))
+    return None
+
+
 def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
     """An SSE event carrying an error object, then the stream terminator."""
     return b"data: " + orjson.dumps(error_body(status, message, code)) + b"\n\ndata: [DONE]\n\n"

@@ -31,7 +31,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.core import Dispatch, Gateway, Outcome
-from gateway.errors import error_body, sse_error_event
+from gateway.errors import engine_error_body, error_body, sse_error_event
 from gateway.settings import GatewaySettings
 from gateway.upstream import MalformedResponseError, UpstreamResponse
 
@@ -356,10 +356,12 @@ class UpstreamExchange(Response):
         status = resp.status_code
         try:
             parsed = orjson.loads(raw)
-            ok = isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)
         except orjson.JSONDecodeError:
-            ok = False
-        if not ok:
+            parsed = None
+        shaped = engine_error_body(parsed, status)
+        if shaped is not None and shaped is not parsed:
+            raw = orjson.dumps(shaped)  # the engine's words, in OpenAI's shape
+        if shaped is None:
             if status >= 500:
                 status = 502
             raw = orjson.dumps(

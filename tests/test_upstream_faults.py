@@ -256,3 +256,46 @@ async def test_a_long_non_streamed_answer_is_not_a_timeout() -> None:
         r = await h.post("/v1/completions", json={**completion("streamed"), "stream": True})
         assert r.status_code == 504
         assert rep.id not in {c.id for c in gw.pool.candidates(MODEL)}
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message", "param"),
+    [
+        # SGLang's (and vLLM's before its {"error": ...} envelope) flat error object
+        (
+            400,
+            {
+                "object": "error",
+                "message": "Requested token count exceeds the model's maximum context length",
+                "type": "BadRequestError",
+                "param": "max_tokens",
+                "code": 400,
+            },
+            "Requested token count exceeds the model's maximum context length",
+            "max_tokens",
+        ),
+        # a FastAPI engine's own refusal
+        (404, {"detail": "Not Found"}, "Not Found", None),
+        (422, {"detail": [{"loc": ["body", "n"], "msg": "must be 1"}]}, "body.n: must be 1", None),
+    ],
+)
+async def test_an_engine_error_in_another_shape_keeps_its_words(
+    status: int, body: dict[str, Any], message: str, param: str | None
+) -> None:
+    """Review: an engine error whose body was not OpenAI's ``{"error": {...}}`` reached the
+    client as "upstream replica returned HTTP 400", its message (the only hint of what to
+    change in the request) dropped. It keeps the engine's status and words, in OpenAI's
+    shape."""
+    raw = json.dumps(body).encode()
+
+    async def refuse(w: asyncio.StreamWriter) -> None:
+        w.write(answer(status, raw))
+
+    async with gateway([FakeReplica(refuse)]) as (_, h):
+        for stream in (False, True):
+            r = await h.post("/v1/completions", json={**completion(), "stream": stream})
+            assert r.status_code == status
+            err = r.json()["error"]
+            assert err["message"] == message, err
+            assert err["param"] == param
+            assert isinstance(err["type"], str) and err["type"]
