@@ -66,6 +66,7 @@ from gateway.tokenization import (
     TokenizerPools,
     check_alignment,
     stream_requested,
+    usage_requested,
 )
 from gateway.tracing import make_provider, make_tracer
 from gateway.upstream import LeanTransport
@@ -819,7 +820,7 @@ class Gateway:
             path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
             body=body,
             stream=stream,
-            client_wants_usage=_wants_usage(body),
+            client_wants_usage=usage_requested(body),
             model=model,
             prompt_tokens=n_prompt,
             block_size=bs,
@@ -874,7 +875,7 @@ class Gateway:
         if d.stream:
             opts = body.get("stream_options")
             opts = dict(opts) if isinstance(opts, dict) else {}
-            if not opts.get("include_usage"):
+            if not d.client_wants_usage:
                 # we want the final usage chunk only: continuous_usage_stats means nothing
                 # without include_usage, so the client did not ask for per-chunk usage
                 opts.pop("continuous_usage_stats", None)
@@ -1225,11 +1226,6 @@ def _now_ms() -> int:
 def _stricter(a: str, b: str) -> str:
     order = {"none": 0, "session": 1, "request": 2}
     return a if order[a] >= order[b] else b
-
-
-def _wants_usage(body: Mapping[str, Any]) -> bool:
-    opts = body.get("stream_options")
-    return isinstance(opts, dict) and bool(opts.get("include_usage"))
 
 
 def _best_match(rid: str, matches: Sequence[Mapping[str, PrefixMatch]]) -> tuple[PrefixMatch, int]:

@@ -106,6 +106,24 @@ def stream_requested(body: Mapping[str, Any]) -> bool:
         raise bad_request("'stream' must be a boolean", "stream") from None
 
 
+def usage_requested(body: Mapping[str, Any]) -> bool:
+    """``stream_options.include_usage`` read as vLLM reads it (a lax bool, as ``stream``):
+    ``"false"`` is false there, so the usage chunk the gateway asks for is then dropped
+    again; anything else that is no bool is a 400, as the engine would answer."""
+    opts = body.get("stream_options")
+    if not isinstance(opts, dict):
+        return False
+    value = opts.get("include_usage")
+    if value is None or value is False or value is True:
+        return bool(value)
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except ValidationError:
+        raise bad_request(
+            "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
+        ) from None
+
+
 class PromptTokenizer(Protocol):
     name: str
 

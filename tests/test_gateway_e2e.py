@@ -8,6 +8,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import openai
 import orjson
@@ -82,6 +83,60 @@ async def test_streaming_through_the_sdk_and_usage_only_when_asked() -> None:
         assert cached(chunks[-1].usage) >= 592
         # the precision check saw the stream's usage too
         assert st.gw.metrics.precision[1] >= 2 * 600
+
+
+def sse_payloads(text: str) -> list[dict[str, Any]]:
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [orjson.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize(
+    ("options", "usage_chunks"),
+    [
+        ({"include_usage": "false"}, 0),
+        ({"include_usage": "no"}, 0),
+        ({"include_usage": 0, "continuous_usage_stats": True}, 0),
+        ({"include_usage": "false", "continuous_usage_stats": "true"}, 0),
+        ({"include_usage": "true"}, 1),
+    ],
+)
+async def test_stream_options_are_read_as_the_engine_reads_them(
+    options: dict[str, Any], usage_chunks: int
+) -> None:
+    """Review: ``include_usage`` was read by Python truthiness, so ``"false"`` (false to
+    vLLM's pydantic model, as ``stream`` is, tokenization.stream_requested) was taken as a
+    request for the usage chunk; with ``continuous_usage_stats`` every chunk then carried
+    usage the client had declined."""
+    async with stack(count=1) as st, st.http() as h:
+        body = {
+            "model": st.model,
+            "prompt": words(40, 9),
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": options,
+        }
+        r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        chunks = sse_payloads(r.text)
+        with_usage = [c for c in chunks if c.get("usage")]
+        assert len(with_usage) == usage_chunks, with_usage
+        if usage_chunks:
+            assert with_usage[-1]["choices"] == []
+
+
+async def test_stream_options_the_engine_would_refuse_are_a_400() -> None:
+    async with stack(count=1) as st, st.http() as h:
+        body = {
+            "model": st.model,
+            "prompt": "hi",
+            "max_tokens": 1,
+            "stream": True,
+            "stream_options": {"include_usage": "maybe"},
+        }
+        r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "stream_options.include_usage"
 
 
 async def test_completions_json_and_stream_and_unknown_fields_pass() -> None:
