@@ -152,3 +152,30 @@ def test_a_bad_port_list_is_a_usage_error(
     assert exc.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"kvgate replica: error: {says}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--block-size", "0"],
+            "argument --block-size: Input should be greater than or equal to 1",
+        ),
+        (["--time-scale", "-1"], "argument --time-scale: Input should be greater than 0"),
+        (["--base-port", "70000"], "argument --base-port: port 70000 is out of range"),
+        (["--http-ports", "99999"], "argument --http-ports: port 99999 is out of range"),
+    ],
+)
+def test_a_value_out_of_range_is_a_usage_error(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: a setting out of its range was a pydantic ValidationError traceback (exit 1),
+    a port past 65535 an OverflowError traceback from the bind."""
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["replica", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"kvgate replica: error: {says}"), err

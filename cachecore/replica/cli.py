@@ -16,6 +16,7 @@ import sys
 from typing import Any, NoReturn
 
 import zmq
+from pydantic import ValidationError
 
 from cachecore.argtypes import positive_int
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
@@ -131,7 +132,13 @@ def build_settings(args: argparse.Namespace) -> ReplicaSettings:
         overrides["access_log"] = True
     if args.no_events:
         overrides["publish_events"] = False
-    return ReplicaSettings(**overrides)
+    try:
+        return ReplicaSettings(**overrides)
+    except ValidationError as exc:  # a value out of its range: the flag's name, no traceback
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else ""
+        flag = next((f for f, name in _SETTINGS_FLAGS.items() if name == field), field)
+        _usage_error(f"argument --{flag.replace('_', '-')}: {err['msg']}")
 
 
 def build_ports(args: argparse.Namespace) -> list[ReplicaPorts]:
@@ -140,6 +147,11 @@ def build_ports(args: argparse.Namespace) -> list[ReplicaPorts]:
     http = _ports(args.http_ports, "http-ports", n) or [p.http for p in base]
     events = _ports(args.events_ports, "events-ports", n) or [p.events for p in base]
     replay = _ports(args.replay_ports, "replay-ports", n) or [p.replay for p in base]
+    for given, name in ((http, "http-ports"), (events, "events-ports"), (replay, "replay-ports")):
+        for port in given:
+            if not 0 <= port <= 65535:  # the bind would raise OverflowError, a traceback
+                flag = name if getattr(args, name.replace("-", "_")) else "base-port"
+                _usage_error(f"argument --{flag}: port {port} is out of range (0-65535)")
     return [ReplicaPorts(h, e, r) for h, e, r in zip(http, events, replay, strict=True)]
 
 
