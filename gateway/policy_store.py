@@ -52,7 +52,8 @@ class PolicyStore:
             raise PolicyError("<none>", [("", "the gateway was started without a policy file")])
         self._mtime = self._stat()
         try:
-            policy = load_policy(self.path)
+            # an empty file is one caught between its truncation and its rewrite
+            policy = load_policy(self.path, allow_empty=False)
             self._check(policy, str(self.path))
         except PolicyError as exc:
             self.last_error = str(exc)
@@ -62,7 +63,7 @@ class PolicyStore:
 
     def reload_text(self, text: str, source: str = "POST /admin/policy") -> Policy:
         try:
-            policy = parse_policy_text(text, source)
+            policy = parse_policy_text(text, source, allow_empty=False)
             self._check(policy, source)
         except PolicyError as exc:
             self.last_error = str(exc)

@@ -428,7 +428,12 @@ def _key_path(text: str, key: Any, line: int, column: int) -> str:
     return ".".join(walk(root, []) or [])
 
 
-def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
+EMPTY_POLICY = "the policy is empty (no YAML mapping); write {} for the built-in defaults"
+
+
+def parse_policy_text(text: str, source: str = "<policy>", allow_empty: bool = True) -> Policy:
+    """``allow_empty=False`` (a reload) refuses an empty document: a file read between its
+    truncation and its rewrite is one, and applied it would be the built-in defaults."""
     try:
         data = _load_yaml(text)
     except DuplicateKeyError as exc:
@@ -437,16 +442,18 @@ def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
         raise PolicyError(source, [(field, f"duplicate key {exc.key!r} at {where}")]) from None
     except yaml.YAMLError as exc:
         raise PolicyError(source, [("", f"not valid YAML: {exc}")]) from None
+    if data is None and not allow_empty:
+        raise PolicyError(source, [("", EMPTY_POLICY)])
     return parse_policy(data, source)
 
 
-def load_policy(path: Path | str) -> Policy:
+def load_policy(path: Path | str, allow_empty: bool = True) -> Policy:
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise PolicyError(str(p), [("", f"cannot read: {exc}")]) from None
-    return parse_policy_text(text, str(p))
+    return parse_policy_text(text, str(p), allow_empty)
 
 
 def builtin_policy_path(name: str = "default") -> Path:

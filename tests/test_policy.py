@@ -286,3 +286,27 @@ def test_policy_error_lists_each_field_once() -> None:
     )
     assert err.fields == ["models.default.block_size"]
     assert "replica r0" in str(err) and "replica r1" in str(err)
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# being rewritten\n", "null\n", "---\n"])
+def test_a_reload_to_an_empty_document_keeps_the_old_policy(tmp_path: Path, text: str) -> None:
+    """Review: a file truncated and then rewritten (`cat new.yaml > policy.yaml`, most
+    editors' saves) can be read empty between the two, and an empty YAML document was
+    applied as the built-in defaults: for isolation-strict.yaml that turned every unknown
+    tenant's sensitive session scope off (its requests cached and indexed) and dropped
+    every limit, until the next poll. A body of only comments POSTed to /admin/policy did
+    the same for good. Refused (the old policy stays); `{}` still asks for the defaults."""
+    f = tmp_path / "p.yaml"
+    f.write_text(builtin_policy_path("isolation-strict").read_text())
+    store = PolicyStore(f)
+    strict = store.policy
+    assert strict.default_tenant.sensitive.default == "session"
+    _touch(f, text)
+    with pytest.raises(PolicyError, match="empty"):
+        store.reload_file()
+    assert store.policy is strict
+    with pytest.raises(PolicyError, match="empty"):
+        store.reload_text(text or "# nothing")
+    assert store.policy is strict
+    store.reload_text("{}")  # the defaults, asked for explicitly
+    assert store.policy.default_tenant.sensitive.default == "none"
