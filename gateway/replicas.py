@@ -69,6 +69,12 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ReplicaSpecError(f"replica URL must be http(s)://host:port, got {url!r}")
+    if parts.path.rstrip("/").endswith("/v1"):
+        # an OpenAI client's base URL: the gateway adds /v1/... (and /health) itself
+        raise ReplicaSpecError(
+            f"replica URL {url!r} ends in /v1: give the engine's root URL, without /v1 "
+            "(its /health and /v1/completions are found under it)"
+        )
     events = replay = None
     if sep:
         ev, comma, rp = agent.partition(",")
@@ -78,10 +84,15 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
             if not ep.startswith(AGENT_ENDPOINT_SCHEMES):
                 raise ReplicaSpecError(f"agent endpoint must be tcp:// or ipc://, got {ep!r}")
         events, replay = ev, rp
+    named = rid is not None
     rid = rid or default_replica_id(url)
     try:
         validate_replica_id(rid)
     except ValueError as exc:
+        if not named:  # the id made from the URL (an IPv6 address holds ':')
+            raise ReplicaSpecError(
+                f"{exc} (made from the URL): give the replica an id: ID={url}"
+            ) from None
         raise ReplicaSpecError(str(exc)) from None
     return ReplicaSpec(rid, url, events, replay)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 from pathlib import Path
 
 import httpx
@@ -158,6 +159,22 @@ def test_replica_spec_syntax() -> None:
     for bad in ("h:1", "http://h:1=tcp://h:2", "http://h:1=udp://a,tcp://b", "a:b=http://h:1"):
         with pytest.raises(ReplicaSpecError):
             parse_replica_spec(bad)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        # an OpenAI client's base URL: every probe and request went to /v1/v1/..., the
+        # replica was "unhealthy" and every request a 503, with no word of why
+        ("http://127.0.0.1:8001/v1", "the engine's root URL, without /v1"),
+        ("r0=http://127.0.0.1:8001/v1/", "the engine's root URL, without /v1"),
+        # the default id of an IPv6 address holds ':' (the spec named no id at all)
+        ("http://[::1]:8001", "give the replica an id: ID=http://[::1]:8001"),
+    ],
+)
+def test_replica_specs_a_user_gets_wrong_say_what_to_write(spec: str, says: str) -> None:
+    with pytest.raises(ReplicaSpecError, match=re.escape(says)):
+        parse_replica_spec(spec)
 
 
 # ---------------------------------------------------------------- scopes
