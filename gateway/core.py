@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import random
@@ -644,10 +645,10 @@ class Gateway:
         session = None
         for h in SESSION_HEADERS:
             if headers.get(h):
-                session = headers[h][:256]
+                session = _session_id(headers[h])
                 break
         if session is None and isinstance(body.get("user"), str) and body["user"]:
-            session = str(body["user"])[:256]
+            session = _session_id(body["user"])
         if kind == "session" and session:
             return Scope(ScopeKind.SESSION, f"{tenant}/{session}"), f"{tenant}/{session}"
         if kind in ("session", "request"):
@@ -1221,6 +1222,14 @@ def _base_models(rep: Replica) -> list[str]:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _session_id(value: str) -> str:
+    """A client's session id, bounded in length without merging sessions: a long one is
+    replaced by its digest (cut to a prefix, two sessions sharing it shared a scope)."""
+    if len(value) <= 256:
+        return value
+    return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _stricter(a: str, b: str) -> str:

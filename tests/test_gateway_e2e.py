@@ -303,6 +303,34 @@ async def test_tenant_spoofing_a_salt_gets_no_hit(tmp_path: Path) -> None:
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
+async def test_long_session_ids_that_share_a_prefix_are_separate_sessions() -> None:
+    """Review: session ids were cut to their first 256 characters, so two sessions whose ids
+    share those (long opaque tokens with a common head) shared one sensitive scope: each
+    hit the other's cached prompts. One replica, so only the scope can keep them apart."""
+    policy = "default_tenant: {sensitive: {default: session}}"
+    async with stack(count=1, policy=policy) as st:
+        c = st.client()
+        head = "s" * 300
+        prompt = words(600, 31)
+
+        async def send(session: str) -> int:
+            r = await c.completions.create(
+                model=st.model,
+                prompt=prompt,
+                max_tokens=1,
+                extra_headers={"x-kvgate-session": session},
+            )
+            return cached(r.usage)
+
+        assert await send(head + "-alice") == 0
+        assert await send(head + "-alice") >= 592  # the positive control: its own session
+        assert await send(head + "-bob") == 0
+        r = await c.completions.create(
+            model=st.model, prompt=prompt, max_tokens=1, user=head + "-carol"
+        )
+        assert cached(r.usage) == 0  # the body's `user` is a session key too
+
+
 async def test_sensitive_requests_are_not_indexed_and_stay_in_their_session() -> None:
     policy = "default_tenant: {sensitive: {allow_header: true}}"
     async with stack(count=3, policy=policy) as st:
