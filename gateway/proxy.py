@@ -268,14 +268,32 @@ class UpstreamExchange(Response):
                     break
                 except _RETRYABLE as exc:
                     failed = d.replica
-                    gw.pool.record_failure(failed, definitive=_refused(exc))
-                    gw.metrics.upstream_errors.labels(failed, "connect").inc()
+                    # the pool's timeout is the gateway's own connection cap, all busy: no
+                    # fault of the replica (held against it, a busy fleet was ejected)
+                    busy = isinstance(exc, httpx.PoolTimeout)
+                    if not busy:
+                        gw.pool.record_failure(failed, definitive=_refused(exc))
+                    gw.metrics.upstream_errors.labels(failed, "pool" if busy else "connect").inc()
                     log.warning(
                         "upstream failed before the first byte",
                         extra={"replica": failed, "request_id": d.request_id, "error": repr(exc)},
                     )
                     if gw.reroute(d, failed):
                         continue
+                    if busy:
+                        await self._send_error(
+                            conn, 503,
+                            "no upstream connection free in time: the gateway's limit of "
+                            f"{s.max_connections} connections per replica "
+                            "(KVGATE_MAX_CONNECTIONS) is reached",
+                            "upstream_busy",
+                        )  # fmt: skip
+                        self._finish(
+                            Outcome(
+                                503, None, time.perf_counter() - t0, None, None, None, "connect"
+                            )
+                        )
+                        return
                     await self._send_error(
                         conn, 502, f"upstream replica unreachable: {type(exc).__name__}",
                         "upstream_unreachable",

@@ -299,3 +299,32 @@ async def test_an_engine_error_in_another_shape_keeps_its_words(
             assert err["message"] == message, err
             assert err["param"] == param
             assert isinstance(err["type"], str) and err["type"]
+
+
+async def test_the_gateways_own_connection_cap_is_not_held_against_a_replica() -> None:
+    """Review: a request that waited past the pool timeout for one of the gateway's own
+    upstream connections (KVGATE_MAX_CONNECTIONS per replica, all busy) counted as a
+    failure of the replica, so a busy fleet's healthy replicas were ejected one after the
+    other; the client got a 502 "upstream replica unreachable". The replica stays in
+    service and the client gets a 503 naming the gateway's limit."""
+    release = asyncio.Event()
+
+    async def slow(w: asyncio.StreamWriter) -> None:
+        await asyncio.wait_for(release.wait(), 10)
+        w.write(OK)
+
+    rep = FakeReplica(slow)
+    policy = "health: {eject_after_failures: 1, eject_s: 30}"
+    async with gateway([rep], policy, max_connections=1, connect_timeout_s=0.3) as (gw, h):
+        assert gw.pool is not None
+        first = asyncio.create_task(h.post("/v1/completions", json=completion("a")))
+        for _ in range(200):  # bounded: until the first request holds the one connection
+            if rep.posts:
+                break
+            await asyncio.sleep(0.01)
+        second = await h.post("/v1/completions", json=completion("b"))
+        release.set()
+        assert (await first).status_code == 200
+        assert second.status_code == 503, second.text
+        assert "KVGATE_MAX_CONNECTIONS" in second.json()["error"]["message"]
+        assert [r.url for r in gw.pool.candidates(MODEL)] == [rep.url]  # not ejected
