@@ -405,10 +405,17 @@ class UpstreamExchange(Response):
         usage = Usage()
         try:
             parsed = orjson.loads(raw)
-            if isinstance(parsed, dict):
-                usage.read(parsed.get("usage"))
         except orjson.JSONDecodeError:
-            pass
+            parsed = None
+        if not isinstance(parsed, dict):
+            # no completion (a web server that is not the engine, truncated JSON): the
+            # client could not parse it, and it counts against the replica
+            await self._upstream_failed(
+                conn, t0, 502, "upstream replica sent an invalid response: not a JSON object",
+                "upstream_error", "protocol",
+            )  # fmt: skip
+            return
+        usage.read(parsed.get("usage"))
         self.status = 200
         headers = self._resp_headers(_JSON)
         spent = time.perf_counter_ns() - c0  # the write below is the server's, not ours

@@ -328,3 +328,27 @@ async def test_the_gateways_own_connection_cap_is_not_held_against_a_replica() -
         assert second.status_code == 503, second.text
         assert "KVGATE_MAX_CONNECTIONS" in second.json()["error"]["message"]
         assert [r.url for r in gw.pool.candidates(MODEL)] == [rep.url]  # not ejected
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"<html><body>It works!</body></html>", b"[1, 2]", b"", b'{"choices": [{"text": "cut'],
+)
+async def test_a_200_that_is_no_json_object_is_a_502_counted_against_the_replica(
+    body: bytes,
+) -> None:
+    """Review: a non-streamed 200 whose body is not a JSON object (a web server that is not
+    the engine, on the port given; truncated JSON) reached the client
+    as a 200 it could not parse, and the replica was credited with a success."""
+
+    async def page(w: asyncio.StreamWriter) -> None:
+        w.write(answer(200, body))
+
+    policy = "health: {eject_after_failures: 2, eject_s: 30}"
+    async with gateway([FakeReplica(page)], policy) as (gw, h):
+        assert gw.pool is not None
+        for i in range(2):
+            r = await h.post("/v1/completions", json=completion(f"x{i}"))
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["code"] == "upstream_error"
+        assert not gw.pool.candidates(MODEL)  # two malformed answers eject it
