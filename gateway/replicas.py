@@ -69,6 +69,14 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ReplicaSpecError(f"replica URL must be http(s)://host:port, got {url!r}")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        # httpx would send them with the health checks, the upstream transport never
+        raise ReplicaSpecError(
+            f"replica URL for {parts.hostname} must not carry credentials (user:password@):"
+            " the engine's API key goes in KVGATE_UPSTREAM_API_KEY"
+        )
+    if parts.query or parts.fragment:
+        raise ReplicaSpecError(f"replica URL must not carry a query or fragment, got {url!r}")
     if parts.path.rstrip("/").endswith("/v1"):
         # an OpenAI client's base URL: the gateway adds /v1/... (and /health) itself
         raise ReplicaSpecError(

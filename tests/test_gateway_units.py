@@ -170,6 +170,11 @@ def test_replica_spec_syntax() -> None:
         ("r0=http://127.0.0.1:8001/v1/", "the engine's root URL, without /v1"),
         # the default id of an IPv6 address holds ':' (the spec named no id at all)
         ("http://[::1]:8001", "give the replica an id: ID=http://[::1]:8001"),
+        # credentials in the URL reached the health checks (httpx sends them) but never a
+        # completion: healthy, and every request the engine's 401 as if the client's key
+        ("http://user:pw@127.0.0.1:8001", "KVGATE_UPSTREAM_API_KEY"),
+        ("http://127.0.0.1:8001?debug", "query or fragment"),
+        ("http://127.0.0.1:8001#a", "query or fragment"),
     ],
 )
 def test_replica_specs_a_user_gets_wrong_say_what_to_write(spec: str, says: str) -> None:
