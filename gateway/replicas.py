@@ -381,11 +381,14 @@ class ReplicaPool:
     async def _check(self, rep: Replica, refresh_models: bool) -> None:
         p = self.policy
         ok = False
+        where = f"GET {rep.url}/health"
         try:
             r = await self._client.get(rep.url + "/health", timeout=p.timeout_s)
             ok = r.status_code == 200
-        except httpx.HTTPError:
+            reason = f"{where}: HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
             ok = False
+            reason = f"{where}: {type(exc).__name__}: {exc}"
         if ok:
             rep.health_oks += 1
             rep.health_fails = 0
@@ -405,7 +408,7 @@ class ReplicaPool:
             rep.health_oks = 0
             if rep.healthy and rep.health_fails >= p.unhealthy_after:
                 rep.healthy = False
-                log.warning("replica unhealthy", extra={"replica": rep.id})
+                log.warning("replica unhealthy", extra={"replica": rep.id, "reason": reason})
         self._sync(rep)  # also reports an ejection that expired since the last round
 
     async def _models(self, rep: Replica) -> None:

@@ -1038,3 +1038,36 @@ async def test_token_id_prompt_comes_packed_and_keys_alike() -> None:
     assert tokens is ids and list(keyed) == ids
     tokens, keyed = await lp.completion_packed({"prompt": "hello world"})
     assert tokens == await lp.completion({"prompt": "hello world"}) and keyed is tokens
+
+
+async def test_an_unhealthy_replica_is_logged_with_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Review: "replica unhealthy" said nothing of why: a refused connection, a 404 (a URL
+    that is not the engine's root) and a TLS verification failure read alike."""
+    import logging
+
+    from cachecore.testing import free_port
+    from gateway.replicas import ReplicaPool, ReplicaSpec
+    from policies.schema import HealthPolicy
+
+    def not_found(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    policy = HealthPolicy(unhealthy_after=1)
+    caplog.set_level(logging.WARNING, logger="gateway.replicas")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(not_found)) as client:
+        pool = ReplicaPool(client, policy)
+        pool.add(ReplicaSpec("a", "http://10.0.0.1:1"))
+        await pool.check_once()
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(client, policy)
+        pool.add(ReplicaSpec("b", f"http://127.0.0.1:{free_port()}"))  # nothing listens
+        await pool.check_once()
+    reasons = {
+        r.__dict__["replica"]: r.__dict__.get("reason", "")
+        for r in caplog.records
+        if r.getMessage() == "replica unhealthy"
+    }
+    assert reasons["a"] == "GET http://10.0.0.1:1/health: HTTP 404", reasons
+    assert reasons["b"].startswith("GET http://127.0.0.1:") and "ConnectError" in reasons["b"]
