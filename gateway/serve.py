@@ -219,7 +219,7 @@ def uvicorn_config(gw: Gateway, **overrides: Any) -> uvicorn.Config:
         "access_log": False,
         # the gateway reads no client address, so X-Forwarded-* rewriting is work for nothing
         "proxy_headers": False,
-        "timeout_graceful_shutdown": int(s.drain_timeout_s),
+        "timeout_graceful_shutdown": s.drain_timeout_s,  # seconds, fractions kept
         "timeout_keep_alive": 75,
         "backlog": LISTEN_BACKLOG,
     }

@@ -213,3 +213,15 @@ def test_a_replica_id_declared_twice_is_refused(
     err = _serve_refusal(argv, monkeypatch, capsys)
     assert "declared twice" in err, err
     assert "'r1'" in err or "'127.0.0.1-9101'" in err, err
+
+
+def test_a_fractional_drain_timeout_is_kept_not_truncated() -> None:
+    """Review: KVGATE_DRAIN_TIMEOUT_S=0.5 reached uvicorn as int(0.5) = 0, which cancels
+    every in-flight stream at once (and 2.9 s became 2 s)."""
+    from pydantic import SecretStr
+
+    from gateway.settings import GatewaySettings
+
+    s = GatewaySettings(open_access=True, drain_timeout_s=0.5, salt_secrets=[SecretStr("s" * 32)])
+    config = serve.uvicorn_config(serve.build_gateway(s))
+    assert config.timeout_graceful_shutdown == 0.5
