@@ -39,7 +39,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.app import Completions
-from gateway.errors import GatewayError, body_too_large
+from gateway.errors import GatewayError, body_too_large, sse_error_event
 from gateway.proxy import UpstreamExchange
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class HotCycle:
         "proto",
         "response_complete",
         "response_started",
+        "streaming",
         "task",
         "transport",
         "waiting_for_100_continue",
@@ -116,6 +117,7 @@ class HotCycle:
         self.more_body = True
         self.message_event = asyncio.Event()
         self.response_started = False
+        self.streaming = False  # the head of a streamed answer is out
         self.response_complete = False
         self._disconnected = False
         self.task: asyncio.Task[None] | None = None
@@ -142,6 +144,7 @@ class HotCycle:
             await self._serve()
         except asyncio.CancelledError:
             if not self._disconnected:
+                self._end_cut_stream()  # the drain timeout ran out on a stream
                 raise  # the server's own cancellation (shutdown)
             if self.task is not None:
                 self.task.uncancel()
@@ -221,9 +224,22 @@ class HotCycle:
         self.transport.write(b"".join(parts))
         self._complete()
 
+    def _end_cut_stream(self) -> None:
+        """A stream the server cancels (its drain timeout ran out) ends as one a dying
+        replica ends: an SSE error event, ``data: [DONE]``, the chunked body's end; the
+        connection then closes. Cut bare, the client's SDK saw only a protocol error."""
+        if not self.streaming or self.response_complete or self.transport.is_closing():
+            return
+        event = sse_error_event(503, "the gateway is shutting down", "draining")
+        self.transport.write(
+            b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if self.chunked else event
+        )
+        self.keep_alive = False
+
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         if not await self._writable():
             return
+        self.streaming = True
         if not self.chunked:
             self.keep_alive = False  # the close is the body's end (and the head says so)
         parts = self._head(status, headers)

@@ -408,6 +408,46 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path: Path) -> None:
                 proc.wait(timeout=5)
 
 
+def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event() -> None:
+    """Review: a stream still running when KVGATE_DRAIN_TIMEOUT_S ran out was cut mid-body
+    (the chunked answer never terminated): the client's SDK raised a protocol error with
+    no word of why. It ends as a stream a dying replica ends: an SSE error event naming
+    the shutdown, ``data: [DONE]``, a complete chunked body."""
+    with launch_fleet(1, ["--time-scale", "1"]) as fleet:
+        port = free_port()
+        proc = start_gateway_process(
+            ["--open", "--replica", fleet.urls[0], "--plain-logs"],
+            port,
+            env={
+                "KVGATE_SALT_SECRETS": SECRET,
+                "KVGATE_DRAIN_GRACE_S": "0",
+                "KVGATE_DRAIN_TIMEOUT_S": "1",
+            },
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            model = fleet.endpoints[0].model
+            body = {"model": model, "prompt": "hello there", "max_tokens": 4000, "stream": True}
+            got = b""
+            with (
+                httpx.Client(base_url=url, timeout=20) as h,
+                h.stream("POST", "/v1/completions", json=body) as resp,
+            ):
+                assert resp.status_code == 200
+                for chunk in resp.iter_bytes():  # a cut chunked body raises here
+                    if not got:
+                        proc.send_signal(signal.SIGTERM)
+                    got += chunk
+            events = [e for e in got.split(b"\n\n") if e.strip()]
+            assert events[-1] == b"data: [DONE]", events[-2:]
+            assert b'"code":"draining"' in events[-2], events[-2:]
+            assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
 async def explain(h: httpx.AsyncClient, st: Stack, body: dict[str, object]) -> dict[str, Any]:
     """``POST /admin/route/explain`` for ``body``: the decision and its load figures."""
     r = await h.post("/admin/route/explain", json=body, headers=st.admin_headers())
