@@ -98,6 +98,14 @@ def build_gateway(
         declared[spec.id] = spec.url
     url, cluster = settings.redis_url, settings.redis_cluster
     layout = KeyLayout(settings.key_prefix)
+    if settings.trace_out is not None:
+        try:  # opened at start-up, where a failure was a traceback and uvicorn's exit 3
+            with settings.trace_out.open("a"):
+                pass
+        except OSError as exc:
+            raise OSError(
+                f"cannot write --trace-out {settings.trace_out}: {exc.strerror or exc}"
+            ) from None
     if cluster and not url:
         raise ValueError("redis_cluster (--redis-cluster) needs redis_url (--redis)")
     if key_store is None:

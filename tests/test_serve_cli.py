@@ -7,6 +7,7 @@ import logging
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -225,3 +226,15 @@ def test_a_fractional_drain_timeout_is_kept_not_truncated() -> None:
     s = GatewaySettings(open_access=True, drain_timeout_s=0.5, salt_secrets=[SecretStr("s" * 32)])
     config = serve.uvicorn_config(serve.build_gateway(s))
     assert config.timeout_graceful_shutdown == 0.5
+
+
+def test_a_trace_file_that_cannot_be_written_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: `--trace-out` into a missing directory failed in the lifespan start-up: a
+    FileNotFoundError traceback and uvicorn's exit 3."""
+    bad = tmp_path / "missing" / "trace.jsonl"
+    err = _serve_refusal(
+        ["--open", "--port", str(free_port()), "--trace-out", str(bad)], monkeypatch, capsys
+    )
+    assert err.splitlines()[-1].startswith(f"kvgate serve: cannot write --trace-out {bad}:")
