@@ -69,6 +69,10 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ReplicaSpecError(f"replica URL must be http(s)://host:port, got {url!r}")
+    try:
+        parts.port  # noqa: B018 (urllib checks the port when it is read)
+    except ValueError as exc:
+        raise ReplicaSpecError(f"replica URL {url!r}: {exc}") from None
     if parts.username is not None or parts.password is not None or "@" in parts.netloc:
         # httpx would send them with the health checks, the upstream transport never
         raise ReplicaSpecError(

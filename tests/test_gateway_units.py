@@ -174,6 +174,9 @@ def test_replica_spec_syntax() -> None:
         # completion: healthy, and every request the engine's 401 as if the client's key
         ("http://user:pw@127.0.0.1:8001", "KVGATE_UPSTREAM_API_KEY"),
         ("http://127.0.0.1:8001?debug", "query or fragment"),
+        # urllib's own words, naming no URL ("Port out of range 0-65535")
+        ("http://127.0.0.1:99999", "replica URL 'http://127.0.0.1:99999': Port out of range"),
+        ("http://127.0.0.1:port", "replica URL 'http://127.0.0.1:port': Port could not be cast"),
         ("http://127.0.0.1:8001#a", "query or fragment"),
     ],
 )
