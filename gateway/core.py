@@ -19,7 +19,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -582,10 +582,10 @@ class Gateway:
         if self.trace is not None:
             await self.trace.close()
 
-    def _any_replica_url(self, model: str) -> str | None:
+    def _any_replica_url(self, model: str, tried: Collection[str] = ()) -> str | None:
         if self.pool is None:
             return None
-        reps = self.pool.candidates(model)
+        reps = [r for r in self.pool.candidates(model) if r.url not in tried]
         # its own RNG: the routing RNG must not move for a tokenization (an explain then
         # changed the next real routing decision; D9's rounds and `random` draw from it)
         return self._tokenize_rng.choice(reps).url if reps else None

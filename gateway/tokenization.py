@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import array
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -214,13 +214,18 @@ _TOKENIZE_CHAT_FIELDS = (
 
 
 class EnginePromptTokenizer:
-    """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize")."""
+    """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize").
+    ``replica_url(tried)`` picks a replica's URL other than those ``tried``: a replica that
+    cannot be reached is passed over for another (tokenizing has no side effects), as the
+    proxy passes over it for the request itself."""
+
+    ATTEMPTS = 3
 
     def __init__(
         self,
         mode: str,
         client: httpx.AsyncClient,
-        replica_url: Callable[[], str | None],
+        replica_url: Callable[[Collection[str]], str | None],
         timeout_s: float = 2.0,
     ) -> None:
         self.mode = mode
@@ -230,13 +235,24 @@ class EnginePromptTokenizer:
         self._timeout = timeout_s
 
     async def _post(self, path: str, payload: Mapping[str, Any]) -> list[int]:
-        base = self._url()
-        if base is None:
-            raise GatewayError(503, "no replica available to tokenize", code="no_replica")
-        try:
-            r = await self._client.post(base + path, json=payload, timeout=self._timeout)
-        except httpx.HTTPError as exc:
-            raise GatewayError(502, f"engine tokenization failed: {exc}") from None
+        tried: list[str] = []
+        failure: httpx.TransportError | None = None
+        while True:
+            base = self._url(tried)
+            if base is None:
+                if tried:  # every replica tried (or the attempts' bound) failed to answer
+                    raise GatewayError(502, f"engine tokenization failed: {failure}")
+                raise GatewayError(503, "no replica available to tokenize", code="no_replica")
+            try:
+                r = await self._client.post(base + path, json=payload, timeout=self._timeout)
+                break
+            except httpx.TransportError as exc:  # no answer from this replica: another
+                tried.append(base)
+                failure = exc
+                if len(tried) >= self.ATTEMPTS:
+                    raise GatewayError(502, f"engine tokenization failed: {exc}") from None
+            except httpx.HTTPError as exc:
+                raise GatewayError(502, f"engine tokenization failed: {exc}") from None
         if r.status_code == 400:
             raise bad_request(f"the engine rejected the prompt: {r.text[:500]}")
         if r.status_code != 200:
@@ -275,7 +291,7 @@ class TokenizerPools:
     def __init__(
         self,
         client: httpx.AsyncClient,
-        replica_url: Callable[[str], str | None],
+        replica_url: Callable[[str, Collection[str]], str | None],
         cache_tokens: int = SEGMENT_CACHE_TOKENS,
     ):
         self._client = client
@@ -286,7 +302,9 @@ class TokenizerPools:
     def for_pool(self, model: str, pool: ModelPool) -> PromptTokenizer:
         if pool.tokenizer in ("engine_render", "engine_tokenize"):
             mode = "render" if pool.tokenizer == "engine_render" else "tokenize"
-            return EnginePromptTokenizer(mode, self._client, lambda: self._replica_url(model))
+            return EnginePromptTokenizer(
+                mode, self._client, lambda tried: self._replica_url(model, tried)
+            )
         return self.local(pool)
 
     def local(self, pool: ModelPool) -> LocalPromptTokenizer:

@@ -801,9 +801,9 @@ async def test_engine_tokenizer_sends_the_scope_salt_and_the_rendering_fields() 
     }
     async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
         for mode in ("render", "tokenize"):
-            tok = EnginePromptTokenizer(mode, client, lambda: "http://engine")
+            tok = EnginePromptTokenizer(mode, client, lambda tried: "http://engine")
             assert await tok.chat(chat, "scope-salt") == [1, 2, 3]
-        tok = EnginePromptTokenizer("tokenize", client, lambda: "http://engine")
+        tok = EnginePromptTokenizer("tokenize", client, lambda tried: "http://engine")
         await tok.completion({"model": "m", "prompt": "hello", "cache_salt": "x"}, "s2")
         assert await tok.completion({"model": "m", "prompt": [7, 8]}, "s2") == [7, 8]
     (p1, render), (p2, tokenize), (p3, prompt) = seen  # a token-id prompt asks nothing
