@@ -89,6 +89,7 @@ class KeyStore:
         self._redis_hash = redis_hash
         self.open_access = open_access
         self._cache_ttl = cache_ttl_s
+        self._warned: set[str] = set()  # keys whose malformed tenant value was logged
         self._cache: dict[str, tuple[str | None, float]] = {}
         self.redis_errors = 0
 
@@ -122,6 +123,15 @@ class KeyStore:
             return hit[0] if hit is not None else None
         value = raw.decode() if isinstance(raw, bytes) else raw
         tenant = value if isinstance(value, str) and _TENANT.match(value) else None
+        if tenant is None and value is not None and digest not in self._warned:
+            # refused like an unknown key: say which entry (never the key itself)
+            if len(self._warned) < 10_000:
+                self._warned.add(digest)
+            log.warning(
+                "api key hash entry's value is not a valid tenant name ([A-Za-z0-9._-]{1,64}):"
+                " the key is refused",
+                extra={"key_sha256": digest[:12], "hash": self._redis_hash},
+            )
         if len(self._cache) > 10_000:
             self._cache.clear()
         self._cache[digest] = (tenant, now + self._cache_ttl)

@@ -71,6 +71,30 @@ async def test_keys_in_redis(redis_url: str) -> None:
     await r.aclose()
 
 
+async def test_a_malformed_tenant_in_redis_is_logged_not_a_silent_401(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: a key whose Redis hash value is no valid tenant name (a typo, a stray space)
+    was refused like an unknown key, and nothing told the operator which entry was bad."""
+    import logging
+
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(redis_url)
+    digest = hash_key("sk-typo")
+    await r.hset("kvg:apikeys", digest, "acme corp")
+    store = KeyStore(redis=r, cache_ttl_s=0.0)
+    caplog.set_level(logging.WARNING, logger="gateway.auth")
+    for _ in range(3):
+        assert await store.tenant_for("Bearer sk-typo") is None
+    warned = [rec for rec in caplog.records if "not a valid tenant name" in rec.getMessage()]
+    assert len(warned) == 1  # once per key, not per request
+    assert warned[0].__dict__["key_sha256"] == digest[:12]
+    assert "sk-typo" not in caplog.text
+    await r.delete("kvg:apikeys")
+    await r.aclose()
+
+
 def test_admin_key_check() -> None:
     assert check_admin("Bearer s3cret", "s3cret") and check_admin("s3cret", "s3cret")
     assert not check_admin("wrong", "s3cret") and not check_admin(None, "s3cret")
