@@ -366,9 +366,18 @@ class LeanTransport(httpx.AsyncBaseTransport):
             fut: asyncio.Future[None] = loop.create_future()
             self._waiting.setdefault(key, deque()).append(fut)
             try:
-                await asyncio.wait_for(fut, pool_s)
-            except TimeoutError:
-                raise httpx.PoolTimeout("no upstream connection free in time") from None
+                # not wait_for: on 3.11 it swallows a cancellation that arrives after the
+                # wake, and the request of a client that left went upstream all the same
+                async with asyncio.timeout(pool_s):
+                    await fut
+            except BaseException as exc:
+                if fut.done() and not fut.cancelled():
+                    # woken by a release, then leaving before it ran (its client left, or
+                    # the timeout fired in the same tick): the wake goes to the next waiter
+                    self._wake_one(key)
+                if isinstance(exc, TimeoutError):
+                    raise httpx.PoolTimeout("no upstream connection free in time") from None
+                raise
             conn = self._take_idle(key)
             if conn is not None:
                 return conn
@@ -419,6 +428,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 idle.append(conn)
             else:
                 conn.close()
+        self._wake_one(key)
+
+    def _wake_one(self, key: _HostKey) -> None:
+        """Wake the longest-waiting caller for a connection to ``key`` (those that left
+        are skipped)."""
         waiting = self._waiting.get(key)
         while waiting:
             fut = waiting.popleft()

@@ -274,6 +274,44 @@ async def test_pool_bound_waits_then_times_out() -> None:
     await t.aclose()
 
 
+async def test_a_woken_waiter_that_leaves_passes_the_free_connection_on() -> None:
+    """A waiter for a pooled connection, woken by a release and cancelled before it ran
+    (its client left in that tick): asyncio.wait_for (3.11) swallowed the cancellation, so
+    the departed client's request went upstream and held the connection, and the next
+    waiter sat until its pool timeout. The cancelled waiter must leave and pass the wake
+    on."""
+    release = asyncio.Event()
+
+    async def held(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            await release.wait()
+            writer.write(json_answer(b"{}"))
+            await writer.drain()
+
+    t = LeanTransport(max_connections=1)
+    slow_pool = {"connect": 1.0, "read": 5.0, "pool": 5.0}
+    async with server(held) as (url, _):
+        first = asyncio.ensure_future(t.post(url, "/x", [], b"{}", TIMEOUTS))
+        await asyncio.sleep(0.05)
+        leaving = asyncio.ensure_future(t.post(url, "/x", [], b"{}", slow_pool))
+        staying = asyncio.ensure_future(t.post(url, "/x", [], b"{}", slow_pool))
+        await asyncio.sleep(0.05)  # both wait for the one connection
+        release.set()
+        resp = await first
+        assert await resp.aread() == b"{}"
+        await resp.aclose()  # the release wakes `leaving`...
+        leaving.cancel()  # ...which leaves before it runs
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        resp = await asyncio.wait_for(staying, 2.0)
+        assert await resp.aread() == b"{}"
+        await resp.aclose()
+        assert loop.time() - t0 < 1.0
+        assert leaving.cancelled()
+    await t.aclose()
+
+
 async def test_httpx_transport_api() -> None:
     t = LeanTransport()
     async with server(echo_forever) as (url, _), httpx.AsyncClient(transport=t) as client:
