@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ from policies.schema import HealthPolicy
 
 AGENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 """The schemes of the agent endpoints a replica spec takes (``URL=EVENTS,REPLAY``)."""
+
+# userinfo in a URL of the spec (``scheme://user:password@host``), found before the spec is
+# split at its "=" (a password may hold one) and before any error quotes the URL
+_CREDENTIALS = re.compile(r"://[^/?#@]*@([^/?#=]*)")
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,14 @@ def default_replica_id(url: str) -> str:
 
 def parse_replica_spec(text: str) -> ReplicaSpec:
     raw = text.strip()
+    creds = _CREDENTIALS.search(raw)
+    if creds is not None:
+        # httpx would send them with the health checks, the upstream transport never; and
+        # every error below quotes the URL: refused first, the secret never echoed
+        raise ReplicaSpecError(
+            f"replica URL for {creds.group(1) or 'its host'} must not carry credentials "
+            "(user:password@): the engine's API key goes in KVGATE_UPSTREAM_API_KEY"
+        )
     rid: str | None = None
     head, sep, rest = raw.partition("=")
     if sep and "://" not in head:
