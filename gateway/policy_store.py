@@ -22,7 +22,7 @@ class PolicyStore:
         if policy is None:  # at start-up an invalid file is fatal
             policy = Policy() if self.path is None else load_policy(self.path)
         self.policy = policy
-        self._mtime = self._stat()
+        self._version = self._stat()
         self.on_change: Callable[[Policy], None] | None = None
         # what the schema cannot know (the engines' block sizes): (field, problem) pairs
         # that refuse a reload, checked before it is applied
@@ -31,13 +31,17 @@ class PolicyStore:
         self.reloads = 0
         self._task: asyncio.Task[None] | None = None
 
-    def _stat(self) -> float | None:
+    def _stat(self) -> tuple[int, int, int] | None:
+        """The file's version: mtime, size and inode. The mtime alone misses a rewrite in
+        the timestamp tick of its truncation (a coarse clock stamps both alike), after a
+        reload read the file empty in between and was refused."""
         if self.path is None:
             return None
         try:
-            return self.path.stat().st_mtime_ns / 1e9
+            st = self.path.stat()
         except OSError:
             return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def apply(self, policy: Policy) -> None:
         self.policy = policy
@@ -50,7 +54,7 @@ class PolicyStore:
         """Re-read the file. Raises :class:`PolicyError` (and keeps the old policy)."""
         if self.path is None:
             raise PolicyError("<none>", [("", "the gateway was started without a policy file")])
-        self._mtime = self._stat()
+        self._version = self._stat()
         try:
             # an empty file is one caught between its truncation and its rewrite
             policy = load_policy(self.path, allow_empty=False)
@@ -78,7 +82,7 @@ class PolicyStore:
 
     def changed_on_disk(self) -> bool:
         m = self._stat()
-        return m is not None and m != self._mtime
+        return m is not None and m != self._version
 
     async def watch(self, interval_s: float, on_result: Callable[[bool, str], None]) -> None:
         while True:

@@ -310,3 +310,28 @@ def test_a_reload_to_an_empty_document_keeps_the_old_policy(tmp_path: Path, text
     assert store.policy is strict
     store.reload_text("{}")  # the defaults, asked for explicitly
     assert store.policy.default_tenant.sensitive.default == "none"
+
+
+def test_a_rewrite_in_the_same_mtime_tick_as_its_truncation_is_still_reloaded(
+    tmp_path: Path,
+) -> None:
+    """Review: a reload that read the file between its truncation and its rewrite is refused
+    (8d76503), but the store kept the truncated file's mtime, and a rewrite in the same
+    timestamp tick (Linux stamps files with a coarse clock: `cat new > policy.yaml` is
+    microseconds) left it unchanged: the new policy was never applied, until some later
+    edit. The file's size (and inode) count as a change too."""
+    f = tmp_path / "p.yaml"
+    f.write_text("routing: {strategy: round_robin}\n")
+    store = PolicyStore(f)
+    tick = f.stat().st_mtime_ns + 1_000_000_000
+    f.write_text("")  # truncated: the poll reads it now
+    os.utime(f, ns=(tick, tick))
+    assert store.changed_on_disk()
+    with pytest.raises(PolicyError, match="empty"):
+        store.reload_file()
+    f.write_text("routing: {strategy: least_loaded}\n")  # rewritten in the same tick
+    os.utime(f, ns=(tick, tick))
+    assert store.changed_on_disk()
+    store.reload_file()
+    assert current(store) is Strategy.LEAST_LOADED
+    assert not store.changed_on_disk()
