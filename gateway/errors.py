@@ -118,7 +118,10 @@ def engine_error_body(parsed: object, status: int) -> dict[str, Any] | None:
     if isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail):
         parts = []
         for d in detail:
-            loc = ".".join(str(x) for x in d.get("loc") or ())
+            where = d.get("loc")  # FastAPI's is a list; anything else is named whole
+            loc = (
+                ".".join(map(str, where)) if isinstance(where, (list, tuple)) else str(where or "")
+            )
             msg = str(d.get("msg", ""))
             parts.append(f"{loc}: {msg}" if loc else msg)
         return error_body(status, "; ".join(parts))

@@ -277,6 +277,10 @@ async def test_a_long_non_streamed_answer_is_not_a_timeout() -> None:
         # a FastAPI engine's own refusal
         (404, {"detail": "Not Found"}, "Not Found", None),
         (422, {"detail": [{"loc": ["body", "n"], "msg": "must be 1"}]}, "body.n: must be 1", None),
+        # a detail list off FastAPI's shape: a 500 'internal gateway error' (TypeError), or
+        # a string loc spelled out letter by letter
+        (422, {"detail": [{"loc": 5, "msg": "bad n"}]}, "5: bad n", None),
+        (422, {"detail": [{"loc": "body", "msg": "bad n"}]}, "body: bad n", None),
     ],
 )
 async def test_an_engine_error_in_another_shape_keeps_its_words(
