@@ -121,7 +121,8 @@ class KeyStore:
             self.redis_errors += 1
             log.warning("api key lookup in redis failed", extra={"error": str(exc)})
             return hit[0] if hit is not None else None
-        value = raw.decode() if isinstance(raw, bytes) else raw
+        # a value that is no UTF-8 is no tenant name either: refused below, not a 500
+        value = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
         tenant = value if isinstance(value, str) and _TENANT.match(value) else None
         if tenant is None and value is not None and digest not in self._warned:
             # refused like an unknown key: say which entry (never the key itself)

@@ -95,6 +95,28 @@ async def test_a_malformed_tenant_in_redis_is_logged_not_a_silent_401(
     await r.aclose()
 
 
+async def test_a_tenant_in_redis_that_is_no_utf8_is_refused_not_a_500(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: a hash value that is no UTF-8 (binary written by another tool) raised
+    UnicodeDecodeError from the lookup, every request with that key a 500 'internal
+    gateway error' (and a Redis round trip, never cached), where 58d2c24 refuses and logs a
+    malformed tenant."""
+    import logging
+
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(redis_url)
+    digest = hash_key("sk-binary")
+    await r.hset("kvg:apikeys", digest, b"\xffacme")
+    store = KeyStore(redis=r)
+    caplog.set_level(logging.WARNING, logger="gateway.auth")
+    assert await store.tenant_for("Bearer sk-binary") is None
+    assert any("not a valid tenant name" in rec.getMessage() for rec in caplog.records)
+    await r.delete("kvg:apikeys")
+    await r.aclose()
+
+
 def test_admin_key_check() -> None:
     assert check_admin("Bearer s3cret", "s3cret") and check_admin("s3cret", "s3cret")
     assert not check_admin("wrong", "s3cret") and not check_admin(None, "s3cret")
