@@ -680,6 +680,7 @@ class Gateway:
         if not isinstance(model, str) or not model:
             raise bad_request("'model' is required and must be a string", "model")
         stream = stream_requested(body)
+        wants_usage = usage_requested(body)  # a 400 before any tokenizing or routing
         if endpoint == "chat" and not isinstance(body.get("messages"), list):
             raise bad_request("'messages' is required and must be an array", "messages")
         if endpoint == "completion" and "prompt" not in body:
@@ -821,7 +822,7 @@ class Gateway:
             path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
             body=body,
             stream=stream,
-            client_wants_usage=usage_requested(body),
+            client_wants_usage=wants_usage,
             model=model,
             prompt_tokens=n_prompt,
             block_size=bs,

@@ -139,6 +139,25 @@ async def test_stream_options_the_engine_would_refuse_are_a_400() -> None:
         assert r.json()["error"]["param"] == "stream_options.include_usage"
 
 
+async def test_a_refused_include_usage_is_refused_before_it_is_routed() -> None:
+    """Review: the 400 for ``include_usage`` (2939cf1) was raised after the prompt was
+    tokenized, keyed, looked up and routed: a request refused for its syntax moved the
+    round-robin turn (and the routing RNG), so the next request went where it would not
+    have. It is checked with ``stream``, before any of that."""
+    policy = "routing: {strategy: round_robin}"
+    async with stack(count=2, policy=policy, expose_replica=True) as st, st.http() as h:
+        body = {"model": st.model, "prompt": words(40, 11), "max_tokens": 1}
+        bad = {**body, "stream": True, "stream_options": {"include_usage": "maybe"}}
+        tokenized = st.gw.stages.count["tokenize"]
+        first = await h.post("/v1/completions", json=body)
+        assert st.gw.stages.count["tokenize"] == tokenized + 1
+        assert (await h.post("/v1/completions", json=bad)).status_code == 400
+        assert st.gw.stages.count["tokenize"] == tokenized + 1  # never tokenized
+        second = await h.post("/v1/completions", json=body)
+        assert first.status_code == second.status_code == 200
+        assert first.headers["x-kvgate-replica"] != second.headers["x-kvgate-replica"]
+
+
 async def test_completions_json_and_stream_and_unknown_fields_pass() -> None:
     async with stack(count=2) as st:
         c = st.client()
