@@ -35,7 +35,7 @@ AGENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 
 # userinfo in a URL of the spec (``scheme://user:password@host``), found before the spec is
 # split at its "=" (a password may hold one) and before any error quotes the URL
-_CREDENTIALS = re.compile(r"://[^/?#@]*@([^/?#=]*)")
+_CREDENTIALS = re.compile(r"://[^/?#@]*@([^/?#=,]*)")
 
 log = logging.getLogger(__name__)
 

@@ -241,6 +241,7 @@ def test_replica_specs_a_user_gets_wrong_say_what_to_write(spec: str, says: str)
         "r0=http://user:s3cret@127.0.0.1:8001/v1?x#y",
         "http://user:s3cret=x@127.0.0.1:8001",  # an "=" in it cut the URL inside the secret
         "http://:s3cret@127.0.0.1:8001",
+        "http://127.0.0.1:8001=tcp://u:s3cret@127.0.0.1:2,tcp://127.0.0.1:3",
     ],
 )
 def test_a_replica_spec_error_never_echoes_url_credentials(spec: str) -> None:
@@ -251,6 +252,8 @@ def test_a_replica_spec_error_never_echoes_url_credentials(spec: str) -> None:
         parse_replica_spec(spec)
     assert "s3cret" not in str(err.value)
     assert "KVGATE_UPSTREAM_API_KEY" in str(err.value)
+    assert "must not carry credentials" in str(err.value)
+    assert ",tcp" not in str(err.value)  # the host it names ends where the URL does
 
 
 # ---------------------------------------------------------------- scopes
