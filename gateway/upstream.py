@@ -298,7 +298,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     f"upstream must be http:// or https://, not {base_url!r}"
                 )
             key = self._hosts[base_url] = _host_key(url)
-            self._host_header[key] = f"{url.host}:{key[1]}".encode("ascii")
+            host = f"[{url.host}]" if ":" in url.host else url.host  # an IPv6 literal
+            self._host_header[key] = f"{host}:{key[1]}".encode("ascii")
         prefix = base_url.split("://", 1)[1].split("/", 1)
         target = ("/" + prefix[1].rstrip("/") if len(prefix) > 1 else "") + path
         framing = [(b"host", self._host_header[key]), (b"content-length", b"%d" % len(body))]

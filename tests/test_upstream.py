@@ -312,6 +312,31 @@ async def test_a_woken_waiter_that_leaves_passes_the_free_connection_on() -> Non
     await t.aclose()
 
 
+async def test_an_ipv6_replica_gets_a_bracketed_host_header() -> None:
+    """RFC 9110: an IPv6 literal in Host is bracketed. The transport sent ``::1:PORT``,
+    which a strict server (and any proxy in between) refuses as a malformed Host."""
+    heads: list[bytes] = []
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await read_request(reader))
+        writer.write(json_answer(b"{}"))
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(on_conn, "::1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    t = LeanTransport()
+    try:
+        resp = await t.post(f"http://[::1]:{port}", "/x", [], b"{}", TIMEOUTS)
+        assert await resp.aread() == b"{}"
+        await resp.aclose()
+    finally:
+        await t.aclose()
+        srv.close()
+        await srv.wait_closed()
+    assert f"\r\nhost: [::1]:{port}\r\n".encode() in heads[0].lower()
+
+
 async def test_httpx_transport_api() -> None:
     t = LeanTransport()
     async with server(echo_forever) as (url, _), httpx.AsyncClient(transport=t) as client:
