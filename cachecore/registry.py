@@ -52,6 +52,9 @@ def normalize_url(url: str) -> str:
     """Canonical form used to compare URLs with the allowlist: lower-case scheme and host,
     explicit port, no trailing slash. User info, query and fragment are refused (they are
     the usual ways to make a URL look like another)."""
+    shown = _without_user_info(url)  # errors are logged and answered: never the password
+    if shown != url:
+        raise InvalidURLError(f"URL must not carry user info: {shown!r}")
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -60,8 +63,6 @@ def normalize_url(url: str) -> str:
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
         raise InvalidURLError(f"URL scheme must be http or https: {url!r}")
-    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
-        raise InvalidURLError(f"URL must not carry user info: {url!r}")
     if parts.query or parts.fragment:
         raise InvalidURLError(f"URL must not carry a query or fragment: {url!r}")
     host = (parts.hostname or "").lower()
@@ -73,6 +74,18 @@ def normalize_url(url: str) -> str:
         host = f"[{host}]"
     path = parts.path.rstrip("/")
     return f"{scheme}://{host}:{port}{path}"
+
+
+def _without_user_info(url: str) -> str:
+    """``url`` with anything before an ``@`` in its authority replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority = rest[:end]
+    if "@" not in authority:
+        return url
+    return f"{scheme}{sep}***@{authority.rsplit('@', 1)[1]}{rest[end:]}"
 
 
 class Registration(BaseModel):

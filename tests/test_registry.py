@@ -152,6 +152,25 @@ def test_tricky_urls_are_refused(url: str) -> None:
         normalize_url(url)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://user:s3cret@10.0.0.1:8000",
+        "http://user:s3cret@10.0.0.1:99999",  # a bad port too: refused for the user info
+        "ftp://user:s3cret@h",
+        "http://user:s3cret@",
+        "http://us@er:s3cret@h:8000/v1?x=1",
+    ],
+)
+def test_a_refused_url_never_echoes_its_password(url: str) -> None:
+    """normalize_url's errors (logged, answered to a registration) quoted the URL whole:
+    a port or scheme error came first and carried the password with it."""
+    with pytest.raises(InvalidURLError) as info:
+        normalize_url(url)
+    assert "s3cret" not in str(info.value)
+    assert "user info" in str(info.value)
+
+
 def test_allowlist_accepts_only_declared_urls() -> None:
     allow = ReplicaAllowlist(["http://10.0.0.1:8000", "b=http://10.0.0.2:8000/", " "])
     assert len(allow) == 2
