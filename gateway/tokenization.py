@@ -97,13 +97,7 @@ def stream_requested(body: Mapping[str, Any]) -> bool:
     otherwise (``"true"``, ``1``, ``"no"``...); anything else is a 400, as the engine
     would answer. A client's ``"stream": "true"`` streams on the engine, so the gateway
     must relay it as a stream."""
-    stream = body.get("stream")
-    if stream is None or stream is False or stream is True:
-        return bool(stream)
-    try:
-        return _LAX_BOOL.validate_python(stream)
-    except ValidationError:
-        raise bad_request("'stream' must be a boolean", "stream") from None
+    return _lax_flag(body.get("stream"), "stream")
 
 
 def usage_requested(body: Mapping[str, Any]) -> bool:
@@ -113,15 +107,18 @@ def usage_requested(body: Mapping[str, Any]) -> bool:
     opts = body.get("stream_options")
     if not isinstance(opts, dict):
         return False
-    value = opts.get("include_usage")
+    return _lax_flag(opts.get("include_usage"), "stream_options.include_usage")
+
+
+def _lax_flag(value: Any, param: str) -> bool:
+    """A request flag as vLLM's pydantic model reads it: null or absent is false, a lax
+    bool otherwise; anything else is a 400 naming ``param``."""
     if value is None or value is False or value is True:
         return bool(value)
     try:
         return _LAX_BOOL.validate_python(value)
     except ValidationError:
-        raise bad_request(
-            "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
-        ) from None
+        raise bad_request(f"'{param}' must be a boolean", param) from None
 
 
 class PromptTokenizer(Protocol):
