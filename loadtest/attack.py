@@ -25,9 +25,9 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from cachecore.logs import configure_logging
+from gateway.cli import writable_file
 from loadtest.attacks.common import AttackResult, Outcome, format_table
 from loadtest.attacks.flooding import FloodConfig, run_flooding
 from loadtest.attacks.node import NodeConfig, run_node
@@ -152,7 +152,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--only", type=_only, default=set(ATTACKS), help="e.g. 1,4 (default all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    # checked up front: a write that fails after the suite's run loses its rows
+    parser.add_argument(
+        "--json", type=writable_file, default=None, help="write the rows as JSON here"
+    )
     parser.add_argument(
         "--unsafe-shared-scope",
         action="store_true",

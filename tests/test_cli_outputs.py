@@ -1,0 +1,18 @@
+"""Output paths of ``kvgate`` subcommands that cannot be written are refused with one line
+before any work starts, never a traceback after it (a failed write at the end loses a run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.cli import main
+
+
+def test_attack_json_unwritable_refused_up_front(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvgate attack --json /dev/null/x.json` ran the whole suite, then raised
+    NotADirectoryError from write_text: the rows were lost."""
+    with pytest.raises(SystemExit) as exc:
+        main(["attack", "--quick", "--only", "5", "--json", "/dev/null/x.json"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --json" in err and "Traceback" not in err
