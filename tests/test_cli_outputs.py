@@ -16,3 +16,12 @@ def test_attack_json_unwritable_refused_up_front(capsys: pytest.CaptureFixture[s
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --json" in err and "Traceback" not in err
+
+
+def test_tokenizer_export_unwritable_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvgate tokenizer --export /dev/null/x` raised NotADirectoryError from mkdir."""
+    with pytest.raises(SystemExit) as exc:
+        main(["tokenizer", "--export", "/dev/null/x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --export" in err and "not a directory" in err
