@@ -53,3 +53,17 @@ def test_an_invalid_value_names_its_flag(
     assert "127.0.0.1:9100" not in err, err
     assert "engine_url (--engine-url, KVGATE_AGENT_ENGINE_URL)" in err, err
     assert "must be an http(s) URL" in err, err
+
+
+def test_an_unopenable_trace_out_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--trace-out /dev/null/x.jsonl` raised NotADirectoryError out of the Agent's
+    constructor: a traceback instead of a refusal."""
+    argv = [
+        "--replica-id", "r9", "--engine-url", "http://127.0.0.1:9",
+        "--events", "tcp://127.0.0.1:9", "--redis", "redis://u:S3CRETPW@127.0.0.1:9/0",
+        "--http-port", "0", "--gc-freeze-interval", "0", "--trace-out", "/dev/null/x.jsonl",
+    ]  # fmt: skip
+    err = _refusal(argv, monkeypatch, capsys)
+    assert "--trace-out /dev/null/x.jsonl" in err, err

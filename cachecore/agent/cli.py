@@ -215,7 +215,15 @@ async def _main(
     except ValueError as exc:  # a URL the client refuses, e.g. a database on a cluster
         print(f"kvgate agent: {exc}", file=sys.stderr)
         return 2
-    agent = Agent(settings, index, load_store, registry)
+    try:
+        agent = Agent(settings, index, load_store, registry)
+    except OSError as exc:  # the constructor opens --trace-out
+        print(
+            f"kvgate agent: cannot open --trace-out {settings.trace_out} ({exc.strerror})",
+            file=sys.stderr,
+        )
+        await _close(index, load_store, registry)
+        return 2
     server: AgentHTTPServer | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -253,8 +261,12 @@ async def _main(
         await agent.stop(deregister=True)
         if server is not None:
             await server.stop()
-        for closable in (index, load_store, registry):
-            if closable is not None:
-                with contextlib.suppress(Exception):
-                    await closable.close()
+        await _close(index, load_store, registry)
     return 0
+
+
+async def _close(*closables: RedisIndex | RedisLoadStore | RedisRegistry | None) -> None:
+    for closable in closables:
+        if closable is not None:
+            with contextlib.suppress(Exception):
+                await closable.close()
