@@ -1,13 +1,16 @@
-"""argparse ``type=`` checks for numbers, shared by every ``kvgate`` subcommand (the
-gateway's and the library's own: ``kvgate replica`` and ``kvgate agent`` live in
-:mod:`cachecore`, which never imports :mod:`gateway`). They raise ArgumentTypeError so
-argparse prints its one-line usage error (exit 2) before a command starts anything."""
+"""argparse ``type=`` checks for numbers and output paths, shared by every ``kvgate``
+subcommand (the gateway's and the library's own: ``kvgate replica``, ``kvgate agent`` and
+``kvgate bench tiers`` live in :mod:`cachecore`, which never imports :mod:`gateway`). They
+raise ArgumentTypeError so argparse prints its one-line usage error (exit 2) before a
+command starts anything."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -50,3 +53,37 @@ def tcp_port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port (1-65535): {value}")
     return value
+
+
+def _check_creatable(text: str, path: Path) -> None:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
+
+
+def writable_file(text: str) -> Path:
+    """An output file that can be written (checked up front: a failed write at the end
+    loses the whole run): not a directory, writable if it exists, else its nearest existing
+    ancestor is a writable directory (the writer creates the missing ones)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text}: not writable")
+        return path
+    _check_creatable(text, path.parent)
+    return path
+
+
+def writable_dir(text: str) -> Path:
+    """An output directory that is writable, or can be created."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    _check_creatable(text, path)
+    return path

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachecore.argtypes import writable_file
+
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
@@ -249,7 +251,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="redis URL for the remote-tier link (default: start a private redis-server)",
     )
-    parser.add_argument("--plot", type=Path, default=None, help="write the break-even plot here")
+    # checked up front: a write that fails after the measurements loses them
+    parser.add_argument(
+        "--plot", type=writable_file, default=None, help="write the break-even plot here"
+    )
     parser.add_argument("--gemm", type=int, default=1024, help="GEMM size for FLOP/s")
 
 

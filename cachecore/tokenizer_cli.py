@@ -3,28 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
+from cachecore.argtypes import writable_dir
 from cachecore.tokenizer import builtin_tokenizer, export_builtin
 
 
-def _export_dir(text: str) -> Path:
-    # refused in argparse's one line, not as a traceback from mkdir or a copy
-    path = Path(text)
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
-    return path
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--export", type=_export_dir, metavar="DIR", help="write tokenizer.json etc."
+    parser.add_argument(  # refused in one line up front, not a traceback from mkdir
+        "--export", type=writable_dir, metavar="DIR", help="write tokenizer.json etc."
     )
     parser.add_argument("--encode", metavar="TEXT", help="print the token ids of TEXT")
 

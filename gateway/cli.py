@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
@@ -23,6 +22,8 @@ from cachecore.argtypes import nonnegative_int as nonnegative_int
 from cachecore.argtypes import positive_float as positive_float
 from cachecore.argtypes import positive_int as positive_int
 from cachecore.argtypes import tcp_port as tcp_port
+from cachecore.argtypes import writable_dir as writable_dir
+from cachecore.argtypes import writable_file as writable_file
 
 T = TypeVar("T")
 
@@ -71,40 +72,6 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
         return out
 
     return parse
-
-
-def _check_creatable(text: str, path: Path) -> None:
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {probe} is not a directory")
-    if not os.access(probe, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: {probe} is not writable")
-
-
-def writable_file(text: str) -> Path:
-    """An output file that can be written (checked up front: a failed write at the end
-    loses the whole run): not a directory, writable if it exists, else its nearest existing
-    ancestor is a writable directory (the writer creates the missing ones)."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a directory")
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise argparse.ArgumentTypeError(f"{text}: not writable")
-        return path
-    _check_creatable(text, path.parent)
-    return path
-
-
-def writable_dir(text: str) -> Path:
-    """An output directory that is writable, or can be created."""
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is not a directory")
-    _check_creatable(text, path)
-    return path
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

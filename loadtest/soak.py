@@ -66,6 +66,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from cachecore.agent.expect import dump_when_idle, expected_keys
+from cachecore.argtypes import writable_file
 from cachecore.engine.latency import get_profile
 from cachecore.index.redis import RedisIndex
 from cachecore.replica.fleet import FleetProcess, launch_fleet
@@ -854,7 +855,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the gateway's segment cache bound (small, so bounded caches fill during "
         "warm-up and what still grows after it is a leak; serving default 1,000,000)",
     )
-    a("--plot", type=Path, default=None, help="write a PNG of the samples here")
+    # checked up front: a write that fails at the end loses the soak
+    a("--plot", type=writable_file, default=None, help="write a PNG of the samples here")
 
 
 def run(args: argparse.Namespace) -> int:

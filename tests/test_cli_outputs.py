@@ -25,3 +25,16 @@ def test_tokenizer_export_unwritable_is_one_line(capsys: pytest.CaptureFixture[s
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --export" in err and "not a directory" in err
+
+
+@pytest.mark.parametrize("bench", ["tiers", "soak"])
+def test_bench_plot_unwritable_refused_up_front(
+    bench: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate bench tiers --plot /dev/null/x.png` measured, then raised FileExistsError
+    from mkdir; `bench soak --plot` would lose minutes of soak the same way."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", bench, "--plot", "/dev/null/x.png"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --plot" in err and "not a directory" in err, err
