@@ -56,6 +56,11 @@ def wait_for_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
 
 
+class MissingProgram(RuntimeError):
+    """A program the command starts (redis-server, redis-cli) is not installed:
+    ``kvgate`` prints it in one line and exits 2, not as a traceback."""
+
+
 class RedisServer:
     """A real redis-server on a free loopback port. ``restart()`` keeps the port but loses
     all data (persistence is off), which is what a Redis restart looks like to kvgate."""
@@ -68,7 +73,7 @@ class RedisServer:
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError("redis-server is not on PATH")
+            raise MissingProgram("redis-server is not on PATH (install Redis)")
         self.binary = binary
         self.port = port or free_port()
         self.extra_args = extra_args or []
@@ -157,7 +162,7 @@ class RedisClusterServers:
             raise ValueError("redis-cli --cluster create needs at least 3 primaries")
         cli = shutil.which("redis-cli")
         if cli is None:
-            raise RuntimeError("redis-cli is not on PATH")
+            raise MissingProgram("redis-cli is not on PATH (install Redis)")
         self.cli = cli
         self.timeout_s = timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="kvgate-redis-cluster-"))

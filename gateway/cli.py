@@ -109,6 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as exc:
         print(f"kvgate {name}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:
+        from cachecore.testing import MissingProgram  # imported late: it loads redis
+
+        if not isinstance(exc, MissingProgram):
+            raise
+        print(f"kvgate {name}: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # stdout's reader left (`kvgate ... | head`): stop quietly, as a Unix tool does;
         # stdout goes to devnull so the interpreter's final flush cannot raise again

@@ -38,3 +38,22 @@ def test_bench_plot_unwritable_refused_up_front(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "argument --plot" in err and "not a directory" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "index", "--quick", "--backends", "redis"],
+        ["bench", "ingest", "--rates", "1000", "--seconds", "1"],
+        ["attack", "--quick", "--only", "3"],
+    ],
+)
+def test_missing_redis_server_is_one_line(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without redis-server on PATH, `kvgate bench index` (and ingest, gateway, soak, attack)
+    ended in a RuntimeError traceback from cachecore.testing."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "redis-server is not on PATH" in err, err
