@@ -29,7 +29,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -41,6 +41,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey, BlockKeyer
 from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier, chain_values
 from cachecore.testing import RedisServer
+from gateway.cli import comma_list, positive_int
 
 GPU = int(Tier.GPU)
 GPU_CPU = int(Tier.GPU | Tier.CPU)
@@ -52,17 +53,26 @@ def _pct(values: Sequence[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+# list flags are parsed by argparse: a typo is a usage error, not a traceback mid-run
+_sizes = comma_list(positive_int)
+
+
+def _one_of(*names: str) -> Callable[[str], list[str]]:
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown {text!r}; known: {', '.join(names)}")
+        return text
+
+    return comma_list(parse)
 
 
 # --------------------------------------------------------------------------------- keys
 
 
 def configure_keys(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", default="8192,32768", help="prompt sizes (tokens)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--tokens", type=_sizes, default="8192,32768", help="prompt sizes (tokens)")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--iterations", type=positive_int, default=300)
     parser.add_argument("--target-ms", type=float, default=2.0, help="target for the largest")
 
 
@@ -72,7 +82,7 @@ def run_keys(args: argparse.Namespace) -> int:
     salt = "kvg1:" + "ab" * 32
     rows = []
     worst_p99 = 0.0
-    for n in _ints(args.tokens):
+    for n in args.tokens:
         tokens = [rng.randrange(TOKENIZER_VOCAB) for _ in range(n)]
         gw: list[float] = []
         agent: list[float] = []
@@ -113,18 +123,21 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 def configure_index(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backends", default="memory,redis")
-    parser.add_argument("--tokens", default="8192,32768", help="prompt sizes (tokens)")
-    parser.add_argument("--replicas", default="4,16,64")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--backends", type=_one_of("memory", "redis"), default="memory,redis")
+    parser.add_argument("--tokens", type=_sizes, default="8192,32768", help="prompt sizes (tokens)")
+    parser.add_argument("--replicas", type=_sizes, default="4,16,64")
+    parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--lookups", type=int, default=600, help="measured lookups per cell")
     parser.add_argument("--queries", type=int, default=8, help="distinct queried prefixes")
     parser.add_argument("--chains", type=int, default=24, help="background chains per replica")
     parser.add_argument("--chain-blocks", type=int, default=1024, help="max background length")
-    parser.add_argument("--write-batches", default="64,1024", help="apply() batch sizes")
+    parser.add_argument(
+        "--write-batches", type=_sizes, default="64,1024", help="apply() batch sizes"
+    )
     parser.add_argument("--write-blocks", type=int, default=200_000, help="blocks per write run")
     parser.add_argument(
         "--partial",
+        type=_one_of("shared", "uniform"),
         default="shared,uniform",
         help="partial-holder scenarios: shared (shared heads) and/or uniform (stress)",
     )
@@ -320,9 +333,9 @@ async def _redis_memory(admin: aioredis.Redis) -> int:
 
 
 async def run_index_async(args: argparse.Namespace) -> int:
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    token_sizes = _ints(args.tokens)
-    replica_counts = _ints(args.replicas)
+    backends: list[str] = args.backends
+    token_sizes: list[int] = args.tokens
+    replica_counts: list[int] = args.replicas
     bs = args.block_size
     now = 1_700_000_000_000
     cells: list[Cell] = []
@@ -336,10 +349,7 @@ async def run_index_async(args: argparse.Namespace) -> int:
         version = (await admin.info("server"))["redis_version"]
     try:
         for scenario, n_tokens, n_rep in [
-            (sc, t, r)
-            for sc in [x.strip() for x in args.partial.split(",") if x.strip()]
-            for t in token_sizes
-            for r in replica_counts
+            (sc, t, r) for sc in args.partial for t in token_sizes for r in replica_counts
         ]:
             args.partial_mode = scenario
             data = build_dataset(n_rep, n_tokens // bs, args, seed=n_tokens * 1000 + n_rep)
@@ -376,7 +386,7 @@ async def run_index_async(args: argparse.Namespace) -> int:
                 cells.append(cell)
                 await idx.close()
         for backend in backends:
-            for batch in _ints(args.write_batches):
+            for batch in args.write_batches:
                 if backend == "memory":
                     widx: PrefixIndex = MemoryIndex(max_entries=4 * args.write_blocks)
                 else:
@@ -462,7 +472,7 @@ async def _memory_rows(admin: aioredis.Redis, data: Dataset, mem0: int, n_rep: i
 
 def run_index(args: argparse.Namespace) -> int:
     if args.quick:
-        args.replicas, args.tokens = "4,16", "8192"
+        args.replicas, args.tokens = [4, 16], [8192]
         args.lookups, args.chains, args.write_blocks = 100, 4, 20_000
     return asyncio.run(run_index_async(args))
 

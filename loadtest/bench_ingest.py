@@ -44,6 +44,7 @@ from cachecore.kvevents import (
     encode_batch,
 )
 from cachecore.testing import RedisServer, free_port, free_ports
+from gateway.cli import comma_list, positive_float
 
 _TS_ZERO = b"\xcb" + b"\x00" * 8  # msgpack float64 0.0: the placeholder patched at send time
 
@@ -297,12 +298,21 @@ def format_table(results: list[PhaseResult], w: Workload) -> str:
     return "\n".join(lines)
 
 
+def _rate(text: str) -> str:
+    # checked up front: a rate of 0 (or a typo) failed only after the phases before it ran
+    if text != "max":
+        positive_float(text)
+    return text  # the phase's label
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--rates", default="5000,20000,50000,max",
+        "--rates", type=comma_list(_rate), default="5000,20000,50000,max",
         help="comma list of offered block-event rates per second, 'max' = as fast as possible",
     )  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=6.0, help="duration of a rated phase")
+    parser.add_argument(
+        "--seconds", type=positive_float, default=6.0, help="duration of a rated phase"
+    )
     parser.add_argument("--max-block-events", type=int, default=600_000, help="size of 'max'")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--blocks-per-event", type=int, default=16)
@@ -327,7 +337,7 @@ async def _main(args: argparse.Namespace, w: Workload) -> int:
     results: list[PhaseResult] = []
     with RedisServer() as srv:
         rclient = redis.Redis.from_url(srv.url)
-        for i, spec in enumerate(s.strip() for s in args.rates.split(",") if s.strip()):
+        for i, spec in enumerate(args.rates):
             rate = None if spec == "max" else float(spec)
             total = args.max_block_events if rate is None else int(rate * args.seconds)
             payloads = build_payloads(w, total, tag=i + 1)

@@ -57,3 +57,30 @@ def test_missing_redis_server_is_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "redis-server is not on PATH" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["bench", "index", "--backends", "memroy"], "--backends"),
+        (["bench", "index", "--replicas", "four"], "--replicas"),
+        (["bench", "index", "--tokens", "0"], "--tokens"),
+        (["bench", "index", "--partial", "uniformly"], "--partial"),
+        (["bench", "index", "--block-size", "0"], "--block-size"),
+        (["bench", "keys", "--tokens", "-5"], "--tokens"),
+        (["bench", "ingest", "--rates", "0"], "--rates"),
+        (["bench", "ingest", "--rates", "fast"], "--rates"),
+        (["bench", "ingest", "--seconds", "0"], "--seconds"),
+    ],
+)
+def test_bench_index_and_ingest_bad_values_are_usage_errors(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench index --backends memroy` ended in an AssertionError after starting Redis,
+    `--replicas four` in a ValueError traceback, `bench ingest --rates 0` in a
+    ZeroDivisionError after a phase had run."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err, err
