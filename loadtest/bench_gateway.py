@@ -55,7 +55,7 @@ import httpx
 import orjson
 
 from cachecore.testing import free_port, free_ports, wait_for_port
-from gateway.cli import positive_float
+from gateway.cli import comma_list, positive_float, positive_int
 
 ADMIN_KEY = "bench-admin-key-0123456789"
 SALT_SECRET = "bench-salt-secret-0123456789abcdef"
@@ -678,9 +678,19 @@ async def run_rate(args: argparse.Namespace, fleet: Fleet) -> tuple[list[str], l
 # ------------------------------------------------------------------------------- CLI
 
 
+def _part(text: str) -> str:
+    if text not in ("ab", "decision", "rate"):
+        raise argparse.ArgumentTypeError(f"unknown part {text!r}; known: ab, decision, rate")
+    return text
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", default="ab,decision,rate", help="ab, decision, rate")
-    parser.add_argument("--requests", type=int, default=400, help="A/B requests per arm")
+    # checked by argparse: an unknown part ran nothing and exited 0, a zero count or rate
+    # ended in a traceback after the replicas had started
+    parser.add_argument(
+        "--parts", type=comma_list(_part), default="ab,decision,rate", help="ab, decision, rate"
+    )
+    parser.add_argument("--requests", type=positive_int, default=400, help="A/B requests per arm")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument(
@@ -697,16 +707,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gap-ms", type=float, default=5.0, help="initial A/B pause per pair")
     parser.add_argument("--idle-s", type=float, default=3.0, help="idle background window")
     parser.add_argument("--bare", action="store_true", help="add a bare passthrough arm")
-    parser.add_argument("--decision-tokens", type=int, default=8192)
-    parser.add_argument("--decision-replicas", type=int, default=16)
-    parser.add_argument("--decision-lookups", type=int, default=400)
-    parser.add_argument("--rate", type=float, default=200.0, help="requests/s (rate part)")
-    parser.add_argument("--rate-seconds", type=float, default=10.0)
+    parser.add_argument("--decision-tokens", type=positive_int, default=8192)
+    parser.add_argument("--decision-replicas", type=positive_int, default=16)
+    parser.add_argument("--decision-lookups", type=positive_int, default=400)
+    parser.add_argument("--rate", type=positive_float, default=200.0, help="requests/s (rate part)")
+    parser.add_argument("--rate-seconds", type=positive_float, default=10.0)
     parser.add_argument("--seed", type=int, default=7)
 
 
 async def _run(args: argparse.Namespace) -> int:
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    parts = set(args.parts)
     verdicts: list[str] = []
     print(f"## kvgate bench gateway ({os.cpu_count()} CPUs)\n")
     if "ab" in parts:

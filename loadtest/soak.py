@@ -66,7 +66,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from cachecore.agent.expect import dump_when_idle, expected_keys
-from cachecore.argtypes import writable_file
+from cachecore.argtypes import positive_float, positive_int, writable_file
 from cachecore.engine.latency import get_profile
 from cachecore.index.redis import RedisIndex
 from cachecore.replica.fleet import FleetProcess, launch_fleet
@@ -832,11 +832,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--minutes", type=float, default=10.0, help="traffic duration")
     a("--rate", type=float, default=8.0, help="offered requests/s (all kinds)")
-    a("--replicas", type=int, default=4)
-    a("--blocks", type=int, default=1024, help="KV blocks per replica (small: blocks churn)")
-    a("--time-scale", type=float, default=0.5, help="replicas' time scale")
-    a("--sample-s", type=float, default=5.0)
-    a("--reload-s", type=float, default=30.0, help="admin policy reload period")
+    # checked by argparse: --replicas 0 started Redis and a gateway with no replica, then hung
+    a("--replicas", type=positive_int, default=4)
+    a("--blocks", type=positive_int, default=1024, help="KV blocks per replica (small: churn)")
+    a("--time-scale", type=positive_float, default=0.5, help="replicas' time scale")
+    a("--sample-s", type=positive_float, default=5.0)
+    a("--reload-s", type=positive_float, default=30.0, help="admin policy reload period")
     a("--warmup-frac", type=float, default=0.3, help="share of the run that is warm-up")
     a("--drain-s", type=float, default=120.0, help="bound on waiting for the last answers")
     a("--settle-s", type=float, default=20.0, help="bound on waiting for the index to agree")

@@ -84,3 +84,29 @@ def test_bench_index_and_ingest_bad_values_are_usage_errors(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["bench", "gateway", "--parts", "abc"], "--parts"),
+        (["bench", "gateway", "--requests", "0"], "--requests"),
+        (["bench", "gateway", "--rate", "0"], "--rate"),
+        (["bench", "gateway", "--rate-seconds", "0"], "--rate-seconds"),
+        (["bench", "soak", "--replicas", "0"], "--replicas"),
+        (["bench", "soak", "--blocks", "0"], "--blocks"),
+        (["bench", "soak", "--sample-s", "0"], "--sample-s"),
+        (["bench", "soak", "--reload-s", "0"], "--reload-s"),
+    ],
+)
+def test_bench_gateway_and_soak_bad_values_are_usage_errors(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench gateway --parts abc` ran nothing and exited 0; --requests 0 ended in a
+    StatisticsError, --rate 0 in a ZeroDivisionError; `bench soak --replicas 0` started
+    Redis and a gateway with no replica and hung until interrupted."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err, err
