@@ -67,3 +67,29 @@ def test_an_unopenable_trace_out_is_one_line(
     ]  # fmt: skip
     err = _refusal(argv, monkeypatch, capsys)
     assert "--trace-out /dev/null/x.jsonl" in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--heartbeat-interval", "5", "--registration-ttl", "2"], "registration_ttl_s"),
+        (["--scrape-interval", "10"], "load_ttl_s"),  # the load TTL's default is 5 s
+    ],
+)
+def test_a_ttl_shorter_than_its_refresh_is_refused(
+    flags: list[str],
+    field: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A registration TTL under the heartbeat interval (or a load TTL under the scrape
+    interval) was accepted: the record expired between refreshes, so the gateways dropped
+    the replica (or its load) for part of every period."""
+    monkeypatch.delenv("KVGATE_AGENT_LOAD_TTL_S", raising=False)
+    argv = [
+        "--replica-id", "r9", "--engine-url", "http://127.0.0.1:9",
+        "--events", "tcp://127.0.0.1:9", "--redis", "redis://u:S3CRETPW@127.0.0.1:9/0",
+        "--http-port", "0", "--gc-freeze-interval", "0", *flags,
+    ]  # fmt: skip
+    err = _refusal(argv, monkeypatch, capsys)
+    assert field in err, err

@@ -119,7 +119,10 @@ def settings_error(exc: ValidationError) -> str:
     flags = {name: flag for flag, name in _FIELDS.items()}
     parts = []
     for err in exc.errors():
-        field = ".".join(str(x) for x in err["loc"]) or "settings"
+        if not err["loc"]:  # a check across fields: its message names them
+            parts.append(err["msg"].removeprefix("Value error, "))
+            continue
+        field = ".".join(str(x) for x in err["loc"])
         flag = flags.get(field)
         where = f"--{flag.replace('_', '-')}, " if flag else ""
         parts.append(f"{field} ({where}KVGATE_AGENT_{field.upper()}): {err['msg']}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
@@ -88,3 +88,19 @@ class AgentSettings(BaseSettings):
         if v is not None and "://" not in v:
             raise ValueError(f"not a ZMQ endpoint: {v!r} (expected tcp://HOST:PORT)")
         return v
+
+    @model_validator(mode="after")
+    def _ttls_outlive_refresh(self) -> AgentSettings:
+        # a record that expires before its next write drops the replica (or its load) from
+        # every gateway for part of each period
+        pairs = (
+            ("registration_ttl_s", "--registration-ttl", "heartbeat_interval_s"),
+            ("load_ttl_s", "KVGATE_AGENT_LOAD_TTL_S", "scrape_interval_s"),
+        )
+        for ttl, where, refresh in pairs:
+            if getattr(self, ttl) <= getattr(self, refresh):
+                raise ValueError(
+                    f"{ttl} ({where}, {getattr(self, ttl):g} s) must exceed {refresh} "
+                    f"({getattr(self, refresh):g} s): the record would expire between writes"
+                )
+        return self
