@@ -93,3 +93,15 @@ def test_a_ttl_shorter_than_its_refresh_is_refused(
     ]  # fmt: skip
     err = _refusal(argv, monkeypatch, capsys)
     assert field in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_bad_gc_freeze_interval_is_a_usage_error(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--gc-freeze-interval nan` (or -1) was taken silently as "off"."""
+    parser = argparse.ArgumentParser(prog="kvgate agent")
+    cli.configure(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gc-freeze-interval", value])
+    assert "argument --gc-freeze-interval" in capsys.readouterr().err

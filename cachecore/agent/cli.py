@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from cachecore.agent.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings
+from cachecore.argtypes import nonnegative_float
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.logs import configure_logging
 
@@ -103,7 +104,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-out", type=Path, help="JSON lines of applied changes (trace analysis)")
     p.add_argument("--no-register", action="store_true", help="do not register the replica")
     p.add_argument(
-        "--gc-freeze-interval", type=float, default=GC_FREEZE_INTERVAL_S,
+        "--gc-freeze-interval", type=nonnegative_float, default=GC_FREEZE_INTERVAL_S,
         help="seconds between gc.freeze() calls, which keep the long-lived index mirror "
         "out of Python's full collections (their pauses were the event-to-index p99); "
         "%(default)s, 0: off",
