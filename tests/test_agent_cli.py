@@ -105,3 +105,19 @@ def test_a_bad_gc_freeze_interval_is_a_usage_error(
     with pytest.raises(SystemExit):
         parser.parse_args(["--gc-freeze-interval", value])
     assert "argument --gc-freeze-interval" in capsys.readouterr().err
+
+
+def test_engine_url_credentials_are_refused_without_echo(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--engine-url http://admin:PW@host` was accepted; every heartbeat then failed (a
+    Registration refuses user info) and logged the ValidationError's repr, whose
+    input_value held the engine's password; the replica never registered."""
+    argv = [
+        "--replica-id", "r9", "--engine-url", "http://admin:S3CRETPW@127.0.0.1:9",
+        "--events", "tcp://127.0.0.1:9", "--redis", "redis://127.0.0.1:9/0",
+        "--http-port", "0", "--gc-freeze-interval", "0",
+    ]  # fmt: skip
+    err = _refusal(argv, monkeypatch, capsys)
+    assert "engine_url (--engine-url, KVGATE_AGENT_ENGINE_URL)" in err, err
+    assert "user info" in err, err

@@ -80,6 +80,9 @@ class AgentSettings(BaseSettings):
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("engine_url must be an http(s) URL")
+        authority = v.split("://", 1)[1].split("/", 1)[0]
+        if "@" in authority:  # a Registration refuses it: no heartbeat could ever succeed
+            raise ValueError("engine_url must not carry user info (user:password@)")
         return v.rstrip("/")
 
     @field_validator("events", "replay")
