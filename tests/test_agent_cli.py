@@ -4,6 +4,7 @@ environment variable, never the input (it holds the Redis URL and its password).
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 
@@ -121,3 +122,32 @@ def test_engine_url_credentials_are_refused_without_echo(
     err = _refusal(argv, monkeypatch, capsys)
     assert "engine_url (--engine-url, KVGATE_AGENT_ENGINE_URL)" in err, err
     assert "user info" in err, err
+
+
+async def test_an_unreachable_index_at_start_is_logged_once_not_per_scrape(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With the engine down and the index unreachable at start, the agent logged "index
+    not reachable" at WARNING on every scrape (once a second, forever)."""
+    import asyncio
+
+    from cachecore.agent import Agent, AgentSettings
+    from cachecore.index.memory import MemoryIndex
+    from cachecore.testing import free_port
+
+    class DownIndex(MemoryIndex):
+        async def meta(self, replica_id: str) -> Any:
+            raise ConnectionError("index down")
+
+    settings = AgentSettings(
+        replica_id="r9", engine_url=f"http://127.0.0.1:{free_port()}",
+        events="tcp://127.0.0.1:9", scrape_interval_s=0.02, unavailable_after_s=0.05,
+        heartbeat_interval_s=0.01,
+    )  # fmt: skip
+    agent = Agent(settings, DownIndex())
+    caplog.set_level("DEBUG", logger="cachecore.agent.agent")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(agent._wait_for_engine(), 1.0)
+    tries = [r for r in caplog.records if r.getMessage() == "index not reachable"]
+    assert len(tries) >= 3, tries  # it kept trying
+    assert [r.levelname for r in tries if r.levelname == "WARNING"] == ["WARNING"], tries

@@ -115,6 +115,7 @@ class Agent:
         self.last_snapshot: EngineSnapshot | None = None
         self.progress = ProgressTracker()  # busy without progress (D17), per scrape
         self.engine_reachable = False
+        self._index_warned = False  # "index not reachable" logged in this engine wait
         self._last_scrape_ok = 0.0
         self._metrics_failing = False  # warned once while /metrics fails but /health answers
         self.syncs: dict[int, ReplicaSync] = {}
@@ -299,6 +300,7 @@ class Agent:
     async def _wait_for_engine(self) -> EngineSnapshot:
         t0 = time.monotonic()
         marked = False
+        self._index_warned = False  # one WARNING per wait, not one per scrape
         while True:
             try:
                 snap = await self.scraper.metrics()
@@ -327,7 +329,9 @@ class Agent:
                 await self.index.set_state(self.primary_id, ReplicaState.UNAVAILABLE, _now_ms())
             return True
         except Exception as exc:
-            log.warning("index not reachable", extra={"error": repr(exc)})
+            level = logging.DEBUG if self._index_warned else logging.WARNING
+            log.log(level, "index not reachable", extra={"error": repr(exc)})
+            self._index_warned = True
             return False
 
     async def _engine_info(self, snap: EngineSnapshot) -> EngineInfo:
