@@ -87,3 +87,15 @@ def writable_dir(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is not a directory")
     _check_creatable(text, path)
     return path
+
+
+_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+def log_level(text: str) -> str:
+    """A logging level name (any case); logging itself raised ValueError at start-up."""
+    if text.upper() not in _LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown log level {text!r}; known: {', '.join(_LOG_LEVELS)}"
+        )
+    return text.upper()

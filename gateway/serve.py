@@ -39,6 +39,7 @@ import httpx
 import uvicorn
 from pydantic import ValidationError
 
+from cachecore.argtypes import log_level
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex, redis_client
@@ -357,7 +358,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace-out", type=Path, help="append one JSON line per answered request (trace analyze)"
     )
-    parser.add_argument("--log-level")
+    parser.add_argument("--log-level", type=log_level)
     parser.add_argument("--plain-logs", action="store_true", help="text logs instead of JSON")
 
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
+from cachecore.argtypes import log_level
 from cachecore.logs import configure_logging
 from gateway.cli import writable_file
 from loadtest.attacks.common import AttackResult, Outcome, format_table
@@ -162,7 +163,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="misconfigure the defended gateways (scoping off): attacks 1, 2, 4 must then "
         "report BROKEN (a self-test of the suite; never a deployment setting)",
     )
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", type=log_level, default="WARNING")
 
 
 def run(args: argparse.Namespace) -> int:

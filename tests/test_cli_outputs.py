@@ -110,3 +110,14 @@ def test_bench_gateway_and_soak_bad_values_are_usage_errors(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}" in err, err
+
+
+@pytest.mark.parametrize("command", ["agent", "replica", "serve", "attack"])
+def test_an_unknown_log_level_is_a_usage_error(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--log-level bogus` ended in logging's ValueError traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--log-level", "bogus"])
+    assert exc.value.code == 2
+    assert "argument --log-level" in capsys.readouterr().err

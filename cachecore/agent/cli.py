@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from cachecore.agent.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings
-from cachecore.argtypes import nonnegative_float
+from cachecore.argtypes import log_level, nonnegative_float
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.logs import configure_logging
 
@@ -109,7 +109,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "out of Python's full collections (their pauses were the event-to-index p99); "
         "%(default)s, 0: off",
     )  # fmt: skip
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=log_level, default="INFO")
     p.add_argument("--log-text", action="store_true", help="plain text logs instead of JSON")
 
 

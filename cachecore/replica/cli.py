@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import zmq
 from pydantic import ValidationError
 
-from cachecore.argtypes import positive_int
+from cachecore.argtypes import log_level, positive_int
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
@@ -98,7 +98,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="HF model dir with tokenizer.json + chat template (default: the built-in one)",
     )
     a("--access-log", action="store_true", help="log every HTTP request (debugging)")
-    a("--log-level", default="INFO")
+    a("--log-level", type=log_level, default="INFO")
     a("--plain-logs", action="store_true", help="human-readable logs instead of JSON lines")
 
 
