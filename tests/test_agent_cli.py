@@ -151,3 +151,17 @@ async def test_an_unreachable_index_at_start_is_logged_once_not_per_scrape(
     tries = [r for r in caplog.records if r.getMessage() == "index not reachable"]
     assert len(tries) >= 3, tries  # it kept trying
     assert [r.levelname for r in tries if r.levelname == "WARNING"] == ["WARNING"], tries
+
+
+def test_a_redis_url_database_that_is_no_number_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """redis-py reads `redis://host:6379/abc` (a typo of a database number) as database 0:
+    the agent wrote another deployment's database without a word."""
+    argv = [
+        "--replica-id", "r9", "--engine-url", "http://127.0.0.1:9",
+        "--events", "tcp://127.0.0.1:9", "--redis", "redis://u:S3CRETPW@127.0.0.1:9/abc",
+        "--http-port", "0", "--gc-freeze-interval", "0",
+    ]  # fmt: skip
+    err = _refusal(argv, monkeypatch, capsys)
+    assert "database" in err, err

@@ -34,6 +34,7 @@ from itertools import chain, compress, repeat
 from operator import is_not, not_
 from types import MappingProxyType
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -384,6 +385,18 @@ def c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
 _UNBOUNDED_CONNECTIONS = 2**31
 
 
+def _check_database(url: str) -> None:
+    """redis-py reads a path that is no number (``redis://host/abc``, a typo) as database
+    0: another deployment's database, written without a word. Refused instead (the URL is
+    not quoted: it may hold a password)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        return
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"the redis URL's database must be a number, got {db!r}")
+
+
 def redis_client(
     url: str,
     *,
@@ -399,6 +412,7 @@ def redis_client(
     hiredis command packing (:func:`c_packing`). A URL that Cluster refuses (a database
     other than 0, a unix socket) raises ValueError here, at start-up, rather than at the
     first command (the client connects lazily)."""
+    _check_database(url)
     limit = _UNBOUNDED_CONNECTIONS if max_connections is None else max_connections
     if not cluster:
         client = aioredis.Redis.from_url(
