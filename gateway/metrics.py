@@ -176,6 +176,13 @@ class GatewayMetrics:
             "kvgate_index_fallbacks", "Lookups answered by the local index", ["reason"],
             registry=r,
         )  # fmt: skip
+        # every child of these exported from the start (Prometheus' "avoid missing
+        # metrics"): a first index timeout late in a run added a 16-series histogram
+        # child then, which a dashboard's rate() misses and a growth check reads as a leak
+        for source in ("primary", "local"):
+            self.lookup.labels(source)
+        for reason in ("timeout", "error"):
+            self.index_fallbacks.labels(reason)
         self.pending_write_errors = Counter(
             "kvgate_pending_write_errors", "Pending writes the index refused or lost", registry=r
         )

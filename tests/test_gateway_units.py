@@ -1145,3 +1145,21 @@ async def test_an_unhealthy_replica_is_logged_with_the_reason(
     }
     assert reasons["a"] == "GET http://10.0.0.1:1/health: HTTP 404", reasons
     assert reasons["b"].startswith("GET http://127.0.0.1:") and "ConnectError" in reasons["b"]
+
+
+def test_index_lookup_and_fallback_series_exist_from_the_start() -> None:
+    """The local-index histogram and the fallback counters appeared only at the first index
+    timeout: 16+ series at once, late in a soak (its growth check failed on them) and
+    missing from a dashboard's rate() until then."""
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    text = generate_latest(GatewayMetrics().registry).decode()
+    for series in (
+        'kvgate_index_lookup_seconds_count{source="primary"} 0.0',
+        'kvgate_index_lookup_seconds_count{source="local"} 0.0',
+        'kvgate_index_fallbacks_total{reason="timeout"} 0.0',
+        'kvgate_index_fallbacks_total{reason="error"} 0.0',
+    ):
+        assert series in text, series
