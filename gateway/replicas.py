@@ -86,12 +86,6 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
         parts.port  # noqa: B018 (urllib checks the port when it is read)
     except ValueError as exc:
         raise ReplicaSpecError(f"replica URL {url!r}: {exc}") from None
-    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
-        # httpx would send them with the health checks, the upstream transport never
-        raise ReplicaSpecError(
-            f"replica URL for {parts.hostname} must not carry credentials (user:password@):"
-            " the engine's API key goes in KVGATE_UPSTREAM_API_KEY"
-        )
     if parts.query or parts.fragment:
         raise ReplicaSpecError(f"replica URL must not carry a query or fragment, got {url!r}")
     if parts.path.rstrip("/").endswith("/v1"):
