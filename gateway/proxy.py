@@ -281,25 +281,18 @@ class UpstreamExchange(Response):
                     if gw.reroute(d, failed):
                         continue
                     if busy:
-                        await self._send_error(
-                            conn, 503,
+                        status, code = 503, "upstream_busy"
+                        message = (
                             "no upstream connection free in time: the gateway's limit of "
                             f"{s.max_connections} connections per replica "
-                            "(KVGATE_MAX_CONNECTIONS) is reached",
-                            "upstream_busy",
-                        )  # fmt: skip
-                        self._finish(
-                            Outcome(
-                                503, None, time.perf_counter() - t0, None, None, None, "connect"
-                            )
+                            "(KVGATE_MAX_CONNECTIONS) is reached"
                         )
-                        return
-                    await self._send_error(
-                        conn, 502, f"upstream replica unreachable: {type(exc).__name__}",
-                        "upstream_unreachable",
-                    )  # fmt: skip
+                    else:
+                        status, code = 502, "upstream_unreachable"
+                        message = f"upstream replica unreachable: {type(exc).__name__}"
+                    await self._send_error(conn, status, message, code)
                     self._finish(
-                        Outcome(502, None, time.perf_counter() - t0, None, None, None, "connect")
+                        Outcome(status, None, time.perf_counter() - t0, None, None, None, "connect")
                     )
                     return
                 except httpx.TimeoutException:
