@@ -74,6 +74,18 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
     return parse
 
 
+def one_of(*names: str, what: str = "") -> Callable[[str], str]:
+    """A ``type=`` for one of ``names`` (``what`` names the kind in the error)."""
+    kind = f"{what} " if what else ""
+
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown {kind}{text!r}; known: {', '.join(names)}")
+        return text
+
+    return parse
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 

@@ -55,7 +55,7 @@ import httpx
 import orjson
 
 from cachecore.testing import free_port, free_ports, wait_for_port
-from gateway.cli import comma_list, positive_float, positive_int
+from gateway.cli import comma_list, one_of, positive_float, positive_int
 
 ADMIN_KEY = "bench-admin-key-0123456789"
 SALT_SECRET = "bench-salt-secret-0123456789abcdef"
@@ -678,17 +678,14 @@ async def run_rate(args: argparse.Namespace, fleet: Fleet) -> tuple[list[str], l
 # ------------------------------------------------------------------------------- CLI
 
 
-def _part(text: str) -> str:
-    if text not in ("ab", "decision", "rate"):
-        raise argparse.ArgumentTypeError(f"unknown part {text!r}; known: ab, decision, rate")
-    return text
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     # checked by argparse: an unknown part ran nothing and exited 0, a zero count or rate
     # ended in a traceback after the replicas had started
     parser.add_argument(
-        "--parts", type=comma_list(_part), default="ab,decision,rate", help="ab, decision, rate"
+        "--parts",
+        type=comma_list(one_of("ab", "decision", "rate", what="part")),
+        default="ab,decision,rate",
+        help="ab, decision, rate",
     )
     parser.add_argument("--requests", type=positive_int, default=400, help="A/B requests per arm")
     parser.add_argument("--warmup", type=int, default=30)

@@ -29,7 +29,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -41,7 +41,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey, BlockKeyer
 from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier, chain_values
 from cachecore.testing import RedisServer
-from gateway.cli import comma_list, positive_int
+from gateway.cli import comma_list, one_of, positive_int
 
 GPU = int(Tier.GPU)
 GPU_CPU = int(Tier.GPU | Tier.CPU)
@@ -55,15 +55,6 @@ def _pct(values: Sequence[float], p: float) -> float:
 
 # list flags are parsed by argparse: a typo is a usage error, not a traceback mid-run
 _sizes = comma_list(positive_int)
-
-
-def _one_of(*names: str) -> Callable[[str], list[str]]:
-    def parse(text: str) -> str:
-        if text not in names:
-            raise argparse.ArgumentTypeError(f"unknown {text!r}; known: {', '.join(names)}")
-        return text
-
-    return comma_list(parse)
 
 
 # --------------------------------------------------------------------------------- keys
@@ -123,7 +114,9 @@ def run_keys(args: argparse.Namespace) -> int:
 
 
 def configure_index(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backends", type=_one_of("memory", "redis"), default="memory,redis")
+    parser.add_argument(
+        "--backends", type=comma_list(one_of("memory", "redis")), default="memory,redis"
+    )
     parser.add_argument("--tokens", type=_sizes, default="8192,32768", help="prompt sizes (tokens)")
     parser.add_argument("--replicas", type=_sizes, default="4,16,64")
     parser.add_argument("--block-size", type=positive_int, default=16)
@@ -137,7 +130,7 @@ def configure_index(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-blocks", type=int, default=200_000, help="blocks per write run")
     parser.add_argument(
         "--partial",
-        type=_one_of("shared", "uniform"),
+        type=comma_list(one_of("shared", "uniform")),
         default="shared,uniform",
         help="partial-holder scenarios: shared (shared heads) and/or uniform (stress)",
     )
