@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from cachecore.logs import LogLevelError, check_log_level
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
@@ -89,13 +91,9 @@ def writable_dir(text: str) -> Path:
     return path
 
 
-_LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
-
-
 def log_level(text: str) -> str:
     """A logging level name (any case); logging itself raised ValueError at start-up."""
-    if text.upper() not in _LOG_LEVELS:
-        raise argparse.ArgumentTypeError(
-            f"unknown log level {text!r}; known: {', '.join(_LOG_LEVELS)}"
-        )
-    return text.upper()
+    try:
+        return check_log_level(text)
+    except LogLevelError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -19,6 +19,20 @@ _STANDARD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict
     "color_message",  # uvicorn's: the message again, with terminal colour codes
 }
 _BARE = re.compile(r"[\w.:/@+\-]+")
+# the names ``--log-level`` and KVGATE_LOG_LEVEL take: logging itself also takes NOTSET
+# (log everything, silently) and raises ValueError on anything else
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+class LogLevelError(ValueError):
+    """An unknown log level name: ``kvgate`` prints it in one line and exits 2."""
+
+
+def check_log_level(text: str) -> str:
+    """``text`` as a known level name, upper case (any case given); else LogLevelError."""
+    if text.upper() not in LOG_LEVELS:
+        raise LogLevelError(f"unknown log level {text!r}; known: {', '.join(LOG_LEVELS)}")
+    return text.upper()
 
 
 def _value_text(value: Any) -> str:
@@ -51,7 +65,9 @@ class PlainFormatter(logging.Formatter):
 def configure_logging(level: str = "INFO", json_format: bool = True) -> None:
     """Route the root logger to stderr, one JSON object per line (or plain text when
     ``json_format`` is false, for interactive use: the ``extra`` fields follow the message
-    as ``key=value``). Pass fields with ``extra={...}``."""
+    as ``key=value``). Pass fields with ``extra={...}``. An unknown ``level`` (a settings
+    value no flag checked, e.g. KVGATE_LOG_LEVEL) raises LogLevelError before any change."""
+    level = check_log_level(level)
     handler = logging.StreamHandler(sys.stderr)
     if json_format:
         handler.setFormatter(
@@ -64,6 +80,6 @@ def configure_logging(level: str = "INFO", json_format: bool = True) -> None:
         handler.setFormatter(PlainFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(level)
     # uvicorn's access log is per request: far too chatty on a benchmark's hot path
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)

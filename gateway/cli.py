@@ -24,6 +24,7 @@ from cachecore.argtypes import positive_int as positive_int
 from cachecore.argtypes import tcp_port as tcp_port
 from cachecore.argtypes import writable_dir as writable_dir
 from cachecore.argtypes import writable_file as writable_file
+from cachecore.logs import LogLevelError
 
 T = TypeVar("T")
 
@@ -120,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except CommandError as exc:
         print(f"kvgate {name}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except LogLevelError as exc:  # a settings value argparse never saw (KVGATE_LOG_LEVEL)
+        print(f"kvgate {name}: {exc} (--log-level or KVGATE_LOG_LEVEL)", file=sys.stderr)
         return 2
     except RuntimeError as exc:
         from cachecore.testing import MissingProgram  # imported late: it loads redis

@@ -3,8 +3,15 @@ before any work starts, never a traceback after it (a failed write at the end lo
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+
 import pytest
 
+from cachecore.logs import LogLevelError, configure_logging
+from cachecore.testing import free_port
 from gateway.cli import main
 
 
@@ -121,3 +128,24 @@ def test_an_unknown_log_level_is_a_usage_error(
         main([command, "--log-level", "bogus"])
     assert exc.value.code == 2
     assert "argument --log-level" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level", ["bogus", "notset", " info"])
+def test_an_unknown_log_level_from_the_environment_is_one_line(level: str) -> None:
+    """KVGATE_LOG_LEVEL=bogus ended `kvgate serve` in logging's ValueError traceback, and
+    KVGATE_LOG_LEVEL=notset was taken silently (every uvicorn TRACE line logged); the flag
+    was checked by argparse, the environment was not."""
+    env = {**os.environ, "KVGATE_LOG_LEVEL": level}
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--open", "--port", str(free_port())]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "unknown log level" in proc.stderr, proc.stderr
+    assert "KVGATE_LOG_LEVEL" in proc.stderr
+
+
+def test_configure_logging_refuses_an_unknown_level_unchanged() -> None:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    with pytest.raises(LogLevelError):
+        configure_logging("NOTSET")
+    assert root.handlers == handlers and root.level == level
