@@ -179,3 +179,31 @@ def test_a_value_out_of_range_is_a_usage_error(
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"kvgate replica: error: {says}"), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", ""], "argument --model: the served model name must not be blank"),
+        (["--model", " "], "argument --model: the served model name must not be blank"),
+        (["--lora", ""], "argument --lora: a LoRA adapter name must not be blank"),
+        (["--lora", "a", "--lora", "a"], "argument --lora: a LoRA adapter name is given twice"),
+    ],
+)
+def test_a_blank_model_or_adapter_name_is_a_usage_error(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate replica --model ""` (or --lora "") started an engine serving a model with an
+    empty name: /v1/models listed id "", which no client can name (vLLM never serves one)."""
+    import argparse
+
+    from cachecore.replica.cli import build_settings, configure
+
+    parser = argparse.ArgumentParser(prog="kvgate replica")
+    configure(parser)
+    # build_settings, not main: unfixed, main would serve the blank name until killed
+    with pytest.raises(SystemExit) as exc:
+        build_settings(parser.parse_args(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"kvgate replica: error: {says}"), err

@@ -138,7 +138,9 @@ def build_settings(args: argparse.Namespace) -> ReplicaSettings:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else ""
         flag = next((f for f, name in _SETTINGS_FLAGS.items() if name == field), field)
-        _usage_error(f"argument --{flag.replace('_', '-')}: {err['msg']}")
+        _usage_error(
+            f"argument --{flag.replace('_', '-')}: {err['msg'].removeprefix('Value error, ')}"
+        )
 
 
 def build_ports(args: argparse.Namespace) -> list[ReplicaPorts]:

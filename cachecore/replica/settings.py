@@ -56,6 +56,23 @@ class ReplicaSettings(BaseSettings):
     # stream (vLLM's --data-parallel-size with its internal load balancing)
     data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
 
+    @field_validator("model")
+    @classmethod
+    def _named_model(cls, v: str) -> str:
+        # vLLM's served model names are never blank: clients and gateways route by them
+        if not v.strip():
+            raise ValueError("the served model name must not be blank")
+        return v
+
+    @field_validator("lora")
+    @classmethod
+    def _named_adapters(cls, v: list[str]) -> list[str]:
+        if any(not name.strip() for name in v):
+            raise ValueError("a LoRA adapter name must not be blank")
+        if len(set(v)) != len(v):
+            raise ValueError(f"a LoRA adapter name is given twice: {v}")
+        return v
+
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, v: str) -> str:
