@@ -207,3 +207,55 @@ def test_a_blank_model_or_adapter_name_is_a_usage_error(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith(f"kvgate replica: error: {says}"), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--count", "2", "--http-ports", "9000,9000"],
+            "port 9000 is both replica 0's HTTP port and replica 1's HTTP port",
+        ),
+        (
+            ["--count", "2", "--http-ports", "9000,9001", "--events-ports", "9001,9002"],
+            "port 9001 is both replica 0's events port and replica 1's HTTP port",
+        ),
+        (
+            ["--replay-ports", "9000", "--base-port", "9000"],
+            "port 9000 is both replica 0's HTTP port and replica 0's replay port",
+        ),
+        (
+            [
+                "--count",
+                "2",
+                "--data-parallel-size",
+                "2",
+                "--http-ports",
+                "9000,9001",
+                "--events-ports",
+                "9100,9101",
+                "--replay-ports",
+                "9102,9103",
+            ],
+            "argument --data-parallel-size: the cores' event and replay ports overlap",
+        ),
+    ],
+)
+def test_a_port_given_twice_is_a_usage_error(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate replica --count 2 --http-ports 9000,9000` started, then exited 3 on uvicorn's
+    bind error (logged as JSON); ports overlapping through --data-parallel-size were a
+    ValueError traceback."""
+    import argparse
+
+    from cachecore.replica.cli import build_ports, build_settings, configure
+
+    parser = argparse.ArgumentParser(prog="kvgate replica")
+    configure(parser)
+    args = parser.parse_args(argv)
+    with pytest.raises(SystemExit) as exc:  # not main: unfixed, a valid plan would serve
+        build_ports(args, build_settings(args).data_parallel_size)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"kvgate replica: error: {says}"), err

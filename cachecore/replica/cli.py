@@ -23,7 +23,7 @@ from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
-from cachecore.replica.fleet import run_fleet
+from cachecore.replica.fleet import plan_rank_ports, run_fleet
 from cachecore.replica.settings import ReplicaPorts, ReplicaSettings
 
 DEFAULT_BASE_PORT = 9100
@@ -143,7 +143,7 @@ def build_settings(args: argparse.Namespace) -> ReplicaSettings:
         )
 
 
-def build_ports(args: argparse.Namespace) -> list[ReplicaPorts]:
+def build_ports(args: argparse.Namespace, dp: int = 1) -> list[ReplicaPorts]:
     n = args.count
     base = [ReplicaPorts.from_base(args.base_port, i) for i in range(n)]
     http = _ports(args.http_ports, "http-ports", n) or [p.http for p in base]
@@ -154,7 +154,26 @@ def build_ports(args: argparse.Namespace) -> list[ReplicaPorts]:
             if not 0 <= port <= 65535:  # the bind would raise OverflowError, a traceback
                 flag = name if getattr(args, name.replace("-", "_")) else "base-port"
                 _usage_error(f"argument --{flag}: port {port} is out of range (0-65535)")
-    return [ReplicaPorts(h, e, r) for h, e, r in zip(http, events, replay, strict=True)]
+    planned = [ReplicaPorts(h, e, r) for h, e, r in zip(http, events, replay, strict=True)]
+    # one port bound twice fails only at the bind (uvicorn's error, exit 3): the HTTP,
+    # event and replay ports (and a data-parallel core's own event and replay ports) share
+    # the TCP port space; 0 is "any free port", never a clash
+    try:
+        cores = plan_rank_ports(planned, dp, planned=True)
+    except ValueError as exc:  # data-parallel cores' ports (port + rank x count) overlap
+        _usage_error(f"argument --data-parallel-size: {exc}")
+    seen: dict[int, str] = {}
+    for server, ranks in enumerate(cores):
+        for rank, core in enumerate(ranks):
+            what = f"replica {server}" + (f" core {rank}" if dp > 1 else "")
+            roles = [("events", core.events), ("replay", core.replay)]
+            if rank == 0:  # the cores share their server's HTTP port
+                roles.insert(0, ("HTTP", core.http))
+            for role, port in roles:
+                if port and port in seen:
+                    _usage_error(f"port {port} is both {seen[port]} and {what}'s {role} port")
+                seen[port] = f"{what}'s {role} port"
+    return planned
 
 
 async def _serve(settings: ReplicaSettings, ports: list[ReplicaPorts]) -> None:
@@ -191,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     if args.access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     settings = build_settings(args)
-    ports = build_ports(args)
+    ports = build_ports(args, settings.data_parallel_size)
     try:
         asyncio.run(_serve(settings, ports))
     except (OSError, zmq.ZMQError) as exc:  # a port in use
