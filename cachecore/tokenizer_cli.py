@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from cachecore.argtypes import writable_dir
 from cachecore.tokenizer import builtin_tokenizer, export_builtin
@@ -17,7 +18,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.export is None and args.encode is None:
-        print("nothing to do: pass --export DIR or --encode TEXT")
+        # a usage error, as argparse reports one: stderr, exit 2 (stdout is for the output)
+        print(
+            "kvgate tokenizer: error: nothing to do: pass --export DIR or --encode TEXT",
+            file=sys.stderr,
+        )
         return 2
     if args.export is not None:
         for path in export_builtin(args.export):

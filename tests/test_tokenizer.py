@@ -149,3 +149,16 @@ def test_chat_options_come_from_the_request_body() -> None:
     assert got == ChatOptions([TOOL], None, True, {"x": 1})
     with pytest.raises(TokenizerError, match="tools"):
         ChatOptions.from_body({"tools": "nope"})
+
+
+def test_tokenizer_cli_with_nothing_to_do_is_a_usage_error_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvgate tokenizer` with no flag printed "nothing to do" on stdout, where a caller
+    reading its output (`ids=$(kvgate tokenizer ...)`) took it for the result."""
+    from gateway.cli import main
+
+    assert main(["tokenizer"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("kvgate tokenizer: error: nothing to do"), err
