@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth import check_admin
+from gateway.auth import KeyFileError, KeyReload, check_admin
 from gateway.core import Gateway, request_id_from
 from gateway.errors import (
     GatewayError,
@@ -204,12 +204,21 @@ class Completions:
 
 
 def create_app(gw: Gateway) -> FastAPI:
+    keys = gw.key_store
+
+    def on_key_reload(result: KeyReload | None, error: str) -> None:
+        gw.metrics.api_key_reloads.labels("ok" if result is not None else "invalid").inc()
+        gw.metrics.api_keys.set(keys.file_keys)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.start()
+        gw.metrics.api_keys.set(keys.file_keys)
+        keys.start(gw.settings.api_keys_poll_s, on_key_reload)
         try:
             yield
         finally:
+            await keys.stop()
             await gw.stop()
 
     app = FastAPI(
@@ -375,6 +384,30 @@ def create_app(gw: Gateway) -> FastAPI:
             return _json(body, 400)
         return {"status": "reloaded", "strategy": pol.routing.strategy.value, **_in_effect()}
 
+    async def admin_keys_get(request: Request) -> Any:
+        return {
+            "path": str(keys.key_file) if keys.key_file is not None else None,
+            "keys": keys.file_keys,
+            "reloads": keys.reloads,
+            "last_error": keys.last_error,
+        }
+
+    async def admin_keys_reload(request: Request) -> Any:
+        """Re-read the key file now (an operator who just revoked a key need not wait for
+        the watcher); 400 with the reason, the old keys kept, when the file is refused."""
+        try:
+            result = keys.reload_file()
+        except KeyFileError as exc:
+            on_key_reload(None, str(exc))
+            log.error(
+                "api key file reload refused; keeping the old keys",
+                extra={"path": str(keys.key_file), "error": str(exc), "keys": keys.file_keys},
+            )
+            raise GatewayError(400, str(exc), code="invalid_api_keys") from None
+        on_key_reload(result, "")
+        log.info("api key file reloaded", extra={"path": str(keys.key_file), **result.as_dict()})
+        return {"status": "reloaded", **result.as_dict()}
+
     def _stalled_ms(rid: str) -> float:
         sl = gw.refresher.snapshot().get(rid) if gw.refresher is not None else None
         return sl.stalled_ms if sl is not None else 0.0
@@ -454,6 +487,8 @@ def create_app(gw: Gateway) -> FastAPI:
     app.add_api_route("/admin/quarantine", guarded(admin_quarantine), methods=["GET"])
     app.add_api_route("/admin/policy", guarded(admin_policy_get), methods=["GET"])
     app.add_api_route("/admin/policy", guarded(admin_policy_post), methods=["POST"])
+    app.add_api_route("/admin/keys", guarded(admin_keys_get), methods=["GET"])
+    app.add_api_route("/admin/keys/reload", guarded(admin_keys_reload), methods=["POST"])
     app.add_api_route("/admin/route/explain", guarded(admin_explain), methods=["POST"])
     app.add_api_route("/admin/stages", guarded(admin_stages), methods=["GET", "POST"])
     app.add_api_route("/admin/fit", guarded(admin_fit), methods=["GET"])

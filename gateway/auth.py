@@ -1,18 +1,21 @@
 """API keys -> tenants. Keys are stored only as SHA-256 hex digests.
 
 Sources: a YAML/JSON file (``keys: [{sha256: <hex>, tenant: <name>}]`` or a plain mapping
-``<hex>: <name>``) and/or a Redis hash ``<prefix>:apikeys`` (field = hex digest, value =
-tenant), cached in the process for a few seconds so the hot path rarely pays a round trip.
+``<hex>: <name>``), reloaded when it changes or on ``POST /admin/keys/reload``, and/or a
+Redis hash ``<prefix>:apikeys`` (field = hex digest, value = tenant), cached in the process
+for a few seconds so the hot path rarely pays a round trip.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,9 @@ import yaml
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
+
+from cachecore.tasks import cancel_and_wait
+from gateway.filewatch import file_version
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,8 @@ def hash_key(api_key: str) -> str:
 def parse_key_file(data: Any, source: str = "<keys>") -> dict[str, str]:
     """Validate a key file's content and return ``{sha256 hex: tenant}``."""
     entries: list[tuple[Any, Any]]
+    if data is None:  # e.g. read between a truncation and the rewrite
+        raise KeyFileError(f"{source}: the file is empty")
     if isinstance(data, Mapping) and "keys" in data:
         raw = data["keys"]
         if not isinstance(raw, list):
@@ -65,16 +73,40 @@ def parse_key_file(data: Any, source: str = "<keys>") -> dict[str, str]:
 
 def load_key_file(path: Path) -> dict[str, str]:
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    # ValueError: UnicodeDecodeError, a file that is no text (a binary file, a torn write)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
         raise KeyFileError(f"{path}: {exc}") from None
     return parse_key_file(data, str(path))
+
+
+@dataclass(frozen=True)
+class KeyReload:
+    """What a key file reload changed (counts of key digests)."""
+
+    keys: int
+    added: int
+    removed: int
+    retenanted: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "keys": self.keys,
+            "added": self.added,
+            "removed": self.removed,
+            "retenanted": self.retenanted,
+        }
 
 
 class KeyStore:
     """Resolves a bearer token to a tenant, or None. Constant-time digest comparison is
     unnecessary here (lookup is by digest, and the digest of a guess reveals nothing), but
-    the open-access mode is explicit so a misconfigured gateway does not silently open."""
+    the open-access mode is explicit so a misconfigured gateway does not silently open.
+
+    With ``key_file`` the keys are read from it (unless ``keys`` is given) and
+    :meth:`reload_file` reads it again: the new set replaces the old in one reference swap,
+    so a lookup sees either set whole (keys added, removed and moved to another tenant
+    together) and costs no more than before."""
 
     def __init__(
         self,
@@ -83,7 +115,14 @@ class KeyStore:
         redis_hash: str = "kvg:apikeys",
         open_access: bool = False,
         cache_ttl_s: float = 5.0,
+        key_file: Path | None = None,
     ) -> None:
+        self.key_file = Path(key_file) if key_file is not None else None
+        # taken before the read: a change during it shows as a new version next time
+        self._version = file_version(self.key_file)
+        self._seen = self._version  # the version at the watcher's previous look
+        if keys is None and self.key_file is not None:
+            keys = load_key_file(self.key_file)
         self._keys = dict(keys or {})
         self._redis = redis
         self._redis_hash = redis_hash
@@ -92,13 +131,95 @@ class KeyStore:
         self._warned: set[str] = set()  # keys whose malformed tenant value was logged
         self._cache: dict[str, tuple[str | None, float]] = {}
         self.redis_errors = 0
+        self.reloads = 0
+        self.last_error: str | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def configured(self) -> bool:
         return self.open_access or bool(self._keys) or self._redis is not None
 
-    def replace_keys(self, keys: Mapping[str, str]) -> None:
-        self._keys = dict(keys)
+    @property
+    def file_keys(self) -> int:
+        return len(self._keys)
+
+    def replace_keys(self, keys: Mapping[str, str]) -> KeyReload:
+        new = dict(keys)
+        old = self._keys
+        self._keys = new  # the one swap: lookups see the old set or the new one, whole
+        return KeyReload(
+            keys=len(new),
+            added=sum(1 for d in new if d not in old),
+            removed=sum(1 for d in old if d not in new),
+            retenanted=sum(1 for d, t in new.items() if d in old and old[d] != t),
+        )
+
+    def reload_file(self) -> KeyReload:
+        """Read the key file again and apply it. Raises :class:`KeyFileError` (and keeps
+        the old keys) on a file that cannot be read, is invalid or empty, or changed while
+        it was read."""
+        if self.key_file is None:
+            raise KeyFileError("the gateway was started without an API key file (--api-keys)")
+        before = file_version(self.key_file)
+        self._version = self._seen = before
+        try:
+            keys = load_key_file(self.key_file)
+            if file_version(self.key_file) != before:
+                # a writer was at work: what was read may be a part (fewer keys, or a
+                # tenant name cut short). The next look sees the new version and retries.
+                raise KeyFileError(f"{self.key_file}: changed while it was read")
+            if not keys and self._redis is None:
+                # as at start-up: a key file with no key (and no Redis keys) opens nothing
+                raise KeyFileError(f"{self.key_file}: no keys (every client would get 401)")
+        except KeyFileError as exc:
+            self.last_error = str(exc)
+            raise
+        result = self.replace_keys(keys)
+        self.reloads += 1
+        self.last_error = None
+        return result
+
+    def poll_file(self) -> KeyReload | None:
+        """One look at the file: reload it once it has changed and then kept still since
+        the previous look (a writer that truncates and rewrites it in place is given that
+        time to finish; an atomic replace, a rename over it, is as still as can be). None
+        when nothing was applied; raises :class:`KeyFileError` on a refused reload."""
+        now = file_version(self.key_file)
+        if now == self._version or now != self._seen:
+            self._seen = now
+            return None
+        return self.reload_file()
+
+    async def watch(
+        self, interval_s: float, on_result: Callable[[KeyReload | None, str], None]
+    ) -> None:
+        """:meth:`poll_file` every ``interval_s``; ``on_result(reload, "")`` after a reload,
+        ``(None, error)`` after a refused one (logged here, the old keys kept)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                result = self.poll_file()
+            except KeyFileError as exc:
+                log.error(
+                    "api key file reload refused; keeping the old keys",
+                    extra={"path": str(self.key_file), "error": str(exc), "keys": len(self._keys)},
+                )
+                on_result(None, str(exc))
+                continue
+            if result is not None:
+                log.info(
+                    "api key file reloaded",
+                    extra={"path": str(self.key_file), **result.as_dict()},
+                )
+                on_result(result, "")
+
+    def start(self, interval_s: float, on_result: Callable[[KeyReload | None, str], None]) -> None:
+        if self._task is None and self.key_file is not None:
+            self._task = asyncio.get_running_loop().create_task(self.watch(interval_s, on_result))
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def tenant_for(self, authorization: str | None) -> str | None:
         if self.open_access:

@@ -232,6 +232,16 @@ class GatewayMetrics:
         self.policy_reloads = Counter(
             "kvgate_policy_reloads", "Policy reloads by outcome", ["outcome"], registry=r
         )
+        self.api_key_reloads = Counter(
+            "kvgate_api_key_reloads",
+            "API key file reloads by outcome (invalid: refused, the old keys kept)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        for outcome in ("ok", "invalid"):
+            self.api_key_reloads.labels(outcome)
+        self.api_keys = Gauge(
+            "kvgate_api_keys", "API keys loaded from the key file (--api-keys)", registry=r
+        )
         self.discovery = Counter(
             "kvgate_discovery_events",
             "Replica discovery: registrations refused by the allowlist (rejected) and "

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cachecore.tasks import cancel_and_wait
+from gateway.filewatch import FileVersion, file_version
 from policies.schema import Policy, PolicyError, load_policy, parse_policy_text
 
 log = logging.getLogger(__name__)
@@ -31,17 +32,8 @@ class PolicyStore:
         self.reloads = 0
         self._task: asyncio.Task[None] | None = None
 
-    def _stat(self) -> tuple[int, int, int] | None:
-        """The file's version: mtime, size and inode. The mtime alone misses a rewrite in
-        the timestamp tick of its truncation (a coarse clock stamps both alike), after a
-        reload read the file empty in between and was refused."""
-        if self.path is None:
-            return None
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+    def _stat(self) -> FileVersion | None:
+        return file_version(self.path)
 
     def apply(self, policy: Policy) -> None:
         self.policy = policy

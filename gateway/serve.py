@@ -47,7 +47,7 @@ from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
 from gateway.app import create_app
-from gateway.auth import KeyStore, load_key_file
+from gateway.auth import KeyStore
 from gateway.core import AgentHook, Gateway
 from gateway.hotpath import GatewayHttpProtocol
 from gateway.replicas import ReplicaSpecError, parse_replica_spec
@@ -110,7 +110,6 @@ def build_gateway(
     if cluster and not url:
         raise ValueError("redis_cluster (--redis-cluster) needs redis_url (--redis)")
     if key_store is None:
-        keys = load_key_file(settings.api_keys_file) if settings.api_keys_file else {}
         redis_keys = None
         if settings.api_keys_redis:
             if not url:
@@ -120,7 +119,10 @@ def build_gateway(
                 url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25
             )
         key_store = KeyStore(
-            keys, redis_keys, open_access=settings.open_access, redis_hash=layout.api_keys()
+            redis=redis_keys,
+            open_access=settings.open_access,
+            redis_hash=layout.api_keys(),
+            key_file=settings.api_keys_file,
         )
     if not key_store.configured:
         raise ValueError(

@@ -43,6 +43,9 @@ class GatewaySettings(BaseSettings):
     # <prefix>:apikeys); gateways and agents of one deployment share it
     key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)
     api_keys_file: Path | None = None
+    # how often the key file is checked for changes (a change is applied once the file has
+    # kept still for one interval; POST /admin/keys/reload applies it at once)
+    api_keys_poll_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2.0
     api_keys_redis: bool = False  # look API key hashes up in Redis hash <prefix>:apikeys
     open_access: bool = False  # no API keys: every request is tenant "anonymous"
     admin_key: SecretStr | None = None

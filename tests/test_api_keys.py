@@ -1,0 +1,220 @@
+"""API keys without a restart: the key file is reloaded when it changes (and on
+``POST /admin/keys/reload``), atomically, keeping the old keys when the file is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from cachecore.replica.settings import ReplicaSettings
+from gateway.auth import KeyFileError, KeyReload, KeyStore, hash_key
+from tests.test_gateway_support import Stack, stack
+
+MSGS: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
+
+
+def key_text(keys: dict[str, str]) -> str:
+    return "keys:\n" + "".join(
+        f"  - {{sha256: {hash_key(k)}, tenant: {t}}}\n" for k, t in keys.items()
+    )
+
+
+def replace_keys(path: Path, keys: dict[str, str]) -> None:
+    """The file replaced atomically: written beside it, renamed over it."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(key_text(keys))
+    os.replace(tmp, path)
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def tenant_of(st: Stack, api_key: str) -> str:
+    """The tenant the gateway resolves ``api_key`` to (the explain endpoint, as the client)."""
+    async with st.http() as h:
+        r = await h.post(
+            "/admin/route/explain",
+            json={"model": st.model, "messages": MSGS},
+            headers={**st.admin_headers(), "authorization": f"Bearer {api_key}"},
+        )
+    assert r.status_code == 200, r.text
+    tenant: str = r.json()["tenant"]
+    return tenant
+
+
+async def metric(st: Stack, line_start: str) -> float:
+    async with st.http() as h:
+        text = (await h.get("/metrics", headers=st.admin_headers())).text
+    for line in text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {line_start} in /metrics")
+
+
+# ---------------------------------------------------------------- the store alone
+
+
+async def test_a_reload_adds_removes_and_retenants_in_one_swap(tmp_path: Path) -> None:
+    f = tmp_path / "keys.yaml"
+    replace_keys(f, {"sk-a": "a", "sk-b": "b", "sk-c": "c"})
+    store = KeyStore(key_file=f)
+    assert await store.tenant_for("Bearer sk-a") == "a"
+    replace_keys(f, {"sk-b": "c", "sk-c": "c", "sk-d": "d"})
+    assert store.reload_file() == KeyReload(keys=3, added=1, removed=1, retenanted=1)
+    assert await store.tenant_for("Bearer sk-a") is None
+    assert await store.tenant_for("Bearer sk-b") == "c"
+    assert await store.tenant_for("Bearer sk-d") == "d"
+    assert (store.reloads, store.last_error) == (1, None)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"", "the file is empty"),
+        (b"keys:\n  - {sha256: 0123", "while parsing"),
+        (b"keys:\n  - {sha256: nothex, tenant: a}\n", "not a SHA-256 hex digest"),
+        (b"keys: []\n", "no keys"),
+        (b"\xff\xfe\x00binary", "can't decode"),
+    ],
+)
+async def test_a_refused_reload_keeps_the_old_keys(
+    tmp_path: Path, content: bytes, reason: str
+) -> None:
+    f = tmp_path / "keys.yaml"
+    replace_keys(f, {"sk-a": "a"})
+    store = KeyStore(key_file=f)
+    f.write_bytes(content)  # in place, as a careless writer (or a torn write) leaves it
+    with pytest.raises(KeyFileError, match=reason):
+        store.reload_file()
+    assert await store.tenant_for("Bearer sk-a") == "a"
+    assert store.last_error is not None and str(f) in store.last_error
+    assert store.reloads == 0
+
+
+async def test_a_deleted_key_file_keeps_the_old_keys(tmp_path: Path) -> None:
+    f = tmp_path / "keys.yaml"
+    replace_keys(f, {"sk-a": "a"})
+    store = KeyStore(key_file=f)
+    f.unlink()
+    assert store.poll_file() is None  # noticed; applied only once it keeps still
+    with pytest.raises(KeyFileError, match="No such file"):
+        store.poll_file()
+    assert store.poll_file() is None  # refused once, not at every look
+    assert await store.tenant_for("Bearer sk-a") == "a"
+
+
+async def test_the_watcher_waits_for_the_file_to_keep_still(tmp_path: Path) -> None:
+    """A writer rewriting the file in place in two steps: the half read between them
+    (here a tenant name cut short, "acme" for "acme-prod") is never applied."""
+    f = tmp_path / "keys.yaml"
+    replace_keys(f, {"sk-a": "a"})
+    store = KeyStore(key_file=f)
+    assert store.poll_file() is None  # unchanged
+    full = key_text({"sk-a": "a", "sk-p": "acme-prod"})
+    with f.open("w") as w:
+        w.write(full[: full.index("acme") + 4])
+        w.flush()
+        assert store.poll_file() is None  # changed since the last look: not yet
+        w.write(full[full.index("acme") + 4 :])
+    assert store.poll_file() is None  # changed again
+    assert store.poll_file() == KeyReload(keys=2, added=1, removed=0, retenanted=0)
+    assert await store.tenant_for("Bearer sk-p") == "acme-prod"
+    assert store.poll_file() is None  # applied once
+
+
+# ---------------------------------------------------------------- a real gateway
+
+
+async def test_a_revoked_key_gets_401_at_its_next_request_while_streams_finish(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    replace_keys(keys, {"sk-a": "a", "sk-b": "b"})
+    async with stack(
+        count=1, replica=ReplicaSettings(time_scale=1.0), api_keys_file=keys, api_keys_poll_s=0.05
+    ) as st:
+        assert await metric(st, "kvgate_api_keys") == 2
+        stream = await st.client("sk-a").chat.completions.create(
+            model=st.model, messages=MSGS, max_tokens=150, stream=True
+        )
+        chunks = stream.__aiter__()
+        await chunks.__anext__()  # sk-a's request is in flight
+        replace_keys(keys, {"sk-b": "c", "sk-d": "d"})
+        await wait_until(lambda: st.gw.key_store.reloads == 1)
+        assert st.gw.in_flight == 1  # the reload landed while the stream was open
+        rest = [c async for c in chunks]
+        assert rest and rest[-1].choices[-1].finish_reason is not None
+        with pytest.raises(openai.AuthenticationError) as e401:
+            await st.client("sk-a").chat.completions.create(
+                model=st.model, messages=MSGS, max_tokens=1
+            )
+        assert e401.value.status_code == 401 and e401.value.code == "invalid_api_key"
+        assert await tenant_of(st, "sk-b") == "c"
+        assert await tenant_of(st, "sk-d") == "d"
+        assert await metric(st, 'kvgate_api_key_reloads_total{outcome="ok"}') == 1
+        assert await metric(st, "kvgate_api_keys") == 2
+
+        # truncated in place and left empty: refused, logged, counted; the keys stay
+        with caplog.at_level(logging.ERROR, logger="gateway.auth"):
+            keys.write_text("")
+            await wait_until(lambda: st.gw.key_store.last_error is not None)
+        assert "the file is empty" in (st.gw.key_store.last_error or "")
+        assert any(
+            r.getMessage() == "api key file reload refused; keeping the old keys"
+            for r in caplog.records
+        )
+        assert await metric(st, 'kvgate_api_key_reloads_total{outcome="invalid"}') == 1
+        assert await tenant_of(st, "sk-b") == "c"
+        replace_keys(keys, {"sk-b": "b"})  # the rewrite that follows is applied
+        await wait_until(lambda: st.gw.key_store.reloads == 2)
+        assert await tenant_of(st, "sk-b") == "b"
+
+
+async def test_admin_keys_reload_needs_the_admin_key_and_says_what_changed(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    replace_keys(keys, {"sk-a": "a"})
+    async with stack(count=1, api_keys_file=keys, api_keys_poll_s=3600.0) as st:
+        replace_keys(keys, {"sk-b": "b"})
+        async with st.http() as h:
+            r = await h.post("/admin/keys/reload")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_key"
+            r = await h.post("/admin/keys/reload", headers={"authorization": "Bearer sk-a"})
+            assert r.status_code == 401
+            assert await st.gw.key_store.tenant_for("Bearer sk-a") == "a"
+            r = await h.post("/admin/keys/reload", headers=st.admin_headers())
+            assert r.status_code == 200, r.text
+            assert r.json() == {
+                "status": "reloaded", "keys": 1, "added": 1, "removed": 1, "retenanted": 0
+            }  # fmt: skip
+            assert await st.gw.key_store.tenant_for("Bearer sk-a") is None
+            keys.write_text("keys: [")
+            r = await h.post("/admin/keys/reload", headers=st.admin_headers())
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_api_keys"
+            assert str(keys) in r.json()["error"]["message"]
+            assert await st.gw.key_store.tenant_for("Bearer sk-b") == "b"
+            r = await h.get("/admin/keys", headers=st.admin_headers())
+            assert r.json()["keys"] == 1 and r.json()["reloads"] == 1
+            assert str(keys) in r.json()["last_error"]
+        assert await metric(st, 'kvgate_api_key_reloads_total{outcome="invalid"}') == 1
+
+
+async def test_admin_keys_reload_without_a_key_file_says_so() -> None:
+    async with stack(count=1) as st, st.http() as h:
+        r = await h.post("/admin/keys/reload", headers=st.admin_headers())
+    assert r.status_code == 400
+    assert "without an API key file (--api-keys)" in r.json()["error"]["message"]
