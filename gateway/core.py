@@ -45,7 +45,7 @@ from cachecore.tokenizer import strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
 from gateway.errors import GatewayError, bad_request, rate_limited
-from gateway.indexing import GatewayIndex, LookupResult
+from gateway.indexing import GatewayIndex, LookupResult, PendingWrite
 from gateway.limits import TenantLimiter
 from gateway.load import InFlight, LoadTracker, SharedLoadRefresher, Ticket
 from gateway.metrics import GatewayMetrics
@@ -173,6 +173,7 @@ class Dispatch:
     # duplicate id; the refusal would tell one tenant that another's is running)
     upstream_id: str = ""
     charged_uncached: float = 0.0  # what the tenant's uncached-token budget was charged
+    pending: PendingWrite | None = None  # this attempt's pending entries, while in flight
 
     @property
     def replica(self) -> str:
@@ -917,7 +918,7 @@ class Gateway:
             keys = d.keys[d.salt_index]
             if start < len(keys):
                 ttl = self.policy.index.pending_ttl_ms
-                self.index.add_pending(d.replica, keys[start:], ttl, _now_ms())
+                d.pending = self.index.add_pending(d.replica, keys[start:], ttl, _now_ms())
 
     def on_first_token(self, d: Dispatch, progressed: bool = True) -> None:
         """The request's prefill is over: its prefill tokens leave the replica's queue.
@@ -935,6 +936,7 @@ class Gateway:
     def reroute(self, d: Dispatch, failed: str) -> bool:
         """After a connection failure before the first byte: pick another replica."""
         self.on_release(d)
+        self._settle_pending(d, refused=True)  # the failed replica never got the request
         d.tried.append(failed)
         rest = [c for c in d.candidates if c.replica not in d.tried]
         if not rest or d.attempts >= self.settings.retries:
@@ -956,6 +958,18 @@ class Gateway:
         d.attempts += 1
         self.metrics.retries.inc()
         return True
+
+    def _settle_pending(self, d: Dispatch, refused: bool) -> None:
+        """The attempt is over: a refused one's pending entries are undone (they would
+        steer the scope's next requests to a replica without the prefix for
+        ``index.pending_ttl_ms``); an accepted one's stay until they expire."""
+        w, d.pending = d.pending, None
+        if w is None or self.index is None:
+            return
+        if refused:
+            self.index.withdraw(w, _now_ms())
+        else:
+            self.index.done(w)
 
     def on_release(self, d: Dispatch) -> None:
         if d.ticket is not None:
@@ -980,11 +994,12 @@ class Gateway:
                 self.pool.record_success(rid)
             elif out.error is not None and out.error != "connect":
                 self.pool.record_failure(rid)  # connect failures were counted at the time
-        if d.charged_uncached and (
-            (400 <= out.status < 500 and out.status != 499) or out.error == "connect"
-        ):
-            # no engine computed it: an engine's 4xx is a refusal before any prefill
-            # (validation, length, unknown model), and a connect failure reached none
+        # no engine computed it: an engine's 4xx is a refusal before any prefill
+        # (validation, length, unknown model, 429), and a connect failure reached none
+        refused = (400 <= out.status < 500 and out.status != 499) or out.error == "connect"
+        if d.pending is not None:
+            self._settle_pending(d, refused)
+        if d.charged_uncached and refused:
             self.limiter.refund_uncached(d.tenant, d.charged_uncached, time.monotonic())
             d.charged_uncached = 0.0
         if self.trace is not None:

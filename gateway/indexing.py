@@ -32,6 +32,18 @@ class LookupResult:
     seconds: float
 
 
+@dataclass(eq=False, slots=True)
+class PendingWrite:
+    """One dispatch's pending entries: its keys on ``replica`` until ``expiry_ms``, kept
+    while the request is in flight so that a refusal can undo them
+    (:meth:`GatewayIndex.withdraw`)."""
+
+    replica: str
+    keys: Sequence[BlockKey]
+    expiry_ms: int
+    task: asyncio.Task[None] | None = None  # its background write to the shared index
+
+
 class GatewayIndex:
     def __init__(
         self,
@@ -48,6 +60,9 @@ class GatewayIndex:
         self.fallbacks = 0
         self.dropped_writes = 0
         self._local_live: set[str] = set()
+        # per replica, this gateway's in-flight writes (identity-hashed): what a refused
+        # request's undo must give back to the requests it overlapped
+        self._inflight: dict[str, set[PendingWrite]] = {}
         self._warned = 0.0
 
     async def lookup(
@@ -106,22 +121,92 @@ class GatewayIndex:
                 self._local_live.add(r)
                 self.local.set_state_now(r, ReplicaState.LIVE, now_ms)
 
-    def add_pending(self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int) -> None:
+    def add_pending(
+        self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
+    ) -> PendingWrite | None:
         """Record a dispatch, synchronously in-process (the next lookup must see it, or two
         concurrent requests of one prefix would miss each other; no await, so it lands in
         the same loop tick as the upstream write), in the background for a shared index
-        (the request never waits for Redis)."""
+        (the request never waits for Redis). Returns the write, in flight until
+        :meth:`done` or :meth:`withdraw`."""
         if not keys:
-            return
+            return None
+        w = PendingWrite(replica, keys, now_ms + ttl_ms)
+        live = self._inflight.get(replica)
+        if live is None:
+            live = self._inflight[replica] = set()
+        live.add(w)
         if self.local is None:
             if isinstance(self.primary, MemoryIndex):
                 self.primary.add_pending_now(replica, keys, ttl_ms, now_ms)
             else:  # a shared index without a local copy: nothing to write at once
-                self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
-            return
+                w.task = self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
+            return w
         self._ensure_live([replica], now_ms)
         self.local.add_pending_now(replica, keys, ttl_ms, now_ms)
-        self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
+        w.task = self._spawn(self._primary_pending(replica, keys, ttl_ms, now_ms))
+        return w
+
+    def done(self, w: PendingWrite) -> None:
+        """The engine took the request: its entries stay until their expiry."""
+        live = self._inflight.get(w.replica)
+        if live is not None:
+            live.discard(w)
+
+    def withdraw(self, w: PendingWrite, now_ms: int) -> None:
+        """The engine did not take the request (it refused it before any prefill, or was
+        never reached): undo its pending entries, which would steer its scope's next
+        requests to a replica that never computed the prefix until ``pending_ttl_ms``.
+
+        Only what this write still holds goes: a key goes only while its expiry is this
+        write's (a later write, from any gateway, raised it otherwise), and a key that an
+        in-flight request of this gateway also wrote is set back to that request's expiry
+        (this write's ``ZADD GT`` had overwritten it). Not covered: another *gateway's*
+        earlier in-flight write of the same key (its expiry is lost, so the key goes and
+        that request's replica is not preferred until its agent reports the blocks stored,
+        a miss for at most that prefill), and a same-millisecond write of the same keys by
+        another gateway (one expiry, indistinguishable). Both cost a routing guess, never
+        a wrong answer; the TTL alone cost one per request of the scope for the whole TTL.
+        Same loop tick for the local index; the shared index in the background, after
+        this write's own background add (Redis must not see the undo first)."""
+        self.done(w)
+        restore = self._restore(w, now_ms)
+        if self.local is None:
+            if isinstance(self.primary, MemoryIndex):
+                self.primary.remove_pending_now(w.replica, w.keys, w.expiry_ms, now_ms, restore)
+            else:
+                self._spawn(self._primary_withdraw(w, now_ms, restore))
+            return
+        self.local.remove_pending_now(w.replica, w.keys, w.expiry_ms, now_ms, restore)
+        self._spawn(self._primary_withdraw(w, now_ms, restore))
+
+    def _restore(self, w: PendingWrite, now_ms: int) -> list[int] | None:
+        """Per key of ``w``, the latest expiry of this gateway's other in-flight writes on
+        its replica that cover it (0: none); None when there is none at all (the usual
+        case: refusals are rare, overlaps rarer)."""
+        others = [o for o in self._inflight.get(w.replica, ()) if o.expiry_ms > now_ms]
+        if not others:
+            return None
+        pos = {k: i for i, k in enumerate(w.keys)}
+        restore = [0] * len(w.keys)
+        for o in others:
+            for k in o.keys:
+                i = pos.get(k)
+                if i is not None and o.expiry_ms > restore[i]:
+                    restore[i] = o.expiry_ms
+        return restore if any(restore) else None
+
+    async def _primary_withdraw(
+        self, w: PendingWrite, now_ms: int, restore: list[int] | None
+    ) -> None:
+        if w.task is not None and not w.task.done():
+            await asyncio.wait([w.task])  # bounded: the add runs under its own timeout
+        try:
+            async with asyncio.timeout(1.0):
+                await self.primary.remove_pending(w.replica, w.keys, w.expiry_ms, now_ms, restore)
+        except Exception as exc:  # counted; a leftover pending entry expires with its TTL
+            self.metrics.pending_write_errors.inc()
+            self._warn(exc)
 
     async def _primary_pending(
         self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
@@ -132,15 +217,16 @@ class GatewayIndex:
             self.metrics.pending_write_errors.inc()
             self._warn(exc)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         if len(self._bg) >= self._max_bg:
             self.dropped_writes += 1
             self.metrics.pending_write_errors.inc()
             coro.close()
-            return
+            return None
         task = asyncio.get_running_loop().create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+        return task
 
     async def settle(self) -> None:
         """Wait for background writes (tests, shutdown)."""

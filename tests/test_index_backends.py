@@ -18,7 +18,13 @@ from cachecore.index.base import (
     StaleEpochError,
     longest_prefix,
 )
-from cachecore.index.layout import InvalidReplicaIdError, KeyLayout
+from cachecore.index.layout import (
+    InvalidReplicaIdError,
+    KeyLayout,
+    acl_setuser_args,
+    agent_acl_rules,
+    gateway_acl_rules,
+)
 from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKeyer
@@ -168,6 +174,68 @@ async def test_pending_keeps_latest_expiry_and_is_capped(index: PrefixIndex) -> 
     assert res.pending_blocks == 1
     await index.add_pending("a", KEYS[2:3], 0, 2000)  # ttl 0: already expired
     assert (await index.lookup(KEYS[2:3], ["a"], 2000))["a"].pending_blocks == 0
+
+
+async def test_remove_pending_undoes_only_its_own_write(index: PrefixIndex) -> None:
+    """A refused request's pending entries go (they steered the scope's next requests to a
+    replica that never computed the prefix, until the TTL), but only those still at its
+    expiry: a key a later write raised is that write's, and a key restored to an earlier
+    live write's expiry stays pending until then."""
+    await live(index, "a", "b")
+    await index.add_pending("a", KEYS[:6], 1000, 0)  # the refused request: until 1000
+    await index.add_pending("a", KEYS[:2], 2000, 100)  # a later request raised keys 0-1
+    await index.add_pending("b", KEYS[:6], 1000, 0)  # another replica: untouched
+    assert (await index.lookup(KEYS[:6], ["a"], 200))["a"].pending_blocks == 6
+    # key 2 back to an earlier live write's expiry (900); 3-5 had no other writer
+    await index.remove_pending("a", KEYS[:6], 1000, 200, [0, 0, 900, 0, 0, 0])
+    res = await index.lookup(KEYS[:6], ["a", "b"], 300)
+    assert res["a"].pending_blocks == 3 and res["b"].pending_blocks == 6
+    assert (await index.lookup(KEYS[2:3], ["a"], 950))["a"].pending_blocks == 0  # until 900
+    assert (await index.lookup(KEYS[:2], ["a"], 1500))["a"].pending_blocks == 2
+    # a restore already expired, a second undo, an unknown replica: nothing left / no-ops
+    await index.add_pending("a", KEYS[6:8], 100, 400)
+    await index.remove_pending("a", KEYS[6:8], 500, 450, [300, 0])
+    assert (await index.lookup(KEYS[6:8], ["a"], 460))["a"].pending_blocks == 0
+    await index.remove_pending("a", KEYS[6:8], 500, 460)
+    await index.remove_pending("nobody", KEYS[:1], 1000, 0)
+    await index.remove_pending("a", [], 1000, 0)
+    # the undo wrote nothing stale: a new write of the keys counts again
+    await index.add_pending("a", KEYS[3:6], 1000, 470)
+    assert (await index.lookup(KEYS[3:6], ["a"], 480))["a"].pending_blocks == 3
+    if isinstance(index, MemoryIndex):
+        index.check_invariants()
+
+
+async def test_remove_pending_runs_under_the_gateway_acl(redis_url: str) -> None:
+    """The documented gateway ACL (gateway_acl_rules) lets the undo run, and an agent's
+    does not (no pending forgery or erasure): the script uses only commands a gateway was
+    already granted, so deployed users need no change."""
+    admin = aioredis.Redis.from_url(redis_url)
+    users = {"gw-rm": gateway_acl_rules(), "agent-rm": agent_acl_rules("a")}
+    for user, rules in users.items():
+        await admin.execute_command(*acl_setuser_args(user, "pw-" + user, rules))  # type: ignore[no-untyped-call]
+    as_user = {
+        u: RedisIndex.from_url(
+            redis_url.replace("redis://", f"redis://{u}:pw-{u}@"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+        )
+        for u in users
+    }
+    gw, agent = as_user["gw-rm"], as_user["agent-rm"]
+    try:
+        await agent.set_state("a", ReplicaState.LIVE, 0)
+        await gw.add_pending("a", KEYS[:4], 1000, 0)
+        with pytest.raises(IndexError_, match=r"NOPERM|permission"):
+            await agent.remove_pending("a", KEYS[:4], 1000, 10)
+        await gw.remove_pending("a", KEYS[:4], 1000, 10, [0, 0, 0, 500])
+        assert (await gw.lookup(KEYS[:4], ["a"], 20))["a"].pending_blocks == 0
+        assert (await gw.lookup(KEYS[3:4], ["a"], 20))["a"].pending_blocks == 1
+    finally:
+        for idx in as_user.values():
+            await idx.close()
+        for user in users:
+            await admin.execute_command("ACL", "DELUSER", user)  # type: ignore[no-untyped-call]
+        await admin.aclose()
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
@@ -447,3 +515,18 @@ async def test_memory_instance_id_is_stable() -> None:
     idx = MemoryIndex()
     assert await idx.instance_id() == await idx.instance_id()
     assert await MemoryIndex().instance_id() != await idx.instance_id()
+
+
+async def test_remove_pending_on_a_cluster(cluster_url: str) -> None:
+    """The undo's keys (pending anchor, meta, pending zset) share the replica's hash tag:
+    one slot, as the add's, so it runs on a cluster too."""
+    idx = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
+    try:
+        for rid in ("a", "b", "c"):
+            await idx.set_state(rid, ReplicaState.LIVE, 0)
+            await idx.add_pending(rid, KEYS[:5], 1000, 0)
+        await idx.remove_pending("b", KEYS[:5], 1000, 10)
+        got = await idx.lookup(KEYS[:5], ["a", "b", "c"], 20)
+        assert {r: m.pending_blocks for r, m in got.items()} == {"a": 5, "b": 0, "c": 5}
+    finally:
+        await idx.close()

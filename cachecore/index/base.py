@@ -120,6 +120,23 @@ class PrefixIndex(Protocol):
         """Mark ``keys`` pending on ``replica`` until ``now_ms + ttl_ms`` (gateway-owned)."""
         ...
 
+    async def remove_pending(
+        self,
+        replica: str,
+        keys: Sequence[BlockKey],
+        expiry_ms: int,
+        now_ms: int,
+        restore: Sequence[int] | None = None,
+    ) -> None:
+        """Undo an :meth:`add_pending` of ``keys`` whose expiry was ``expiry_ms`` (the engine
+        refused that request, or never got it): each key whose pending expiry is still
+        exactly ``expiry_ms`` goes, or is set back to ``restore[i]`` when that is later
+        than ``now_ms``. A key whose expiry a later write raised (``ZADD GT``) is that
+        write's and stays. ``restore``: per key, the expiry of another live write covering
+        it that this one's overwrote (0: none); the caller knows its own (the gateway's
+        in-flight requests), not other gateways'. Gateway-owned, like :meth:`add_pending`."""
+        ...
+
     async def apply(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
         """Apply an agent's write. Raises :class:`StaleEpochError` if ``epoch`` is not the
         replica's current epoch."""

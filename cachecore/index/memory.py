@@ -130,6 +130,33 @@ class _Pending:
             self._seq = len(self._heap)
             self._heap_keys = len(exp)
 
+    def withdraw(
+        self,
+        keys: Sequence[BlockKey],
+        expiry: int,
+        now_ms: int,
+        restore: Sequence[int] | None,
+    ) -> None:
+        """Undo an :meth:`add` of ``keys`` at ``expiry`` (see
+        :meth:`~cachecore.index.base.PrefixIndex.remove_pending`): only keys still at that
+        expiry change. A key set back gets a heap item of its new expiry (the invariant);
+        a removed one leaves only stale heap items, skipped when they pop."""
+        exp = self._expiry
+        back: dict[int, list[BlockKey]] = {}
+        for i, k in enumerate(keys):
+            if exp.get(k) != expiry:
+                continue  # gone, or a later write's now
+            to = restore[i] if restore else 0
+            if to > now_ms:
+                exp[k] = to
+                back.setdefault(to, []).append(k)
+            else:
+                del exp[k]
+        for to, ks in back.items():
+            self._seq += 1
+            heapq.heappush(self._heap, (to, self._seq, tuple(ks)))
+            self._heap_keys += len(ks)
+
     def unexpired(self, now_ms: int) -> int:
         return sum(1 for e in self._expiry.values() if e > now_ms)
 
@@ -298,6 +325,29 @@ class MemoryIndex:
         deque(map(blocks.move_to_end, filter(blocks.__contains__, reversed(keys))), maxlen=0)
         if self._graveyard:
             self._drain()
+
+    async def remove_pending(
+        self,
+        replica: str,
+        keys: Sequence[BlockKey],
+        expiry_ms: int,
+        now_ms: int,
+        restore: Sequence[int] | None = None,
+    ) -> None:
+        self.remove_pending_now(replica, keys, expiry_ms, now_ms, restore)
+
+    def remove_pending_now(
+        self,
+        replica: str,
+        keys: Sequence[BlockKey],
+        expiry_ms: int,
+        now_ms: int,
+        restore: Sequence[int] | None = None,
+    ) -> None:
+        """:meth:`remove_pending` without the coroutine (the gateway's local index)."""
+        rep = self._replicas.get(replica)
+        if rep is not None:
+            rep.pending.withdraw(keys, expiry_ms, now_ms, restore)
 
     async def apply(self, replica: str, epoch: int, write: IndexWrite, now_ms: int) -> None:
         self.apply_now(replica, epoch, write, now_ms)

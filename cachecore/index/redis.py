@@ -326,6 +326,32 @@ end
 return card
 """
 
+# KEYS[1] the replica's pending anchor (as ADD_PENDING). ARGV: expiry_ms (the write being
+# undone), now_ms, then per key: the key, the expiry to set it back to (0: none). Only a
+# key still at expiry_ms changes (a later write raised it otherwise: that one's). A key is
+# dropped by moving its score to 0 and trimming expired scores: ZADD and ZREMRANGEBYSCORE
+# are what the gateway's ACL already grants (ZREM is not), so deployed users need no change.
+REMOVE_PENDING_LUA = """
+local anchor = KEYS[1]
+local epoch = redis.call('HGET', string.sub(anchor, 1, -5) .. 'meta', 'epoch') or '0'
+local pkey = anchor .. ':' .. epoch
+local mine = tonumber(ARGV[1])
+local now = tonumber(ARGV[2])
+local changed = 0
+for i = 3, #ARGV - 1, 2 do
+  local k = ARGV[i]
+  local sc = redis.call('ZSCORE', pkey, k)
+  if sc and tonumber(sc) == mine then
+    local to = tonumber(ARGV[i + 1])
+    if to <= now then to = 0 end
+    redis.call('ZADD', pkey, 'XX', to, k)
+    changed = changed + 1
+  end
+end
+if changed > 0 then redis.call('ZREMRANGEBYSCORE', pkey, '-inf', now) end
+return changed
+"""
+
 # KEYS[1] meta. ARGV: since_ms, block keys. Per key 1 if the removal log holds a removal at
 # or after since_ms, else 0; -1 (not a list) when the log was trimmed past since_ms.
 REMOVED_SINCE_LUA = """#!lua flags=no-writes
@@ -582,6 +608,7 @@ class RedisIndex:
         self._apply = RedisScript(APPLY_LUA)
         self._clear = RedisScript(CLEAR_LUA)
         self._add_pending = RedisScript(ADD_PENDING_LUA)
+        self._remove_pending = RedisScript(REMOVE_PENDING_LUA)
         self._sweep = RedisScript(SWEEP_LUA)
         self._removed_since = RedisScript(REMOVED_SINCE_LUA, readonly=True)
         self._meta_keys: dict[str, str] = {}
@@ -788,6 +815,24 @@ class RedisIndex:
             await self._call(self._add_pending, [anchor], args)
         except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"add_pending {replica}") from exc
+
+    async def remove_pending(
+        self,
+        replica: str,
+        keys: Sequence[BlockKey],
+        expiry_ms: int,
+        now_ms: int,
+        restore: Sequence[int] | None = None,
+    ) -> None:
+        if not keys:
+            return
+        anchor = self.layout.pending_anchor(replica)
+        back = restore if restore else repeat(0, len(keys))
+        args = [expiry_ms, now_ms, *chain.from_iterable(zip(keys, back, strict=True))]
+        try:
+            await self._call(self._remove_pending, [anchor], args)
+        except REDIS_FAILURES as exc:
+            raise _stale_or_index_error(exc, f"remove_pending {replica}") from exc
 
     # ------------------------------------------------------------------ reads
     async def removed_since(
