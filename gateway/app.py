@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth import KeyFileError, KeyReload, check_admin
+from gateway.auth import KeyFileError, KeyReload, KeyStoreUnavailable, check_admin
 from gateway.core import Gateway, request_id_from
 from gateway.errors import (
     GatewayError,
@@ -41,6 +41,14 @@ METRICS_DISABLED = (
     "/metrics needs the admin key and none is configured (set KVGATE_ADMIN_KEY, or "
     "KVGATE_METRICS_PUBLIC=true on a trusted network)"
 )
+
+
+def key_store_unavailable(exc: KeyStoreUnavailable) -> GatewayError:
+    """A key that cannot be checked: 503 (OpenAI clients retry it), not the 401 that would
+    tell a client with a valid key that its key is wrong."""
+    return GatewayError(
+        503, str(exc), code="api_key_store_unavailable", headers={"retry-after": "1"}
+    )
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -134,7 +142,11 @@ class Completions:
         if gw.draining:
             m.requests.labels(endpoint, "503").inc()
             return GatewayError(503, "the gateway is shutting down", code="draining"), rid
-        tenant = await gw.key_store.tenant_for(headers.get("authorization"))
+        try:
+            tenant = await gw.key_store.tenant_for(headers.get("authorization"))
+        except KeyStoreUnavailable as exc:
+            m.requests.labels(endpoint, "503").inc()
+            return key_store_unavailable(exc), rid
         if tenant is None:
             m.requests.labels(endpoint, "401").inc()
             return invalid_api_key(), rid
@@ -268,8 +280,12 @@ def create_app(gw: Gateway) -> FastAPI:
     app.state.completions = completions_core
 
     async def key_refused(request: Request) -> Response | None:
-        """The 401 for a request without a valid API key, else None."""
-        tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
+        """The 401 for a request without a valid API key (503 when it cannot be checked),
+        else None."""
+        try:
+            tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
+        except KeyStoreUnavailable as exc:
+            return key_store_unavailable(exc).response()
         return invalid_api_key().response() if tenant is None else None
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
@@ -425,7 +441,10 @@ def create_app(gw: Gateway) -> FastAPI:
         if not tenant and auth and request.headers.get("x-admin-key"):
             # the admin key in its own header: Authorization is a client's API key, and the
             # request is explained as that client's tenant (as it would be routed)
-            tenant = await gw.key_store.tenant_for(auth)
+            try:
+                tenant = await gw.key_store.tenant_for(auth)
+            except KeyStoreUnavailable as exc:
+                raise key_store_unavailable(exc) from None
             if tenant is None:
                 raise invalid_api_key()
         tenant = tenant or "anonymous"

@@ -38,6 +38,11 @@ class KeyFileError(ValueError):
     """A malformed API key file."""
 
 
+class KeyStoreUnavailable(Exception):
+    """The key cannot be checked: Redis cannot be asked, and no answer of it for this key is
+    recent enough to stand in (the client gets a 503, not a 401: its key may be valid)."""
+
+
 def hash_key(api_key: str) -> str:
     """The stored form of an API key."""
     return hashlib.sha256(api_key.encode()).hexdigest()
@@ -115,6 +120,7 @@ class KeyStore:
         redis_hash: str = "kvg:apikeys",
         open_access: bool = False,
         cache_ttl_s: float = 5.0,
+        stale_s: float = 60.0,
         key_file: Path | None = None,
     ) -> None:
         self.key_file = Path(key_file) if key_file is not None else None
@@ -128,8 +134,11 @@ class KeyStore:
         self._redis_hash = redis_hash
         self.open_access = open_access
         self._cache_ttl = cache_ttl_s
+        # how long after Redis last answered for a key that answer may stand in while
+        # Redis cannot be asked (never less than the cache's own TTL)
+        self._stale_bound = max(cache_ttl_s, stale_s)
         self._warned: set[str] = set()  # keys whose malformed tenant value was logged
-        self._cache: dict[str, tuple[str | None, float]] = {}
+        self._cache: dict[str, tuple[str | None, float]] = {}  # digest -> (tenant, at)
         self.redis_errors = 0
         self.reloads = 0
         self.last_error: str | None = None
@@ -232,16 +241,27 @@ class KeyStore:
         if tenant is not None or self._redis is None:
             return tenant
         now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None and hit[1] > now:
+        hit = self._cache.get(digest)  # (tenant or None, when Redis last answered for it)
+        if hit is not None and now - hit[1] < self._cache_ttl:
             return hit[0]
         try:
             raw = await self._redis.hget(self._redis_hash, digest)
         # RedisClusterException (no RedisError): a cluster client that reaches no node
         except (RedisError, RedisClusterException, OSError) as exc:
             self.redis_errors += 1
-            log.warning("api key lookup in redis failed", extra={"error": str(exc)})
-            return hit[0] if hit is not None else None
+            # Redis' last answer stands in for a while (a Redis restart is no outage for
+            # the clients); past that the key fails closed: revoked meanwhile or not, no
+            # key works on an answer older than the bound
+            usable = hit is not None and now - hit[1] <= self._stale_bound
+            log.warning(
+                "api key lookup in redis failed",
+                extra={"error": str(exc), "cached_answer_used": usable},
+            )
+            if hit is not None and usable:
+                return hit[0]
+            raise KeyStoreUnavailable(
+                "the API key cannot be checked now (the key store is unreachable); retry later"
+            ) from None
         # a value that is no UTF-8 is no tenant name either: refused below, not a 500
         value = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
         tenant = value if isinstance(value, str) and _TENANT.match(value) else None
@@ -256,7 +276,7 @@ class KeyStore:
             )
         if len(self._cache) > 10_000:
             self._cache.clear()
-        self._cache[digest] = (tenant, now + self._cache_ttl)
+        self._cache[digest] = (tenant, now)
         return tenant
 
 

@@ -122,6 +122,8 @@ def build_gateway(
             redis=redis_keys,
             open_access=settings.open_access,
             redis_hash=layout.api_keys(),
+            cache_ttl_s=settings.api_keys_cache_ttl_s,
+            stale_s=settings.api_keys_stale_s,
             key_file=settings.api_keys_file,
         )
     if not key_store.configured:

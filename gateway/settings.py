@@ -47,6 +47,12 @@ class GatewaySettings(BaseSettings):
     # kept still for one interval; POST /admin/keys/reload applies it at once)
     api_keys_poll_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2.0
     api_keys_redis: bool = False  # look API key hashes up in Redis hash <prefix>:apikeys
+    # a Redis key lookup's answer is kept this long (a key deleted from the hash is refused
+    # within it)
+    api_keys_cache_ttl_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 5.0
+    # while Redis cannot be asked, Redis' last answer for a key stands in for at most this
+    # long after Redis gave it (at least the TTL above); past it the key fails closed (503)
+    api_keys_stale_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 60.0
     open_access: bool = False  # no API keys: every request is tenant "anonymous"
     admin_key: SecretStr | None = None
     # /metrics without the admin key. Off: its per-replica token counters move request by

@@ -15,7 +15,9 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from cachecore.replica.settings import ReplicaSettings
-from gateway.auth import KeyFileError, KeyReload, KeyStore, hash_key
+from cachecore.index.redis import redis_client
+from cachecore.testing import RedisServer
+from gateway.auth import KeyFileError, KeyReload, KeyStore, KeyStoreUnavailable, hash_key
 from tests.test_gateway_support import Stack, stack
 
 MSGS: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
@@ -218,3 +220,74 @@ async def test_admin_keys_reload_without_a_key_file_says_so() -> None:
         r = await h.post("/admin/keys/reload", headers=st.admin_headers())
     assert r.status_code == 400
     assert "without an API key file (--api-keys)" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- Redis keys, Redis down
+
+
+async def test_redis_keys_fail_closed_once_redis_has_been_unreachable_past_the_bound(
+    redis_own: RedisServer,
+) -> None:
+    """A key Redis confirmed stays valid while Redis cannot be asked for at most
+    ``stale_s`` after that confirmation; then (and for a key it never confirmed) the
+    lookup fails closed. It was valid for as long as Redis stayed away."""
+    client = redis_client(redis_own.url, socket_timeout_s=0.25, connect_timeout_s=0.25)
+    try:
+        await client.hset("kvg:apikeys", mapping={hash_key("sk-r"): "acme"})
+        store = KeyStore(redis=client, cache_ttl_s=0.1, stale_s=1.0)
+        assert await store.tenant_for("Bearer sk-r") == "acme"
+        confirmed = time.monotonic()
+        assert await store.tenant_for("Bearer sk-unknown") is None
+        redis_own.stop()
+        await asyncio.sleep(0.2)  # past the cache TTL: Redis is asked, and cannot answer
+        assert await store.tenant_for("Bearer sk-r") == "acme"  # within the bound
+        assert await store.tenant_for("Bearer sk-unknown") is None  # its answer too
+        with pytest.raises(KeyStoreUnavailable):
+            await store.tenant_for("Bearer sk-never-seen")
+        await asyncio.sleep(max(0.0, confirmed + 1.05 - time.monotonic()))
+        with pytest.raises(KeyStoreUnavailable):
+            await store.tenant_for("Bearer sk-r")
+        assert store.redis_errors >= 3
+        redis_own.start()  # back (empty: a restart loses the hash)
+        await client.hset("kvg:apikeys", mapping={hash_key("sk-r"): "acme"})
+        assert await store.tenant_for("Bearer sk-r") == "acme"
+    finally:
+        await client.aclose()
+
+
+async def test_a_key_that_cannot_be_checked_gets_503_not_401(redis_own: RedisServer) -> None:
+    """Through the gateway, with the Redis it shares for keys, index and load stopped
+    mid-test: a key Redis confirmed works within KVGATE_API_KEYS_STALE_S, then gets a
+    retryable 503 (a 401 would tell the client its valid key is wrong); so does a key Redis
+    never answered for."""
+    seed = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    await seed.hset("kvg:apikeys", mapping={hash_key("sk-r"): "acme"})
+    await seed.aclose()
+    async with (
+        stack(
+            count=1,
+            redis_url=redis_own.url,
+            api_keys_redis=True,
+            open_access=False,
+            api_keys_cache_ttl_s=0.1,
+            api_keys_stale_s=1.5,
+        ) as st,
+        st.http() as h,
+    ):
+        body = {"model": st.model, "messages": MSGS, "max_tokens": 1}
+        auth = {"authorization": "Bearer sk-r"}
+        assert (await h.post("/v1/chat/completions", json=body, headers=auth)).status_code == 200
+        confirmed = time.monotonic()
+        redis_own.stop()
+        await asyncio.sleep(0.2)  # past the TTL
+        r = await h.post("/v1/chat/completions", json=body, headers=auth)
+        assert r.status_code == 200, r.text
+        r = await h.post(
+            "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-other"}
+        )
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "api_key_store_unavailable"
+        await asyncio.sleep(max(0.0, confirmed + 1.6 - time.monotonic()))
+        r = await h.post("/v1/chat/completions", json=body, headers=auth)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "api_key_store_unavailable"
+        assert (await h.get("/v1/models", headers=auth)).status_code == 503

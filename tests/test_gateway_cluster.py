@@ -30,7 +30,7 @@ from cachecore.loadstate import LoadStoreError, RedisLoadStore
 from cachecore.registry import RedisRegistry, RegistryError
 from cachecore.replica.fleet import Fleet, run_fleet
 from cachecore.testing import PATIENT_TIMEOUT_S, RedisClusterServers, free_port
-from gateway.auth import hash_key
+from gateway.auth import KeyStoreUnavailable, hash_key
 from gateway.core import Gateway
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.serve import configure as serve_configure
@@ -191,7 +191,8 @@ async def test_a_cluster_client_reaching_no_node_fails_as_the_stores_errors() ->
             await load.snapshot(["r0"], 0)
         with pytest.raises(RegistryError):
             await reg.discover(0)
-        assert await gw.key_store.tenant_for(f"Bearer {API_KEY}") is None
+        with pytest.raises(KeyStoreUnavailable):  # the client gets a 503, not a 401
+            await gw.key_store.tenant_for(f"Bearer {API_KEY}")
         assert gw.key_store.redis_errors == 1
     finally:
         for closable in (idx, load, reg, gw._index_arg, gw._load_store):
