@@ -1,0 +1,309 @@
+"""The docs, read as an operator reads them: every ``KVGATE_*`` name they set is a setting
+(or a variable the code reads), every ``kvgate <cmd> --flag`` is accepted by that command's
+parser, every command in a shell block parses as typed, and every ``kvgate_*`` metric they
+name is on a real ``/metrics`` page with the labels they give it.
+
+Each check parses the docs and asks the live parser, settings classes or scrape: a doc that
+names something that does not exist fails here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from cachecore.agent.metrics import AgentMetrics
+from cachecore.agent.settings import AgentSettings
+from cachecore.replica.settings import ReplicaSettings
+from gateway.cli import SUBCOMMANDS
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+from loadtest.bench import BENCHMARKS
+from tests.test_gateway_support import stack, words
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DEPLOY = [ROOT / "docker-compose.yml", ROOT / "Dockerfile", ROOT / "Makefile"]
+SOURCES = [
+    p for d in ("gateway", "cachecore", "loadtest", "policies") for p in (ROOT / d).rglob("*.py")
+]
+SETTINGS = (GatewaySettings, AgentSettings, ReplicaSettings)
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+# ------------------------------------------------------------------ environment variables
+
+
+def _setting_names() -> tuple[set[str], set[str]]:
+    """Every ``KVGATE_*`` variable a settings class reads, and the classes' prefixes."""
+    names: set[str] = set()
+    prefixes: set[str] = set()
+    for cls in SETTINGS:
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        prefixes.add(prefix)
+        names.update((prefix + field).upper() for field in cls.model_fields)
+    return names, prefixes
+
+
+def _read_by_code() -> set[str]:
+    """Variables the code reads itself (``os.environ`` / ``getenv``), outside the settings."""
+    pattern = re.compile(r"""(?:environ(?:\.get)?|getenv)\s*[\(\[]\s*["'](KVGATE_[A-Z0-9_]+)["']""")
+    return {m for path in SOURCES for m in pattern.findall(path.read_text())}
+
+
+def test_every_kvgate_variable_in_the_docs_is_read_by_kvgate() -> None:
+    names, prefixes = _setting_names()
+    names |= _read_by_code()
+    unknown = []
+    for path in DOCS + DEPLOY:
+        for name in sorted(set(re.findall(r"KVGATE_[A-Z0-9_]*", path.read_text()))):
+            ok = name in prefixes if name.endswith("_") else name in names
+            if not ok:
+                unknown.append(f"{_rel(path)}: {name}")
+    assert not unknown, "documented variables that nothing reads:\n" + "\n".join(unknown)
+
+
+# ------------------------------------------------------------------------- command lines
+
+
+def _parser(command: str, bench: str | None = None) -> argparse.ArgumentParser:
+    """The parser ``kvgate <command>`` (or ``kvgate bench <bench>``) builds."""
+    if bench is None:
+        module = importlib.import_module(SUBCOMMANDS[command][0])
+        parser = argparse.ArgumentParser(prog=f"kvgate {command}")
+        module.configure(parser)
+        return parser
+    module = importlib.import_module(BENCHMARKS[bench][0])
+    parser = argparse.ArgumentParser(prog=f"kvgate bench {bench}")
+    configure = getattr(module, f"configure_{bench}", None) or module.configure
+    configure(parser)
+    return parser
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    """Option strings of a parser and of its subcommands' parsers (``trace analyze``)."""
+    out: set[str] = set()
+    for action in parser._actions:  # argparse has no public accessor for its actions
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _options(sub)
+    return out
+
+
+def _joined(text: str) -> str:
+    """Shell line continuations joined, as a shell reads them."""
+    return re.sub(r"\\\n\s*", " ", text)
+
+
+def _doc_commands() -> Iterator[tuple[str, str, str | None, str]]:
+    """(doc, subcommand, benchmark, the rest of the command) for every ``kvgate <cmd>`` in
+    the docs, in prose (up to its closing backtick) or in a code block (up to its line end)."""
+    for path in DOCS:
+        text = _joined(path.read_text())
+        for m in re.finditer(r"(?<![\w/-])kvgate (\w+)([^`\n|;&()]*)", text):
+            command, rest = m.group(1), m.group(2)
+            if command not in SUBCOMMANDS:
+                continue
+            bench = None
+            if command == "bench":
+                first = rest.split()[:1]
+                if not first or first[0].startswith("-"):
+                    continue  # "`kvgate bench`" on its own names the command, not a run
+                bench = first[0]
+            yield _rel(path), command, bench, rest
+
+
+def test_every_documented_flag_is_accepted_by_its_command() -> None:
+    bad = []
+    seen = 0
+    for doc, command, bench, rest in _doc_commands():
+        if bench is not None and bench not in BENCHMARKS:
+            bad.append(f"{doc}: kvgate bench {bench}: no such benchmark")
+            continue
+        options = _options(_parser(command, bench))
+        for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest):
+            seen += 1
+            if flag not in options and flag != "--help":
+                bad.append(f"{doc}: kvgate {command} {bench or ''} has no {flag}")
+    assert seen > 50  # the scan finds the docs' commands at all
+    assert not bad, "\n".join(bad)
+
+
+def _shell_blocks(text: str) -> Iterator[str]:
+    """The fenced blocks marked ``sh`` (what the docs give to paste into a shell)."""
+    block: list[str] | None = None
+    for line in text.splitlines():
+        fence = line.strip()  # a block in a list item is indented
+        if fence.startswith("```"):
+            if block is None and fence[3:] in ("sh", "bash", "shell"):
+                block = []
+            elif block is not None:
+                yield "\n".join(block) + "\n"
+                block = None
+        elif block is not None:
+            block.append(line)
+
+
+# the operator's path through the docs (docs/benchmarks.md's blocks are recipes with
+# placeholders to fill in: N, R, $SYSTEMS)
+WALKED = [ROOT / n for n in ("README.md", "docs/runbook.md", "docs/gateway.md", "docs/index.md",
+                             "docs/lifecycle.md", "docs/peers.md")]  # fmt: skip
+
+
+def test_every_kvgate_command_in_a_shell_block_parses_as_typed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an operator pastes: the whole command line, values included (a port, a list, a
+    choice), through the command's own parser."""
+    monkeypatch.chdir(tmp_path)  # output-path checks look at paths, never under the checkout
+    parsed = 0
+    failures = []
+    for path in WALKED:
+        for block in _shell_blocks(path.read_text()):
+            for line in _joined(block).splitlines():
+                if "kvgate " not in line or "[" in line:  # "[--flag]" lines are synopses
+                    continue
+                words_ = shlex.split(line, comments=True)
+                at = next((i for i, w in enumerate(words_) if w.split("/")[-1] == "kvgate"), None)
+                if at is None or at + 1 >= len(words_):
+                    continue
+                argv = words_[at + 1 :]
+                for stop in ("&", "&&", "|", ";"):
+                    if stop in argv:
+                        argv = argv[: argv.index(stop)]
+                command, bench = argv[0], None
+                args = argv[1:]
+                if command == "bench":
+                    bench, args = args[0], args[1:]
+                try:
+                    _parser(command, bench).parse_args(args)
+                except SystemExit:
+                    failures.append(f"{_rel(path)}: {line.strip()}")
+                parsed += 1
+    assert parsed >= 6  # README's replica, agents and gateways; peers' replica and tokenizer
+    assert not failures, "\n".join(failures)
+
+
+def test_readme_names_every_subcommand_and_benchmark() -> None:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"`kvgate`, with subcommands: (.*?)\.\n", text, re.S)
+    assert m, "README no longer lists the subcommands"
+    assert re.findall(r"`(\w+)`", m.group(1)) == list(SUBCOMMANDS)
+    documented = set(re.findall(r"`kvgate bench (\w+)", text))
+    assert documented == set(BENCHMARKS)
+
+
+# ------------------------------------------------------------------------------- metrics
+
+METRIC = re.compile(r"(?<![\w./])(kvgate_[a-z0-9_]*[a-z0-9])(?![\w*])(\{[^}]*\})?")
+
+
+def _family(name: str, families: dict[str, set[str]]) -> str | None:
+    for suffix in ("", "_total", "_bucket", "_count", "_sum"):
+        if name.endswith(suffix) and name.removesuffix(suffix) in families:
+            return name.removesuffix(suffix) if suffix else name
+    return None
+
+
+def _registered_labels(registry: CollectorRegistry) -> dict[str, set[str]]:
+    """Label names of each metric a registry holds, whether it has a child yet or not."""
+    out: dict[str, set[str]] = {}
+    for collector, names in registry._collector_to_names.items():  # no public accessor
+        labels = set(getattr(collector, "_labelnames", ()))
+        for name in names:
+            out.setdefault(name, set()).update(labels)
+    return out
+
+
+def _scrape(text: str, families: dict[str, set[str]], samples: dict[str, int]) -> None:
+    for fam in text_string_to_metric_families(text):
+        labels = families.setdefault(fam.name, set())
+        samples[fam.name] = samples.get(fam.name, 0) + len(fam.samples)
+        for s in fam.samples:
+            labels.update(k for k in s.labels if k not in ("le", "quantile"))
+
+
+async def _live_metrics(requests: int) -> tuple[dict[str, set[str]], dict[str, int]]:
+    """Family -> label names and family -> sample count, from a real gateway with embedded
+    agents after ``requests`` chats (plus one replica's own page)."""
+    families: dict[str, set[str]] = {}
+    samples: dict[str, int] = {}
+    async with stack(count=2, agents=True) as st:
+        async with st.client() as client:
+            for i in range(requests):
+                await client.chat.completions.create(
+                    model=st.model,
+                    max_tokens=2,
+                    messages=[{"role": "user", "content": words(64, i % 2)}],
+                )
+        async with st.http() as http:
+            page = await http.get("/metrics")
+            assert page.status_code == 200, page.text
+            _scrape(page.text, families, samples)
+        async with httpx.AsyncClient(timeout=10) as http:
+            page = await http.get(st.fleet.endpoints[0].url + "/metrics")
+            _scrape(page.text, families, samples)
+    return families, samples
+
+
+async def test_every_metric_the_docs_name_is_exported_with_its_labels() -> None:
+    families, _ = await _live_metrics(requests=3)
+    # a family without a child yet has no sample to show its labels: take them from the
+    # registries the gateway and its agents build
+    agent_labels = {
+        k: v | {"replica"} for k, v in _registered_labels(AgentMetrics().registry).items()
+    }
+    for reg in (_registered_labels(GatewayMetrics().registry), agent_labels):
+        for name, labels in reg.items():
+            fam = _family(name, families)
+            if fam is not None:
+                families[fam] |= labels
+    bad = []
+    named = 0
+    for path in DOCS:
+        for m in METRIC.finditer(path.read_text()):
+            named += 1
+            name, given = m.group(1), m.group(2) or "{}"
+            fam = _family(name, families)
+            if fam is None:
+                bad.append(f"{_rel(path)}: {name} is not exported")
+                continue
+            want = {p.split("=")[0].strip() for p in given[1:-1].split(",") if p.strip()}
+            if not want <= families[fam]:
+                bad.append(f"{_rel(path)}: {name}{given}: labels are {sorted(families[fam])}")
+    assert named > 60
+    assert not bad, "\n".join(bad)
+
+
+async def test_the_runbooks_no_series_until_first_event_list_is_true() -> None:
+    """The runbook tells operators which labelled metrics have no series before their first
+    event (alert with absent()); it named kvgate_index_fallbacks_total, which is exported at
+    0 per reason from the start, and a dashboard built on the runbook's word misread it."""
+    text = (ROOT / "docs" / "runbook.md").read_text()
+    m = re.search(r"([^\n]*) have no series until their first event", text)
+    assert m, "the runbook no longer says which metrics start without series"
+    named = [n for n, _ in METRIC.findall(m.group(1))]
+    assert named
+    families, samples = await _live_metrics(requests=1)
+    for name in named:
+        fam = _family(name, families)
+        assert fam is not None, name
+        assert samples[fam] == 0, f"{name} has series on a fresh gateway"
+    # and what it says is exported from the start is
+    m = re.search(r"([^\n]*) are exported at 0 from the start", text)
+    assert m, "the runbook no longer says which labelled metrics start at 0"
+    for name, _ in METRIC.findall(m.group(1)):
+        fam = _family(name, families)
+        assert fam is not None and samples[fam] > 0, name
