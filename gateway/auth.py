@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 ANONYMOUS = "anonymous"
+_CACHE_MAX = 10_000  # Redis answers kept (a made-up key's refusal is one too)
 
 
 class KeyFileError(ValueError):
@@ -274,10 +275,22 @@ class KeyStore:
                 " the key is refused",
                 extra={"key_sha256": digest[:12], "hash": self._redis_hash},
             )
-        if len(self._cache) > 10_000:
-            self._cache.clear()
+        if len(self._cache) > _CACHE_MAX:
+            self._prune(now)
         self._cache[digest] = (tenant, now)
         return tenant
+
+    def _prune(self, now: float) -> None:
+        """Drop the cached refusals and the answers too old to stand in for Redis: anyone
+        can fill the cache with made-up keys, and emptying it whole dropped the valid keys'
+        answers too (every client's key then failed at once while Redis was away). Half
+        empty at least afterwards, so pruning costs O(1) per lookup over time."""
+        keep = {
+            d: hit
+            for d, hit in self._cache.items()
+            if hit[0] is not None and now - hit[1] <= self._stale_bound
+        }
+        self._cache = keep if len(keep) <= _CACHE_MAX // 2 else {}
 
 
 def _bearer(authorization: str | None) -> str | None:

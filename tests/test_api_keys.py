@@ -14,8 +14,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from cachecore.replica.settings import ReplicaSettings
 from cachecore.index.redis import redis_client
+from cachecore.replica.settings import ReplicaSettings
 from cachecore.testing import RedisServer
 from gateway.auth import KeyFileError, KeyReload, KeyStore, KeyStoreUnavailable, hash_key
 from tests.test_gateway_support import Stack, stack
@@ -291,3 +291,21 @@ async def test_a_key_that_cannot_be_checked_gets_503_not_401(redis_own: RedisSer
         r = await h.post("/v1/chat/completions", json=body, headers=auth)
         assert r.status_code == 503 and r.json()["error"]["code"] == "api_key_store_unavailable"
         assert (await h.get("/v1/models", headers=auth)).status_code == 503
+
+
+async def test_unknown_keys_do_not_flush_the_answers_that_stand_in_for_redis(
+    redis_own: RedisServer,
+) -> None:
+    """Anyone can send made-up keys, each a cached "no": 10,001 of them emptied the whole
+    cache, and with Redis then unreachable every client's key got a 503."""
+    client = redis_client(redis_own.url, socket_timeout_s=0.25, connect_timeout_s=0.25)
+    try:
+        await client.hset("kvg:apikeys", mapping={hash_key("sk-r"): "acme"})
+        store = KeyStore(redis=client, cache_ttl_s=0.0, stale_s=60.0)
+        assert await store.tenant_for("Bearer sk-r") == "acme"
+        for i in range(10_002):
+            assert await store.tenant_for(f"Bearer made-up-{i}") is None
+        redis_own.stop()
+        assert await store.tenant_for("Bearer sk-r") == "acme"
+    finally:
+        await client.aclose()
