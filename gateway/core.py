@@ -446,7 +446,10 @@ class Gateway:
         requests fall back to local decisions until the index answers."""
         ids = [sp.id for sp in self.specs]
         try:
-            await asyncio.wait_for(primary.lookup([bytes(16)], ids, _now_ms()), 5.0)
+            # not wait_for, here and below: on 3.11 it swallows a cancellation that arrives
+            # as the awaited call completes (a shutdown during start-up went on starting)
+            async with asyncio.timeout(5.0):
+                await primary.lookup([bytes(16)], ids, _now_ms())
         except Exception as exc:
             log.warning("index warm-up lookup failed", extra={"error": repr(exc)})
 
@@ -556,7 +559,8 @@ class Gateway:
     async def stop(self) -> None:
         self.draining = True
         try:
-            await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             log.warning(
                 "drain timeout: closing with requests in flight", extra={"n": self.in_flight}
@@ -1165,10 +1169,8 @@ class Gateway:
         key = d.keys[d.salt_index][first_missing]
         since = d.lookup_ms - self.policy.quarantine.clock_skew_ms
         try:
-            got = await asyncio.wait_for(
-                self.index.primary.removed_since(d.replica, [key], since),
-                self.policy.index.lookup_timeout_ms / 1000.0,
-            )
+            async with asyncio.timeout(self.policy.index.lookup_timeout_ms / 1000.0):
+                got = await self.index.primary.removed_since(d.replica, [key], since)
         except (IndexError_, TimeoutError):
             return None
         return None if got is None else got[0]

@@ -76,9 +76,10 @@ class GatewayIndex:
             if self.local is None:
                 matches = await self.primary.lookup(keys, replicas, now_ms)
             else:
-                matches = await asyncio.wait_for(
-                    self.primary.lookup(keys, replicas, now_ms), timeout_s
-                )
+                # not wait_for: on 3.11 it swallows a cancellation that arrives as the
+                # lookup completes, and the request of a client that left went upstream
+                async with asyncio.timeout(timeout_s):
+                    matches = await self.primary.lookup(keys, replicas, now_ms)
             if self.local is not None and self._local_live:
                 # read-your-writes: our own pending writes may not have reached the shared
                 # index yet; the local copy holds them at once
@@ -212,7 +213,8 @@ class GatewayIndex:
         self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int
     ) -> None:
         try:
-            await asyncio.wait_for(self.primary.add_pending(replica, keys, ttl_ms, now_ms), 1.0)
+            async with asyncio.timeout(1.0):  # not wait_for (see lookup)
+                await self.primary.add_pending(replica, keys, ttl_ms, now_ms)
         except Exception as exc:  # counted; a lost pending entry only costs a guess
             self.metrics.pending_write_errors.inc()
             self._warn(exc)
@@ -235,7 +237,8 @@ class GatewayIndex:
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.settle(), 2.0)
+            async with asyncio.timeout(2.0):  # not wait_for (see lookup)
+                await self.settle()
         with contextlib.suppress(Exception):
             await self.primary.close()
         if self.local is not None:
