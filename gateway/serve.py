@@ -396,7 +396,10 @@ def settings_error(exc: ValidationError) -> str:
     """A settings refusal in one line, each field with its environment variable."""
     parts = []
     for err in exc.errors():
-        field = ".".join(str(x) for x in err["loc"]) or "settings"
+        if not err["loc"]:  # a check across fields: its message names them
+            parts.append(err["msg"].removeprefix("Value error, "))
+            continue
+        field = ".".join(str(x) for x in err["loc"])
         parts.append(f"{field} (KVGATE_{field.upper()}): {err['msg']}")
     return "; ".join(parts)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
@@ -128,3 +128,15 @@ class GatewaySettings(BaseSettings):
             else:
                 specs.append(part)
         return specs
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> GatewaySettings:
+        # open access ignores every key: beside a key source it is a deployment left open
+        # by a flag (or an environment variable left over from a test)
+        if self.open_access and (self.api_keys_file is not None or self.api_keys_redis):
+            raise ValueError(
+                "open access (--open, KVGATE_OPEN_ACCESS) and API keys (--api-keys, "
+                "--api-keys-redis) exclude each other: with open access every request is "
+                "tenant anonymous and no key is checked; pass one of them"
+            )
+        return self

@@ -238,3 +238,36 @@ def test_a_trace_file_that_cannot_be_written_is_one_line_and_exit_2(
         ["--open", "--port", str(free_port()), "--trace-out", str(bad)], monkeypatch, capsys
     )
     assert err.splitlines()[-1].startswith(f"kvgate serve: cannot write --trace-out {bad}:")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--open", "--api-keys", "KEYS"], {}),
+        (["--api-keys", "KEYS"], {"KVGATE_OPEN_ACCESS": "true"}),  # left over from a test
+        (["--open", "--api-keys-redis", "--redis", "redis://127.0.0.1:1"], {}),
+    ],
+)
+def test_open_access_with_api_keys_is_refused(
+    argv: list[str],
+    env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Review: `--open` beside `--api-keys` (or KVGATE_OPEN_ACCESS=true left in the
+    environment) served every request as tenant "anonymous" without a word: the key file
+    was read and ignored, and any client without a key got in."""
+    from gateway.auth import hash_key
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"{hash_key('sk-a')}: acme\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = [str(keys) if a == "KEYS" else a for a in argv]
+    err = _serve_refusal([*argv, "--port", str(free_port())], monkeypatch, capsys)
+    assert err.splitlines() == [
+        "kvgate serve: open access (--open, KVGATE_OPEN_ACCESS) and API keys (--api-keys, "
+        "--api-keys-redis) exclude each other: with open access every request is tenant "
+        "anonymous and no key is checked; pass one of them"
+    ], err
