@@ -277,3 +277,34 @@ def test_cli_agent_http_port_in_use_is_a_one_line_error(redis_url: str) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ)
     assert done.returncode == 2, done.stderr
     assert "cannot listen on" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("field", ["last_seq", "engine_start", "updated_ms", "epoch"])
+async def test_a_corrupt_meta_value_on_redis_is_rebuilt_not_retried(
+    redis_rig: Rig, field: str
+) -> None:
+    """A meta field no agent writes (a broken tool's non-numeric last_seq, epoch, ...) made
+    the restarting agent retry its load for ever, logging "index not reachable at startup"
+    every few seconds: it never became ready. It must log once, count a clear with cause
+    corrupt_meta and rebuild the replica from the engine's replay. A non-numeric epoch
+    cannot be cleared (HINCRBY): the rewrite is retried, and done once the field is fixed."""
+    r = redis_rig
+    await r.start()
+    eng = r.engine
+    ev, _ = eng.store(toks(0, 3))
+    await r.publish(ev)
+    await r.settle()
+    await r.stop_agent()
+    index = r.index
+    assert isinstance(index, RedisIndex)
+    meta_key = index.layout.meta("r0")
+    await index.client.hset(meta_key, field, b"abc")
+    agent = await r.start()  # ready within wait_ready's 10 s, or this fails
+    if field == "epoch":
+        await until(lambda: counter_total(agent.metrics.clears, cause="corrupt_meta") == 1)
+        await index.client.hdel(meta_key, "epoch")  # the operator's repair
+    await r.settle()
+    assert counter_total(agent.metrics.clears, cause="corrupt_meta") == 1
+    assert await r.index_keys() == eng.keys()  # rebuilt from the engine's replay
+    for sync in agent.syncs.values():
+        await sync.check_invariants()

@@ -375,14 +375,24 @@ class Agent:
                 extra={"replica": sync.replica_id, "error": str(exc)},
             )
             return False, "corrupt_mirror"
+        except ValueError as exc:  # a meta field no agent writes (a broken tool's "abc")
+            log.error(
+                "the index's meta record of this replica cannot be read: its entries are "
+                "dropped and rebuilt from the engine's events (a non-numeric epoch cannot "
+                "be cleared: the rewrite is retried until the record is repaired)",
+                extra={"replica": sync.replica_id, "error": str(exc)},
+            )
+            return False, "corrupt_meta"
 
     async def _retry_index(self, call: Callable[[], Awaitable[bool]], what: str) -> bool:
         delay = 0.1
         while True:
             try:
                 return await call()
-            except MirrorRecordError:
-                raise  # the index answered: with records no retry makes restorable
+            except ValueError:
+                # the index answered, with records or meta values no agent writes (a
+                # MirrorRecordError, a non-numeric last_seq): no retry makes them readable
+                raise
             except Exception as exc:
                 log.warning(
                     "index not reachable at startup; retrying",
