@@ -29,7 +29,9 @@ Contract (the parts of :class:`httpx.AsyncBaseTransport` the gateway uses):
   reported as ``httpx.ReadError``.
 
 Invariants: a connection is in at most one of {idle deque, in use}; ``_active[host]`` counts
-the connections of that host in use or being opened, never more than ``max_connections``.
+the connections of that host in use or being opened, never more than ``max_connections``;
+callers over the cap wait in line, and a released slot passes straight to the longest
+waiter (first come, first served: a newcomer never takes it in between).
 """
 
 from __future__ import annotations
@@ -251,7 +253,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[_HostKey, deque[_Conn]] = {}
         self._active: dict[_HostKey, int] = {}
-        self._waiting: dict[_HostKey, deque[asyncio.Future[None]]] = {}
+        self._waiting: dict[_HostKey, deque[asyncio.Future[_Conn | None]]] = {}
         self._hosts: dict[str, _HostKey] = {}  # base URL -> (host, port, TLS), parsed once
         self._host_header: dict[_HostKey, bytes] = {}
         self._ssl: ssl.SSLContext | None = None  # made at the first https:// connection
@@ -363,26 +365,34 @@ class LeanTransport(httpx.AsyncBaseTransport):
         conn = self._take_idle(key)
         if conn is not None:
             return conn
-        while self._active.get(key, 0) >= self.max_connections:
-            fut: asyncio.Future[None] = loop.create_future()
+        if self._active.get(key, 0) >= self.max_connections:
+            # Wait in line. A release hands its slot (and its connection, if reusable)
+            # straight to the longest waiter, never through the free count: a request
+            # arriving in the tick between the wake and the waiter's turn found the slot
+            # free and took it, and the waiter went to the back of the line.
+            fut: asyncio.Future[_Conn | None] = loop.create_future()
             self._waiting.setdefault(key, deque()).append(fut)
             try:
                 # not wait_for: on 3.11 it swallows a cancellation that arrives after the
                 # wake, and the request of a client that left went upstream all the same
                 async with asyncio.timeout(pool_s):
-                    await fut
+                    handed = await fut
             except BaseException as exc:
                 if fut.done() and not fut.cancelled():
-                    # woken by a release, then leaving before it ran (its client left, or
-                    # the timeout fired in the same tick): the wake goes to the next waiter
-                    self._wake_one(key)
+                    # handed a slot, then leaving before it ran (its client left, or the
+                    # timeout fired in the same tick): the slot goes to the next waiter
+                    self._release(key, fut.result())
                 if isinstance(exc, TimeoutError):
                     raise httpx.PoolTimeout("no upstream connection free in time") from None
                 raise
-            conn = self._take_idle(key)
-            if conn is not None:
-                return conn
-        self._active[key] = self._active.get(key, 0) + 1
+            if self._closed:  # closed while waiting: no new connection after that
+                self._release(key, None)
+                raise httpx.ConnectError("transport closed")
+            if handed is not None and not handed.closed:
+                return handed
+            # the slot is ours (counted by the releaser): a new connection fills it
+        else:
+            self._active[key] = self._active.get(key, 0) + 1
         try:
             async with asyncio.timeout(connect_s):
                 tls = self._ssl_context() if key[2] else None
@@ -422,24 +432,24 @@ class LeanTransport(httpx.AsyncBaseTransport):
         return None
 
     def _release(self, key: _HostKey, conn: _Conn | None) -> None:
-        self._active[key] = self._active.get(key, 1) - 1
-        if conn is not None:
-            idle = self._idle.setdefault(key, deque())
-            if len(idle) < self.max_idle_per_host and not self._closed:
-                idle.append(conn)
-            else:
-                conn.close()
-        self._wake_one(key)
-
-    def _wake_one(self, key: _HostKey) -> None:
-        """Wake the longest-waiting caller for a connection to ``key`` (those that left
-        are skipped)."""
+        """Give up a slot of ``key`` (with ``conn`` when it is reusable): to the
+        longest-waiting caller if any (those that left are skipped), else to the pool."""
+        if conn is not None and self._closed:
+            conn.close()
+            conn = None
         waiting = self._waiting.get(key)
         while waiting:
             fut = waiting.popleft()
             if not fut.done():
-                fut.set_result(None)
-                break
+                fut.set_result(conn)  # the slot stays counted: it is the waiter's now
+                return
+        self._active[key] = self._active.get(key, 1) - 1
+        if conn is not None:
+            idle = self._idle.setdefault(key, deque())
+            if len(idle) < self.max_idle_per_host:
+                idle.append(conn)
+            else:
+                conn.close()
 
     async def aclose(self) -> None:
         self._closed = True

@@ -312,6 +312,55 @@ async def test_a_woken_waiter_that_leaves_passes_the_free_connection_on() -> Non
     await t.aclose()
 
 
+async def test_the_connection_cap_serves_waiters_first_come_first_served() -> None:
+    """Under the connection cap a released connection goes to the longest waiter. It went
+    back to the free list and woke the waiter, and a request arriving in that tick (ready
+    to run before the woken waiter) took it; the waiter, finding none, queued again at the
+    back: under steady contention one request could wait out its pool timeout while later
+    ones were served (a 503 for the oldest request, not the newest)."""
+    release = asyncio.Event()
+    served: list[bytes] = []
+
+    async def held_then_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(10):  # bounded: the test sends four requests on this connection
+            req = await read_request(reader)
+            body = req.split(b"\r\n\r\n", 1)[1]
+            served.append(body)
+            if body == b"first":
+                await release.wait()
+            writer.write(json_answer(body))
+            await writer.drain()
+
+    t = LeanTransport(max_connections=1)
+    slow_pool = {"connect": 1.0, "read": 5.0, "pool": 5.0}
+
+    async def call(name: bytes) -> None:
+        resp = await t.post(url, "/x", [], name, slow_pool)
+        assert await resp.aread() == name
+        await resp.aclose()
+
+    async with server(held_then_echo) as (url, conns):
+        first = asyncio.ensure_future(t.post(url, "/x", [], b"first", slow_pool))
+        for _ in range(100):  # bounded: until the first request is at the server
+            if served:
+                break
+            await asyncio.sleep(0.01)
+        w1 = asyncio.ensure_future(call(b"w1"))
+        await asyncio.sleep(0.02)
+        w2 = asyncio.ensure_future(call(b"w2"))
+        await asyncio.sleep(0.02)  # both wait for the one connection, w1 first
+        release.set()
+        resp = await first
+        assert await resp.aread() == b"first"
+        late = asyncio.ensure_future(call(b"late"))  # ready to run before w1's wake...
+        await resp.aclose()  # ...which this release sends
+        await asyncio.wait_for(asyncio.gather(w1, w2, late), 5.0)
+        assert served == [b"first", b"w1", b"w2", b"late"]
+        assert len(conns) == 1  # the connection itself was handed on, kept alive
+        assert t._active == {next(iter(t._active)): 0}  # every slot given back
+    await t.aclose()
+
+
 async def test_an_ipv6_replica_gets_a_bracketed_host_header() -> None:
     """RFC 9110: an IPv6 literal in Host is bracketed. The transport sent ``::1:PORT``,
     which a strict server (and any proxy in between) refuses as a malformed Host."""
