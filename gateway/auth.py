@@ -55,6 +55,11 @@ def parse_key_file(data: Any, source: str = "<keys>") -> dict[str, str]:
     if data is None:  # e.g. read between a truncation and the rewrite
         raise KeyFileError(f"{source}: the file is empty")
     if isinstance(data, Mapping) and "keys" in data:
+        if len(data) > 1:  # the other entries would be ignored without a word
+            raise KeyFileError(
+                f"{source}: a 'keys' list and other top-level entries: use one form (a "
+                "'keys' list, or a mapping of digests to tenants)"
+            )
         raw = data["keys"]
         if not isinstance(raw, list):
             raise KeyFileError(f"{source}: 'keys' must be a list")
@@ -71,15 +76,42 @@ def parse_key_file(data: Any, source: str = "<keys>") -> dict[str, str]:
     for digest, tenant in entries:
         if not isinstance(digest, str) or not _HEX64.match(digest.lower()):
             raise KeyFileError(f"{source}: {digest!r} is not a SHA-256 hex digest")
+        if tenant is None or isinstance(tenant, bool | int | float):
+            raise KeyFileError(
+                f"{source}: tenant name {tenant!r} of {digest.lower()[:12]}... was read as "
+                f"{type(tenant).__name__} (YAML): quote it"
+            )
         if not isinstance(tenant, str) or not _TENANT.match(tenant):
             raise KeyFileError(f"{source}: invalid tenant name {tenant!r}")
-        out[digest.lower()] = tenant
+        known = out.setdefault(digest.lower(), tenant)
+        if known != tenant:  # which tenant the key got would be the file order's accident
+            raise KeyFileError(
+                f"{source}: key {digest.lower()[:12]}... is listed twice, for tenants "
+                f"{known!r} and {tenant!r}"
+            )
     return out
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping key that comes twice with another value:
+    PyYAML keeps the last without a word (a second ``keys:`` list dropped the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue
+            value = value_node.value if isinstance(value_node, yaml.ScalarNode) else value_node
+            if seen.setdefault(key_node.value, value) != value:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key_node.value[:12]!r}... is listed twice", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep)
 
 
 def load_key_file(path: Path) -> dict[str, str]:
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_StrictLoader)
     # ValueError: UnicodeDecodeError, a file that is no text (a binary file, a torn write)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise KeyFileError(f"{path}: {exc}") from None

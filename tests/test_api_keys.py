@@ -17,7 +17,14 @@ from openai.types.chat import ChatCompletionMessageParam
 from cachecore.index.redis import redis_client
 from cachecore.replica.settings import ReplicaSettings
 from cachecore.testing import RedisServer
-from gateway.auth import KeyFileError, KeyReload, KeyStore, KeyStoreUnavailable, hash_key
+from gateway.auth import (
+    KeyFileError,
+    KeyReload,
+    KeyStore,
+    KeyStoreUnavailable,
+    hash_key,
+    load_key_file,
+)
 from tests.test_gateway_support import Stack, stack
 
 MSGS: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
@@ -309,3 +316,48 @@ async def test_unknown_keys_do_not_flush_the_answers_that_stand_in_for_redis(
         assert await store.tenant_for("Bearer sk-r") == "acme"
     finally:
         await client.aclose()
+
+
+# ---------------------------------------------------------------- key file parsing
+
+A = hash_key("sk-a")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        # one key, two tenants: which one the key got was the file order's accident
+        (f"keys:\n  - {{sha256: {A}, tenant: acme}}\n  - {{sha256: {A}, tenant: beta}}\n",
+         "listed twice"),
+        (f"{A}: acme\n{A}: beta\n", "listed twice"),
+        (f"{A}: acme\n{A.upper()}: beta\n", "listed twice"),
+        # a second `keys:` list silently replaced the first (its keys all revoked)
+        (f"keys:\n  - {{sha256: {A}, tenant: acme}}\nkeys: []\n", "listed twice"),
+        # mapping entries beside `keys:` were ignored without a word
+        (f"keys:\n  - {{sha256: {A}, tenant: acme}}\n{hash_key('sk-b')}: beta\n",
+         "one form"),
+    ],
+)  # fmt: skip
+def test_an_ambiguous_key_file_is_refused(tmp_path: Path, text: str, reason: str) -> None:
+    f = tmp_path / "keys.yaml"
+    f.write_text(text)
+    with pytest.raises(KeyFileError, match=reason):
+        load_key_file(f)
+
+
+def test_a_key_listed_twice_for_one_tenant_is_taken(tmp_path: Path) -> None:
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"{A}: acme\n{A.upper()}: acme\n")
+    assert load_key_file(f) == {A: "acme"}
+
+
+@pytest.mark.parametrize("tenant", ["no", "on", "1234", "null", "1.5"])
+def test_a_tenant_name_yaml_reads_as_no_string_says_to_quote_it(
+    tmp_path: Path, tenant: str
+) -> None:
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"{A}: {tenant}\n")
+    with pytest.raises(KeyFileError, match="quote it"):
+        load_key_file(f)
+    f.write_text(f"{A}: '{tenant}'\n")
+    assert load_key_file(f) == {A: tenant}
