@@ -107,6 +107,19 @@ class GatewaySettings(BaseSettings):
     def _csv(cls, value: object) -> object:
         return _split_csv(value)
 
+    @field_validator("admin_key", "upstream_api_key", mode="after")
+    @classmethod
+    def _header_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        """Keys that travel in HTTP headers: a secret file's final newline is trimmed (no
+        header can carry it, so that admin key could never be sent); a control character
+        left inside is refused, as no header can carry it either."""
+        if value is None:
+            return None
+        text = value.get_secret_value().strip()
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+            raise ValueError("contains a control character, which no HTTP header carries")
+        return SecretStr(text)
+
     @field_validator("key_prefix")
     @classmethod
     def _prefix(cls, value: str) -> str:

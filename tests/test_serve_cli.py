@@ -271,3 +271,31 @@ def test_open_access_with_api_keys_is_refused(
         "--api-keys-redis) exclude each other: with open access every request is tenant "
         "anonymous and no key is checked; pass one of them"
     ], err
+
+
+@pytest.mark.parametrize("field", ["admin_key", "upstream_api_key"])
+def test_a_secret_read_with_its_trailing_newline_is_trimmed(
+    field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: a key taken from a secret file keeps the file's final newline (a Kubernetes
+    secret made from `echo key > f`). No HTTP header carries a newline, so no client could
+    ever send that admin key (every admin call was 401 "admin key required"), and the
+    upstream key put a bare newline into every request's Authorization header."""
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.setenv(f"KVGATE_{field.upper()}", "s3cret-key\n")
+    secret = getattr(GatewaySettings(open_access=True), field)
+    assert secret.get_secret_value() == "s3cret-key"
+
+
+@pytest.mark.parametrize("value", ["s3cret\x00key", "s3cret\nkey", "s3cret\x7f"])
+def test_a_secret_with_a_control_character_is_refused(value: str) -> None:
+    """One that no header can carry, inside the key: refused at start-up, not a gateway
+    whose admin API nobody can open (or whose upstream requests are malformed)."""
+    from pydantic import ValidationError
+
+    from gateway.settings import GatewaySettings
+
+    for field in ("admin_key", "upstream_api_key"):
+        with pytest.raises(ValidationError, match="control character"):
+            GatewaySettings(open_access=True, **{field: value})
