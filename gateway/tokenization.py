@@ -9,6 +9,7 @@ match the engine's) or asks the engine itself (``/v1/chat/completions/render`` o
 from __future__ import annotations
 
 import array
+import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -212,9 +213,16 @@ _TOKENIZE_CHAT_FIELDS = (
 
 class EnginePromptTokenizer:
     """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize").
-    ``replica_url(tried)`` picks a replica's URL other than those ``tried``: a replica that
-    cannot be reached is passed over for another (tokenizing has no side effects), as the
-    proxy passes over it for the request itself."""
+    ``replica_url(tried)`` picks a replica's URL other than those ``tried``.
+
+    Retries: a replica that could not be reached (connect refused or timed out, the
+    connection dropped) or that answered 5xx is passed over for another (tokenizing has no
+    side effects), as the proxy passes over an unreachable one for the request itself, up
+    to ``ATTEMPTS`` replicas. A read timeout is not retried: that engine is alive but slow,
+    and the others, under the same load, would most likely be too; retrying made the worst
+    case ``ATTEMPTS`` times the timeout (6 s) before the client heard anything, and tripled
+    the tokenization load on a struggling fleet. Every attempt shares one deadline,
+    ``timeout_s`` from the first, so the client hears within it: a 504 when it runs out."""
 
     ATTEMPTS = 3
 
@@ -232,24 +240,15 @@ class EnginePromptTokenizer:
         self._timeout = timeout_s
 
     async def _post(self, path: str, payload: Mapping[str, Any]) -> list[int]:
-        tried: list[str] = []
-        failure: httpx.TransportError | None = None
-        while True:
-            base = self._url(tried)
-            if base is None:
-                if tried:  # every replica tried (or the attempts' bound) failed to answer
-                    raise GatewayError(502, f"engine tokenization failed: {failure}")
-                raise GatewayError(503, "no replica available to tokenize", code="no_replica")
-            try:
-                r = await self._client.post(base + path, json=payload, timeout=self._timeout)
-                break
-            except httpx.TransportError as exc:  # no answer from this replica: another
-                tried.append(base)
-                failure = exc
-                if len(tried) >= self.ATTEMPTS:
-                    raise GatewayError(502, f"engine tokenization failed: {exc}") from None
-            except httpx.HTTPError as exc:
-                raise GatewayError(502, f"engine tokenization failed: {exc}") from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        try:
+            async with asyncio.timeout_at(deadline):  # the whole, retries included
+                r = await self._answer(path, payload, deadline, loop)
+        except (TimeoutError, httpx.TimeoutException):
+            raise GatewayError(
+                504, f"engine tokenization timed out (after {self._timeout:g} s)", code="timeout"
+            ) from None
         if r.status_code == 400:
             raise bad_request(f"the engine rejected the prompt: {r.text[:500]}")
         if r.status_code != 200:
@@ -258,6 +257,47 @@ class EnginePromptTokenizer:
         if ids is None:
             raise GatewayError(502, "engine tokenization returned no token ids")
         return ids
+
+    async def _answer(
+        self,
+        path: str,
+        payload: Mapping[str, Any],
+        deadline: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> httpx.Response:
+        """The first answer that is no 5xx, from up to ``ATTEMPTS`` replicas; the last 5xx
+        when every attempt gave one. Raises a read timeout as it comes (not retried)."""
+        tried: list[str] = []
+        failure: Exception | None = None
+        last: httpx.Response | None = None
+        while len(tried) < self.ATTEMPTS:
+            base = self._url(tried)
+            if base is None:
+                break
+            tried.append(base)
+            left = max(0.001, deadline - loop.time())
+            try:
+                r = await self._client.post(base + path, json=payload, timeout=left)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                failure = exc  # it never got the request, or dropped it: another
+                continue
+            except httpx.ReadError as exc:  # the connection broke: no answer, another
+                failure = exc
+                continue
+            except httpx.TimeoutException:
+                raise  # alive but slow (read, write or pool timeout): not retried
+            except httpx.HTTPError as exc:
+                raise GatewayError(502, f"engine tokenization failed: {exc}") from None
+            if r.status_code < 500:
+                return r
+            last = r  # the engine could not tokenize now (starting, overloaded): another
+        if last is not None:
+            return last
+        if tried:
+            raise GatewayError(
+                502, f"engine tokenization failed: {type(failure).__name__}: {failure}"
+            )
+        raise GatewayError(503, "no replica available to tokenize", code="no_replica")
 
     async def chat(self, body: Mapping[str, Any], salt: str) -> list[int]:
         """``salt``: the request scope's cache salt. An engine may cache what it renders
