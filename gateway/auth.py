@@ -336,7 +336,10 @@ def _bearer(authorization: str | None) -> str | None:
 
 def check_admin(provided: str | None, expected: str | None) -> bool:
     """Admin key check (constant time); no admin key configured means admin is closed."""
-    if not expected:
+    if not expected or not provided:
         return False
-    token = _bearer(provided) if provided and " " in provided else provided
-    return token is not None and hmac.compare_digest(token.encode(), expected.encode())
+    want = expected.encode()
+    # as sent, or as a bearer token: both compared (a key may hold a space itself)
+    bearer = _bearer(provided) if " " in provided else None
+    as_sent = hmac.compare_digest(provided.encode(), want)
+    return as_sent or (bearer is not None and hmac.compare_digest(bearer.encode(), want))

@@ -22,6 +22,7 @@ from gateway.auth import (
     KeyReload,
     KeyStore,
     KeyStoreUnavailable,
+    check_admin,
     hash_key,
     load_key_file,
 )
@@ -361,3 +362,13 @@ def test_a_tenant_name_yaml_reads_as_no_string_says_to_quote_it(
         load_key_file(f)
     f.write_text(f"{A}: '{tenant}'\n")
     assert load_key_file(f) == {A: tenant}
+
+
+def test_an_admin_key_with_a_space_opens_the_admin_api_as_sent() -> None:
+    """Review: an admin key with a space in it (a passphrase) was taken for a scheme and a
+    token when sent as it is in x-admin-key, and refused; only `Bearer <key>` opened."""
+    key = "correct horse battery staple"
+    assert check_admin(key, key)
+    assert check_admin(f"Bearer {key}", key)
+    assert not check_admin("correct horse", key)
+    assert not check_admin(f"Bearer {key} x", key)
