@@ -34,6 +34,7 @@ from typing import Any
 
 from locust import HttpUser, between, events, task
 from locust.env import Environment
+from requests import RequestException
 
 from loadtest.workloads import TextSource
 
@@ -143,26 +144,38 @@ class OpenAIUser(HttpUser):
                 resp.failure(_failure(resp))
                 return
             received = 0
-            for raw in resp.iter_lines():
-                received += len(raw) + 1
-                line = raw.decode() if isinstance(raw, bytes) else raw
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                obj = json.loads(payload)
-                if "error" in obj:
-                    resp.failure(str(obj["error"])[:120])
-                    return
-                choices = obj.get("choices") or []
-                if ttft is None and any(
-                    (c.get("delta") or {}).get("content") or c.get("text") for c in choices
-                ):
-                    ttft = time.perf_counter() - t0
-                usage = obj.get("usage") or {}
-                details = usage.get("prompt_tokens_details") or {}
-                cached = int(details.get("cached_tokens") or cached)
+            done = False
+            try:
+                for raw in resp.iter_lines():
+                    received += len(raw) + 1
+                    line = raw.decode() if isinstance(raw, bytes) else raw
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    obj = json.loads(payload)
+                    if "error" in obj:
+                        resp.failure(str(obj["error"])[:120])
+                        return
+                    choices = obj.get("choices") or []
+                    if ttft is None and any(
+                        (c.get("delta") or {}).get("content") or c.get("text") for c in choices
+                    ):
+                        ttft = time.perf_counter() - t0
+                    usage = obj.get("usage") or {}
+                    details = usage.get("prompt_tokens_details") or {}
+                    cached = int(details.get("cached_tokens") or cached)
+            except (RequestException, ValueError, TypeError, AttributeError) as exc:
+                # a stream cut mid-way (ChunkedEncodingError) or a chunk that is no JSON
+                # object: a failed request in the statistics, not an exception Locust logs
+                # apart while the request is never counted
+                resp.failure(f"broken stream: {type(exc).__name__}: {str(exc)[:100]}")
+                return
+            if not done:  # every OpenAI-compatible stream ends so; without it, it was cut
+                resp.failure("stream ended without data: [DONE]")
+                return
             # Locust timed the response head: the request's time is its whole stream
             meta = resp.request_meta
             meta["response_time"] = (time.perf_counter() - t0) * 1000

@@ -56,3 +56,63 @@ def check_outputs(text: str, prefix: Path) -> None:
     assert float(ttft["SharedSystemPromptChat"]["mean cached tokens"]) > 0
     assert float(ttft["ShortUnique"]["mean cached tokens"]) == 0
     assert "streamed requests: TTFT" in text
+
+
+_BROKEN_STREAMS = """
+import itertools, sys
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+MODES = itertools.cycle(["no_done", "not_json", "cut"])
+
+async def body(mode):
+    yield b'data: {"choices":[{"text":"hi"}]}\\n\\n'
+    if mode == "not_json":
+        yield b"data: {not json\\n\\n"
+    if mode == "cut":  # the server drops the connection mid-stream
+        raise RuntimeError("cut")
+
+async def endpoint(request):
+    return StreamingResponse(body(next(MODES)), media_type="text/event-stream")
+
+app = Starlette(routes=[Route("/v1/completions", endpoint, methods=["POST"])])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="critical")
+"""
+
+
+async def test_a_broken_stream_is_a_failed_request(tmp_path: Path) -> None:
+    """A stream that ended without `data: [DONE]` (cut short) counted as a success; one cut
+    mid-way (ChunkedEncodingError) or carrying a chunk that is no JSON raised out of the
+    task: Locust logged a traceback apart and the request was in neither count."""
+    from cachecore.testing import free_port, wait_for_port
+
+    script = tmp_path / "broken.py"
+    script.write_text(_BROKEN_STREAMS)
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_for_port, port, 15.0)
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "locust"),
+            "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "3s",
+            "--host", f"http://127.0.0.1:{port}", "--only-summary", "ShortUnique",
+            env={"PATH": str(Path(sys.executable).parent)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), timeout=10)
+    text = out.decode()
+    assert proc.returncode == 1, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    requests, failures = re.findall(r"^POST\s+ShortUnique\s+(\d+)\s+(\d+)\(", text, re.M)[0]
+    assert int(requests) >= 3 and failures == requests, text[-2000:]
+    for says in ("without data: [DONE]", "JSONDecodeError", "ChunkedEncodingError"):
+        assert says in text, text[-2000:]
