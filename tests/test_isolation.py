@@ -19,7 +19,7 @@ from cachecore.index.base import PrefixIndex
 from cachecore.keys import ScopeKind
 from cachecore.loadstate import LoadStore
 from cachecore.tokenizer import SegmentCache, builtin_tokenizer
-from gateway.app import ADMIN_DISABLED, METRICS_DISABLED
+from gateway.app import ADMIN_DISABLED, METRICS_DISABLED, create_app
 from gateway.auth import KeyStore, hash_key
 from gateway.core import DEBUG_SHARED_SCOPE, Gateway
 from gateway.replicas import ReplicaSpec
@@ -351,8 +351,29 @@ ADMIN_ENDPOINTS = [
     ("POST", "/admin/stages"),
     ("GET", "/admin/fit"),
     ("GET", "/admin/index"),
+    ("GET", "/admin/keys"),
+    ("POST", "/admin/keys/reload"),
     ("GET", "/metrics"),  # other tenants' traffic, request by request
 ]
+
+
+def test_the_admin_endpoint_list_covers_every_admin_route() -> None:
+    """An admin route added to the app and not to ADMIN_ENDPOINTS would go untested."""
+    from starlette.routing import Match, Route
+
+    app = create_app(gateway_with())
+    for route in app.routes:
+        if not isinstance(route, Route) or not route.path.startswith("/admin"):
+            continue
+        for method in route.methods or ():
+            if method == "HEAD":
+                continue
+            listed = [
+                (m, p)
+                for m, p in ADMIN_ENDPOINTS
+                if route.matches({"type": "http", "path": p, "method": m})[0] == Match.FULL
+            ]
+            assert listed, f"{method} {route.path} is missing from ADMIN_ENDPOINTS"
 
 
 @pytest.mark.parametrize("admin_configured", [True, False])
