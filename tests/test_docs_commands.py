@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import re
 import shlex
 from collections.abc import Iterator
@@ -307,3 +308,51 @@ async def test_the_runbooks_no_series_until_first_event_list_is_true() -> None:
     for name, _ in METRIC.findall(m.group(1)):
         fam = _family(name, families)
         assert fam is not None and samples[fam] > 0, name
+
+
+# ------------------------------------------------------------------------- the index API
+
+
+def _params(func: object) -> list[str]:
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    sig = inspect.signature(func)  # type: ignore[arg-type]
+    return [p.name for p in sig.parameters.values() if p.name != "self" and p.kind not in kinds]
+
+
+def test_index_md_lists_the_index_api_as_it_is() -> None:
+    """docs/index.md's "API" block is what an agent or gateway author codes against: every
+    method of the PrefixIndex protocol, each with its parameters (a method added to the
+    protocol, remove_pending, was missing from it)."""
+    from cachecore.index.base import PrefixIndex
+    from cachecore.index.redis import RedisIndex
+
+    text = (ROOT / "docs" / "index.md").read_text()
+    m = re.search(r"^## API.*?```python\n(.*?)^```", text, re.M | re.S)
+    assert m, "docs/index.md has no API block"
+    documented: dict[tuple[str, str], list[str]] = {}
+    for call in re.finditer(r"\b(index|redis_index|RedisIndex)\.(\w+)\(([^)]*)\)", m.group(1)):
+        names = [p.split(":")[0].split("=")[0].strip() for p in call.group(3).split(",")]
+        documented[(call.group(1), call.group(2))] = [n for n in names if n and n != "*"]
+    protocol = {n for n, _ in inspect.getmembers(PrefixIndex, inspect.isfunction)}
+    protocol = {n for n in protocol if not n.startswith("_")}
+    assert protocol <= {name for owner, name in documented if owner == "index"}
+    for (owner, name), params in documented.items():
+        cls = PrefixIndex if owner == "index" and name in protocol else RedisIndex
+        assert hasattr(cls, name), f"{owner}.{name}"
+        assert params == _params(getattr(cls, name)), f"{owner}.{name}({', '.join(params)})"
+
+
+def test_lifecycle_md_names_every_gateway_write() -> None:
+    """The lifecycle names its writers; every index method the gateway writes with (the
+    protocol marks them gateway-owned) is among them."""
+    from cachecore.index.base import PrefixIndex
+
+    writes = [
+        name
+        for name, func in inspect.getmembers(PrefixIndex, inspect.isfunction)
+        if "gateway-owned" in (func.__doc__ or "").lower()
+    ]
+    assert "add_pending" in writes
+    text = (ROOT / "docs" / "lifecycle.md").read_text()
+    missing = [name for name in writes if f"{name}(" not in text]
+    assert not missing, f"docs/lifecycle.md does not say how the gateway uses {missing}"
