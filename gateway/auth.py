@@ -109,10 +109,21 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_key_file(path: Path) -> dict[str, str]:
+def load_key_file(path: Path, finished: bool = False) -> dict[str, str]:
+    """The file's keys. With ``finished`` (a reload) a file whose last line has no end is
+    refused: a write caught mid-line can end in a tenant name cut short ("acme" of
+    "acme-prod") that names another tenant. A JSON file needs none (its brace ends it)."""
     try:
-        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_StrictLoader)
+        text = Path(path).read_text(encoding="utf-8")
+        if finished and text.strip() and not text.rstrip(" \t").endswith(("\n", "}", "]")):
+            raise KeyFileError(
+                f"{path}: the last line has no end (a write in progress?): end the file "
+                "with a newline"
+            )
+        data = yaml.load(text, Loader=_StrictLoader)
     # ValueError: UnicodeDecodeError, a file that is no text (a binary file, a torn write)
+    except KeyFileError:
+        raise
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise KeyFileError(f"{path}: {exc}") from None
     return parse_key_file(data, str(path))
@@ -205,7 +216,7 @@ class KeyStore:
         before = file_version(self.key_file)
         self._version = self._seen = before
         try:
-            keys = load_key_file(self.key_file)
+            keys = load_key_file(self.key_file, finished=True)
             if file_version(self.key_file) != before:
                 # a writer was at work: what was read may be a part (fewer keys, or a
                 # tenant name cut short). The next look sees the new version and retries.

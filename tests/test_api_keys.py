@@ -94,7 +94,8 @@ async def test_a_reload_adds_removes_and_retenants_in_one_swap(tmp_path: Path) -
     ("content", "reason"),
     [
         (b"", "the file is empty"),
-        (b"keys:\n  - {sha256: 0123", "while parsing"),
+        (b"keys:\n  - {sha256: 0123\n", "while parsing"),
+        (b"keys:\n  - {sha256: 0123", "the last line has no end"),
         (b"keys:\n  - {sha256: nothex, tenant: a}\n", "not a SHA-256 hex digest"),
         (b"keys: []\n", "no keys"),
         (b"\xff\xfe\x00binary", "can't decode"),
@@ -372,3 +373,21 @@ def test_an_admin_key_with_a_space_opens_the_admin_api_as_sent() -> None:
     assert check_admin(f"Bearer {key}", key)
     assert not check_admin("correct horse", key)
     assert not check_admin(f"Bearer {key} x", key)
+
+
+async def test_a_reload_refuses_a_file_cut_mid_line(tmp_path: Path) -> None:
+    """A write caught mid-line can end in a tenant name cut short that is another tenant's
+    name ("acme" of "acme-prod"): the key would move into that tenant's cache scope until
+    the next look. A file a writer has finished ends its last line (or its JSON)."""
+    f = tmp_path / "keys.yaml"
+    replace_keys(f, {"sk-a": "acme"})
+    store = KeyStore(key_file=f)
+    full = f"{hash_key('sk-a')}: acme\n{hash_key('sk-p')}: acme-prod\n"
+    f.write_text(full[: full.rindex("acme") + 4])  # "... tenant: acme" of "acme-prod"
+    with pytest.raises(KeyFileError, match="last line"):
+        store.reload_file()
+    assert await store.tenant_for("Bearer sk-p") is None
+    f.write_text(full)
+    assert store.reload_file().keys == 2
+    f.write_text(f'{{"{hash_key("sk-j")}": "json"}}')  # JSON needs no final newline
+    assert store.reload_file().keys == 1
