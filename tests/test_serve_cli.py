@@ -297,5 +297,6 @@ def test_a_secret_with_a_control_character_is_refused(value: str) -> None:
     from gateway.settings import GatewaySettings
 
     for field in ("admin_key", "upstream_api_key"):
+        kwargs: dict[str, Any] = {field: value}
         with pytest.raises(ValidationError, match="control character"):
-            GatewaySettings(open_access=True, **{field: value})
+            GatewaySettings(open_access=True, **kwargs)
