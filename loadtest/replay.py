@@ -107,19 +107,59 @@ class ReplayReport:
         }
 
 
+class BadAnswer(ValueError):
+    """A 2xx answer that is not an OpenAI-compatible one (not a JSON object, a stream cut
+    before ``data: [DONE]``, a usage count that is no count)."""
+
+
 def _usage_of(obj: Mapping[str, Any], res: RequestResult) -> None:
     usage = obj.get("usage")
     if not isinstance(usage, Mapping):
         return
-    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    res.completion_tokens = int(usage.get("completion_tokens") or 0)
+    res.prompt_tokens = _count(usage.get("prompt_tokens"))
+    res.completion_tokens = _count(usage.get("completion_tokens"))
     details = usage.get("prompt_tokens_details")
     if isinstance(details, Mapping):
-        res.cached_tokens = int(details.get("cached_tokens") or 0)
+        res.cached_tokens = _count(details.get("cached_tokens"))
+
+
+def _count(value: object) -> int:
+    """A token count of a usage object; null or absent is 0, anything else that is no
+    count raises BadAnswer (a server's bug: the request did not answer as it should)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadAnswer(f"usage count is not a count: {value!r}"[:200])
+    return value
+
+
+def _error_text(data: object, fallback: str) -> str:
+    """The message of an error body: OpenAI's ``{"error": {"message"}}``, a bare
+    ``{"error": "..."}`` (some routers) or ``{"message": ...}`` (older vLLM), else the
+    body itself."""
+    if isinstance(data, Mapping):
+        err = data.get("error")
+        if isinstance(err, Mapping) and err.get("message") is not None:
+            return str(err["message"])[:200]
+        if isinstance(err, str):
+            return err[:200]
+        if data.get("message") is not None:
+            return str(data["message"])[:200]
+    return fallback[:200]
+
+
+def _object(payload: str) -> Mapping[str, Any]:
+    obj = json.loads(payload)
+    if not isinstance(obj, Mapping):
+        raise BadAnswer(f"not a JSON object: {payload[:80]!r}")
+    return obj
 
 
 def _has_content(obj: Mapping[str, Any]) -> bool:
-    for choice in obj.get("choices") or ():
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
         if not isinstance(choice, Mapping):
             continue
         delta = choice.get("delta")
@@ -151,13 +191,16 @@ async def send_one(
             resp = await client.post(base_url + path, json=body, headers=headers)
             res.status = resp.status_code
             res.e2e_s = res.ttft_s = time.perf_counter() - t0
-            data = resp.json()
-            if resp.is_success:
-                _usage_of(data, res)
-            else:
-                res.error = str(data.get("error", {}).get("message", resp.text))[:200]
             res.replica = resp.headers.get("x-kvgate-replica")
             _predicted(resp.headers, res)
+            if resp.is_success:
+                _usage_of(_object(resp.text), res)
+            else:
+                try:
+                    data: object = resp.json()
+                except ValueError:  # an error page that is no JSON (a proxy's HTML)
+                    data = None
+                res.error = _error_text(data, resp.text)
             return
         async with client.stream("POST", base_url + path, json=body, headers=headers) as resp:
             res.status = resp.status_code
@@ -167,15 +210,17 @@ async def send_one(
                 raw = await resp.aread()
                 res.error = raw.decode(errors="replace")[:200]
                 return
+            done = False
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == "[DONE]":
+                    done = True
                     break
                 try:
-                    obj = json.loads(payload)
-                except json.JSONDecodeError:
+                    obj = _object(payload)
+                except ValueError:
                     res.error = "bad SSE payload"
                     return
                 if "error" in obj:
@@ -184,10 +229,12 @@ async def send_one(
                 if res.ttft_s is None and _has_content(obj):
                     res.ttft_s = time.perf_counter() - t0
                 _usage_of(obj, res)
+            if not done:  # every OpenAI-compatible stream ends so: this one was cut short
+                raise BadAnswer("stream ended without data: [DONE]")
             res.e2e_s = time.perf_counter() - t0
             if res.ttft_s is None:
                 res.ttft_s = res.e2e_s
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (httpx.HTTPError, ValueError) as exc:  # JSONDecodeError and BadAnswer too
         res.error = f"{type(exc).__name__}: {exc}"[:200]
 
 
