@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import orjson
 from prometheus_client import CollectorRegistry
+from pydantic import TypeAdapter, ValidationError
 
 from cachecore.agent.scrape import ScrapeError, parse_metrics
 from cachecore.agent.settings import AgentSettings
@@ -71,7 +72,7 @@ from gateway.tokenization import (
 )
 from gateway.tracing import make_provider, make_tracer
 from gateway.upstream import LeanTransport
-from policies.schema import Policy, TenantPolicy
+from policies.schema import Policy, PriorityPolicy, TenantPolicy
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,10 @@ _REPORT_MODE = "kv_cache_report_mode"
 """A ``vllm_xargs`` key that makes vLLM 0.33 publish a BlockStored for each prefix-cache
 hit: indistinguishable on the wire from a new store, so a client could inflate the index's
 copies of blocks (one removal would no longer remove them). Removed."""
+_PRIORITY = TypeAdapter(int)
+"""A client's ``priority`` read as vLLM's request model reads it (pydantic, lax int)."""
+_PRIORITY_SET = frozenset(("fixed", "clamp"))
+"""Tenant priority modes that may write the field into a request that has none."""
 _REWRITTEN_FIELDS = frozenset(("cache_salt", *_ENGINE_ID_FIELDS, *_OPERATOR_FIELDS))
 """Client fields upstream_body replaces or removes: a body with none of them (and no report
 mode) goes upstream as its own bytes with the salt appended."""
@@ -174,6 +179,10 @@ class Dispatch:
     upstream_id: str = ""
     charged_uncached: float = 0.0  # what the tenant's uncached-token budget was charged
     pending: PendingWrite | None = None  # this attempt's pending entries, while in flight
+    # the tenant's priority rule: the value the engine gets in place of the client's, or
+    # the client's removed (policies.schema.PriorityPolicy)
+    priority: int | None = None
+    drop_priority: bool = False
 
     @property
     def replica(self) -> str:
@@ -706,6 +715,9 @@ class Gateway:
                 )  # fmt: skip
             raise GatewayError(503, "no healthy replica serves this model", code="no_replica")
         tpol = pol.tenant(tenant)
+        priority: tuple[int | None, bool] = (None, False)
+        if "priority" in body or tpol.priority.mode in _PRIORITY_SET:
+            priority = _priority_rewrite(tpol.priority, body)  # a 400 before any work
         scope, session = self.resolve_scope(tenant, tpol, headers, body, model)
         base_model, lora = self.pool.base_model(model, reps)
         same = self.pool.same_meaning(model, lora, base_model, reps)
@@ -842,6 +854,8 @@ class Gateway:
             lookup_ms=now,
             unkeyed=unkeyed,
             cold_replicas=cold,
+            priority=priority[0],
+            drop_priority=priority[1],
         )
         if explain_only:
             return d
@@ -863,15 +877,26 @@ class Gateway:
         raw = d.raw_body
         xargs = d.body.get("vllm_xargs")
         report_mode = isinstance(xargs, dict) and _REPORT_MODE in xargs
-        untouched = _REWRITTEN_FIELDS.isdisjoint(d.body) and not report_mode
+        untouched = (
+            _REWRITTEN_FIELDS.isdisjoint(d.body)
+            and not report_mode
+            and not d.drop_priority
+            and (d.priority is None or "priority" not in d.body)
+        )
         if raw is not None and not d.stream and d.body and untouched:
-            # nothing to replace: append the salt to the client's own bytes instead of
-            # re-serializing the body (its prompt can be thousands of token ids)
+            # nothing to replace: append the salt (and a tenant's priority) to the client's
+            # own bytes instead of re-serializing the body (its prompt can be thousands of
+            # token ids)
             end = raw.rstrip()
             if end.endswith(b"}"):
-                return b"".join((end[:-1], b',"cache_salt":', orjson.dumps(salt), b"}"))
+                tail = b"}" if d.priority is None else b',"priority":%d}' % d.priority
+                return b"".join((end[:-1], b',"cache_salt":', orjson.dumps(salt), tail))
         body = dict(d.body)
         body["cache_salt"] = salt  # replaces any client-supplied salt
+        if d.priority is not None:
+            body["priority"] = d.priority
+        elif d.drop_priority:
+            del body["priority"]
         for name in _ENGINE_ID_FIELDS.intersection(body):  # vLLM's, SGLang's: ours
             body[name] = d.upstream_id
         for name in _OPERATOR_FIELDS.intersection(body):
@@ -1229,6 +1254,27 @@ class Gateway:
         if rep is None:
             raise GatewayError(404, f"unknown replica {replica_id!r}", code="unknown_replica")
         return rep
+
+
+def _priority_rewrite(rule: PriorityPolicy, body: Mapping[str, Any]) -> tuple[int | None, bool]:
+    """What the tenant's priority rule makes of the request's: (the value to send in place
+    of the client's, or None to leave it; whether to remove the client's). A client's
+    priority that is no integer (vLLM's type) is a 400."""
+    present = "priority" in body
+    sent = None
+    if present:
+        try:
+            sent = _PRIORITY.validate_python(body["priority"])
+        except ValidationError:
+            raise bad_request("'priority' must be an integer", "priority") from None
+    if rule.mode == "passthrough":
+        return None, False
+    want = rule.upstream(sent)
+    if want is None:
+        return None, present
+    if present and type(body["priority"]) is int and body["priority"] == want:
+        return None, False  # already what the rule gives: the client's bytes stay
+    return want, False
 
 
 def _base_models(rep: Replica) -> list[str]:

@@ -237,10 +237,66 @@ class TenantLimits(_Section):
     cold_replica_count: Annotated[int, Field(gt=0)] | None = None
 
 
+PriorityMode = Literal["passthrough", "strip", "fixed", "clamp"]
+EngineInt = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+class PriorityPolicy(_Section):
+    """The engine scheduling ``priority`` a tenant's requests carry upstream. vLLM and SGLang
+    honour it when the engine runs ``--scheduling-policy priority`` (vLLM runs lower values
+    first; SGLang higher ones, unless ``--schedule-low-priority-values-first``), so a
+    client's own value lets a tenant schedule itself ahead of the others.
+
+    ``strip`` (the default): the field is removed, every request gets the engine's default
+    (0); ``passthrough``: the client's value as sent (the behaviour before this rule);
+    ``fixed``: every request gets ``value``, whatever the client sent; ``clamp``: the
+    client's value (0 when it sent none, vLLM's default) kept within ``[min, max]`` (either
+    bound may be left out). A client's priority that is no integer is a 400 in every mode,
+    as vLLM answers it."""
+
+    mode: PriorityMode = "strip"
+    value: EngineInt | None = None
+    min: EngineInt | None = None
+    max: EngineInt | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_mode(self) -> PriorityPolicy:
+        if self.mode == "fixed":
+            if self.value is None:
+                raise FieldValueError("value", "required with mode fixed")
+        elif self.value is not None:
+            raise FieldValueError("value", "only with mode fixed")
+        if self.mode == "clamp":
+            if self.min is None and self.max is None:
+                raise FieldValueError("min", "mode clamp needs min, max or both")
+            if self.min is not None and self.max is not None and self.min > self.max:
+                raise FieldValueError("min", "must be <= max")
+        elif self.min is not None or self.max is not None:
+            raise FieldValueError("min" if self.min is not None else "max", "only with mode clamp")
+        return self
+
+    def upstream(self, sent: int | None) -> int | None:
+        """The value to send for a client's ``sent`` (None: it sent none), or None to send
+        no field (``strip``, or ``passthrough`` of nothing)."""
+        if self.mode == "passthrough":
+            return sent
+        if self.mode == "strip":
+            return None
+        if self.mode == "fixed":
+            return self.value
+        got = 0 if sent is None else sent
+        if self.min is not None and got < self.min:
+            got = self.min
+        if self.max is not None and got > self.max:
+            got = self.max
+        return got
+
+
 class TenantPolicy(_Section):
     trust_group: str | None = None
     sensitive: SensitivePolicy = SensitivePolicy()
     limits: TenantLimits = TenantLimits()
+    priority: PriorityPolicy = PriorityPolicy()
 
 
 class QuarantinePolicy(_Section):
