@@ -33,6 +33,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 ANONYMOUS = "anonymous"
 _CACHE_MAX = 10_000  # Redis answers kept (a made-up key's refusal is one too)
+_REDIS_RETRY_S = 1.0  # after a failed Redis lookup, the next one waits this long
 
 
 class KeyFileError(ValueError):
@@ -184,6 +185,8 @@ class KeyStore:
         self._warned: set[str] = set()  # keys whose malformed tenant value was logged
         self._cache: dict[str, tuple[str | None, float]] = {}  # digest -> (tenant, at)
         self.redis_errors = 0
+        self._retry_at = 0.0  # no Redis lookup before this (monotonic): it failed just now
+        self._down_since: float | None = None  # the first failure of the current outage
         self.reloads = 0
         self.last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
@@ -288,24 +291,30 @@ class KeyStore:
         hit = self._cache.get(digest)  # (tenant or None, when Redis last answered for it)
         if hit is not None and now - hit[1] < self._cache_ttl:
             return hit[0]
+        if now < self._retry_at:  # Redis failed a moment ago: not every request waits on it
+            return self._without_redis(hit, now)
         try:
             raw = await self._redis.hget(self._redis_hash, digest)
         # RedisClusterException (no RedisError): a cluster client that reaches no node
         except (RedisError, RedisClusterException, OSError) as exc:
             self.redis_errors += 1
-            # Redis' last answer stands in for a while (a Redis restart is no outage for
-            # the clients); past that the key fails closed: revoked meanwhile or not, no
-            # key works on an answer older than the bound
-            usable = hit is not None and now - hit[1] <= self._stale_bound
-            log.warning(
-                "api key lookup in redis failed",
-                extra={"error": str(exc), "cached_answer_used": usable},
+            failed_at = time.monotonic()
+            self._retry_at = failed_at + _REDIS_RETRY_S
+            if self._down_since is None:  # once per outage, not per request
+                self._down_since = failed_at
+                log.warning(
+                    "api key lookups in redis fail: each key's last answer stands in for"
+                    " up to KVGATE_API_KEYS_STALE_S after redis gave it, then the key fails"
+                    " closed (503)",
+                    extra={"error": str(exc), "stale_s": self._stale_bound},
+                )
+            return self._without_redis(hit, failed_at)
+        if self._down_since is not None:
+            log.info(
+                "api key lookups in redis answer again",
+                extra={"down_s": round(time.monotonic() - self._down_since, 3)},
             )
-            if hit is not None and usable:
-                return hit[0]
-            raise KeyStoreUnavailable(
-                "the API key cannot be checked now (the key store is unreachable); retry later"
-            ) from None
+            self._down_since = None
         # a value that is no UTF-8 is no tenant name either: refused below, not a 500
         value = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
         tenant = value if isinstance(value, str) and _TENANT.match(value) else None
@@ -322,6 +331,16 @@ class KeyStore:
             self._prune(now)
         self._cache[digest] = (tenant, now)
         return tenant
+
+    def _without_redis(self, hit: tuple[str | None, float] | None, now: float) -> str | None:
+        """Redis cannot be asked: its last answer for the key stands in for a while (a
+        Redis restart is no outage for the clients); past that the key fails closed, so
+        no key (revoked meanwhile or not) works on an answer older than the bound."""
+        if hit is not None and now - hit[1] <= self._stale_bound:
+            return hit[0]
+        raise KeyStoreUnavailable(
+            "the API key cannot be checked now (the key store is unreachable); retry later"
+        )
 
     def _prune(self, now: float) -> None:
         """Drop the cached refusals and the answers too old to stand in for Redis: anyone
