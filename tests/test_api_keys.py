@@ -15,6 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from redis.asyncio import Redis
 
 from cachecore.index.redis import redis_client
 from cachecore.replica.settings import ReplicaSettings
@@ -418,6 +419,7 @@ async def test_an_unanswering_redis_is_not_asked_again_by_every_request(
             hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             hole.bind(("127.0.0.1", redis_own.port))
             hole.listen(64)
+            assert isinstance(client, Redis)  # standalone: one pool
             await client.connection_pool.disconnect()  # the next command connects anew
             t0 = time.monotonic()
             for _ in range(20):
