@@ -113,7 +113,10 @@ def build_gateway(
         redis_keys = None
         if settings.api_keys_redis:
             if not url:
-                raise ValueError("api_keys_redis needs redis_url")
+                raise ValueError(
+                    "--api-keys-redis (KVGATE_API_KEYS_REDIS) needs --redis (KVGATE_REDIS_URL):"
+                    " the Redis that holds the key hash <prefix>:apikeys"
+                )
             # one hash, one slot: plain HGETs, alike on standalone and Cluster
             redis_keys = redis_client(
                 url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25

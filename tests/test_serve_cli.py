@@ -300,3 +300,15 @@ def test_a_secret_with_a_control_character_is_refused(value: str) -> None:
         kwargs: dict[str, Any] = {field: value}
         with pytest.raises(ValidationError, match="control character"):
             GatewaySettings(open_access=True, **kwargs)
+
+
+def test_api_keys_in_redis_without_redis_names_the_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review: `--api-keys-redis` without `--redis` said "api_keys_redis needs redis_url",
+    field names no flag or variable of `kvgate serve` spells that way."""
+    err = _serve_refusal(["--api-keys-redis", "--port", str(free_port())], monkeypatch, capsys)
+    assert err.splitlines()[-1] == (
+        "kvgate serve: --api-keys-redis (KVGATE_API_KEYS_REDIS) needs --redis "
+        "(KVGATE_REDIS_URL): the Redis that holds the key hash <prefix>:apikeys"
+    )
