@@ -275,7 +275,9 @@ class EnginePromptTokenizer:
             if base is None:
                 break
             tried.append(base)
-            left = max(0.001, deadline - loop.time())
+            left = deadline - loop.time()
+            if left <= 0:  # a connect timeout spent it: the client hears a timeout
+                raise TimeoutError
             try:
                 r = await self._client.post(base + path, json=payload, timeout=left)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:

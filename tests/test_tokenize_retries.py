@@ -7,6 +7,8 @@ tokenization load on a fleet that was already slow."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -105,6 +107,32 @@ async def test_a_slow_first_replica_is_not_passed_over_for_a_fast_one() -> None:
         got, _ = await tokenize(urls, 0.3)
     assert isinstance(got, GatewayError) and got.status == 504
     assert hits == ["slow"]
+
+
+async def test_a_connect_timeout_that_spends_the_deadline_is_a_504() -> None:
+    """A replica whose listen queue is full (the SYN goes unanswered) times out connecting:
+    passed over as unreachable, but it spent the whole deadline, so the client hears a
+    timeout, not a second attempt."""
+    full = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        for _ in range(3):  # fill the accept queue (never accepted)
+            s = socket.socket()
+            fillers.append(s)
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(full.getsockname())
+        hits: list[str] = []
+        async with server(answers, hits, "ok") as ok:
+            url = f"http://127.0.0.1:{full.getsockname()[1]}"
+            got, took = await tokenize([url, ok], 0.3)
+        assert isinstance(got, GatewayError) and got.status == 504, got
+        assert hits == [] and took < 0.7
+    finally:
+        for s in [*fillers, full]:
+            s.close()
 
 
 async def test_unreachable_and_failing_replicas_are_passed_over_within_the_deadline() -> None:
