@@ -417,3 +417,14 @@ def test_gateway_md_lists_every_gateway_metric() -> None:
     assert not missing, (
         f"gateway metrics docs/gateway.md's Metrics section does not name: {missing}"
     )
+
+
+def test_peers_md_installs_the_versions_it_was_verified_with() -> None:
+    """docs/peers.md's findings (flags, topics, source lines) are those of the versions it
+    names; its install commands pin them, so a later release cannot change what an
+    operator following the page gets."""
+    text = (ROOT / "docs" / "peers.md").read_text()
+    m = re.search(r"Verified on this machine with vllm-router (\S+) and sglang-router (\S+),", text)
+    assert m, "docs/peers.md no longer names the versions it was verified with"
+    for package, version in (("vllm-router", m.group(1)), ("sglang-router", m.group(2))):
+        assert re.search(rf"bin/pip install {package}=={re.escape(version)}\b", text), package
