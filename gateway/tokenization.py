@@ -280,10 +280,9 @@ class EnginePromptTokenizer:
                 raise TimeoutError
             try:
                 r = await self._client.post(base + path, json=payload, timeout=left)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-                failure = exc  # it never got the request, or dropped it: another
-                continue
-            except httpx.ReadError as exc:  # the connection broke: no answer, another
+            except (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                # not reached (refused, connect timed out), or the connection broke before
+                # an answer (reset, closed while sending or reading): another
                 failure = exc
                 continue
             except httpx.TimeoutException:

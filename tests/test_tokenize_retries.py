@@ -135,6 +135,21 @@ async def test_a_connect_timeout_that_spends_the_deadline_is_a_504() -> None:
             s.close()
 
 
+async def drops(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.transport.abort()  # a reset, no answer
+
+
+async def test_a_replica_that_drops_the_connection_is_passed_over() -> None:
+    hits: list[str] = []
+    async with AsyncExitStack() as ex:
+        urls = [
+            await ex.enter_async_context(server(drops, hits, "drop")),
+            await ex.enter_async_context(server(answers, hits, "ok")),
+        ]
+        got, _ = await tokenize(urls, 2.0)
+    assert got == [1, 2, 3] and hits == ["drop", "ok"]
+
+
 async def test_unreachable_and_failing_replicas_are_passed_over_within_the_deadline() -> None:
     hits: list[str] = []
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connect refused
