@@ -127,6 +127,8 @@ def load_key_file(path: Path, finished: bool = False) -> dict[str, str]:
         raise
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise KeyFileError(f"{path}: {exc}") from None
+    except RecursionError:  # PyYAML builds nested collections recursively
+        raise KeyFileError(f"{path}: nested too deeply to be a key file") from None
     return parse_key_file(data, str(path))
 
 
@@ -261,6 +263,10 @@ class KeyStore:
                     extra={"path": str(self.key_file), "error": str(exc), "keys": len(self._keys)},
                 )
                 on_result(None, str(exc))
+                continue
+            except Exception as exc:  # a watcher that ended would never reload again
+                log.exception("api key file reload failed; keeping the old keys")
+                on_result(None, repr(exc))
                 continue
             if result is not None:
                 log.info(

@@ -430,3 +430,15 @@ async def test_an_unanswering_redis_is_not_asked_again_by_every_request(
         assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     finally:
         await client.aclose()
+
+
+async def test_a_deeply_nested_key_file_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """Review: 5,000 nested brackets made PyYAML overflow the stack: a RecursionError that
+    ended the file watcher for good (no later reload), and a 500 from the admin reload."""
+    f = tmp_path / "keys.yaml"
+    replace_keys(f, {"sk-a": "a"})
+    store = KeyStore(key_file=f)
+    f.write_text("k: " + "[" * 5000 + "1" + "]" * 5000 + "\n")
+    with pytest.raises(KeyFileError, match="nested too deeply"):
+        store.reload_file()
+    assert await store.tenant_for("Bearer sk-a") == "a"
