@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import random
 from collections import OrderedDict
@@ -538,6 +539,37 @@ def _open_trace(path: Path) -> TextIO:
         ) from None
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _mooncake_row(row: Any) -> tuple[int, int, float, list[int]]:
+    """(input tokens, output tokens, arrival s, hash ids) of one Mooncake row, checked: a
+    NaN or infinite timestamp hung the simulator's clock, and an empty or too short
+    ``hash_ids`` (or a string, taken as a list of characters) made prompts shorter than
+    ``input_length``, down to empty ones the engine refused. Raises KeyError, TypeError or
+    ValueError."""
+    if not isinstance(row, dict):
+        raise TypeError(f"a row is a JSON object, got {type(row).__name__}")
+    n_in, hash_ids = row["input_length"], row["hash_ids"]
+    out, ts = row["output_length"], row["timestamp"]
+    if not _is_int(n_in) or n_in < 1:
+        raise ValueError(f"input_length must be an integer >= 1, got {n_in!r}")
+    if not _is_int(out):
+        raise ValueError(f"output_length must be an integer, got {out!r}")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        raise ValueError(f"timestamp must be a finite number (ms), got {ts!r}")
+    if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
+        raise ValueError("hash_ids must be a list of integers")
+    need = -(-n_in // MOONCAKE_BLOCK_TOKENS)
+    if len(hash_ids) < need:
+        raise ValueError(
+            f"{len(hash_ids)} hash_ids cover {len(hash_ids) * MOONCAKE_BLOCK_TOKENS} tokens, "
+            f"input_length is {n_in} (one id per {MOONCAKE_BLOCK_TOKENS}-token block)"
+        )
+    return n_in, max(1, out), float(ts) / 1000.0, hash_ids
+
+
 def mooncake(
     text: TextSource,
     path: Path | None = None,
@@ -558,10 +590,7 @@ def mooncake(
                 continue
             try:
                 row = json.loads(line)
-                n_in = int(row["input_length"])
-                hash_ids = list(row["hash_ids"])
-                out = max(1, int(row["output_length"]))
-                t = float(row["timestamp"]) / 1000.0
+                n_in, out, t, hash_ids = _mooncake_row(row)
             except json.JSONDecodeError as exc:
                 raise TraceError(f"{path}:{lineno}: not JSON: {exc.msg}") from None
             except KeyError as exc:

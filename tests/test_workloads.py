@@ -149,6 +149,14 @@ def assert_trace_error(
         ),
         ('{"timestamp": 1, "input_length": "x", "output_length": 1, "hash_ids": [1]}', ":1: bad"),
         ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": 7}', ":1: bad"),
+        # accepted before: NaN hung the simulator's clock; the others made prompts shorter
+        # than input_length (down to empty ones every engine refuses), or "abc" 3 hash ids
+        ('{"timestamp": NaN, "input_length": 5, "output_length": 1, "hash_ids": [1]}', ":1: bad"),
+        ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": []}', ":1: bad"),
+        ('{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": [1]}', ":1: bad"),
+        ('{"timestamp": 1, "input_length": 600, "output_length": 1, "hash_ids": [1]}', ":1: bad"),
+        ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": "abc"}', ":1: bad"),
+        ("[1, 2]", ":1: bad value: a row is a JSON object"),
     ],
 )
 def test_a_malformed_mooncake_trace_names_the_file_and_line(
