@@ -9,10 +9,12 @@ names something that does not exist fails here."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import inspect
 import re
 import shlex
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -428,3 +430,71 @@ def test_peers_md_installs_the_versions_it_was_verified_with() -> None:
     assert m, "docs/peers.md no longer names the versions it was verified with"
     for package, version in (("vllm-router", m.group(1)), ("sglang-router", m.group(2))):
         assert re.search(rf"bin/pip install {package}=={re.escape(version)}\b", text), package
+
+
+# ---------------------------------------------------------------- the runbook's ACL users
+
+
+def _runbook_acl_commands() -> list[list[str]]:
+    """The runbook's commands that create Redis ACL users, as a shell splits them."""
+    text = (ROOT / "docs" / "runbook.md").read_text()
+    out = []
+    for block in _shell_blocks(text):
+        for line in _joined(block).splitlines():
+            if "acl_setuser_args" in line:
+                out.append(shlex.split(line, comments=True))
+    return out
+
+
+@pytest.mark.redis
+async def test_the_runbooks_acl_commands_make_working_agent_and_gateway_users() -> None:
+    """Typed as shown (the administrator's URL pointed at a real password-protected Redis):
+    one command makes the agent's user, one the gateway's, and each user can do its work and
+    no more. The runbook said to make the gateway's user by putting gateway_acl_rules() in
+    place of agent_acl_rules(...): done to the call, the command died with a NameError (the
+    import names only agent_acl_rules); done to both names, gateway_acl_rules(sys.argv[4])
+    took the replica id for a key layout (AttributeError)."""
+    import sys
+
+    from cachecore.index.base import IndexError_, ReplicaState
+    from cachecore.index.redis import RedisIndex
+    from cachecore.lifecycle import IndexWrite
+    from cachecore.testing import RedisServer
+
+    commands = _runbook_acl_commands()
+    assert len(commands) == 2, commands
+    with RedisServer(extra_args=["--requirepass", "admin-secret-1"]) as srv:
+        admin_url = f"redis://default:admin-secret-1@127.0.0.1:{srv.port}/0"
+        users: dict[str, tuple[str, list[str]]] = {}
+        for argv in commands:
+            assert argv[0] == ".venv/bin/python" and argv[1] == "-c", argv
+            assert argv[3] == "redis://ADMIN:PASSWORD@redis:6379/0", argv
+            run = [sys.executable, "-c", argv[2], admin_url, *argv[4:]]
+            out = await asyncio.to_thread(
+                subprocess.run, run, cwd=ROOT, capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode == 0 and out.stdout.strip() == "b'OK'", out.stderr[-2000:]
+            users[argv[4]] = (argv[5], argv[6:])
+
+        def url(user: str) -> str:
+            return f"redis://{user}:{users[user][0]}@127.0.0.1:{srv.port}/0"
+
+        agent_user = next(u for u, (_, rest) in users.items() if rest)  # it names its replica
+        replica = users[agent_user][1][0]
+        gateway_user = next(u for u in users if u != agent_user)
+        agent = RedisIndex.from_url(url(agent_user))
+        gateway = RedisIndex.from_url(url(gateway_user))
+        key = b"k" * 16
+        try:
+            epoch = await agent.clear_replica(replica, ReplicaState.LIVE, 1)
+            await agent.apply(replica, epoch, IndexWrite({key: 1}), 2)
+            with pytest.raises(IndexError_):
+                await agent.apply("another", 0, IndexWrite({key: 1}), 2)
+            await gateway.add_pending(replica, [key + b"x"], 1000, 3)
+            found = await gateway.lookup([key], [replica], 4)
+            assert found[replica].stored_blocks == 1
+            with pytest.raises(IndexError_):
+                await gateway.apply(replica, epoch, IndexWrite({key: 0}), 5)
+        finally:
+            await agent.close()
+            await gateway.close()
