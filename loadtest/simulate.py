@@ -670,7 +670,9 @@ def tiled_mooncake(text: TextSource, requests: int, rate: float, seed: int) -> W
             items.append(replace(it, t=it.t + off, prompt=prompt, group=f"{it.group}{tag}"))
     items.sort(key=lambda it: it.t)
     items = items[:requests]
-    dur = items[-1].t - items[0].t if len(items) > 1 else 1.0
+    # rows all at one instant (a trace of simultaneous arrivals, one copy) have no span to
+    # rescale: they stay simultaneous, as Workload.at_rate keeps them
+    dur = (items[-1].t - items[0].t) or 1.0
     factor = rate / (len(items) / dur)  # > 1 compresses time: a higher rate
     t0 = items[0].t
     scaled = tuple(replace(it, t=(it.t - t0) / factor) for it in items)

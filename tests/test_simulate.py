@@ -197,3 +197,15 @@ def test_a_bad_trace_is_a_one_line_error(tmp_path: Path) -> None:
     assert proc.stderr.strip() == (
         f"kvgate simulate: {tmp_path / 'mooncake_synthetic_trace.jsonl'}: no rows"
     )
+
+
+def test_simultaneous_mooncake_rows_are_rescaled_not_divided_by_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two rows at one timestamp (one copy, no span) were a ZeroDivisionError traceback
+    out of `kvgate simulate --workload mooncake --requests 2`."""
+    row = '{"timestamp": 5, "input_length": 100, "output_length": 2, "hash_ids": [%d]}\n'
+    (tmp_path / "mooncake_synthetic_trace.jsonl").write_text(row % 1 + row % 2)
+    monkeypatch.setenv("KVGATE_TRACE_DIR", str(tmp_path))
+    w = tiled_mooncake(TextSource(), requests=2, rate=1.0, seed=0)
+    assert [it.t for it in w.items] == [0.0, 0.0]
