@@ -696,6 +696,11 @@ def azure_window(
     shared content (every row is unique), the boundary case of short-lived, non-repeating
     traffic at production arrival patterns."""
     rows = azure_rows(kind)
+    if requests > rows:  # the window would silently hold fewer requests than asked for
+        raise TraceError(
+            f"the Azure {kind} trace {azure_path(kind)} holds {rows} requests, "
+            f"{requests} asked for (every row is unique content: it is not tiled)"
+        )
     start = (seed * requests) % max(1, rows - requests + 1)
     return azure(text, kind, max_requests=requests, start=start).at_rate(rate)
 

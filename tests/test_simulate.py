@@ -209,3 +209,20 @@ def test_simultaneous_mooncake_rows_are_rescaled_not_divided_by_zero(
     monkeypatch.setenv("KVGATE_TRACE_DIR", str(tmp_path))
     w = tiled_mooncake(TextSource(), requests=2, rate=1.0, seed=0)
     assert [it.t for it in w.items] == [0.0, 0.0]
+
+
+def test_more_azure_requests_than_the_trace_holds_is_a_one_line_error(tmp_path: Path) -> None:
+    """`--workload azure-conv --requests 10` on a trace of 2 rows ran 2 requests and
+    reported them as the run asked for (the real azure-code trace holds 8,819 rows)."""
+    (tmp_path / "AzureLLMInferenceTrace_conv.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n"
+    )
+    proc = _kvgate(
+        "simulate", "--workload", "azure-conv", "--requests", "10", "--rate", "1",
+        "--strategies", "round_robin", env={"KVGATE_TRACE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.strip().startswith("kvgate simulate: the Azure conv trace "), proc.stderr
+    assert "holds 2 requests, 10 asked for" in proc.stderr
