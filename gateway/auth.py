@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import hmac
 import logging
 import re
@@ -351,14 +352,21 @@ class KeyStore:
     def _prune(self, now: float) -> None:
         """Drop the cached refusals and the answers too old to stand in for Redis: anyone
         can fill the cache with made-up keys, and emptying it whole dropped the valid keys'
-        answers too (every client's key then failed at once while Redis was away). Half
-        empty at least afterwards, so pruning costs O(1) per lookup over time."""
-        keep = {
-            d: hit
+        answers too (every client's key then failed at once while Redis was away). More
+        valid answers than half the cache (many clients): the newest half stays, never
+        none. Half empty at least afterwards, so pruning costs O(1) per lookup over time."""
+        keep = [
+            (d, hit)
             for d, hit in self._cache.items()
             if hit[0] is not None and now - hit[1] <= self._stale_bound
-        }
-        self._cache = keep if len(keep) <= _CACHE_MAX // 2 else {}
+        ]
+        if len(keep) > _CACHE_MAX // 2:
+            keep = heapq.nlargest(_CACHE_MAX // 2, keep, key=_answered_at)
+        self._cache = dict(keep)
+
+
+def _answered_at(entry: tuple[str, tuple[str | None, float]]) -> float:
+    return entry[1][1]
 
 
 def _bearer(authorization: str | None) -> str | None:
