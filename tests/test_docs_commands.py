@@ -12,9 +12,11 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import random
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -498,3 +500,134 @@ async def test_the_runbooks_acl_commands_make_working_agent_and_gateway_users() 
         finally:
             await agent.close()
             await gateway.close()
+
+
+# ------------------------------------------------------- README's "Running the pieces"
+
+
+def _port_base(span: int, count: int) -> int:
+    """A port P with P+i, P+span+i and P+2*span+i (i < count) all free: the replica's
+    HTTP, event and replay ports as `kvgate replica --base-port P` lays them out."""
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20_000, 60_000 - 2 * span - count)
+        wanted = [base + k * span + i for k in range(3) for i in range(count)]
+        socks = []
+        try:
+            for port in wanted:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+PORT = re.compile(r"(?<![\w.])(\d{4,5})(?![\w.])")  # a port number in a command line
+
+
+def _readme_pieces() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = _section(text, "Running the pieces")
+    (commands,) = list(_shell_blocks(block))
+    out = []
+    for line in _joined(commands).splitlines():
+        words_ = shlex.split(line, comments=True)
+        if words_ and words_[0] == ".venv/bin/kvgate":
+            out.append(line)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_readmes_running_the_pieces_works_as_typed(redis_url: str, tmp_path: Path) -> None:
+    """Every command of README's "Running the pieces", typed in order, each left running
+    (only its ports moved to free ones, and Redis to the test's): the replicas, the embedded
+    gateway, the agents and the Redis gateway all serve, and both gateways route a repeated
+    prefix to the replica that cached it. Both gateways used to be written without --port:
+    typed in order, the second could not listen (8000 was the first's)."""
+    from cachecore.testing import free_port, wait_for_port
+
+    lines = _readme_pieces()
+    assert [shlex.split(c, comments=True)[1] for c in lines] == [
+        "replica",
+        "serve",
+        "agent",
+        "agent",
+        "serve",
+    ]
+    base = _port_base(1000, 4)
+    redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    moved: dict[int, int] = {}
+    for line in lines:
+        for number in map(int, PORT.findall(line)):
+            if number == 6379:
+                moved[number] = redis_port
+            elif 9100 <= number < 9104 or 10100 <= number < 10104 or 11100 <= number < 11104:
+                moved[number] = base + (number - 9100)
+            else:
+                moved.setdefault(number, free_port())
+    defaults = {"agent": ("--http-port", 9400), "serve": ("--port", 8000)}
+    procs: list[subprocess.Popen[bytes]] = []
+    gateways: list[int] = []
+    try:
+        for i, line in enumerate(lines):
+            argv = shlex.split(line, comments=True)
+            argv = [PORT.sub(lambda m: str(moved[int(m.group(1))]), a) for a in argv]
+            command = argv[1]
+            flag, default = defaults.get(command, ("", 0))
+            if flag and flag not in argv:  # the command's default port, moved like the rest
+                argv += [flag, str(moved.setdefault(default, free_port()))]
+            if command == "serve":
+                gateways.append(int(argv[argv.index("--port") + 1]))
+            log = (tmp_path / f"{i}-{command}.log").open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [str(ROOT / ".venv" / "bin" / "kvgate"), *argv[1:]],
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            if command == "replica":
+                for port in (base, base + 3):
+                    wait_for_port(port, timeout_s=30)
+            if command == "serve":
+                wait_for_port(gateways[-1], timeout_s=30)
+            assert procs[-1].poll() is None, (tmp_path / f"{i}-{command}.log").read_text()
+        assert len(set(gateways)) == 2, "both gateways on one port"
+        prompt = [{"role": "system", "content": words(600, 11)}, {"role": "user", "content": "hi"}]
+        for port in gateways:
+            served = []
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+                for _ in range(40):  # bounded: the agents' first writes take a moment
+                    r = http.post(
+                        "/v1/chat/completions",
+                        json={"model": "kvgate-sim-8b", "max_tokens": 2, "messages": prompt},
+                    )
+                    assert r.status_code == 200, r.text
+                    predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+                    served.append((r.headers["x-kvgate-replica"], predicted))
+                    if (
+                        predicted > 0
+                        and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    ):
+                        break
+                    time.sleep(0.25)
+            assert served[-1][1] > 0, served  # routed by what the index knew was cached
+        for i, p in enumerate(procs):
+            assert p.poll() is None, sorted(tmp_path.iterdir())[i].read_text()[-2000:]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
