@@ -631,3 +631,22 @@ def test_readmes_running_the_pieces_works_as_typed(redis_url: str, tmp_path: Pat
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+
+
+def test_gateway_md_dispatch_names_every_body_field_the_gateway_rewrites() -> None:
+    """The request path's Dispatch step tells a client which of its body fields never reach
+    the engine as sent: every field the gateway replaces or removes, and the tenant's
+    ``priority`` rule (a21c403), which it did not mention."""
+    from gateway import core
+
+    text = GATEWAY_MD.read_text()
+    m = re.search(r"^11\. \*\*Dispatch\*\*(.*?)^12\. ", text, re.M | re.S)
+    assert m, "docs/gateway.md's request path has no Dispatch step"
+    named = set(re.findall(r"`([a-z_]+\*?)`", m.group(1)))
+    fields = set(core._REWRITTEN_FIELDS) | {"priority"}  # the module's own list of them
+    missing = sorted(
+        f
+        for f in fields
+        if f not in named and not any(f.startswith(n[:-1]) for n in named if n.endswith("*"))
+    )
+    assert not missing, f"gateway.md's Dispatch step does not name {missing}"
