@@ -112,9 +112,10 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def load_key_file(path: Path, finished: bool = False) -> dict[str, str]:
-    """The file's keys. With ``finished`` (a reload) a file whose last line has no end is
-    refused: a write caught mid-line can end in a tenant name cut short ("acme" of
-    "acme-prod") that names another tenant. A JSON file needs none (its brace ends it)."""
+    """The file's keys. With ``finished`` (a reload of a file modified just now) a file
+    whose last line has no end is refused: a write caught mid-line can end in a tenant name
+    cut short ("acme" of "acme-prod") that names another tenant. A JSON file needs none
+    (its brace ends it)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
         if finished and text.strip() and not text.rstrip(" \t").endswith(("\n", "}", "]")):
@@ -175,6 +176,9 @@ class KeyStore:
         # taken before the read: a change during it shows as a new version next time
         self._version = file_version(self.key_file)
         self._seen = self._version  # the version at the watcher's previous look
+        # a file modified longer ago than this is whole even if its last line has no end
+        # (the watcher's poll interval, set by start)
+        self.settle_s = 2.0
         if keys is None and self.key_file is not None:
             keys = load_key_file(self.key_file)
         self._keys = dict(keys or {})
@@ -213,16 +217,22 @@ class KeyStore:
             retenanted=sum(1 for d, t in new.items() if d in old and old[d] != t),
         )
 
-    def reload_file(self) -> KeyReload:
+    def reload_file(self, settled: bool = False) -> KeyReload:
         """Read the key file again and apply it. Raises :class:`KeyFileError` (and keeps
         the old keys) on a file that cannot be read, is invalid or empty, or changed while
-        it was read."""
+        it was read, or ends inside a line while it is new (``settled``: it has kept still
+        for a poll interval, the watcher saw it)."""
         if self.key_file is None:
             raise KeyFileError("the gateway was started without an API key file (--api-keys)")
         before = file_version(self.key_file)
         self._version = self._seen = before
+        # a last line with no end is a write caught mid-line only while the file is new:
+        # one that has kept still for a poll interval (``settled``: the watcher saw it so)
+        # is whole, as the start-up read took it (a Kubernetes secret made from a literal,
+        # printf without its newline); else every later change of it was refused
+        fresh = not settled and (before is None or time.time_ns() - before[0] < self.settle_s * 1e9)
         try:
-            keys = load_key_file(self.key_file, finished=True)
+            keys = load_key_file(self.key_file, finished=fresh)
             if file_version(self.key_file) != before:
                 # a writer was at work: what was read may be a part (fewer keys, or a
                 # tenant name cut short). The next look sees the new version and retries.
@@ -247,7 +257,7 @@ class KeyStore:
         if now == self._version or now != self._seen:
             self._seen = now
             return None
-        return self.reload_file()
+        return self.reload_file(settled=True)
 
     async def watch(
         self, interval_s: float, on_result: Callable[[KeyReload | None, str], None]
@@ -277,6 +287,7 @@ class KeyStore:
                 on_result(result, "")
 
     def start(self, interval_s: float, on_result: Callable[[KeyReload | None, str], None]) -> None:
+        self.settle_s = interval_s
         if self._task is None and self.key_file is not None:
             self._task = asyncio.get_running_loop().create_task(self.watch(interval_s, on_result))
 
