@@ -88,6 +88,9 @@ class PolicyStore:
             except PolicyError as exc:
                 log.error("policy reload failed; keeping the old policy", extra={"error": str(exc)})
                 on_result(False, str(exc))
+            except Exception as exc:  # a bug of ours: logged, and the watcher lives on
+                log.exception("policy reload failed; keeping the old policy")
+                on_result(False, repr(exc))
 
     def start(self, interval_s: float, on_result: Callable[[bool, str], None]) -> None:
         if self._task is None and self.path is not None:

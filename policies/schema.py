@@ -498,6 +498,8 @@ def parse_policy_text(text: str, source: str = "<policy>", allow_empty: bool = T
         raise PolicyError(source, [(field, f"duplicate key {exc.key!r} at {where}")]) from None
     except yaml.YAMLError as exc:
         raise PolicyError(source, [("", f"not valid YAML: {exc}")]) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise PolicyError(source, [("", "not a policy: nested too deeply")]) from None
     if data is None and not allow_empty:
         raise PolicyError(source, [("", EMPTY_POLICY)])
     return parse_policy(data, source)
@@ -506,8 +508,9 @@ def parse_policy_text(text: str, source: str = "<policy>", allow_empty: bool = T
 def load_policy(path: Path | str, allow_empty: bool = True) -> Policy:
     p = Path(path)
     try:
-        text = p.read_text()
-    except OSError as exc:
+        text = p.read_text(encoding="utf-8")
+    # ValueError: UnicodeDecodeError, a file that is no text (a binary file, a torn write)
+    except (OSError, ValueError) as exc:
         raise PolicyError(str(p), [("", f"cannot read: {exc}")]) from None
     return parse_policy_text(text, str(p), allow_empty)
 

@@ -335,3 +335,50 @@ def test_a_rewrite_in_the_same_mtime_tick_as_its_truncation_is_still_reloaded(
     store.reload_file()
     assert current(store) is Strategy.LEAST_LOADED
     assert not store.changed_on_disk()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 5000 + "]" * 5000, "routing: " + "{a: " * 3000 + "1" + "}" * 3000],
+)
+def test_a_deeply_nested_document_is_a_policy_error(text: str) -> None:
+    # PyYAML composes recursively: a RecursionError was a traceback at start-up, a 500 from
+    # POST /admin/policy, and the end of the file watcher
+    with pytest.raises(PolicyError, match="nested too deeply"):
+        parse_policy_text(text, "p", allow_empty=False)
+
+
+def test_a_policy_file_that_is_no_text_is_a_policy_error(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_bytes(b"\xff\xfe\x00routing")
+    with pytest.raises(PolicyError, match="cannot read"):
+        load_policy(f)
+
+
+async def test_the_watcher_survives_a_reload_that_fails_unexpectedly(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("routing: {strategy: round_robin}\n")
+    store = PolicyStore(f)
+    results: list[tuple[bool, str]] = []
+    got = asyncio.Event()
+
+    def on_result(ok: bool, err: str) -> None:
+        results.append((ok, err))
+        got.set()
+
+    def broken(p: object) -> None:
+        raise RuntimeError("listener bug")
+
+    store.on_change = broken  # the first reload's listener fails
+    store.start(0.05, on_result)
+    try:
+        _touch(f, "routing: {strategy: random}\n")
+        await asyncio.wait_for(got.wait(), 5.0)
+        got.clear()
+        store.on_change = None
+        _touch(f, "routing: {strategy: least_loaded}\n")
+        await asyncio.wait_for(got.wait(), 5.0)  # the watcher is still there
+    finally:
+        await store.stop()
+    assert results[0][0] is False and "listener bug" in results[0][1]
+    assert results[-1] == (True, "") and store.policy.routing.strategy is Strategy.LEAST_LOADED
