@@ -678,7 +678,11 @@ def _error_codes() -> set[str]:
                 values = [k.value for k in node.keywords if k.arg == "code"]
                 if len(node.args) > _CODE_ARG[name]:
                     values.append(node.args[_CODE_ARG[name]])
-                codes |= {v.value for v in values if isinstance(v, ast.Constant) and v.value}
+                codes |= {
+                    v.value
+                    for v in values
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value
+                }
             elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
                 for target in node.targets:  # status, code = 503, "upstream_busy"
                     if isinstance(target, ast.Tuple):
@@ -698,3 +702,44 @@ def test_gateway_md_names_every_error_code() -> None:
     text = GATEWAY_MD.read_text()
     missing = sorted(c for c in codes if f"`{c}`" not in text)
     assert not missing, f"error codes docs/gateway.md does not name: {missing}"
+
+
+# ------------------------------------------------------------------- links, paths, tests
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_and_anchor_in_the_docs_resolves() -> None:
+    bad = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file) if file else path
+            if not dest.exists():
+                bad.append(f"{_rel(path)}: {target}")
+            elif anchor and dest.suffix == ".md":
+                heads = {_slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                if anchor not in heads:
+                    bad.append(f"{_rel(path)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_repository_path_and_test_the_walked_docs_name_exists() -> None:
+    """`cachecore/lifecycle.py`, `tests/test_x.py::test_y`: what an operator opens."""
+    pattern = re.compile(r"`([\w.-]+/[\w./-]*\.(?:py|md|yaml|yml|json|jinja|toml))(?:::(\w+))?")
+    bad = []
+    for path in WALKED:
+        for file, test in pattern.findall(path.read_text()):
+            if file.startswith(".peers/"):
+                continue  # made by the page's own install step
+            dest = ROOT / file
+            if not dest.exists():
+                bad.append(f"{_rel(path)}: {file}")
+            elif test and not re.search(rf"def {test}\b", dest.read_text()):
+                bad.append(f"{_rel(path)}: {file}::{test}")
+    assert not bad, "\n".join(bad)
