@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from cachecore.argtypes import int_at_least, nonnegative_int, positive_float
 from cachecore.index.base import PrefixIndex, ReplicaState
 from cachecore.index.layout import KeyLayout
 from cachecore.index.memory import MemoryIndex
@@ -64,7 +65,9 @@ def configure_keys(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=_sizes, default="8192,32768", help="prompt sizes (tokens)")
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--iterations", type=positive_int, default=300)
-    parser.add_argument("--target-ms", type=float, default=2.0, help="target for the largest")
+    parser.add_argument(
+        "--target-ms", type=positive_float, default=2.0, help="target for the largest"
+    )
 
 
 def run_keys(args: argparse.Namespace) -> int:
@@ -120,14 +123,23 @@ def configure_index(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=_sizes, default="8192,32768", help="prompt sizes (tokens)")
     parser.add_argument("--replicas", type=_sizes, default="4,16,64")
     parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--lookups", type=int, default=600, help="measured lookups per cell")
-    parser.add_argument("--queries", type=int, default=8, help="distinct queried prefixes")
-    parser.add_argument("--chains", type=int, default=24, help="background chains per replica")
-    parser.add_argument("--chain-blocks", type=int, default=1024, help="max background length")
+    parser.add_argument(
+        "--lookups", type=positive_int, default=600, help="measured lookups per cell"
+    )
+    parser.add_argument("--queries", type=positive_int, default=8, help="distinct queried prefixes")
+    parser.add_argument(
+        "--chains", type=nonnegative_int, default=24, help="background chains per replica"
+    )
+    # a chain is 16 to --chain-blocks blocks long
+    parser.add_argument(
+        "--chain-blocks", type=int_at_least(16), default=1024, help="max background length"
+    )
     parser.add_argument(
         "--write-batches", type=_sizes, default="64,1024", help="apply() batch sizes"
     )
-    parser.add_argument("--write-blocks", type=int, default=200_000, help="blocks per write run")
+    parser.add_argument(
+        "--write-blocks", type=positive_int, default=200_000, help="blocks per write run"
+    )
     parser.add_argument(
         "--partial",
         type=comma_list(one_of("shared", "uniform")),
