@@ -947,7 +947,7 @@ class Gateway:
             keys = d.keys[d.salt_index]
             if start < len(keys):
                 ttl = self.policy.index.pending_ttl_ms
-                d.pending = self.index.add_pending(d.replica, keys[start:], ttl, _now_ms())
+                d.pending = self.index.add_pending(d.replica, keys[start:], ttl, _now_ms(), start)
 
     def on_first_token(self, d: Dispatch, progressed: bool = True) -> None:
         """The request's prefill is over: its prefill tokens leave the replica's queue.
