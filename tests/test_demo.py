@@ -148,3 +148,66 @@ def test_the_printed_curl_examples_work_as_shown() -> None:
     assert explained["model"] == sent["model"] == MODEL
     assert explained["messages"] == sent["messages"]
     assert sent["messages"][0]["content"] == EXAMPLE_PROMPT and len(EXAMPLE_PROMPT.split()) > 16
+
+
+def _printed_commands(text: str) -> dict[str, str]:
+    """The demo's printed commands by kind, each as the lines a user pastes."""
+    lines = text.splitlines()
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith(("curl -s ", ".venv/bin/python -c")):
+            j = i  # a command runs to its closing quote and its last continuation
+            while (
+                lines[j].endswith("\\")
+                or "\n".join(lines[i : j + 1]).count("'" if line.startswith("curl") else '"') % 2
+            ):
+                j += 1
+            command = "\n".join(lines[i : j + 1])
+            kind = "sdk" if line.startswith(".venv") else "explain" if "explain" in line else "chat"
+            out[kind] = command
+            i = j + 1
+            continue
+        if line.startswith("metrics (the admin key): "):
+            out["metrics"] = line.split(": ", 1)[1]
+        i += 1
+    return out
+
+
+async def test_every_printed_example_works_against_a_real_gateway(tmp_path: Path) -> None:
+    """Pasted into bash as printed (the demo's API key, this gateway's admin key): the curl
+    chat and the openai SDK snippet are answered, /metrics is scraped, and the explain shows
+    the chat's cached prefix on the replica that served it."""
+    import asyncio
+
+    from loadtest.demo import DEMO_KEY, DEMO_TENANT, examples_text
+    from loadtest.harness import write_api_keys
+    from tests.test_gateway_support import ADMIN, stack
+
+    keys = tmp_path / "keys.yaml"
+    write_api_keys(keys, {DEMO_TENANT: DEMO_KEY})
+    async with stack(count=2, agents=True, api_keys_file=keys) as st:
+        port = int(st.url.rsplit(":", 1)[1])
+        commands = _printed_commands(examples_text(port, ADMIN))
+        assert set(commands) == {"chat", "sdk", "metrics", "explain"}, commands
+
+        async def bash(kind: str) -> str:
+            out = await asyncio.to_thread(
+                subprocess.run, ["bash", "-c", commands[kind]], cwd=Path(__file__).parents[1],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert out.returncode == 0, f"{kind}: {out.stderr[-2000:]}"
+            return out.stdout
+
+        chat = json.loads(await bash("chat"))
+        assert chat["choices"][0]["message"]["content"], chat
+        assert "CompletionUsage(" in await bash("sdk")
+        assert "kvgate_requests_total" in await bash("metrics")
+        for _ in range(40):  # bounded: the agents index the chat's blocks within moments
+            explained = json.loads(await bash("explain"))
+            if any(s["matched_blocks"] > 0 for s in explained["decision"]["scores"]):
+                break
+            await asyncio.sleep(0.25)
+        assert explained["tenant"] == DEMO_TENANT
+        assert any(s["matched_blocks"] > 0 for s in explained["decision"]["scores"]), explained
