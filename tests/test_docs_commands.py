@@ -743,3 +743,19 @@ def test_every_repository_path_and_test_the_walked_docs_name_exists() -> None:
             elif test and not re.search(rf"def {test}\b", dest.read_text()):
                 bad.append(f"{_rel(path)}: {file}::{test}")
     assert not bad, "\n".join(bad)
+
+
+def test_gateway_md_replica_ids_are_as_described() -> None:
+    """`--replica [ID=]URL`: the id defaults to host-port; an IPv6 host has no such id (its
+    colons), and the page says to give one, as the refusal does."""
+    from gateway.replicas import ReplicaSpecError, parse_replica_spec
+
+    text = GATEWAY_MD.read_text()
+    assert "the replica id defaults to `host-port`" in text
+    assert parse_replica_spec("http://10.0.0.1:8000").id == "10.0.0.1-8000"
+    assert parse_replica_spec("https://eng.example.com").id == "eng.example.com-443"
+    m = re.search(r"an IPv6 replica needs its `ID=`: `--replica (\S+)`", text)
+    assert m, "gateway.md does not say how to name an IPv6 replica"
+    assert parse_replica_spec(m.group(1)).id == m.group(1).split("=")[0]
+    with pytest.raises(ReplicaSpecError, match="give the replica an id"):
+        parse_replica_spec(m.group(1).split("=", 1)[1])
