@@ -759,3 +759,23 @@ def test_gateway_md_replica_ids_are_as_described() -> None:
     assert parse_replica_spec(m.group(1)).id == m.group(1).split("=")[0]
     with pytest.raises(ReplicaSpecError, match="give the replica an id"):
         parse_replica_spec(m.group(1).split("=", 1)[1])
+
+
+async def test_gateway_md_names_the_request_spans_attributes() -> None:
+    """The Tracing paragraph lists a routed request's span attributes: exactly those a real
+    gateway exports (kvgate.request_id, the one that ties a span to a client's x-request-id,
+    was missing)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    m = re.search(r"^Tracing: (.*?)\. A request refused", GATEWAY_MD.read_text(), re.M | re.S)
+    assert m, "docs/gateway.md has no Tracing paragraph"
+    documented = set(re.findall(r"`((?:kvgate|http)\.[a-z_.]+)`", m.group(1))) - {"kvgate.request"}
+    exporter = InMemorySpanExporter()
+    async with stack(count=1, build={"span_exporter": exporter}) as st:
+        async with st.client() as client:
+            await client.completions.create(model=st.model, prompt=words(40, 1), max_tokens=1)
+        provider = st.gw._tracer_provider
+        assert provider is not None
+        provider.force_flush()
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "kvgate.request"]
+    assert documented == set(span.attributes or {})
