@@ -333,10 +333,18 @@ def test_index_md_lists_the_index_api_as_it_is() -> None:
     text = (ROOT / "docs" / "index.md").read_text()
     m = re.search(r"^## API.*?```python\n(.*?)^```", text, re.M | re.S)
     assert m, "docs/index.md has no API block"
+    import ast
+
     documented: dict[tuple[str, str], list[str]] = {}
+    defaults: dict[tuple[str, str], dict[str, str]] = {}
     for call in re.finditer(r"\b(index|redis_index|RedisIndex)\.(\w+)\(([^)]*)\)", m.group(1)):
-        names = [p.split(":")[0].split("=")[0].strip() for p in call.group(3).split(",")]
-        documented[(call.group(1), call.group(2))] = [n for n in names if n and n != "*"]
+        parts = [p.strip() for p in call.group(3).split(",")]
+        names = [p.split(":")[0].split("=")[0].strip() for p in parts]
+        key = (call.group(1), call.group(2))
+        documented[key] = [n for n in names if n and n != "*"]
+        defaults[key] = {
+            n: p.split("=", 1)[1].strip() for n, p in zip(names, parts, strict=True) if "=" in p
+        }
     protocol = {n for n, _ in inspect.getmembers(PrefixIndex, inspect.isfunction)}
     protocol = {n for n in protocol if not n.startswith("_")}
     assert protocol <= {name for owner, name in documented if owner == "index"}
@@ -344,6 +352,9 @@ def test_index_md_lists_the_index_api_as_it_is() -> None:
         cls = PrefixIndex if owner == "index" and name in protocol else RedisIndex
         assert hasattr(cls, name), f"{owner}.{name}"
         assert params == _params(getattr(cls, name)), f"{owner}.{name}({', '.join(params)})"
+        real = inspect.signature(getattr(cls, name)).parameters
+        for param, text in defaults[(owner, name)].items():  # a documented default is real
+            assert ast.literal_eval(text) == real[param].default, f"{owner}.{name}: {param}"
 
 
 def test_lifecycle_md_names_every_gateway_write() -> None:
