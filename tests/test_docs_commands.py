@@ -799,3 +799,20 @@ def test_gateway_md_names_every_serve_flag() -> None:
     flags = [o for o in _options(_parser("serve")) if o.startswith("--") and o != "--help"]
     missing = [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", text)]
     assert not missing, f"kvgate serve flags docs/gateway.md does not name: {missing}"
+
+
+def test_index_md_key_layout_table_is_the_layouts() -> None:
+    """The Redis key table of docs/index.md (what an operator greps Redis for, and writes
+    ACLs against) equals the keys cachecore.index.layout.KeyLayout makes for a replica."""
+    from cachecore.index.layout import KeyLayout
+
+    text = _section((ROOT / "docs" / "index.md").read_text(), "Redis backend (`RedisIndex`)")
+    table = set(re.findall(r"^\| `(kvg:\{r:<id>\}:[^`]+)` \|", text, re.M))
+    lay = KeyLayout()
+    rid, epoch = "ID", 987654
+    made = {
+        lay.meta(rid), lay.blocks(rid, epoch), lay.mirror(rid, epoch), lay.removals(rid, epoch),
+        lay.registration(rid), lay.load(rid), lay.pending(rid, epoch), lay.inflight(rid),
+    }  # fmt: skip
+    made = {k.replace(rid, "<id>").replace(str(epoch), "<epoch>") for k in made}
+    assert table == made
