@@ -22,6 +22,9 @@ _BARE = re.compile(r"[\w.:/@+\-]+")
 # the names ``--log-level`` and KVGATE_LOG_LEVEL take: logging itself also takes NOTSET
 # (log everything, silently) and raises ValueError on anything else
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+# logging's own aliases: KVGATE_LOG_LEVEL=warn was taken by logging before it was checked,
+# so a deployment that set it must keep starting
+_LEVEL_ALIASES = {"WARN": "WARNING", "FATAL": "CRITICAL"}
 
 
 class LogLevelError(ValueError):
@@ -29,10 +32,12 @@ class LogLevelError(ValueError):
 
 
 def check_log_level(text: str) -> str:
-    """``text`` as a known level name, upper case (any case given); else LogLevelError."""
-    if text.upper() not in LOG_LEVELS:
+    """``text`` as a known level name, upper case (any case given; logging's aliases warn
+    and fatal as the names they stand for); else LogLevelError."""
+    name = _LEVEL_ALIASES.get(text.upper(), text.upper())
+    if name not in LOG_LEVELS:
         raise LogLevelError(f"unknown log level {text!r}; known: {', '.join(LOG_LEVELS)}")
-    return text.upper()
+    return name
 
 
 def _value_text(value: Any) -> str:
