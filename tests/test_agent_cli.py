@@ -165,3 +165,34 @@ def test_a_redis_url_database_that_is_no_number_is_refused(
     ]  # fmt: skip
     err = _refusal(argv, monkeypatch, capsys)
     assert "database" in err, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "says"),
+    [
+        (["--registration-ttl", "inf"], {}, "registration_ttl_s (--registration-ttl, "),
+        (["--registration-ttl", "1e300"], {}, "less than or equal to 86400"),
+        ([], {"KVGATE_AGENT_LOAD_TTL_S": "inf"}, "load_ttl_s (KVGATE_AGENT_LOAD_TTL_S)"),
+        (["--scrape-interval", "inf"], {}, "scrape_interval_s (--scrape-interval, "),
+    ],
+)
+def test_an_infinite_or_huge_duration_is_refused(
+    flags: list[str],
+    env: dict[str, str],
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--registration-ttl inf` (or KVGATE_AGENT_LOAD_TTL_S=inf) was accepted, then an
+    OverflowError traceback (int(inf * 1000)) out of the agent's start-up; 1e300 started,
+    and every heartbeat failed on Redis' "value is not an integer or out of range"."""
+    monkeypatch.delenv("KVGATE_AGENT_LOAD_TTL_S", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    argv = [
+        "--replica-id", "r9", "--engine-url", "http://127.0.0.1:9",
+        "--events", "tcp://127.0.0.1:9", "--redis", "redis://u:S3CRETPW@127.0.0.1:9/0",
+        "--http-port", "0", "--gc-freeze-interval", "0", *flags,
+    ]  # fmt: skip
+    err = _refusal(argv, monkeypatch, capsys)
+    assert says in err, err

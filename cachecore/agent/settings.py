@@ -11,11 +11,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
 from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
 
+MAX_TTL_S = 86_400.0
+
 
 class AgentSettings(BaseSettings):
     """Everything one agent (one engine replica) needs."""
 
-    model_config = SettingsConfigDict(env_prefix="KVGATE_AGENT_", extra="ignore")
+    # every duration finite: an infinite TTL was an OverflowError traceback (int(inf * 1000))
+    model_config = SettingsConfigDict(
+        env_prefix="KVGATE_AGENT_", extra="ignore", allow_inf_nan=False
+    )
 
     replica_id: str
     engine_url: str
@@ -39,8 +44,10 @@ class AgentSettings(BaseSettings):
 
     # registration and load
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    registration_ttl_s: float = Field(default=10.0, gt=0)
-    load_ttl_s: float = Field(default=5.0, gt=0)
+    # at most a day: Redis refuses a PX past its range ("value is not an integer or out of
+    # range": every heartbeat failed), and a dead replica would linger that long anyway
+    registration_ttl_s: float = Field(default=10.0, gt=0, le=MAX_TTL_S)
+    load_ttl_s: float = Field(default=5.0, gt=0, le=MAX_TTL_S)
 
     # replay and ordering
     replay_timeout_s: float = Field(default=2.0, gt=0)
