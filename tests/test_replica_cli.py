@@ -188,9 +188,11 @@ def test_a_value_out_of_range_is_a_usage_error(
         (["--model", " "], "argument --model: the served model name must not be blank"),
         (["--lora", ""], "argument --lora: a LoRA adapter name must not be blank"),
         (["--lora", "a", "--lora", "a"], "argument --lora: a LoRA adapter name is given twice"),
+        # served requests that never finished, and printed a "ready" line that was no JSON
+        (["--time-scale", "inf"], "argument --time-scale: Input should be a finite number"),
     ],
 )
-def test_a_blank_model_or_adapter_name_is_a_usage_error(
+def test_a_blank_name_or_infinite_time_scale_is_a_usage_error(
     argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`kvgate replica --model ""` (or --lora "") started an engine serving a model with an

@@ -29,7 +29,11 @@ REPLAY_PORT_OFFSET = 2000
 class ReplicaSettings(BaseSettings):
     """Everything the replicas of one fleet share."""
 
-    model_config = SettingsConfigDict(env_prefix="KVGATE_REPLICA_", extra="ignore")
+    # finite: --time-scale inf served requests that never finished (and a "ready" line
+    # that was no JSON: Infinity)
+    model_config = SettingsConfigDict(
+        env_prefix="KVGATE_REPLICA_", extra="ignore", allow_inf_nan=False
+    )
 
     host: str = "127.0.0.1"
     events_host: str = "127.0.0.1"
