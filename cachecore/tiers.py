@@ -288,7 +288,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.close()
-    flops = measure_matmul_flops(args.gemm)
+    try:
+        flops = measure_matmul_flops(args.gemm)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocation failure (CPU or CUDA)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return _fail(f"--gemm {args.gemm}: cannot run the GEMM ({reason}); pick a smaller one")
     host = measure_copy_link()
     here = Platform(
         f"this machine (torch fp32 GEMM {flops / 1e9:.0f} GFLOP/s)",

@@ -65,6 +65,8 @@ def _bench_tiers(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, s
     [
         (("--gemm", "0"), "--gemm must be > 0"),
         (("--gemm", "-8"), "--gemm must be > 0"),
+        # a 360 GB matrix: torch's allocation RuntimeError was a traceback
+        (("--gemm", "300000"), "--gemm 300000: cannot run the GEMM"),
         (("--context", "-100000"), "--context must be >= 0"),
         (("--redis", "redis://127.0.0.1:1/0"), "--redis: "),  # nothing listens on port 1
         (("--redis", "http://127.0.0.1:1"), "--redis: "),  # a scheme redis-py refuses
