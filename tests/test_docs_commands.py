@@ -1,10 +1,13 @@
 """The docs, read as an operator reads them: every ``KVGATE_*`` name they set is a setting
 (or a variable the code reads), every ``kvgate <cmd> --flag`` is accepted by that command's
 parser, every command in a shell block parses as typed, and every ``kvgate_*`` metric they
-name is on a real ``/metrics`` page with the labels they give it.
+name is on a real ``/metrics`` page with the labels they give it. README's "Running the
+pieces" and the runbook's ACL commands are run as typed; the gateway's page is held to the
+gateway (its settings, flags, admin routes, metrics, error codes, span attributes, rewritten
+body fields) and index.md to the index (its API, defaults and Redis keys).
 
-Each check parses the docs and asks the live parser, settings classes or scrape: a doc that
-names something that does not exist fails here."""
+Each check parses the docs and asks the live parser, settings classes, app or scrape: a doc
+that names something that does not exist, or leaves out what a user meets, fails here."""
 
 from __future__ import annotations
 
