@@ -39,7 +39,20 @@ from requests import RequestException
 from loadtest.workloads import TextSource
 
 MODEL = os.environ.get("KVGATE_LOCUST_MODEL", "kvgate-sim-8b")
-STREAM = os.environ.get("KVGATE_LOCUST_STREAM", "1") != "0"
+
+
+def _stream_flag(text: str) -> bool:
+    """KVGATE_LOCUST_STREAM: "false" (or "no") streamed, as anything but "0" did."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    # Locust prints the message and exits 1 before any user starts
+    raise SystemExit(f"KVGATE_LOCUST_STREAM must be 1 or 0 (true/false), got {text!r}")
+
+
+STREAM = _stream_flag(os.environ.get("KVGATE_LOCUST_STREAM", "1"))
 TTFT_KEY = "kvgate_ttft"  # in a request event's context: (TTFT ms, cached prompt tokens)
 
 

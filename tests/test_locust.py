@@ -65,7 +65,7 @@ from starlette.applications import Starlette
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
-MODES = itertools.cycle(["no_done", "not_json", "cut"])
+MODES = itertools.cycle(sys.argv[2].split(","))
 
 async def body(mode):
     yield b'data: {"choices":[{"text":"hi"}]}\\n\\n'
@@ -92,7 +92,7 @@ async def test_a_broken_stream_is_a_failed_request(tmp_path: Path) -> None:
     script.write_text(_BROKEN_STREAMS)
     port = free_port()
     server = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), str(port),
+        sys.executable, str(script), str(port), "no_done,not_json,cut",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     try:
@@ -116,3 +116,42 @@ async def test_a_broken_stream_is_a_failed_request(tmp_path: Path) -> None:
     assert int(requests) >= 3 and failures == requests, text[-2000:]
     for says in ("without data: [DONE]", "JSONDecodeError", "ChunkedEncodingError"):
         assert says in text, text[-2000:]
+
+
+async def test_stream_false_sends_plain_json_and_a_bad_value_is_refused(tmp_path: Path) -> None:
+    """KVGATE_LOCUST_STREAM=false streamed (anything but "0" did), so a user turning
+    streaming off measured streams; a value that is no flag is refused before any user
+    starts. The server's streams all end without [DONE]: a run that streamed would fail."""
+    from cachecore.testing import free_port, wait_for_port
+
+    script = tmp_path / "broken.py"
+    script.write_text(_BROKEN_STREAMS)
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), str(port), "no_done",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    outputs: dict[str, tuple[int | None, str]] = {}
+    try:
+        await asyncio.to_thread(wait_for_port, port, 15.0)
+        for value in ("false", "maybe"):
+            proc = await asyncio.create_subprocess_exec(
+                str(Path(sys.executable).parent / "locust"),
+                "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "2s",
+                "--host", f"http://127.0.0.1:{port}", "--only-summary", "ShortUnique",
+                env={"PATH": str(Path(sys.executable).parent), "KVGATE_LOCUST_STREAM": value},
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+            out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+            outputs[value] = (proc.returncode, out.decode())
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), timeout=10)
+    code, text = outputs["false"]
+    assert code == 0, text[-2000:]
+    requests, failures = re.findall(r"^POST\s+ShortUnique\s+(\d+)\s+(\d+)\(", text, re.M)[0]
+    assert int(requests) >= 2 and failures == "0", text[-2000:]
+    assert "streamed requests: TTFT" not in text
+    code, text = outputs["maybe"]
+    assert code == 1 and "KVGATE_LOCUST_STREAM must be 1 or 0" in text, text[-2000:]
