@@ -261,3 +261,29 @@ def test_a_port_given_twice_is_a_usage_error(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith(f"kvgate replica: error: {says}"), err
+
+
+@pytest.mark.parametrize("taken", ["events", "replay"])
+def test_an_event_port_in_use_exits_instead_of_hanging(taken: str) -> None:
+    """With its event (or replay) port held by another process, `kvgate replica` logged
+    "Address already in use" and then hung for ever: the socket whose bind failed was left
+    open, and the ZMQ context's term() waited for it."""
+    import socket
+    import subprocess
+    import sys
+
+    from cachecore.testing import free_ports
+
+    http, events, replay = free_ports(3)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", events if taken == "events" else replay))
+        holder.listen()
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "gateway.cli", "replica", "--http-ports", str(http),
+                "--events-ports", str(events), "--replay-ports", str(replay),
+            ],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "kvgate replica: Address already in use" in proc.stderr, proc.stderr[-2000:]

@@ -74,18 +74,23 @@ class KVEventPublisher:
         return self._seq
 
     def start(self) -> None:
-        pub = self._ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(self.pub_endpoint)
-        self._pub = pub
+        self._pub = self._bound(zmq.PUB, self.pub_endpoint)
         if self.replay_endpoint:
-            router = self._ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
-            router.setsockopt(zmq.LINGER, 0)
-            router.bind(self.replay_endpoint)
-            self._router = router
+            router = self._router = self._bound(zmq.ROUTER, self.replay_endpoint)
             self._replay_task = asyncio.create_task(self._serve_replay(router))
+
+    def _bound(self, kind: int, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        try:
+            sock.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(endpoint)
+        except BaseException:
+            # a socket left open (its port in use) made the context's term() wait for it
+            # for ever: `kvgate replica` printed the error and hung
+            sock.close(linger=0)
+            raise
+        return sock
 
     async def close(self) -> None:
         await cancel_and_wait(self._replay_task)
