@@ -44,7 +44,7 @@ from cachecore.kvevents import (
     encode_batch,
 )
 from cachecore.testing import RedisServer, free_port, free_ports
-from gateway.cli import comma_list, positive_float
+from gateway.cli import comma_list, nonnegative_int, positive_float, positive_int
 
 _TS_ZERO = b"\xcb" + b"\x00" * 8  # msgpack float64 0.0: the placeholder patched at send time
 
@@ -313,13 +313,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seconds", type=positive_float, default=6.0, help="duration of a rated phase"
     )
-    parser.add_argument("--max-block-events", type=int, default=600_000, help="size of 'max'")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--blocks-per-event", type=int, default=16)
-    parser.add_argument("--events-per-batch", type=int, default=4)
-    parser.add_argument("--window-blocks", type=int, default=50_000)
+    parser.add_argument(
+        "--max-block-events", type=positive_int, default=600_000, help="size of 'max'"
+    )
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--blocks-per-event", type=positive_int, default=16)
+    parser.add_argument("--events-per-batch", type=positive_int, default=4)
+    parser.add_argument("--window-blocks", type=nonnegative_int, default=50_000)
     parser.add_argument("--encoding", choices=[e.value for e in Encoding], default="map")
-    parser.add_argument("--drain-timeout", type=float, default=120.0)
+    parser.add_argument("--drain-timeout", type=positive_float, default=120.0)
 
 
 def run(args: argparse.Namespace) -> int:
