@@ -44,6 +44,27 @@ def finite_float(strictly_positive: bool) -> Callable[[str], float]:
     return parse
 
 
+def float_between(
+    low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> Callable[[str], float]:
+    """A finite float in ``[low, high]`` (each end excluded when ``*_open``): a share, a
+    fraction of a CPU."""
+    span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        if not (above and below):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be a number in {span}, got {text}")
+        return value
+
+    return parse
+
+
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 positive_float = finite_float(strictly_positive=True)

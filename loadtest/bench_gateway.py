@@ -54,6 +54,7 @@ import httptools
 import httpx
 import orjson
 
+from cachecore.argtypes import float_between, nonnegative_float, nonnegative_int
 from cachecore.testing import free_port, free_ports, wait_for_port
 from gateway.cli import comma_list, one_of, positive_float, positive_int
 
@@ -688,8 +689,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="ab, decision, rate",
     )
     parser.add_argument("--requests", type=positive_int, default=400, help="A/B requests per arm")
-    parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--warmup", type=nonnegative_int, default=30)
+    parser.add_argument("--prompt-tokens", type=positive_int, default=2048)
     parser.add_argument(
         "--time-scale", type=positive_float, default=0.01, help="replica model time"
     )
@@ -700,9 +701,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="replica model time in the rate part (its own replica): low enough that the "
         "replica does not queue, so the arms differ by the gateway alone",
     )
-    parser.add_argument("--cpu-cap", type=float, default=0.6, help="pace the A/B under this")
-    parser.add_argument("--gap-ms", type=float, default=5.0, help="initial A/B pause per pair")
-    parser.add_argument("--idle-s", type=float, default=3.0, help="idle background window")
+    parser.add_argument(
+        "--cpu-cap",
+        type=float_between(0, 1, low_open=True),
+        default=0.6,
+        help="pace the A/B under this",
+    )
+    parser.add_argument(
+        "--gap-ms", type=nonnegative_float, default=5.0, help="initial A/B pause per pair"
+    )
+    parser.add_argument(
+        "--idle-s", type=nonnegative_float, default=3.0, help="idle background window"
+    )
     parser.add_argument("--bare", action="store_true", help="add a bare passthrough arm")
     parser.add_argument("--decision-tokens", type=positive_int, default=8192)
     parser.add_argument("--decision-replicas", type=positive_int, default=16)

@@ -66,7 +66,13 @@ import redis.asyncio as aioredis
 import yaml
 
 from cachecore.agent.expect import dump_when_idle, expected_keys
-from cachecore.argtypes import positive_float, positive_int, writable_file
+from cachecore.argtypes import (
+    float_between,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    writable_file,
+)
 from cachecore.engine.latency import get_profile
 from cachecore.index.redis import RedisIndex
 from cachecore.replica.fleet import FleetProcess, launch_fleet
@@ -830,28 +836,38 @@ def soak_policy(time_scale: float, slots: int) -> str:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--minutes", type=float, default=10.0, help="traffic duration")
-    a("--rate", type=float, default=8.0, help="offered requests/s (all kinds)")
+    a("--minutes", type=positive_float, default=10.0, help="traffic duration")
+    a("--rate", type=positive_float, default=8.0, help="offered requests/s (all kinds)")
     # checked by argparse: --replicas 0 started Redis and a gateway with no replica, then hung
     a("--replicas", type=positive_int, default=4)
     a("--blocks", type=positive_int, default=1024, help="KV blocks per replica (small: churn)")
     a("--time-scale", type=positive_float, default=0.5, help="replicas' time scale")
     a("--sample-s", type=positive_float, default=5.0)
     a("--reload-s", type=positive_float, default=30.0, help="admin policy reload period")
-    a("--warmup-frac", type=float, default=0.3, help="share of the run that is warm-up")
-    a("--drain-s", type=float, default=120.0, help="bound on waiting for the last answers")
-    a("--settle-s", type=float, default=20.0, help="bound on waiting for the index to agree")
+    a(
+        "--warmup-frac",
+        type=float_between(0, 1, high_open=True),
+        default=0.3,
+        help="share of the run that is warm-up",
+    )
+    a("--drain-s", type=positive_float, default=120.0, help="bound on waiting for the last answers")
+    a(
+        "--settle-s",
+        type=positive_float,
+        default=20.0,
+        help="bound on waiting for the index to agree",
+    )
     a("--seed", type=int, default=0)
     a(
         "--chaos-s",
-        type=float,
+        type=nonnegative_float,
         default=0.0,
         help="inject a fault this often (0: none): event drops, an engine pause, a Redis "
         "restart, failing health checks, an engine restart, in rotation",
     )
     a(
         "--tokenizer-cache-tokens",
-        type=int,
+        type=positive_int,
         default=50_000,
         help="the gateway's segment cache bound (small, so bounded caches fill during "
         "warm-up and what still grows after it is a leak; serving default 1,000,000)",
@@ -861,9 +877,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.minutes <= 0 or args.rate <= 0:
-        print("kvgate bench soak: --minutes and --rate must be positive", file=sys.stderr)
-        return 2
     admin_key = "soak-admin-" + secrets.token_hex(8)
     keys = {t: f"sk-soak-{t}-{secrets.token_hex(8)}" for t in TENANTS}
     slots = get_profile(PROFILE).max_num_seqs
