@@ -397,3 +397,19 @@ async def test_request_id_from_the_header_first_and_a_running_one_is_refused(
         r = await first
         assert r.status_code == 200 and r.json()["id"] == "chatcmpl-dup" and refused >= 3
         assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode_chat(msgs))
+
+
+@pytest.mark.parametrize(
+    ("value", "status"), [("yes", 200), ("false", 200), (1, 200), ("maybe", 400), (2, 400)]
+)
+async def test_tokenize_flags_are_lax_bools_as_in_vllm(
+    http: httpx.AsyncClient, value: object, status: int
+) -> None:
+    """vLLM's request models are plain pydantic models (not strict): a bool field takes
+    "yes"/"false"/1 and refuses "maybe" or 2 with a 400. The simulated replica answers the
+    same, so a client (or the gateway's engine tokenization) sees what vLLM would do."""
+    body = {"prompt": "hello", "add_special_tokens": value}
+    resp = await http.post("/tokenize", json=body)
+    assert resp.status_code == status, resp.text
+    if status == 400:
+        assert resp.json()["error"]["param"] == "add_special_tokens"
