@@ -332,6 +332,7 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
                 liar, epoch, IndexWrite({x: int(Tier.GPU) for x in keys}), int(time.time() * 1000)
             )
 
+        skipped_before = _claim_checks(gw, liar, "skipped")
         misrouted = 0
         requests_until = 0
         for _ in range(3 * Q_M):  # bounded: the bound is K, allow 3M
@@ -346,6 +347,10 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
             # on every background task cost the full timeout per request while quarantined)
             await until(gw.background_settled, Q_SETTLE_S + 2.0)
         quarantined = gw.quarantine.is_quarantined(liar)
+        # a check the gateway could not conclude (its index lookup timed out on a busy
+        # machine, the removal log did not reach back) judges nothing, by design: the
+        # bound is K checks that could tell, so each skipped one allows one more request
+        skipped = _claim_checks(gw, liar, "skipped") - skipped_before
         admin = (
             await st.http.get(st.g.url + "/admin/quarantine", headers=st.g.admin_headers)
         ).json()
@@ -372,18 +377,44 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
         released = not gw.quarantine.is_quarantined(liar)
     finally:
         await rogue.close()
-    ok = quarantined and requests_until <= k and ignored == lies_while and released
+    ok = false_claims_held(quarantined, requests_until, k, skipped) and (
+        ignored == lies_while and released
+    )
     held = Outcome.HELD if ok else Outcome.BROKEN
     return AttackResult(
         "3 poisoning: false claims for its own replica",
         f"{requests_until} lies, {lies_while} while quarantined, {honest} honest",
         held,
         f"quarantined after {requests_until} requests (bound K={k}: X={Q_MISSING:.0%} "
-        f"missing on K of the last M={Q_M}), {misrouted} misrouted; "
+        f"missing on K of the last M={Q_M}"
+        + (f"; {skipped} check(s) skipped: the gateway could not tell" if skipped else "")
+        + f"), {misrouted} misrouted; "
         f"admin sees {admin.get('quarantined')}; lies ignored while quarantined "
         f"{ignored}/{lies_while}; released after {honest} honest requests"
         f" (recover_after={Q_RECOVER})",
     )
+
+
+def false_claims_held(quarantined: bool, requests_until: int, k: int, skipped: int) -> bool:
+    """The liar was quarantined within ``k`` lying requests, plus one for each of its
+    checks the gateway skipped (it could not tell an eviction from a lie: no verdict
+    either way). Counting those against K made `kvgate attack` report the defence BROKEN
+    ("AN ATTACK SUCCEEDED", exit 1) whenever one index lookup timed out on a busy host."""
+    return quarantined and requests_until <= k + skipped
+
+
+def _claim_checks(gw: Any, replica: str, outcome: str) -> int:
+    """The gateway's kvgate_claim_checks_total for ``replica`` and ``outcome``."""
+    for metric in gw.metrics.claim_checks.collect():
+        for sample in metric.samples:
+            labels = sample.labels
+            if (
+                sample.name.endswith("_total")
+                and labels.get("replica") == replica
+                and labels.get("outcome") == outcome
+            ):
+                return int(sample.value)
+    return 0
 
 
 # ------------------------------------------------------------------------ 3c: stale replay
