@@ -196,3 +196,31 @@ def test_an_infinite_or_huge_duration_is_refused(
     ]  # fmt: skip
     err = _refusal(argv, monkeypatch, capsys)
     assert says in err, err
+
+
+async def test_an_unreachable_engine_at_start_is_a_warning_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An agent started with a wrong --engine-url (nothing listening) logged nothing above
+    DEBUG for as long as it ran: not ready, and silent about why."""
+    import asyncio
+
+    from cachecore.agent import Agent, AgentSettings
+    from cachecore.index.memory import MemoryIndex
+    from cachecore.testing import free_port
+
+    settings = AgentSettings(
+        replica_id="r9", engine_url=f"http://127.0.0.1:{free_port()}",
+        events="tcp://127.0.0.1:9", scrape_interval_s=0.02, unavailable_after_s=0.05,
+        heartbeat_interval_s=0.01,
+    )  # fmt: skip
+    agent = Agent(settings, MemoryIndex())
+    caplog.set_level("DEBUG", logger="cachecore.agent.agent")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(agent._wait_for_engine(), 1.0)
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r.getMessage() for r in warned] == [
+        "engine not reachable; waiting for it (logged once)"
+    ], warned
+    assert getattr(warned[0], "engine_url", None) == settings.engine_url
+    assert sum(r.getMessage() == "engine not reachable yet" for r in caplog.records) >= 3

@@ -299,7 +299,7 @@ class Agent:
 
     async def _wait_for_engine(self) -> EngineSnapshot:
         t0 = time.monotonic()
-        marked = False
+        marked = engine_warned = False
         self._index_warned = False  # one WARNING per wait, not one per scrape
         while True:
             try:
@@ -307,9 +307,24 @@ class Agent:
             except ScrapeError as exc:
                 self.metrics.scrape_errors.inc()
                 self.metrics.engine_up.set(0)
-                if not marked and time.monotonic() - t0 >= self.settings.unavailable_after_s:
+                waited = time.monotonic() - t0
+                if not marked and waited >= self.settings.unavailable_after_s:
                     marked = await self._mark_persisted_unavailable()
-                log.debug("engine not reachable yet", extra={"error": str(exc)})
+                # once per wait: at DEBUG only, a wrong --engine-url left the agent silent
+                # (not ready, nothing logged) for as long as it ran
+                late = not engine_warned and waited >= self.settings.unavailable_after_s
+                log.log(
+                    logging.WARNING if late else logging.DEBUG,
+                    "engine not reachable; waiting for it (logged once)"
+                    if late
+                    else "engine not reachable yet",
+                    extra={
+                        "replica": self.primary_id,
+                        "engine_url": self.settings.engine_url,
+                        "error": str(exc),
+                    },
+                )
+                engine_warned = engine_warned or late
                 await asyncio.sleep(self.settings.scrape_interval_s)
                 continue
             if snap.start_time is None:
