@@ -133,12 +133,19 @@ def exit_code(rows: list[AttackResult]) -> int:
 
 
 def _only(text: str) -> set[int]:
-    try:
-        ids = {int(x) for x in text.split(",") if x.strip()}
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--only takes attack numbers, e.g. 1,4: {exc}") from exc
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:  # it read "unknown attack numbers []"
+        raise argparse.ArgumentTypeError("no attack number given, e.g. 1,4 (known 1-6)")
+    ids: set[int] = set()
+    for part in parts:
+        try:
+            ids.add(int(part))
+        except ValueError:  # it quoted Python's "invalid literal for int() with base 10"
+            raise argparse.ArgumentTypeError(
+                f"not an attack number: {part!r} (known 1-6)"
+            ) from None
     bad = ids - set(ATTACKS)
-    if bad or not ids:
+    if bad:
         raise argparse.ArgumentTypeError(f"unknown attack numbers {sorted(bad)}; known 1-6")
     return ids
 

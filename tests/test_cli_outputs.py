@@ -247,3 +247,23 @@ def test_bench_soak_and_gateway_numbers_are_checked_by_argparse(
         parser.parse_args(argv)
     assert exc.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("", "no attack number given, e.g. 1,4 (known 1-6)"),
+        (",", "no attack number given, e.g. 1,4 (known 1-6)"),
+        ("1,x", "not an attack number: 'x' (known 1-6)"),
+    ],
+)
+def test_attack_only_says_what_is_wrong(
+    value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate attack --only ''` said "unknown attack numbers []", and `--only x` quoted
+    Python's "invalid literal for int() with base 10: 'x'"."""
+    with pytest.raises(SystemExit) as exc:
+        main(["attack", "--only", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"kvgate attack: error: argument --only: {says}"
