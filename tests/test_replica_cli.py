@@ -263,11 +263,12 @@ def test_a_port_given_twice_is_a_usage_error(
     assert err.strip().splitlines()[-1].startswith(f"kvgate replica: error: {says}"), err
 
 
-@pytest.mark.parametrize("taken", ["events", "replay"])
-def test_an_event_port_in_use_exits_instead_of_hanging(taken: str) -> None:
+@pytest.mark.parametrize("taken", ["events", "replay", "http"])
+def test_a_port_in_use_is_one_line_and_exit_1(taken: str) -> None:
     """With its event (or replay) port held by another process, `kvgate replica` logged
     "Address already in use" and then hung for ever: the socket whose bind failed was left
-    open, and the ZMQ context's term() waited for it."""
+    open, and the ZMQ context's term() waited for it. With its HTTP port held, it exited 3
+    after uvicorn's logged error (a JSON line), unlike the event ports' one line, exit 1."""
     import socket
     import subprocess
     import sys
@@ -276,7 +277,7 @@ def test_an_event_port_in_use_exits_instead_of_hanging(taken: str) -> None:
 
     http, events, replay = free_ports(3)
     with socket.socket() as holder:
-        holder.bind(("127.0.0.1", events if taken == "events" else replay))
+        holder.bind(("127.0.0.1", {"events": events, "replay": replay, "http": http}[taken]))
         holder.listen()
         proc = subprocess.run(
             [
@@ -286,4 +287,5 @@ def test_an_event_port_in_use_exits_instead_of_hanging(taken: str) -> None:
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "kvgate replica: Address already in use" in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvgate replica: ") and "already in use" in last, last

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,24 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket as uvicorn's Config.bind_socket makes one (IPv6 for a host with
+    a colon, SO_REUSEADDR), raising OSError where uvicorn would log and exit."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"{exc.strerror} (HTTP {host}:{port})") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 @dataclass
@@ -149,9 +168,14 @@ async def run_fleet(
     ]
     fleet = Fleet(settings, replicas)
     tasks: list[asyncio.Task[None]] = []
+    listeners: list[socket.socket] = []
     try:
         for rep in replicas:
             await rep.start()
+        # every HTTP port bound before any server starts: a port in use is an OSError here,
+        # as one of the event ports is, not uvicorn's logged error and SystemExit(3)
+        for i in range(count):
+            listeners.append(_listen(settings.host, replicas[i * dp].ports.http))
         for i in range(count):
             rep = replicas[i * dp]
             app = create_app(rep) if dp == 1 else DataParallelFront(replicas[i * dp : i * dp + dp])
@@ -168,7 +192,9 @@ async def run_fleet(
             )
             server = _Server(config)
             fleet.servers.append(server)
-            tasks.append(asyncio.create_task(server.serve(), name=f"http-{rep.index}"))
+            tasks.append(
+                asyncio.create_task(server.serve(sockets=[listeners[i]]), name=f"http-{rep.index}")
+            )
         deadline = time.monotonic() + 15
         while not all(s.started for s in fleet.servers):
             for t in tasks:
@@ -191,6 +217,8 @@ async def run_fleet(
                 await t
         for rep in replicas:
             await rep.stop()
+        for sock in listeners:
+            sock.close()
         ctx.term()
 
 
