@@ -289,3 +289,15 @@ def test_a_port_in_use_is_one_line_and_exit_1(taken: str) -> None:
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kvgate replica: ") and "already in use" in last, last
+
+
+def test_an_ipv6_host_is_bracketed_in_the_printed_url() -> None:
+    """`kvgate replica --host ::1` printed (and put in its ready line) http://::1:9100,
+    which is no URL: a gateway or agent given it could not connect."""
+    from cachecore.replica.settings import ReplicaPorts, ReplicaSettings, endpoints_for
+
+    ports = ReplicaPorts.from_base(9100, 0)
+    for host, url in (("::1", "http://[::1]:9100"), ("0.0.0.0", "http://127.0.0.1:9100")):
+        ep = endpoints_for(ReplicaSettings(host=host), 0, ports)
+        assert ep.url == url
+        assert httpx.URL(ep.url).port == 9100

@@ -155,7 +155,7 @@ def build_ports(args: argparse.Namespace, dp: int = 1) -> list[ReplicaPorts]:
                 flag = name if getattr(args, name.replace("-", "_")) else "base-port"
                 _usage_error(f"argument --{flag}: port {port} is out of range (0-65535)")
     planned = [ReplicaPorts(h, e, r) for h, e, r in zip(http, events, replay, strict=True)]
-    # one port bound twice fails only at the bind (uvicorn's error, exit 3): the HTTP,
+    # one port given twice would fail only at its second bind, as "in use": the HTTP,
     # event and replay ports (and a data-parallel core's own event and replay ports) share
     # the TCP port space; 0 is "any free port", never a clash
     try:

@@ -146,6 +146,8 @@ def endpoints_for(
 ) -> ReplicaEndpoints:
     ev_host = "127.0.0.1" if settings.events_host in ("0.0.0.0", "*") else settings.events_host
     http_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    if ":" in http_host:  # an IPv6 address: bracketed in a URL ("http://::1:9100" is none)
+        http_host = f"[{http_host.strip('[]')}]"
     return ReplicaEndpoints(
         index=index,
         url=f"http://{http_host}:{ports.http}",
