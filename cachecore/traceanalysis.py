@@ -487,11 +487,27 @@ def _fail(what: str) -> int:
     return 2
 
 
+def _distinct(paths: Sequence[Path]) -> list[Path]:
+    """``paths`` less the ones naming a file already given (``a.jsonl ./a.jsonl``, two
+    overlapping globs): read twice, every record counted twice, every store a tier change
+    and every clear doubled, without a word."""
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for path in paths:
+        key = path.resolve()
+        if key in seen:
+            print(f"kvgate trace: {path} names a file already given: read once", file=sys.stderr)
+            continue
+        seen.add(key)
+        out.append(path)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     if args.end is not None and not math.isfinite(args.end):
         return _fail(f"--end must be a finite time, got {args.end}")
     try:
-        events, requests, bad = read_jsonl(args.files)
+        events, requests, bad = read_jsonl(_distinct(args.files))
     except OSError as exc:
         return _fail(f"cannot read {exc.filename or 'input'}: {exc.strerror or exc}")
     if not events and not requests:
@@ -508,7 +524,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--{exc}")
         print(format_event_report(report))
     if requests:
-        print()
+        if events:
+            print()
         print(format_request_report(analyze_requests(requests)))
     if bad:
         print(f"\nskipped {bad} unparseable or invalid lines")

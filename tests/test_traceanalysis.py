@@ -294,3 +294,26 @@ def test_a_reader_that_leaves_early_stops_the_command_quietly(tmp_path: Path) ->
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err
+
+
+def test_cli_a_file_given_twice_is_read_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvgate trace analyze a.jsonl ./a.jsonl` (or two overlapping globs) read the file
+    twice without a word: every request counted twice, every store a tier change, every
+    clear doubled. And a requests-only report began with an empty line."""
+    f = tmp_path / "a.jsonl"
+    f.write_text(
+        '{"ts":10,"replica":"r0","op":"store","key":"a"}\n'
+        '{"ts":20,"replica":"r0","op":"clear"}\n'
+        '{"ts":21,"replica":"r0","prompt_tokens":100,"cached_tokens":50}\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _analyze_cli(capsys, f, "./a.jsonl")
+    assert code == 0
+    assert err == "kvgate trace: a.jsonl names a file already given: read once\n"
+    assert "| r0 | 1 | 0 | 0 | 1 |" in out and "requests: 1," in out, out
+    g = tmp_path / "requests.jsonl"
+    g.write_text('{"ts":21,"replica":"r0","prompt_tokens":100,"cached_tokens":50}\n')
+    code, out, _ = _analyze_cli(capsys, g)
+    assert code == 0 and out.startswith("requests: 1,"), out
