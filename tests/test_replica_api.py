@@ -413,3 +413,17 @@ async def test_tokenize_flags_are_lax_bools_as_in_vllm(
     assert resp.status_code == status, resp.text
     if status == 400:
         assert resp.json()["error"]["param"] == "add_special_tokens"
+
+
+async def test_a_bad_data_parallel_rank_header_is_quoted_as_text(tokenizer: HFTokenizer) -> None:
+    """The 400 for X-data-parallel-rank: 2 on a two-core replica said "got b'2'" (the
+    header's bytes repr)."""
+    settings = ReplicaSettings(time_scale=0.05, data_parallel_size=2)
+    async with (
+        run_fleet(settings, count=1, tokenizer=tokenizer) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0]) as h,
+    ):
+        body = {"prompt": "hello", "max_tokens": 1}
+        r = await h.post("/v1/completions", json=body, headers={"X-data-parallel-rank": "2"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "X-data-parallel-rank must be 0 to 1, got '2'"

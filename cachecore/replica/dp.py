@@ -106,7 +106,8 @@ class DataParallelFront:
             except ValueError:
                 rank = -1
             if not 0 <= rank < len(self.ranks):
-                msg = f"X-data-parallel-rank must be 0 to {len(self.ranks) - 1}, got {named!r}"
+                got = named.decode("latin-1")  # header bytes: the repr said b'2'
+                msg = f"X-data-parallel-rank must be 0 to {len(self.ranks) - 1}, got {got!r}"
                 await _json(400, error_body(msg, 400, "BadRequestError"))(scope, receive, send)
                 return
         if path == "/metrics":
