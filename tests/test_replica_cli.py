@@ -301,3 +301,32 @@ def test_an_ipv6_host_is_bracketed_in_the_printed_url() -> None:
         ep = endpoints_for(ReplicaSettings(host=host), 0, ports)
         assert ep.url == url
         assert httpx.URL(ep.url).port == 9100
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "missing"])
+def test_a_tokenizer_dir_that_cannot_be_loaded_is_a_usage_error(
+    tmp_path: Path, broken: str
+) -> None:
+    """`kvgate replica --tokenizer-dir DIR` with a malformed tokenizer.json was a traceback
+    (the tokenizers library's bare Exception, "EOF while parsing an object"), and a
+    directory without one exited 1: a flag's bad value, refused as argparse does."""
+    import shutil
+    import subprocess
+    import sys
+
+    from cachecore.tokenizer import export_builtin
+
+    model = tmp_path / "model"
+    export_builtin(model)
+    if broken == "missing":
+        shutil.rmtree(model)
+    else:
+        (model / broken).write_text("{")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "replica", "--tokenizer-dir", str(model)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"kvgate replica: error: argument --tokenizer-dir: cannot load {model}")

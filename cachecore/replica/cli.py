@@ -13,6 +13,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 import zmq
@@ -25,6 +26,7 @@ from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
 from cachecore.replica.fleet import plan_rank_ports, run_fleet
 from cachecore.replica.settings import ReplicaPorts, ReplicaSettings
+from cachecore.tokenizer import HFTokenizer
 
 DEFAULT_BASE_PORT = 9100
 
@@ -176,13 +178,29 @@ def build_ports(args: argparse.Namespace, dp: int = 1) -> list[ReplicaPorts]:
     return planned
 
 
-async def _serve(settings: ReplicaSettings, ports: list[ReplicaPorts]) -> None:
+def load_tokenizer(settings: ReplicaSettings) -> HFTokenizer | None:
+    """The ``--tokenizer-dir`` model's tokenizer, loaded before anything starts; a directory
+    it cannot be loaded from is a usage error. None: the built-in one."""
+    if not settings.tokenizer_dir:
+        return None
+    try:
+        return HFTokenizer.from_dir(Path(settings.tokenizer_dir))
+    # the `tokenizers` library raises a bare Exception for a malformed tokenizer.json
+    # ("EOF while parsing an object"); it was a traceback, as a bad tokenizer_config.json
+    # (JSONDecodeError) was, and a missing file was exit 1
+    except Exception as exc:
+        _usage_error(f"argument --tokenizer-dir: cannot load {settings.tokenizer_dir}: {exc}")
+
+
+async def _serve(
+    settings: ReplicaSettings, ports: list[ReplicaPorts], tokenizer: HFTokenizer | None = None
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    async with run_fleet(settings, len(ports), ports=ports) as fleet:
+    async with run_fleet(settings, len(ports), ports=ports, tokenizer=tokenizer) as fleet:
         freeze_startup_heap()  # a full collection would otherwise stall the engine loops
         for ep in fleet.endpoints:
             rank = "" if ep.dp_rank is None else f" (data-parallel rank {ep.dp_rank})"
@@ -211,8 +229,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     settings = build_settings(args)
     ports = build_ports(args, settings.data_parallel_size)
+    tokenizer = load_tokenizer(settings)
     try:
-        asyncio.run(_serve(settings, ports))
+        asyncio.run(_serve(settings, ports, tokenizer))
     except (OSError, zmq.ZMQError) as exc:  # a port in use
         print(f"kvgate replica: {exc}", file=sys.stderr)
         return 1
