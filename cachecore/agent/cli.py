@@ -126,7 +126,8 @@ def settings_error(exc: ValidationError) -> str:
         field = ".".join(str(x) for x in err["loc"])
         flag = flags.get(field)
         where = f"--{flag.replace('_', '-')}, " if flag else ""
-        parts.append(f"{field} ({where}KVGATE_AGENT_{field.upper()}): {err['msg']}")
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's wrapping of our own
+        parts.append(f"{field} ({where}KVGATE_AGENT_{field.upper()}): {msg}")
     return "; ".join(parts)
 
 

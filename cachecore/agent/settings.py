@@ -95,8 +95,19 @@ class AgentSettings(BaseSettings):
     @field_validator("events", "replay")
     @classmethod
     def _zmq_endpoint(cls, v: str | None) -> str | None:
-        if v is not None and "://" not in v:
-            raise ValueError(f"not a ZMQ endpoint: {v!r} (expected tcp://HOST:PORT)")
+        # checked here, not by ZMQ's connect: tcp://HOST without a port (or udp://) was a
+        # ZMQError traceback in a running agent that then never became ready, and a port
+        # past 65535 connected to nothing without a word
+        if v is None:
+            return v
+        scheme, sep, rest = v.partition("://")
+        if sep and scheme == "ipc" and rest:
+            return v
+        host, colon, port = rest.rpartition(":")
+        if not (sep and scheme == "tcp" and colon and host and port.isdigit()):
+            raise ValueError(f"not a ZMQ endpoint: {v!r} (expected tcp://HOST:PORT or ipc://PATH)")
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"not a TCP port (1-65535) in {v!r}")
         return v
 
     @model_validator(mode="after")
