@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from cachecore.agent.settings import check_zmq_endpoint
 from cachecore.index.layout import split_dp_replica_id, validate_replica_id
 from cachecore.registry import InvalidURLError, normalize_url
 from cachecore.tasks import cancel_and_wait
@@ -102,6 +103,10 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
         for ep in (ev, rp):
             if not ep.startswith(AGENT_ENDPOINT_SCHEMES):
                 raise ReplicaSpecError(f"agent endpoint must be tcp:// or ipc://, got {ep!r}")
+            try:  # the embedded agent's own check: else a traceback at the gateway's start
+                check_zmq_endpoint(ep)
+            except ValueError as exc:
+                raise ReplicaSpecError(f"agent endpoint: {exc}") from None
         events, replay = ev, rp
     named = rid is not None
     rid = rid or default_replica_id(url)

@@ -253,3 +253,23 @@ def test_an_events_endpoint_zmq_cannot_connect_to_is_refused(
     with pytest.raises(ValidationError) as exc:
         cli.settings_from_args(args)
     assert says in cli.settings_error(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("r0=http://a:1=tcp://a,tcp://a:5558", "not a ZMQ endpoint: 'tcp://a'"),
+        ("r0=http://a:1=tcp://a:5557,tcp://a:70000", "not a TCP port (1-65535)"),
+    ],
+)
+def test_an_embedded_agents_endpoint_is_checked_in_the_replica_spec(spec: str, says: str) -> None:
+    """`kvgate serve --replica r0=URL=tcp://a,tcp://a:5558` (no events port) started the
+    gateway with an embedded agent that died on ZMQ's connect; with the endpoint check in
+    the agent's settings it became a traceback at the gateway's start-up (exit 3). The
+    spec refuses it, so `kvgate serve` prints one line and exits 2."""
+    from gateway.replicas import ReplicaSpecError, parse_replica_spec
+
+    with pytest.raises(ReplicaSpecError) as exc:
+        parse_replica_spec(spec)
+    assert str(exc.value).startswith("agent endpoint: ") and says in str(exc.value)
+    assert parse_replica_spec("r0=http://a:1=tcp://a:5557,ipc:///tmp/r").events == "tcp://a:5557"

@@ -14,6 +14,24 @@ from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
 MAX_TTL_S = 86_400.0
 
 
+def check_zmq_endpoint(endpoint: str) -> str:
+    """``endpoint`` if an agent can connect to it (``tcp://HOST:PORT``, port 1-65535, or
+    ``ipc://PATH``), else ValueError. Checked up front, not by ZMQ's connect: tcp://HOST
+    without a port (or udp://) was a ZMQError traceback in a running agent that then never
+    became ready, and a port past 65535 connected to nothing without a word."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme == "ipc" and rest:
+        return endpoint
+    host, colon, port = rest.rpartition(":")
+    if not (sep and scheme == "tcp" and colon and host and port.isdigit()):
+        raise ValueError(
+            f"not a ZMQ endpoint: {endpoint!r} (expected tcp://HOST:PORT or ipc://PATH)"
+        )
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"not a TCP port (1-65535) in {endpoint!r}")
+    return endpoint
+
+
 class AgentSettings(BaseSettings):
     """Everything one agent (one engine replica) needs."""
 
@@ -95,20 +113,7 @@ class AgentSettings(BaseSettings):
     @field_validator("events", "replay")
     @classmethod
     def _zmq_endpoint(cls, v: str | None) -> str | None:
-        # checked here, not by ZMQ's connect: tcp://HOST without a port (or udp://) was a
-        # ZMQError traceback in a running agent that then never became ready, and a port
-        # past 65535 connected to nothing without a word
-        if v is None:
-            return v
-        scheme, sep, rest = v.partition("://")
-        if sep and scheme == "ipc" and rest:
-            return v
-        host, colon, port = rest.rpartition(":")
-        if not (sep and scheme == "tcp" and colon and host and port.isdigit()):
-            raise ValueError(f"not a ZMQ endpoint: {v!r} (expected tcp://HOST:PORT or ipc://PATH)")
-        if not 1 <= int(port) <= 65535:
-            raise ValueError(f"not a TCP port (1-65535) in {v!r}")
-        return v
+        return None if v is None else check_zmq_endpoint(v)
 
     @model_validator(mode="after")
     def _ttls_outlive_refresh(self) -> AgentSettings:
