@@ -822,3 +822,23 @@ async def test_fresh_agent_trace_keeps_the_replayed_blocks(tmp_path: Path) -> No
         assert report.lifetimes_s == []
     finally:
         await r.close()
+
+
+async def test_a_cancellation_as_the_agent_becomes_ready_reaches_the_waiter() -> None:
+    """``wait_ready`` under 3.11's ``wait_for`` returned normally when its caller was
+    cancelled in the tick the agent became ready: a gateway shut down while starting its
+    embedded agents went on starting. The deterministic form: ready and cancel in one tick."""
+    from cachecore.agent.agent import Agent
+
+    r = Rig(MemoryIndex())
+    agent = Agent(r.settings(), r.index)
+    try:
+        waiter = asyncio.ensure_future(agent.wait_ready(5.0))
+        await asyncio.sleep(0)  # the waiter is parked on the ready event
+        agent.ready.set()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiter, 5.0)
+    finally:
+        await agent.stop()
+        await r.close()

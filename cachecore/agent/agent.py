@@ -161,8 +161,10 @@ class Agent:
             self.ctx.destroy(linger=0)
 
     async def wait_ready(self, timeout_s: float) -> None:
-        """Until the startup catch-up is done (tests, embedded start)."""
-        await asyncio.wait_for(self.ready.wait(), timeout_s)
+        """Until the startup catch-up is done (tests, embedded start). Not wait_for: on 3.11
+        it swallows a cancellation that arrives as the agent becomes ready."""
+        async with asyncio.timeout(timeout_s):
+            await self.ready.wait()
 
     async def drain(self, timeout_s: float = 10.0) -> None:
         """Until every queued command of every rank has been applied (tests)."""
