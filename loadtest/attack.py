@@ -10,9 +10,10 @@ statistical probe, a positive control that must fire (otherwise the row reads NO
 5. malformed-event flood (the agent survives, drops are counted, the index stays exact);
 6. cache flooding by one tenant (the other tenants' hit rate within a stated bound).
 
-Exit status: 0 when every row holds, 1 when any attack succeeded (BROKEN), 2 when none did
-but some probe had no power. ``--unsafe-shared-scope`` runs attacks 1, 2 and 4 against a
-deliberately misconfigured gateway (scoping off) to show the suite catches a leak.
+Exit status: 0 when every row holds, 1 when any attack succeeded (BROKEN), 3 when none did
+but some probe had no power (2 is a usage error, as for every command).
+``--unsafe-shared-scope`` runs attacks 1, 2 and 4 against a deliberately misconfigured
+gateway (scoping off) to show the suite catches a leak.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def exit_code(rows: list[AttackResult]) -> int:
     if any(r.outcome is Outcome.BROKEN for r in rows):
         return 1
     if any(r.outcome is Outcome.NO_POWER for r in rows):
-        return 2
+        return 3  # not 2: argparse's usage error, which a CI job must tell apart
     return 0
 
 
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     print(format_table(rows))
     code = exit_code(rows)
-    verdict = {0: "every attack held", 1: "AN ATTACK SUCCEEDED", 2: "a probe had no power"}
+    verdict = {0: "every attack held", 1: "AN ATTACK SUCCEEDED", 3: "a probe had no power"}
     print(f"\n{len(rows)} rows in {wall:.1f} s: {verdict[code]}")
     for r in rows:
         if "plan" in r.details:

@@ -135,7 +135,7 @@ def test_exit_code_and_only() -> None:
         return AttackResult("1 x", "1", o, "")
 
     assert exit_code([row(Outcome.HELD)]) == 0
-    assert exit_code([row(Outcome.HELD), row(Outcome.NO_POWER)]) == 2
+    assert exit_code([row(Outcome.HELD), row(Outcome.NO_POWER)]) == 3  # 2 is a usage error
     assert exit_code([row(Outcome.NO_POWER), row(Outcome.BROKEN)]) == 1
     assert _only("1,4") == {1, 4}
     for bad in ("7", "x", ""):
