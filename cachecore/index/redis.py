@@ -278,7 +278,15 @@ return 1
 CLEAR_LUA = """
 local meta = KEYS[1]
 local old = redis.call('HGET', meta, 'epoch') or '0'
-local new = redis.call('HINCRBY', meta, 'epoch', 1)
+local new
+if old == '0' or (string.match(old, '^[1-9]%d*$') and #old <= 18) then
+  new = redis.call('HINCRBY', meta, 'epoch', 1)
+else
+  -- an epoch no agent writes (a broken tool's "abc", "-1", "1.5"), which HINCRBY refuses:
+  -- the clear's time in ms, an epoch no earlier one (a count of clears) can equal
+  new = tonumber(ARGV[2])
+  redis.call('HSET', meta, 'epoch', ARGV[2])
+end
 redis.call('HSET', meta, 'state', ARGV[1], 'last_seq', '-1', 'engine_start', ARGV[3],
            'updated_ms', ARGV[2], 'rm_floor', '-1')
 local base = string.sub(meta, 1, -5)
