@@ -303,7 +303,9 @@ async def test_a_corrupt_meta_value_on_redis_is_rebuilt_not_retried(
     agent = await r.start()  # ready within wait_ready's 10 s, or this fails
     await r.settle()
     assert counter_total(agent.metrics.clears, cause="corrupt_meta") == 1
-    epoch = int(await index.client.hget(meta_key, "epoch"))
+    raw = await index.client.hget(meta_key, "epoch")
+    assert raw is not None
+    epoch = int(raw)
     assert epoch > 1_000_000_000_000 if field == "epoch" else epoch >= 1
     assert await r.index_keys() == eng.keys()  # rebuilt from the engine's replay
     for sync in agent.syncs.values():
