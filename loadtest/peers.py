@@ -37,7 +37,13 @@ BLOCK_SIZE = 16
 EVENTS_TOPIC = ""
 
 # peer name -> PyPI package (its venv is .peers/<name>)
-PACKAGES: dict[str, str] = {"vllm-router": "vllm-router", "sglang-router": "sglang-router"}
+# the versions docs/peers.md was verified with (their flags, event topics and routing): an
+# unpinned install took whatever PyPI had that day, and a release that renamed a flag would
+# have made a peer "misconfigured" in one run and not in the last
+PACKAGES: dict[str, str] = {
+    "vllm-router": "vllm-router==0.1.17",
+    "sglang-router": "sglang-router==0.3.2",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -531,3 +531,18 @@ def test_placement_lookups_are_counted_by_result() -> None:
     )
     assert placement_lookups(text) == {"hit": 5.0, "miss": 2.0}
     assert placement_lookups("") == {}
+
+
+def test_the_harness_installs_the_peer_versions_peers_md_was_verified_with() -> None:
+    """`kvgate bench routers` installed the newest release of each peer while docs/peers.md
+    pins the versions its flags, topics and routing were verified with: a release that
+    renamed a flag would have made a peer "misconfigured" in one run and not in another."""
+    import re
+
+    from loadtest.peers import PACKAGES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "peers.md").read_text()
+    pinned = dict(re.findall(r"pip install ((?:vllm|sglang)-router)==([\w.]+)", text))
+    assert set(pinned) == set(PACKAGES)
+    for name, spec in PACKAGES.items():
+        assert spec == f"{name}=={pinned[name]}", (name, spec, pinned[name])
