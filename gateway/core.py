@@ -38,7 +38,7 @@ from cachecore.index.base import (
     empty_match,
 )
 from cachecore.index.memory import MemoryIndex
-from cachecore.keys import BlockKey, BlockKeyer, SaltMinter, Scope, ScopeKind
+from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, Scope, ScopeKind
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
@@ -239,7 +239,10 @@ class Gateway:
                 "no KVGATE_SALT_SECRETS: using a random per-process secret; caches will not "
                 "survive a gateway restart and several gateways will not share them"
             )
-        self.minter = SaltMinter(secrets)
+        try:
+            self.minter = SaltMinter(secrets)
+        except KeyMaterialError as exc:  # the library's words, with the setting they are about
+            raise KeyMaterialError(f"KVGATE_SALT_SECRETS: {exc}") from None
         if settings.debug_unsafe_shared_scope:
             log.warning(
                 "KVGATE_DEBUG_UNSAFE_SHARED_SCOPE is on: ALL TENANTS SHARE ONE CACHE SCOPE "

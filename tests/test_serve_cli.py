@@ -312,3 +312,22 @@ def test_api_keys_in_redis_without_redis_names_the_flags(
         "kvgate serve: --api-keys-redis (KVGATE_API_KEYS_REDIS) needs --redis "
         "(KVGATE_REDIS_URL): the Redis that holds the key hash <prefix>:apikeys"
     )
+
+
+@pytest.mark.parametrize(
+    ("secrets", "why"),
+    [
+        ("short", "at least 16 bytes"),
+        ("0123456789abcdef0,0123456789abcdef1,0123456789abcdef2", "one or two live secrets"),
+    ],
+)
+def test_a_bad_salt_secret_names_its_variable(
+    secrets: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The library's refusal ("a salt secret must be at least 16 bytes") did not say which
+    setting it was about; the salt secrets have no flag, only KVGATE_SALT_SECRETS."""
+    monkeypatch.setenv("KVGATE_SALT_SECRETS", secrets)
+    argv = ["--open", "--replica", "r0=http://127.0.0.1:1", "--port", str(free_port())]
+    err = _serve_refusal(argv, monkeypatch, capsys)
+    assert err.splitlines()[-1].startswith("kvgate serve: KVGATE_SALT_SECRETS: "), err
+    assert why in err
