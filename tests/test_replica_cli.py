@@ -330,3 +330,32 @@ def test_a_tokenizer_dir_that_cannot_be_loaded_is_a_usage_error(
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"kvgate replica: error: argument --tokenizer-dir: cannot load {model}")
+
+
+async def test_a_replicas_http_connections_send_without_nagle() -> None:
+    """43e4bcb bound the replica's HTTP listeners itself with a socket of protocol 0, and
+    asyncio sets TCP_NODELAY only on connections whose socket says IPPROTO_TCP: every
+    response, written as a head and a body, waited for the reader's delayed ACK (~40 ms a
+    request through the gateway). The accepted connection must have TCP_NODELAY."""
+    import socket
+
+    from cachecore.replica.fleet import _listen
+    from cachecore.testing import free_port
+
+    seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    listener = _listen("127.0.0.1", free_port())
+    server = await asyncio.start_server(on_connect, sock=listener)
+    try:
+        port = listener.getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(seen, 5.0) != 0
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
