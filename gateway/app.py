@@ -411,6 +411,12 @@ def create_app(gw: Gateway) -> FastAPI:
     async def admin_keys_reload(request: Request) -> Any:
         """Re-read the key file now (an operator who just revoked a key need not wait for
         the watcher); 400 with the reason, the old keys kept, when the file is refused."""
+        if keys.key_file is None:  # a mistaken call, not a refused file: no ERROR, no count
+            raise GatewayError(
+                400,
+                "the gateway was started without an API key file (--api-keys)",
+                code="invalid_api_keys",
+            )
         try:
             result = keys.reload_file()
         except KeyFileError as exc:

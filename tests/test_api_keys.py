@@ -228,10 +228,14 @@ async def test_admin_keys_reload_needs_the_admin_key_and_says_what_changed(
 
 
 async def test_admin_keys_reload_without_a_key_file_says_so() -> None:
+    """A 400 naming the flag; not a refused file (no ERROR line, no
+    kvgate_api_key_reloads_total{outcome="invalid"}, which operators alert on)."""
     async with stack(count=1) as st, st.http() as h:
         r = await h.post("/admin/keys/reload", headers=st.admin_headers())
+        invalid = st.gw.metrics.api_key_reloads.labels("invalid")._value.get()
     assert r.status_code == 400
     assert "without an API key file (--api-keys)" in r.json()["error"]["message"]
+    assert invalid == 0
 
 
 # ---------------------------------------------------------------- Redis keys, Redis down
