@@ -155,6 +155,8 @@ class GatewayIndex:
         live = self._inflight.get(w.replica)
         if live is not None:
             live.discard(w)
+            if not live:  # replica ids come and go (discovery): no empty set kept per id
+                del self._inflight[w.replica]
 
     def withdraw(self, w: PendingWrite, now_ms: int) -> None:
         """The engine did not take the request (it refused it before any prefill, or was

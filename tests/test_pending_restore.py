@@ -78,3 +78,16 @@ async def test_a_refusal_costs_no_look_at_unrelated_requests_keys() -> None:
         best = min(best, time.perf_counter() - t0)
     assert best < 0.02, f"{best * 1000:.1f} ms"
     assert await pending(mem, other, now + 3) == 1024
+
+
+async def test_finished_writes_leave_no_per_replica_entry_behind() -> None:
+    """Review: the in-flight table kept an empty set for every replica id it had seen, a
+    slow growth where discovery brings replica ids and takes them away."""
+    gi, _ = index()
+    now = 1_000_000
+    done = gi.add_pending(R, chain(b"a", 4), 5_000, now)
+    refused = gi.add_pending(R, chain(b"b", 4), 5_000, now)
+    assert done is not None and refused is not None
+    gi.done(done)
+    gi.withdraw(refused, now + 1)
+    assert gi._inflight == {}
