@@ -43,6 +43,7 @@ from cachecore.argtypes import log_level
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex, redis_client
+from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
@@ -59,7 +60,6 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_AGENT_MODULE = "cachecore.agent.embedded"
 EMBEDDED_AGENT_FUNCTION = "start_embedded_agents"
-LISTEN_BACKLOG = 2048
 
 
 def default_agent_hook() -> AgentHook | None:
@@ -405,59 +405,6 @@ def settings_error(exc: ValidationError) -> str:
         field = ".".join(str(x) for x in err["loc"])
         parts.append(f"{field} (KVGATE_{field.upper()}): {err['msg']}")
     return "; ".join(parts)
-
-
-class ListenError(OSError):
-    """``kvgate serve`` cannot listen on its address; ``reason`` says why (e.g. "Address
-    already in use")."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
-    """Listening sockets on each address a server on ``host:port`` would listen on, so the
-    port is held from the check to the serving with no window for another process to take
-    it (a socket only bound does not hold it against SO_REUSEADDR binders on Linux).
-    Connections made before the server starts wait in the backlog. With SO_REUSEADDR, as
-    asyncio's ``create_server`` sets, so a port in TIME_WAIT is not taken for busy. Raises
-    :class:`ListenError` naming the first failure (nothing stays open)."""
-    try:
-        # a name listed twice (two /etc/hosts lines) resolves twice: one socket per address,
-        # as asyncio's create_server does, or the second bind fails against the first
-        infos = list(
-            dict.fromkeys(
-                socket.getaddrinfo(
-                    host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-                )
-            )
-        )
-    except OSError as exc:  # socket.gaierror: a host name that does not resolve
-        raise ListenError(exc.strerror or str(exc)) from exc
-    bound: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, addr in infos:
-            try:
-                sock = socket.socket(family, kind, proto)
-            except OSError:  # a family this host lacks (no IPv6): asyncio skips it too
-                continue
-            bound.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(addr)
-                sock.listen(backlog)
-            except OSError as exc:
-                raise ListenError(exc.strerror or str(exc)) from exc
-        if not bound:
-            raise ListenError("no address to listen on")
-    except BaseException:
-        for sock in bound:
-            sock.close()
-        raise
-    return bound
 
 
 def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:

@@ -333,13 +333,13 @@ def test_a_tokenizer_dir_that_cannot_be_loaded_is_a_usage_error(
 
 
 async def test_a_replicas_http_connections_send_without_nagle() -> None:
-    """43e4bcb bound the replica's HTTP listeners itself with a socket of protocol 0, and
+    """43e4bcb bound the replica's HTTP listeners with a socket of protocol 0, and
     asyncio sets TCP_NODELAY only on connections whose socket says IPPROTO_TCP: every
     response, written as a head and a body, waited for the reader's delayed ACK (~40 ms a
     request through the gateway). The accepted connection must have TCP_NODELAY."""
     import socket
 
-    from cachecore.replica.fleet import _listen
+    from cachecore.listen import bind_listeners
     from cachecore.testing import free_port
 
     seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -349,7 +349,7 @@ async def test_a_replicas_http_connections_send_without_nagle() -> None:
         seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
         writer.close()
 
-    listener = _listen("127.0.0.1", free_port())
+    (listener,) = bind_listeners("127.0.0.1", free_port())  # what the fleet serves on
     server = await asyncio.start_server(on_connect, sock=listener)
     try:
         port = listener.getsockname()[1]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cachecore.listen import ListenError, bind_listeners
 from cachecore.testing import free_port
 from gateway import serve
 
@@ -36,18 +37,18 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_and_exits_2() -> None:
 
 def test_bind_listeners_holds_the_port_until_closed() -> None:
     port = free_port()
-    socks = serve.bind_listeners("127.0.0.1", port)
+    socks = bind_listeners("127.0.0.1", port)
     try:
         assert [s.getsockname()[1] for s in socks] == [port]
-        with pytest.raises(serve.ListenError, match="Address already in use"):
-            serve.bind_listeners("127.0.0.1", port)
+        with pytest.raises(ListenError, match="Address already in use"):
+            bind_listeners("127.0.0.1", port)
     finally:
         for s in socks:
             s.close()
-    for s in serve.bind_listeners("127.0.0.1", port):  # free again once closed
+    for s in bind_listeners("127.0.0.1", port):  # free again once closed
         s.close()
-    with pytest.raises(serve.ListenError):
-        serve.bind_listeners("no-such-host.invalid", port)
+    with pytest.raises(ListenError):
+        bind_listeners("no-such-host.invalid", port)
 
 
 def test_bind_listeners_tolerates_a_host_that_resolves_twice(
@@ -57,7 +58,7 @@ def test_bind_listeners_tolerates_a_host_that_resolves_twice(
     one socket for it, not a second bind that fails against the first."""
     real = socket.getaddrinfo
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: real(*a, **k) * 2)
-    socks = serve.bind_listeners("127.0.0.1", free_port())
+    socks = bind_listeners("127.0.0.1", free_port())
     try:
         assert len(socks) == 1
     finally:
@@ -78,8 +79,8 @@ def test_serve_holds_its_port_from_the_check_to_serving(monkeypatch: pytest.Monk
     build = serve.build_gateway
 
     def build_while_held(*a: object, **k: object) -> object:
-        with pytest.raises(serve.ListenError, match="Address already in use"):
-            serve.bind_listeners("127.0.0.1", port)
+        with pytest.raises(ListenError, match="Address already in use"):
+            bind_listeners("127.0.0.1", port)
         seen["built"] = True
         return build(*a, **k)  # type: ignore[arg-type]
 
@@ -91,7 +92,7 @@ def test_serve_holds_its_port_from_the_check_to_serving(monkeypatch: pytest.Monk
     monkeypatch.setattr(serve._DrainingServer, "run", run)
     assert serve.run(args) == 0
     assert seen == {"built": True, "served": [port]}
-    for s in serve.bind_listeners("127.0.0.1", port):  # closed again after serving
+    for s in bind_listeners("127.0.0.1", port):  # closed again after serving
         s.close()
 
 

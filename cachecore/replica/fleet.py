@@ -31,6 +31,7 @@ import uvicorn
 import zmq.asyncio
 from starlette.types import ASGIApp
 
+from cachecore.listen import ListenError, bind_listeners
 from cachecore.replica.app import create_app
 from cachecore.replica.dp import DataParallelFront
 from cachecore.replica.server import SimReplica, TokenText
@@ -53,28 +54,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket as uvicorn's Config.bind_socket makes one (IPv6 for a host with
-    a colon, SO_REUSEADDR), raising OSError where uvicorn would log and exit. The protocol
-    named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says
-    IPPROTO_TCP, and without it a response written in two parts (head, body) waited for
-    the gateway's delayed ACK, ~40 ms a request."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        sock.set_inheritable(True)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"{exc.strerror} (HTTP {host}:{port})") from None
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 @dataclass
@@ -172,14 +151,18 @@ async def run_fleet(
     ]
     fleet = Fleet(settings, replicas)
     tasks: list[asyncio.Task[None]] = []
-    listeners: list[socket.socket] = []
+    listeners: list[list[socket.socket]] = []
     try:
         for rep in replicas:
             await rep.start()
         # every HTTP port bound before any server starts: a port in use is an OSError here,
         # as one of the event ports is, not uvicorn's logged error and SystemExit(3)
         for i in range(count):
-            listeners.append(_listen(settings.host, replicas[i * dp].ports.http))
+            port = replicas[i * dp].ports.http
+            try:
+                listeners.append(bind_listeners(settings.host, port))
+            except ListenError as exc:  # the CLI prints it: name the port
+                raise ListenError(f"{exc.reason} (HTTP {settings.host}:{port})") from None
         for i in range(count):
             rep = replicas[i * dp]
             app = create_app(rep) if dp == 1 else DataParallelFront(replicas[i * dp : i * dp + dp])
@@ -197,7 +180,7 @@ async def run_fleet(
             server = _Server(config)
             fleet.servers.append(server)
             tasks.append(
-                asyncio.create_task(server.serve(sockets=[listeners[i]]), name=f"http-{rep.index}")
+                asyncio.create_task(server.serve(sockets=listeners[i]), name=f"http-{rep.index}")
             )
         deadline = time.monotonic() + 15
         while not all(s.started for s in fleet.servers):
@@ -221,8 +204,9 @@ async def run_fleet(
                 await t
         for rep in replicas:
             await rep.stop()
-        for sock in listeners:
-            sock.close()
+        for socks in listeners:
+            for sock in socks:
+                sock.close()
         ctx.term()
 
 
