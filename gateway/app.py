@@ -419,15 +419,10 @@ def create_app(gw: Gateway) -> FastAPI:
             )
         try:
             result = keys.reload_file()
-        except KeyFileError as exc:
+        except KeyFileError as exc:  # logged by reload_file
             on_key_reload(None, str(exc))
-            log.error(
-                "api key file reload refused; keeping the old keys",
-                extra={"path": str(keys.key_file), "error": str(exc), "keys": keys.file_keys},
-            )
             raise GatewayError(400, str(exc), code="invalid_api_keys") from None
         on_key_reload(result, "")
-        log.info("api key file reloaded", extra={"path": str(keys.key_file), **result.as_dict()})
         return {"status": "reloaded", **result.as_dict()}
 
     def _stalled_ms(rid: str) -> float:

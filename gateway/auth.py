@@ -218,10 +218,10 @@ class KeyStore:
         )
 
     def reload_file(self, settled: bool = False) -> KeyReload:
-        """Read the key file again and apply it. Raises :class:`KeyFileError` (and keeps
-        the old keys) on a file that cannot be read, is invalid or empty, or changed while
-        it was read, or ends inside a line while it is new (``settled``: it has kept still
-        for a poll interval, the watcher saw it)."""
+        """Read the key file again, apply it and log the outcome. Raises
+        :class:`KeyFileError` (and keeps the old keys) on a file that cannot be read, is
+        invalid or empty, or changed while it was read, or ends inside a line while it is
+        new (``settled``: it has kept still for a poll interval, the watcher saw it)."""
         if self.key_file is None:
             raise KeyFileError("the gateway was started without an API key file (--api-keys)")
         before = file_version(self.key_file)
@@ -242,10 +242,15 @@ class KeyStore:
                 raise KeyFileError(f"{self.key_file}: no keys (every client would get 401)")
         except KeyFileError as exc:
             self.last_error = str(exc)
+            log.error(
+                "api key file reload refused; keeping the old keys",
+                extra={"path": str(self.key_file), "error": str(exc), "keys": len(self._keys)},
+            )
             raise
         result = self.replace_keys(keys)
         self.reloads += 1
         self.last_error = None
+        log.info("api key file reloaded", extra={"path": str(self.key_file), **result.as_dict()})
         return result
 
     def poll_file(self) -> KeyReload | None:
@@ -263,16 +268,12 @@ class KeyStore:
         self, interval_s: float, on_result: Callable[[KeyReload | None, str], None]
     ) -> None:
         """:meth:`poll_file` every ``interval_s``; ``on_result(reload, "")`` after a reload,
-        ``(None, error)`` after a refused one (logged here, the old keys kept)."""
+        ``(None, error)`` after a refused one (the old keys kept)."""
         while True:
             await asyncio.sleep(interval_s)
             try:
                 result = self.poll_file()
-            except KeyFileError as exc:
-                log.error(
-                    "api key file reload refused; keeping the old keys",
-                    extra={"path": str(self.key_file), "error": str(exc), "keys": len(self._keys)},
-                )
+            except KeyFileError as exc:  # logged by reload_file
                 on_result(None, str(exc))
                 continue
             except Exception as exc:  # a watcher that ended would never reload again
@@ -280,10 +281,6 @@ class KeyStore:
                 on_result(None, repr(exc))
                 continue
             if result is not None:
-                log.info(
-                    "api key file reloaded",
-                    extra={"path": str(self.key_file), **result.as_dict()},
-                )
                 on_result(result, "")
 
     def start(self, interval_s: float, on_result: Callable[[KeyReload | None, str], None]) -> None:
