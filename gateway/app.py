@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.auth import KeyFileError, KeyReload, KeyStoreUnavailable, check_admin
+from gateway.auth import KeyCheckError, KeyFileError, KeyLookupRefused, KeyReload, check_admin
 from gateway.core import Gateway, request_id_from
 from gateway.errors import (
     GatewayError,
@@ -43,12 +43,23 @@ METRICS_DISABLED = (
 )
 
 
-def key_store_unavailable(exc: KeyStoreUnavailable) -> GatewayError:
-    """A key that cannot be checked: 503 (OpenAI clients retry it), not the 401 that would
-    tell a client with a valid key that its key is wrong."""
+def key_check_error(gw: Gateway, exc: KeyCheckError) -> GatewayError:
+    """A key the store did not resolve. Its address out of unknown-key lookups: a 429
+    (``limit`` ``unknown_keys``). A key that cannot be checked: 503 (OpenAI clients retry
+    it), not the 401 that would tell a client with a valid key that its key is wrong."""
+    if exc.reason is not None:
+        gw.metrics.api_key_lookups_refused.labels(exc.reason).inc()
+    if isinstance(exc, KeyLookupRefused):
+        return rate_limited(str(exc), exc.retry_after_s, "unknown_keys")
     return GatewayError(
         503, str(exc), code="api_key_store_unavailable", headers={"retry-after": "1"}
     )
+
+
+def _peer(request: Request) -> str:
+    """The peer's address ("" on a socket without one): X-Forwarded-For is not read, any
+    client could write it."""
+    return request.client.host if request.client is not None else ""
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -131,10 +142,12 @@ class Completions:
         endpoint: str,
         headers: Mapping[str, str],
         read_body: Callable[[int], Awaitable[bytes]],
+        client: str | None = None,
     ) -> UpstreamExchange | Refusal:
         """Authenticate, parse, admit and route one request. Returns the exchange to run
         (which owns the admission from then on) or the error to answer with.
-        ``read_body(limit)`` returns the whole body or raises a 413 :class:`GatewayError`."""
+        ``read_body(limit)`` returns the whole body or raises a 413 :class:`GatewayError`.
+        ``client``: the peer's address, whose budget an unknown API key's lookup spends."""
         gw = self.gw
         t_start = time.perf_counter()
         rid = request_id_from(headers)
@@ -143,10 +156,11 @@ class Completions:
             m.requests.labels(endpoint, "503").inc()
             return GatewayError(503, "the gateway is shutting down", code="draining"), rid
         try:
-            tenant = await gw.key_store.tenant_for(headers.get("authorization"))
-        except KeyStoreUnavailable as exc:
-            m.requests.labels(endpoint, "503").inc()
-            return key_store_unavailable(exc), rid
+            tenant = await gw.key_store.tenant_for(headers.get("authorization"), client)
+        except KeyCheckError as exc:
+            err = key_check_error(gw, exc)
+            m.requests.labels(endpoint, str(err.status)).inc()
+            return err, rid
         if tenant is None:
             m.requests.labels(endpoint, "401").inc()
             return invalid_api_key(), rid
@@ -259,7 +273,10 @@ def create_app(gw: Gateway) -> FastAPI:
     async def completion(request: Request, endpoint: str) -> Response:
         try:
             out = await completions_core.handle(
-                endpoint, request.headers, lambda limit: read_body(request, limit)
+                endpoint,
+                request.headers,
+                lambda limit: read_body(request, limit),
+                _peer(request),
             )
         except Exception:
             log.exception("unhandled error on the completion path")
@@ -280,12 +297,14 @@ def create_app(gw: Gateway) -> FastAPI:
     app.state.completions = completions_core
 
     async def key_refused(request: Request) -> Response | None:
-        """The 401 for a request without a valid API key (503 when it cannot be checked),
-        else None."""
+        """The 401 for a request without a valid API key (503 when it cannot be checked,
+        429 when its address is out of unknown-key lookups), else None."""
         try:
-            tenant = await gw.key_store.tenant_for(request.headers.get("authorization"))
-        except KeyStoreUnavailable as exc:
-            return key_store_unavailable(exc).response()
+            tenant = await gw.key_store.tenant_for(
+                request.headers.get("authorization"), _peer(request)
+            )
+        except KeyCheckError as exc:
+            return key_check_error(gw, exc).response()
         return invalid_api_key().response() if tenant is None else None
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
@@ -444,8 +463,8 @@ def create_app(gw: Gateway) -> FastAPI:
             # request is explained as that client's tenant (as it would be routed)
             try:
                 tenant = await gw.key_store.tenant_for(auth)
-            except KeyStoreUnavailable as exc:
-                raise key_store_unavailable(exc) from None
+            except KeyCheckError as exc:  # no address: the admin's is not budgeted
+                raise key_check_error(gw, exc) from None
             if tenant is None:
                 raise invalid_api_key()
         tenant = tenant or "anonymous"

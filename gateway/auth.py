@@ -9,12 +9,15 @@ for a few seconds so the hot path rarely pays a round trip.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import heapq
 import hmac
+import ipaddress
 import logging
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from cachecore.tasks import cancel_and_wait
 from gateway.filewatch import file_version
+from gateway.limits import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +39,44 @@ _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 ANONYMOUS = "anonymous"
 _CACHE_MAX = 10_000  # Redis answers kept (a made-up key's refusal is one too)
 _REDIS_RETRY_S = 1.0  # after a failed Redis lookup, the next one waits this long
+# client addresses whose budget of refused lookups is tracked (least recently charged out
+# first: an address dropped had its budget back anyway unless it was spent just now)
+_ADDRESSES_MAX = 65_536
+_SLOT_WAIT_S = 1.0  # how long a key Redis never confirmed waits for a lookup slot
 
 
 class KeyFileError(ValueError):
     """A malformed API key file."""
 
 
-class KeyStoreUnavailable(Exception):
+class KeyCheckError(Exception):
+    """A key the store did not resolve; ``reason`` (a metric label) when it was refused
+    before any Redis lookup."""
+
+    reason: str | None = None
+
+
+class KeyStoreUnavailable(KeyCheckError):
     """The key cannot be checked: Redis cannot be asked, and no answer of it for this key is
     recent enough to stand in (the client gets a 503, not a 401: its key may be valid)."""
+
+
+class KeyLookupsBusy(KeyStoreUnavailable):
+    """Every Redis key lookup slot stayed taken for :data:`_SLOT_WAIT_S` (a flood of
+    unknown keys from many addresses): a retryable 503, like Redis being unreachable."""
+
+    reason = "lookup_cap"
+
+
+class KeyLookupRefused(KeyCheckError):
+    """The client's address has spent its budget of refused Redis lookups: an unknown key
+    from it is not looked up (a 429 with ``retry_after_s``)."""
+
+    reason = "miss_budget"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def hash_key(api_key: str) -> str:
@@ -171,6 +204,9 @@ class KeyStore:
         cache_ttl_s: float = 5.0,
         stale_s: float = 60.0,
         key_file: Path | None = None,
+        miss_rate: float = 10.0,
+        miss_burst: float = 100.0,
+        lookups_max: int = 64,
     ) -> None:
         self.key_file = Path(key_file) if key_file is not None else None
         # taken before the read: a change during it shows as a new version next time
@@ -197,6 +233,14 @@ class KeyStore:
         self.reloads = 0
         self.last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        # per client address, a budget of Redis lookups for keys Redis never confirmed
+        # (0: none): a flood of made-up keys from one address is one HGET each no longer
+        self._miss_rate = miss_rate
+        self._miss_burst = max(1.0, miss_burst)
+        self._misses: OrderedDict[str, TokenBucket] = OrderedDict()
+        # Redis key lookups in flight, all addresses together; one per key (singleflight)
+        self._slots = asyncio.Semaphore(lookups_max)
+        self._lookups: dict[str, asyncio.Task[str | None]] = {}
 
     @property
     def configured(self) -> bool:
@@ -292,7 +336,12 @@ class KeyStore:
         await cancel_and_wait(self._task)
         self._task = None
 
-    async def tenant_for(self, authorization: str | None) -> str | None:
+    async def tenant_for(self, authorization: str | None, client: str | None = None) -> str | None:
+        """The key's tenant, or None. ``client``: the peer address, whose budget of refused
+        Redis lookups an unknown key spends (None: no budget, an admin's request).
+
+        Raises :class:`KeyLookupRefused` when the address has spent it, and
+        :class:`KeyStoreUnavailable` when the key cannot be checked now."""
         if self.open_access:
             return ANONYMOUS
         token = _bearer(authorization)
@@ -308,6 +357,74 @@ class KeyStore:
             return hit[0]
         if now < self._retry_at:  # Redis failed a moment ago: not every request waits on it
             return self._without_redis(hit, now)
+        lookup = self._lookups.get(digest)
+        charged: TokenBucket | None = None
+        if lookup is None:
+            confirmed = hit is not None and hit[0] is not None
+            if confirmed and self._slots.locked():
+                # a key Redis confirmed never queues behind unknown keys: its answer stands
+                # in as it does while Redis is down (past the stale bound it waits its turn)
+                assert hit is not None
+                if now - hit[1] <= self._stale_bound:
+                    return hit[0]
+            if not confirmed and client is not None:
+                charged = self._charge_miss(client, now)
+            lookup = asyncio.get_running_loop().create_task(self._lookup(digest, hit))
+            self._lookups[digest] = lookup
+            lookup.add_done_callback(functools.partial(self._lookup_done, digest))
+        # shielded: a client that leaves does not cancel the answer the others wait for
+        tenant = await asyncio.shield(lookup)
+        if tenant is not None and charged is not None:
+            charged.give(1.0, time.monotonic())  # the budget counts refused lookups only
+        return tenant
+
+    def _charge_miss(self, client: str, now: float) -> TokenBucket | None:
+        """Take one lookup from the address's budget; raise :class:`KeyLookupRefused` when
+        it is spent. A valid key gives it back once Redis has confirmed it."""
+        if self._miss_rate <= 0:
+            return None
+        address = budget_address(client)
+        bucket = self._misses.get(address)
+        if bucket is None:
+            bucket = self._misses[address] = TokenBucket(self._miss_rate, self._miss_burst, now)
+            if len(self._misses) > _ADDRESSES_MAX:
+                self._misses.popitem(last=False)
+        else:
+            self._misses.move_to_end(address)
+        wait = bucket.take(1.0, now)
+        if wait > 0:
+            raise KeyLookupRefused("too many unknown API keys from this address; retry later", wait)
+        return bucket
+
+    @property
+    def budget_addresses(self) -> int:
+        """Client addresses whose budget of refused lookups is tracked (bounded)."""
+        return len(self._misses)
+
+    def _lookup_done(self, digest: str, task: asyncio.Task[str | None]) -> None:
+        if self._lookups.get(digest) is task:
+            del self._lookups[digest]
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have left
+
+    async def _lookup(self, digest: str, hit: tuple[str | None, float] | None) -> str | None:
+        """One Redis lookup in one of the slots; :class:`KeyLookupsBusy` when none frees
+        within :data:`_SLOT_WAIT_S` (a burst of new clients waits, a flood is shed)."""
+        try:
+            async with asyncio.timeout(_SLOT_WAIT_S):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise KeyLookupsBusy(
+                "too many API keys are being checked at once; retry later"
+            ) from None
+        try:
+            return await self._ask_redis(digest, hit)
+        finally:
+            self._slots.release()
+
+    async def _ask_redis(self, digest: str, hit: tuple[str | None, float] | None) -> str | None:
+        assert self._redis is not None
+        now = time.monotonic()
         try:
             raw = await self._redis.hget(self._redis_hash, digest)
         # RedisClusterException (no RedisError): a cluster client that reaches no node
@@ -375,6 +492,21 @@ class KeyStore:
 
 def _answered_at(entry: tuple[str, tuple[str | None, float]]) -> float:
     return entry[1][1]
+
+
+def budget_address(client: str) -> str:
+    """The address a budget of refused lookups belongs to: an IPv6 client's /64 (a host
+    is commonly given a whole /64, and counted per address it could send every request
+    from another), an IPv4-mapped IPv6 address as IPv4, anything else as it is."""
+    try:
+        ip = ipaddress.ip_address(client)
+    except ValueError:
+        return client
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return client
 
 
 def _bearer(authorization: str | None) -> str | None:

@@ -168,7 +168,10 @@ class HotCycle:
         for name, value in self.headers:  # the first value of a repeated header wins
             names.setdefault(name.decode("latin-1"), value.decode("latin-1"))
         completions: Completions = self.proto.completions
-        out = await completions.handle(self.endpoint, names, self.read_body)
+        peer = self.proto.client  # (host, port); None on a socket without an address
+        out = await completions.handle(
+            self.endpoint, names, self.read_body, peer[0] if peer else ""
+        )
         if isinstance(out, UpstreamExchange):
             await out.run(self)
             return

@@ -242,6 +242,14 @@ class GatewayMetrics:
         self.api_keys = Gauge(
             "kvgate_api_keys", "API keys loaded from the key file (--api-keys)", registry=r
         )
+        self.api_key_lookups_refused = Counter(
+            "kvgate_api_key_lookups_refused",
+            "Requests whose unknown API key was not looked up in Redis: miss_budget (429, "
+            "the client address spent its budget), lookup_cap (503, no lookup slot freed)",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        for reason in ("miss_budget", "lookup_cap"):
+            self.api_key_lookups_refused.labels(reason)
         self.discovery = Counter(
             "kvgate_discovery_events",
             "Replica discovery: registrations refused by the allowlist (rejected) and "

@@ -128,6 +128,9 @@ def build_gateway(
             cache_ttl_s=settings.api_keys_cache_ttl_s,
             stale_s=settings.api_keys_stale_s,
             key_file=settings.api_keys_file,
+            miss_rate=settings.api_keys_miss_rate,
+            miss_burst=settings.api_keys_miss_burst,
+            lookups_max=settings.api_keys_lookups_max,
         )
     if not key_store.configured:
         raise ValueError(

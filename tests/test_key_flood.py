@@ -1,0 +1,233 @@
+"""A flood of made-up API keys against ``--api-keys-redis``: each unknown key was one HGET on
+the Redis that also serves every routing lookup, before any rate limit. Now a client address
+has a budget of refused lookups (429 past it, no HGET), Redis lookups in flight are capped
+and one key is looked up once however many requests carry it. HGETs are counted on a real
+redis-server (``INFO commandstats``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+import gateway.auth
+from cachecore.index.redis import redis_client
+from cachecore.testing import RedisServer
+from gateway.auth import KeyLookupRefused, KeyLookupsBusy, KeyStore, budget_address, hash_key
+from tests.test_api_keys import MSGS, metric
+from tests.test_gateway_support import stack
+
+pytestmark = pytest.mark.timeout(120)
+
+ADDRESS = "203.0.113.7"
+
+
+async def hget_calls(client: Redis | RedisCluster) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_hget", {}).get("calls", 0))
+
+
+async def test_made_up_keys_from_one_address_cost_at_most_its_budget_in_hgets(
+    redis_own: RedisServer,
+) -> None:
+    """500 distinct made-up keys from one address: at most burst + rate x elapsed HGETs,
+    the rest refused (KeyLookupRefused, a 429) without one. Meanwhile a key Redis confirmed
+    keeps resolving from that address (its answer refreshed in Redis past the TTL, never
+    charged), and another address has its own budget. Without the budget: 500 HGETs."""
+    client = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    try:
+        await client.hset("kvg:apikeys", mapping={hash_key("sk-valid"): "acme"})
+        store = KeyStore(redis=client, cache_ttl_s=0.05, miss_rate=2.0, miss_burst=20.0)
+        assert await store.tenant_for("Bearer sk-valid", ADDRESS) == "acme"
+        await client.config_resetstat()
+        t0 = time.monotonic()
+        looked_up = refused = valid = 0
+        for i in range(500):
+            try:
+                assert await store.tenant_for(f"Bearer made-up-{i}", ADDRESS) is None
+                looked_up += 1
+            except KeyLookupRefused as exc:
+                refused += 1
+                assert 0 < exc.retry_after_s <= 0.5 + 1e-9  # one token at 2/s
+            if i % 50 == 0:  # past the TTL: the valid key is asked for again, and works
+                await asyncio.sleep(0.06)
+                assert await store.tenant_for("Bearer sk-valid", ADDRESS) == "acme"
+                valid += 1
+        elapsed = time.monotonic() - t0
+        budget = 20 + 2.0 * elapsed
+        assert looked_up <= budget + 1, (looked_up, elapsed)
+        assert refused >= 500 - budget - 1
+        assert await hget_calls(client) == looked_up + valid  # refusals cost no HGET
+        # another address is not held by this one's flood
+        assert await store.tenant_for("Bearer made-up-x", "198.51.100.1") is None
+    finally:
+        await client.aclose()
+
+
+async def test_valid_keys_give_their_lookup_back(redis_own: RedisServer) -> None:
+    """200 new clients behind one address (a NAT), each with its own valid key, burst 20:
+    every lookup of a key Redis confirms is given back, so none is refused. Without the
+    give-back the 21st client got a 429."""
+    client = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    try:
+        keys = [f"sk-client-{i}" for i in range(200)]
+        await client.hset("kvg:apikeys", mapping={hash_key(k): "acme" for k in keys})
+        store = KeyStore(redis=client, miss_rate=0.001, miss_burst=20.0)
+        for k in keys:
+            assert await store.tenant_for(f"Bearer {k}", ADDRESS) == "acme"
+        for i in range(20):  # the budget is whole: 20 refused lookups, then a 429
+            assert await store.tenant_for(f"Bearer made-up-{i}", ADDRESS) is None
+        with pytest.raises(KeyLookupRefused):
+            await store.tenant_for("Bearer made-up-20", ADDRESS)
+    finally:
+        await client.aclose()
+
+
+async def test_one_unseen_key_in_50_concurrent_requests_is_one_hget(
+    redis_own: RedisServer,
+) -> None:
+    """Singleflight: 50 concurrent lookups of one key Redis has not answered for yet share
+    one HGET (and a made-up key's 50 spend one lookup of the address's budget)."""
+    client = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    try:
+        await client.hset("kvg:apikeys", mapping={hash_key("sk-new"): "acme"})
+        store = KeyStore(redis=client, miss_rate=0.001, miss_burst=2.0)
+        await client.config_resetstat()
+        got = await asyncio.gather(*(store.tenant_for("Bearer sk-new", ADDRESS) for _ in range(50)))
+        assert got == ["acme"] * 50
+        assert await hget_calls(client) == 1
+        got = await asyncio.gather(
+            *(store.tenant_for("Bearer made-up", ADDRESS) for _ in range(50))
+        )
+        assert got == [None] * 50
+        assert await hget_calls(client) == 2
+        assert await store.tenant_for("Bearer made-up-2", ADDRESS) is None  # budget left: 1
+    finally:
+        await client.aclose()
+
+
+async def test_the_table_of_addresses_stays_bounded(
+    redis_own: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each address that spends a lookup takes a row; past the bound (65,536; 100 here) the
+    least recently charged goes, so a flood of source addresses cannot grow the table. An
+    address that keeps flooding stays the most recent one and keeps its spent budget."""
+    monkeypatch.setattr(gateway.auth, "_ADDRESSES_MAX", 100)
+    client = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    try:
+        store = KeyStore(redis=client, cache_ttl_s=0.0, miss_rate=0.001, miss_burst=1.0)
+        assert await store.tenant_for("Bearer made-up-0", ADDRESS) is None
+        for i in range(300):
+            assert (
+                await store.tenant_for(f"Bearer made-up-{i}", f"10.0.{i // 256}.{i % 256}") is None
+            )
+            assert store.budget_addresses <= 100
+            if i % 10 == 0:  # the flooding address is charged again: it stays, spent
+                with pytest.raises(KeyLookupRefused):
+                    await store.tenant_for(f"Bearer made-up-{i}", ADDRESS)
+        assert store.budget_addresses == 100
+    finally:
+        await client.aclose()
+
+
+def test_ipv6_clients_share_their_64s_budget() -> None:
+    assert budget_address("2001:db8:1:2:aaaa::1") == budget_address("2001:db8:1:2:bbbb::9")
+    assert budget_address("2001:db8:1:2::1") != budget_address("2001:db8:1:3::1")
+    assert budget_address("::ffff:192.0.2.1") == "192.0.2.1"
+    assert budget_address("192.0.2.1") == "192.0.2.1"
+    assert budget_address("") == ""
+
+
+async def test_over_the_lookup_cap_unknown_keys_get_503_and_confirmed_keys_stand_in(
+    redis_own: RedisServer,
+) -> None:
+    """Two lookup slots, both held by HGETs that Redis does not answer (CLIENT PAUSE): a
+    third unknown key waits 1 s for a slot, then gets KeyLookupsBusy (a 503), however many
+    addresses send them; a key Redis confirmed within the stale bound is answered from that
+    answer at once, never queued behind them."""
+    client = redis_client(redis_own.url, socket_timeout_s=5.0, connect_timeout_s=1.0)
+    admin = redis_client(redis_own.url, socket_timeout_s=5.0, connect_timeout_s=1.0)
+    try:
+        await client.hset("kvg:apikeys", mapping={hash_key("sk-valid"): "acme"})
+        store = KeyStore(redis=client, cache_ttl_s=0.05, stale_s=60.0, lookups_max=2)
+        assert await store.tenant_for("Bearer sk-valid", ADDRESS) == "acme"
+        await asyncio.sleep(0.06)  # past the TTL
+        await admin.execute_command("CLIENT", "PAUSE", "2500", "ALL")
+        held = [
+            asyncio.create_task(store.tenant_for(f"Bearer made-up-{i}", f"10.0.0.{i}"))
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        assert await store.tenant_for("Bearer sk-valid", ADDRESS) == "acme"
+        assert time.monotonic() - t0 < 0.1
+        with pytest.raises(KeyLookupsBusy):
+            await store.tenant_for("Bearer made-up-third", "10.0.0.3")
+        assert 0.9 < time.monotonic() - t0 < 2.0
+        assert await asyncio.gather(*held) == [None, None]  # answered once Redis resumes
+    finally:
+        await client.aclose()
+        await admin.aclose()
+
+
+async def test_a_made_up_key_flood_through_the_gateway(redis_own: RedisServer) -> None:
+    """Over HTTP, all from 127.0.0.1: 120 made-up keys at once get 401s for the budget's
+    10 lookups and 429s (``rate_limit_exceeded``, ``limit: unknown_keys``, Retry-After)
+    for the rest, counted in kvgate_api_key_lookups_refused_total{reason="miss_budget"};
+    HGETs on the shared Redis stay within the budget; the client whose key Redis confirmed
+    keeps getting answers during the flood and after it, on both completion paths'
+    neighbours (/v1/models refuses the made-up keys alike)."""
+    seed = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    await seed.hset("kvg:apikeys", mapping={hash_key("sk-valid"): "acme"})
+    try:
+        async with (
+            stack(
+                count=1,
+                redis_url=redis_own.url,
+                api_keys_redis=True,
+                open_access=False,
+                api_keys_cache_ttl_s=0.2,
+                api_keys_miss_rate=0.5,
+                api_keys_miss_burst=10,
+            ) as st,
+            st.http() as h,
+        ):
+            body = {"model": st.model, "messages": MSGS, "max_tokens": 1}
+            valid = {"authorization": "Bearer sk-valid"}
+            assert (
+                await h.post("/v1/chat/completions", json=body, headers=valid)
+            ).status_code == 200
+            await seed.config_resetstat()
+            t0 = time.monotonic()
+
+            async def made_up(i: int) -> httpx.Response:
+                auth = {"authorization": f"Bearer made-up-{i}"}
+                return await h.post("/v1/chat/completions", json=body, headers=auth)
+
+            answers = await asyncio.gather(*(made_up(i) for i in range(120)))
+            hgets = await hget_calls(seed)
+            elapsed = time.monotonic() - t0
+            statuses = [r.status_code for r in answers]
+            assert set(statuses) == {401, 429}, statuses
+            assert statuses.count(401) <= 10 + 0.5 * elapsed + 1
+            assert hgets <= 10 + 0.5 * elapsed + 1, hgets
+            limited = next(r for r in answers if r.status_code == 429)
+            err = limited.json()["error"]
+            assert err["code"] == "rate_limit_exceeded" and err["limit"] == "unknown_keys"
+            assert int(limited.headers["retry-after"]) >= 1
+            refused = await metric(st, 'kvgate_api_key_lookups_refused_total{reason="miss_budget"}')
+            assert refused == statuses.count(429)
+            # the confirmed key past its TTL: looked up again, not charged, answered
+            await asyncio.sleep(0.25)
+            assert (
+                await h.post("/v1/chat/completions", json=body, headers=valid)
+            ).status_code == 200
+            assert (await h.get("/v1/models", headers=valid)).status_code == 200
+            r = await h.get("/v1/models", headers={"authorization": "Bearer made-up-models"})
+            assert r.status_code == 429
+    finally:
+        await seed.aclose()
