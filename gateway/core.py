@@ -51,7 +51,7 @@ from gateway.limits import TenantLimiter
 from gateway.load import InFlight, LoadTracker, SharedLoadRefresher, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
-from gateway.quarantine import ClaimCheck, QuarantineTracker
+from gateway.quarantine import ClaimCheck, LogAnswer, QuarantineTracker, judge_floor
 from gateway.replicas import Replica, ReplicaPool, ReplicaSpec
 from gateway.requesttrace import RequestTrace
 from gateway.routing import (
@@ -1123,36 +1123,60 @@ class Gateway:
                 self.metrics.claim_checks.labels(d.replica, "skipped").inc()
                 return  # cannot tell an eviction from a lie without the shared index
             still, late = got
-        restored = False
+        answer: LogAnswer | None = None
         if actual < claimed <= still:
             # the claim stands, but its first missing block may have been evicted after the
             # lookup and stored again by this very request before the check looked
-            restored_or_none = await self._restored_since_lookup(d, actual)
-            if restored_or_none is None:
+            answer = await self._restored_since_lookup(d, actual)
+            if answer is None:
                 self.metrics.claim_checks.labels(d.replica, "skipped").inc()
-                return  # the removal log does not reach back to the lookup: cannot tell
-            restored = restored_or_none
+                return  # the index did not answer: the gateway's failure, no verdict
         if actual >= claimed:
             outcome = "agree"
         elif still < claimed:  # "evicted_late": the report came after the response
             outcome = "evicted_late" if late else "evicted"
-        elif restored:
+        elif answer is LogAnswer.REMOVED:
             outcome = "evicted_restored"
-        else:
+        elif answer is LogAnswer.NOT_REMOVED:
             outcome = "false"
+        else:  # the log could not tell: "unverifiable", or "tampered" (counted as false)
+            outcome = str(answer)
         self.metrics.claim_checks.labels(d.replica, outcome).inc()
+        unverifiable = answer is LogAnswer.UNVERIFIABLE
         changed = self.quarantine.observe(
-            ClaimCheck(d.replica, claimed, actual, still, removed_since_lookup=restored)
+            ClaimCheck(
+                d.replica,
+                claimed,
+                actual,
+                still,
+                removed_since_lookup=answer is LogAnswer.REMOVED,
+                unverifiable=unverifiable,
+            )
         )
         if changed is not None:
             self.metrics.quarantined.labels(d.replica).set(1 if changed else 0)
             self.metrics.quarantine_changes.labels(d.replica, "in" if changed else "out").inc()
+            if not changed:
+                msg = "replica left quarantine"
+            elif unverifiable:
+                msg = (
+                    "replica quarantined: quarantine.max_unverifiable disagreements in a row "
+                    "that its removal log could not judge (a raised rm_floor, or a "
+                    "removal log too short for its churn)"
+                )
+            else:
+                msg = (
+                    "replica quarantined: its index claims are wrong (no eviction reported "
+                    "within quarantine.settle_s)"
+                )
             log.warning(
-                "replica quarantined: its index claims are wrong (no eviction reported "
-                "within quarantine.settle_s)"
-                if changed
-                else "replica left quarantine",
-                extra={"replica": d.replica, "claimed": claimed, "actual": actual},
+                msg,
+                extra={
+                    "replica": d.replica,
+                    "claimed": claimed,
+                    "actual": actual,
+                    "outcome": outcome,
+                },
             )
             if changed:
                 # one watcher per quarantine: an earlier one's epoch baseline is stale
@@ -1189,19 +1213,27 @@ class Gateway:
                     extra={"replica": replica, "epoch": now, "was": epoch},
                 )
 
-    async def _restored_since_lookup(self, d: Dispatch, first_missing: int) -> bool | None:
+    async def _restored_since_lookup(self, d: Dispatch, first_missing: int) -> LogAnswer | None:
         """Whether the index removed block ``first_missing`` of the claim from ``d.replica``
         since the lookup (less ``quarantine.clock_skew_ms``: agents stamp removals with
-        their own clocks); None when the removal log cannot tell or the index fails."""
+        their own clocks). When the removal log cannot tell, its floor is judged
+        (:func:`~gateway.quarantine.judge_floor`: the agent wrote it). None only when the
+        index fails or times out: the gateway's own failure, which judges nothing."""
         assert self.index is not None
+        primary = self.index.primary
         key = d.keys[d.salt_index][first_missing]
-        since = d.lookup_ms - self.policy.quarantine.clock_skew_ms
+        skew = self.policy.quarantine.clock_skew_ms
+        timeout_s = self.policy.index.lookup_timeout_ms / 1000.0
         try:
-            async with asyncio.timeout(self.policy.index.lookup_timeout_ms / 1000.0):
-                got = await self.index.primary.removed_since(d.replica, [key], since)
+            async with asyncio.timeout(timeout_s):
+                got = await primary.removed_since(d.replica, [key], d.lookup_ms - skew)
+            if got is not None:
+                return LogAnswer.REMOVED if got[0] else LogAnswer.NOT_REMOVED
+            async with asyncio.timeout(timeout_s):
+                floor = await primary.removal_floor(d.replica)
         except (IndexError_, TimeoutError):
             return None
-        return None if got is None else got[0]
+        return judge_floor(floor, _now_ms(), skew)
 
     async def _settled_claim(self, d: Dispatch, claimed: int) -> tuple[int, bool] | None:
         """Blocks the index still claims on ``d.replica`` once the agent had time to report

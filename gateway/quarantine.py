@@ -12,7 +12,13 @@ eviction: the engine evicted a claimed block after the lookup, the request compu
 and the engine stored it again, so the index holds it once more. The index's removal log
 (:meth:`~cachecore.index.base.PrefixIndex.removed_since`) tells that apart: if the first
 block the engine did not have was removed since the lookup, the miss is an eviction
-(``evicted_restored``); if the log no longer reaches back that far the check is skipped.
+(``evicted_restored``). If the log no longer reaches back that far it cannot tell, and
+its floor (``rm_floor``, the newest removal time it trimmed) sits in the agent's own meta,
+which a rogue agent can raise to make every check of its lies "cannot tell" (D22): a floor
+no honest log can have (later than the agent's own latest write, or than the gateway's
+clock, beyond ``clock_skew_ms``) counts as no removal (``tampered``, a false claim); a
+possible one leaves the check ``unverifiable``, and ``max_unverifiable`` of those in a row
+quarantine the replica too (an honest log trimmed that fast is too short for its churn).
 A replica with ``k`` bad requests among its last ``m`` checked ones is quarantined: routed
 by load only. It leaves quarantine after ``recover_after`` consecutive checked requests
 whose claims agree.
@@ -22,8 +28,31 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 
+from cachecore.index.base import RemovalFloor
 from policies.schema import QuarantinePolicy
+
+
+class LogAnswer(StrEnum):
+    """What the removal log says about a claim's first missing block since the lookup."""
+
+    REMOVED = "removed"  # evicted after the lookup: the miss is no lie
+    NOT_REMOVED = "not_removed"
+    UNVERIFIABLE = "unverifiable"  # trimmed past the lookup, at a floor an honest log can have
+    TAMPERED = "tampered"  # trimmed "past" the lookup at a floor no honest log can have
+
+
+def judge_floor(floor: RemovalFloor, now_ms: int, clock_skew_ms: int) -> LogAnswer:
+    """The answer of a removal log that cannot tell, by its floor. An honest floor is the
+    time of a removal its agent wrote, so never later than that agent's latest write
+    (``updated_ms``, the same clock: ``clock_skew_ms`` allows it a step back) nor than the
+    gateway's ``now_ms`` (``clock_skew_ms`` apart); and always an integer."""
+    if floor.floor_ms is None or floor.updated_ms is None:
+        return LogAnswer.TAMPERED
+    if floor.floor_ms > min(floor.updated_ms, now_ms) + clock_skew_ms:
+        return LogAnswer.TAMPERED
+    return LogAnswer.UNVERIFIABLE
 
 
 @dataclass(slots=True)
@@ -31,6 +60,7 @@ class _ReplicaClaims:
     window: deque[bool] = field(default_factory=deque)
     quarantined: bool = False
     agreeing: int = 0
+    unverifiable: int = 0  # bad checks in a row whose removal log could not tell
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +72,9 @@ class ClaimCheck:
     # the first missing block was removed after the lookup (and stored again since): the
     # miss is an eviction the index could not show by the time of the check
     removed_since_lookup: bool = False
+    # the removal log could not tell whether it was (trimmed past the lookup): a bad check
+    # then counts on the max_unverifiable track, not in the k-of-m window
+    unverifiable: bool = False
 
     @property
     def missing_fraction(self) -> float:
@@ -80,6 +113,7 @@ class QuarantineTracker:
         st.quarantined = False
         st.window.clear()
         st.agreeing = 0
+        st.unverifiable = 0
         return True
 
     def forget(self, replica: str) -> None:
@@ -91,13 +125,27 @@ class QuarantineTracker:
         if not p.enabled or check.claimed_blocks < p.min_claimed_blocks:
             return None
         bad = check.missing_fraction >= p.missing_fraction
-        if bad and (
-            check.still_claimed_blocks < check.claimed_blocks or check.removed_since_lookup
-        ):
-            return None  # the blocks were removed in between: an eviction, not a lie
         st = self._replicas.get(check.replica)
+        if bad and check.still_claimed_blocks < check.claimed_blocks:
+            return None  # the blocks were removed in between: an eviction, not a lie
+        if bad and check.removed_since_lookup:
+            if st is not None:
+                st.unverifiable = 0  # the log reached back: the run of "cannot tell" ends
+            return None  # removed after the lookup, stored again: an eviction, not a lie
         if st is None:
             st = self._replicas[check.replica] = _ReplicaClaims()
+        if bad and check.unverifiable:
+            # no verdict for the window, but a log trimmed past every lookup is no alibi:
+            # a rogue agent raises its floor for that (D22)
+            st.unverifiable += 1
+            st.agreeing = 0
+            if not st.quarantined and st.unverifiable >= p.max_unverifiable:
+                st.quarantined = True
+                st.unverifiable = 0
+                return True
+            return None
+        if bad:
+            st.unverifiable = 0
         st.window.append(bad)
         while len(st.window) > p.m:
             st.window.popleft()
@@ -109,5 +157,6 @@ class QuarantineTracker:
         if st.quarantined and st.agreeing >= p.recover_after:
             st.quarantined = False
             st.window.clear()
+            st.unverifiable = 0
             return False
         return None

@@ -312,6 +312,10 @@ class QuarantinePolicy(_Section):
     # agents stamp removals with their own clocks: a removal this much before the lookup
     # still counts as "after" it (lenient: it can only excuse a miss, never accuse)
     clock_skew_ms: Annotated[int, Field(ge=0, le=60_000)] = 250
+    # a disagreement whose removal log no longer reaches back to the lookup cannot be judged;
+    # this many in a row quarantine the replica all the same (D22): a rogue agent raises its
+    # log's floor for that, and an honest log trimmed so fast is too short for its churn
+    max_unverifiable: Annotated[int, Field(gt=0)] = 6
 
     @model_validator(mode="after")
     def _k_le_m(self) -> QuarantinePolicy:

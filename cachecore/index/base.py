@@ -95,6 +95,17 @@ class ReplicaMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class RemovalFloor:
+    """What one replica's removal log rests on, as its meta holds them (the agent's clock):
+    removals at or before ``floor_ms`` were trimmed from the log (-1: none), ``updated_ms``
+    is the agent's latest write. None: the meta holds there what no agent writes (not an
+    integer). Agent-written, so the gateway judges it (:mod:`gateway.quarantine`)."""
+
+    floor_ms: int | None = -1
+    updated_ms: int | None = 0
+
+
+@dataclass(frozen=True, slots=True)
 class IndexStats:
     replicas: int
     stored_entries: int
@@ -159,6 +170,12 @@ class PrefixIndex(Protocol):
         It tells "evicted and stored again since" from "never removed", which an entry's
         current value cannot: the gateway's claim check asks it about the first block an
         engine did not have (see :mod:`gateway.quarantine`)."""
+        ...
+
+    async def removal_floor(self, replica: str) -> RemovalFloor:
+        """The floor of ``replica``'s removal log and its meta's ``updated_ms``: what the
+        gateway reads when :meth:`removed_since` cannot tell, since a floor no honest log
+        can have (later than the agent's own latest write) is a rogue agent's."""
         ...
 
     async def set_state(self, replica: str, state: ReplicaState, now_ms: int) -> None: ...

@@ -55,6 +55,7 @@ from cachecore.index.base import (
     ROUTABLE_STATES,
     IndexStats,
     PrefixMatch,
+    RemovalFloor,
     ReplicaMeta,
     ReplicaState,
     StaleEpochError,
@@ -435,6 +436,13 @@ class MemoryIndex:
             return None
         get = rep.removed.get
         return [get(k, -1) >= since_ms for k in keys]
+
+    async def removal_floor(self, replica: str) -> RemovalFloor:
+        rep = self._replicas.get(replica)
+        if rep is None:
+            validate_replica_id(replica)
+            return RemovalFloor()
+        return RemovalFloor(rep.removed_floor, rep.updated_ms)
 
     async def set_state(self, replica: str, state: ReplicaState, now_ms: int) -> None:
         self.set_state_now(replica, state, now_ms)

@@ -47,6 +47,7 @@ from cachecore.index.base import (
     IndexError_,
     IndexStats,
     PrefixMatch,
+    RemovalFloor,
     ReplicaMeta,
     ReplicaState,
     StaleEpochError,
@@ -361,16 +362,21 @@ return changed
 """
 
 # KEYS[1] meta. ARGV: since_ms, block keys. Per key 1 if the removal log holds a removal at
-# or after since_ms, else 0; -1 (not a list) when the log was trimmed past since_ms.
+# or after since_ms, else 0; -1 (not a list) when the log was trimmed past since_ms, or
+# when the agent-owned keys hold what no agent writes (an rm_floor that is no number, an
+# rm key that is no sorted set): "cannot tell", never a script error, which the gateway
+# would take for its own failure and not count (RedisIndex.removal_floor says which).
 REMOVED_SINCE_LUA = """#!lua flags=no-writes
 local meta = KEYS[1]
 local m = redis.call('HMGET', meta, 'epoch', 'rm_floor')
 local since = tonumber(ARGV[1])
-if tonumber(m[2] or '-1') >= since then return -1 end
+local floor = tonumber(m[2] or '-1')
+if floor == nil or floor >= since then return -1 end
 local out = {}
 if #ARGV < 2 then return out end
 local rkey = string.sub(meta, 1, -5) .. 'rm:' .. (m[1] or '0')
-local scores = redis.call('ZMSCORE', rkey, unpack(ARGV, 2))
+local scores = redis.pcall('ZMSCORE', rkey, unpack(ARGV, 2))
+if scores.err then return -1 end
 for i = 1, #ARGV - 1 do
   local sc = scores[i]
   if sc and tonumber(sc) >= since then out[i] = 1 else out[i] = 0 end
@@ -587,6 +593,16 @@ _STATE_OF: Mapping[Any, ReplicaState] = MappingProxyType(
 
 def _int(raw: Any, default: int) -> int:
     return default if raw is None else int(raw)
+
+
+def _agent_int(raw: bytes | str | None, default: int) -> int | None:
+    """An agent-written integer field; None when it holds anything else (a rogue agent's)."""
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 class RedisIndex:
@@ -854,6 +870,15 @@ class RedisIndex:
         if not isinstance(raw, list):
             return None
         return [bool(v) for v in raw]
+
+    async def removal_floor(self, replica: str) -> RemovalFloor:
+        meta = self.layout.meta(replica)
+        try:
+            self.round_trips += 1
+            floor, updated = await self.client.hmget(meta, ["rm_floor", "updated_ms"])
+        except REDIS_FAILURES as exc:
+            raise _stale_or_index_error(exc, f"removal_floor {replica}") from exc
+        return RemovalFloor(_agent_int(floor, -1), _agent_int(updated, 0))
 
     async def meta(self, replica: str) -> ReplicaMeta:
         key = self.layout.meta(replica)

@@ -1,0 +1,275 @@
+"""D22: claim checks the removal log cannot judge. The tracker's max_unverifiable track, the
+floor judge, both backends' removal floor, and honest agents under eviction churn (a real
+gateway, simulated engines, a real Redis index written through the agents' index API) that
+must not be taken for liars. The rogue agents are in tests/test_rogue_removal_floor.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from cachecore.index.base import (
+    IndexError_,
+    PrefixIndex,
+    RemovalFloor,
+    ReplicaState,
+)
+from cachecore.index.memory import MemoryIndex
+from cachecore.index.redis import RedisIndex
+from cachecore.keys import BlockKey
+from cachecore.lifecycle import IndexWrite, Tier
+from gateway.quarantine import ClaimCheck, LogAnswer, QuarantineTracker, judge_floor
+from policies.schema import QuarantinePolicy
+from tests.test_gateway_faults import checked, claim_checks, prompt_keys
+from tests.test_gateway_support import Stack, stack, words
+
+pytestmark = pytest.mark.timeout(120)
+G = int(Tier.GPU)
+
+
+def _now() -> int:
+    return int(time.time() * 1000)
+
+
+# ------------------------------------------------------------------ the floor judge
+
+
+def test_an_honest_floor_is_unverifiable_an_impossible_one_tampered() -> None:
+    now, skew = 1_000_000, 250
+    honest = [
+        RemovalFloor(-1, 0),  # nothing trimmed (a log of 0 entries in the memory backend)
+        RemovalFloor(now - 5_000, now - 10),
+        RemovalFloor(now, now),  # trimmed at the agent's latest write
+        RemovalFloor(now + skew, now + skew),  # an agent clock ahead by the allowed skew
+        RemovalFloor(now - 100, now - 100 - skew),  # the agent's clock stepped back by skew
+    ]
+    for f in honest:
+        assert judge_floor(f, now, skew) is LogAnswer.UNVERIFIABLE, f
+    tampered = [
+        RemovalFloor(10**15, now),  # later than the agent's own latest write
+        RemovalFloor(now - 100, now - 100 - skew - 1),
+        RemovalFloor(now + skew + 1, 10**15),  # updated_ms raised too: later than our clock
+        RemovalFloor(None, now),  # not an integer: no agent writes that
+        RemovalFloor(-1, None),
+    ]
+    for f in tampered:
+        assert judge_floor(f, now, skew) is LogAnswer.TAMPERED, f
+
+
+# ------------------------------------------------------------------ the tracker
+
+POLICY = QuarantinePolicy(k=2, m=3, min_claimed_blocks=2, recover_after=2, max_unverifiable=3)
+
+
+def _bad(unverifiable: bool = False, restored: bool = False) -> ClaimCheck:
+    return ClaimCheck("r", 10, 0, 10, removed_since_lookup=restored, unverifiable=unverifiable)
+
+
+def _agree() -> ClaimCheck:
+    return ClaimCheck("r", 10, 10, 10)
+
+
+def test_unverifiable_disagreements_in_a_row_quarantine() -> None:
+    q = QuarantineTracker(POLICY)
+    assert q.observe(_bad(unverifiable=True)) is None
+    assert q.observe(_bad(unverifiable=True)) is None
+    # no verdict for the k-of-m window: k = 2 would have quarantined by now
+    assert not q.is_quarantined("r")
+    assert q.observe(_bad(unverifiable=True)) is True
+    assert q.is_quarantined("r")
+    # the release paths are the false claims' ones: recover_after agreeing checks...
+    assert q.observe(_bad(unverifiable=True)) is None  # a disagreement restarts the count
+    assert q.observe(_agree()) is None
+    assert q.observe(_agree()) is False
+    # ...or a rebuilt index (release), which forgets the run as it forgets the window
+    for _ in range(3):
+        q.observe(_bad(unverifiable=True))
+    assert q.release("r") and not q.is_quarantined("r")
+    assert q.observe(_bad(unverifiable=True)) is None
+    assert not q.is_quarantined("r")
+
+
+def test_the_truth_in_between_does_not_launder_unverifiable_lies() -> None:
+    """A rogue that answers some requests truthfully between its lies still reaches the
+    bound: agreeing checks never asked the log, so they end no run of "cannot tell"."""
+    q = QuarantineTracker(POLICY)
+    for _ in range(2):
+        assert q.observe(_bad(unverifiable=True)) is None
+        assert q.observe(_agree()) is None
+        assert q.observe(_agree()) is None
+    assert q.observe(_bad(unverifiable=True)) is True
+
+
+def test_a_log_that_reaches_back_ends_the_run() -> None:
+    """Honest agents: a bad check the log could judge (here an eviction it showed) proves
+    the log reaches back, so only "cannot tell" every time adds up."""
+    q = QuarantineTracker(POLICY)
+    for _ in range(4):
+        assert q.observe(_bad(unverifiable=True)) is None
+        assert q.observe(_bad(unverifiable=True)) is None
+        assert q.observe(_bad(restored=True)) is None
+    assert not q.is_quarantined("r")
+    # a false claim ends the run too (and counts in the window)
+    q.observe(_bad(unverifiable=True))
+    q.observe(_bad(unverifiable=True))
+    q.observe(_bad())
+    q.observe(_bad(unverifiable=True))
+    assert not q.is_quarantined("r")
+
+
+def test_a_small_unverifiable_miss_is_an_ordinary_check() -> None:
+    """Below missing_fraction the log's answer never mattered: the check counts as any
+    other good one (it was skipped)."""
+    q = QuarantineTracker(POLICY)
+    small = ClaimCheck("r", 10, 8, 10, unverifiable=True)
+    for _ in range(10):
+        assert q.observe(small) is None
+    assert not q.is_quarantined("r")
+    q.observe(_bad())
+    q.observe(_bad())
+    assert q.is_quarantined("r")
+    assert q.observe(small) is None and q.observe(small) is False  # recover_after = 2
+
+
+# ------------------------------------------------------------------ the backends
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_an_honest_floor_under_churn_is_never_past_the_agents_write(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Both backends: a log of 64 removals under 20 writes of 500 removals each, stamped
+    with a real clock: the floor keeps up with the churn and is never judged tampered."""
+    idx: PrefixIndex
+    if kind == "memory":
+        idx = MemoryIndex(removal_log=64)
+    else:
+        idx = RedisIndex.from_url(request.getfixturevalue("redis_url"), removal_log=64)
+    try:
+        assert await idx.removal_floor("nobody") == RemovalFloor(-1, 0)
+        epoch = await idx.clear_replica("a", ReplicaState.LIVE, _now())
+        for i in range(20):
+            keys = [os.urandom(16) for _ in range(500)]
+            await idx.apply("a", epoch, IndexWrite(dict.fromkeys(keys, G)), _now())
+            before = _now()
+            await idx.apply("a", epoch, IndexWrite(dict.fromkeys(keys, 0)), _now())
+            floor = await idx.removal_floor("a")
+            assert floor.floor_ms is not None and floor.updated_ms is not None
+            assert before <= floor.floor_ms <= floor.updated_ms, (i, floor)
+            assert await idx.removed_since("a", keys[:1], before) is None  # trimmed
+            assert judge_floor(floor, _now(), 0) is LogAnswer.UNVERIFIABLE
+        # a clear starts a new log: nothing trimmed
+        await idx.clear_replica("a", ReplicaState.LIVE, _now())
+        assert (await idx.removal_floor("a")).floor_ms == -1
+    finally:
+        await idx.close()
+
+
+# ------------------------------------------------------------------ honest agents, e2e
+
+STRICT = (
+    "quarantine: {missing_fraction: 0.5, k: 1, m: 1, min_claimed_blocks: 2, settle_s: 0.3,"
+    " max_unverifiable: %d}"
+)
+
+
+async def _evicted_and_restored(
+    st: Stack, agent: RedisIndex, epoch: int, seed: int, churn: int
+) -> str:
+    """One request whose claimed blocks the engine does not have; its agent reports them
+    evicted after the lookup and stored again by the request (one write), then ``churn``
+    other blocks stored and evicted, all before the check's verdict. The check's outcome."""
+    gw, rep = st.gw, st.replica_id(0)
+    prompt = words(400, seed)
+    keys = prompt_keys(gw, prompt, st.model)
+    await agent.apply(rep, epoch, IndexWrite({k: G for k in keys}), _now())
+    before = claim_checks(gw, rep)
+    raw = await st.client().completions.with_raw_response.create(
+        model=st.model, prompt=prompt, max_tokens=1
+    )
+    assert raw.headers["x-kvgate-replica"] == rep
+    await agent.apply(rep, epoch, IndexWrite({k: G for k in keys}, removed=set(keys)), _now())
+    other = [os.urandom(16) for _ in range(churn)]
+    await agent.apply(rep, epoch, IndexWrite(dict.fromkeys(other, G)), _now())
+    await agent.apply(rep, epoch, IndexWrite(dict.fromkeys(other, 0)), _now())
+    got = await checked(gw, rep, sum(before.values()) + 1)
+    (outcome,) = (got - before).keys()
+    return outcome
+
+
+async def test_an_honest_agent_under_heavy_churn_is_not_quarantined(redis_url: str) -> None:
+    """The default removal log (16,384) and 5,000 evictions between each lookup and its
+    check, each claim evicted and stored again by its request: every check is shown an
+    eviction, none is unverifiable (max_unverifiable = 1 would quarantine at the first)."""
+    async with stack(count=2, policy=STRICT % 1, redis_url=redis_url) as st:
+        agent = RedisIndex.from_url(redis_url)
+        try:
+            epoch = await agent.clear_replica(st.replica_id(0), ReplicaState.LIVE, _now())
+            await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now())
+            for i in range(3):
+                assert await _evicted_and_restored(st, agent, epoch, 7100 + i, 5_000) == (
+                    "evicted_restored"
+                )
+                assert not st.gw.quarantine.is_quarantined(st.replica_id(0))
+        finally:
+            await agent.close()
+
+
+async def test_an_honest_log_too_short_for_its_churn_is_unverifiable_not_tampered(
+    redis_url: str,
+) -> None:
+    """An agent whose removal log (64) is trimmed past the lookup by the churn before the
+    check: its floor is one an honest log has, so the check is unverifiable (it used to be
+    skipped), never a false claim; max_unverifiable of them in a row quarantine (the
+    runbook: raise KVGATE_AGENT_REMOVAL_LOG), and one the log can judge ends the run."""
+    async with stack(count=2, policy=STRICT % 2, redis_url=redis_url) as st:
+        rep = st.replica_id(0)
+        agent = RedisIndex.from_url(redis_url, removal_log=64)
+        try:
+            epoch = await agent.clear_replica(rep, ReplicaState.LIVE, _now())
+            await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now())
+            assert await _evicted_and_restored(st, agent, epoch, 7200, 200) == "unverifiable"
+            assert not st.gw.quarantine.is_quarantined(rep)
+            # the log reaches back this time (no churn): the run ends
+            assert await _evicted_and_restored(st, agent, epoch, 7201, 0) == "evicted_restored"
+            assert await _evicted_and_restored(st, agent, epoch, 7202, 200) == "unverifiable"
+            assert not st.gw.quarantine.is_quarantined(rep)
+            assert await _evicted_and_restored(st, agent, epoch, 7203, 200) == "unverifiable"
+            assert st.gw.quarantine.is_quarantined(rep)
+        finally:
+            await agent.close()
+
+
+class _FailingFloor(MemoryIndex):
+    """An index whose log cannot tell and whose floor read fails: the gateway's problem."""
+
+    async def removed_since(
+        self, replica: str, keys: Sequence[BlockKey], since_ms: int
+    ) -> list[bool] | None:
+        return None
+
+    async def removal_floor(self, replica: str) -> RemovalFloor:
+        raise IndexError_("index unreachable")
+
+
+async def test_a_floor_the_gateway_cannot_read_judges_nothing() -> None:
+    """Skips of the gateway's own making (the index failed) count on no track."""
+    index = _FailingFloor()
+    async with stack(count=2, policy=STRICT % 1, build={"index": index}) as st:
+        rep = st.replica_id(0)
+        epoch = await index.clear_replica(rep, ReplicaState.LIVE, _now())
+        await index.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now())
+        for i in range(2):
+            prompt = words(400, 7300 + i)
+            await index.apply(
+                rep, epoch, IndexWrite({k: G for k in prompt_keys(st.gw, prompt, st.model)}), 1
+            )
+            raw = await st.client().completions.with_raw_response.create(
+                model=st.model, prompt=prompt, max_tokens=1
+            )
+            assert raw.headers["x-kvgate-replica"] == rep
+            assert (await checked(st.gw, rep, i + 1))["skipped"] == i + 1
+        assert not st.gw.quarantine.is_quarantined(rep)
