@@ -30,7 +30,24 @@ Two inputs, one module:
   Idle periods hold no blocks and so do not dilute it; when no cached state lasted any time
   (all records at one instant, no ``--end``) it is the share at the end.
 
-``kvgate trace analyze FILE... [--end T]`` prints the tables.
+``kvgate trace analyze FILE... [--end T]`` prints the tables. It streams
+(:func:`analyze_files`): memory follows the live state (the blocks cached at one instant,
+one occupancy row and one queue per replica), not the length of the trace, so an hour-long
+trace of millions of lines takes what its caches held, not ~1.3 KB a line. Each file is
+read twice, once to count its records per replica and once to replay them (a pipe, which
+cannot be read twice, has its cache events held in memory). What is exact and what is not:
+
+* every count, mean occupancy, duplication and the peaks are exact: the replay is the same
+  sequence of float operations as an in-memory one;
+* lifetimes are kept as counts per value rounded to 0.01 s (:class:`Lifetimes`), the
+  precision the report prints; as rounding is monotonic, the nearest-rank p50/p90/p99 of
+  the rounded values are the exact percentiles rounded, so the printed figures are exact.
+  Their memory is one counter per distinct hundredth of a second, at most 100 per second
+  of the longest lifetime. The API's ``lifetimes_s`` lists are those rounded values;
+* a file holding several replicas' records (one agent for several data-parallel ranks)
+  queues the records of one replica while the replay reads past them for another: memory
+  follows how far one replica's records run ahead of another's in the file, which is small
+  for records written by one agent as it applies them.
 """
 
 from __future__ import annotations
@@ -38,15 +55,20 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import logging
 import math
+import os
+import stat
 import sys
-from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cachecore.scoring import hit_cap_blocks
+
+Record = dict[str, Any]  # one JSON line of a trace
 
 # --------------------------------------------------------------------------- bounds
 
@@ -109,29 +131,78 @@ def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) ->
 # ----------------------------------------------------------------------- event traces
 
 
+def _nearest_rank(n: int, q: float) -> int:
+    """The 1-based rank of the nearest-rank ``q`` percentile (q in [0, 100]) of n values."""
+    return max(1, math.ceil(q / 100.0 * n))
+
+
 @dataclass(slots=True)
 class ReplicaOccupancy:
+    """One replica's counts and blocks held over time, kept as a running integral (the
+    samples themselves would grow with the trace)."""
+
     replica: str
-    samples: list[tuple[float, int]] = field(default_factory=list)  # (ts, blocks stored)
     stores: int = 0  # keys newly cached on the replica
     tier_changes: int = 0  # store records of a key it already held (a new tier set)
     removes: int = 0
     clears: int = 0
+    first_ts: float = math.nan  # its first record's replay time
+    last_ts: float = math.nan  # its latest record's
+    last_blocks: int = 0  # blocks held from last_ts
+    peak: int = 0
+    block_s: float = 0.0  # blocks held integrated from first_ts to last_ts
+
+    def sample(self, ts: float, blocks: int) -> None:
+        """The replica holds ``blocks`` from ``ts`` (non-decreasing: the replay order)."""
+        if math.isnan(self.first_ts):
+            self.first_ts = ts
+        else:
+            self.block_s += self.last_blocks * max(0.0, ts - self.last_ts)
+        self.last_ts, self.last_blocks = ts, blocks
+        self.peak = max(self.peak, blocks)
 
     def time_weighted_mean(self, end_ts: float) -> float:
         """Mean blocks held from this replica's first record to ``end_ts`` (the report's
         end: the last state counts until then)."""
-        if not self.samples:
+        if math.isnan(self.first_ts):
             return 0.0
-        area = 0.0
-        for (t0, n), (t1, _) in zip(self.samples, [*self.samples[1:], (end_ts, 0)], strict=True):
-            area += n * max(0.0, t1 - t0)
-        span = end_ts - self.samples[0][0]
-        return area / span if span > 0 else float(self.samples[-1][1])
+        area = self.block_s + self.last_blocks * max(0.0, end_ts - self.last_ts)
+        span = end_ts - self.first_ts
+        return area / span if span > 0 else float(self.last_blocks)
 
-    @property
-    def peak(self) -> int:
-        return max((n for _, n in self.samples), default=0)
+
+@dataclass(slots=True)
+class Lifetimes:
+    """Block lifetimes (seconds) as counts per value rounded to 0.01 s, the precision the
+    report prints. Rounding is monotonic, so the nearest-rank percentile of the rounded
+    values is the exact percentile rounded; the memory is one counter per distinct
+    hundredth of a second, not one value per block."""
+
+    counts: Counter[float] = field(default_factory=Counter)
+    n: int = 0
+
+    def add(self, seconds: float) -> None:
+        # round() and the report's :.2f both round the float's exact value correctly
+        self.counts[round(seconds, 2)] += 1
+        self.n += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+    def percentile(self, q: float) -> float:
+        """Nearest-rank percentile (q in [0, 100]) to 0.01 s; nan for no values."""
+        if not self.n:
+            return math.nan
+        rank = _nearest_rank(self.n, q)
+        for value in sorted(self.counts):
+            rank -= self.counts[value]
+            if rank <= 0:
+                return value
+        raise AssertionError("counts do not add up to n")  # pragma: no cover
+
+    def values(self) -> list[float]:
+        """Every lifetime, rounded, ascending: as long as the count (tests, small traces)."""
+        return [v for v in sorted(self.counts) for _ in range(self.counts[v])]
 
 
 @dataclass(slots=True)
@@ -139,8 +210,8 @@ class EventTraceReport:
     start_ts: float
     end_ts: float
     occupancy: dict[str, ReplicaOccupancy]
-    lifetimes_s: list[float]
-    censored_lifetimes_s: list[float]
+    lifetimes: Lifetimes  # blocks removed or cleared in the window: stored -> ended
+    censored: Lifetimes  # blocks still cached at end_ts: end_ts - stored
     # duplicated_block_s / cached_block_s: the share of cached block-seconds held by a
     # second (third, ...) copy of a key cached on another replica
     duplication: float
@@ -149,8 +220,53 @@ class EventTraceReport:
     peak_duplicated_keys: int
     skipped: int = 0  # records that were not valid cache events
 
+    @property
+    def lifetimes_s(self) -> list[float]:
+        return self.lifetimes.values()
 
-def replay_order(records: Iterable[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
+    @property
+    def censored_lifetimes_s(self) -> list[float]:
+        return self.censored.values()
+
+
+class EndBeforeLastRecord(ValueError):
+    """An analysis window's end before the last record it replayed."""
+
+
+def _timed(records: Iterator[Record]) -> Iterator[tuple[float, Record]]:
+    """One replica's records with their replay times (see :func:`replay_order`). Only a
+    clear looks one record ahead, so the stream holds at most two records at a time."""
+    t = -math.inf
+    rec = next(records, None)
+    while rec is not None:
+        ts = float(rec["ts"])
+        after = next(records, None) if rec["op"] == "clear" else None
+        if after is not None:
+            ts = min(ts, float(after["ts"]))
+        t = max(t, ts)
+        yield t, rec
+        rec = after if rec["op"] == "clear" else next(records, None)
+
+
+def _merged(streams: Iterable[Iterator[Record]]) -> Iterator[tuple[float, Record]]:
+    """Per-replica streams (in order of their replicas' first records) merged by replay
+    time; ties go to the earlier stream, as heapq.merge breaks them."""
+    return heapq.merge(*(_timed(s) for s in streams), key=lambda p: p[0])
+
+
+def _by_replica(records: Iterable[Record]) -> tuple[dict[str, list[Record]], int]:
+    """Valid events grouped per replica in the order given, and the count of the others."""
+    streams: dict[str, list[Record]] = defaultdict(list)
+    skipped = 0
+    for rec in records:
+        if valid_event(rec):
+            streams[rec["replica"]].append(rec)
+        else:
+            skipped += 1
+    return streams, skipped
+
+
+def replay_order(records: Iterable[Record]) -> list[tuple[float, Record]]:
     """The records as ``(time, record)`` in the order to replay them.
 
     One replica's records are replayed in the order given (file order): the agent writes
@@ -162,127 +278,138 @@ def replay_order(records: Iterable[dict[str, Any]]) -> list[tuple[float, dict[st
     made non-decreasing (a record is placed no earlier than the one before it), and a
     clear is placed no later than the record after it (the first batch applied after a
     clear bounds when the cache it describes started). Replicas are then merged by that
-    time; the files must hold one replica's records in the order written."""
-    streams: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for rec in records:
-        streams[rec["replica"]].append(rec)
-    timed: list[list[tuple[float, dict[str, Any]]]] = []
-    for recs in streams.values():
-        out: list[tuple[float, dict[str, Any]]] = []
-        t = -math.inf
-        for i, rec in enumerate(recs):
-            ts = float(rec["ts"])
-            if rec["op"] == "clear" and i + 1 < len(recs):
-                ts = min(ts, float(recs[i + 1]["ts"]))
-            t = max(t, ts)
-            out.append((t, rec))
-        timed.append(out)
-    return list(heapq.merge(*timed, key=lambda p: p[0]))
+    time; the files must hold one replica's records in the order written. (In memory: the
+    streaming :func:`analyze_files` applies the same order file by file.)"""
+    streams, _ = _by_replica(records)
+    return list(_merged(iter(s) for s in streams.values()))
 
 
-def analyze_events(
-    records: Iterable[dict[str, Any]], end_ts: float | None = None
+class EventReplay:
+    """The analysis of cache events fed one at a time in :func:`replay_order`. It keeps the
+    live state (the blocks each replica holds and when each was stored, the replicas
+    holding each key) and running sums: nothing per record."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[str, float]] = {}  # replica -> key -> stored at
+        self._copies: dict[str, int] = {}  # key -> replicas holding it
+        self._total = 0  # blocks cached, summed over replicas
+        self.occupancy: dict[str, ReplicaOccupancy] = {}
+        self.lifetimes = Lifetimes()
+        self.start = self.last = math.nan
+        self.cached_area = self.dup_area = 0.0  # block-seconds: all copies, beyond the first
+        self.peak_dup = 0
+
+    def _drop(self, key: str) -> None:
+        n = self._copies[key] - 1
+        if n:
+            self._copies[key] = n
+        else:
+            del self._copies[key]
+
+    def feed(self, ts: float, rec: Record) -> None:
+        """Apply one valid event at replay time ``ts`` (non-decreasing)."""
+        if math.isnan(self.start):
+            self.start = self.last = ts
+        dup_keys = self._total - len(self._copies)
+        self.cached_area += self._total * (ts - self.last)
+        self.dup_area += dup_keys * (ts - self.last)
+        self.last = ts
+        replica = rec["replica"]
+        o = self.occupancy.get(replica)
+        if o is None:
+            o = self.occupancy[replica] = ReplicaOccupancy(replica)
+            self._held[replica] = {}
+        held = self._held[replica]
+        op = rec["op"]
+        if op == "store":
+            key = rec["key"]
+            if key not in held:
+                held[key] = ts
+                self._copies[key] = self._copies.get(key, 0) + 1
+                self._total += 1
+                o.stores += 1
+            else:  # the agent re-emits a cached key whose tier set changed (GPU -> GPU|CPU)
+                o.tier_changes += 1
+        elif op == "remove":
+            stored = held.pop(rec["key"], None)
+            if stored is not None:
+                self._drop(rec["key"])
+                self.lifetimes.add(ts - stored)
+                self._total -= 1
+            o.removes += 1
+        else:  # clear
+            for key, stored in held.items():
+                self._drop(key)
+                self.lifetimes.add(ts - stored)
+            self._total -= len(held)
+            held.clear()
+            o.clears += 1
+        o.sample(ts, len(held))
+        self.peak_dup = max(self.peak_dup, self._total - len(self._copies))
+
+    def report(self, end_ts: float | None = None, skipped: int = 0) -> EventTraceReport:
+        """The report of the window ``[first record, end_ts]`` (see :func:`analyze_events`)."""
+        start, last = self.start, self.last
+        if math.isnan(start):
+            start = last = 0.0 if end_ts is None else end_ts
+        if end_ts is None:
+            end_ts = last
+        elif end_ts < last:
+            raise EndBeforeLastRecord(f"end {end_ts:g} is before the last record ({last:g})")
+        dup_keys = self._total - len(self._copies)
+        cached_area = self.cached_area + self._total * (end_ts - last)
+        dup_area = self.dup_area + dup_keys * (end_ts - last)
+        if cached_area > 0:
+            duplication = dup_area / cached_area
+        else:  # no cached state lasted any time: the state at the end
+            duplication = dup_keys / self._total if self._total else 0.0
+        censored = Lifetimes()
+        for held in self._held.values():
+            for stored in held.values():
+                censored.add(end_ts - stored)
+        return EventTraceReport(
+            start_ts=start,
+            end_ts=end_ts,
+            occupancy=self.occupancy,
+            lifetimes=self.lifetimes,
+            censored=censored,
+            duplication=duplication,
+            cached_block_s=cached_area,
+            duplicated_block_s=dup_area,
+            peak_duplicated_keys=self.peak_dup,
+            skipped=skipped,
+        )
+
+
+def _replay(
+    timed: Iterable[tuple[float, Record]], end_ts: float | None, skipped: int
 ) -> EventTraceReport:
+    replay = EventReplay()
+    for ts, rec in timed:
+        replay.feed(ts, rec)
+    return replay.report(end_ts, skipped)
+
+
+def analyze_events(records: Iterable[Record], end_ts: float | None = None) -> EventTraceReport:
     """Replay store/remove/clear records (in :func:`replay_order`) and measure the caches.
 
     The window is ``[first record, end_ts]``; ``end_ts`` (default: the last record's time)
     closes the state after the last record: mean occupancy, duplication and the censored
     lifetimes of the blocks still cached all run to it, so a later ``end_ts`` weighs the
     final state by how long it is known to have lasted. An ``end_ts`` before the last
-    record raises ValueError. Records :func:`valid_event` refuses (unknown op, no usable
-    ts, ...) are skipped and counted in ``skipped``: they neither change a cache nor
-    stretch the window."""
-    alive: dict[tuple[str, str], float] = {}
-    holders: dict[str, set[str]] = defaultdict(set)
-    occ: dict[str, ReplicaOccupancy] = {}
-    per_replica: dict[str, set[str]] = defaultdict(set)
-    lifetimes: list[float] = []
-    start = last = math.nan
-    cached_area = dup_area = 0.0  # block-seconds: all copies, and copies beyond the first
-    peak_dup = 0
-    total_blocks = 0  # blocks cached, summed over replicas
-    skipped = 0
-    usable = []
-    for rec in records:
-        if valid_event(rec):
-            usable.append(rec)
-        else:
-            skipped += 1
-    for ts, rec in replay_order(usable):
-        if math.isnan(start):
-            start = last = ts
-        dup_keys = total_blocks - len(holders)
-        cached_area += total_blocks * (ts - last)
-        dup_area += dup_keys * (ts - last)
-        last = ts
-        replica = rec["replica"]
-        o = occ.setdefault(replica, ReplicaOccupancy(replica))
-        op = rec["op"]
-        if op == "store":
-            key = rec["key"]
-            if key not in per_replica[replica]:
-                per_replica[replica].add(key)
-                holders[key].add(replica)
-                alive[(replica, key)] = ts
-                total_blocks += 1
-                o.stores += 1
-            else:  # the agent re-emits a cached key whose tier set changed (GPU -> GPU|CPU)
-                o.tier_changes += 1
-        elif op == "remove":
-            key = rec["key"]
-            if key in per_replica[replica]:
-                per_replica[replica].discard(key)
-                holders[key].discard(replica)
-                if not holders[key]:
-                    del holders[key]
-                lifetimes.append(ts - alive.pop((replica, key)))
-                total_blocks -= 1
-            o.removes += 1
-        else:  # clear
-            for key in per_replica[replica]:
-                holders[key].discard(replica)
-                if not holders[key]:
-                    del holders[key]
-                lifetimes.append(ts - alive.pop((replica, key)))
-            total_blocks -= len(per_replica[replica])
-            per_replica[replica].clear()
-            o.clears += 1
-        o.samples.append((ts, len(per_replica[replica])))
-        peak_dup = max(peak_dup, total_blocks - len(holders))
-    if math.isnan(start):
-        start = last = 0.0 if end_ts is None else end_ts
-    if end_ts is None:
-        end_ts = last
-    elif end_ts < last:
-        raise ValueError(f"end {end_ts:g} is before the last record ({last:g})")
-    dup_keys = total_blocks - len(holders)
-    cached_area += total_blocks * (end_ts - last)
-    dup_area += dup_keys * (end_ts - last)
-    if cached_area > 0:
-        duplication = dup_area / cached_area
-    else:  # no cached state lasted any time: the state at the end
-        duplication = dup_keys / total_blocks if total_blocks else 0.0
-    return EventTraceReport(
-        start_ts=start,
-        end_ts=end_ts,
-        occupancy=occ,
-        lifetimes_s=lifetimes,
-        censored_lifetimes_s=[end_ts - t0 for t0 in alive.values()],
-        duplication=duplication,
-        cached_block_s=cached_area,
-        duplicated_block_s=dup_area,
-        peak_duplicated_keys=peak_dup,
-        skipped=skipped,
-    )
+    record raises :class:`EndBeforeLastRecord` (a ValueError). Records :func:`valid_event`
+    refuses (unknown op, no usable ts, ...) are skipped and counted in ``skipped``: they
+    neither change a cache nor stretch the window. The records are grouped per replica in
+    memory (they are in memory already); files stream through :func:`analyze_files`."""
+    streams, skipped = _by_replica(records)
+    return _replay(_merged(iter(s) for s in streams.values()), end_ts, skipped)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); nan for no values."""
     if not values:
         return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[rank - 1]
+    return sorted(values)[_nearest_rank(len(values), q) - 1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,42 +437,56 @@ class RequestReport:
         return self.predicted_error_tokens / c if c else 0.0
 
 
-def analyze_requests(records: Iterable[dict[str, Any]]) -> RequestReport:
-    """Hit rate and prediction error of request records (assumed :func:`valid_request`)."""
-    n = prompt = measured = cached = compared = err = 0
-    by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
-    for rec in records:
+class RequestTally:
+    """:func:`analyze_requests` one record at a time: sums, one row per replica."""
+
+    def __init__(self) -> None:
+        self.n = self.prompt = self.measured = self.cached = self.compared = self.err = 0
+        self._by: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+
+    def add(self, rec: Record) -> None:
         p = int(rec["prompt_tokens"])
         c, pred = rec.get("cached_tokens"), rec.get("predicted_cached_tokens")
         if rec.get("status", 200) != 200:  # a failed answer: its counts are not comparable
             c = None
-        row = by[str(rec.get("replica", "?"))]
-        n += 1
-        prompt += p
+        row = self._by[str(rec.get("replica", "?"))]
+        self.n += 1
+        self.prompt += p
         row[0] += 1
         row[1] += p
         if c is None:
-            continue
-        measured += p
-        cached += int(c)
+            return
+        self.measured += p
+        self.cached += int(c)
         row[2] += p
         row[3] += int(c)
         if pred is not None:
-            compared += p
-            err += abs(int(pred) - int(c))
-    return RequestReport(
-        n,
-        prompt,
-        measured,
-        cached,
-        compared,
-        err,
-        {k: (v[0], v[1], v[2], v[3]) for k, v in by.items()},
-    )
+            self.compared += p
+            self.err += abs(int(pred) - int(c))
+
+    def report(self) -> RequestReport:
+        return RequestReport(
+            self.n,
+            self.prompt,
+            self.measured,
+            self.cached,
+            self.compared,
+            self.err,
+            {k: (v[0], v[1], v[2], v[3]) for k, v in self._by.items()},
+        )
 
 
-# ------------------------------------------------------------------------------ CLI
+def analyze_requests(records: Iterable[Record]) -> RequestReport:
+    """Hit rate and prediction error of request records (assumed :func:`valid_request`)."""
+    tally = RequestTally()
+    for rec in records:
+        tally.add(rec)
+    return tally.report()
 
+
+# ----------------------------------------------------------------------------- files
+
+_log = logging.getLogger(__name__)
 
 EVENT_OPS = frozenset({"store", "remove", "clear"})
 
@@ -359,7 +500,7 @@ def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def valid_event(rec: dict[str, Any]) -> bool:
+def valid_event(rec: Record) -> bool:
     """A cache event the analysis can use: finite numeric ts, string replica, a known op,
     and a string key for store/remove."""
     op = rec.get("op")
@@ -371,7 +512,7 @@ def valid_event(rec: dict[str, Any]) -> bool:
     )
 
 
-def valid_request(rec: dict[str, Any]) -> bool:
+def valid_request(rec: Record) -> bool:
     """A request record: finite numeric ts and a token count; the cached counts, when
     present and not null, are counts too."""
     return (
@@ -384,41 +525,188 @@ def valid_request(rec: dict[str, Any]) -> bool:
     )
 
 
-def read_jsonl(paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+def _parse(raw: bytes) -> Record | str | None:
+    """One line: a valid record (a cache event when it has an ``op``, else a request
+    record), the reason it is neither (a string), or None for a blank line."""
+    try:
+        line = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    if not line:
+        return None
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        return "not JSON"
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if "op" in rec:
+        return rec if valid_event(rec) else "not a valid cache event"
+    return rec if valid_request(rec) else "not a valid request record"
+
+
+def read_jsonl(paths: Iterable[Path]) -> tuple[list[Record], list[Record], int]:
     """Split records into cache events and request records, in file order (files in the
     order given); count the lines skipped: not UTF-8, not JSON, or not a valid record of
     either kind (see :func:`valid_event`, :func:`valid_request`). A file that cannot be
-    read raises OSError."""
-    events: list[dict[str, Any]] = []
-    requests: list[dict[str, Any]] = []
+    read raises OSError. Everything in memory: the CLI streams (:func:`analyze_files`)."""
+    events: list[Record] = []
+    requests: list[Record] = []
     bad = 0
     for path in paths:
         with Path(path).open("rb") as fh:
             for raw in fh:
-                try:
-                    line = raw.decode("utf-8").strip()
-                except UnicodeDecodeError:
+                rec = _parse(raw)
+                if isinstance(rec, str):
                     bad += 1
-                    continue
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
-                    bad += 1
-                    continue
-                if not isinstance(rec, dict):
-                    bad += 1
-                elif "op" in rec:
-                    if valid_event(rec):
-                        events.append(rec)
-                    else:
-                        bad += 1
-                elif valid_request(rec):
-                    requests.append(rec)
-                else:
-                    bad += 1
+                elif rec is not None:
+                    (events if "op" in rec else requests).append(rec)
     return events, requests, bad
+
+
+class TraceChanged(Exception):
+    """A file's cache events differ between the two reads (rewritten or truncated)."""
+
+
+@dataclass(slots=True)
+class _FileScan:
+    """What the first read of a file found."""
+
+    path: Path
+    size: int  # bytes read: the replay stops there (an agent may still be appending)
+    events: dict[str, int]  # replica -> its cache events here, in order of first record
+    held: dict[str, deque[Record]] | None  # a pipe's cache events: it cannot be read twice
+
+
+def _scan(path: Path, tally: RequestTally) -> tuple[_FileScan, int]:
+    """Read ``path`` once: count its cache events per replica, add its request records to
+    ``tally``, count (and log at debug) the lines skipped."""
+    events: dict[str, int] = {}
+    size = bad = 0
+    with path.open("rb") as fh:
+        held: dict[str, deque[Record]] | None = None
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            held = {}
+        for lineno, raw in enumerate(fh, 1):
+            size += len(raw)
+            rec = _parse(raw)
+            if isinstance(rec, str):
+                bad += 1
+                _log.debug(
+                    "trace line skipped", extra={"path": str(path), "line": lineno, "why": rec}
+                )
+            elif rec is None:
+                continue
+            elif "op" in rec:
+                replica = rec["replica"]
+                events[replica] = events.get(replica, 0) + 1
+                if held is not None:
+                    held.setdefault(replica, deque()).append(rec)
+            else:
+                tally.add(rec)
+    return _FileScan(path, size, events, held), bad
+
+
+class _FileEvents:
+    """A scanned file's cache events handed out per replica, each replica's in file order.
+    Reading on for one replica queues the records of the others it passes; the file is
+    opened when first needed and closed once every record was handed out."""
+
+    def __init__(self, scan: _FileScan) -> None:
+        self.scan = scan
+        self._left = dict(scan.events)  # replica -> records not yet handed out
+        self._unread = sum(scan.events.values())
+        self._queued = scan.held if scan.held is not None else {r: deque() for r in scan.events}
+        self._fh: BinaryIO | None = None
+        self._records: Iterator[Record] | None = None
+
+    def of(self, replica: str) -> Iterator[Record]:
+        queue = self._queued[replica]
+        while self._left[replica]:
+            while not queue:
+                self._read_one()
+            self._left[replica] -= 1
+            self._unread -= 1
+            if not self._unread:
+                self.close()
+            yield queue.popleft()
+
+    def _read_one(self) -> None:
+        if self._records is None:
+            self._fh = self.scan.path.open("rb")
+            self._records = self._events(self._fh, self.scan.size)
+        rec = next(self._records, None)
+        if rec is None or rec["replica"] not in self._queued:
+            raise TraceChanged(f"{self.scan.path} changed while it was read (rewritten?)")
+        self._queued[rec["replica"]].append(rec)
+
+    @staticmethod
+    def _events(fh: BinaryIO, size: int) -> Iterator[Record]:
+        """The cache events in the first ``size`` bytes of ``fh``."""
+        while size > 0:
+            raw = fh.readline(size)
+            if not raw:
+                return
+            size -= len(raw)
+            rec = _parse(raw)
+            if isinstance(rec, dict) and "op" in rec:
+                yield rec
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def _replica_stream(files: Sequence[_FileEvents], replica: str) -> Iterator[Record]:
+    """One replica's cache events: file by file in the order given, each in file order."""
+    for f in files:
+        if replica in f.scan.events:
+            yield from f.of(replica)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceAnalysis:
+    events: EventTraceReport | None  # None: no cache events
+    requests: RequestReport | None  # None: no request records
+    skipped: int  # lines neither: not UTF-8, not JSON, not a valid record
+
+
+def analyze_files(paths: Sequence[Path], end_ts: float | None = None) -> TraceAnalysis:
+    """What ``kvgate trace analyze`` prints, streamed: the same analysis as
+    :func:`read_jsonl` then :func:`analyze_events` and :func:`analyze_requests`, in memory
+    that follows the caches' live state, not the files' length (see the module's notes).
+
+    A first read of each file (in the order given) sums its request records and counts
+    its cache events per replica; the replay then reads each replica's events file by
+    file, in file order, and merges the replicas by replay time (:func:`replay_order`),
+    stopping in each file where the first read stopped. Raises OSError for a file that
+    cannot be read, :class:`TraceChanged` for one whose events changed between the reads,
+    :class:`EndBeforeLastRecord` for an ``end_ts`` before the last event."""
+    tally = RequestTally()
+    scans: list[_FileScan] = []
+    bad = 0
+    for path in paths:
+        scan, skipped = _scan(Path(path), tally)
+        scans.append(scan)
+        bad += skipped
+    requests = tally.report() if tally.n else None
+    replicas: dict[str, None] = {}  # in order of first record, as replay_order has them
+    for scan in scans:
+        replicas.update(dict.fromkeys(scan.events))
+    if not replicas:
+        return TraceAnalysis(None, requests, bad)
+    files = [_FileEvents(scan) for scan in scans if scan.events]
+    try:
+        streams = (_replica_stream(files, r) for r in replicas)
+        events = _replay(_merged(streams), end_ts, 0)
+    finally:
+        for f in files:
+            f.close()
+    return TraceAnalysis(events, requests, bad)
+
+
+# ------------------------------------------------------------------------------ CLI
 
 
 def format_event_report(rep: EventTraceReport) -> str:
@@ -434,15 +722,15 @@ def format_event_report(rep: EventTraceReport) -> str:
             f"| {name} | {o.stores} | {o.tier_changes} | {o.removes} | {o.clears} | "
             f"{o.time_weighted_mean(rep.end_ts):.1f} | {o.peak} |"
         )
-    lt, cz = rep.lifetimes_s, rep.censored_lifetimes_s
+    lt, cz = rep.lifetimes, rep.censored
     lines += [
         "",
         "| block lifetimes | n | p50 s | p90 s | p99 s |",
         "|---|---|---|---|---|",
-        f"| ended (removed/cleared) | {len(lt)} | {percentile(lt, 50):.2f} | "
-        f"{percentile(lt, 90):.2f} | {percentile(lt, 99):.2f} |",
-        f"| still cached (censored) | {len(cz)} | {percentile(cz, 50):.2f} | "
-        f"{percentile(cz, 90):.2f} | {percentile(cz, 99):.2f} |",
+        f"| ended (removed/cleared) | {len(lt)} | {lt.percentile(50):.2f} | "
+        f"{lt.percentile(90):.2f} | {lt.percentile(99):.2f} |",
+        f"| still cached (censored) | {len(cz)} | {cz.percentile(50):.2f} | "
+        f"{cz.percentile(90):.2f} | {cz.percentile(99):.2f} |",
         "",
         f"prefix duplication across replicas (share of cached block-seconds held by a second "
         f"copy of a key): {rep.duplication:.1%}; peak duplicated blocks: "
@@ -507,26 +795,27 @@ def run(args: argparse.Namespace) -> int:
     if args.end is not None and not math.isfinite(args.end):
         return _fail(f"--end must be a finite time, got {args.end}")
     try:
-        events, requests, bad = read_jsonl(_distinct(args.files))
+        result = analyze_files(_distinct(args.files), args.end)
     except OSError as exc:
         return _fail(f"cannot read {exc.filename or 'input'}: {exc.strerror or exc}")
-    if not events and not requests:
+    except TraceChanged as exc:
+        return _fail(str(exc))
+    except EndBeforeLastRecord as exc:  # "end X is before the last record (Y)"
+        return _fail(f"--{exc}")
+    bad = result.skipped
+    if result.events is None and result.requests is None:
         lines = "line" if bad == 1 else "lines"
         print(
             f"kvgate trace: no cache events or request records found ({bad} {lines} skipped)",
             file=sys.stderr,
         )
         return 1
-    if events:
-        try:
-            report = analyze_events(events, args.end)
-        except ValueError as exc:  # "end X is before the last record (Y)"
-            return _fail(f"--{exc}")
-        print(format_event_report(report))
-    if requests:
-        if events:
+    if result.events is not None:
+        print(format_event_report(result.events))
+    if result.requests is not None:
+        if result.events is not None:
             print()
-        print(format_request_report(analyze_requests(requests)))
+        print(format_request_report(result.requests))
     if bad:
         print(f"\nskipped {bad} unparseable or invalid lines")
     return 0

@@ -178,14 +178,16 @@ def test_fresh_agent_clear_does_not_wipe_replayed_stores() -> None:
     # time, so the lifetimes count from the engine's store times
     assert sorted(rep.censored_lifetimes_s) == [301.0, 497.0, 498.0, 499.0, 500.0]
     assert rep.lifetimes_s == [501.0] and rep.start_ts == 500.0
-    assert rep.occupancy["r0"].samples[-1] == (1001.0, 4)
+    o = rep.occupancy["r0"]
+    assert (o.last_ts, o.last_blocks) == (1001.0, 4)
     # appended to an earlier run's records that are newer than the replay: the clear still
     # applies after them and before the replay, which is placed at the clear's time
     old_run = [{"ts": 600.0 + i, "replica": "r0", "op": "store", "key": f"o{i}"} for i in range(3)]
     rep = analyze_events(old_run + fresh)
     assert sorted(rep.lifetimes_s) == [0.0, 1.0, 2.0, 399.0]  # o2, o1, o0 cleared; k0
     assert sorted(rep.censored_lifetimes_s) == [301.0, 399.0, 399.0, 399.0, 399.0]
-    assert rep.occupancy["r0"].samples[-1] == (1001.0, 4)
+    o = rep.occupancy["r0"]
+    assert (o.last_ts, o.last_blocks) == (1001.0, 4)
 
 
 def _store(ts: float, replica: str, key: str) -> dict[str, Any]:
