@@ -43,6 +43,7 @@ from cachecore.keys import BlockKey, BlockKeyer
 from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier, chain_values
 from cachecore.testing import RedisServer
 from gateway.cli import comma_list, one_of, positive_int
+from loadtest import keyflood
 
 GPU = int(Tier.GPU)
 GPU_CPU = int(Tier.GPU | Tier.CPU)
@@ -68,9 +69,20 @@ def configure_keys(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-ms", type=positive_float, default=2.0, help="target for the largest"
     )
+    parser.add_argument(
+        "--api-key-flood",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="instead: made-up API keys against a gateway with --api-keys-redis, SECONDS per"
+        " arm (loadtest/keyflood.py): HGETs per second with the per-address budget off and on",
+    )
+    keyflood.configure(parser)
 
 
 def run_keys(args: argparse.Namespace) -> int:
+    if args.api_key_flood is not None:
+        return keyflood.run(args)
     rng = random.Random(7)
     keyer = BlockKeyer(args.block_size)
     salt = "kvg1:" + "ab" * 32

@@ -7,6 +7,9 @@ redis-server (``INFO commandstats``)."""
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -231,3 +234,29 @@ async def test_a_made_up_key_flood_through_the_gateway(redis_own: RedisServer) -
             assert r.status_code == 429
     finally:
         await seed.aclose()
+
+
+def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
+    """`kvgate bench keys --api-key-flood 1`, a smoke run (processes, a private
+    redis-server): the arm with the budget off makes one HGET per made-up key, the
+    one-address arm with the defaults at most burst + rate x 1 s, and the valid client
+    was answered throughout (exit 0)."""
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "bench", "keys", "--api-key-flood", "1",
+        "--flood-connections", "8", "--flood-addresses", "4",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = {
+        m[0]: (int(m[1].replace(",", "")), float(m[2].replace(",", "")))
+        for m in re.findall(
+            r"^\| ([^|]+?) \| [0-9,]+ \| ([0-9,]+) \| [0-9,]+ \| [0-9,]+ \| ([0-9.,]+) \|",
+            out.stdout,
+            re.M,
+        )
+    }
+    before_401, before_hgets = rows["budget off, 1 address (before)"]
+    after_401, _ = rows["defaults, 1 address"]
+    assert before_401 > 1_000 and before_hgets > 500, rows
+    assert after_401 <= 100 + 10 * 1.5, rows
+    assert "defaults, 4 addresses" in rows
