@@ -110,6 +110,17 @@ class AgentSettings(BaseSettings):
             raise ValueError("engine_url must not carry user info (user:password@)")
         return v.rstrip("/")
 
+    @field_validator("model")
+    @classmethod
+    def _named_model(cls, v: str | None) -> str | None:
+        # as kvgate replica's --model (4581065): a blank name is a mistake, not a request
+        # for the engine's; "" was taken as unset and fell back to /v1/models without a word
+        if v is not None and not v.strip():
+            raise ValueError(
+                "the model name must not be blank (leave it unset to take the engine's /v1/models)"
+            )
+        return v
+
     @field_validator("events", "replay")
     @classmethod
     def _zmq_endpoint(cls, v: str | None) -> str | None:
