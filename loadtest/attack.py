@@ -5,7 +5,8 @@ statistical probe, a positive control that must fire (otherwise the row reads NO
 
 1. timing probe (KS on TTFT; N from a power calculation), plus the gateway's own path;
 2. routing probe (Fisher's exact test on where B's probes of A's prefixes land);
-3. poisoning (Redis ACL against a rogue agent; false claims -> quarantine; stale replays);
+3. poisoning (Redis ACL against a rogue agent; false claims -> quarantine, also under a
+   raised removal-log floor; stale replays);
 4. salt spoofing (a client ``cache_salt``, even the victim's real one, has no effect);
 5. malformed-event flood (the agent survives, drops are counted, the index stays exact);
 6. cache flooding by one tenant (the other tenants' hit rate within a stated bound).
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 ATTACKS = {
     1: "timing probe",
     2: "routing probe",
-    3: "poisoning (ACL, false claims, stale replay)",
+    3: "poisoning (ACL, false claims, rogue floor, stale replay)",
     4: "salt spoofing",
     5: "malformed-event flood",
     6: "cache flooding by one tenant",

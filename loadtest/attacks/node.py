@@ -15,6 +15,11 @@ the index with its own credentials. Replica r0's event stream passes through an
   claim check must quarantine r0 within the policy's bound (K requests whose claims prove
   >= X% missing, within the last M), ignore r0's claims while quarantined, and release it
   after ``recover_after`` agreeing requests once the lies stop.
+* 3d: as 3b, and before each check the rogue raises its replica's removal-log floor
+  (``rm_floor``, in its own meta) so the log cannot tell an eviction from its lie (D22).
+  A floor past anything it wrote must be judged a false claim (quarantined within K); one
+  kept just ahead of each lookup, as an honest log trimmed that fast could have, must
+  quarantine within ``max_unverifiable`` lies.
 * 3c: record a batch of r0's real events, let the engine evict those blocks, replay the old
   batch onto the stream: the index must not regain the evicted keys and must equal the
   engine's blocks.
@@ -30,7 +35,7 @@ import contextlib
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,11 +79,12 @@ from loadtest.attacks.common import (
 VICTIM = "victim"
 TOPIC = "kv-events"
 # the default policy's quarantine rule, written out: the bound we state is K
-Q_MISSING, Q_K, Q_M, Q_MIN_CLAIMED, Q_RECOVER = 0.5, 3, 5, 2, 3
+Q_MISSING, Q_K, Q_M, Q_MIN_CLAIMED, Q_RECOVER, Q_UNVERIFIABLE = 0.5, 3, 5, 2, 3, 6
 Q_SETTLE_S = 1.0  # shorter than the default 3 s: a lie is judged this long after its response
 POLICY = (
     f"quarantine: {{missing_fraction: {Q_MISSING}, k: {Q_K}, m: {Q_M}, "
-    f"min_claimed_blocks: {Q_MIN_CLAIMED}, recover_after: {Q_RECOVER}, settle_s: {Q_SETTLE_S}}}"
+    f"min_claimed_blocks: {Q_MIN_CLAIMED}, recover_after: {Q_RECOVER}, settle_s: {Q_SETTLE_S}, "
+    f"max_unverifiable: {Q_UNVERIFIABLE}}}"
 )
 
 
@@ -318,39 +324,69 @@ async def rogue_writes(st: NodeStack) -> AttackResult:
 # ------------------------------------------------------------------------ 3b: false claims
 
 
+LieCover = Callable[[], Awaitable[None]]
+
+
+async def _lie(st: NodeStack, rogue: RedisIndex, liar: str, prompt: str) -> None:
+    """Claim ``prompt``'s blocks (tenant A's keys) on ``liar``, as its rogue agent."""
+    epoch = (await rogue.meta(liar)).epoch
+    keys = st.victim_keys(prompt)
+    await rogue.apply(
+        liar, epoch, IndexWrite({x: int(Tier.GPU) for x in keys}), int(time.time() * 1000)
+    )
+
+
+async def _lie_until_quarantined(
+    st: NodeStack, rogue: RedisIndex, liar: str, limit: int, cover: LieCover | None = None
+) -> tuple[int, int, int]:
+    """Lie (then ``cover``) before each request until ``liar`` is quarantined, at most
+    ``limit`` times: (lying requests, how many went to the liar, checks the gateway skipped)."""
+    gw = st.g.gw
+    skipped_before = _claim_checks(gw, liar, "skipped")
+    misrouted = requests = 0
+    for _ in range(limit):
+        if gw.quarantine.is_quarantined(liar):
+            break
+        prompt = st.words.text(st.cfg.prompt_words)
+        await _lie(st, rogue, liar, prompt)
+        if cover is not None:
+            await cover()
+        requests += 1
+        if await st.ask(prompt) == liar:
+            misrouted += 1
+        # claim checks run after responses (a quarantine's watcher is not one: waiting
+        # on every background task cost the full timeout per request while quarantined)
+        await until(gw.background_settled, Q_SETTLE_S + 2.0)
+    # a check the gateway could not conclude (its index lookup timed out on a busy
+    # machine) judges nothing, by design: the bound is K checks that could tell, so each
+    # skipped one allows one more request
+    return requests, misrouted, _claim_checks(gw, liar, "skipped") - skipped_before
+
+
+async def _honest_until_released(st: NodeStack, liar: str, max_honest: int) -> int:
+    """Honest traffic (each prompt twice) until ``liar``'s claims agree again."""
+    gw = st.g.gw
+    honest = 0
+    while gw.quarantine.is_quarantined(liar) and honest < max_honest:
+        prompt = st.words.text(st.cfg.prompt_words // 2)
+        await st.ask(prompt)
+        await st.settled("r0", 5.0)
+        await st.settled("r1", 5.0)
+        await st.ask(prompt)
+        honest += 2
+        await until(gw.background_settled, Q_SETTLE_S + 2.0)
+    return honest
+
+
 async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
     gw = st.g.gw
     liar = "r1"  # r0's stream carries the relay attacks: keep its index clean
     rogue = RedisIndex.from_url(st.agent_urls[liar], st.layout)
     k = Q_K
     try:
-
-        async def lie(prompt: str) -> None:
-            epoch = (await rogue.meta(liar)).epoch
-            keys = st.victim_keys(prompt)
-            await rogue.apply(
-                liar, epoch, IndexWrite({x: int(Tier.GPU) for x in keys}), int(time.time() * 1000)
-            )
-
-        skipped_before = _claim_checks(gw, liar, "skipped")
-        misrouted = 0
-        requests_until = 0
-        for _ in range(3 * Q_M):  # bounded: the bound is K, allow 3M
-            if gw.quarantine.is_quarantined(liar):
-                break
-            prompt = st.words.text(st.cfg.prompt_words)
-            await lie(prompt)
-            requests_until += 1
-            if await st.ask(prompt) == liar:
-                misrouted += 1
-            # claim checks run after responses (a quarantine's watcher is not one: waiting
-            # on every background task cost the full timeout per request while quarantined)
-            await until(gw.background_settled, Q_SETTLE_S + 2.0)
+        # bounded: the bound is K, allow 3M
+        requests_until, misrouted, skipped = await _lie_until_quarantined(st, rogue, liar, 3 * Q_M)
         quarantined = gw.quarantine.is_quarantined(liar)
-        # a check the gateway could not conclude (its index lookup timed out on a busy
-        # machine, the removal log did not reach back) judges nothing, by design: the
-        # bound is K checks that could tell, so each skipped one allows one more request
-        skipped = _claim_checks(gw, liar, "skipped") - skipped_before
         admin = (
             await st.http.get(st.g.url + "/admin/quarantine", headers=st.g.admin_headers)
         ).json()
@@ -359,21 +395,13 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
         lies_while = 5
         for _ in range(lies_while):
             prompt = st.words.text(st.cfg.prompt_words)
-            await lie(prompt)
+            await _lie(st, rogue, liar, prompt)
             body = {"model": st.model, "prompt": prompt, "max_tokens": 1}
             d = await gw.prepare("completion", VICTIM, body, {}, "explain", explain_only=True)
             score = next(s for s in d.decision.scores if s.replica == liar)
             ignored += int(score.note == "quarantined" and score.matched_blocks == 0)
         # the liar stops; honest traffic (each prompt twice) until the claims agree again
-        honest = 0
-        while gw.quarantine.is_quarantined(liar) and honest < max_honest:
-            prompt = st.words.text(st.cfg.prompt_words // 2)
-            await st.ask(prompt)
-            await st.settled("r0", 5.0)
-            await st.settled("r1", 5.0)
-            await st.ask(prompt)
-            honest += 2
-            await until(gw.background_settled, Q_SETTLE_S + 2.0)
+        honest = await _honest_until_released(st, liar, max_honest)
         released = not gw.quarantine.is_quarantined(liar)
     finally:
         await rogue.close()
@@ -393,6 +421,99 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
         f"{ignored}/{lies_while}; released after {honest} honest requests"
         f" (recover_after={Q_RECOVER})",
     )
+
+
+# ------------------------------------------------------------------------ 3d: rogue floor
+
+
+async def rogue_floor(st: NodeStack, max_honest: int = 60) -> AttackResult:
+    """3b's lies, each covered by a raised removal-log floor (the agent's own meta, which
+    its ACL lets it write): every check of them reads "cannot tell" from the log. Two
+    rogues: ``raised`` sets a floor past anything it wrote (judged ``tampered``, a false
+    claim: bound K), ``tracking`` keeps floor and updated_ms just ahead of each lookup, a
+    floor an honest log trimmed that fast could have (``unverifiable``: bound
+    max_unverifiable). After each the rogue stops and honest traffic must release it."""
+    gw = st.g.gw
+    liar = "r1"
+    rogue = RedisIndex.from_url(st.agent_urls[liar], st.layout)
+    raw = aioredis.Redis.from_url(st.agent_urls[liar])
+    meta = st.layout.meta(liar)
+
+    async def raised() -> None:
+        await raw.hset(meta, "rm_floor", 10**15)
+
+    async def tracking() -> None:
+        ahead = int(time.time() * 1000) + 200  # within clock_skew_ms (250) of the lookup
+        await raw.hset(meta, mapping={"rm_floor": ahead, "updated_ms": ahead})
+
+    runs: list[_FloorRun] = []
+    try:
+        for name, cover, bound, outcome in (
+            ("raised", raised, Q_K, "tampered"),
+            ("tracking", tracking, Q_UNVERIFIABLE, "unverifiable"),
+        ):
+            judged_before = _claim_checks(gw, liar, outcome)
+            requests, misrouted, skipped = await _lie_until_quarantined(
+                st, rogue, liar, 3 * bound, cover
+            )
+            quarantined = gw.quarantine.is_quarantined(liar)
+            judged = _claim_checks(gw, liar, outcome) - judged_before
+            # the rogue stops: an honest floor again (its agent's next trim sets it)
+            await raw.hset(meta, "rm_floor", -1)
+            honest = await _honest_until_released(st, liar, max_honest)
+            released = not gw.quarantine.is_quarantined(liar)
+            runs.append(
+                _FloorRun(
+                    name=name,
+                    bound=bound,
+                    outcome=outcome,
+                    requests=requests,
+                    quarantined=quarantined,
+                    judged=judged,
+                    skipped=skipped,
+                    misrouted=misrouted,
+                    honest=honest,
+                    released=released,
+                )
+            )
+    finally:
+        await raw.aclose()
+        await rogue.close()
+    ok = len(runs) == 2 and all(r.held for r in runs)
+    return AttackResult(
+        "3 poisoning: rogue agent raises its removal-log floor",
+        ", ".join(f"{r.name}: {r.requests} lies, {r.honest} honest" for r in runs),
+        Outcome.HELD if ok else Outcome.BROKEN,
+        "; ".join(r.figures() for r in runs),
+    )
+
+
+@dataclass(frozen=True)
+class _FloorRun:
+    name: str
+    bound: int
+    outcome: str  # the claim-check outcome its lies must get
+    requests: int
+    quarantined: bool
+    judged: int  # its lies' checks with that outcome
+    skipped: int
+    misrouted: int
+    honest: int
+    released: bool
+
+    @property
+    def held(self) -> bool:
+        within = false_claims_held(self.quarantined, self.requests, self.bound, self.skipped)
+        return within and self.judged > 0 and self.released
+
+    def figures(self) -> str:
+        return (
+            f"{self.name} floor: {'' if self.quarantined else 'NOT '}quarantined after "
+            f"{self.requests} requests (bound {self.bound}), {self.judged} judged {self.outcome}"
+            + (f", {self.skipped} skipped by the gateway" if self.skipped else "")
+            + f", {self.misrouted} misrouted, "
+            + (f"released after {self.honest} honest" if self.released else "NOT released")
+        )
 
 
 def false_claims_held(quarantined: bool, requests_until: int, k: int, skipped: int) -> bool:
@@ -601,6 +722,7 @@ async def run_node(cfg: NodeConfig | None = None) -> list[AttackResult]:
         return [
             await rogue_writes(st),
             await false_claims(st),
+            await rogue_floor(st),
             await stale_replay(st),
             await malformed_flood(st),
         ]
