@@ -199,7 +199,9 @@ class GatewayMetrics:
             "Index claims checked against the engine's cached tokens, by outcome: agree, "
             "evicted (the removal was in the index at the first look), evicted_late (it "
             "arrived within quarantine.settle_s), evicted_restored (the first missing block "
-            "was removed after the lookup and stored again before the check), false, skipped",
+            "was removed after the lookup and stored again before the check), false, "
+            "tampered (the removal log could not tell, at a floor no honest log has: a false "
+            "claim), unverifiable (it could not tell, at a possible floor), skipped",
             ["replica", "outcome"], registry=r,
         )  # fmt: skip
         self.rate_limited = Counter(

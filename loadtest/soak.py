@@ -399,6 +399,8 @@ REPORTED_COUNTERS = (
     ("kvgate_claim_checks_total", 'outcome="evicted"', "evictions seen at once"),
     ("kvgate_claim_checks_total", 'outcome="evicted_late"', "evictions reported late"),
     ("kvgate_claim_checks_total", 'outcome="evicted_restored"', "evictions stored again"),
+    ("kvgate_claim_checks_total", 'outcome="unverifiable"', "unverifiable claim checks"),
+    ("kvgate_claim_checks_total", 'outcome="tampered"', "impossible removal-log floors"),
     ("kvgate_claim_checks_total", 'outcome="skipped"', "claim checks skipped"),
     ("kvgate_index_fallbacks_total", "", "lookups answered locally"),
     ("kvgate_pending_write_errors_total", "", "pending write errors"),
