@@ -7,8 +7,9 @@ answers (ignoring ``Retry-After``), from one source address or from several (127
 loopback routes all of 127/8); one client with a key in the hash sends a request every
 100 ms throughout. Per arm: the answers by status, the HGETs per second from ``INFO
 commandstats`` (the valid client's routing costs some too: the no-flood arm shows them),
-and whether the valid client kept getting its answers. The arm ``budget off``
-(``KVGATE_API_KEYS_MISS_RATE=0``) is the gateway before the budget: one HGET per key.
+and whether the valid client kept getting its answers (a target: ``met`` or ``MISSED``,
+exit 0 either way). The arm ``budget off`` (``KVGATE_API_KEYS_MISS_RATE=0``) is the
+gateway before the budget: one HGET per key.
 """
 
 from __future__ import annotations
@@ -222,7 +223,10 @@ async def _run(args: argparse.Namespace) -> int:
             f"{r.valid_ok}/{r.valid_total} | {_pct(r.valid_ms, 50):.1f} / "
             f"{_pct(r.valid_ms, 99):.1f} | {r.refused_metric} |"
         )
-    return 0 if all(r.valid_ok == r.valid_total for r in results) else 1
+    ok = all(r.valid_ok == r.valid_total for r in results)
+    # a verdict to record, exit 0 either way (as every benchmark's target, benchmarks.md)
+    print(f"\ntarget: the valid client answered in every arm: {'met' if ok else 'MISSED'}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
