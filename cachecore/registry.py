@@ -35,6 +35,7 @@ from cachecore.index.layout import (
     validate_replica_id,
 )
 from cachecore.index.redis import REDIS_FAILURES, RedisClient, RedisScript, redis_client
+from cachecore.urls import split_user_info
 
 MAX_REGISTRATION_BYTES = 4096
 DEFAULT_REGISTRATION_TTL_MS = 10_000
@@ -52,9 +53,9 @@ def normalize_url(url: str) -> str:
     """Canonical form used to compare URLs with the allowlist: lower-case scheme and host,
     explicit port, no trailing slash. User info, query and fragment are refused (they are
     the usual ways to make a URL look like another)."""
-    shown = _without_user_info(url)  # errors are logged and answered: never the password
-    if shown != url:
-        raise InvalidURLError(f"URL must not carry user info: {shown!r}")
+    info = split_user_info(url)  # errors are logged and answered: never the password
+    if info is not None:
+        raise InvalidURLError(f"URL must not carry user info: {info.redacted!r}")
     try:
         parts = urlsplit(url.strip())
         port = parts.port
@@ -74,18 +75,6 @@ def normalize_url(url: str) -> str:
         host = f"[{host}]"
     path = parts.path.rstrip("/")
     return f"{scheme}://{host}:{port}{path}"
-
-
-def _without_user_info(url: str) -> str:
-    """``url`` with anything before an ``@`` in its authority replaced by ``***``."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    authority = rest[:end]
-    if "@" not in authority:
-        return url
-    return f"{scheme}{sep}***@{authority.rsplit('@', 1)[1]}{rest[end:]}"
 
 
 class Registration(BaseModel):

@@ -29,14 +29,14 @@ from cachecore.agent.settings import check_zmq_endpoint
 from cachecore.index.layout import split_dp_replica_id, validate_replica_id
 from cachecore.registry import InvalidURLError, normalize_url
 from cachecore.tasks import cancel_and_wait
+from cachecore.urls import split_user_info
 from policies.schema import HealthPolicy
 
 AGENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 """The schemes of the agent endpoints a replica spec takes (``URL=EVENTS,REPLAY``)."""
 
-# userinfo in a URL of the spec (``scheme://user:password@host``), found before the spec is
-# split at its "=" (a password may hold one) and before any error quotes the URL
-_CREDENTIALS = re.compile(r"://[^/?#@]*@([^/?#=,]*)")
+# where a spec's parts end: the host a refusal names stops there
+_SPEC_SEPARATORS = re.compile("[=,]")
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +64,31 @@ def default_replica_id(url: str) -> str:
     return f"{host}-{port}"
 
 
+def _refuse_credentials(spec: str) -> None:
+    """Refuse user info in any URL of ``URL[=EVENTS,REPLAY]`` (the engine's, a schemeless
+    one as typed, and the agent endpoints'), looked for before it is split at its "=" and ","
+    (a password may hold either) and before any error quotes a URL. httpx would send them
+    with the health checks, the upstream transport never; refused first, never echoed."""
+    schemes = [m.start() for m in re.finditer("://", spec)]
+    # text before the first "://" is a schemeless URL's whole authority, or a scheme
+    parts = [spec[: schemes[0]] if schemes else spec, *(spec[i:] for i in schemes)]
+    for part in parts:
+        info = split_user_info(part)
+        if info is not None:
+            host = _SPEC_SEPARATORS.split(info.host, maxsplit=1)[0]
+            raise ReplicaSpecError(
+                f"replica URL for {host or 'its host'} must not carry credentials "
+                "(user:password@): the engine's API key goes in KVGATE_UPSTREAM_API_KEY"
+            )
+
+
 def parse_replica_spec(text: str) -> ReplicaSpec:
     raw = text.strip()
-    creds = _CREDENTIALS.search(raw)
-    if creds is not None:
-        # httpx would send them with the health checks, the upstream transport never; and
-        # every error below quotes the URL: refused first, the secret never echoed
-        raise ReplicaSpecError(
-            f"replica URL for {creds.group(1) or 'its host'} must not carry credentials "
-            "(user:password@): the engine's API key goes in KVGATE_UPSTREAM_API_KEY"
-        )
     rid: str | None = None
     head, sep, rest = raw.partition("=")
     if sep and "://" not in head:
         rid, raw = head, rest
+    _refuse_credentials(raw)
     url, sep, agent = raw.partition("=")
     url = url.rstrip("/")
     parts = urlsplit(url)

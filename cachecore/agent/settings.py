@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
 from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
+from cachecore.urls import split_user_info
 
 MAX_TTL_S = 86_400.0
 
@@ -105,9 +106,10 @@ class AgentSettings(BaseSettings):
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("engine_url must be an http(s) URL")
-        authority = v.split("://", 1)[1].split("/", 1)[0]
-        if "@" in authority:  # a Registration refuses it: no heartbeat could ever succeed
+        if split_user_info(v) is not None:  # a Registration refuses it: no heartbeat could
             raise ValueError("engine_url must not carry user info (user:password@)")
+        if "?" in v or "#" in v:  # so does it these, which no engine's root URL has either
+            raise ValueError("engine_url must not carry a query or fragment")
         return v.rstrip("/")
 
     @field_validator("model")

@@ -1,0 +1,62 @@
+"""User info (``user[:password]@``) in URLs, found one way for every component.
+
+kvgate refuses credentials in every URL it is given: the replica registry (a registration's
+URL), the gateway's ``--replica`` specs and the agent's ``--engine-url``. Each once parsed the
+authority on its own and they disagreed at the edges (an ``@`` in a password, an ``@`` after
+a ``?``). The one reading here is RFC 3986's, as ``urllib.parse.urlsplit`` and browsers take
+it: the authority runs from ``//`` to the first ``/``, ``?`` or ``#``; its user info is
+everything before its LAST ``@`` (an unencoded ``@`` in a password belongs to the password).
+Errors built from it name the host and never the secret.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+
+@dataclass(frozen=True, slots=True)
+class UserInfo:
+    """The user info of a URL, percent-decoded, and what is safe to show of the URL."""
+
+    user: str  # may be empty (``http://:pw@host``)
+    password: str | None  # None without a ':' (``http://user@host``)
+    host: str  # the rest of the authority: ``host[:port]``, ``[v6]:port``, maybe empty
+    redacted: str  # the URL with the user info replaced by ``***``
+
+
+def _authority_span(url: str) -> tuple[int, int]:
+    """Where the authority of ``url`` starts and ends. Without ``scheme://`` (or a leading
+    ``//``) the text is read as an authority from its start: ``user:pw@host:80`` typed
+    without a scheme still holds a password that no error may quote."""
+    sep = url.find("://")
+    if sep >= 0:
+        start = sep + 3
+    elif url.startswith("//"):
+        start = 2
+    else:
+        start = 0
+    end = min((i for i in (url.find(c, start) for c in "/?#") if i >= 0), default=len(url))
+    return start, end
+
+
+def split_user_info(url: str) -> UserInfo | None:
+    """The user info of ``url``, or None when its authority carries none.
+
+    >>> split_user_info("http://u%40x:p@ss@[::1]:80/v1").password
+    'p@ss'
+    """
+    start, end = _authority_span(url)
+    user_info, at, host = url[start:end].rpartition("@")
+    if not at:
+        return None
+    user, colon, password = user_info.partition(":")
+    return UserInfo(
+        user=unquote(user),
+        password=unquote(password) if colon else None,
+        host=host,
+        redacted=f"{url[:start]}***@{host}{url[end:]}",
+    )
+
+
+__all__ = ["UserInfo", "split_user_info"]
