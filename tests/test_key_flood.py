@@ -24,7 +24,7 @@ from gateway.auth import KeyLookupRefused, KeyLookupsBusy, KeyStore, budget_addr
 from tests.test_api_keys import MSGS, metric
 from tests.test_gateway_support import stack
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
 
 ADDRESS = "203.0.113.7"
 
@@ -236,6 +236,7 @@ async def test_a_made_up_key_flood_through_the_gateway(redis_own: RedisServer) -
         await seed.aclose()
 
 
+@pytest.mark.slow
 def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
     """`kvgate bench keys --api-key-flood 1`, a smoke run (processes, a private
     redis-server): the arm with the budget off makes one HGET per made-up key, the
