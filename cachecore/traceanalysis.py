@@ -45,14 +45,15 @@ cannot be read twice, has its cache events held in memory). What is exact and wh
   Their memory is one counter per distinct hundredth of a second, at most 100 per second
   of the longest lifetime. The API's ``lifetimes_s`` lists are those rounded values;
 * a file holding several replicas' records (one agent for several data-parallel ranks)
-  queues the records of one replica while the replay reads past them for another: memory
-  follows how far one replica's records run ahead of another's in the file, which is small
-  for records written by one agent as it applies them.
+  queues the records of one replica while the replay reads past them for another, up to
+  ``QUEUE_CAP`` a replica; past that (an idle rank whose next record is far ahead) the
+  replica gets a reader of its own, which reads that part of the file again.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import logging
@@ -69,6 +70,7 @@ from typing import Any, BinaryIO
 from cachecore.scoring import hit_cap_blocks
 
 Record = dict[str, Any]  # one JSON line of a trace
+Positioned = tuple[int, Record]  # a record and the offset of its line in its file
 
 # --------------------------------------------------------------------------- bounds
 
@@ -575,7 +577,7 @@ class _FileScan:
     path: Path
     size: int  # bytes read: the replay stops there (an agent may still be appending)
     events: dict[str, int]  # replica -> its cache events here, in order of first record
-    held: dict[str, deque[Record]] | None  # a pipe's cache events: it cannot be read twice
+    held: dict[str, deque[Positioned]] | None  # a pipe's cache events: it cannot be read twice
 
 
 def _scan(path: Path, tally: RequestTally) -> tuple[_FileScan, int]:
@@ -584,10 +586,11 @@ def _scan(path: Path, tally: RequestTally) -> tuple[_FileScan, int]:
     events: dict[str, int] = {}
     size = bad = 0
     with path.open("rb") as fh:
-        held: dict[str, deque[Record]] | None = None
+        held: dict[str, deque[Positioned]] | None = None
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
             held = {}
         for lineno, raw in enumerate(fh, 1):
+            offset = size
             size += len(raw)
             rec = _parse(raw)
             if isinstance(rec, str):
@@ -601,61 +604,92 @@ def _scan(path: Path, tally: RequestTally) -> tuple[_FileScan, int]:
                 replica = rec["replica"]
                 events[replica] = events.get(replica, 0) + 1
                 if held is not None:
-                    held.setdefault(replica, deque()).append(rec)
+                    held.setdefault(replica, deque()).append((offset, rec))
             else:
                 tally.add(rec)
     return _FileScan(path, size, events, held), bad
 
 
+QUEUE_CAP = 10_000  # records of one replica queued in a file before it gets its own reader
+
+
+def _events_from(fh: BinaryIO, offset: int, size: int) -> Iterator[Positioned]:
+    """The cache events of ``fh`` from ``offset`` (where it is positioned) to ``size``."""
+    while offset < size:
+        raw = fh.readline(size - offset)
+        if not raw:
+            return
+        rec = _parse(raw)
+        if isinstance(rec, dict) and "op" in rec:
+            yield offset, rec
+        offset += len(raw)
+
+
 class _FileEvents:
     """A scanned file's cache events handed out per replica, each replica's in file order.
-    Reading on for one replica queues the records of the others it passes; the file is
-    opened when first needed and closed once every record was handed out."""
 
-    def __init__(self, scan: _FileScan) -> None:
+    One reader goes through the file for all its replicas and queues the records of the
+    others it passes. A replica whose queue reaches ``queue_cap`` (the replica the replay
+    waits for writes far ahead in the file: an idle rank, a replica gone) gets a reader of
+    its own from its first queued record instead, which reads that part of the file again
+    and keeps the memory bounded. Readers open when first needed; all close once every
+    record was handed out."""
+
+    def __init__(self, scan: _FileScan, queue_cap: int = QUEUE_CAP) -> None:
         self.scan = scan
+        self._cap = queue_cap
         self._left = dict(scan.events)  # replica -> records not yet handed out
         self._unread = sum(scan.events.values())
         self._queued = scan.held if scan.held is not None else {r: deque() for r in scan.events}
-        self._fh: BinaryIO | None = None
-        self._records: Iterator[Record] | None = None
+        self._own: dict[str, Iterator[Positioned]] = {}  # replicas with a reader of their own
+        self._shared: Iterator[Positioned] | None = None
+        self._files = contextlib.ExitStack()
 
     def of(self, replica: str) -> Iterator[Record]:
         queue = self._queued[replica]
         while self._left[replica]:
-            while not queue:
+            if queue:
+                _, rec = queue.popleft()
+            elif replica in self._own:
+                _, rec = self._next(self._own[replica])
+            else:
                 self._read_one()
+                continue
             self._left[replica] -= 1
             self._unread -= 1
             if not self._unread:
                 self.close()
-            yield queue.popleft()
+            yield rec
 
     def _read_one(self) -> None:
-        if self._records is None:
-            self._fh = self.scan.path.open("rb")
-            self._records = self._events(self._fh, self.scan.size)
-        rec = next(self._records, None)
-        if rec is None or rec["replica"] not in self._queued:
+        if self._shared is None:
+            self._shared = self._reader(0)
+        offset, rec = self._next(self._shared)
+        replica = rec["replica"]
+        if replica in self._own:
+            return
+        queue = self._queued.get(replica)
+        if queue is None:
             raise TraceChanged(f"{self.scan.path} changed while it was read (rewritten?)")
-        self._queued[rec["replica"]].append(rec)
+        queue.append((offset, rec))
+        if len(queue) >= self._cap:
+            own = self._reader(queue[0][0])
+            self._own[replica] = (p for p in own if p[1]["replica"] == replica)
+            queue.clear()
 
-    @staticmethod
-    def _events(fh: BinaryIO, size: int) -> Iterator[Record]:
-        """The cache events in the first ``size`` bytes of ``fh``."""
-        while size > 0:
-            raw = fh.readline(size)
-            if not raw:
-                return
-            size -= len(raw)
-            rec = _parse(raw)
-            if isinstance(rec, dict) and "op" in rec:
-                yield rec
+    def _reader(self, offset: int) -> Iterator[Positioned]:
+        fh = self._files.enter_context(self.scan.path.open("rb"))
+        fh.seek(offset)
+        return _events_from(fh, offset, self.scan.size)
+
+    def _next(self, reader: Iterator[Positioned]) -> Positioned:
+        found = next(reader, None)
+        if found is None:  # fewer records than the first read counted
+            raise TraceChanged(f"{self.scan.path} changed while it was read (truncated?)")
+        return found
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        self._files.close()
 
 
 def _replica_stream(files: Sequence[_FileEvents], replica: str) -> Iterator[Record]:

@@ -437,6 +437,34 @@ def test_a_file_rewritten_between_the_reads_is_an_error(
         list(_FileEvents(scan).of("r0"))
 
 
+def test_an_idle_rank_does_not_queue_the_busy_one(tmp_path: Path) -> None:
+    """One agent's file for two ranks, one idle between its first record and its last:
+    the replay waits for the idle rank's next record, far ahead in the file, and queues
+    the busy rank's records it reads past only up to QUEUE_CAP; then the busy rank reads
+    the file on its own (without the cap the peak was 80 MiB here)."""
+    f = tmp_path / "dp.jsonl"
+    with f.open("w") as fh:
+        fh.write(_event_line(0.0, "r0@dp1", "idle-a"))
+        for i in range(60_000):
+            key = f"{i:032x}"
+            fh.write(_event_line(1.0 + i / 64, "r0@dp0", key))
+            rm = {"ts": 1.0 + i / 64 + 1 / 128, "replica": "r0@dp0", "op": "remove", "key": key}
+            fh.write(json.dumps(rm) + "\n")
+        fh.write(_event_line(2000.0, "r0@dp1", "idle-b"))
+    assert traceanalysis.QUEUE_CAP <= 10_000
+    tracemalloc.start()
+    try:
+        rep = analyze_files([f]).events
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    events, _, _ = traceanalysis.read_jsonl([f])
+    expected = traceanalysis.format_event_report(traceanalysis.analyze_events(events))
+    assert rep is not None and traceanalysis.format_event_report(rep) == expected
+    assert rep.occupancy["r0@dp0"].removes == 60_000 and rep.censored_lifetimes_s == [0.0, 2000.0]
+    assert peak < 24 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
 def test_a_pipe_is_read_once(tmp_path: Path) -> None:
     """A pipe cannot be read twice: its events are held (the old behaviour), the report
     the same as the file's."""
