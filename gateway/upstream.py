@@ -19,7 +19,8 @@ Contract (the parts of :class:`httpx.AsyncBaseTransport` the gateway uses):
 * Errors: refused or failed connect -> ``httpx.ConnectError``; connect over its timeout ->
   ``httpx.ConnectTimeout``; the server closing before any response byte ->
   ``httpx.RemoteProtocolError`` (retried once on a fresh connection if the closed one was a
-  reused keep-alive connection: the classic idle-close race); closing mid-body ->
+  reused keep-alive connection: the classic idle-close race; the retry keeps the request's
+  slot, so it never queues behind later arrivals); closing mid-body ->
   ``httpx.ReadError``; no byte within the read timeout -> ``httpx.ReadTimeout``; a malformed
   response, or one cut inside its head -> :class:`MalformedResponseError` (the replica
   answered: never resent, and not one of the connect-type errors the proxy retries
@@ -328,9 +329,11 @@ class LeanTransport(httpx.AsyncBaseTransport):
         first_s = timeouts.get("first_byte") or read_s
         pool_s = timeouts.get("pool") or connect_s
         loop = asyncio.get_running_loop()
+        conn = self._take_idle(key)
         for attempt in (0, 1):
-            conn = self._take_idle(key)
-            if conn is None:
+            if attempt:  # the slot is still this request's: no new place in the line
+                conn = await self._connect(key, connect_s, loop)
+            elif conn is None:
                 if dispatched is not None:  # connecting yields: record the dispatch first
                     dispatched()
                     dispatched = None
@@ -345,9 +348,12 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 await head
             except httpx.RemoteProtocolError:
                 conn.close()
-                self._release(key, None)
                 if reused and attempt == 0 and not conn.got_bytes:
-                    continue  # the server closed an idle keep-alive connection: retry fresh
+                    # the server closed an idle keep-alive connection: retry on a fresh one
+                    # in the same slot. Released, the slot went to the longest waiter and
+                    # the retry queued behind requests that arrived after this one
+                    continue
+                self._release(key, None)
                 raise
             except BaseException:  # timeout, cancellation: the connection is unusable
                 conn.close()
@@ -393,6 +399,16 @@ class LeanTransport(httpx.AsyncBaseTransport):
             # the slot is ours (counted by the releaser): a new connection fills it
         else:
             self._active[key] = self._active.get(key, 0) + 1
+        return await self._connect(key, connect_s, loop)
+
+    async def _connect(
+        self, key: _HostKey, connect_s: float, loop: asyncio.AbstractEventLoop
+    ) -> _Conn:
+        """A new connection in a slot of ``key`` the caller holds (counted in
+        ``_active``); the slot is released if the connection cannot be made."""
+        if self._closed:  # closed meanwhile: no new connection after that
+            self._release(key, None)
+            raise httpx.ConnectError("transport closed")
         try:
             async with asyncio.timeout(connect_s):
                 tls = self._ssl_context() if key[2] else None

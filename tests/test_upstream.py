@@ -361,6 +361,65 @@ async def test_the_connection_cap_serves_waiters_first_come_first_served() -> No
     await t.aclose()
 
 
+async def test_a_stale_connection_retry_keeps_its_place_ahead_of_later_arrivals() -> None:
+    """The retry after a stale keep-alive connection (the server closed it just as it was
+    reused) gave its slot up and queued again, behind requests that arrived after it: with
+    the pool full, the longest waiter took the slot and the retry waited for every request
+    queued meanwhile (a pool timeout for the oldest request under contention). The retry
+    now keeps the slot the request held and connects fresh in it."""
+    served: list[bytes] = []
+    waiters_queued = asyncio.Event()
+    opened = 0
+
+    async def stale_first(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal opened
+        opened += 1
+        if opened == 1:  # answers once, then closes on the next request, unanswered
+            req = await read_request(reader)
+            writer.write(json_answer(req.split(b"\r\n\r\n", 1)[1]))
+            await writer.drain()
+            req = await read_request(reader)
+            served.append(b"unanswered " + req.split(b"\r\n\r\n", 1)[1])
+            await asyncio.wait_for(waiters_queued.wait(), 5.0)  # bounded
+            return
+        for _ in range(10):  # bounded: the test sends three requests after the stale one
+            req = await read_request(reader)
+            body = req.split(b"\r\n\r\n", 1)[1]
+            served.append(body)
+            writer.write(json_answer(body))
+            await writer.drain()
+
+    t = LeanTransport(max_connections=1)
+    slow_pool = {"connect": 1.0, "read": 5.0, "pool": 5.0}
+
+    async def call(name: bytes) -> None:
+        resp = await t.post(url, "/x", [], name, slow_pool)
+        assert await resp.aread() == name
+        await resp.aclose()
+
+    async with server(stale_first) as (url, conns):
+        await call(b"warm")  # the connection that will be stale, now idle
+        stale = asyncio.ensure_future(call(b"stale"))
+        for _ in range(200):  # bounded: until the server holds the stale request
+            if served:
+                break
+            await asyncio.sleep(0.01)
+        w1 = asyncio.ensure_future(call(b"w1"))
+        await asyncio.sleep(0.02)
+        w2 = asyncio.ensure_future(call(b"w2"))
+        for _ in range(200):  # bounded: both queued for the one slot, w1 first
+            if sum(len(q) for q in t._waiting.values()) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sum(len(q) for q in t._waiting.values()) == 2
+        waiters_queued.set()  # the server now closes the reused connection unanswered
+        await asyncio.wait_for(asyncio.gather(stale, w1, w2), 5.0)
+        assert served == [b"unanswered stale", b"stale", b"w1", b"w2"]
+        assert len(conns) == 2  # the stale one, then one fresh one handed on in order
+        assert t._active == {next(iter(t._active)): 0}  # every slot given back
+    await t.aclose()
+
+
 async def test_an_ipv6_replica_gets_a_bracketed_host_header() -> None:
     """RFC 9110: an IPv6 literal in Host is bracketed. The transport sent ``::1:PORT``,
     which a strict server (and any proxy in between) refuses as a malformed Host."""
