@@ -33,9 +33,9 @@ Two inputs, one module:
 ``kvgate trace analyze FILE... [--end T]`` prints the tables. It streams
 (:func:`analyze_files`): memory follows the live state (the blocks cached at one instant,
 one occupancy row and one queue per replica), not the length of the trace, so an hour-long
-trace of millions of lines takes what its caches held, not ~1.3 KB a line. Each file is
-read twice, once to count its records per replica and once to replay them (a pipe, which
-cannot be read twice, has its cache events held in memory). What is exact and what is not:
+trace of millions of lines takes what its caches held, not ~1.3 KB a line. A file with
+cache events is read twice, once to count them per replica and once to replay them (a pipe,
+which cannot be read twice, has its cache events held in memory). What is exact and what is not:
 
 * every count, mean occupancy, duplication and the peaks are exact: the replay is the same
   sequence of float operations as an in-memory one;
@@ -629,15 +629,14 @@ class _FileEvents:
     """A scanned file's cache events handed out per replica, each replica's in file order.
 
     One reader goes through the file for all its replicas and queues the records of the
-    others it passes. A replica whose queue reaches ``queue_cap`` (the replica the replay
+    others it passes. A replica whose queue reaches ``QUEUE_CAP`` (the replica the replay
     waits for writes far ahead in the file: an idle rank, a replica gone) gets a reader of
     its own from its first queued record instead, which reads that part of the file again
     and keeps the memory bounded. Readers open when first needed; all close once every
     record was handed out."""
 
-    def __init__(self, scan: _FileScan, queue_cap: int = QUEUE_CAP) -> None:
+    def __init__(self, scan: _FileScan) -> None:
         self.scan = scan
-        self._cap = queue_cap
         self._left = dict(scan.events)  # replica -> records not yet handed out
         self._unread = sum(scan.events.values())
         self._queued = scan.held if scan.held is not None else {r: deque() for r in scan.events}
@@ -672,7 +671,7 @@ class _FileEvents:
         if queue is None:
             raise TraceChanged(f"{self.scan.path} changed while it was read (rewritten?)")
         queue.append((offset, rec))
-        if len(queue) >= self._cap:
+        if len(queue) >= QUEUE_CAP:
             own = self._reader(queue[0][0])
             self._own[replica] = (p for p in own if p[1]["replica"] == replica)
             queue.clear()

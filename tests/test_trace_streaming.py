@@ -377,6 +377,11 @@ def test_streaming_agrees_with_an_in_memory_replay(
             paths.append(Path(d) / f"{i}.jsonl")
             paths[-1].write_text("".join(json.dumps(r) + "\n" for r in recs))
         rep = analyze_files(paths, end).events
+        with pytest.MonkeyPatch.context() as mp:  # every replica of a file on its own reader
+            mp.setattr(traceanalysis, "QUEUE_CAP", 1)
+            own = analyze_files(paths, end).events
+    assert own is not None and rep is not None
+    assert traceanalysis.format_event_report(own) == traceanalysis.format_event_report(rep)
     ref = _reference(files, end)
     assert rep is not None
     assert {
