@@ -482,3 +482,15 @@ def test_a_pipe_is_read_once(tmp_path: Path) -> None:
     )
     direct = run_cli(traceanalysis, [paths[0]], [])
     assert piped.stdout.decode() == direct["out"] and "| r0@dp0 |" in direct["out"]
+
+
+def test_a_skipped_line_is_counted_and_logged_with_its_place(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    f = tmp_path / "a.jsonl"
+    f.write_text(_event_line(1.0, "r0", "a") + "\n{not json\n" + '{"ts":2,"op":"evict"}\n')
+    with caplog.at_level("DEBUG", logger="cachecore.traceanalysis"):
+        result = analyze_files([f])
+    assert result.skipped == 2 and result.events is not None
+    where = [(r.path, r.line, r.why) for r in caplog.records]  # type: ignore[attr-defined]
+    assert where == [(str(f), 3, "not JSON"), (str(f), 4, "not a valid cache event")]
