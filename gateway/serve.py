@@ -39,9 +39,10 @@ import httpx
 import uvicorn
 from pydantic import ValidationError
 
+from cachecore.agent.settings import AgentSettings
 from cachecore.argtypes import log_level
 from cachecore.index.base import PrefixIndex
-from cachecore.index.layout import KeyLayout
+from cachecore.index.layout import KeyLayout, split_dp_replica_id
 from cachecore.index.redis import RedisIndex, redis_client
 from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
@@ -51,7 +52,7 @@ from gateway.app import create_app
 from gateway.auth import KeyStore
 from gateway.core import AgentHook, Gateway
 from gateway.hotpath import GatewayHttpProtocol
-from gateway.replicas import ReplicaSpecError, parse_replica_spec
+from gateway.replicas import ReplicaSpec, ReplicaSpecError, parse_replica_spec
 from gateway.routing import Strategy
 from gateway.settings import GatewaySettings
 from policies.schema import Policy, PolicyError
@@ -398,7 +399,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(**overrides)
 
 
-def settings_error(exc: ValidationError) -> str:
+def settings_error(exc: ValidationError, env_prefix: str = "KVGATE_") -> str:
     """A settings refusal in one line, each field with its environment variable."""
     parts = []
     for err in exc.errors():
@@ -406,8 +407,30 @@ def settings_error(exc: ValidationError) -> str:
             parts.append(err["msg"].removeprefix("Value error, "))
             continue
         field = ".".join(str(x) for x in err["loc"])
-        parts.append(f"{field} (KVGATE_{field.upper()}): {err['msg']}")
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{field} ({env_prefix}{field.upper()}): {msg}")
     return "; ".join(parts)
+
+
+def embedded_agent_settings_error(specs: Sequence[ReplicaSpec]) -> str | None:
+    """Why the embedded agents' settings (``KVGATE_AGENT_*``, read as each agent starts)
+    would be refused, or None. Checked before serving: the agents start inside the app's
+    start-up, where a refusal was a traceback and uvicorn's exit 3."""
+    spec = next((sp for sp in specs if sp.events), None)
+    if spec is None or spec.events is None:
+        return None
+    name, rank = split_dp_replica_id(spec.id)
+    try:
+        AgentSettings(
+            replica_id=name,
+            data_parallel_rank=rank,
+            engine_url=spec.url,
+            events=spec.events,
+            replay=spec.replay,
+        )
+    except ValidationError as exc:
+        return settings_error(exc, env_prefix=AgentSettings.model_config["env_prefix"])
+    return None
 
 
 def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:
@@ -458,6 +481,11 @@ def run(args: argparse.Namespace) -> int:
         except (PolicyError, ValueError, OSError) as exc:
             log.error("cannot start the gateway", extra={"error": str(exc)})
             print(f"kvgate serve: {exc}", file=sys.stderr)
+            return 2
+        agent_error = embedded_agent_settings_error(gw.specs)
+        if agent_error is not None:
+            log.error("cannot start the embedded agents", extra={"error": agent_error})
+            print(f"kvgate serve: {agent_error}", file=sys.stderr)
             return 2
         if not gw.specs:
             log.log(*no_replica_notice(settings))

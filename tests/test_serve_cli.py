@@ -332,3 +332,26 @@ def test_a_bad_salt_secret_names_its_variable(
     err = _serve_refusal(argv, monkeypatch, capsys)
     assert err.splitlines()[-1].startswith("kvgate serve: KVGATE_SALT_SECRETS: "), err
     assert why in err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "field"),
+    [("KVGATE_AGENT_QUEUE_SIZE", "0", "queue_size"), ("KVGATE_AGENT_MODEL", "", "model")],
+)
+def test_a_bad_embedded_agent_setting_is_one_line_before_serving(
+    variable: str,
+    value: str,
+    field: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A replica with event endpoints gets an embedded agent, whose `KVGATE_AGENT_*`
+    settings were read only inside the app's start-up: a refusal was a traceback in a
+    log line and uvicorn's exit 3. Now checked before serving, named like `serve`'s own."""
+    monkeypatch.setenv(variable, value)
+    rport, eport, pport = (free_port() for _ in range(3))
+    spec = f"r1=http://127.0.0.1:{rport}=tcp://127.0.0.1:{eport},tcp://127.0.0.1:{pport}"
+    err = _serve_refusal(["--open", "--replica", spec], monkeypatch, capsys)
+    assert err.splitlines() == [err.strip()], err
+    assert err.startswith(f"kvgate serve: {field} ({variable}): "), err
+    assert "Traceback" not in err and "Value error" not in err
