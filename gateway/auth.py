@@ -39,7 +39,7 @@ _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 ANONYMOUS = "anonymous"
 _CACHE_MAX = 10_000  # Redis answers kept (a made-up key's refusal is one too)
 _REDIS_RETRY_S = 1.0  # after a failed Redis lookup, the next one waits this long
-# client addresses whose budget of refused lookups is tracked (least recently charged out
+# client addresses whose budget of refused lookups is tracked (least recently checked out
 # first: an address dropped had its budget back anyway unless it was spent just now)
 _ADDRESSES_MAX = 65_536
 _SLOT_WAIT_S = 1.0  # how long a key Redis never confirmed waits for a lookup slot
@@ -77,6 +77,13 @@ class KeyLookupRefused(KeyCheckError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class KeyLookupRefusedGlobal(KeyLookupRefused):
+    """All client addresses together have spent the budget of refused Redis lookups (a
+    flood from many addresses): an unknown key is not looked up (a 429)."""
+
+    reason = "miss_budget_global"
 
 
 def hash_key(api_key: str) -> str:
@@ -207,6 +214,8 @@ class KeyStore:
         miss_rate: float = 10.0,
         miss_burst: float = 100.0,
         lookups_max: int = 64,
+        miss_rate_global: float = 1000.0,
+        miss_burst_global: float = 1000.0,
     ) -> None:
         self.key_file = Path(key_file) if key_file is not None else None
         # taken before the read: a change during it shows as a new version next time
@@ -233,11 +242,17 @@ class KeyStore:
         self.reloads = 0
         self.last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
-        # per client address, a budget of Redis lookups for keys Redis never confirmed
-        # (0: none): a flood of made-up keys from one address is one HGET each no longer
+        # per client address, a budget of Redis lookups that Redis answered "no such key"
+        # (0: none): a flood of made-up keys from one address is one HGET each no longer.
+        # The global one bounds the rate of all addresses together (0: none).
         self._miss_rate = miss_rate
         self._miss_burst = max(1.0, miss_burst)
         self._misses: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._misses_global = (
+            TokenBucket(miss_rate_global, max(1.0, miss_burst_global), time.monotonic())
+            if miss_rate_global > 0
+            else None
+        )
         # Redis key lookups in flight, all addresses together; one per key (singleflight)
         self._slots = asyncio.Semaphore(lookups_max)
         self._lookups: dict[str, asyncio.Task[str | None]] = {}
@@ -338,9 +353,11 @@ class KeyStore:
 
     async def tenant_for(self, authorization: str | None, client: str | None = None) -> str | None:
         """The key's tenant, or None. ``client``: the peer address, whose budget of refused
-        Redis lookups an unknown key spends (None: no budget, an admin's request).
+        Redis lookups (and the global one) a key Redis refuses spends (None: no budget, an
+        admin's request).
 
-        Raises :class:`KeyLookupRefused` when the address has spent it, and
+        Raises :class:`KeyLookupRefused` when the address has spent it
+        (:class:`KeyLookupRefusedGlobal`: all addresses together have), and
         :class:`KeyStoreUnavailable` when the key cannot be checked now."""
         if self.open_access:
             return ANONYMOUS
@@ -358,7 +375,6 @@ class KeyStore:
         if now < self._retry_at:  # Redis failed a moment ago: not every request waits on it
             return self._without_redis(hit, now)
         lookup = self._lookups.get(digest)
-        charged: TokenBucket | None = None
         if lookup is None:
             confirmed = hit is not None and hit[0] is not None
             if confirmed and self._slots.locked():
@@ -367,34 +383,32 @@ class KeyStore:
                 assert hit is not None
                 if now - hit[1] <= self._stale_bound:
                     return hit[0]
-            if not confirmed and client is not None:
-                charged = self._charge_miss(client, now)
-            lookup = asyncio.get_running_loop().create_task(self._lookup(digest, hit))
+            budgets = () if confirmed or client is None else self._budgets(client)
+            _check_budgets(budgets, now)  # a spent budget: 429 at once, no slot waited for
+            lookup = asyncio.get_running_loop().create_task(self._lookup(digest, hit, budgets))
             self._lookups[digest] = lookup
             lookup.add_done_callback(functools.partial(self._lookup_done, digest))
         # shielded: a client that leaves does not cancel the answer the others wait for
-        tenant = await asyncio.shield(lookup)
-        if tenant is not None and charged is not None:
-            charged.give(1.0, time.monotonic())  # the budget counts refused lookups only
-        return tenant
+        return await asyncio.shield(lookup)
 
-    def _charge_miss(self, client: str, now: float) -> TokenBucket | None:
-        """Take one lookup from the address's budget; raise :class:`KeyLookupRefused` when
-        it is spent. A valid key gives it back once Redis has confirmed it."""
-        if self._miss_rate <= 0:
-            return None
-        address = budget_address(client)
-        bucket = self._misses.get(address)
-        if bucket is None:
-            bucket = self._misses[address] = TokenBucket(self._miss_rate, self._miss_burst, now)
-            if len(self._misses) > _ADDRESSES_MAX:
-                self._misses.popitem(last=False)
-        else:
-            self._misses.move_to_end(address)
-        wait = bucket.take(1.0, now)
-        if wait > 0:
-            raise KeyLookupRefused("too many unknown API keys from this address; retry later", wait)
-        return bucket
+    def _budgets(self, client: str) -> tuple[tuple[TokenBucket, type[KeyLookupRefused]], ...]:
+        """The budgets of refused lookups an unknown key from ``client`` is checked against
+        and, once Redis refuses it, spends: its address's (LRU table) and the global one."""
+        out: list[tuple[TokenBucket, type[KeyLookupRefused]]] = []
+        if self._miss_rate > 0:
+            address = budget_address(client)
+            bucket = self._misses.get(address)
+            if bucket is None:
+                bucket = TokenBucket(self._miss_rate, self._miss_burst, time.monotonic())
+                self._misses[address] = bucket
+                if len(self._misses) > _ADDRESSES_MAX:
+                    self._misses.popitem(last=False)
+            else:
+                self._misses.move_to_end(address)
+            out.append((bucket, KeyLookupRefused))
+        if self._misses_global is not None:
+            out.append((self._misses_global, KeyLookupRefusedGlobal))
+        return tuple(out)
 
     @property
     def budget_addresses(self) -> int:
@@ -407,9 +421,19 @@ class KeyStore:
         if not task.cancelled():
             task.exception()  # retrieved: every waiter may have left
 
-    async def _lookup(self, digest: str, hit: tuple[str | None, float] | None) -> str | None:
+    async def _lookup(
+        self,
+        digest: str,
+        hit: tuple[str | None, float] | None,
+        budgets: tuple[tuple[TokenBucket, type[KeyLookupRefused]], ...],
+    ) -> str | None:
         """One Redis lookup in one of the slots; :class:`KeyLookupsBusy` when none frees
-        within :data:`_SLOT_WAIT_S` (a burst of new clients waits, a flood is shed)."""
+        within :data:`_SLOT_WAIT_S` (a burst of new clients waits, a flood is shed).
+
+        ``budgets`` are checked again once the slot is held and spent only when Redis says
+        "no such key": waiting for a slot holds none (a herd of valid keys from one address
+        is never refused), and the lookups that can pass a check before an earlier one is
+        spent are those in the slots, so a budget overshoots by the slot count at most."""
         try:
             async with asyncio.timeout(_SLOT_WAIT_S):
                 await self._slots.acquire()
@@ -418,7 +442,13 @@ class KeyStore:
                 "too many API keys are being checked at once; retry later"
             ) from None
         try:
-            return await self._ask_redis(digest, hit)
+            _check_budgets(budgets, time.monotonic())
+            tenant = await self._ask_redis(digest, hit)
+            if tenant is None:
+                now = time.monotonic()
+                for bucket, _ in budgets:
+                    _spend(bucket, now)
+            return tenant
         finally:
             self._slots.release()
 
@@ -488,6 +518,27 @@ class KeyStore:
         if len(keep) > _CACHE_MAX // 2:
             keep = heapq.nlargest(_CACHE_MAX // 2, keep, key=_answered_at)
         self._cache = dict(keep)
+
+
+def _check_budgets(
+    budgets: tuple[tuple[TokenBucket, type[KeyLookupRefused]], ...], now: float
+) -> None:
+    """Raise the budget's refusal when one has less than a lookup left (nothing taken)."""
+    for bucket, refusal in budgets:
+        bucket.give(0.0, now)  # refilled to now
+        if bucket.level < 1.0:
+            what = "from this address" if refusal is KeyLookupRefused else "from all clients"
+            raise refusal(
+                f"too many unknown API keys {what}; retry later",
+                (1.0 - bucket.level) / bucket.rate,
+            )
+
+
+def _spend(bucket: TokenBucket, now: float) -> None:
+    """One refused lookup, taken even below zero: lookups in flight passed their check
+    before it (a debt of at most the slot count, repaid by the refill)."""
+    bucket.give(0.0, now)
+    bucket.level -= 1.0
 
 
 def _answered_at(entry: tuple[str, tuple[str | None, float]]) -> float:

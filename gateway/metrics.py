@@ -247,10 +247,11 @@ class GatewayMetrics:
         self.api_key_lookups_refused = Counter(
             "kvgate_api_key_lookups_refused",
             "Requests whose unknown API key was not looked up in Redis: miss_budget (429, "
-            "the client address spent its budget), lookup_cap (503, no lookup slot freed)",
+            "the client address spent its budget), miss_budget_global (429, all addresses "
+            "together spent theirs), lookup_cap (503, no lookup slot freed)",
             ["reason"], registry=r,
         )  # fmt: skip
-        for reason in ("miss_budget", "lookup_cap"):
+        for reason in ("miss_budget", "miss_budget_global", "lookup_cap"):
             self.api_key_lookups_refused.labels(reason)
         self.discovery = Counter(
             "kvgate_discovery_events",

@@ -132,6 +132,8 @@ def build_gateway(
             miss_rate=settings.api_keys_miss_rate,
             miss_burst=settings.api_keys_miss_burst,
             lookups_max=settings.api_keys_lookups_max,
+            miss_rate_global=settings.api_keys_miss_rate_global,
+            miss_burst_global=settings.api_keys_miss_burst_global,
         )
     if not key_store.configured:
         raise ValueError(

@@ -53,11 +53,16 @@ class GatewaySettings(BaseSettings):
     # while Redis cannot be asked, Redis' last answer for a key stands in for at most this
     # long after Redis gave it (at least the TTL above); past it the key fails closed (503)
     api_keys_stale_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 60.0
-    # Redis lookups of keys Redis never confirmed, per client address (an IPv6 client's
-    # /64): refilled at this rate per second up to the burst; an address past it gets 429s
-    # for unknown keys, without a lookup (0: no budget). A valid key's lookup is given back
+    # Redis lookups that Redis answered "no such key", per client address (an IPv6
+    # client's /64): refilled at this rate per second up to the burst; an address past it
+    # gets 429s for keys Redis has not confirmed, without a lookup (0: no budget). A valid
+    # key's lookup spends nothing
     api_keys_miss_rate: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 10.0
     api_keys_miss_burst: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 100.0
+    # the same, all client addresses together: the rate of refused lookups a flood from
+    # many addresses can cost Redis (0: no global budget)
+    api_keys_miss_rate_global: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1000.0
+    api_keys_miss_burst_global: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1000.0
     # Redis key lookups in flight at once, all clients together (one per key however many
     # requests carry it); past it a lookup waits up to 1 s for a slot, then gets a 503
     api_keys_lookups_max: Annotated[int, Field(ge=1)] = 64
