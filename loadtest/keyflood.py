@@ -9,7 +9,9 @@ loopback routes all of 127/8); one client with a key in the hash sends a request
 commandstats`` (the valid client's routing costs some too: the no-flood arm shows them),
 and whether the valid client kept getting its answers (a target: ``met`` or ``MISSED``,
 exit 0 either way). The arm ``budget off`` (``KVGATE_API_KEYS_MISS_RATE=0``) is the
-gateway before the budget: one HGET per key.
+gateway before the budget: one HGET per key; ``global budget off``
+(``KVGATE_API_KEYS_MISS_RATE_GLOBAL=0``) has the per-address budgets alone, whose sum grows
+with the flood's addresses.
 """
 
 from __future__ import annotations
@@ -77,14 +79,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--flood-connections",
         type=positive_int,
-        default=64,
+        default=254,
         help="flood connections (--api-key-flood)",
     )
     parser.add_argument(
         "--flood-addresses",
         type=positive_int,
-        default=64,
-        help="source addresses of the many-address arm (--api-key-flood)",
+        default=254,
+        help="source addresses of the many-address arms (--api-key-flood; 254 at most)",
     )
 
 
@@ -188,6 +190,9 @@ async def _run(args: argparse.Namespace) -> int:
         Arm("no flood (valid client only)", {}, 0),
         Arm("budget off, 1 address (before)", {"KVGATE_API_KEYS_MISS_RATE": "0"}, 1),
         Arm("defaults, 1 address", {}, 1),
+        Arm(
+            f"global budget off, {many} addresses", {"KVGATE_API_KEYS_MISS_RATE_GLOBAL": "0"}, many
+        ),
         Arm(f"defaults, {many} addresses", {}, many),
     ]
     server = RedisServer(extra_args=["--maxmemory-policy", "noeviction"]).start()

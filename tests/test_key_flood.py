@@ -390,5 +390,5 @@ def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
     after_401, _ = rows["defaults, 1 address"]
     assert before_401 > 1_000 and before_hgets > 500, rows
     assert after_401 <= 100 + 10 * 1.5, rows
-    assert "defaults, 4 addresses" in rows
+    assert "defaults, 4 addresses" in rows and "global budget off, 4 addresses" in rows
     assert "target: the valid client answered in every arm: met" in out.stdout
