@@ -2,10 +2,10 @@
 in its own venv under ``.peers/`` (gitignored), and the built-in tokenizer exported as an HF
 directory they can load (docs/peers.md has the same commands by hand).
 
-:func:`ensure_peers` is idempotent (a working install is kept) and never raises: a failed
-install is reported as a :class:`PeerStatus` with the reason, and the benchmark skips that
-peer. :func:`router_command` builds the command line of one peer system and
-:func:`running_router` runs it until the block ends.
+:func:`ensure_peers` is idempotent (a working install of the pinned version is kept; another
+version is replaced) and never raises: a failed install is reported as a :class:`PeerStatus`
+with the reason, and the benchmark skips that peer. :func:`router_command` builds the
+command line of one peer system and :func:`running_router` runs it until the block ends.
 """
 
 from __future__ import annotations
@@ -70,6 +70,31 @@ def _works(cmd: Sequence[str]) -> bool:
     return done.returncode == 0
 
 
+def pinned_version(name: str) -> str:
+    return PACKAGES[name].partition("==")[2]
+
+
+def installed_version(name: str, venv: Path) -> str | None:
+    """The version of distribution ``name`` in ``venv`` (None: no venv or not installed)."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return None
+    code = "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))"
+    try:
+        done = subprocess.run(
+            [str(python), "-c", code, name],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
 def _python311() -> str:
     return shutil.which("python3.11") or sys.executable
 
@@ -89,14 +114,21 @@ def _run_logged(cmd: Sequence[str], log: Path) -> tuple[bool, str]:
 
 
 def ensure_peer(name: str, peers_dir: Path = PEERS_DIR, install: bool = True) -> PeerStatus:
-    """A working venv for peer ``name``: kept if it already works, else (with ``install``)
-    ``python3.11 -m venv .peers/NAME && .peers/NAME/bin/pip install PACKAGE``."""
+    """A working venv for peer ``name`` with the pinned version: kept if it already has it,
+    else (with ``install``) ``python3.11 -m venv .peers/NAME && .peers/NAME/bin/pip install
+    NAME==VERSION``. A venv made before the pin (or by hand) may hold another release, whose
+    flags and routing docs/peers.md did not verify: it is reinstalled, never run."""
     venv = peers_dir / name
     probe = _probe_cmd(name, venv)
-    if _works(probe):
-        return PeerStatus(name, True, "installed", venv)
+    want = pinned_version(name)
+    have = installed_version(name, venv)
+    if have == want and _works(probe):
+        return PeerStatus(name, True, f"installed ({name} {have})", venv)
     if not install:
-        return PeerStatus(name, False, f"skipped: not installed under {venv} (--no-install)", venv)
+        why = f"not installed under {venv}"
+        if have is not None and have != want:
+            why = f"{venv} holds {name} {have}, not the pinned {want} (docs/peers.md)"
+        return PeerStatus(name, False, f"skipped: {why} (--no-install)", venv)
     peers_dir.mkdir(parents=True, exist_ok=True)
     log = peers_dir / f"{name}-install.log"
     steps = [
@@ -107,9 +139,13 @@ def ensure_peer(name: str, peers_dir: Path = PEERS_DIR, install: bool = True) ->
         ok, why = _run_logged(cmd, log)
         if not ok:
             return PeerStatus(name, False, f"skipped: install failed ({why}); log {log}", venv)
+    have = installed_version(name, venv)
+    if have != want:
+        why = f"installed {PACKAGES[name]} but the venv reports {have}"
+        return PeerStatus(name, False, f"skipped: {why}; log {log}", venv)
     if not _works(probe):
         return PeerStatus(name, False, f"skipped: installed but `{probe[0]}` does not run", venv)
-    return PeerStatus(name, True, "installed now", venv)
+    return PeerStatus(name, True, f"installed now ({name} {have})", venv)
 
 
 def ensure_tokenizer(peers_dir: Path = PEERS_DIR) -> Path:
