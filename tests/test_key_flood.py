@@ -386,9 +386,11 @@ def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
             re.M,
         )
     }
-    before_401, before_hgets = rows["budget off, 1 address (before)"]
+    before_401, before_hgets = rows["budgets off, 1 address (before)"]
     after_401, _ = rows["defaults, 1 address"]
     assert before_401 > 1_000 and before_hgets > 500, rows
+    before = next(ln for ln in out.stdout.splitlines() if "| budgets off, 1 address" in ln)
+    assert before.split(" | ")[3] == "0", before  # no 429: neither budget refuses
     assert after_401 <= 100 + 10 * 1.5, rows
     assert "defaults, 4 addresses" in rows and "global budget off, 4 addresses" in rows
     assert "target: the valid client answered in every arm: met" in out.stdout
