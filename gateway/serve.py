@@ -39,10 +39,11 @@ import httpx
 import uvicorn
 from pydantic import ValidationError
 
+from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.settings import AgentSettings
 from cachecore.argtypes import log_level
 from cachecore.index.base import PrefixIndex
-from cachecore.index.layout import KeyLayout, split_dp_replica_id
+from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex, redis_client
 from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
@@ -419,17 +420,10 @@ def embedded_agent_settings_error(specs: Sequence[ReplicaSpec]) -> str | None:
     would be refused, or None. Checked before serving: the agents start inside the app's
     start-up, where a refusal was a traceback and uvicorn's exit 3."""
     spec = next((sp for sp in specs if sp.events), None)
-    if spec is None or spec.events is None:
+    if spec is None:
         return None
-    name, rank = split_dp_replica_id(spec.id)
     try:
-        AgentSettings(
-            replica_id=name,
-            data_parallel_rank=rank,
-            engine_url=spec.url,
-            events=spec.events,
-            replay=spec.replay,
-        )
+        embedded_agent_settings(spec)
     except ValidationError as exc:
         return settings_error(exc, env_prefix=AgentSettings.model_config["env_prefix"])
     return None

@@ -62,6 +62,25 @@ class EmbeddedAgents:
         self.ctx.destroy(linger=0)
 
 
+def embedded_agent_settings(spec: AgentSpec, **overrides: Any) -> AgentSettings:
+    """The settings of ``spec``'s embedded agent (``spec.events`` must be set): the spec's
+    replica, the rest from ``KVGATE_AGENT_*`` or ``overrides``. Raises pydantic's
+    ValidationError for a setting out of range."""
+    if spec.events is None:
+        raise ValueError(f"replica {spec.id} has no event endpoints: no agent to configure")
+    # an id R@dpN is rank N of engine R: the agent's index ids are R@dpN for its batches of
+    # rank N (vLLM names the rank in each batch), not R@dpN@dpN
+    name, rank = split_dp_replica_id(spec.id)
+    return AgentSettings(
+        replica_id=name,
+        data_parallel_rank=rank,
+        engine_url=spec.url,
+        events=spec.events,
+        replay=spec.replay,
+        **overrides,
+    )
+
+
 def build_embedded_agents(
     specs: Sequence[AgentSpec],
     index: PrefixIndex,
@@ -75,17 +94,7 @@ def build_embedded_agents(
     for spec in specs:
         if not spec.events:
             continue
-        # an id R@dpN is rank N of engine R: the agent's index ids are R@dpN for its
-        # batches of rank N (vLLM names the rank in each batch), not R@dpN@dpN
-        name, rank = split_dp_replica_id(spec.id)
-        settings = AgentSettings(
-            replica_id=name,
-            data_parallel_rank=rank,
-            engine_url=spec.url,
-            events=spec.events,
-            replay=spec.replay,
-            **overrides,
-        )
+        settings = embedded_agent_settings(spec, **overrides)
         agents.append(Agent(settings, index, load_store, registry, zmq_context=ctx))
     return EmbeddedAgents(agents, ctx)
 
