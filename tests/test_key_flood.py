@@ -366,6 +366,48 @@ async def test_a_made_up_key_flood_through_the_gateway(redis_own: RedisServer) -
         await seed.aclose()
 
 
+async def test_the_global_budget_through_the_gateway(redis_own: RedisServer) -> None:
+    """KVGATE_API_KEYS_MISS_RATE_GLOBAL / _BURST_GLOBAL reach the key store: with the
+    address's budget far off, three made-up keys get 401s, the fourth a 429 (``limit:
+    unknown_keys``) counted as reason miss_budget_global; the confirmed key keeps working."""
+    seed = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    await seed.hset("kvg:apikeys", mapping={hash_key("sk-valid"): "acme"})
+    try:
+        async with (
+            stack(
+                count=1,
+                redis_url=redis_own.url,
+                api_keys_redis=True,
+                open_access=False,
+                api_keys_miss_burst=1000,
+                api_keys_miss_rate_global=0.001,
+                api_keys_miss_burst_global=3,
+            ) as st,
+            st.http() as h,
+        ):
+            valid = {"authorization": "Bearer sk-valid"}
+            assert (await h.get("/v1/models", headers=valid)).status_code == 200
+            statuses = [
+                (
+                    await h.get("/v1/models", headers={"authorization": f"Bearer made-up-{i}"})
+                ).status_code
+                for i in range(4)
+            ]
+            assert statuses == [401, 401, 401, 429]
+            assert (
+                await metric(
+                    st, 'kvgate_api_key_lookups_refused_total{reason="miss_budget_global"}'
+                )
+                == 1
+            )
+            assert (
+                await metric(st, 'kvgate_api_key_lookups_refused_total{reason="miss_budget"}') == 0
+            )
+            assert (await h.get("/v1/models", headers=valid)).status_code == 200
+    finally:
+        await seed.aclose()
+
+
 @pytest.mark.slow
 def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
     """`kvgate bench keys --api-key-flood 1`, a smoke run (processes, a private
