@@ -51,7 +51,13 @@ from gateway.limits import TenantLimiter
 from gateway.load import InFlight, LoadTracker, SharedLoadRefresher, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
-from gateway.quarantine import ClaimCheck, LogAnswer, QuarantineTracker, judge_floor
+from gateway.quarantine import (
+    ClaimCheck,
+    LogAnswer,
+    QuarantineTracker,
+    judge_floor,
+    judge_removal,
+)
 from gateway.replicas import Replica, ReplicaPool, ReplicaSpec
 from gateway.requesttrace import RequestTrace
 from gateway.routing import (
@@ -1139,7 +1145,7 @@ class Gateway:
             outcome = "evicted_restored"
         elif answer is LogAnswer.NOT_REMOVED:
             outcome = "false"
-        else:  # the log could not tell: "unverifiable", or "tampered" (counted as false)
+        else:  # "unverifiable", or "tampered" (counted as false): an impossible floor or time
             outcome = str(answer)
         self.metrics.claim_checks.labels(d.replica, outcome).inc()
         unverifiable = answer is LogAnswer.UNVERIFIABLE
@@ -1160,9 +1166,10 @@ class Gateway:
                 msg = "replica left quarantine"
             elif unverifiable:
                 msg = (
-                    "replica quarantined: quarantine.max_unverifiable disagreements in a row "
-                    "that its removal log could not judge (a raised rm_floor, or a "
-                    "removal log too short for its churn)"
+                    "replica quarantined: quarantine.max_unverifiable disagreements its "
+                    "removal log could not judge among its last "
+                    "quarantine.unverifiable_window checked requests (a raised rm_floor, "
+                    "or a removal log too short for its churn)"
                 )
             else:
                 msg = (
@@ -1216,24 +1223,26 @@ class Gateway:
     async def _restored_since_lookup(self, d: Dispatch, first_missing: int) -> LogAnswer | None:
         """Whether the index removed block ``first_missing`` of the claim from ``d.replica``
         since the lookup (less ``quarantine.clock_skew_ms``: agents stamp removals with
-        their own clocks). When the removal log cannot tell, its floor is judged
-        (:func:`~gateway.quarantine.judge_floor`: the agent wrote it). None only when the
-        index fails or times out: the gateway's own failure, which judges nothing."""
+        their own clocks). The agent wrote the removal's time and, when the log cannot
+        tell, the floor it rests on: both are judged (:func:`~gateway.quarantine.judge_removal`,
+        :func:`~gateway.quarantine.judge_floor`, beyond ``quarantine.tamper_margin_ms``).
+        None only when the index fails or times out: the gateway's own failure, which
+        judges nothing."""
         assert self.index is not None
         primary = self.index.primary
         key = d.keys[d.salt_index][first_missing]
-        skew = self.policy.quarantine.clock_skew_ms
+        pol = self.policy.quarantine
         timeout_s = self.policy.index.lookup_timeout_ms / 1000.0
         try:
             async with asyncio.timeout(timeout_s):
-                got = await primary.removed_since(d.replica, [key], d.lookup_ms - skew)
+                got = await primary.removal_times(d.replica, [key], d.lookup_ms - pol.clock_skew_ms)
             if got is not None:
-                return LogAnswer.REMOVED if got[0] else LogAnswer.NOT_REMOVED
+                return judge_removal(got[0], _now_ms(), pol.tamper_margin_ms)
             async with asyncio.timeout(timeout_s):
                 floor = await primary.removal_floor(d.replica)
         except (IndexError_, TimeoutError):
             return None
-        return judge_floor(floor, _now_ms(), skew)
+        return judge_floor(floor, _now_ms(), pol.tamper_margin_ms)
 
     async def _settled_claim(self, d: Dispatch, claimed: int) -> tuple[int, bool] | None:
         """Blocks the index still claims on ``d.replica`` once the agent had time to report

@@ -16,9 +16,12 @@ block the engine did not have was removed since the lookup, the miss is an evict
 its floor (``rm_floor``, the newest removal time it trimmed) sits in the agent's own meta,
 which a rogue agent can raise to make every check of its lies "cannot tell" (D22): a floor
 no honest log can have (later than the agent's own latest write, or than the gateway's
-clock, beyond ``clock_skew_ms``) counts as no removal (``tampered``, a false claim); a
-possible one leaves the check ``unverifiable``, and ``max_unverifiable`` of those in a row
-quarantine the replica too (an honest log trimmed that fast is too short for its churn).
+clock, beyond ``tamper_margin_ms``) counts as no removal (``tampered``, a false claim); a
+possible one leaves the check ``unverifiable``, and ``max_unverifiable`` of those among the
+replica's last ``unverifiable_window`` checked requests quarantine it too (an honest log
+trimmed that fast is too short for its churn). The log's removal times are the agent's as
+well: one later than the gateway's clock beyond ``tamper_margin_ms`` is no removal either
+(``tampered``), by the same rule (:func:`beyond_agent_clock`).
 A replica with ``k`` bad requests among its last ``m`` checked ones is quarantined: routed
 by load only. It leaves quarantine after ``recover_after`` consecutive checked requests
 whose claims agree.
@@ -43,14 +46,32 @@ class LogAnswer(StrEnum):
     TAMPERED = "tampered"  # trimmed "past" the lookup at a floor no honest log can have
 
 
-def judge_floor(floor: RemovalFloor, now_ms: int, clock_skew_ms: int) -> LogAnswer:
+def beyond_agent_clock(t_ms: float, bound_ms: int, margin_ms: int) -> bool:
+    """The one rule for every time an agent writes into the index (a removal's, its log's
+    floor): an honest agent stamps it with its own clock at its write, so it is never later
+    than ``bound_ms`` (the gateway's now, or the agent's own latest write) by more than
+    ``margin_ms`` (``quarantine.tamper_margin_ms``). Later is a lie, and no removal."""
+    return t_ms > bound_ms + margin_ms
+
+
+def judge_removal(removed_ms: float | None, now_ms: int, margin_ms: int) -> LogAnswer:
+    """The removal log's answer about one block: ``removed_ms``, the time of its removal at
+    or after the lookup (None: none), judged against the gateway's ``now_ms``."""
+    if removed_ms is None:
+        return LogAnswer.NOT_REMOVED
+    if beyond_agent_clock(removed_ms, now_ms, margin_ms):
+        return LogAnswer.TAMPERED  # a removal "in the future" excuses every lie forever
+    return LogAnswer.REMOVED
+
+
+def judge_floor(floor: RemovalFloor, now_ms: int, margin_ms: int) -> LogAnswer:
     """The answer of a removal log that cannot tell, by its floor. An honest floor is the
     time of a removal its agent wrote, so never later than that agent's latest write
-    (``updated_ms``, the same clock: ``clock_skew_ms`` allows it a step back) nor than the
-    gateway's ``now_ms`` (``clock_skew_ms`` apart); and always an integer."""
+    (``updated_ms``, the same clock) nor than the gateway's ``now_ms``, beyond
+    ``margin_ms``; and always an integer."""
     if floor.floor_ms is None or floor.updated_ms is None:
         return LogAnswer.TAMPERED
-    if floor.floor_ms > min(floor.updated_ms, now_ms) + clock_skew_ms:
+    if beyond_agent_clock(floor.floor_ms, min(floor.updated_ms, now_ms), margin_ms):
         return LogAnswer.TAMPERED
     return LogAnswer.UNVERIFIABLE
 
@@ -60,7 +81,10 @@ class _ReplicaClaims:
     window: deque[bool] = field(default_factory=deque)
     quarantined: bool = False
     agreeing: int = 0
-    unverifiable: int = 0  # bad checks in a row whose removal log could not tell
+    checked: int = 0  # checked requests seen (the unverifiable window's clock)
+    # the ``checked`` count of each recent bad check whose removal log could not tell:
+    # those within the last unverifiable_window (at most max_unverifiable are kept)
+    unverifiable_at: deque[int] = field(default_factory=deque)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +118,8 @@ class QuarantineTracker:
             while len(st.window) > policy.m:
                 st.window.popleft()
         if not policy.enabled:
-            for st in self._replicas.values():
-                st.quarantined = False
+            # released, and what was counted goes: a later re-enable starts from nothing
+            self._replicas.clear()
 
     def is_quarantined(self, replica: str) -> bool:
         st = self._replicas.get(replica)
@@ -113,7 +137,7 @@ class QuarantineTracker:
         st.quarantined = False
         st.window.clear()
         st.agreeing = 0
-        st.unverifiable = 0
+        st.unverifiable_at.clear()
         return True
 
     def forget(self, replica: str) -> None:
@@ -126,26 +150,22 @@ class QuarantineTracker:
             return None
         bad = check.missing_fraction >= p.missing_fraction
         st = self._replicas.get(check.replica)
+        if st is None:
+            st = self._replicas[check.replica] = _ReplicaClaims()
+        unverifiable = self._count_unverifiable(st, bad and check.unverifiable)
         if bad and check.still_claimed_blocks < check.claimed_blocks:
             return None  # the blocks were removed in between: an eviction, not a lie
         if bad and check.removed_since_lookup:
-            if st is not None:
-                st.unverifiable = 0  # the log reached back: the run of "cannot tell" ends
             return None  # removed after the lookup, stored again: an eviction, not a lie
-        if st is None:
-            st = self._replicas[check.replica] = _ReplicaClaims()
         if bad and check.unverifiable:
             # no verdict for the window, but a log trimmed past every lookup is no alibi:
             # a rogue agent raises its floor for that (D22)
-            st.unverifiable += 1
             st.agreeing = 0
-            if not st.quarantined and st.unverifiable >= p.max_unverifiable:
+            if not st.quarantined and p.max_unverifiable and unverifiable >= p.max_unverifiable:
                 st.quarantined = True
-                st.unverifiable = 0
+                st.unverifiable_at.clear()
                 return True
             return None
-        if bad:
-            st.unverifiable = 0
         st.window.append(bad)
         while len(st.window) > p.m:
             st.window.popleft()
@@ -157,6 +177,20 @@ class QuarantineTracker:
         if st.quarantined and st.agreeing >= p.recover_after:
             st.quarantined = False
             st.window.clear()
-            st.unverifiable = 0
+            st.unverifiable_at.clear()
             return False
         return None
+
+    def _count_unverifiable(self, st: _ReplicaClaims, unverifiable: bool) -> int:
+        """Count one checked request (every kind: agreeing, evicted, false); how many of
+        the last ``unverifiable_window`` were unverifiable. A window, not a run: agreeing
+        checks never asked the log, so they must not end a rogue's run (D22), yet an honest
+        log that falls short now and then, hours apart, must not add up to the bound."""
+        st.checked += 1
+        at = st.unverifiable_at
+        if unverifiable:
+            at.append(st.checked)
+        oldest = st.checked - self.policy.unverifiable_window
+        while at and (at[0] <= oldest or len(at) > self.policy.max_unverifiable):
+            at.popleft()
+        return len(at)

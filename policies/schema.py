@@ -310,17 +310,26 @@ class QuarantinePolicy(_Section):
     # it counts as a false claim: an agent that lags (a starved CPU) is not a liar
     settle_s: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 3.0
     # agents stamp removals with their own clocks: a removal this much before the lookup
-    # still counts as "after" it (lenient: it can only excuse a miss, never accuse)
+    # still counts as "after" it (lenient: it only excuses a miss)
     clock_skew_ms: Annotated[int, Field(ge=0, le=60_000)] = 250
+    # an agent-written time (a removal's, the removal log's floor) later than the gateway's
+    # clock (or the agent's own latest write) by more than this is a lie: it accuses
+    # (tampered), so it is generous; an honest agent's clock is never this far ahead
+    tamper_margin_ms: Annotated[int, Field(ge=0, le=3_600_000)] = 10_000
     # a disagreement whose removal log no longer reaches back to the lookup cannot be judged;
-    # this many in a row quarantine the replica all the same (D22): a rogue agent raises its
-    # log's floor for that, and an honest log trimmed so fast is too short for its churn
-    max_unverifiable: Annotated[int, Field(gt=0)] = 6
+    # this many among the replica's last unverifiable_window checked requests quarantine it
+    # all the same (D22): a rogue agent raises its log's floor for that, and an honest log
+    # trimmed so fast is too short for its churn. A rogue's unjudged lies stay below
+    # max_unverifiable / unverifiable_window of its checked requests. 0: the track is off
+    max_unverifiable: Annotated[int, Field(ge=0)] = 6
+    unverifiable_window: Annotated[int, Field(gt=0, le=1_000_000)] = 1000
 
     @model_validator(mode="after")
     def _k_le_m(self) -> QuarantinePolicy:
         if self.k > self.m:
             raise FieldValueError("k", "must be <= quarantine.m")
+        if self.max_unverifiable > self.unverifiable_window:
+            raise FieldValueError("max_unverifiable", "must be <= quarantine.unverifiable_window")
         return self
 
 

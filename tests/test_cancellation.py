@@ -46,11 +46,11 @@ class GatedIndex(MemoryIndex):
         await self._wait()
         return await super().lookup(keys, replicas, now_ms)
 
-    async def removed_since(
+    async def removal_times(
         self, replica: str, keys: Sequence[BlockKey], since_ms: int
-    ) -> list[bool] | None:
+    ) -> list[float | None] | None:
         await self._wait()
-        return await super().removed_since(replica, keys, since_ms)
+        return await super().removal_times(replica, keys, since_ms)
 
 
 async def cancelled_as_it_completes(gated: GatedIndex, call: Awaitable[Any]) -> None:

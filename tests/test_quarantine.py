@@ -21,7 +21,13 @@ from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey
 from cachecore.lifecycle import IndexWrite, Tier
-from gateway.quarantine import ClaimCheck, LogAnswer, QuarantineTracker, judge_floor
+from gateway.quarantine import (
+    ClaimCheck,
+    LogAnswer,
+    QuarantineTracker,
+    judge_floor,
+    judge_removal,
+)
 from policies.schema import QuarantinePolicy
 from tests.test_gateway_faults import checked, claim_checks, prompt_keys
 from tests.test_gateway_support import Stack, stack, words
@@ -59,9 +65,34 @@ def test_an_honest_floor_is_unverifiable_an_impossible_one_tampered() -> None:
         assert judge_floor(f, now, skew) is LogAnswer.TAMPERED, f
 
 
+def test_an_honest_clock_ahead_is_no_liar_with_the_default_margin() -> None:
+    """R2: with KVGATE_AGENT_REMOVAL_LOG=0 the floor is the agent's now at each removal;
+    an agent clock 400 ms ahead of the gateway's read as tampered while clock_skew_ms
+    (250) was the accusing margin. tamper_margin_ms (10 s) is: still unverifiable."""
+    now, pol = 1_000_000, QuarantinePolicy()
+    ahead = RemovalFloor(now + 400, now + 400)
+    assert judge_floor(ahead, now, pol.tamper_margin_ms) is LogAnswer.UNVERIFIABLE
+    assert judge_removal(now + 400, now, pol.tamper_margin_ms) is LogAnswer.REMOVED
+    far = RemovalFloor(now + pol.tamper_margin_ms + 1, 10**15)
+    assert judge_floor(far, now, pol.tamper_margin_ms) is LogAnswer.TAMPERED
+
+
+def test_a_removal_time_past_the_gateways_clock_is_tampered() -> None:
+    """R1: the log's removal times are agent-written like its floor, and judged by the same
+    rule (beyond_agent_clock): a removal "in the future" excuses nothing."""
+    now, margin = 1_000_000, 10_000
+    assert judge_removal(None, now, margin) is LogAnswer.NOT_REMOVED
+    for honest in (now - 5_000, now, now + margin):
+        assert judge_removal(honest, now, margin) is LogAnswer.REMOVED, honest
+    for lie in (now + margin + 1, 1e15, float("inf")):
+        assert judge_removal(lie, now, margin) is LogAnswer.TAMPERED, lie
+
+
 # ------------------------------------------------------------------ the tracker
 
-POLICY = QuarantinePolicy(k=2, m=3, min_claimed_blocks=2, recover_after=2, max_unverifiable=3)
+POLICY = QuarantinePolicy(
+    k=2, m=3, min_claimed_blocks=2, recover_after=2, max_unverifiable=3, unverifiable_window=10
+)
 
 
 def _bad(unverifiable: bool = False, restored: bool = False) -> ClaimCheck:
@@ -103,21 +134,63 @@ def test_the_truth_in_between_does_not_launder_unverifiable_lies() -> None:
     assert q.observe(_bad(unverifiable=True)) is True
 
 
-def test_a_log_that_reaches_back_ends_the_run() -> None:
-    """Honest agents: a bad check the log could judge (here an eviction it showed) proves
-    the log reaches back, so only "cannot tell" every time adds up."""
+def test_unverifiable_checks_count_within_a_window_of_checked_requests() -> None:
+    """R4: the track is a window (max_unverifiable = 3 among the last 10 checked
+    requests), not a run that only a judged check ends: an honest log that falls short now
+    and then, with agreeing checks between, never adds up; the same three close together
+    do. A faked removal (evicted_restored) between them ends nothing (it did: R1's rogue
+    reset the run with each)."""
     q = QuarantineTracker(POLICY)
-    for _ in range(4):
+    for _ in range(5):  # two a burst, bursts nine checks apart: at most 2 in any 10
         assert q.observe(_bad(unverifiable=True)) is None
         assert q.observe(_bad(unverifiable=True)) is None
-        assert q.observe(_bad(restored=True)) is None
+        for _ in range(8):
+            assert q.observe(_agree()) is None
     assert not q.is_quarantined("r")
-    # a false claim ends the run too (and counts in the window)
-    q.observe(_bad(unverifiable=True))
-    q.observe(_bad(unverifiable=True))
-    q.observe(_bad())
-    q.observe(_bad(unverifiable=True))
+    for _ in range(8):
+        q.observe(_agree())
+    assert q.observe(_bad(unverifiable=True)) is None
+    assert q.observe(_bad(restored=True)) is None
+    assert q.observe(_bad(unverifiable=True)) is None
+    assert q.observe(_bad(unverifiable=True)) is True
+
+
+def test_a_rogue_below_the_bound_rate_is_the_bound_d22_states() -> None:
+    """D22's bound: unjudged lies below max_unverifiable / unverifiable_window of the
+    checked requests go unpunished (here 1 in 5 < 3/10); at the bound, quarantine."""
+    q = QuarantineTracker(POLICY)
+    for _ in range(200):
+        assert q.observe(_bad(unverifiable=True)) is None
+        for _ in range(4):
+            assert q.observe(_agree()) is None
     assert not q.is_quarantined("r")
+    q = QuarantineTracker(POLICY)
+    got = [q.observe(c) for _ in range(3) for c in (_bad(unverifiable=True), _agree(), _agree())]
+    assert got[-3] is True  # 3 in 7 checked requests
+
+
+def test_max_unverifiable_zero_turns_the_track_off() -> None:
+    q = QuarantineTracker(POLICY.model_copy(update={"max_unverifiable": 0}))
+    for _ in range(50):
+        assert q.observe(_bad(unverifiable=True)) is None
+    assert not q.is_quarantined("r")
+    with pytest.raises(ValueError, match="unverifiable_window"):
+        QuarantinePolicy(max_unverifiable=11, unverifiable_window=10)
+
+
+def test_disabling_forgets_the_counts_a_reenable_starts_afresh() -> None:
+    """W3: a policy reload that turns quarantine off and on again does not carry the
+    replicas' old checks over (one bad check before, one after: k = 2 would quarantine)."""
+    q = QuarantineTracker(POLICY)
+    assert q.observe(_bad()) is None
+    q.observe(_bad(unverifiable=True))
+    q.observe(_bad(unverifiable=True))
+    q.configure(POLICY.model_copy(update={"enabled": False}))
+    q.configure(POLICY)
+    assert q.observe(_bad()) is None
+    assert q.observe(_bad(unverifiable=True)) is None
+    assert not q.is_quarantined("r")
+    assert q.observe(_bad()) is True  # the counting itself still works
 
 
 def test_a_small_unverifiable_miss_is_an_ordinary_check() -> None:
@@ -172,7 +245,7 @@ async def test_an_honest_floor_under_churn_is_never_past_the_agents_write(
 
 STRICT = (
     "quarantine: {missing_fraction: 0.5, k: 1, m: 1, min_claimed_blocks: 2, settle_s: 0.3,"
-    " max_unverifiable: %d}"
+    " max_unverifiable: %d, unverifiable_window: 2}"
 )
 
 
@@ -223,8 +296,9 @@ async def test_an_honest_log_too_short_for_its_churn_is_unverifiable_not_tampere
 ) -> None:
     """An agent whose removal log (64) is trimmed past the lookup by the churn before the
     check: its floor is one an honest log has, so the check is unverifiable (it used to be
-    skipped), never a false claim; max_unverifiable of them in a row quarantine (the
-    runbook: raise KVGATE_AGENT_REMOVAL_LOG), and one the log can judge ends the run."""
+    skipped), never a false claim; max_unverifiable of them among the last
+    unverifiable_window (2) checked requests quarantine (the runbook: raise
+    KVGATE_AGENT_REMOVAL_LOG), and a check between them moves the window on."""
     async with stack(count=2, policy=STRICT % 2, redis_url=redis_url) as st:
         rep = st.replica_id(0)
         agent = RedisIndex.from_url(redis_url, removal_log=64)
@@ -233,7 +307,7 @@ async def test_an_honest_log_too_short_for_its_churn_is_unverifiable_not_tampere
             await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now())
             assert await _evicted_and_restored(st, agent, epoch, 7200, 200) == "unverifiable"
             assert not st.gw.quarantine.is_quarantined(rep)
-            # the log reaches back this time (no churn): the run ends
+            # the log reaches back this time (no churn): a checked request in the window
             assert await _evicted_and_restored(st, agent, epoch, 7201, 0) == "evicted_restored"
             assert await _evicted_and_restored(st, agent, epoch, 7202, 200) == "unverifiable"
             assert not st.gw.quarantine.is_quarantined(rep)
@@ -246,9 +320,9 @@ async def test_an_honest_log_too_short_for_its_churn_is_unverifiable_not_tampere
 class _FailingFloor(MemoryIndex):
     """An index whose log cannot tell and whose floor read fails: the gateway's problem."""
 
-    async def removed_since(
+    async def removal_times(
         self, replica: str, keys: Sequence[BlockKey], since_ms: int
-    ) -> list[bool] | None:
+    ) -> list[float | None] | None:
         return None
 
     async def removal_floor(self, replica: str) -> RemovalFloor:

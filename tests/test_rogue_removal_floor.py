@@ -120,12 +120,13 @@ POLICY = (
 async def _rogue_is_quarantined(
     admin: aioredis.Redis,
     redis_url: str,
-    cover: Callable[[aioredis.Redis, str], Awaitable[None]],
+    cover: Callable[[aioredis.Redis, str, int, list[bytes]], Awaitable[None]],
     outcome: str,
     lies: int,
 ) -> None:
     """A rogue agent with its own ACL user lies about its replica before each request and
-    ``cover``s the lie with its meta; the gateway reads the index as its own ACL user."""
+    ``cover``s the lie with what its ACL lets it write (its meta, its removal log); the
+    gateway reads the index as its own ACL user."""
     await _user(admin, "gw-rf", gateway_acl_rules())
     gw_index = RedisIndex.from_url(_as(redis_url, "gw-rf"))
     async with stack(count=2, policy=POLICY, build={"index": gw_index}) as st:
@@ -143,7 +144,7 @@ async def _rogue_is_quarantined(
                 prompt = words(400, 7000 + i)
                 keys = prompt_keys(gw, prompt, st.model)
                 await rogue.apply(liar, epoch, IndexWrite({k: int(Tier.GPU) for k in keys}), _now())
-                await cover(rogue_raw, LAYOUT.meta(liar))
+                await cover(rogue_raw, liar, epoch, keys)
                 raw = await c.completions.with_raw_response.create(
                     model=st.model, prompt=prompt, max_tokens=1
                 )
@@ -162,14 +163,22 @@ async def _rogue_is_quarantined(
             await honest.close()
 
 
-async def _raise_floor(raw: aioredis.Redis, meta: str) -> None:
-    await raw.hset(meta, "rm_floor", 10**15)
+async def _raise_floor(raw: aioredis.Redis, replica: str, epoch: int, keys: list[bytes]) -> None:
+    await raw.hset(LAYOUT.meta(replica), "rm_floor", 10**15)
 
 
-async def _floor_at_now(raw: aioredis.Redis, meta: str) -> None:
+async def _floor_at_now(raw: aioredis.Redis, replica: str, epoch: int, keys: list[bytes]) -> None:
     # the cleverer rogue: a floor an honest log could have, kept just ahead of each lookup
     now = _now() + 200
-    await raw.hset(meta, mapping={"rm_floor": now, "updated_ms": now})
+    await raw.hset(LAYOUT.meta(replica), mapping={"rm_floor": now, "updated_ms": now})
+
+
+async def _removed_in_the_future(
+    raw: aioredis.Redis, replica: str, epoch: int, keys: list[bytes]
+) -> None:
+    # R1: rm_floor left alone; each lied-about key "removed" far ahead, one ZADD, good
+    # forever (every check read evicted_restored, and never quarantined)
+    await raw.zadd(LAYOUT.removals(replica, epoch), dict.fromkeys(keys, 10**15))
 
 
 async def test_a_rogue_agent_that_raises_its_floor_is_quarantined(
@@ -186,3 +195,11 @@ async def test_a_rogue_agent_that_keeps_a_plausible_floor_is_quarantined(
     """A floor kept at the agent's "now" is possible for an honest log trimmed that fast:
     the checks are ``unverifiable``, and max_unverifiable of them in a row quarantine."""
     await _rogue_is_quarantined(admin, redis_url, _floor_at_now, "unverifiable", lies=3)
+
+
+async def test_a_rogue_agent_that_dates_its_removals_in_the_future_is_quarantined(
+    admin: aioredis.Redis, redis_url: str
+) -> None:
+    """R1: the removal log's times are the agent's as its floor is; a removal later than
+    the gateway's clock (beyond tamper_margin_ms) excuses nothing: ``tampered``."""
+    await _rogue_is_quarantined(admin, redis_url, _removed_in_the_future, "tampered", lies=2)

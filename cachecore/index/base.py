@@ -172,6 +172,16 @@ class PrefixIndex(Protocol):
         engine did not have (see :mod:`gateway.quarantine`)."""
         ...
 
+    async def removal_times(
+        self, replica: str, keys: Sequence[BlockKey], since_ms: int
+    ) -> list[float | None] | None:
+        """:meth:`removed_since` with the times: per key the ``now_ms`` of the write that
+        removed it, when at or after ``since_ms`` (else None); None when the log cannot
+        tell. The time is the agent's to write (a rogue can log a removal "in the
+        future", which excuses a miss forever), so the gateway judges it
+        (:func:`gateway.quarantine.judge_removal`)."""
+        ...
+
     async def removal_floor(self, replica: str) -> RemovalFloor:
         """The floor of ``replica``'s removal log and its meta's ``updated_ms``: what the
         gateway reads when :meth:`removed_since` cannot tell, since a floor no honest log
@@ -195,6 +205,16 @@ class PrefixIndex(Protocol):
     async def stats(self) -> IndexStats: ...
 
     async def close(self) -> None: ...
+
+
+def removed_flags(times: list[float | None] | None) -> list[bool] | None:
+    """:meth:`PrefixIndex.removed_since`'s answer from :meth:`PrefixIndex.removal_times`'."""
+    return None if times is None else [t is not None for t in times]
+
+
+def removals_at_or_after(times: Sequence[float | None], since_ms: int) -> list[float | None]:
+    """Each removal time kept if at or after ``since_ms`` (both backends' one filter)."""
+    return [t if t is not None and t >= since_ms else None for t in times]
 
 
 def run_end(ok: Callable[[int], bool], lo: int, hi: int) -> int:

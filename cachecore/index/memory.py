@@ -60,6 +60,8 @@ from cachecore.index.base import (
     ReplicaState,
     StaleEpochError,
     empty_match,
+    removals_at_or_after,
+    removed_flags,
     search_prefix,
 )
 from cachecore.index.layout import validate_replica_id
@@ -428,14 +430,19 @@ class MemoryIndex:
     async def removed_since(
         self, replica: str, keys: Sequence[BlockKey], since_ms: int
     ) -> list[bool] | None:
+        return removed_flags(await self.removal_times(replica, keys, since_ms))
+
+    async def removal_times(
+        self, replica: str, keys: Sequence[BlockKey], since_ms: int
+    ) -> list[float | None] | None:
         rep = self._replicas.get(replica)
         if rep is None:
             validate_replica_id(replica)
-            return [False] * len(keys)
+            return [None] * len(keys)
         if not self.removal_log or rep.removed_floor >= since_ms:
             return None
         get = rep.removed.get
-        return [get(k, -1) >= since_ms for k in keys]
+        return removals_at_or_after([get(k) for k in keys], since_ms)
 
     async def removal_floor(self, replica: str) -> RemovalFloor:
         rep = self._replicas.get(replica)

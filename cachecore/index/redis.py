@@ -51,6 +51,8 @@ from cachecore.index.base import (
     ReplicaMeta,
     ReplicaState,
     StaleEpochError,
+    removals_at_or_after,
+    removed_flags,
 )
 from cachecore.index.layout import (
     KeyLayout,
@@ -361,27 +363,25 @@ if changed > 0 then redis.call('ZREMRANGEBYSCORE', pkey, '-inf', now) end
 return changed
 """
 
-# KEYS[1] meta. ARGV: since_ms, block keys. Per key 1 if the removal log holds a removal at
-# or after since_ms, else 0; -1 (not a list) when the log was trimmed past since_ms, or
-# when the agent-owned keys hold what no agent writes (an rm_floor that is no number, an
-# rm key that is no sorted set): "cannot tell", never a script error, which the gateway
-# would take for its own failure and not count (RedisIndex.removal_floor says which).
+# KEYS[1] meta. ARGV: since_ms, block keys. Per key its score in the removal log (the time
+# of its latest logged removal, as the agent wrote it: compared with since_ms and judged by
+# the caller, since a rogue agent can write any score), false if none; -1 (not a list) when
+# the log was trimmed past since_ms, or when the agent-owned keys hold what no agent writes
+# (an rm_floor that is no number, an rm key that is no sorted set): "cannot tell", never a
+# script error, which the gateway would take for its own failure and not count
+# (RedisIndex.removal_floor says which).
 REMOVED_SINCE_LUA = """#!lua flags=no-writes
 local meta = KEYS[1]
-local m = redis.call('HMGET', meta, 'epoch', 'rm_floor')
+local m = redis.pcall('HMGET', meta, 'epoch', 'rm_floor')
+if m.err then return -1 end
 local since = tonumber(ARGV[1])
 local floor = tonumber(m[2] or '-1')
 if floor == nil or floor >= since then return -1 end
-local out = {}
-if #ARGV < 2 then return out end
+if #ARGV < 2 then return {} end
 local rkey = string.sub(meta, 1, -5) .. 'rm:' .. (m[1] or '0')
 local scores = redis.pcall('ZMSCORE', rkey, unpack(ARGV, 2))
 if scores.err then return -1 end
-for i = 1, #ARGV - 1 do
-  local sc = scores[i]
-  if sc and tonumber(sc) >= since then out[i] = 1 else out[i] = 0 end
-end
-return out
+return scores
 """
 
 # KEYS[1] meta, KEYS[2] an epoch-scoped key, ARGV[1] its epoch: unlink it iff that epoch is
@@ -862,6 +862,11 @@ class RedisIndex:
     async def removed_since(
         self, replica: str, keys: Sequence[BlockKey], since_ms: int
     ) -> list[bool] | None:
+        return removed_flags(await self.removal_times(replica, keys, since_ms))
+
+    async def removal_times(
+        self, replica: str, keys: Sequence[BlockKey], since_ms: int
+    ) -> list[float | None] | None:
         meta = self.layout.meta(replica)
         try:
             raw = await self._call(self._removed_since, [meta], [since_ms, *keys])
@@ -869,7 +874,8 @@ class RedisIndex:
             raise _stale_or_index_error(exc, f"removed_since {replica}") from exc
         if not isinstance(raw, list):
             return None
-        return [bool(v) for v in raw]
+        # a score is a double: "inf" too, which a rogue may write (float reads it)
+        return removals_at_or_after([None if v is None else float(v) for v in raw], since_ms)
 
     async def removal_floor(self, replica: str) -> RemovalFloor:
         meta = self.layout.meta(replica)
