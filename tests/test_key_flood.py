@@ -78,10 +78,11 @@ async def test_made_up_keys_from_one_address_cost_at_most_its_budget_in_hgets(
         await client.aclose()
 
 
-async def test_valid_keys_give_their_lookup_back(redis_own: RedisServer) -> None:
-    """200 new clients behind one address (a NAT), each with its own valid key, burst 20:
-    every lookup of a key Redis confirms is given back, so none is refused. Without the
-    give-back the 21st client got a 429."""
+async def test_valid_keys_spend_no_budget(redis_own: RedisServer) -> None:
+    """200 new clients behind one address (a NAT), one after another, each with its own
+    valid key, burst 20: a lookup of a key Redis confirms spends nothing, so none is
+    refused and the budget is whole after them. Charged for every lookup, the 21st client
+    got a 429."""
     client = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
     try:
         keys = [f"sk-client-{i}" for i in range(200)]
