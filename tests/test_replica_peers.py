@@ -1,7 +1,7 @@
 """The peer routers (vllm-router and sglang-router from PyPI, each in its own venv under
 .peers/, see docs/peers.md) in front of two replicas: chat and completions, streamed and
-not, and engine-reported prefix hits through them. Skipped where .peers/ is not installed
-(CI installs no peers)."""
+not, and engine-reported prefix hits through them. Skipped where .peers/ does not hold the
+pinned release (CI installs no peers; another release's flags were never verified)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,24 @@ from cachecore.kvevents import BlockStored, decode_batch
 from cachecore.replica import Fleet, ReplicaSettings, run_fleet
 from cachecore.testing import free_ports
 from cachecore.tokenizer import builtin_tokenizer, export_builtin
-from loadtest.peers import BLOCK_SIZE, EVENTS_TOPIC, PEERS_DIR, router_command, running_router
+from loadtest.peers import (
+    BLOCK_SIZE,
+    EVENTS_TOPIC,
+    PEERS_DIR,
+    ensure_peer,
+    router_command,
+    running_router,
+)
 
-VLLM_ROUTER = PEERS_DIR / "vllm-router/bin/vllm-router"
-SGLANG_PY = PEERS_DIR / "sglang-router/bin/python"
 MODEL = "kvgate-sim-8b"
+
+
+def _peer_or_skip(kind: str) -> None:
+    """Skip unless .peers/ holds ``kind``'s pinned release, as `kvgate bench routers`
+    would run it (the harness's own check, without installing)."""
+    st = ensure_peer(kind, PEERS_DIR, install=False)
+    if not st.ok:
+        pytest.skip(f"{kind}: {st.message} (see docs/peers.md)")
 
 
 async def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
@@ -54,9 +67,7 @@ async def fleet() -> AsyncIterator[Fleet]:
 async def test_peer_router_in_front_of_two_replicas(
     kind: str, fleet: Fleet, tmp_path: Path
 ) -> None:
-    exe = VLLM_ROUTER if kind == "vllm-router" else SGLANG_PY
-    if not exe.exists():
-        pytest.skip(f"{kind} is not installed under .peers/ (see docs/peers.md)")
+    _peer_or_skip(kind)
     tok_dir = tmp_path / "tokenizer"
     export_builtin(tok_dir)
     port, prom = free_ports(2)
@@ -176,8 +187,7 @@ def prom_counter(text: str, name: str, **labels: str) -> float:
 
 
 async def test_vllm_router_kv_aware_credits_the_replicas_cached_prefix(tmp_path: Path) -> None:
-    if not VLLM_ROUTER.exists():
-        pytest.skip("vllm-router is not installed under .peers/ (see docs/peers.md)")
+    _peer_or_skip("vllm-router")
     tok_dir = tmp_path / "tokenizer"
     export_builtin(tok_dir)
     port, prom = free_ports(2)
