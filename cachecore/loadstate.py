@@ -286,13 +286,21 @@ local out = {}
 for r = 1, #lkeys - first do
   local lkey = lkeys[first + r]
   local ikey = string.sub(lkey, 1, -5) .. 'gw:inflight'
-  local l = redis.call('HMGET', lkey, 'running', 'waiting', 'kv_usage', 'metrics_ts_ms',
-                       'expires_ms', 'stalled_since_ms', 'stalled_at_ms')
+  -- the load record is its agent's: a key of the wrong type or a field that is no number
+  -- reads as no record / 0, never a script error that would fail every replica's read
+  local l = redis.pcall('HMGET', lkey, 'running', 'waiting', 'kv_usage', 'metrics_ts_ms',
+                        'expires_ms', 'stalled_since_ms', 'stalled_at_ms')
+  if l.err then
+    if string.find(l.err, 'WRONGTYPE', 1, true) ~= 1 then error(l) end
+    l = {}
+  end
   local row = {0, 0, '0', 0, 0, 0, 0, 0}
-  if l[5] and tonumber(l[5]) > now then
+  local exp = tonumber(l[5])
+  if exp and exp > now then
     row[1] = tonumber(l[1]) or 0
     row[2] = tonumber(l[2]) or 0
-    row[3] = l[3] or '0'
+    local kv = tonumber(l[3])
+    if kv and kv >= 0 and kv <= 1 then row[3] = tostring(kv) end
     row[4] = tonumber(l[4]) or 0
     -- absent before D17; stale (not this scrape's) after an older agent took the key over
     if l[7] and l[4] and l[7] == l[4] then row[8] = tonumber(l[6]) or 0 end

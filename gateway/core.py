@@ -38,6 +38,7 @@ from cachecore.index.base import (
     empty_match,
 )
 from cachecore.index.memory import MemoryIndex
+from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, Scope, ScopeKind
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore, ReplicaAllowlist
@@ -400,6 +401,9 @@ class Gateway:
             self._index_arg if self._index_arg is not None else self._embedded_index()
         )
         local = None if isinstance(primary, MemoryIndex) else MemoryIndex()
+        if isinstance(primary, RedisIndex):
+            unreadable = self.metrics.index_unreadable
+            primary.on_unreadable = lambda rid: unreadable.labels(rid).inc()
         self.index = GatewayIndex(primary, self.metrics, local)
         if local is not None and self.specs:
             await self._warm_index(primary)
@@ -1202,7 +1206,7 @@ class Gateway:
         primary = self.index.primary
         try:
             epoch = (await primary.meta(replica)).epoch
-        except Exception:  # the index is down: release by checks only
+        except IndexError_:  # the index is down: release by checks only
             return
         while self.quarantine.is_quarantined(replica):
             await asyncio.sleep(interval_s)
@@ -1210,7 +1214,7 @@ class Gateway:
                 return  # removed from the pool: nothing left to watch
             try:
                 now = (await primary.meta(replica)).epoch
-            except Exception:
+            except IndexError_:  # meta reads what an agent wrote as absent: no ValueError
                 continue
             if now != epoch and self.quarantine.release(replica):
                 self.metrics.quarantined.labels(replica).set(0)

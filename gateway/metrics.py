@@ -183,6 +183,13 @@ class GatewayMetrics:
             self.lookup.labels(source)
         for reason in ("timeout", "error"):
             self.index_fallbacks.labels(reason)
+        self.index_unreadable = Counter(
+            "kvgate_index_unreadable",
+            "Lookups that found one of a replica's agent-owned index keys of the wrong type "
+            "and read that replica as holding nothing (a broken or rogue agent; the other "
+            "replicas' matches stand)",
+            ["replica"], registry=r,
+        )  # fmt: skip
         self.pending_write_errors = Counter(
             "kvgate_pending_write_errors", "Pending writes the index refused or lost", registry=r
         )

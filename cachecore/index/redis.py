@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, compress, repeat
@@ -91,6 +92,9 @@ ConnectionError): callers must degrade alike on both."""
 # bytes each: one argument, so the client encodes one blob, not n). On Cluster no KEYS and
 # the meta keys after those two ARGV (see call_per_replica).
 #
+# Per replica a row: state, the four tier run ends, the stored end, the pending end, and 1
+# when one of its agent-owned keys was of the wrong type (else 0).
+#
 # The same steps as cachecore.index.base.search_prefix / run_end, so both backends answer
 # alike even on inconsistent data: per replica, the end of the stored run (entries whose
 # "stored run broken" bit is clear), each tier's run within it, then the pending keys after
@@ -106,7 +110,7 @@ LOOKUP_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
 local now = tonumber(ARGV[1])
 local blob = ARGV[2]
 local n = math.floor(#blob / 16)
-local call, sub, floor = redis.call, string.sub, math.floor
+local try, sub, floor, find = redis.pcall, string.sub, math.floor, string.find
 local band, bnot, rshift = bit.band, bit.bnot, bit.rshift
 local keys = {}
 local function key(i)  -- 0-based
@@ -130,10 +134,23 @@ end
 -- One replica at a time: its hash and zset names and its probed values, as upvalues of
 -- predicates made once (closures and tables per replica were most of the script's cost).
 local bkey, pkey, seen, tier_bit
+-- Agent-owned keys are read with pcall: an agent may DEL and SET its own keys, and a key
+-- of the wrong type (its b: hash made a string) must cost its own replica the match, not
+-- fail the script for every replica. Such a replica reads as holding nothing, and is
+-- flagged (row[8]). Any other error is raised as before (the gateway falls back).
+local wrong
+local function read(r)
+  if type(r) == 'table' and r.err then
+    if find(r.err, 'WRONGTYPE', 1, true) ~= 1 then error(r) end
+    wrong = 1
+    return false
+  end
+  return r
+end
 local function value(i)
   local v = seen[i]
   if v == nil then
-    v = tonumber(call('HGET', bkey, key(i))) or 0
+    v = tonumber(read(try('HGET', bkey, key(i)))) or 0
     seen[i] = v
   end
   return v
@@ -147,7 +164,7 @@ local function in_tier_run(i)
   return band(band(v, tier_bit), bnot(rshift(v, 4))) ~= 0
 end
 local function pending_live(i)
-  local sc = call('ZSCORE', pkey, key(i))  -- a missing zset answers nil
+  local sc = read(try('ZSCORE', pkey, key(i)))  -- a missing zset answers nil
   return sc and tonumber(sc) > now
 end
 local metas, first = KEYS, 0
@@ -155,10 +172,11 @@ if #KEYS == 0 then metas, first = ARGV, 2 end  -- Cluster: undeclared keys, afte
 local out = {}
 for r = 1, #metas - first do
   local meta = metas[first + r]
-  local m = call('HMGET', meta, 'epoch', 'state')
+  wrong = 0
+  local m = read(try('HMGET', meta, 'epoch', 'state')) or {}
   local state = m[2] or 'unknown'
   if state ~= 'live' and state ~= 'cold' then
-    out[r] = {state, 0, 0, 0, 0, 0, 0}
+    out[r] = {state, 0, 0, 0, 0, 0, 0, wrong}
   else
     local base = sub(meta, 1, -5)
     local epoch = m[1] or '0'
@@ -175,7 +193,7 @@ for r = 1, #metas - first do
       pkey = base .. 'gw:p:' .. epoch
       pend = run_end(pending_live, stored, n)
     end
-    out[r] = {state, t1, t2, t3, t4, stored, pend}
+    out[r] = {state, t1, t2, t3, t4, stored, pend, wrong}
   end
 end
 return out
@@ -591,8 +609,22 @@ _STATE_OF: Mapping[Any, ReplicaState] = MappingProxyType(
 )
 
 
-def _int(raw: Any, default: int) -> int:
-    return default if raw is None else int(raw)
+def _field_int(raw: bytes | str | None, default: int) -> int:
+    """An agent-written integer field of the meta; ``default`` (as if absent) when it holds
+    anything else."""
+    got = _agent_int(raw, default)
+    return default if got is None else got
+
+
+def _field_float(raw: bytes | str | None, default: float) -> float:
+    """An agent-written number (``engine_start``); ``default`` unless finite."""
+    if raw is None:
+        return default
+    try:
+        got = float(raw)
+    except ValueError:
+        return default
+    return got if math.isfinite(got) else default
 
 
 def _agent_int(raw: bytes | str | None, default: int) -> int | None:
@@ -637,6 +669,9 @@ class RedisIndex:
         self._removed_since = RedisScript(REMOVED_SINCE_LUA, readonly=True)
         self._meta_keys: dict[str, str] = {}
         self.round_trips = 0  # network calls issued (for benchmarks and tests)
+        # called with a replica whose agent-owned keys a lookup found of the wrong type
+        # (read as holding nothing): the gateway counts it (kvgate_index_unreadable)
+        self.on_unreadable: Callable[[str], None] | None = None
 
     @classmethod
     def from_url(
@@ -693,6 +728,8 @@ class RedisIndex:
             raise IndexError_(f"lookup: {exc}") from exc
         out: dict[str, PrefixMatch] = {}
         for rid, row in zip(replicas, rows, strict=True):
+            if row[7] and self.on_unreadable is not None:
+                self.on_unreadable(rid)
             state = _STATE_OF.get(row[0]) or _state(row[0])
             g, c, d, r, stored, pend = row[1:7]
             if not (g or c or d or r):  # the common miss: no dict per replica
@@ -882,6 +919,10 @@ class RedisIndex:
         try:
             self.round_trips += 1
             floor, updated = await self.client.hmget(meta, ["rm_floor", "updated_ms"])
+        except ResponseError as exc:
+            if str(exc).startswith("WRONGTYPE"):  # its agent made its meta no hash
+                return RemovalFloor(None, None)
+            raise _stale_or_index_error(exc, f"removal_floor {replica}") from exc
         except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"removal_floor {replica}") from exc
         return RemovalFloor(_agent_int(floor, -1), _agent_int(updated, 0))
@@ -896,12 +937,14 @@ class RedisIndex:
         except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"meta {replica}") from exc
         epoch, state, last_seq, engine_start, updated = raw
+        # the agent's own fields: one that is no number (a broken or rogue agent's) reads
+        # as absent, as removal_floor reads it as no integer, never a ValueError
         return ReplicaMeta(
-            epoch=_int(epoch, 0),
+            epoch=_field_int(epoch, 0),
             state=_state(state) if state is not None else ReplicaState.UNKNOWN,
-            last_seq=_int(last_seq, -1),
-            engine_start=float(engine_start) if engine_start is not None else 0.0,
-            updated_ms=_int(updated, 0),
+            last_seq=_field_int(last_seq, -1),
+            engine_start=_field_float(engine_start, 0.0),
+            updated_ms=_field_int(updated, 0),
         )
 
     async def _scan_epoch_hash(self, replica: str, kind: str) -> dict[bytes, bytes]:
@@ -911,7 +954,7 @@ class RedisIndex:
         for _ in range(5):
             try:
                 self.round_trips += 1
-                epoch = _int(await self.client.hget(meta, "epoch"), 0)
+                epoch = _field_int(await self.client.hget(meta, "epoch"), 0)
                 key = (
                     self.layout.blocks(replica, epoch)
                     if kind == "b"
@@ -926,7 +969,7 @@ class RedisIndex:
                     if cursor == 0:
                         break
                 self.round_trips += 1
-                again = _int(await self.client.hget(meta, "epoch"), 0)
+                again = _field_int(await self.client.hget(meta, "epoch"), 0)
             except REDIS_FAILURES as exc:
                 raise _stale_or_index_error(exc, f"scan {replica}") from exc
             if again == epoch:
