@@ -187,6 +187,17 @@ def redis_stores(
     if not settings.redis:
         raise ValueError("the agent's redis URL is not set")
     url, cluster, layout = settings.redis, settings.redis_cluster, KeyLayout(key_prefix)
+    if settings.removal_log == 0:
+        # the gateways cannot tell an eviction stored again from a lie any more: their
+        # checks of such a miss are unverifiable, and quarantine.max_unverifiable of them
+        # among unverifiable_window checked requests quarantine this replica (D22)
+        log.warning(
+            "KVGATE_AGENT_REMOVAL_LOG=0: the gateways' claim checks of this replica become "
+            "unverifiable where a claimed block was evicted and stored again, and enough "
+            "of them quarantine it; keep a removal log, or set the gateways' "
+            "quarantine.max_unverifiable: 0 (that track off)",
+            extra={"replica": settings.replica_id},
+        )
     # writes are large and rare compared with gateway lookups: a longer timeout than theirs
     index = RedisIndex.from_url(
         url,

@@ -83,7 +83,7 @@ class AgentSettings(BaseSettings):
     index_check_interval_s: float = Field(default=2.0, gt=0)
     index_retry_max_s: float = Field(default=5.0, gt=0)
     # removals kept in the index's removal log for the gateways' claim checks; 0 keeps none
-    # (their checks then skip instead of telling an eviction stored again from a lie)
+    # (their checks of an eviction stored again are then unverifiable: warned at start-up)
     removal_log: int = Field(default=DEFAULT_REMOVAL_LOG, ge=0)
 
     # bad input
