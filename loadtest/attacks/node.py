@@ -19,7 +19,9 @@ the index with its own credentials. Replica r0's event stream passes through an
   (``rm_floor``, in its own meta) so the log cannot tell an eviction from its lie (D22).
   A floor past anything it wrote must be judged a false claim (quarantined within K); one
   kept just ahead of each lookup, as an honest log trimmed that fast could have, must
-  quarantine within ``max_unverifiable`` lies.
+  quarantine within ``max_unverifiable`` lies. A third rogue leaves the floor and logs
+  each lied-about key as removed far in the future (its own rm: zset): a false claim
+  (``tampered``, within K).
 * 3c: record a batch of r0's real events, let the engine evict those blocks, replay the old
   batch onto the stream: the index must not regain the evicted keys and must equal the
   engine's blocks.
@@ -35,7 +37,7 @@ import contextlib
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +57,7 @@ from cachecore.index.layout import (
     gateway_acl_rules,
 )
 from cachecore.index.redis import RedisIndex
-from cachecore.keys import BlockKeyer, Scope, ScopeKind
+from cachecore.keys import BlockKey, BlockKeyer, Scope, ScopeKind
 from cachecore.kvevents import BlockStored, Encoding, EventBatch, encode_batch, seq_to_bytes
 from cachecore.lifecycle import IndexWrite, Tier
 from cachecore.loadstate import EngineLoad, RedisLoadStore
@@ -325,16 +327,21 @@ async def rogue_writes(st: NodeStack) -> AttackResult:
 # ------------------------------------------------------------------------ 3b: false claims
 
 
-LieCover = Callable[[], Awaitable[None]]
+# covers one lie, given the replica's epoch and the keys lied about
+LieCover = Callable[[int, Sequence[BlockKey]], Awaitable[None]]
 
 
-async def _lie(st: NodeStack, rogue: RedisIndex, liar: str, prompt: str) -> None:
-    """Claim ``prompt``'s blocks (tenant A's keys) on ``liar``, as its rogue agent."""
+async def _lie(
+    st: NodeStack, rogue: RedisIndex, liar: str, prompt: str
+) -> tuple[int, Sequence[BlockKey]]:
+    """Claim ``prompt``'s blocks (tenant A's keys) on ``liar``, as its rogue agent: the
+    epoch written and the keys."""
     epoch = (await rogue.meta(liar)).epoch
     keys = st.victim_keys(prompt)
     await rogue.apply(
         liar, epoch, IndexWrite({x: int(Tier.GPU) for x in keys}), int(time.time() * 1000)
     )
+    return epoch, keys
 
 
 async def _lie_until_quarantined(
@@ -349,9 +356,9 @@ async def _lie_until_quarantined(
         if gw.quarantine.is_quarantined(liar):
             break
         prompt = st.words.text(st.cfg.prompt_words)
-        await _lie(st, rogue, liar, prompt)
+        epoch, keys = await _lie(st, rogue, liar, prompt)
         if cover is not None:
-            await cover()
+            await cover(epoch, keys)
         requests += 1
         if await st.ask(prompt) == liar:
             misrouted += 1
@@ -428,30 +435,37 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
 
 
 async def rogue_floor(st: NodeStack, max_honest: int = 60) -> AttackResult:
-    """3b's lies, each covered by a raised removal-log floor (the agent's own meta, which
-    its ACL lets it write): every check of them reads "cannot tell" from the log. Two
-    rogues: ``raised`` sets a floor past anything it wrote (judged ``tampered``, a false
-    claim: bound K), ``tracking`` keeps floor and updated_ms just ahead of each lookup, a
-    floor an honest log trimmed that fast could have (``unverifiable``: bound
-    max_unverifiable). After each the rogue stops and honest traffic must release it."""
+    """3b's lies, each covered by what the rogue's ACL lets it write in its removal log:
+    the first two raise its floor (``rm_floor``, in its meta), so that every check of them
+    reads "cannot tell" from the log. ``raised`` sets a floor past anything it wrote
+    (judged ``tampered``, a false claim: bound K), ``tracking`` keeps floor and updated_ms
+    just ahead of each lookup, a floor an honest log trimmed that fast could have
+    (``unverifiable``: bound max_unverifiable). ``future`` leaves the floor and logs each
+    lied-about key as removed far in the future (one ZADD per key, good forever: every
+    check read ``evicted_restored`` before the gateway judged the time; now ``tampered``,
+    bound K). After each the rogue stops and honest traffic must release it."""
     gw = st.g.gw
     liar = "r1"
     rogue = RedisIndex.from_url(st.agent_urls[liar], st.layout)
     raw = aioredis.Redis.from_url(st.agent_urls[liar])
     meta = st.layout.meta(liar)
 
-    async def raised() -> None:
+    async def raised(epoch: int, keys: Sequence[BlockKey]) -> None:
         await raw.hset(meta, "rm_floor", 10**15)
 
-    async def tracking() -> None:
-        ahead = int(time.time() * 1000) + 200  # within clock_skew_ms (250) of the lookup
+    async def tracking(epoch: int, keys: Sequence[BlockKey]) -> None:
+        ahead = int(time.time() * 1000) + 200  # within tamper_margin_ms of the lookup
         await raw.hset(meta, mapping={"rm_floor": ahead, "updated_ms": ahead})
+
+    async def future(epoch: int, keys: Sequence[BlockKey]) -> None:
+        await raw.zadd(st.layout.removals(liar, epoch), dict.fromkeys(keys, 10**15))
 
     runs: list[_FloorRun] = []
     try:
         for name, cover, bound, outcome in (
             ("raised", raised, Q_K, "tampered"),
             ("tracking", tracking, Q_UNVERIFIABLE, "unverifiable"),
+            ("future", future, Q_K, "tampered"),
         ):
             judged_before = _claim_checks(gw, liar, outcome)
             requests, misrouted, skipped = await _lie_until_quarantined(
@@ -480,9 +494,9 @@ async def rogue_floor(st: NodeStack, max_honest: int = 60) -> AttackResult:
     finally:
         await raw.aclose()
         await rogue.close()
-    ok = len(runs) == 2 and all(r.held for r in runs)
+    ok = len(runs) == 3 and all(r.held for r in runs)
     return AttackResult(
-        "3 poisoning: rogue agent raises its removal-log floor",
+        "3 poisoning: rogue agent raises its removal-log floor or dates removals ahead",
         ", ".join(f"{r.name}: {r.requests} lies, {r.honest} honest" for r in runs),
         Outcome.HELD if ok else Outcome.BROKEN,
         "; ".join(r.figures() for r in runs),
@@ -509,7 +523,8 @@ class _FloorRun:
 
     def figures(self) -> str:
         return (
-            f"{self.name} floor: {'' if self.quarantined else 'NOT '}quarantined after "
+            f"{self.name} {'removals' if self.name == 'future' else 'floor'}: "
+            f"{'' if self.quarantined else 'NOT '}quarantined after "
             f"{self.requests} requests (bound {self.bound}), {self.judged} judged {self.outcome}"
             + (f", {self.skipped} skipped by the gateway" if self.skipped else "")
             + f", {self.misrouted} misrouted, "
