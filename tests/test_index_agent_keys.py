@@ -73,7 +73,8 @@ async def test_meta_reads_a_field_that_is_no_number_as_absent(
     redis_url: str,
 ) -> None:
     """W2: meta() raised ValueError on such a field (the quarantine watcher and the agents
-    read it); it reads as absent now, as removal_floor reads a non-integer as none."""
+    read it); it reads as absent now, as removal_floor reads a non-integer as none, and
+    names it (the replica's own agent still rebuilds: test_agent_redis's corrupt meta)."""
     await _user(admin, "agent-wt", agent_acl_rules("odd"))
     await _user(admin, "gw-wt", gateway_acl_rules())
     gateway = RedisIndex.from_url(_as(redis_url, "gw-wt"))
@@ -90,11 +91,15 @@ async def test_meta_reads_a_field_that_is_no_number_as_absent(
                 "rm_floor": "abc",
             },
         )
-        assert await gateway.meta("odd") == ReplicaMeta(state=ReplicaState.LIVE)
+        assert await gateway.meta("odd") == ReplicaMeta(
+            state=ReplicaState.LIVE,
+            unreadable=("epoch", "last_seq", "updated_ms", "engine_start"),
+        )
         assert await gateway.removal_floor("odd") == RemovalFloor(None, None)
         await raw.hset(LAYOUT.meta("odd"), mapping={"engine_start": "12.5", "epoch": "7"})
         got = await gateway.meta("odd")
         assert got.engine_start == 12.5 and got.epoch == 7 and got.last_seq == -1
+        assert got.unreadable == ("last_seq", "updated_ms")
     finally:
         await raw.aclose()
         await gateway.close()

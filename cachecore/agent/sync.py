@@ -162,6 +162,8 @@ class ReplicaSync:
         """Adopt the index's persisted state (agent restart). Returns False when the index
         knows nothing of this replica."""
         meta = await self.index.meta(self.replica_id)
+        if meta.unreadable:  # the agent's load rebuilds the replica (cause corrupt_meta)
+            raise ValueError(f"meta fields that are no number: {', '.join(meta.unreadable)}")
         if meta.state is ReplicaState.UNKNOWN:
             return False
         records = await self.index.load_mirror(self.replica_id)

@@ -92,6 +92,9 @@ class ReplicaMeta:
     last_seq: int = -1
     engine_start: float = 0.0
     updated_ms: int = 0
+    # fields that held what no agent writes (not a number), read as absent above: a reader
+    # goes on (the gateway), the replica's own agent rebuilds it (cause corrupt_meta)
+    unreadable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import is_not, not_
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -71,6 +71,7 @@ except ImportError:  # pragma: no cover - a declared dependency; redis-py works 
     hiredis = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_MAX_PENDING_PER_REPLICA = 262_144
 DEFAULT_MAX_WRITE_FIELDS = 16_384
@@ -616,15 +617,19 @@ def _field_int(raw: bytes | str | None, default: int) -> int:
     return default if got is None else got
 
 
-def _field_float(raw: bytes | str | None, default: float) -> float:
-    """An agent-written number (``engine_start``); ``default`` unless finite."""
+def _agent_float(raw: bytes | str | None, default: float) -> float | None:
+    """An agent-written number (``engine_start``); None unless a finite one."""
     if raw is None:
         return default
     try:
         got = float(raw)
     except ValueError:
-        return default
-    return got if math.isfinite(got) else default
+        return None
+    return got if math.isfinite(got) else None
+
+
+def _or(value: _T | None, absent: _T) -> _T:
+    return absent if value is None else value
 
 
 def _agent_int(raw: bytes | str | None, default: int) -> int | None:
@@ -938,13 +943,24 @@ class RedisIndex:
             raise _stale_or_index_error(exc, f"meta {replica}") from exc
         epoch, state, last_seq, engine_start, updated = raw
         # the agent's own fields: one that is no number (a broken or rogue agent's) reads
-        # as absent, as removal_floor reads it as no integer, never a ValueError
+        # as absent, as removal_floor reads it as no integer, never a ValueError; named in
+        # ``unreadable`` (the replica's own agent rebuilds it)
+        ints = {
+            "epoch": _agent_int(epoch, 0),
+            "last_seq": _agent_int(last_seq, -1),
+            "updated_ms": _agent_int(updated, 0),
+        }
+        start = _agent_float(engine_start, 0.0)
+        absent = ReplicaMeta()
         return ReplicaMeta(
-            epoch=_field_int(epoch, 0),
+            epoch=_or(ints["epoch"], absent.epoch),
             state=_state(state) if state is not None else ReplicaState.UNKNOWN,
-            last_seq=_field_int(last_seq, -1),
-            engine_start=_field_float(engine_start, 0.0),
-            updated_ms=_field_int(updated, 0),
+            last_seq=_or(ints["last_seq"], absent.last_seq),
+            engine_start=_or(start, absent.engine_start),
+            updated_ms=_or(ints["updated_ms"], absent.updated_ms),
+            unreadable=tuple(
+                name for name, v in [*ints.items(), ("engine_start", start)] if v is None
+            ),
         )
 
     async def _scan_epoch_hash(self, replica: str, kind: str) -> dict[bytes, bytes]:
