@@ -325,12 +325,20 @@ class RedisRegistry:
             pipe = self.client.pipeline(transaction=False)  # GETs: cluster-safe, one trip
             for k in keys:
                 pipe.get(k)
-            values = await pipe.execute()
+            # each GET's own error: an agent may turn its own reg key into a hash (its ACL
+            # allows DEL and HSET there), which must not fail every replica's discovery
+            values = await pipe.execute(raise_on_error=False)
+            for raw in values:
+                if isinstance(raw, Exception) and not str(raw).startswith("WRONGTYPE"):
+                    raise raw
         except REDIS_FAILURES as exc:
             raise RegistryError(f"discover: {exc}") from exc
         out: list[Registration] = []
         for k, raw in zip(keys, values, strict=True):
             if raw is None:
+                continue
+            if isinstance(raw, Exception):  # WRONGTYPE: no registration a gateway can read
+                self.malformed += 1
                 continue
             parsed = self.layout.parse(k.decode() if isinstance(k, bytes) else k)
             reg = _parse(raw, parsed[0] if parsed else None)

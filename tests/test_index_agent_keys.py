@@ -5,7 +5,8 @@ its block hash into a string. The gateway's lookup reads every replica in one sc
 call: a WRONGTYPE there failed the call for every replica, and every gateway routed from
 its local index with every claim check skipped. The load snapshot, one call for every
 replica too, failed alike on a wrong-typed load record or an ``expires_ms`` that is no
-number. Real redis-server, real ACL users (the agent's and the gateway's)."""
+number; discovery, one pipeline of GETs, on a registration made a hash. Real
+redis-server, real ACL users (the agent's and the gateway's)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from cachecore.index.layout import agent_acl_rules, gateway_acl_rules
 from cachecore.index.redis import RedisIndex
 from cachecore.lifecycle import IndexWrite, Tier
 from cachecore.loadstate import EngineLoad, RedisLoadStore
+from cachecore.registry import RedisRegistry
 from gateway.quarantine import LogAnswer, judge_floor
 from tests.test_gateway_support import stack
+from tests.test_registry import reg
 from tests.test_rogue_removal_floor import LAYOUT, _as, _user, admin  # noqa: F401
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
@@ -164,3 +167,30 @@ async def test_the_gateway_counts_a_replica_it_could_not_read(
             assert st.gw.metrics.index_unreadable.labels(good)._value.get() == 0
         finally:
             await honest.close()
+
+
+async def test_a_wrong_typed_registration_costs_its_own_replica_only(
+    admin: aioredis.Redis,  # noqa: F811
+    redis_url: str,
+) -> None:
+    """Discovery GETs every replica's registration in one pipeline: one agent's reg key
+    made a hash (its ACL allows DEL and HSET there) failed it for every replica."""
+    await _user(admin, "agent-wt", agent_acl_rules("rogue"))
+    await _user(admin, "gw-wt", gateway_acl_rules())
+    agents = RedisRegistry.from_url(redis_url)
+    gateway = RedisRegistry.from_url(_as(redis_url, "gw-wt"))
+    raw = aioredis.Redis.from_url(_as(redis_url, "agent-wt"))
+    try:
+        good, rogue = reg("good"), reg("rogue", "http://10.0.0.2:8000")
+        await agents.register(good, 60_000, 0)
+        await agents.register(rogue, 60_000, 0)
+        assert await gateway.discover(5) == [good, rogue]
+        await raw.delete(LAYOUT.registration("rogue"))
+        await raw.hset(LAYOUT.registration("rogue"), "x", "1")
+        assert await gateway.discover(5) == [good]  # was: WRONGTYPE for both
+        assert await gateway.discover(5, ["rogue", "good"]) == [good]
+        assert gateway.malformed == 2  # counted by each discovery
+    finally:
+        await raw.aclose()
+        await agents.close()
+        await gateway.close()
