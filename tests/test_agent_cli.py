@@ -232,6 +232,12 @@ async def test_an_unreachable_engine_at_start_is_a_warning_once(
         ("tcp://127.0.0.1", "events (--events, KVGATE_AGENT_EVENTS): not a ZMQ endpoint"),
         ("udp://127.0.0.1:5557", "events (--events, KVGATE_AGENT_EVENTS): not a ZMQ endpoint"),
         ("tcp://127.0.0.1:99999", "events (--events, KVGATE_AGENT_EVENTS): not a TCP port"),
+        # accepted before (host "ops:S3CRETPW@127.0.0.1"), then a failing DNS lookup
+        (
+            "tcp://ops:S3CRETPW@127.0.0.1:5557",
+            "events (--events, KVGATE_AGENT_EVENTS): a ZMQ endpoint carries no user or "
+            "password: 'tcp://***@127.0.0.1:5557'",
+        ),
     ],
 )
 def test_an_events_endpoint_zmq_cannot_connect_to_is_refused(
@@ -253,6 +259,7 @@ def test_an_events_endpoint_zmq_cannot_connect_to_is_refused(
     with pytest.raises(ValidationError) as exc:
         cli.settings_from_args(args)
     assert says in cli.settings_error(exc.value)
+    assert "S3CRETPW" not in cli.settings_error(exc.value)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,12 @@ def check_zmq_endpoint(endpoint: str) -> str:
     scheme, sep, rest = endpoint.partition("://")
     if sep and scheme == "ipc" and rest:
         return endpoint
+    info = split_user_info(endpoint) if sep and scheme == "tcp" else None
+    if info is not None:  # ZMQ takes none; its DNS lookup of "user@host" just fails later
+        raise ValueError(
+            f"a ZMQ endpoint carries no user or password: {info.redacted!r} "
+            "(expected tcp://HOST:PORT)"
+        )
     host, colon, port = rest.rpartition(":")
     if not (sep and scheme == "tcp" and colon and host and port.isdigit()):
         raise ValueError(
