@@ -238,6 +238,9 @@ async def test_an_unreachable_engine_at_start_is_a_warning_once(
             "events (--events, KVGATE_AGENT_EVENTS): a ZMQ endpoint carries no user or "
             "password: 'tcp://***@127.0.0.1:5557'",
         ),
+        # another scheme, or none, was quoted whole by the generic refusal (review)
+        ("udp://ops:S3CRETPW@127.0.0.1:5557", "'udp://***@127.0.0.1:5557'"),
+        ("ops:S3CRETPW@127.0.0.1:5557", "'***@127.0.0.1:5557'"),
     ],
 )
 def test_an_events_endpoint_zmq_cannot_connect_to_is_refused(
