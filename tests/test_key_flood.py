@@ -413,8 +413,8 @@ async def test_the_global_budget_through_the_gateway(redis_own: RedisServer) -> 
 def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
     """`kvgate bench keys --api-key-flood 1`, a smoke run (processes, a private
     redis-server): the arm with the budget off makes one HGET per made-up key, the
-    one-address arm with the defaults at most burst + rate x 1 s, and the valid client
-    was answered throughout (its target met)."""
+    one-address arm with the defaults at most burst + rate x 1 s + the lookup slots, and
+    the valid client was answered throughout (its target met)."""
     cmd = [
         sys.executable, "-m", "gateway.cli", "bench", "keys", "--api-key-flood", "1",
         "--flood-connections", "8", "--flood-addresses", "4",
@@ -434,6 +434,8 @@ def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
     assert before_401 > 1_000 and before_hgets > 500, rows
     before = next(ln for ln in out.stdout.splitlines() if "| budgets off, 1 address" in ln)
     assert before.split(" | ")[3] == "0", before  # no 429: neither budget refuses
-    assert after_401 <= 100 + 10 * 1.5, rows
+    # burst + rate x (1 s and slack) + the lookup slots (64): lookups in flight pass their
+    # check before earlier refusals are spent (fabe9de's bound); this read 116 in a CI run
+    assert after_401 <= 100 + 10 * 1.5 + 64, rows
     assert "defaults, 4 addresses" in rows and "global budget off, 4 addresses" in rows
     assert "target: the valid client answered in every arm: met" in out.stdout
