@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -105,3 +106,21 @@ def _task_stacks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None
         yield
     finally:
         timer.cancel()
+
+
+@pytest.fixture(autouse=True)
+def _drop_configured_log_handlers() -> Iterator[None]:
+    """A test that runs a CLI's main for real calls ``configure_logging``, which puts a
+    StreamHandler on the root logger bound to the stderr pytest captured for that test and
+    closes after it: every later log record then wrote '--- Logging error ---' and a
+    traceback into whatever stderr a later test was reading. Such handlers (the exact
+    StreamHandler type: pytest's own capture handlers are subclasses) and the root level
+    they set go when the test ends."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    added = [h for h in root.handlers if type(h) is logging.StreamHandler and h not in before]
+    for handler in added:
+        root.removeHandler(handler)
+    if added:
+        root.setLevel(level)
