@@ -582,15 +582,17 @@ async def test_a_wedged_replica_loses_its_non_streamed_traffic_once_its_engine_s
         assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder
         # the engine steps again: its next scrape ends the stall. Both replicas hold the
         # prefix now (the request above went to the other), so the holder is as cheap as the
-        # best again and takes its share of the ties
+        # best again once its load view catches up (the first look after the stall ended
+        # read 0.9 ms more for the holder in a clean-clone CI run), and takes its share of
+        # the ties
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             e = await explain(h, st, body(5))
-            if e["stalled_ms"][holder] == 0:
+            costs = {s["replica"]: s["cost_ms"] for s in e["decision"]["scores"]}
+            if e["stalled_ms"][holder] == 0 and costs[holder] == min(costs.values()):
                 break
             await asyncio.sleep(0.02)
         assert e["stalled_ms"][holder] == 0 and e["overdue_ms"][holder] == 0, e
-        costs = {s["replica"]: s["cost_ms"] for s in e["decision"]["scores"]}
         assert costs[holder] == min(costs.values()), costs
         served = [
             (await h.post("/v1/completions", json=body(6 + i))).headers["x-kvgate-replica"]
