@@ -445,9 +445,11 @@ class KeyStore:
             _check_budgets(budgets, time.monotonic())
             tenant = await self._ask_redis(digest, hit)
             if tenant is None:
+                # one refused lookup, taken even below zero: lookups in flight passed their
+                # check before it (a debt of at most the slot count, repaid by the refill)
                 now = time.monotonic()
                 for bucket, _ in budgets:
-                    _spend(bucket, now)
+                    bucket.charge(1.0, now)
             return tenant
         finally:
             self._slots.release()
@@ -525,20 +527,10 @@ def _check_budgets(
 ) -> None:
     """Raise the budget's refusal when one has less than a lookup left (nothing taken)."""
     for bucket, refusal in budgets:
-        bucket.give(0.0, now)  # refilled to now
-        if bucket.level < 1.0:
+        wait = bucket.wait_s(1.0, now)
+        if wait:
             what = "from this address" if refusal is KeyLookupRefused else "from all clients"
-            raise refusal(
-                f"too many unknown API keys {what}; retry later",
-                (1.0 - bucket.level) / bucket.rate,
-            )
-
-
-def _spend(bucket: TokenBucket, now: float) -> None:
-    """One refused lookup, taken even below zero: lookups in flight passed their check
-    before it (a debt of at most the slot count, repaid by the refill)."""
-    bucket.give(0.0, now)
-    bucket.level -= 1.0
+            raise refusal(f"too many unknown API keys {what}; retry later", wait)
 
 
 def _answered_at(entry: tuple[str, tuple[str | None, float]]) -> float:

@@ -14,8 +14,9 @@ from policies.schema import TenantLimits
 
 class TokenBucket:
     """``rate`` units per second, up to ``burst``. Invariant: ``0 <= level <= burst`` except
-    just after an oversized take, which may leave it negative (debt) so that one request
-    larger than the burst is admitted when the bucket is full, and then paid for."""
+    after an oversized take, which may leave it negative (debt) so that one request larger
+    than the burst is admitted when the bucket is full, and then paid for, or a
+    :meth:`charge` (work done after a :meth:`wait_s` check that others also passed)."""
 
     def __init__(self, rate: float, burst: float, now: float) -> None:
         self.rate = rate
@@ -37,14 +38,23 @@ class TokenBucket:
         self._refill(now)
         self.level = min(self.burst, self.level + amount)
 
-    def take(self, amount: float, now: float) -> float:
-        """Take ``amount``; return 0.0 on success, else the seconds to wait before retrying."""
+    def wait_s(self, amount: float, now: float) -> float:
+        """What :meth:`take` would answer for ``amount``, taking nothing."""
         self._refill(now)
         need = min(amount, self.burst)
-        if self.level >= need:
+        return 0.0 if self.level >= need else (need - self.level) / self.rate
+
+    def take(self, amount: float, now: float) -> float:
+        """Take ``amount``; return 0.0 on success, else the seconds to wait before retrying."""
+        wait = self.wait_s(amount, now)
+        if not wait:
             self.level -= amount
-            return 0.0
-        return (need - self.level) / self.rate
+        return wait
+
+    def charge(self, amount: float, now: float) -> None:
+        """Take ``amount`` whatever the level, into debt if need be (repaid by the refill)."""
+        self._refill(now)
+        self.level -= amount
 
 
 @dataclass(slots=True)
