@@ -28,8 +28,8 @@ import orjson
 from prometheus_client import CollectorRegistry
 from pydantic import TypeAdapter, ValidationError
 
+from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.scrape import ScrapeError, parse_metrics
-from cachecore.agent.settings import AgentSettings
 from cachecore.index.base import (
     IndexError_,
     PrefixIndex,
@@ -454,12 +454,9 @@ class Gateway:
         the agents' setting, ``KVGATE_AGENT_REMOVAL_LOG``, read as the embedded agents
         read theirs; a standalone agent applies it to the Redis index itself."""
         spec = next((sp for sp in self.specs if sp.events), None)
-        if spec is None or spec.events is None:
+        if spec is None:
             return MemoryIndex()
-        agent = AgentSettings(
-            replica_id=spec.id, engine_url=spec.url, events=spec.events, replay=spec.replay
-        )
-        return MemoryIndex(removal_log=agent.removal_log)
+        return MemoryIndex(removal_log=embedded_agent_settings(spec).removal_log)
 
     async def _warm_index(self, primary: PrefixIndex) -> None:
         """One throw-away lookup before serving: it loads the lookup script and, on Redis

@@ -23,8 +23,8 @@ def check_zmq_endpoint(endpoint: str) -> str:
     scheme, sep, rest = endpoint.partition("://")
     if sep and scheme == "ipc" and rest:
         return endpoint
-    # any scheme but ipc's (a path may hold '@'), or none: no error below may quote a secret
-    info = None if sep and scheme == "ipc" else split_user_info(endpoint)
+    # any other scheme, or none: no error below may quote a secret
+    info = split_user_info(endpoint)
     if info is not None:  # ZMQ takes none; its DNS lookup of "user@host" just fails later
         raise ValueError(
             f"a ZMQ endpoint carries no user or password: {info.redacted!r} "
