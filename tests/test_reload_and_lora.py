@@ -11,9 +11,9 @@ import pytest
 from pydantic import SecretStr
 
 from cachecore.keys import SaltMinter
-from cachecore.replica import ReplicaSettings, run_fleet
+from cachecore.replica import ReplicaPorts, ReplicaSettings, run_fleet
 from cachecore.scoring import LoadView, features
-from cachecore.testing import free_port
+from cachecore.testing import free_port, free_ports
 from gateway.quarantine import ClaimCheck
 from gateway.routing import Strategy
 from gateway.serve import build_gateway, serve_in_loop
@@ -214,7 +214,11 @@ async def test_a_replica_down_at_start_up_is_checked_when_it_comes_up() -> None:
     ) as st:  # fmt: skip
         gw = st.gw
         assert not gw.alignment_problems
-        async with run_fleet(engine_32, count=1, base_port=port):
+        # its HTTP port as announced; event and replay ports free ones (base_port would put
+        # them at port + 1000 and + 2000, never checked free: a clean-clone CI run found the
+        # event port taken)
+        late = [ReplicaPorts(port, *free_ports(2))]
+        async with run_fleet(engine_32, count=1, ports=late):
             for _ in range(60):  # bounded: a few health rounds
                 await asyncio.sleep(0.05)
                 if gw.alignment_problems:
