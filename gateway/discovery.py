@@ -14,7 +14,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from cachecore.registry import Registration, RegistryStore, Rejection, ReplicaAllowlist
+from cachecore.registry import (
+    InvalidURLError,
+    Registration,
+    RegistryStore,
+    Rejection,
+    ReplicaAllowlist,
+    normalize_url,
+)
 from cachecore.tasks import cancel_and_wait
 from gateway.replicas import ReplicaPool, ReplicaSpec
 
@@ -79,10 +86,16 @@ class Discovery:
                 log.info("replica discovered", extra={"replica": reg.replica_id, "url": reg.url})
                 if self.on_added is not None:
                     self.on_added(spec)
-            elif (
-                rep.url.rstrip("/") != reg.url.rstrip("/") and reg.replica_id not in self.static_ids
-            ):
-                log.warning("replica URL changed: ignored", extra={"replica": reg.replica_id})
+            elif reg.replica_id not in self.static_ids and self._moved(rep.url, reg):
+                # its engine answers elsewhere now (restarted on another host): the old URL
+                # would be routed to and health-checked until the gateway restarted, since
+                # the registration, kept alive by its agent, never expires. The new URL
+                # passed the allowlist like any registration's (pins included)
+                log.warning(
+                    "replica URL changed: following its registration",
+                    extra={"replica": reg.replica_id, "url": reg.url, "old_url": rep.url},
+                )
+                rep = self.pool.move(reg.replica_id, reg.url.rstrip("/"))
             rep.block_size = reg.block_size
             self.discovered[reg.replica_id] = reg
         for rid in [r for r in self.discovered if r not in seen]:
@@ -90,6 +103,15 @@ class Discovery:
             if rid not in self.static_ids:
                 self.pool.remove(rid)
                 log.info("replica registration expired: removed", extra={"replica": rid})
+
+    @staticmethod
+    def _moved(current: str, reg: Registration) -> bool:
+        """Whether ``reg`` names another URL than ``current`` (compared normalised: a
+        registration that only spells its URL differently is no move)."""
+        try:
+            return normalize_url(current) != reg.normalized_url
+        except InvalidURLError:
+            return current.rstrip("/") != reg.url.rstrip("/")
 
     async def run(self) -> None:
         while True:

@@ -222,6 +222,21 @@ class ReplicaPool:
         if self._replicas.pop(replica_id, None) is not None:
             self._assign_dp_ranks()
 
+    def move(self, replica_id: str, url: str) -> Replica:
+        """``replica_id``'s engine now answers at ``url`` (its agent re-registered it there):
+        requests and health checks go there from now on. What this gateway knew of the old
+        URL (health, ejection, models, rank) is forgotten, as for a replica just added; the
+        operator's cordon and drain stay, since they name the replica."""
+        rep = self._require(replica_id)
+        rep.spec = ReplicaSpec(replica_id, url)
+        rep.healthy, rep.ejected_until, rep.consecutive_failures = True, 0.0, 0
+        rep.health_fails = rep.health_oks = 0
+        rep.models, rep.lora_base, rep.cards = None, {}, {}
+        rep.block_size = rep.capacity = rep.dp_rank = None
+        self._assign_dp_ranks()
+        self._sync(rep)
+        return rep
+
     def _url_key(self, rep: Replica) -> str:
         try:
             return normalize_url(rep.url)

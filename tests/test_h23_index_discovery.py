@@ -1,0 +1,63 @@
+"""Discovery follows a replica whose agent re-registers it under the same id at another
+(allowlisted) URL: its engine moved, and the registration its agent keeps alive never
+expires, so the old URL would be routed to until the gateway restarted."""
+
+from __future__ import annotations
+
+import httpx
+
+from cachecore.registry import MemoryRegistry, Registration, ReplicaAllowlist
+from gateway.discovery import Discovery
+from gateway.replicas import ReplicaPool, ReplicaSpec
+from policies.schema import HealthPolicy
+
+
+def _reg(rid: str, url: str) -> Registration:
+    return Registration(
+        replica_id=rid, url=url, model="m", block_size=16, capacity_blocks=100,
+        agent_id=f"agent-{rid}", registered_ms=0,
+    )  # fmt: skip
+
+
+async def test_a_replica_re_registered_at_another_url_is_routed_there() -> None:
+    registry = MemoryRegistry()
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(client, HealthPolicy())
+        allow = ReplicaAllowlist(["http://10.0.0.2:8000", "gpu=http://10.0.0.3:8000"])
+        disc = Discovery(registry, allow, pool, set())
+        await registry.register(_reg("gpu", "http://10.0.0.2:8000"), 60_000, now_ms=0)
+        await disc.refresh_once(now_ms=10)
+        rep = pool.get("gpu")
+        assert rep is not None and rep.url == "http://10.0.0.2:8000"
+        pool.record_failure("gpu", definitive=True)  # the old engine went away
+        pool.cordon("gpu")  # the operator's word on the replica
+        assert not rep.routable(0.0)
+        # its agent re-registers it where the engine runs now (the heartbeat goes on)
+        await registry.register(_reg("gpu", "http://10.0.0.3:8000/"), 60_000, now_ms=20)
+        for t in range(3):
+            await disc.refresh_once(now_ms=30 + t)
+        moved = pool.get("gpu")
+        assert moved is not None and moved.url == "http://10.0.0.3:8000"
+        assert pool.ids() == ["gpu"]
+        assert moved.healthy and moved.ejected_until == 0.0  # the old URL's failure is not its
+        assert moved.cordoned  # the operator's cordon stays
+        pool.cordon("gpu", on=False)
+        assert pool.candidates("m") == [moved]
+        # spelled differently, the same URL: no move
+        await registry.register(_reg("gpu", "HTTP://10.0.0.3:8000"), 60_000, now_ms=40)
+        pool.record_failure("gpu", definitive=True)
+        await disc.refresh_once(now_ms=50)
+        assert pool.get("gpu") is moved and not moved.healthy
+
+
+async def test_a_static_replica_keeps_its_declared_url() -> None:
+    registry = MemoryRegistry()
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(client, HealthPolicy())
+        pool.add(ReplicaSpec("static-1", "http://10.0.0.1:8000"))
+        allow = ReplicaAllowlist(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        disc = Discovery(registry, allow, pool, {"static-1"})
+        await registry.register(_reg("static-1", "http://10.0.0.2:8000"), 60_000, now_ms=0)
+        await disc.refresh_once(now_ms=10)
+        rep = pool.get("static-1")
+        assert rep is not None and rep.url == "http://10.0.0.1:8000"
