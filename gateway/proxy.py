@@ -365,6 +365,14 @@ class UpstreamExchange(Response):
             await self._read_failed(conn, exc, t0)
             return
         status = resp.status_code
+        if status < 400:
+            # no completion and no error (a 204, a redirect): relayed, its status would
+            # carry our error body, and a 204's or 304's body breaks the client's framing
+            await self._upstream_failed(
+                conn, t0, 502, f"upstream replica returned HTTP {status} instead of a completion",
+                "upstream_error", "protocol",
+            )  # fmt: skip
+            return
         try:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -1,0 +1,57 @@
+"""What a client sees when its replica answers with something other than a completion or
+an error (scripted fake replicas behind the real gateway, a real keep-alive client)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.test_upstream_faults import FakeReplica, completion, gateway
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def raw_answer(status: int, body: bytes, extra: bytes = b"") -> bytes:
+    head = b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%b\r\n"
+    return head % (status, len(body), extra) + body
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        raw_answer(302, b"", b"location: http://elsewhere/v1/completions\r\n"),
+        raw_answer(201, b'{"choices": []}'),
+    ],
+)
+async def test_a_status_that_is_neither_a_completion_nor_an_error_is_a_502(reply: bytes) -> None:
+    """A replica's 204 (or 3xx, 201) was relayed with its status and the gateway's error
+    body: after a 204 or a 304 carrying a body the client's next response on the same
+    keep-alive connection failed to parse ('illegal status line'), and a 3xx or 2xx told
+    an SDK nothing. It is a 502 in OpenAI's shape, counted against the replica."""
+    replies = [reply]
+
+    async def script(w: asyncio.StreamWriter) -> None:
+        if replies:
+            w.write(replies.pop())
+        else:
+            w.write(raw_answer(200, json.dumps({"choices": [{"index": 0, "text": "ok"}]}).encode()))
+
+    rep = FakeReplica(script)
+    async with gateway([rep]) as (gw, _):
+        base = f"http://{gw.settings.host}:{gw.settings.port}"
+        limits = httpx.Limits(max_connections=1)  # both requests on one connection
+        async with httpx.AsyncClient(base_url=base, timeout=10, limits=limits) as h:
+            r = await h.post("/v1/completions", json=completion("a"))
+            assert r.status_code == 502, r.text
+            err = r.json()["error"]
+            assert err["code"] == "upstream_error" and "HTTP" in err["message"]
+            after = await h.post("/v1/completions", json=completion("b"))
+            assert after.status_code == 200, after.text
+        assert rep.posts == 2
+        assert gw.pool is not None
+        rid = gw.pool.all()[0].id
+        assert gw.metrics.upstream_errors.labels(rid, "protocol")._value.get() == 1
