@@ -391,7 +391,11 @@ class UpstreamExchange(Response):
             self.gw.metrics.upstream_errors.labels(self.d.replica, f"http_{resp.status_code}").inc()
         self.status = status
         self._settled = True
-        await conn.answer(status, self._resp_headers(_JSON), raw)
+        headers = self._resp_headers(_JSON)
+        # an engine's (or its rate limiter's) 429/503 says when to come back: the SDKs
+        # wait that long before their retry, rather than their own short backoff
+        headers += [(b"retry-after", v) for k, v in resp.headers if k.lower() == b"retry-after"][:1]
+        await conn.answer(status, headers, raw)
         # an engine 5xx counts towards passive outlier ejection; a 4xx is the client's
         err = f"http_{resp.status_code}" if resp.status_code >= 500 else None
         self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, err))

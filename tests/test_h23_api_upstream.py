@@ -7,9 +7,11 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
+from openai import AsyncOpenAI
 
-from tests.test_upstream_faults import FakeReplica, completion, gateway
+from tests.test_upstream_faults import MODEL, FakeReplica, completion, gateway
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,3 +57,26 @@ async def test_a_status_that_is_neither_a_completion_nor_an_error_is_a_502(reply
         assert gw.pool is not None
         rid = gw.pool.all()[0].id
         assert gw.metrics.upstream_errors.labels(rid, "protocol")._value.get() == 1
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_an_engines_retry_after_reaches_the_client(status: int) -> None:
+    """An engine's (or the rate limiter in front of it) 429 or 503 with ``Retry-After``
+    reached the client without the header, so the OpenAI SDK retried on its own short
+    backoff (0.5 s, 1 s, ...) into the same refusal instead of waiting as told."""
+    body = json.dumps({"error": {"message": "slow down", "type": "x", "code": status}})
+
+    async def refuse(w: asyncio.StreamWriter) -> None:
+        w.write(raw_answer(status, body.encode(), b"Retry-After: 7\r\n"))
+
+    async with gateway([FakeReplica(refuse)]) as (_, h):
+        for stream in (False, True):
+            r = await h.post("/v1/completions", json={**completion(), "stream": stream})
+            assert r.status_code == status
+            assert r.headers.get("retry-after") == "7"
+            assert r.json()["error"]["message"] == "slow down"
+        client = AsyncOpenAI(base_url=str(h.base_url) + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as err:
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        assert err.value.status_code == status
+        assert err.value.response.headers["retry-after"] == "7"
