@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import httpx
+import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from cachecore.tokenizer import (
@@ -30,7 +31,7 @@ from cachecore.tokenizer import (
     TokenizerError,
     builtin_tokenizer,
 )
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, bad_request, engine_error_body
 from policies.schema import ModelPool
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,24 @@ _TOKENIZE_CHAT_FIELDS = (
 """The fields of vLLM's chat ``/tokenize`` request that a chat completion request shares."""
 
 
+def _engine_refusal(payload: Any, text: str) -> GatewayError:
+    """The engine's 400 for a prompt it will not tokenize (too long, a bad message), in its
+    own words, param and type, as the proxy relays the same refusal from the engine's
+    completion endpoint; text that is no error object is quoted."""
+    shaped = engine_error_body(payload, 400)
+    if shaped is None:
+        return bad_request(f"the engine rejected the prompt: {text[:500]}")
+    err = shaped["error"]
+    message, param, kind = err.get("message"), err.get("param"), err.get("type")
+    return GatewayError(
+        400,
+        message if isinstance(message, str) and message else "the engine rejected the prompt",
+        param=param if isinstance(param, str) else None,
+        type_=kind if isinstance(kind, str) and kind else None,
+        extra={"code": err["code"]} if err.get("code") is not None else None,
+    )
+
+
 class EnginePromptTokenizer:
     """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize").
     ``replica_url(tried)`` picks a replica's URL other than those ``tried``.
@@ -249,12 +268,16 @@ class EnginePromptTokenizer:
             raise GatewayError(
                 504, f"engine tokenization timed out (after {self._timeout:g} s)", code="timeout"
             ) from None
+        try:
+            answer: Any = orjson.loads(r.content)
+        except orjson.JSONDecodeError:
+            answer = None
         if r.status_code == 400:
-            raise bad_request(f"the engine rejected the prompt: {r.text[:500]}")
+            raise _engine_refusal(answer, r.text)
         if r.status_code != 200:
             raise GatewayError(502, f"engine tokenization returned {r.status_code}")
-        ids = _response_ids(r.json())
-        if ids is None:
+        ids = _response_ids(answer)
+        if ids is None:  # no JSON at all too: a 502, not an internal error with a traceback
             raise GatewayError(502, "engine tokenization returned no token ids")
         return ids
 
