@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FileVersion = tuple[int, int, int]
+FileVersion = tuple[int, int, int, int, int, int, int]
 
 
 def file_version(path: Path | None) -> FileVersion | None:
-    """The file's version: mtime, size and inode (None when there is no file). The mtime
-    alone misses a rewrite in the timestamp tick of its truncation (a coarse clock stamps
-    both alike), after a reload read the file empty in between and was refused; the inode
-    catches a file renamed over it (an atomic replace, or a Kubernetes volume's swap)."""
+    """The file's version: mtime, size, inode, mode, owner and ctime (None when there is no
+    file). The mtime alone misses a rewrite in the timestamp tick of its truncation (a coarse
+    clock stamps both alike), after a reload read the file empty in between and was refused;
+    the inode catches a file renamed over it (an atomic replace, or a Kubernetes volume's
+    swap); mode and owner (the ctime, for an ACL) a permission fix alone: a file refused as
+    unreadable (permission denied) is read again once the operator fixes it."""
     if path is None:
         return None
     try:
         st = path.stat()
     except OSError:
         return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+    return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_ctime_ns)
