@@ -105,10 +105,14 @@ def stream_requested(body: Mapping[str, Any]) -> bool:
 def usage_requested(body: Mapping[str, Any]) -> bool:
     """``stream_options.include_usage`` read as vLLM reads it (a lax bool, as ``stream``):
     ``"false"`` is false there, so the usage chunk the gateway asks for is then dropped
-    again; anything else that is no bool is a 400, as the engine would answer."""
+    again; anything else that is no bool, or options that are no object, is a 400, as the
+    engine would answer."""
     opts = body.get("stream_options")
-    if not isinstance(opts, dict):
+    if opts is None:
         return False
+    if not isinstance(opts, dict):
+        # vLLM's model refuses it; the gateway would put its own object in its place
+        raise bad_request("'stream_options' must be an object", "stream_options")
     return _lax_flag(opts.get("include_usage"), "stream_options.include_usage")
 
 
