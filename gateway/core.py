@@ -64,6 +64,7 @@ from gateway.requesttrace import RequestTrace
 from gateway.routing import (
     Candidate,
     Decision,
+    NoCandidateError,
     Router,
     RouteRequest,
     Strategy,
@@ -992,7 +993,11 @@ class Gateway:
             cold_replicas=d.cold_replicas,  # a retry must not escape the confinement
             scope_key=d.scope.canonical(),
         )
-        d.decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
+        try:
+            decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
+        except NoCandidateError:  # a cold request whose tenant's cold replicas all failed
+            return False
+        d.decision = decision
         _, d.salt_index = _best_match(d.replica, d.matches)
         d.attempts += 1
         self.metrics.retries.inc()

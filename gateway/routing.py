@@ -263,8 +263,8 @@ class Router:
         strat = strategy or self.params.strategy
         scores = self._score(req, candidates, coeffs)
         eligible = [s for s in scores if s.eligible]
-        if not eligible:  # pragma: no cover - _score keeps at least one eligible
-            raise NoCandidateError("no eligible replica")
+        if not eligible:  # a confined tenant's cold request, none of its replicas offered
+            raise NoCandidateError("none of the tenant's cold replicas can take this request")
         if req.load_only:
             pick, reason = self._load_only(req, eligible)
         elif strat is Strategy.EXPECTED_LATENCY:
@@ -361,12 +361,10 @@ class Router:
             )  # fmt: skip
         cold = req.cold_replicas
         # sensitive and media requests count as cold too (their matches are ignored): a
-        # confined tenant must not escape its replicas by asking for them
-        if (
-            cold is not None
-            and best_cached < self.params.cold_fraction * n
-            and any(s.replica in cold for s in out)
-        ):
+        # confined tenant must not escape its replicas by asking for them. With none of
+        # them among the candidates (a retry after they failed) none is eligible: the
+        # retry used to go to any replica, out of the confinement
+        if cold is not None and best_cached < self.params.cold_fraction * n:
             for s in out:  # a cold request of a confined tenant: to its replicas only
                 if s.replica not in cold:
                     s.eligible, s.note = False, "cold_confined"
