@@ -17,7 +17,8 @@ async def test_stream_options_that_are_no_object_are_a_400() -> None:
     model answers 400. Null is "no options", as in vLLM."""
     async with stack(count=1) as st, st.http() as h:
         body = {"model": st.model, "prompt": words(20, 3), "max_tokens": 1, "stream": True}
-        for bad in ("x", [], 5, True):
+        bads: list[object] = ["x", [], 5, True]
+        for bad in bads:
             for path in ("/v1/completions", "/v1/chat/completions"):
                 sent = dict(body, stream_options=bad)
                 if path.endswith("chat/completions"):
