@@ -513,9 +513,24 @@ class WordVocabulary:
         return cls(tuple(w for w, _ in pairs), tuple(i for _, i in pairs))
 
     def text(self, n_tokens: int, rng: random.Random) -> str:
-        """``n_tokens`` random single-token words, each with a leading space."""
+        """``n_tokens`` random single-token words, each with a leading space.
+
+        Word ``i`` is ``words[rng.randrange(len(words))]``, drawn the way ``randrange`` draws
+        it (rejection sampling on ``getrandbits``: the same words from the same seed) but
+        without its two Python calls per word: workload builds draw tens of millions.
+        """
         words = self.words
-        return "".join(" " + words[rng.randrange(len(words))] for _ in range(n_tokens))
+        n = len(words)
+        k = n.bit_length()
+        bits = rng.getrandbits
+        out: list[str] = []
+        append = out.append
+        for _ in range(n_tokens):
+            r = bits(k)
+            while r >= n:
+                r = bits(k)
+            append(words[r])
+        return " " + " ".join(out) if out else ""
 
     def text_from_ids(self, indices: Iterable[int]) -> str:
         words = self.words

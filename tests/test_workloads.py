@@ -214,3 +214,35 @@ def test_undecodable_bytes_in_a_trace_name_the_file_and_line(
 ) -> None:
     content = _MC_ROW.encode() + b'\n{"timestamp": \xff\xfe}\n'
     assert_trace_error(tmp_path / "trace.jsonl", content, "mooncake", text, ":2: not JSON")
+
+
+def test_word_text_draws_the_words_randrange_draws() -> None:
+    """``WordVocabulary.text`` inlines ``randrange``'s draw: every workload's text (and so
+    every recorded benchmark's requests) must stay what the seed gave before."""
+    import random
+
+    vocab = builtin_tokenizer().word_vocabulary
+    words = vocab.words
+    for seed in range(40):
+        for n in (0, 1, 2, 17, 300):
+            want = "".join(
+                " " + words[r.randrange(len(words))]
+                for r in (random.Random(seed),)
+                for _ in range(n)
+            )
+            rng = random.Random(seed)
+            assert vocab.text(n, rng) == want
+            # the generator is left where randrange's draws leave it
+            ref = random.Random(seed)
+            for _ in range(n):
+                ref.randrange(len(words))
+            assert rng.getstate() == ref.getstate()
+
+
+def test_text_source_once_is_block_without_caching_it() -> None:
+    src = TextSource(cache_blocks=4)
+    shared = src.block("shared", 64)
+    for i in range(10):  # one-off blocks do not push the shared one out
+        assert src.once(f"q{i}", 8) == TextSource().block(f"q{i}", 8)
+    assert ("shared", 64) in src._cache and len(src._cache) == 1
+    assert src.once("shared", 64) is shared
