@@ -276,6 +276,9 @@ class ReplicaSync:
                 if isinstance(cmd, ClearReplica):
                     self._reconfigure(cmd)
                     self.mirror.clear()
+                    # the emptied mirror stands for no batch: a resync before the next
+                    # batch must not write the old stream's seq (a restart counts from 0)
+                    self.mirrored_seq = -1
                     if self.trace is not None:
                         # agent time: the batches after it (a replay) may be older; the
                         # analysis replays a replica's records in file order for that
@@ -483,6 +486,10 @@ class ReplicaSync:
             extra={"replica": self.replica_id, "cause": cause, "state": state.value},
         )
         if self.dirty:
+            # a clear resets the index's seq: the rewrite's seq is the mirror's alone (the
+            # old stream's, kept, made an agent restarted after an engine restart during
+            # an index outage replay from past the new stream's batches, losing them)
+            self.written_seq = -1
             await self._try_resync("index_error")  # rewrites from the (now empty) mirror
             return
         try:
@@ -492,6 +499,7 @@ class ReplicaSync:
             self.written_seq = (await self.index.meta(self.replica_id)).last_seq
         except Exception as exc:
             self._index_failed("clear", exc)
+            self.written_seq = -1  # as above: the resync that follows does the clear
 
     async def _set_reachable(self, reachable: bool) -> None:
         await self._settle()
