@@ -29,9 +29,12 @@ class TokenBucket:
         self.level = min(self.level, burst)
 
     def _refill(self, now: float) -> None:
+        # an earlier ``now`` than the last (a caller's stale reading) refills nothing and
+        # leaves the clock where it was: moved back, the interval since then was refilled
+        # a second time at the next call
         if now > self._t:
             self.level = min(self.burst, self.level + (now - self._t) * self.rate)
-        self._t = now
+            self._t = now
 
     def give(self, amount: float, now: float) -> None:
         """Return ``amount`` taken for work that was not done (up to ``burst``)."""
