@@ -35,7 +35,9 @@ Two inputs, one module:
 one occupancy row and one queue per replica), not the length of the trace, so an hour-long
 trace of millions of lines takes what its caches held, not ~1.3 KB a line. A file with
 cache events is read twice, once to count them per replica and once to replay them (a pipe,
-which cannot be read twice, has its cache events held in memory). What is exact and what is not:
+which cannot be read twice, has its cache events held in memory). A gzip-compressed file
+(a rotated log, ``FILE.gz``; several members concatenated too) is read through its
+decompression, ``-`` is standard input. What is exact and what is not:
 
 * every count, mean occupancy, duplication and the peaks are exact: the replay is the same
   sequence of float operations as an in-memory one;
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import heapq
 import json
 import logging
@@ -61,6 +64,7 @@ import math
 import os
 import stat
 import sys
+import zlib
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -547,6 +551,23 @@ def _parse(raw: bytes) -> Record | str | None:
     return rec if valid_request(rec) else "not a valid request record"
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+@contextlib.contextmanager
+def open_trace(path: Path) -> Iterator[BinaryIO]:
+    """``path`` opened for reading bytes, decompressed when it is gzip (told by its first
+    two bytes, not its name: a rotated log, or gzip sent down a pipe). Offsets and sizes
+    taken from it are in decompressed bytes, and seeking works (forward by decompressing,
+    backward by starting over)."""
+    with Path(path).open("rb") as fh:
+        if fh.peek(2)[:2] != _GZIP_MAGIC:
+            yield fh
+            return
+        with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
+            yield gz  # type: ignore[misc]  # a GzipFile reads as BinaryIO does
+
+
 def read_jsonl(paths: Iterable[Path]) -> tuple[list[Record], list[Record], int]:
     """Split records into cache events and request records, in file order (files in the
     order given); count the lines skipped: not UTF-8, not JSON, or not a valid record of
@@ -556,7 +577,7 @@ def read_jsonl(paths: Iterable[Path]) -> tuple[list[Record], list[Record], int]:
     requests: list[Record] = []
     bad = 0
     for path in paths:
-        with Path(path).open("rb") as fh:
+        with open_trace(path) as fh:
             for raw in fh:
                 rec = _parse(raw)
                 if isinstance(rec, str):
@@ -568,6 +589,13 @@ def read_jsonl(paths: Iterable[Path]) -> tuple[list[Record], list[Record], int]:
 
 class TraceChanged(Exception):
     """A file's cache events differ between the two reads (rewritten or truncated)."""
+
+
+class TraceDamaged(Exception):
+    """A gzip-compressed file that does not decompress to its end (cut short, corrupt)."""
+
+
+_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)  # what a damaged member raises
 
 
 @dataclass(slots=True)
@@ -585,11 +613,20 @@ def _scan(path: Path, tally: RequestTally) -> tuple[_FileScan, int]:
     ``tally``, count (and log at debug) the lines skipped."""
     events: dict[str, int] = {}
     size = bad = 0
-    with path.open("rb") as fh:
+    with open_trace(path) as fh:
         held: dict[str, deque[Positioned]] | None = None
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
             held = {}
-        for lineno, raw in enumerate(fh, 1):
+        lines = enumerate(fh, 1)
+        while True:
+            try:
+                lineno, raw = next(lines)
+            except StopIteration:
+                break
+            except _GZIP_ERRORS as exc:  # the lines before it were read: say where it broke
+                raise TraceDamaged(
+                    f"{path}: its gzip data is damaged after {size} decompressed bytes ({exc})"
+                ) from exc
             offset = size
             size += len(raw)
             rec = _parse(raw)
@@ -677,7 +714,7 @@ class _FileEvents:
             queue.clear()
 
     def _reader(self, offset: int) -> Iterator[Positioned]:
-        fh = self._files.enter_context(self.scan.path.open("rb"))
+        fh = self._files.enter_context(open_trace(self.scan.path))
         fh.seek(offset)
         return _events_from(fh, offset, self.scan.size)
 
@@ -789,10 +826,20 @@ def format_request_report(rep: RequestReport) -> str:
     return "\n".join(lines)
 
 
+def _trace_path(arg: str) -> Path:
+    return Path("/dev/stdin") if arg == "-" else Path(arg)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     a = sub.add_parser("analyze", help="analyse agent/gateway JSONL traces")
-    a.add_argument("files", nargs="+", type=Path)
+    a.add_argument(
+        "files",
+        nargs="+",
+        type=_trace_path,
+        help="JSONL traces (`kvgate agent --trace-out`, `kvgate serve --trace-out`), plain or "
+        "gzip-compressed; - is standard input",
+    )
     a.add_argument(
         "--end",
         type=float,
@@ -831,7 +878,7 @@ def run(args: argparse.Namespace) -> int:
         result = analyze_files(_distinct(args.files), args.end)
     except OSError as exc:
         return _fail(f"cannot read {exc.filename or 'input'}: {exc.strerror or exc}")
-    except TraceChanged as exc:
+    except (TraceChanged, TraceDamaged) as exc:
         return _fail(str(exc))
     except EndBeforeLastRecord as exc:  # "end X is before the last record (Y)"
         return _fail(f"--{exc}")

@@ -494,3 +494,52 @@ def test_a_skipped_line_is_counted_and_logged_with_its_place(
     assert result.skipped == 2 and result.events is not None
     where = [(r.path, r.line, r.why) for r in caplog.records]  # type: ignore[attr-defined]
     assert where == [(str(f), 3, "not JSON"), (str(f), 4, "not a valid cache event")]
+
+
+# ------------------------------------------------------------------------------ gzip
+
+
+def _gzipped(path: Path, members: int = 1) -> Path:
+    """``path`` compressed as logrotate leaves it (``members`` > 1: the data split into
+    that many gzip members, concatenated)."""
+    import gzip
+    import itertools
+
+    data = path.read_bytes()
+    cut = [len(data) * i // members for i in range(members + 1)]
+    out = path.with_name(path.name + ".gz")
+    out.write_bytes(b"".join(gzip.compress(data[a:b]) for a, b in itertools.pairwise(cut)))
+    return out
+
+
+def test_gzip_files_give_the_plain_files_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rotated, compressed traces are read through their decompression, both reads; the
+    per-replica readers of a shared file seek in decompressed bytes (QUEUE_CAP 1 gives every
+    replica of the data-parallel file its own)."""
+    paths = write_trace(tmp_path, 4000, seed=3)
+    plain = run_cli(traceanalysis, paths, [])
+    gz = [_gzipped(p, members=1 + i % 3) for i, p in enumerate(paths)]
+    assert run_cli(traceanalysis, gz, []) == plain
+    monkeypatch.setattr(traceanalysis, "QUEUE_CAP", 1)
+    assert run_cli(traceanalysis, gz, []) == plain
+
+
+def test_gzip_down_a_pipe_and_dash_for_stdin(tmp_path: Path) -> None:
+    paths = write_trace(tmp_path, 3000)
+    direct = run_cli(traceanalysis, [paths[0]], [])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "gateway.cli", "trace", "analyze", "-"]
+    for data in (paths[0].read_bytes(), _gzipped(paths[0]).read_bytes()):
+        piped = subprocess.run(cmd, input=data, capture_output=True, env=env, check=True)
+        assert piped.stdout.decode() == direct["out"] and "| r0@dp0 |" in direct["out"]
+
+
+def test_a_damaged_gzip_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    paths = write_trace(tmp_path, 3000)
+    gz = _gzipped(paths[1])
+    gz.write_bytes(gz.read_bytes()[: gz.stat().st_size // 2])  # cut short
+    got = run_cli(traceanalysis, [paths[0], gz], [])
+    assert got["code"] == 2 and got["out"] == ""
+    assert got["err"].startswith("kvgate trace: <dir>/r1.jsonl.gz: its gzip data is damaged")
