@@ -313,11 +313,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._refuse_head()  # one header still arriving, buffered by the parser
 
     def send_400_response(self, msg: str) -> None:
-        # uvicorn's answer to a parser error, which is how a callback stops the parser
+        # uvicorn's answer to a parser error, which is how a callback stops the parser;
+        # uvicorn's own is text/plain, and clients get OpenAI error objects
         if self.head_refused:
             self._refuse_head()
         else:
-            super().send_400_response(msg)
+            err = GatewayError(
+                400, "invalid HTTP request: it could not be parsed", code="invalid_http_request"
+            )
+            self._refuse(err)
 
     def _count_head(self, n: int) -> None:
         self.head_bytes += n
@@ -326,25 +330,32 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise _HeadTooLarge
 
     def _refuse_head(self) -> None:
-        """431 and close. Nothing is written while an earlier answer is still going out (it
-        would land inside that answer): the connection just closes."""
+        err = GatewayError(
+            431,
+            f"request headers larger than {MAX_HEADER_BYTES} bytes",
+            code="request_header_fields_too_large",
+        )
+        self._refuse(err)
+
+    def _refuse(self, err: GatewayError) -> None:
+        """Answer ``err`` and close; what the client still sends is dropped. Nothing is
+        written while an earlier request is being served (the answer would land inside
+        or before that request's): the connection just closes. A request whose body was
+        still arriving (a bad chunk) gets ``err`` as its answer, and the connection closes
+        at once: its own answer must not follow."""
         self.head_refused = True
         self.in_head = False
         transport = self.transport
         if transport.is_closing():
             return
         cycle = self.cycle
-        if cycle is None or cycle.response_complete:
-            err = GatewayError(
-                431,
-                f"request headers larger than {MAX_HEADER_BYTES} bytes",
-                code="request_header_fields_too_large",
-            )
+        idle = cycle is None or cycle.response_complete
+        if idle or (cycle.more_body and not cycle.response_started):
             body = _error_bytes(err)
-            parts = _status_and_headers(self, 431, err.header_pairs())
+            parts = _status_and_headers(self, err.status, err.header_pairs())
             parts += (_CLOSE, b"content-length: %d\r\n\r\n" % len(body), body)
             transport.write(b"".join(parts))
-            if transport.can_write_eof():
+            if idle and transport.can_write_eof():
                 transport.write_eof()  # the client sees the answer, then EOF
                 asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
                 return
