@@ -24,8 +24,10 @@ would otherwise buffer a header of any size. The count is exact for a head that 
 whole; one still arriving is also measured by the bytes received, so the gateway holds at
 most one socket read more than the limit. After the 431 the gateway shuts its side and
 drops what the client still sends for up to :data:`_LINGER_S` before closing: closing
-with unread bytes would reset the connection before the client reads its answer.
-Tests: tests/test_hotpath.py.
+with unread bytes would reset the connection before the client reads its answer. A request
+the parser refuses is answered the same way, with a 400 OpenAI error object (uvicorn's
+own answer is text/plain).
+Tests: tests/test_hotpath.py, tests/test_h23_api_http.py.
 """
 
 from __future__ import annotations
