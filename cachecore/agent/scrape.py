@@ -18,6 +18,8 @@ size needs ``--block-size`` on its agent (the engine's ``--page-size``).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -52,6 +54,7 @@ _SGLANG_PER_RANK = (
     SGLANG_NUM_PAGES,
 )
 MAX_METRICS_BYTES = 8 * 1024 * 1024
+MAX_SMALL_BYTES = 1024 * 1024  # /health, /v1/models
 
 
 class ScrapeError(RuntimeError):
@@ -284,39 +287,58 @@ def _max(cores: dict[str, list[float | None]], labels: Mapping[str, str], i: int
 
 
 class EngineScraper:
-    """HTTP access to one engine. ``timeout_s`` bounds every call: an engine that hangs is
-    as unavailable as one that refuses."""
+    """HTTP access to one engine. ``timeout_s`` bounds every call as a whole: an engine that
+    hangs is as unavailable as one that refuses. httpx's own timeout bounds each read, so
+    an answer dribbled a few bytes a second held a call (and the event stream waiting on
+    its restart check) for as long as it dribbled."""
 
     def __init__(self, engine_url: str, timeout_s: float = 2.0) -> None:
         self.engine_url = engine_url.rstrip("/")
+        self.timeout_s = timeout_s
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
-    async def metrics(self) -> EngineSnapshot:
+    async def _get(self, path: str, max_bytes: int) -> tuple[int, bytes]:
+        """GET ``path``: its status and body (unread unless 200), within ``timeout_s``; a
+        body over ``max_bytes`` is refused as it arrives, never held whole."""
         try:
-            resp = await self._client.get(f"{self.engine_url}/metrics")
+            async with asyncio.timeout(self.timeout_s):
+                async with self._client.stream("GET", f"{self.engine_url}{path}") as resp:
+                    if resp.status_code != 200:
+                        return resp.status_code, b""
+                    chunks: list[bytes] = []
+                    size = 0
+                    async for chunk in resp.aiter_bytes():
+                        size += len(chunk)
+                        if size > max_bytes:
+                            raise ScrapeError(f"{path} larger than {max_bytes} bytes")
+                        chunks.append(chunk)
+                    return 200, b"".join(chunks)
+        except TimeoutError as exc:
+            raise ScrapeError(f"{path} took over {self.timeout_s} s") from exc
         except httpx.HTTPError as exc:
             raise ScrapeError(f"{type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise ScrapeError(f"/metrics answered {resp.status_code}")
-        if len(resp.content) > MAX_METRICS_BYTES:
-            raise ScrapeError("metrics too large")
-        return parse_metrics(resp.text)
+
+    async def metrics(self) -> EngineSnapshot:
+        status, body = await self._get("/metrics", MAX_METRICS_BYTES)
+        if status != 200:
+            raise ScrapeError(f"/metrics answered {status}")
+        return parse_metrics(body.decode(errors="replace"))
 
     async def healthy(self) -> bool:
         """``/health`` answers 200 within the timeout: tells an engine whose metrics fail
         (slow, broken) from one that is gone or sick."""
         try:
-            resp = await self._client.get(f"{self.engine_url}/health")
-        except httpx.HTTPError:
+            status, _ = await self._get("/health", MAX_SMALL_BYTES)
+        except ScrapeError:
             return False
-        return resp.status_code == 200
+        return status == 200
 
     async def model(self) -> str | None:
         """The first model id of ``/v1/models`` (None when the engine does not say)."""
         try:
-            resp = await self._client.get(f"{self.engine_url}/v1/models")
-            body = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            status, raw = await self._get("/v1/models", MAX_SMALL_BYTES)
+            body = json.loads(raw) if status == 200 else None
+        except (ScrapeError, ValueError):
             return None
         if isinstance(body, dict):
             data = body.get("data")

@@ -15,13 +15,13 @@ import contextlib
 import socket
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import uvicorn
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from cachecore.kvevents import END_SEQ_BYTES, Encoding, EventBatch, encode_batch, seq_to_bytes
 
@@ -155,6 +155,9 @@ class EngineStub:
         self.scrapes = 0
         self.metrics_delay_s = 0.0  # a slow /metrics (the engine itself still serves)
         self.metrics_status = 200  # a broken /metrics (ditto)
+        # > 0: /metrics answers at once but sends its text one line per this many seconds
+        # (an engine or proxy that dribbles: each read is quick, the answer never ends)
+        self.metrics_dribble_s = 0.0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -163,7 +166,7 @@ class EngineStub:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.get("/metrics")
-        async def metrics() -> PlainTextResponse:
+        async def metrics() -> Response:
             self.scrapes += 1
             if not self.up:
                 return PlainTextResponse("down", status_code=503)
@@ -171,6 +174,8 @@ class EngineStub:
                 await asyncio.sleep(self.metrics_delay_s)
             if self.metrics_status != 200:
                 return PlainTextResponse("broken", status_code=self.metrics_status)
+            if self.metrics_dribble_s > 0:
+                return StreamingResponse(self._dribble(), media_type="text/plain")
             return PlainTextResponse(self.metrics_text())
 
         @app.get("/health")
@@ -186,6 +191,11 @@ class EngineStub:
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
+
+    async def _dribble(self) -> AsyncIterator[bytes]:
+        for line in self.metrics_text().splitlines(keepends=True) * 100:
+            yield line.encode()
+            await asyncio.sleep(self.metrics_dribble_s)
 
     def restart(self) -> None:
         self.start_time = time.time() + 0.5  # strictly later than the old process's
