@@ -145,6 +145,10 @@ class LocalPromptTokenizer:
         add_gen = add_generation_prompt(body)
         try:
             opts = ChatOptions.from_body(body)
+        except TokenizerError as exc:  # names its field first: 'tools' must be an array
+            field = str(exc).split("'")[1] if str(exc).startswith("'") else None
+            raise bad_request(str(exc), field) from None
+        try:
             return self.tok.apply_chat_template(body.get("messages"), add_gen, opts)  # type: ignore[arg-type]
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None

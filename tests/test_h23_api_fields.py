@@ -30,3 +30,20 @@ async def test_stream_options_that_are_no_object_are_a_400() -> None:
         r = await h.post("/v1/completions", json={**body, "stream_options": None})
         assert r.status_code == 200
         assert r.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tools", "x"), ("documents", {"a": 1}), ("chat_template_kwargs", [1])],
+)
+async def test_a_chat_option_of_the_wrong_type_is_named_as_the_param(
+    field: str, value: object
+) -> None:
+    """A ``tools`` (``documents``, ``chat_template_kwargs``) of the wrong type was a 400
+    whose ``param`` was ``messages``: an SDK user was pointed at the wrong field."""
+    async with stack(count=1) as st, st.http() as h:
+        body = {"model": st.model, "messages": [{"role": "user", "content": "hi"}], field: value}
+        r = await h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"]
