@@ -982,8 +982,14 @@ class Gateway:
         if not rest or d.attempts >= self.settings.retries:
             return False
         assert self.pool is not None
+        # only replicas that may take new requests now: one cordoned, drained, ejected or
+        # removed since the request was routed is not a retry's either (any candidate used
+        # to do when none was routable; a data-parallel engine's sibling ranks, ejected
+        # with the refusing one, then got the retry at the same closed port)
         routable = {r.id for r in self.pool.candidates(d.model)}
-        rest = [c for c in rest if c.replica in routable] or rest
+        rest = [c for c in rest if c.replica in routable]
+        if not rest:
+            return False
         req = RouteRequest(
             prompt_tokens=d.prompt_tokens,
             block_size=d.block_size,
