@@ -9,8 +9,9 @@ import time
 import pytest
 
 from cachecore.agent.scrape import EngineScraper, ScrapeError
+from cachecore.agent.testing import EngineStub
 from cachecore.index.memory import MemoryIndex
-from tests.test_agent_helpers import BS, Rig, until
+from tests.test_agent_helpers import BS, MODEL, Rig, until
 
 
 def toks(start: int, n_blocks: int) -> list[int]:
@@ -59,5 +60,36 @@ async def test_a_dribbling_metrics_endpoint_does_not_stall_the_event_stream() ->
         await until(lambda: agent.stream is not None and agent.stream.last_seq == last, 5.0)
         await agent.drain(5.0)
         assert await r.index_keys() == eng.keys()
+    finally:
+        await r.close()
+
+
+class _OddStub(EngineStub):
+    """An engine (or a proxy before it) whose pool size label reads ``inf``."""
+
+    odd = False
+
+    def metrics_text(self) -> str:
+        text = super().metrics_text()
+        if self.odd:
+            text = text.replace(f'num_gpu_blocks="{self.num_gpu_blocks}"', 'num_gpu_blocks="inf"')
+        return text
+
+
+async def test_an_infinite_label_in_metrics_does_not_end_the_scrape_loop() -> None:
+    """``num_gpu_blocks="inf"`` raised OverflowError out of parse_metrics (int(inf)), which
+    ended the agent's scrape loop for good, silently: no load published, no restart and no
+    unreachable engine detected from then on. The label now reads as absent."""
+    r = Rig(MemoryIndex())
+    await r.stub.close()
+    r.stub = _OddStub(model=MODEL, block_size=BS)
+    try:
+        agent = await r.start()
+        stub = r.stub
+        stub.odd = True
+        n0 = stub.scrapes
+        await until(lambda: stub.scrapes >= n0 + 3, 5.0)
+        stub.up = False  # the engine goes away: the scrape loop must notice
+        await until(lambda: not agent.engine_reachable, 5.0)
     finally:
         await r.close()

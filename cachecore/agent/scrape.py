@@ -134,7 +134,7 @@ def _as_int(text: str | None) -> int | None:
         return None
     try:
         return int(float(text))
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number; "inf" (int() of it overflows)
         return None
 
 
