@@ -24,6 +24,7 @@ class PolicyStore:
             policy = Policy() if self.path is None else load_policy(self.path)
         self.policy = policy
         self._version = self._stat()
+        self._seen = self._version  # the version the watcher's previous look found
         self.on_change: Callable[[Policy], None] | None = None
         # what the schema cannot know (the engines' block sizes): (field, problem) pairs
         # that refuse a reload, checked before it is applied
@@ -46,7 +47,7 @@ class PolicyStore:
         """Re-read the file. Raises :class:`PolicyError` (and keeps the old policy)."""
         if self.path is None:
             raise PolicyError("<none>", [("", "the gateway was started without a policy file")])
-        self._version = self._stat()
+        self._version = self._seen = self._stat()
         try:
             # an empty file is one caught between its truncation and its rewrite
             policy = load_policy(self.path, allow_empty=False)
@@ -76,13 +77,25 @@ class PolicyStore:
         m = self._stat()
         return m is not None and m != self._version
 
+    def poll_file(self) -> bool:
+        """One look at the file: reload it once it has changed and then kept still since the
+        previous look, so a file written in parts (an editor's or `cat`'s save, a copy) is
+        not read half-written: a part that parses would be applied (an isolation-strict
+        file cut before its limits ran with none), one that does not would log an error.
+        False when nothing was read; raises :class:`PolicyError` on a refused reload."""
+        now = self._stat()
+        if now is None or now == self._version or now != self._seen:
+            self._seen = now
+            return False
+        self.reload_file()
+        return True
+
     async def watch(self, interval_s: float, on_result: Callable[[bool, str], None]) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            if not self.changed_on_disk():
-                continue
             try:
-                self.reload_file()
+                if not self.poll_file():
+                    continue
                 log.info("policy reloaded", extra={"path": str(self.path)})
                 on_result(True, "")
             except PolicyError as exc:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
 
-from gateway.filewatch import file_version
+from gateway.filewatch import FileVersion, file_version
 from gateway.policy_store import PolicyStore
 from gateway.routing import Strategy
-from policies.schema import PolicyError
+from policies.schema import Policy, PolicyError, builtin_policy_path, parse_policy_text
 
 
 def test_a_permission_fix_alone_is_a_change(tmp_path: Path) -> None:
@@ -38,3 +39,63 @@ def test_a_permission_fix_alone_is_a_change(tmp_path: Path) -> None:
     store.reload_file()
     assert store.policy.routing.strategy is Strategy.LEAST_LOADED
     assert store.last_error is None
+
+
+class _LookingStore(PolicyStore):
+    """A PolicyStore that says when its watcher has looked at the file (``armed`` on)."""
+
+    def __init__(self, path: Path) -> None:
+        self.armed = False  # before the start-up read, which stats the file too
+        self.looked = asyncio.Event()
+        super().__init__(path)
+
+    def _stat(self) -> FileVersion | None:
+        version = super()._stat()
+        if self.armed:
+            self.looked.set()
+        return version
+
+
+async def test_a_policy_written_in_parts_is_not_applied_half_written(tmp_path: Path) -> None:
+    """A policy file written in parts (an editor's save, `cat` from a pipe, a copy in
+    chunks) was reloaded at the first look that found it changed: a part that parses was
+    applied. Rewriting isolation-strict.yaml cut after its `cost:` section ran every
+    unknown tenant with no sensitive scope and no limits until the next poll (live: 0.9 s
+    into a two-part write, `GET /admin/policy` showed sensitive `none`, max_concurrency
+    null). It is now applied once it has kept still for a poll interval."""
+    strict = builtin_policy_path("isolation-strict").read_text()
+    new = strict.replace("max_concurrency: 16", "max_concurrency: 8")
+    assert new != strict
+    lines = new.splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if line.startswith("default_tenant:"))
+    first = "".join(lines[:cut])
+    parse_policy_text(first, "first part", allow_empty=False)  # a part that parses
+    f = tmp_path / "p.yaml"
+    f.write_text(strict)
+    store = _LookingStore(f)
+    applied: list[Policy] = []
+    store.on_change = applied.append
+    results: list[tuple[bool, str]] = []
+    done = asyncio.Event()
+
+    def on_result(ok: bool, err: str) -> None:
+        results.append((ok, err))
+        done.set()
+
+    store.start(0.05, on_result)
+    try:
+        with f.open("w") as out:
+            out.write(first)
+            out.flush()
+            store.armed = True
+            # the watcher looks at the half-written file (its look and any reload run in
+            # one step of the loop, before this coroutine resumes)
+            await asyncio.wait_for(store.looked.wait(), 5.0)
+            store.armed = False
+            out.write("".join(lines[cut:]))
+        await asyncio.wait_for(done.wait(), 5.0)
+    finally:
+        await store.stop()
+    assert results[0] == (True, "")
+    assert [p.default_tenant.limits.max_concurrency for p in applied] == [8]
+    assert store.policy.default_tenant.sensitive.default == "session"
