@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.test_upstream_faults import FakeReplica, completion, gateway
@@ -22,3 +24,30 @@ async def test_a_retry_goes_to_no_replica_taken_out_of_service() -> None:
             other = next(r.id for r in gw.pool.all() if r.id != d.replica)
             getattr(gw.pool, out_of_service)(other)
             assert not gw.reroute(d, d.replica), (out_of_service, d.replica)
+
+
+@pytest.mark.parametrize("out_of_service", ["cordon", "drain", "remove"])
+@pytest.mark.parametrize("victim", [0, 1])
+async def test_a_replica_taken_out_during_the_lookup_is_not_routed_to(
+    out_of_service: str, victim: int
+) -> None:
+    """The operator cordons (or drains, or removes) a replica while a request's prompt is
+    being looked up in the index: the request was routed over the replicas read before
+    that await, so the cordoned one could still get it; the fleet is read again after.
+    (Round robin's first pick is the first replica: one of the two victims is it.)"""
+    reps = [FakeReplica() for _ in range(2)]
+    async with gateway(reps, "routing: {strategy: round_robin}") as (gw, _):
+        assert gw.pool is not None and gw.index is not None
+        pool, index = gw.pool, gw.index
+        gone = [r.id for r in pool.all()][victim]
+        real = index.lookup
+
+        async def lookup_while_taken_out(*args: Any, **kw: Any) -> Any:
+            getattr(pool, out_of_service)(gone)  # while the lookup is in flight
+            return await real(*args, **kw)
+
+        index.lookup = lookup_while_taken_out  # type: ignore[method-assign]
+        body = completion("a prompt long enough to have block keys " * 10)
+        d = await gw.prepare("completion", "anonymous", body, {}, "r", True)
+        assert d.index_source != "none"  # the lookup ran
+        assert d.replica != gone
