@@ -30,6 +30,8 @@ class GatewaySettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
 
+    # an empty value (KVGATE_HOST= from an unset template variable) is refused: it listened
+    # on every interface, where the default is loopback; 0.0.0.0 / :: say so explicitly
     host: str = "127.0.0.1"
     # a port past 65535 would be truncated to 16 bits by the socket layer (99999 -> 34463)
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
@@ -132,6 +134,13 @@ class GatewaySettings(BaseSettings):
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
             raise ValueError("contains a control character, which no HTTP header carries")
         return SecretStr(text)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("empty: give 0.0.0.0 (or ::) to listen on every interface")
+        return value
 
     @field_validator("key_prefix")
     @classmethod
