@@ -36,7 +36,8 @@ class GatewaySettings(BaseSettings):
     # a port past 65535 would be truncated to 16 bits by the socket layer (99999 -> 34463)
     port: Annotated[int, Field(ge=0, le=65535)] = 8000
     policy: Path = Field(default_factory=lambda: builtin_policy_path("default"))
-    policy_poll_s: Annotated[float, Field(gt=0)] = 2.0
+    # finite, as api_keys_poll_s: inf slept forever, a watcher that never looked again
+    policy_poll_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2.0
     redis_url: str | None = None
     # redis_url is a seed node of a Redis Cluster: the index, load store, registry and API
     # key hash all go through a cluster client (which discovers the other nodes)
@@ -94,7 +95,8 @@ class GatewaySettings(BaseSettings):
     retries: Annotated[int, Field(ge=0)] = 2
     drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     # SIGTERM: answer 503 (health, new requests) this long before closing the listener
-    drain_grace_s: Annotated[float, Field(ge=0)] = 1.0
+    # (finite: with inf a SIGTERM never stopped the gateway)
+    drain_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0
     # upstream connections per replica host: 0 would make every request a pool timeout
     max_connections: Annotated[int, Field(ge=1)] = 1024
     otel_endpoint: str | None = None  # OTLP/HTTP traces endpoint; None = tracing off

@@ -28,3 +28,17 @@ def test_an_empty_host_is_refused_not_every_interface(
     assert err.splitlines() == [
         "kvgate serve: host (KVGATE_HOST): empty: give 0.0.0.0 (or ::) to listen on every interface"
     ]
+
+
+@pytest.mark.parametrize("name", ["KVGATE_DRAIN_GRACE_S", "KVGATE_POLICY_POLL_S"])
+@pytest.mark.parametrize("value", ["inf", "Infinity", "1e400"])
+def test_an_infinite_grace_or_poll_is_refused(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KVGATE_DRAIN_GRACE_S=inf` was accepted and a SIGTERM then never stopped the gateway
+    (it answered 503 `draining` until killed); `KVGATE_POLICY_POLL_S=inf` started a policy
+    watcher that slept forever, so file edits were silently never applied."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as info:
+        GatewaySettings()
+    assert f"({name}): Input should be a finite number" in settings_error(info.value)
