@@ -36,6 +36,7 @@ import asyncio
 import logging
 from typing import Any, cast
 
+import httptools
 import orjson
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -50,6 +51,7 @@ _HOT_PATHS = {path.encode(): endpoint for path, endpoint in Completions.ENDPOINT
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _CLOSE = b"connection: close\r\n"
 MAX_HEADER_BYTES = 64 * 1024  # a request head larger than this is refused with a 431
+_UPGRADE_TOKENS = frozenset({b"upgrade", b"http2-settings"})  # of an ignored upgrade
 _LINGER_S = 2.0  # after a 431: how long the rest of the request is read and dropped
 
 
@@ -304,15 +306,61 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.in_head = True  # bytes arriving now belong to a request head (not a body)
         self.head_received = 0  # bytes received since the head began, while in_head
         self.head_refused = False
+        self.replaying = False  # a new parser reads again a head whose cycle exists
 
     def data_received(self, data: bytes) -> None:
         if self.head_refused:
             return  # the rest of a refused request, dropped until the close
         if self.in_head:
             self.head_received += len(data)
-        super().data_received(data)  # a head over the limit in here: send_400_response
+        self._feed(data)  # a head over the limit in here: send_400_response
         if self.in_head and self.head_received > MAX_HEADER_BYTES:
             self._refuse_head()  # one header still arriving, buffered by the parser
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received``, except for an upgrade other than to a WebSocket
+        (``Upgrade: h2c``, sent on ordinary POSTs by curl --http2, Java's HttpClient and
+        Spring's RestClient, Ktor): uvicorn logs it as unsupported and the parser, which
+        took the request for bodiless, never hands over its body, so the request went on
+        with an empty one. The upgrade is ignored instead (RFC 9110 s7.8): the request's
+        head, without it, goes to a new parser with the bytes after the head, and the
+        request is served as HTTP/1.1 with its body, the requests after it too."""
+        self._unset_keepalive_if_required()
+        pending: bytes | None = data
+        while pending is not None:  # a loop, not recursion: pipelined upgrades
+            chunk, pending = pending, None
+            try:
+                self.parser.feed_data(chunk)
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+            except httptools.HttpParserUpgrade as exc:
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
+                else:
+                    pending = self._without_upgrade() + chunk[exc.args[0] :]
+
+    def _without_upgrade(self) -> bytes:
+        """The head of the request just parsed, without its upgrade, for a new parser that
+        reads its body into the cycle already made for it (``replaying``)."""
+        parser = self.parser
+        lines = [parser.get_method(), b" ", self.url, b" HTTP/"]
+        lines += (parser.get_http_version().encode("ascii"), b"\r\n")
+        for name, value in self.headers:
+            if name == b"upgrade":
+                continue
+            if name == b"connection":
+                kept = [t for t in value.split(b",") if t.strip().lower() not in _UPGRADE_TOKENS]
+                if not kept:
+                    continue
+                value = b",".join(kept)
+            lines += (name, b": ", value, b"\r\n")
+        lines.append(b"\r\n")
+        self.cycle.more_body = True  # the first parser ended it at its head
+        self.parser = httptools.HttpRequestParser(self)
+        self.replaying = True
+        return b"".join(lines)
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn's answer to a parser error, which is how a callback stops the parser;
@@ -385,7 +433,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if not isinstance(cycle, HotCycle):
             super().on_body(body)
             return
-        # uvicorn's on_body, keeping the pieces (a hot cycle is never an upgrade)
+        # uvicorn's on_body, keeping the pieces (a hot cycle is never a WebSocket)
         if cycle.response_complete:
             return
         cycle.chunks.append(body)
@@ -402,14 +450,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self.in_head = True  # what comes next is the next request's head
+        self.replaying = False
 
     def on_headers_complete(self) -> None:
         self.in_head = False
         self.head_received = 0
+        if self.replaying:  # its cycle was made from the first parse
+            return
         parser = self.parser
         endpoint = (
             _HOT_PATHS.get(self.url.partition(b"?")[0])
-            if parser.get_method() == b"POST" and not parser.should_upgrade()
+            if parser.get_method() == b"POST"
+            and not (parser.should_upgrade() and self._should_upgrade())
             else None
         )
         if endpoint is None or (

@@ -49,3 +49,72 @@ async def test_a_request_the_parser_refuses_gets_an_openai_error(data: bytes) ->
     assert b"content-type: application/json" in lines and b"connection: close" in lines
     err = orjson.loads(body)["error"]
     assert err["code"] == "invalid_http_request" and err["type"] == "invalid_request_error"
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One HTTP/1.1 response: status, headers (lower-case names), body (length-delimited
+    or chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head[:-4].split(b"\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(b":", 1) for ln in lines[1:])}
+    if headers.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        for _ in range(100_000):  # bounded: a chunk per event
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += data[:-2]
+        return status, headers, body
+    return status, headers, await reader.readexactly(int(headers.get(b"content-length", b"0")))
+
+
+UPGRADE = (
+    b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\n"
+    b"http2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_h2c_upgrade_offer_is_ignored_and_the_body_served(
+    chunked: bool, split: bool
+) -> None:
+    """``Upgrade: h2c`` on a POST (curl --http2, Java's HttpClient and RestClient, Ktor):
+    the parser took the request for bodiless, uvicorn logged "Unsupported upgrade
+    request." and the completion went on with an empty body, a 400 "request body is not
+    valid JSON" for a valid request; the connection's parser was left stuck in the
+    upgrade. The offer is ignored (RFC 9110 s7.8): the request is answered with its body,
+    a stream as a stream, and the connection serves the requests after it, an ordinary
+    one and another offer, pipelined."""
+    async with stack(count=1) as st:
+        chat = {"model": st.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        payloads = [orjson.dumps(chat), orjson.dumps({**chat, "stream": True})]
+        reader, writer = await asyncio.open_connection("127.0.0.1", st.gw.settings.port)
+        try:
+            for payload in payloads:
+                if chunked:
+                    framing = b"transfer-encoding: chunked\r\n\r\n"
+                    body = b"%x\r\n%b\r\n0\r\n\r\n" % (len(payload), payload)
+                else:
+                    framing, body = b"content-length: %d\r\n\r\n" % len(payload), payload
+                writer.write(HEAD + UPGRADE + framing)
+                if split:  # the head alone first, as Ktor writes it
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                writer.write(body)
+            # pipelined behind them: a GET with the offer (ASGI), then an ordinary POST
+            writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + UPGRADE + b"\r\n")
+            writer.write(HEAD + b"content-length: %d\r\n\r\n%b" % (len(payloads[0]), payloads[0]))
+            await writer.drain()
+            async with asyncio.timeout(20):
+                answers = [await read_response(reader) for _ in range(4)]
+        finally:
+            writer.close()
+    (s1, _, b1), (s2, h2, b2), (s3, _, b3), (s4, _, b4) = answers
+    assert s1 == 200 and orjson.loads(b1)["object"] == "chat.completion", b1
+    assert s2 == 200 and h2[b"content-type"].startswith(b"text/event-stream"), b2
+    assert b2.rstrip().endswith(b"data: [DONE]")
+    assert s3 == 200 and orjson.loads(b3)["object"] == "list", b3
+    assert s4 == 200 and orjson.loads(b4)["object"] == "chat.completion", b4
