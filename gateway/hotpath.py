@@ -26,7 +26,8 @@ most one socket read more than the limit. After the 431 the gateway shuts its si
 drops what the client still sends for up to :data:`_LINGER_S` before closing: closing
 with unread bytes would reset the connection before the client reads its answer. A request
 the parser refuses is answered the same way, with a 400 OpenAI error object (uvicorn's
-own answer is text/plain).
+own answer is text/plain). An upgrade offer other than to a WebSocket (``Upgrade: h2c``) is
+ignored and the request served as HTTP/1.1, body included (uvicorn loses the body).
 Tests: tests/test_hotpath.py, tests/test_h23_api_http.py.
 """
 
