@@ -96,12 +96,16 @@ def engine_error_body(parsed: object, status: int) -> dict[str, Any] | None:
     """An engine's error answer in OpenAI's shape, keeping its words; None when it has none.
     OpenAI's ``{"error": {...}}`` (vLLM) is returned as it is; the flat object SGLang (and
     vLLM before its envelope) answer with, ``{"object": "error", "message", "type",
-    "param", "code"}``, and a FastAPI ``{"detail": ...}`` (a string, or its validation
-    errors) are put into it."""
+    "param", "code"}``, a bare ``{"error": "..."}`` and a FastAPI ``{"detail": ...}`` (a
+    string, or its validation errors) are put into it."""
     if not isinstance(parsed, dict):
         return None
-    if isinstance(parsed.get("error"), dict):
+    error = parsed.get("error")
+    if isinstance(error, dict):
         return parsed
+    if isinstance(error, str) and error:  # {"error": "...", "error_type": ...} (TGI, proxies)
+        kind = parsed.get("error_type")
+        return error_body(status, error, type_=kind if isinstance(kind, str) and kind else None)
     message = parsed.get("message")
     if isinstance(message, str) and message:
         kind, param = parsed.get("type"), parsed.get("param")

@@ -80,3 +80,23 @@ async def test_an_engines_retry_after_reaches_the_client(status: int) -> None:
             await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
         assert err.value.status_code == status
         assert err.value.response.headers["retry-after"] == "7"
+
+
+async def test_an_engine_error_that_is_a_bare_string_keeps_its_words() -> None:
+    """``{"error": "...", "error_type": ...}`` (TGI's shape, and what many proxies in front
+    of an engine answer) reached the client as "upstream replica returned HTTP 422", the
+    engine's reason dropped."""
+    body = json.dumps(
+        {"error": "Input validation error: top_p must be > 0", "error_type": "validation"}
+    )
+
+    async def refuse(w: asyncio.StreamWriter) -> None:
+        w.write(raw_answer(422, body.encode()))
+
+    async with gateway([FakeReplica(refuse)]) as (_, h):
+        for stream in (False, True):
+            r = await h.post("/v1/completions", json={**completion(), "stream": stream})
+            assert r.status_code == 422
+            err = r.json()["error"]
+            assert err["message"] == "Input validation error: top_p must be > 0"
+            assert err["type"] == "validation"
