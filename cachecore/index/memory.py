@@ -7,7 +7,8 @@ Structure (per replica, one :class:`_Replica`)::
     pending  _Pending     block key -> expiry ms       (current epoch; gateway-owned)
     removed  OrderedDict  block key -> ms of its latest removal (current epoch; oldest
                           first, the latest ``removal_log``; ``removed_floor`` is the newest
-                          time trimmed from it, so the log is complete after it)
+                          time trimmed from it, so the log is complete after it; a key's
+                          time never goes back, as Redis's ``ZADD GT``)
 
 Lookup runs the shared binary search (:func:`cachecore.index.base.search_prefix`) per
 routable replica over the entry values' run certificates: O(log n) dict probes per replica,
@@ -375,14 +376,14 @@ class MemoryIndex:
             elif blocks.pop(k, None) is not None:
                 added -= 1
                 if removed is not None:
-                    removed[k] = now_ms
-                    removed.move_to_end(k)
+                    # moved last, its time never back (ZADD GT): an agent's clock that
+                    # stepped back must not hide an earlier removal's later stamp
+                    removed[k] = max(now_ms, removed.pop(k, now_ms))
         self._n_blocks += added
         if removed is not None:
             for k in write.removed:  # deleted and stored again within the write
                 if k in blocks:
-                    removed[k] = now_ms
-                    removed.move_to_end(k)
+                    removed[k] = max(now_ms, removed.pop(k, now_ms))
             while len(removed) > self.removal_log:
                 rep.removed_floor = max(rep.removed_floor, removed.popitem(last=False)[1])
         wmirror = write.mirror

@@ -205,7 +205,8 @@ return out
 # pairs, n_mdel hashes, n_relog keys. Each deleted entry that existed, and each relog key
 # (deleted and stored again within the write), is logged in rm:<epoch> at now_ms (the
 # removal log of PrefixIndex.removed_since), trimmed to the latest removal_log; rm_floor in
-# the meta is the newest time trimmed, so the log is complete after it.
+# the meta is the newest time trimmed, so the log is complete after it. ZADD GT: a key's
+# time never goes back (an agent clock stepped back must not hide a later-stamped removal).
 APPLY_LUA = """
 local meta = KEYS[1]
 local cur = redis.call('HGET', meta, 'epoch') or '0'
@@ -254,7 +255,7 @@ local function hdel_logged(key, from, nfields)
       end
     end
     if q > 0 then
-      redis.call('ZADD', rkey, unpack(args))
+      redis.call('ZADD', rkey, 'GT', unpack(args))
       logged = logged + q / 2
     end
     i = i + c
@@ -275,7 +276,7 @@ hset_pairs(mkey, p, nms); p = p + 2 * nms
 hdel_fields(mkey, p, nmd); p = p + nmd
 if cap > 0 then
   for i = 0, nrl - 1 do
-    redis.call('ZADD', rkey, now, ARGV[p + i])
+    redis.call('ZADD', rkey, 'GT', now, ARGV[p + i])
     logged = logged + 1
   end
 end

@@ -1,0 +1,42 @@
+"""The removal log when the agent's clock steps back (its ``now_ms`` is wall-clock time, which
+NTP may step): both backends, a real redis-server for RedisIndex."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from cachecore.index.base import PrefixIndex
+from cachecore.lifecycle import IndexWrite
+from tests.test_index_backends import KEYS, make_index
+
+pytestmark = pytest.mark.redis
+
+T = 1_000_000
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
+    idx = make_index(request.param, request, removal_log=4)
+    yield idx
+    await idx.close()
+
+
+async def test_a_removal_is_not_forgotten_when_a_later_one_is_stamped_earlier(
+    index: PrefixIndex,
+) -> None:
+    """k removed at T, stored again, removed again after the agent's clock stepped back a
+    second: the removal at T happened, so a check since T must be told so (the gateway's
+    claim check asks exactly this; "never removed" accuses an honest agent of a false
+    claim). It read as not removed: the second stamp overwrote the first."""
+    k = KEYS[0]
+    await index.apply("a", 0, IndexWrite({k: 1}), T - 10)
+    await index.apply("a", 0, IndexWrite({k: 0}), T)
+    await index.apply("a", 0, IndexWrite({k: 1}), T + 5)
+    await index.apply("a", 0, IndexWrite({k: 0}), T + 5 - 1000)  # the clock stepped back
+    assert await index.removal_times("a", [k], T) == [T]
+    assert await index.removed_since("a", [k], T) == [True]
+    # deleted and stored again within one write (the relog path), stamped earlier still
+    await index.apply("a", 0, IndexWrite({k: 1}, removed={k}), T - 2000)
+    assert await index.removal_times("a", [k], T) == [T]
