@@ -809,15 +809,6 @@ class Gateway:
         st.add("lookup", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()
-        # the fleet may have changed while the prompt was tokenized and looked up (the
-        # awaits above): a replica cordoned, drained, ejected or removed meanwhile takes no
-        # new request (it used to be routed to from the list read before them)
-        routable = {r.id for r in self.pool.candidates(model)}
-        if not routable.issuperset(ids):
-            reps = [r for r in reps if r.id in routable]
-            if not reps:
-                raise GatewayError(503, "no healthy replica serves this model", code="no_replica")
-            ids = [r.id for r in reps]
         caps = {r.id: r.capacity or mpool.max_num_seqs for r in reps}
         grace_ms = pol.routing.overdue_grace_ms
         grace_s = None if grace_ms is None else grace_ms / 1000.0
@@ -850,6 +841,16 @@ class Gateway:
         )
         with self.router.preview() if explain_only else contextlib.nullcontext():
             decision = self.router.decide(req, cands, coeffs, strategy or self.strategy_override)
+            chosen = self.pool.get(decision.replica)
+            if chosen is None or not chosen.routable(time.monotonic()):
+                # cordoned, drained, ejected or removed during the awaits above (tokenizing,
+                # the lookup): it takes no new request (it used to get this one, routed over
+                # the replicas read before them); the chosen one alone is checked: O(1)
+                routable = {r.id for r in self.pool.candidates(model)}
+                cands = [c for c in cands if c.replica in routable]
+                if not cands:
+                    raise GatewayError(503, "no healthy replica serves this model", "no_replica")
+                decision = self.router.decide(req, cands, coeffs, decision.strategy)
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,
