@@ -295,7 +295,17 @@ class OnlineFit:
     * samples whose residual exceeds ``outlier_sigmas`` running standard deviations are
       skipped (a GC pause must not move the model);
     * every coefficient is clamped to ``[prior / bound, prior * bound]`` after each update
-      (``bound`` >= 1), so a fit can sharpen the policy's values but never invert them.
+      (``bound`` >= 1), so a fit can sharpen the policy's values but never invert them;
+    * a sample observed ``implausible`` (100) times faster than the box's lowest
+      prediction (``lo . x``: features and coefficients are never negative) is skipped,
+      warm or not: no coefficients the fit may take come near it, so its features are a
+      misbehaving engine's report (a running count or a prompt length of 1e18), not a
+      load. Taken before the fit was warm, one such sample pinned the coefficients to the
+      box's edges for thousands of samples and made the residual variance so large that
+      no outlier was rejected after it. Honest samples stay far inside the factor (a load
+      view that overstated the queue: at most 16x in the simulator's mooncake run); a
+      sample far slower than predicted is measured by the gateway's own clock (queueing
+      the model does not see), left to the outlier rule.
 
     Invariant: ``coefficients()`` always lies inside the clamp box around the prior.
     """
@@ -310,6 +320,7 @@ class OnlineFit:
         min_samples: int = 20,
         outlier_sigmas: float = 6.0,
         max_trace: float = 1e4,
+        implausible: float = 100.0,
     ) -> None:
         if bound < 1.0:
             raise ValueError("bound must be >= 1")
@@ -321,6 +332,7 @@ class OnlineFit:
         self.min_samples = min_samples
         self.outlier_sigmas = outlier_sigmas
         self.max_trace = max_trace
+        self.implausible = implausible
         n = len(FEATURES)
         prior_v = prior.as_vector()
         # theta in scaled space: theta_s[i] = theta[i] / scale[i]
@@ -357,6 +369,10 @@ class OnlineFit:
         # the same float operations in the same order as the textbook loops, with the
         # dot products in C (map) and the rows hoisted: bit-identical results, fewer bytecodes
         z = list(map(mul, x, self._SCALES))  # the first n features, as x[i] for i < n
+        lo, hi = self._lo, self._hi
+        if self.implausible * observed_ms < math.fsum(map(mul, lo, z)):
+            self.skipped += 1  # load no coefficients could make this fast (class docstring)
+            return False
         theta = self._theta
         resid = observed_ms - math.fsum(map(mul, theta, z))
         warmed = self.samples >= self.min_samples and self._resid_var > 0
@@ -370,7 +386,6 @@ class OnlineFit:
         pz = [math.fsum(map(mul, row, z)) for row in p]
         denom = lam + math.fsum(map(mul, z, pz))
         gain = [v / denom for v in pz]
-        lo, hi = self._lo, self._hi
         for i in range(n):
             theta[i] = min(hi[i], max(lo[i], theta[i] + gain[i] * resid))
         for i in range(n):

@@ -9,7 +9,7 @@ import pytest
 
 from cachecore.index.base import PrefixMatch
 from cachecore.lifecycle import Tier
-from cachecore.scoring import Coefficients, LoadView
+from cachecore.scoring import Coefficients, LoadView, OnlineFit, features
 from gateway.routing import (
     Candidate,
     NoCandidateError,
@@ -69,3 +69,58 @@ async def test_a_retry_never_leaves_the_tenants_cold_replicas() -> None:
             assert d.replica in cold, (d.replica, cold)
             assert not gw.reroute(d, d.replica), (d.replica, cold)
             assert d.replica in cold
+
+
+def _normal_samples(rng: random.Random, n: int) -> list[tuple[list[float], float]]:
+    """Honest samples: TTFT = 30 + 0.25 ms per prefill token + 0.5 ms per running request."""
+    out = []
+    for _ in range(n):
+        load = LoadView(rng.uniform(0, 5000), rng.randint(0, 5), rng.randint(0, 20))
+        x = features(rng.uniform(0, 4000), 0.0, load)
+        out.append((x, 30.0 + 0.25 * x[1] + 0.5 * x[3] + rng.gauss(0.0, 5.0)))
+    return out
+
+
+def test_one_absurd_engine_report_does_not_poison_the_fit() -> None:
+    """An engine's usage claims a prompt of 1.8e19 tokens (or its metrics 1e6 running
+    requests) for a request answered in 50 ms, before the fit is warm. Taken, it pinned the
+    coefficients to the clamp box's edges (prefill 0.0625, overhead 120, decode 0.125) for
+    thousands of honest samples after it, and the residual variance (1e32) stopped every
+    outlier check: the fit every replica's cost uses, poisoned by one replica's report."""
+    for absurd in (
+        features(1.8e19, 0.0, LoadView()),
+        features(100.0, 0.0, LoadView(running=10**6)),
+    ):
+        rng = random.Random(1)
+        samples = _normal_samples(rng, 305)
+        fit = OnlineFit(C)
+        for x, y in samples[:5]:
+            fit.update(x, y)
+        assert fit.update(absurd, 50.0) is False
+        for x, y in samples[5:]:
+            fit.update(x, y)
+        got = fit.coefficients()
+        assert got.prefill_ms_per_token == pytest.approx(0.25, rel=0.05)
+        assert got.overhead_ms == pytest.approx(30.0, rel=0.2)
+        assert fit._resid_var < 100.0  # the honest noise (5 ms): outliers are rejected again
+        # and an outlier is: a warm fit skips a GC pause's 10 s TTFT on an idle replica
+        assert fit.update(features(100.0, 0.0, LoadView()), 10_000.0) is False
+
+
+def test_a_replica_that_keeps_misreporting_does_not_open_the_fit() -> None:
+    """A third of the samples from one replica whose metrics claim 1e6 running requests:
+    each was an outlier that grew the residual variance by 5%, so a run of them could
+    widen the fit's acceptance without bound; they are now skipped without growing it."""
+    rng = random.Random(2)
+    fit = OnlineFit(C)
+    honest = iter(_normal_samples(rng, 400))
+    absurd = features(100.0, 0.0, LoadView(running=10**6))
+    for x, y in [next(honest) for _ in range(100)]:
+        fit.update(x, y)
+    for i in range(300):
+        if i % 3 == 0:
+            assert fit.update(absurd, 60.0) is False
+        else:
+            fit.update(*next(honest))
+    assert fit._resid_var < 100.0
+    assert fit.coefficients().prefill_ms_per_token == pytest.approx(0.25, rel=0.05)
