@@ -105,15 +105,19 @@ def stream_requested(body: Mapping[str, Any]) -> bool:
 def usage_requested(body: Mapping[str, Any]) -> bool:
     """``stream_options.include_usage`` read as vLLM reads it (a lax bool, as ``stream``):
     ``"false"`` is false there, so the usage chunk the gateway asks for is then dropped
-    again; anything else that is no bool, or options that are no object, is a 400, as the
-    engine would answer."""
+    again; absent from an options object it is true (vLLM's ``StreamOptions`` default:
+    ``{}`` or ``{"continuous_usage_stats": true}`` ask for usage), null is false; anything
+    else that is no bool, or options that are no object, is a 400, as the engine would
+    answer."""
     opts = body.get("stream_options")
     if opts is None:
         return False
     if not isinstance(opts, dict):
         # vLLM's model refuses it; the gateway would put its own object in its place
         raise bad_request("'stream_options' must be an object", "stream_options")
-    return _lax_flag(opts.get("include_usage"), "stream_options.include_usage")
+    if "include_usage" not in opts:
+        return True
+    return _lax_flag(opts["include_usage"], "stream_options.include_usage")
 
 
 def _lax_flag(value: Any, param: str) -> bool:

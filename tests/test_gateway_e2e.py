@@ -252,9 +252,12 @@ async def test_client_cache_salt_has_no_effect() -> None:
             if raw.startswith(b" "):  # the client's own spacing survives: spliced, not re-dumped
                 assert out.startswith(raw.rstrip()[:-1])
         # per-chunk usage only when the client asked for usage at all (vLLM sends it on
-        # every chunk once include_usage is on, which the gateway turns on for itself)
+        # every chunk once include_usage is on, which the gateway turns on for itself);
+        # an options object without include_usage asks for it (vLLM's default)
         for opts, want in (
-            ({"continuous_usage_stats": True}, {"include_usage": True}),
+            ({"include_usage": False, "continuous_usage_stats": True}, {"include_usage": True}),
+            ({"continuous_usage_stats": True},
+             {"include_usage": True, "continuous_usage_stats": True}),
             ({"include_usage": True, "continuous_usage_stats": True},
              {"include_usage": True, "continuous_usage_stats": True}),
         ):  # fmt: skip

@@ -3,6 +3,7 @@ what vLLM's OpenAI server answers, rather than rewriting the field into somethin
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from tests.test_gateway_support import stack, words
@@ -47,3 +48,33 @@ async def test_a_chat_option_of_the_wrong_type_is_named_as_the_param(
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == field and field in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("options", "final_usage", "per_chunk"),
+    [
+        ({}, True, False),
+        ({"continuous_usage_stats": True}, True, True),
+        ({"include_usage": None, "continuous_usage_stats": True}, False, False),
+        ({"include_usage": False}, False, False),
+    ],
+)
+async def test_stream_options_without_include_usage_ask_for_usage_as_in_vllm(
+    options: dict[str, object], final_usage: bool, per_chunk: bool
+) -> None:
+    """vLLM's ``StreamOptions.include_usage`` defaults to true: ``"stream_options": {}``
+    (or only ``continuous_usage_stats``) gets the final usage chunk from vLLM, and per-chunk
+    usage with ``continuous_usage_stats``. The gateway read an absent ``include_usage`` as
+    false and dropped the usage chunk it had asked for itself, so a client that counts its
+    tokens that way got none through kvgate. Null is false, as in vLLM."""
+    async with stack(count=1) as st, st.http() as h:
+        body = {"model": st.model, "prompt": words(20, 4), "max_tokens": 3, "stream": True}
+        r = await h.post("/v1/completions", json={**body, "stream_options": options})
+        assert r.status_code == 200, r.text
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e.strip()]
+        assert events[-1] == "[DONE]"
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        usage_only = [c for c in chunks if c.get("usage") and not c["choices"]]
+        assert len(usage_only) == (1 if final_usage else 0), chunks
+        with_text = [c for c in chunks if c["choices"]]
+        assert all(bool(c.get("usage")) is per_chunk for c in with_text), with_text
