@@ -9,6 +9,7 @@ the gateway keeps its previous policy when that happens.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -348,6 +349,10 @@ class PrecisionPolicy(_Section):
     warn_interval_s: PositiveFloat = 30.0
 
 
+# a tenant name, as API keys (file or Redis hash) must give it: gateway.auth's _TENANT
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+
+
 class Policy(_Section):
     version: Literal[1] = 1
     routing: RoutingPolicy = RoutingPolicy()
@@ -363,6 +368,15 @@ class Policy(_Section):
 
     @model_validator(mode="after")
     def _groups_declared(self) -> Policy:
+        for name in self.tenants:
+            # no request can carry another name (gateway.auth refuses it for a key's
+            # tenant): the entry's limits and scope would silently never apply
+            if not TENANT_NAME.match(name):
+                raise FieldValueError(
+                    f"tenants.{name}",
+                    f"{name!r} is not a tenant name ([A-Za-z0-9._-]{{1,64}}): no API key's "
+                    "tenant can have it, so these settings would never apply",
+                )
         for name, t in self.tenants.items():
             g = t.trust_group
             if g is None:
