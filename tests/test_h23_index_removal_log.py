@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from cachecore.index.base import PrefixIndex
+from cachecore.index.memory import MemoryIndex
 from cachecore.lifecycle import IndexWrite
 from tests.test_index_backends import KEYS, make_index
 
@@ -40,3 +41,21 @@ async def test_a_removal_is_not_forgotten_when_a_later_one_is_stamped_earlier(
     # deleted and stored again within one write (the relog path), stamped earlier still
     await index.apply("a", 0, IndexWrite({k: 1}, removed={k}), T - 2000)
     assert await index.removal_times("a", [k], T) == [T]
+
+
+async def test_both_backends_trim_the_log_alike_after_the_clock_stepped_back(
+    index: PrefixIndex,
+) -> None:
+    """A log of 4, full with removals at T; one more stamped T - 1 (the clock stepped back).
+    Redis trims the lowest time (that one), the log still complete from T; the memory
+    backend trimmed the oldest logged (one of T) and read every check since T as "cannot
+    tell" (its floor T), unlike Redis."""
+    ks = KEYS[:5]
+    await index.apply("a", 0, IndexWrite(dict.fromkeys(ks, 1)), T - 10)
+    await index.apply("a", 0, IndexWrite(dict.fromkeys(ks[:4], 0)), T)
+    await index.apply("a", 0, IndexWrite({ks[4]: 0}), T - 1)
+    assert (await index.removal_floor("a")).floor_ms == T - 1
+    assert await index.removal_times("a", ks, T) == [T, T, T, T, None]
+    assert await index.removal_times("a", ks, T - 1) is None
+    if isinstance(index, MemoryIndex):
+        index.check_invariants()

@@ -5,10 +5,12 @@ Structure (per replica, one :class:`_Replica`)::
     blocks   OrderedDict  block key -> entry value     (current epoch; LRU order, oldest first)
     mirror   dict         engine hash -> mirror record (current epoch; the agent's persistence)
     pending  _Pending     block key -> expiry ms       (current epoch; gateway-owned)
-    removed  OrderedDict  block key -> ms of its latest removal (current epoch; oldest
-                          first, the latest ``removal_log``; ``removed_floor`` is the newest
-                          time trimmed from it, so the log is complete after it; a key's
-                          time never goes back, as Redis's ``ZADD GT``)
+    removed  dict + heap  block key -> ms of its latest removal (current epoch; the latest
+                          ``removal_log`` by (time, key), as Redis's sorted set orders
+                          them, so both trim the same entries when the agent's clock steps
+                          back; ``removed_floor`` is the newest time trimmed from it, so
+                          the log is complete after it; a key's time never goes back, as
+                          Redis's ``ZADD GT``)
 
 Lookup runs the shared binary search (:func:`cachecore.index.base.search_prefix`) per
 routable replica over the entry values' run certificates: O(log n) dict probes per replica,
@@ -175,7 +177,10 @@ class _Replica:
     blocks: OrderedDict[BlockKey, int] = field(default_factory=OrderedDict)
     mirror: dict[int, bytes] = field(default_factory=dict)
     pending: _Pending = field(default_factory=_Pending)
-    removed: OrderedDict[BlockKey, int] = field(default_factory=OrderedDict)
+    removed: dict[BlockKey, int] = field(default_factory=dict)
+    # one (time, key) item per time set in ``removed``, lowest first: the trim order (items
+    # whose key's time has moved on are stale, skipped when they pop)
+    removed_heap: list[tuple[int, BlockKey]] = field(default_factory=list)
     removed_floor: int = -1
 
     def meta(self) -> ReplicaMeta:
@@ -283,6 +288,28 @@ class MemoryIndex:
             self.evicted_entries += n
             target -= n
 
+    def _log_removals(self, rep: _Replica, keys: list[BlockKey], now_ms: int) -> None:
+        """Log ``keys`` removed at ``now_ms`` and trim the log to ``removal_log`` entries,
+        as the Redis script does: a key's time never goes back (``ZADD GT``: an agent clock
+        that stepped back must not hide a removal's later stamp), and the lowest
+        (time, key) go first (``ZREMRANGEBYRANK``), ``removed_floor`` the newest time
+        trimmed."""
+        removed, heap = rep.removed, rep.removed_heap
+        for k in keys:
+            old = removed.get(k)
+            if old is None or now_ms > old:
+                removed[k] = now_ms
+                heapq.heappush(heap, (now_ms, k))
+        while len(removed) > self.removal_log:
+            t, k = heapq.heappop(heap)
+            if removed.get(k) == t:
+                del removed[k]
+                if t > rep.removed_floor:
+                    rep.removed_floor = t
+        if len(heap) > 2 * len(removed) + 1024:  # too many stale items held: rebuild
+            rep.removed_heap = [(t, k) for k, t in removed.items()]
+            heapq.heapify(rep.removed_heap)
+
     # ------------------------------------------------------------------ PrefixIndex
     async def lookup(
         self, keys: Sequence[BlockKey], replicas: Sequence[str], now_ms: int
@@ -364,7 +391,7 @@ class MemoryIndex:
         check_write_values(write)
         blocks = rep.blocks
         added = 0
-        removed = rep.removed if self.removal_log else None
+        logged: list[BlockKey] | None = [] if self.removal_log else None
         for k, bits in reversed(write.blocks.items()):
             if bits:
                 if k in blocks:
@@ -375,17 +402,15 @@ class MemoryIndex:
                     blocks[k] = bits
             elif blocks.pop(k, None) is not None:
                 added -= 1
-                if removed is not None:
-                    # moved last, its time never back (ZADD GT): an agent's clock that
-                    # stepped back must not hide an earlier removal's later stamp
-                    removed[k] = max(now_ms, removed.pop(k, now_ms))
+                if logged is not None:
+                    logged.append(k)
         self._n_blocks += added
-        if removed is not None:
-            for k in write.removed:  # deleted and stored again within the write
-                if k in blocks:
-                    removed[k] = max(now_ms, removed.pop(k, now_ms))
-            while len(removed) > self.removal_log:
-                rep.removed_floor = max(rep.removed_floor, removed.popitem(last=False)[1])
+        if logged is not None:
+            wblocks = write.blocks
+            # deleted and stored again within the write (as Redis: by the write's value)
+            logged.extend(k for k in write.removed if wblocks.get(k))
+            if logged:
+                self._log_removals(rep, logged, now_ms)
         wmirror = write.mirror
         if wmirror and self.keep_mirror:
             # every record in one C call, then the deleted ones (None) out again: the same
@@ -412,13 +437,15 @@ class MemoryIndex:
             (rep.pending._expiry, False),
             (rep.pending._heap, False),
             (rep.removed, False),
+            (rep.removed_heap, False),
         ):
             if box:
                 self._graveyard.append((box, counted))
         rep.blocks = OrderedDict()
         rep.mirror = {}
         rep.pending = _Pending()
-        rep.removed = OrderedDict()
+        rep.removed = {}
+        rep.removed_heap = []
         rep.removed_floor = -1
         rep.epoch += 1
         rep.state = state
@@ -516,3 +543,7 @@ class MemoryIndex:
             held = {(e, k) for e, _, keys in r.pending._heap for k in keys}
             assert all((e, k) in held for k, e in r.pending._expiry.items())
             assert r.pending._heap_keys == sum(len(keys) for _, _, keys in r.pending._heap)
+            logged = set(r.removed_heap)
+            assert all((t, k) in logged for k, t in r.removed.items())
+            assert len(r.removed) <= self.removal_log
+            assert all(t >= r.removed_floor for t in r.removed.values())
