@@ -82,9 +82,11 @@ class PolicyStore:
         previous look, so a file written in parts (an editor's or `cat`'s save, a copy) is
         not read half-written: a part that parses would be applied (an isolation-strict
         file cut before its limits ran with none), one that does not would log an error.
+        A file gone for a whole interval (deleted, not replaced) is reported once, as a
+        reload that cannot read it: the policy in force stays, but a restart would fail.
         False when nothing was read; raises :class:`PolicyError` on a refused reload."""
         now = self._stat()
-        if now is None or now == self._version or now != self._seen:
+        if now == self._version or now != self._seen:
             self._seen = now
             return False
         self.reload_file()

@@ -99,3 +99,48 @@ async def test_a_policy_written_in_parts_is_not_applied_half_written(tmp_path: P
     assert results[0] == (True, "")
     assert [p.default_tenant.limits.max_concurrency for p in applied] == [8]
     assert store.policy.default_tenant.sensitive.default == "session"
+
+
+async def test_a_deleted_policy_file_is_reported_once_and_its_return_loaded(
+    tmp_path: Path,
+) -> None:
+    """A policy file deleted (not replaced) was ignored without a word: `GET /admin/policy`
+    showed no error, no log line, no `outcome="invalid"` count, while the next restart
+    of the gateway would fail on the missing file. Now, once it has been gone for a poll,
+    it is reported once as a reload that cannot read it (the old policy stays), and the
+    file's return is loaded."""
+    f = tmp_path / "p.yaml"
+    f.write_text("routing: {strategy: round_robin}\n")
+    store = _LookingStore(f)
+    results: list[tuple[bool, str]] = []
+    got = asyncio.Event()
+
+    def on_result(ok: bool, err: str) -> None:
+        results.append((ok, err))
+        got.set()
+
+    async def looks(n: int) -> None:
+        for _ in range(n):  # bounded: n looks, 5 s each at most
+            store.looked.clear()
+            store.armed = True
+            await asyncio.wait_for(store.looked.wait(), 5.0)
+        store.armed = False
+
+    store.start(0.05, on_result)
+    try:
+        f.unlink()
+        await asyncio.wait_for(got.wait(), 5.0)
+        assert len(results) == 1 and not results[0][0]
+        assert "No such file" in results[0][1]
+        assert store.last_error and "No such file" in store.last_error
+        assert store.policy.routing.strategy is Strategy.ROUND_ROBIN
+        await looks(3)  # still gone: not reported again
+        assert len(results) == 1
+        got.clear()
+        f.write_text("routing: {strategy: least_loaded}\n")
+        await asyncio.wait_for(got.wait(), 5.0)
+    finally:
+        await store.stop()
+    assert results[-1] == (True, "")
+    assert store.policy.routing.strategy.value == "least_loaded"
+    assert store.last_error is None
