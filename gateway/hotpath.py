@@ -339,6 +339,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             except httptools.HttpParserUpgrade as exc:
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
+                elif (
+                    self.replaying  # the head without its upgrade is one still: never again
+                    or self._get_upgrade() is None  # CONNECT: an upgrade with no header
+                    or self.parser.get_method() == b"CONNECT"
+                ):
+                    self._unsupported_upgrade_warning()  # uvicorn's: the parser stops here
                 else:
                     pending = self._without_upgrade() + chunk[exc.args[0] :]
 

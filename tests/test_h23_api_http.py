@@ -118,3 +118,23 @@ async def test_an_h2c_upgrade_offer_is_ignored_and_the_body_served(
     assert b2.rstrip().endswith(b"data: [DONE]")
     assert s3 == 200 and orjson.loads(b3)["object"] == "list", b3
     assert s4 == 200 and orjson.loads(b4)["object"] == "chat.completion", b4
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("target", [b"/health", b"/v1/chat/completions"])
+async def test_a_connect_request_is_no_upgrade_offer_to_ignore(target: bytes) -> None:
+    """CONNECT is an upgrade to the parser with no Upgrade header to strip: taken for an
+    h2c offer (c2509ee), its head went to a new parser that raised the upgrade again, for
+    ever, and the gateway's event loop spun in that loop. It is refused as uvicorn refuses
+    it, and the gateway goes on serving."""
+    async with stack(count=1) as st:
+        reader, writer = await asyncio.open_connection("127.0.0.1", st.gw.settings.port)
+        try:
+            writer.write(b"CONNECT %b HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" % target)
+            async with asyncio.timeout(5):
+                status, _, _ = await read_response(reader)
+        finally:
+            writer.close()
+        assert status == 405
+        async with st.http() as h:
+            assert (await h.get("/health")).status_code == 200
