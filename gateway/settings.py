@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
+from cachecore.registry import ReplicaAllowlist
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
 from gateway.replicas import AGENT_ENDPOINT_SCHEMES
 from policies.schema import builtin_policy_path
@@ -142,6 +143,17 @@ class GatewaySettings(BaseSettings):
     def _host(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("empty: give 0.0.0.0 (or ::) to listen on every interface")
+        return value
+
+    @field_validator("replica_allowlist", mode="after")
+    @classmethod
+    def _allowlist(cls, value: list[str]) -> list[str]:
+        # checked here, not where discovery builds it inside the app's start-up, where a
+        # bad entry was a traceback and uvicorn's exit 3
+        try:
+            ReplicaAllowlist(value)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (--allow takes [ID=]URL)") from None
         return value
 
     @field_validator("key_prefix")

@@ -42,3 +42,29 @@ def test_an_infinite_grace_or_poll_is_refused(
     with pytest.raises(ValidationError) as info:
         GatewaySettings()
     assert f"({name}): Input should be a finite number" in settings_error(info.value)
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ("bad", "URL scheme must be http or https: 'bad'"),
+        ("r 0=http://127.0.0.1:9100", "invalid replica id 'r 0'"),
+        ("http://", "URL has no host"),
+    ],
+)
+def test_a_bad_allowlist_entry_is_one_line_and_exit_2(
+    entry: str, problem: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate serve --discover --allow bad` (or KVGATE_REPLICA_ALLOWLIST=bad) passed the
+    settings and failed inside the app's start-up, where discovery builds its allowlist:
+    a traceback in the log (InvalidURLError) and uvicorn's exit 3."""
+    monkeypatch.setenv("KVGATE_REPLICA_ALLOWLIST", entry)
+    with pytest.raises(ValidationError) as info:
+        GatewaySettings()
+    assert problem in settings_error(info.value)
+    monkeypatch.delenv("KVGATE_REPLICA_ALLOWLIST")
+    args = ["serve", "--open", "--port", "0", "--redis", "redis://127.0.0.1:1/0"]
+    assert main([*args, "--discover", "--allow", entry]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and problem in lines[0] and "KVGATE_REPLICA_ALLOWLIST" in lines[0]
+    assert "--allow" in lines[0]
