@@ -425,12 +425,19 @@ class ReplicaPool:
         ok = False
         where = f"GET {rep.url}/health"
         try:
-            r = await self._client.get(rep.url + "/health", timeout=p.timeout_s)
+            # a deadline for the whole answer: httpx's timeout is per read, and a replica
+            # sending its answer a byte at a time held this round, every replica's, for
+            # as long as it dribbled
+            async with asyncio.timeout(p.timeout_s):
+                r = await self._client.get(rep.url + "/health", timeout=p.timeout_s)
             ok = r.status_code == 200
             reason = f"{where}: HTTP {r.status_code}"
         except httpx.HTTPError as exc:
             ok = False
             reason = f"{where}: {type(exc).__name__}: {exc}"
+        except TimeoutError:
+            ok = False
+            reason = f"{where}: no whole answer within {p.timeout_s} s"
         if ok:
             rep.health_oks += 1
             rep.health_fails = 0
@@ -455,9 +462,10 @@ class ReplicaPool:
 
     async def _models(self, rep: Replica) -> None:
         try:
-            r = await self._client.get(rep.url + "/v1/models", timeout=self.policy.timeout_s)
+            async with asyncio.timeout(self.policy.timeout_s):  # the whole answer, as /health
+                r = await self._client.get(rep.url + "/v1/models", timeout=self.policy.timeout_s)
             data = r.json().get("data", []) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, ValueError, AttributeError, TimeoutError):
             return
         if not isinstance(data, list):
             return
