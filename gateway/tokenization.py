@@ -94,6 +94,19 @@ def add_generation_prompt(body: Mapping[str, Any]) -> bool:
         ) from None
 
 
+def continue_final_message(body: Mapping[str, Any]) -> bool:
+    """``continue_final_message`` read as vLLM reads it (a lax bool, false when absent, as
+    :func:`add_generation_prompt`): ``"false"`` was truthy to the chat options, so the
+    gateway rendered a continued last turn the engine did not, and its tokens (and block
+    keys) were not the engine's. Anything else is a 400, as the engine would answer."""
+    try:
+        return _LAX_BOOL.validate_python(body.get("continue_final_message", False))
+    except ValidationError:
+        raise bad_request(
+            "'continue_final_message' must be a boolean", "continue_final_message"
+        ) from None
+
+
 def stream_requested(body: Mapping[str, Any]) -> bool:
     """``stream`` read as vLLM reads it: null or absent is not streamed, a lax bool
     otherwise (``"true"``, ``1``, ``"no"``...); anything else is a 400, as the engine
@@ -147,6 +160,9 @@ class LocalPromptTokenizer:
 
     def _render(self, body: Mapping[str, Any]) -> str:
         add_gen = add_generation_prompt(body)
+        cont = continue_final_message(body)
+        if "continue_final_message" in body and body["continue_final_message"] is not cont:
+            body = {**body, "continue_final_message": cont}  # "false", 0...: the engine's bool
         try:
             opts = ChatOptions.from_body(body)
         except TokenizerError as exc:  # names its field first: 'tools' must be an array

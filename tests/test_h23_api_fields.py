@@ -78,3 +78,26 @@ async def test_stream_options_without_include_usage_ask_for_usage_as_in_vllm(
         assert len(usage_only) == (1 if final_usage else 0), chunks
         with_text = [c for c in chunks if c["choices"]]
         assert all(bool(c.get("usage")) is per_chunk for c in with_text), with_text
+
+
+async def test_continue_final_message_is_read_as_the_engine_reads_it() -> None:
+    """``"continue_final_message": "false"`` (or ``"no"``) is false to vLLM's pydantic
+    model, but the chat options took it by truthiness: the gateway rendered the last turn
+    continued, the engine did not, and the gateway's token count (so its block keys and
+    prediction) differed from the engine's ("tokenizers are misaligned" in the log). A
+    value that is no boolean is a 400 before routing, as the engine answers."""
+    async with stack(count=1) as st, st.http() as h:
+        turns = [
+            {"role": "user", "content": words(20, 3)},
+            {"role": "assistant", "content": "par"},
+        ]
+        base = {"model": st.model, "messages": turns, "max_tokens": 1}
+        for value in (False, "false", "no", 0, True, "true", 1):
+            body = {**base, "continue_final_message": value, "add_generation_prompt": False}
+            ex = await h.post("/admin/route/explain", json=body, headers=st.admin_headers())
+            r = await h.post("/v1/chat/completions", json=body)
+            assert r.status_code == ex.status_code == 200, (value, r.text)
+            assert ex.json()["prompt_tokens"] == r.json()["usage"]["prompt_tokens"], value
+        r = await h.post("/v1/chat/completions", json={**base, "continue_final_message": "maybe"})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "continue_final_message"
