@@ -99,6 +99,9 @@ class LogDriver(Driver):
             )
             for b in self.backends:
                 await b.remove_pending(r, keys, expiry, self.now, restore)
+            # an undo can leave a hole in a chain's pending keys (another write's keys
+            # after it): the search is then the backends' shared one, not exact
+            self.raw_dirty[r] = True
             p = self.model.pending.setdefault(r, {})
             for i, k in enumerate(keys):
                 if p.get(k) == expiry:
