@@ -160,11 +160,24 @@ def hf_dir_problem(directory: Path) -> str | None:
     (None if its files are there). Checked when the policy loads: after a reload the
     gateway opens the tokenizer only when a request needs it, so a bad directory was
     accepted and then failed every request. Files are checked, not parsed:
-    ``tokenizer.json`` can be large, and a reload runs on the event loop."""
+    ``tokenizer.json`` can be large, and a reload runs on the event loop; only its first
+    bytes are read, which must open a JSON object (a Git LFS pointer, a clone made without
+    git-lfs, or an HTML error page saved by a download, were accepted and then answered
+    every request with a 500)."""
     if not directory.is_dir():
         return f"{str(directory)!r} is not a directory"
-    if not (directory / "tokenizer.json").is_file():
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.is_file():
         return f"no tokenizer.json in {str(directory)!r}"
+    try:
+        with tok_file.open("rb") as fh:
+            head = fh.read(256).removeprefix(b"\xef\xbb\xbf").lstrip()
+    except OSError as exc:
+        return f"unreadable {str(tok_file)!r}: {exc.strerror or exc}"
+    if head.startswith(b"version https://git-lfs"):
+        return f"{str(tok_file)!r} is a Git LFS pointer, not the file (run git lfs pull)"
+    if not head.startswith(b"{"):
+        return f"{str(tok_file)!r} is not a tokenizer.json (no JSON object)"
     cfg_file = directory / "tokenizer_config.json"
     cfg: Any = {}
     if cfg_file.is_file():  # from_dir reads it for the special tokens even beside a .jinja

@@ -39,3 +39,47 @@ def test_a_tenant_no_api_key_can_name_is_refused(name: str, tmp_path: Path) -> N
 def test_every_name_a_key_can_carry_is_accepted() -> None:
     pol = parse_policy_text("tenants: {acme: {}, a.b-c_1: {}, " + "Z" * 64 + ": {}}\n")
     assert len(pol.tenants) == 3
+
+
+LFS_POINTER = (
+    "version https://git-lfs.github.com/spec/v1\n"
+    "oid sha256:4b9d1c2e0f1a3b5c7d9e1f2a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e\n"
+    "size 9085657\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (LFS_POINTER, "Git LFS pointer"),
+        ("<!DOCTYPE html><html>rate limited</html>\n", "no JSON object"),
+        ("", "no JSON object"),
+    ],
+)
+def test_an_hf_tokenizer_json_that_is_no_json_object_is_refused(
+    content: str, problem: str, tmp_path: Path
+) -> None:
+    """A tokenizer_dir whose tokenizer.json is a Git LFS pointer (a model repo cloned
+    without git-lfs) or a saved error page passed the policy check (files present), and
+    then `POST /admin/policy` answered `reloaded` while every request got a 500 `internal
+    gateway error` (the tokenizer is opened at the first request); at start-up with a
+    healthy replica it was a traceback and exit 3. Refused, naming the field."""
+    from cachecore.tokenizer import HFTokenizer, export_builtin
+
+    tok_dir = tmp_path / "tok"
+    export_builtin(tok_dir)
+    text = f"models: {{pools: {{m: {{tokenizer: hf, tokenizer_dir: '{tok_dir}'}}}}}}\n"
+    parse_policy_text(text)  # the exported directory is accepted
+    (tok_dir / "tokenizer.json").write_text(content)
+    # what the gateway met at the first request (the tokenizers library raises Exception)
+    with pytest.raises(Exception, match=r"."):
+        HFTokenizer.from_dir(tok_dir)
+    with pytest.raises(PolicyError, match=problem) as info:
+        parse_policy_text(text)
+    assert info.value.fields == ["models.pools.m.tokenizer_dir"]
+    f = tmp_path / "p.yaml"
+    f.write_text("routing: {strategy: round_robin}\n")
+    store = PolicyStore(f)
+    with pytest.raises(PolicyError):
+        store.reload_text(text)
+    assert store.policy.models.pool("m").tokenizer == "builtin"
