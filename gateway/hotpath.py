@@ -211,6 +211,11 @@ class HotCycle:
 
     # ---------------------------------------------------------------- ClientConnection
     def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+        if self.waiting_for_100_continue and self.more_body:
+            # answered (401, 413) before the body it never asked for: a client that then
+            # sends its next request, not the body, would have it read as this body and
+            # hang; the answer says close, and the connection closes after it
+            self.keep_alive = False
         parts = _status_and_headers(self.proto, status, headers)
         if not self.keep_alive:
             parts.append(_CLOSE)

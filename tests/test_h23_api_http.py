@@ -138,3 +138,20 @@ async def test_a_connect_request_is_no_upgrade_offer_to_ignore(target: bytes) ->
         assert status == 405
         async with st.http() as h:
             assert (await h.get("/health")).status_code == 200
+
+
+async def test_an_answer_before_an_expected_body_closes_the_connection() -> None:
+    """``Expect: 100-continue`` with a body over the limit was answered 413 without the
+    100, so the client never sent its body, yet the connection stayed open with the parser
+    waiting for that body: the client's next request on it was read as the old body and
+    got no answer. The answer now says ``connection: close`` and the connection closes."""
+    async with stack(count=1, max_body_bytes=1000) as st:
+        reader, writer = await asyncio.open_connection("127.0.0.1", st.gw.settings.port)
+        try:
+            writer.write(HEAD + b"expect: 100-continue\r\ncontent-length: 5000\r\n\r\n")
+            async with asyncio.timeout(5):
+                status, headers, _ = await read_response(reader)
+                assert status == 413 and headers.get(b"connection") == b"close", headers
+                assert await reader.read() == b""  # closed by the gateway
+        finally:
+            writer.close()
