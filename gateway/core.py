@@ -1234,13 +1234,25 @@ class Gateway:
                 now = (await primary.meta(replica)).epoch
             except IndexError_:  # meta reads what an agent wrote as absent: no ValueError
                 continue
-            if now != epoch and self.quarantine.release(replica):
+            if now == epoch:
+                continue
+            if self.quarantine.release(replica):
                 self.metrics.quarantined.labels(replica).set(0)
                 self.metrics.quarantine_changes.labels(replica, "out").inc()
                 log.warning(
                     "replica left quarantine: its index was rebuilt from the engine",
                     extra={"replica": replica, "epoch": now, "was": epoch},
                 )
+            elif self.quarantine.is_quarantined(replica):
+                # its agent can rebuild at will: a rebuild lifts one quarantine, and the
+                # next only once agreeing checks proved the replica since
+                log.warning(
+                    "replica stays quarantined although its index was rebuilt: a rebuild "
+                    "already lifted a quarantine of it since it last proved its claims; "
+                    "quarantine.recover_after agreeing checks release it",
+                    extra={"replica": replica, "epoch": now, "was": epoch},
+                )
+                epoch = now  # said once per rebuild
 
     async def _restored_since_lookup(self, d: Dispatch, first_missing: int) -> LogAnswer | None:
         """Whether the index removed block ``first_missing`` of the claim from ``d.replica``

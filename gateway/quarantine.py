@@ -24,7 +24,11 @@ well: one later than the gateway's clock beyond ``tamper_margin_ms`` is no remov
 (``tampered``), by the same rule (:func:`beyond_agent_clock`).
 A replica with ``k`` bad requests among its last ``m`` checked ones is quarantined: routed
 by load only. It leaves quarantine after ``recover_after`` consecutive checked requests
-whose claims agree.
+whose claims agree, or when its index is rebuilt (:meth:`QuarantineTracker.release`, a new
+epoch: the claims that earned it are gone). A rebuild releases once: its agent can rebuild
+at will, so a replica quarantined again before ``recover_after`` agreeing checks proved it
+since is released by agreeing checks only (a rogue agent that cleared its index at each
+quarantine was back in service within a second, for another ``k`` lies, without end).
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ class _ReplicaClaims:
     # the ``checked`` count of each recent bad check whose removal log could not tell:
     # those within the last unverifiable_window (at most max_unverifiable are kept)
     unverifiable_at: deque[int] = field(default_factory=deque)
+    # released by a rebuild and not proven by recover_after agreeing checks since: its next
+    # quarantine is not lifted by a rebuild (see the module docstring)
+    rebuilt: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,11 +137,14 @@ class QuarantineTracker:
 
     def release(self, replica: str) -> bool:
         """Lift ``replica``'s quarantine and forget its window (its index was rebuilt from
-        the engine: the old claims are gone). Returns whether it was quarantined."""
+        the engine: the old claims are gone). Returns whether it was lifted: not when it
+        was not quarantined, nor when a rebuild already lifted a quarantine of it and no
+        ``recover_after`` agreeing checks proved it since."""
         st = self._replicas.get(replica)
-        if st is None or not st.quarantined:
+        if st is None or not st.quarantined or st.rebuilt:
             return False
         st.quarantined = False
+        st.rebuilt = True
         st.window.clear()
         st.agreeing = 0
         st.unverifiable_at.clear()
@@ -170,12 +180,15 @@ class QuarantineTracker:
         while len(st.window) > p.m:
             st.window.popleft()
         st.agreeing = 0 if bad else st.agreeing + 1
+        if st.rebuilt and not st.quarantined and st.agreeing >= p.recover_after:
+            st.rebuilt = False  # proven since its rebuild: a rebuild may lift a quarantine
         if not st.quarantined and sum(st.window) >= p.k:
             st.quarantined = True
             st.agreeing = 0
             return True
         if st.quarantined and st.agreeing >= p.recover_after:
             st.quarantined = False
+            st.rebuilt = False
             st.window.clear()
             st.unverifiable_at.clear()
             return False

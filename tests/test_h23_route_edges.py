@@ -10,6 +10,7 @@ import pytest
 from cachecore.index.base import PrefixMatch
 from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients, LoadView, OnlineFit, features
+from gateway.quarantine import ClaimCheck, QuarantineTracker
 from gateway.routing import (
     Candidate,
     NoCandidateError,
@@ -18,6 +19,7 @@ from gateway.routing import (
     RoutingParams,
     rendezvous_weight,
 )
+from policies.schema import QuarantinePolicy
 from tests.test_upstream_faults import FakeReplica, completion, gateway
 
 pytestmark = pytest.mark.timeout(60)
@@ -124,3 +126,30 @@ def test_a_replica_that_keeps_misreporting_does_not_open_the_fit() -> None:
             fit.update(*next(honest))
     assert fit._resid_var < 100.0
     assert fit.coefficients().prefill_ms_per_token == pytest.approx(0.25, rel=0.05)
+
+
+def test_a_rebuild_lifts_one_quarantine_not_every_one() -> None:
+    """A rogue agent lies k times, is quarantined, clears its index (a new epoch: the
+    gateway calls release) and lies again: each rebuild lifted the quarantine at once, so
+    it misrouted k requests per rebuild without end. A rebuild now lifts one quarantine;
+    the next needs recover_after agreeing checks, after which a rebuild may lift again."""
+    q = QuarantineTracker(QuarantinePolicy(k=3, m=5, recover_after=3))
+    bad, agree = ClaimCheck("r", 10, 0, 10), ClaimCheck("r", 10, 10, 10)
+    for _ in range(3):
+        q.observe(bad)
+    assert q.is_quarantined("r")
+    assert q.release("r") and not q.is_quarantined("r")  # an honest rebuild: at once
+    for _ in range(3):
+        q.observe(bad)
+    assert q.is_quarantined("r")
+    assert not q.release("r")  # rebuilt again without proving itself: stays
+    assert q.is_quarantined("r")
+    assert [q.observe(agree) for _ in range(3)] == [None, None, False]  # proven
+    for _ in range(3):
+        q.observe(bad)
+    assert q.release("r")  # proven since: a rebuild lifts this one
+    for _ in range(3):  # proven after a rebuild while in service: the same
+        q.observe(agree)
+    for _ in range(3):
+        q.observe(bad)
+    assert q.release("r")
