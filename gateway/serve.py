@@ -76,6 +76,16 @@ def default_agent_hook() -> AgentHook | None:
     return hook if callable(hook) else None
 
 
+@contextlib.contextmanager
+def _naming_redis_url() -> Iterator[None]:
+    """A Redis URL the client refuses names the setting it came from: redis-py's own
+    message ("Port could not be cast to integer value as 'abc'") read as --port's."""
+    try:
+        yield
+    except ValueError as exc:
+        raise ValueError(f"--redis (KVGATE_REDIS_URL): {exc}") from None
+
+
 def build_gateway(
     settings: GatewaySettings,
     *,
@@ -120,9 +130,10 @@ def build_gateway(
                     " the Redis that holds the key hash <prefix>:apikeys"
                 )
             # one hash, one slot: plain HGETs, alike on standalone and Cluster
-            redis_keys = redis_client(
-                url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25
-            )
+            with _naming_redis_url():
+                redis_keys = redis_client(
+                    url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25
+                )
         key_store = KeyStore(
             redis=redis_keys,
             open_access=settings.open_access,
@@ -141,11 +152,13 @@ def build_gateway(
             "no API keys configured: pass --api-keys FILE, --api-keys-redis, or --open"
         )
     if index is None and url:
-        index = RedisIndex.from_url(url, layout, cluster=cluster)
+        with _naming_redis_url():
+            index = RedisIndex.from_url(url, layout, cluster=cluster)
     if load_store is None:
-        load_store = (
-            RedisLoadStore.from_url(url, layout, cluster=cluster) if url else MemoryLoadStore()
-        )
+        with _naming_redis_url():
+            load_store = (
+                RedisLoadStore.from_url(url, layout, cluster=cluster) if url else MemoryLoadStore()
+            )
     registry = None
     if settings.discover:
         if not url:

@@ -68,3 +68,22 @@ def test_a_bad_allowlist_entry_is_one_line_and_exit_2(
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and problem in lines[0] and "KVGATE_REPLICA_ALLOWLIST" in lines[0]
     assert "--allow" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://127.0.0.1:abc/0", "Port could not be cast to integer value as 'abc'"),
+        ("redis://127.0.0.1:6379/x", "database must be a number"),
+        ("http://127.0.0.1:6379", "Redis URL must specify one of the following schemes"),
+    ],
+)
+def test_a_bad_redis_url_names_its_setting(
+    url: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate serve --redis redis://host:abc/0` said only "Port could not be cast to
+    integer value as 'abc'" (redis-py's words), which reads as a problem with --port."""
+    assert main(["serve", "--open", "--port", "0", "--redis", url]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("kvgate serve: --redis (KVGATE_REDIS_URL): ")
+    assert problem in last
