@@ -16,6 +16,11 @@ process and grows by one per batch). Every accepted batch goes, in seq order, to
   restarted: clear, then catch up from seq 0. Without a replay endpoint a lower seq is taken
   as a restart (facts §1).
 * A changed ``process_start_time_seconds`` (periodic scrape) is a restart too.
+* A live batch the engine's replay does not hold (the replay completed, and ended below its
+  seq) was published by a previous engine process: the engine appends each batch to its
+  replay buffer as it publishes it, so a batch we already hold is in the buffer, or newer
+  ones are. Such a batch (still queued in the SUB socket when the engine restarted) is
+  dropped as stale; applied, it put the dead process's blocks in the new one's index.
 
 Malformed messages are dropped before any of this, so they can never move the tracking.
 The live SUB socket is connected before any replay is requested and is not read while a
@@ -101,6 +106,9 @@ class EventStream:
         self.lock = asyncio.Lock()
         self.caught_up = asyncio.Event()
         self._stale_until = 0.0
+        # the last replay: whether it completed, and the highest seq it returned (-1: none)
+        self._replay_completed = False
+        self._replay_high = -1
         self._drop_log = RateLimitedLog()
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -265,6 +273,8 @@ class EventStream:
             outcome = await self._replay_and_apply(start, verify=verify)
             if outcome == "restarted":
                 await self.restart("replay_identity")
+            if self._not_held(seq):
+                return
         await self._accept_ordered(seq, batch, digest)
 
     async def _on_backwards(self, seq: int, batch: EventBatch, digest: int) -> None:
@@ -289,7 +299,24 @@ class EventStream:
             )
             return
         await self.restart("lower_seq")
+        if self._not_held(seq):
+            return
         await self._accept_ordered(seq, batch, digest)
+
+    def _not_held(self, seq: int) -> bool:
+        """Whether live batch ``seq`` is not the engine's: its replay, just completed,
+        ended below it (see the module docstring). Counted as stale."""
+        if not (self._replay_completed and self._replay_high < seq):
+            return False
+        self.metrics.stale_batches.inc()
+        self._drop_log.warn(
+            "not_held",
+            "ignored a batch the engine's replay does not hold: from a previous engine process",
+            replica=self.name,
+            seq=seq,
+            replay_high=self._replay_high,
+        )
+        return True
 
     # -------------------------------------------------------------- ordering
 
@@ -328,6 +355,8 @@ class EventStream:
         has nothing newer), ``"ok"`` (complete), or why it stopped (``"no_replay"``,
         ``"timeout"``, ...; batches received until then were applied).
         """
+        self._replay_completed = False
+        self._replay_high = -1
         if self.replay is None:
             return "no_replay"
         result = ReplayResult()
@@ -341,6 +370,7 @@ class EventStream:
                 if isinstance(item, MalformedEventError):
                     self._drop(item, "replay")
                     continue
+                self._replay_high = max(self._replay_high, item.seq)
                 batch = self._decode(item, "replay")
                 if batch is None:
                     continue
@@ -363,6 +393,7 @@ class EventStream:
         finally:
             with contextlib.suppress(Exception):
                 await gen.aclose()
+        self._replay_completed = result.completed
         outcome = "ok" if result.completed else (result.stopped or "stopped")
         if verify and not verified and result.completed:
             # the engine holds nothing at or after our last batch: its seq went back
