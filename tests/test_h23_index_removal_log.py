@@ -1,5 +1,6 @@
 """The removal log when the agent's clock steps back (its ``now_ms`` is wall-clock time, which
-NTP may step): both backends, a real redis-server for RedisIndex."""
+NTP may step), and pending expiries set back by a withdrawal: both backends, a real
+redis-server for RedisIndex."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cachecore.index.base import PrefixIndex
+from cachecore.index.base import PrefixIndex, ReplicaState
 from cachecore.index.memory import MemoryIndex
 from cachecore.lifecycle import IndexWrite
 from tests.test_index_backends import KEYS, make_index
@@ -57,5 +58,23 @@ async def test_both_backends_trim_the_log_alike_after_the_clock_stepped_back(
     assert (await index.removal_floor("a")).floor_ms == T - 1
     assert await index.removal_times("a", ks, T) == [T, T, T, T, None]
     assert await index.removal_times("a", ks, T - 1) is None
+    if isinstance(index, MemoryIndex):
+        index.check_invariants()
+
+
+async def test_a_later_add_does_not_lower_an_expiry_a_withdrawal_restored(
+    index: PrefixIndex,
+) -> None:
+    """remove_pending may set a key back to a later expiry than any add gave (``restore``:
+    another write's); an add with an expiry between must not lower it (``ZADD GT``). The
+    memory backend's fast path for an add "later than every expiry held" did, while Redis
+    kept it, so the two answered differently."""
+    await index.set_state("a", ReplicaState.LIVE, 0)
+    keys = KEYS[:3]
+    await index.add_pending("a", keys, 100, 0)  # expiry 100
+    await index.remove_pending("a", keys, 100, 0, restore=[500, 500, 500])
+    await index.add_pending("a", keys, 200, 0)  # expiry 200 < 500: GT keeps 500
+    got = await index.lookup(keys, ["a"], 300)
+    assert got["a"].pending_blocks == 3
     if isinstance(index, MemoryIndex):
         index.check_invariants()

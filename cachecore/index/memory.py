@@ -159,6 +159,9 @@ class _Pending:
             else:
                 del exp[k]
         for to, ks in back.items():
+            # a restored expiry may be later than any add gave: add()'s fast path must
+            # not take a later, lower one for "later than every expiry held"
+            self._max_expiry = max(self._max_expiry, to)
             self._seq += 1
             heapq.heappush(self._heap, (to, self._seq, tuple(ks)))
             self._heap_keys += len(ks)
