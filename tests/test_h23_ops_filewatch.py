@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.auth import KeyFileError, KeyStore, hash_key
 from gateway.filewatch import FileVersion, file_version
 from gateway.policy_store import PolicyStore
 from gateway.routing import Strategy
@@ -39,6 +40,28 @@ def test_a_permission_fix_alone_is_a_change(tmp_path: Path) -> None:
     store.reload_file()
     assert store.policy.routing.strategy is Strategy.LEAST_LOADED
     assert store.last_error is None
+
+
+def test_an_api_key_file_whose_permissions_are_fixed_is_read_again(tmp_path: Path) -> None:
+    """The key file watcher shares the version: a key file refused as unreadable, then
+    fixed by chmod alone, is read again at the watcher's looks (it changed, then kept
+    still), where before its version never moved and the new keys never came in."""
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"keys:\n  - {{sha256: {hash_key('sk-old')}, tenant: acme}}\n")
+    store = KeyStore(key_file=f)
+    f.write_text(f"keys:\n  - {{sha256: {hash_key('sk-new')}, tenant: acme}}\n")
+    f.chmod(0o000)
+    if os.geteuid() != 0:  # root reads it anyway
+        with pytest.raises(KeyFileError):
+            store.reload_file()
+    else:
+        store.reload_file()
+    reloads = store.reloads
+    assert store.poll_file() is None  # nothing changed since that read
+    f.chmod(0o644)
+    assert store.poll_file() is None  # changed: seen, and read once it keeps still
+    assert store.poll_file() is not None
+    assert store.reloads == reloads + 1
 
 
 class _LookingStore(PolicyStore):
