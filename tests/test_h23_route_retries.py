@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from gateway.errors import GatewayError
 from tests.test_upstream_faults import FakeReplica, completion, gateway
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,3 +52,23 @@ async def test_a_replica_taken_out_during_the_lookup_is_not_routed_to(
         d = await gw.prepare("completion", "anonymous", body, {}, "r", True)
         assert d.index_source != "none"  # the lookup ran
         assert d.replica != gone
+
+
+async def test_the_only_replica_cordoned_during_the_lookup_is_a_503() -> None:
+    """With nothing routable left after the lookup the request is refused as it would
+    have been had the cordon come first (503 no_replica), not sent to the cordoned one."""
+    async with gateway([FakeReplica()]) as (gw, _):
+        assert gw.pool is not None and gw.index is not None
+        pool, index = gw.pool, gw.index
+        only = pool.all()[0].id
+        real = index.lookup
+
+        async def lookup_while_cordoning(*args: Any, **kw: Any) -> Any:
+            pool.cordon(only)
+            return await real(*args, **kw)
+
+        index.lookup = lookup_while_cordoning  # type: ignore[method-assign]
+        body = completion("a prompt long enough to have block keys " * 10)
+        with pytest.raises(GatewayError) as err:
+            await gw.prepare("completion", "anonymous", body, {}, "r", True)
+        assert (err.value.status, err.value.code) == (503, "no_replica")
