@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cachecore.index.base import NO_MATCH, PrefixMatch
 from cachecore.lifecycle import Tier
-from cachecore.scoring import Coefficients, LoadView
+from cachecore.scoring import Coefficients, LoadView, OnlineFit
 from gateway.routing import (
     Candidate,
     NoCandidateError,
@@ -112,3 +112,33 @@ def test_every_decision_holds_the_routing_contract(
     best = max(s.predicted_cached_tokens for s in d.scores)
     if cold is not None and best < RoutingParams().cold_fraction * prompt:
         assert d.replica in cold  # a confined tenant's cold request: its replicas only
+
+
+_FEATURE = st.one_of(st.floats(0, 1e4), st.floats(0, 2.0**64))
+_OBSERVED = st.one_of(
+    st.floats(0, 1e7),  # a TTFT on the gateway's clock (its timeouts bound it)
+    st.sampled_from([-1.0, math.nan, math.inf, -math.inf]),
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    samples=st.lists(
+        st.tuples(st.tuples(_FEATURE, _FEATURE, _FEATURE, _FEATURE), _OBSERVED), max_size=60
+    ),
+    min_samples=st.integers(1, 30),
+)
+def test_the_online_fit_stays_in_its_box_whatever_it_is_fed(
+    samples: list[tuple[tuple[float, float, float, float], float]], min_samples: int
+) -> None:
+    """OnlineFit's invariant (the coefficients within [prior / bound, prior * bound]) and
+    a finite state, whatever engines report (64-bit counts) and whatever is observed."""
+    fit = OnlineFit(C, min_samples=min_samples)
+    prior = C.as_vector()
+    for x, observed in samples:
+        fit.update([1.0, *x], observed)
+        got = fit.coefficients().as_vector()
+        box = [(p / 4 * (1 - 1e-12), p * 4 * (1 + 1e-12)) for p in prior]  # float rounding
+        assert all(lo <= v <= hi for v, (lo, hi) in zip(got, box, strict=True)), got
+        assert all(math.isfinite(v) for row in fit._p for v in row)
+        assert math.isfinite(fit._resid_var)
