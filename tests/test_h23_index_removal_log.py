@@ -78,3 +78,28 @@ async def test_a_later_add_does_not_lower_an_expiry_a_withdrawal_restored(
     assert got["a"].pending_blocks == 3
     if isinstance(index, MemoryIndex):
         index.check_invariants()
+
+
+async def test_the_memory_removal_log_sheds_its_stale_heap_items() -> None:
+    """A key removed again and again leaves one heap item per removal, all but the last
+    stale: past a bound the heap is rebuilt from the log, which must still trim and answer
+    as before (the log's invariants hold)."""
+    index = MemoryIndex(removal_log=4)
+    ks = KEYS[:3]
+    t = T
+    for _ in range(700):  # 2,100 removals of three keys
+        for k in ks:
+            await index.apply("a", 0, IndexWrite({k: 1}), t)
+            await index.apply("a", 0, IndexWrite({k: 0}), t + 1)
+            t += 2
+    rep = index._replicas["a"]
+    assert len(rep.removed_heap) <= 2 * len(rep.removed) + 1024
+    index.check_invariants()
+    assert await index.removal_times("a", ks, T) == [t - 5, t - 3, t - 1]
+    await index.apply("a", 0, IndexWrite(dict.fromkeys(KEYS[3:6], 1)), t)
+    await index.apply("a", 0, IndexWrite(dict.fromkeys(KEYS[3:6], 0)), t + 1)
+    # a log of 4 holds the three latest and one of the earlier ones: the lowest trimmed
+    assert await index.removal_times("a", ks, T) is None
+    assert (await index.removal_floor("a")).floor_ms == t - 3
+    assert await index.removal_times("a", [ks[2], *KEYS[3:6]], t - 2) == [t - 1] + [t + 1] * 3
+    index.check_invariants()
