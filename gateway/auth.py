@@ -31,11 +31,11 @@ from redis.exceptions import RedisClusterException, RedisError
 from cachecore.tasks import cancel_and_wait
 from gateway.filewatch import file_version
 from gateway.limits import TokenBucket
+from policies.schema import TENANT_NAME as _TENANT  # one rule for keys and policy tenants
 
 log = logging.getLogger(__name__)
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
-_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 ANONYMOUS = "anonymous"
 _CACHE_MAX = 10_000  # Redis answers kept (a made-up key's refusal is one too)
 _REDIS_RETRY_S = 1.0  # after a failed Redis lookup, the next one waits this long

@@ -362,7 +362,8 @@ class PrecisionPolicy(_Section):
     warn_interval_s: PositiveFloat = 30.0
 
 
-# a tenant name, as API keys (file or Redis hash) must give it: gateway.auth's _TENANT
+# a tenant name, as API keys (file or Redis hash) must give it: gateway.auth checks keys'
+# tenants with this one
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 
 
