@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import functools
 import importlib
 import logging
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
+from cachecore.replica.settings import ReplicaSettings
 from gateway.app import create_app
 from gateway.auth import KeyStore
 from gateway.core import AgentHook, Gateway
@@ -442,6 +444,31 @@ def embedded_agent_settings_error(specs: Sequence[ReplicaSpec]) -> str | None:
     return None
 
 
+# KVGATE_* variables that are not settings but read by the load tools
+OTHER_KVGATE_VARIABLES = frozenset({"KVGATE_TRACE_DIR", "KVGATE_SYSTEMS"})
+OTHER_KVGATE_PREFIXES = ("KVGATE_LOCUST_",)
+
+
+def unknown_settings(environ: Mapping[str, str]) -> list[str]:
+    """One warning per ``KVGATE_*`` variable that no kvgate settings read (the gateway's,
+    its embedded agents' ``KVGATE_AGENT_*``, the replicas' ``KVGATE_REPLICA_*``), with the
+    nearest known name: pydantic-settings ignores them, so ``KVGATE_POLICY_FILE=strict.yaml``
+    served the default policy without a word."""
+    known: set[str] = set(OTHER_KVGATE_VARIABLES)
+    for cls in (GatewaySettings, AgentSettings, ReplicaSettings):
+        prefix = str(cls.model_config.get("env_prefix", "")).upper()
+        known.update(prefix + name.upper() for name in cls.model_fields)
+    out = []
+    for name in sorted(environ):
+        var = name.upper()  # pydantic-settings reads the names case-insensitively
+        if not var.startswith("KVGATE_") or var in known or var.startswith(OTHER_KVGATE_PREFIXES):
+            continue
+        near = difflib.get_close_matches(var, sorted(known), n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        out.append(f"{name} is no kvgate setting: ignored{hint}")
+    return out
+
+
 def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:
     """The start-up line (level, message) of a gateway with no static replica: with
     discovery and an allowlist the replicas come from the agents' registrations (not a
@@ -471,6 +498,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call
+    for warning in unknown_settings(os.environ):
+        log.warning(warning)
     try:
         # held from here on and handed to uvicorn: a check that closed them again left a
         # window (the gateway's start-up) for another process to take the port

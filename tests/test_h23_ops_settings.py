@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 from pydantic import ValidationError
 
@@ -87,3 +92,34 @@ def test_a_bad_redis_url_names_its_setting(
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("kvgate serve: --redis (KVGATE_REDIS_URL): ")
     assert problem in last
+
+
+def test_a_misspelled_setting_is_warned_about_with_the_name_meant() -> None:
+    """`KVGATE_POLICY_FILE=isolation-strict.yaml` (for KVGATE_POLICY) was ignored without a
+    word by pydantic-settings: the gateway served the default policy, none of the strict
+    one's isolation or limits. Each KVGATE_* variable no kvgate settings read is now a
+    start-up warning naming the nearest setting; the agents' and replicas' are known."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("KVGATE_")}
+    env.update(
+        KVGATE_POLICY_FILE="policies/isolation-strict.yaml",
+        kvgate_admin_keyy="x",  # names are read case-insensitively
+        KVGATE_AGENT_REMOVAL_LOG="1000",  # the embedded agents' setting
+        KVGATE_REPLICA_PROFILE="8b-h100",  # kvgate replica's
+        KVGATE_TRACE_DIR="/tmp",  # the load tools'
+    )
+    with socket.socket() as held:  # a port in use: serve stops right after its start-up lines
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--open", "--plain-logs",
+             "--port", str(port)],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "no kvgate setting" in line]
+    assert len(warnings) == 2, proc.stderr
+    assert warnings[0].endswith(
+        "KVGATE_POLICY_FILE is no kvgate setting: ignored; did you mean KVGATE_POLICY?"
+    )
+    assert warnings[1].endswith("did you mean KVGATE_ADMIN_KEY?")
