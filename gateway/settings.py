@@ -138,6 +138,15 @@ class GatewaySettings(BaseSettings):
             raise ValueError("contains a control character, which no HTTP header carries")
         return SecretStr(text)
 
+    @field_validator("upstream_api_key", mode="after")
+    @classmethod
+    def _upstream_key_given(cls, value: SecretStr | None) -> SecretStr | None:
+        # an empty one (a secret file mounted empty) was sent as "Bearer " to every
+        # replica: an engine started with --api-key refused every request (401)
+        if value is not None and not value.get_secret_value():
+            raise ValueError("empty (a secret mounted empty?): unset it to send no key")
+        return value
+
     @field_validator("host")
     @classmethod
     def _host(cls, value: str) -> str:

@@ -123,3 +123,17 @@ def test_a_misspelled_setting_is_warned_about_with_the_name_meant() -> None:
         "KVGATE_POLICY_FILE is no kvgate setting: ignored; did you mean KVGATE_POLICY?"
     )
     assert warnings[1].endswith("did you mean KVGATE_ADMIN_KEY?")
+
+
+@pytest.mark.parametrize("value", ["", "\n", "  \n"])
+def test_an_empty_upstream_api_key_is_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVGATE_UPSTREAM_API_KEY from a secret mounted empty (or holding only its newline)
+    was accepted and sent to every replica as `authorization: Bearer `: an engine run with
+    --api-key answered every request 401. Refused at start-up, naming the variable."""
+    monkeypatch.setenv("KVGATE_UPSTREAM_API_KEY", value)
+    with pytest.raises(ValidationError) as info:
+        GatewaySettings()
+    assert "upstream_api_key (KVGATE_UPSTREAM_API_KEY): empty" in settings_error(info.value)
+    monkeypatch.setenv("KVGATE_UPSTREAM_API_KEY", "sk-engine\n")  # a key file's newline
+    secret = GatewaySettings().upstream_api_key
+    assert secret is not None and secret.get_secret_value() == "sk-engine"
