@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -350,7 +349,8 @@ def start_gateway_process(
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", type=Path, help="policy YAML (default: policies/default.yaml)")
+    # paths as text: the settings make them Paths and refuse an empty one ('' was '.')
+    parser.add_argument("--policy", help="policy YAML (default: policies/default.yaml)")
     parser.add_argument(
         "--replica",
         action="append",
@@ -374,7 +374,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--allow", action="append", default=[], metavar="[ID=]URL",
         help="a replica URL agents may register (besides the --replica ones)",
     )  # fmt: skip
-    parser.add_argument("--api-keys", dest="api_keys_file", type=Path, help="API key hash file")
+    parser.add_argument("--api-keys", dest="api_keys_file", help="API key hash file")
     parser.add_argument("--api-keys-redis", action="store_true", help="API key hashes in Redis")
     parser.add_argument("--open", dest="open_access", action="store_true", help="no API keys")
     parser.add_argument("--admin-key", help="admin key (prefer KVGATE_ADMIN_KEY)")
@@ -385,7 +385,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-id")
     parser.add_argument("--otel-endpoint")
     parser.add_argument(
-        "--trace-out", type=Path, help="append one JSON line per answered request (trace analyze)"
+        "--trace-out", help="append one JSON line per answered request (trace analyze)"
     )
     parser.add_argument("--log-level", type=log_level)
     parser.add_argument("--plain-logs", action="store_true", help="text logs instead of JSON")

@@ -147,6 +147,15 @@ class GatewaySettings(BaseSettings):
             raise ValueError("empty (a secret mounted empty?): unset it to send no key")
         return value
 
+    @field_validator("policy", "api_keys_file", "trace_out", mode="before")
+    @classmethod
+    def _path_given(cls, value: object) -> object:
+        # an empty value (a template's unset variable) was the path ".": "invalid policy .:
+        # Is a directory", or "--open and API keys exclude each other" for no key file
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("empty: give a file, or unset the variable")
+        return value
+
     @field_validator("host")
     @classmethod
     def _host(cls, value: str) -> str:

@@ -137,3 +137,31 @@ def test_an_empty_upstream_api_key_is_refused(value: str, monkeypatch: pytest.Mo
     monkeypatch.setenv("KVGATE_UPSTREAM_API_KEY", "sk-engine\n")  # a key file's newline
     secret = GatewaySettings().upstream_api_key
     assert secret is not None and secret.get_secret_value() == "sk-engine"
+
+
+@pytest.mark.parametrize(
+    ("variable", "flag"),
+    [
+        ("KVGATE_POLICY", "--policy"),
+        ("KVGATE_API_KEYS_FILE", "--api-keys"),
+        ("KVGATE_TRACE_OUT", "--trace-out"),
+    ],
+)
+def test_an_empty_path_is_refused_as_empty(
+    variable: str,
+    flag: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An empty path (`KVGATE_POLICY=` from a template's unset variable, or `--policy ''`)
+    was the path '.': "invalid policy .: Is a directory", "cannot write --trace-out .", and
+    with --open an empty KVGATE_API_KEYS_FILE read as a key file: "open access and API
+    keys exclude each other". Each now says the value is empty."""
+    field = variable.removeprefix("KVGATE_").lower()
+    expected = [f"kvgate serve: {field} ({variable}): empty: give a file, or unset the variable"]
+    monkeypatch.setenv(variable, "")
+    assert main(["serve", "--open", "--port", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == expected
+    monkeypatch.delenv(variable)
+    assert main(["serve", "--open", "--port", "0", flag, ""]) == 2
+    assert capsys.readouterr().err.splitlines() == expected
