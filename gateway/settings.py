@@ -156,6 +156,15 @@ class GatewaySettings(BaseSettings):
             raise ValueError("empty: give a file, or unset the variable")
         return value
 
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _redis_url_given(cls, value: object) -> object:
+        # an empty one (a template's unset variable) ran the gateway on its embedded index
+        # without a word: no shared index, load or in-flight records with the others
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("empty: give a redis:// URL, or unset it for the embedded index")
+        return value
+
     @field_validator("host")
     @classmethod
     def _host(cls, value: str) -> str:

@@ -165,3 +165,23 @@ def test_an_empty_path_is_refused_as_empty(
     monkeypatch.delenv(variable)
     assert main(["serve", "--open", "--port", "0", flag, ""]) == 2
     assert capsys.readouterr().err.splitlines() == expected
+
+
+def test_an_empty_redis_url_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`KVGATE_REDIS_URL=` (or `--redis ''`) ran the gateway on its embedded index without
+    a word: a production gateway meant to share Redis routed from its own decisions
+    alone, its in-flight counts and load invisible to the others."""
+    monkeypatch.setenv("KVGATE_REDIS_URL", "")
+    with pytest.raises(ValidationError):  # checked first: unrefused, main() would serve
+        GatewaySettings()
+    assert main(["serve", "--open", "--port", "0"]) == 2
+    expected = (
+        "kvgate serve: redis_url (KVGATE_REDIS_URL): empty: give a redis:// URL, or unset"
+        " it for the embedded index"
+    )
+    assert capsys.readouterr().err.splitlines() == [expected]
+    monkeypatch.delenv("KVGATE_REDIS_URL")
+    assert main(["serve", "--open", "--port", "0", "--redis", " "]) == 2
+    assert capsys.readouterr().err.splitlines() == [expected]
