@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
+from cachecore.loadstate import validate_gateway_id
 from cachecore.registry import ReplicaAllowlist
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
 from gateway.replicas import AGENT_ENDPOINT_SCHEMES
@@ -163,6 +164,15 @@ class GatewaySettings(BaseSettings):
         # without a word: no shared index, load or in-flight records with the others
         if isinstance(value, str) and not value.strip():
             raise ValueError("empty: give a redis:// URL, or unset it for the embedded index")
+        return value
+
+    @field_validator("gateway_id")
+    @classmethod
+    def _gateway_id(cls, value: str | None) -> str | None:
+        # the load store refuses it at every write: the gateway served, and its in-flight
+        # records never reached Redis (a warning every refresh)
+        if value:
+            validate_gateway_id(value)
         return value
 
     @field_validator("host")

@@ -185,3 +185,19 @@ def test_an_empty_redis_url_is_refused(
     monkeypatch.delenv("KVGATE_REDIS_URL")
     assert main(["serve", "--open", "--port", "0", "--redis", " "]) == 2
     assert capsys.readouterr().err.splitlines() == [expected]
+
+
+@pytest.mark.parametrize("gateway_id", ["gw 1", "gw:1", "gw{1}"])
+def test_a_gateway_id_the_load_store_refuses_is_refused_at_start(
+    gateway_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--gateway-id 'gw 1'` (KVGATE_GATEWAY_ID) was accepted; the load store then refused
+    it at every write ("load store refresh failed ... invalid gateway id" every refresh):
+    the gateway served, and its in-flight records never reached Redis, so the other
+    gateways routed blind to its load."""
+    with pytest.raises(ValidationError) as info:
+        GatewaySettings(gateway_id=gateway_id)
+    assert "gateway_id (KVGATE_GATEWAY_ID): invalid gateway id" in settings_error(info.value)
+    assert main(["serve", "--open", "--port", "0", "--gateway-id", gateway_id]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
+    assert GatewaySettings(gateway_id="gw-eu.1_a").gateway_id == "gw-eu.1_a"
