@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -173,6 +174,16 @@ class GatewaySettings(BaseSettings):
         # records never reached Redis (a warning every refresh)
         if value:
             validate_gateway_id(value)
+        return value
+
+    @field_validator("otel_endpoint")
+    @classmethod
+    def _otel_endpoint(cls, value: str | None) -> str | None:
+        # else accepted, and every span batch failed to export (an ERROR each batch)
+        if value:
+            url = urlsplit(value)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError("not an http(s) URL with a host (the OTLP/HTTP traces endpoint)")
         return value
 
     @field_validator("host")

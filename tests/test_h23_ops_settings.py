@@ -201,3 +201,17 @@ def test_a_gateway_id_the_load_store_refuses_is_refused_at_start(
     assert main(["serve", "--open", "--port", "0", "--gateway-id", gateway_id]) == 2
     assert len(capsys.readouterr().err.splitlines()) == 1
     assert GatewaySettings(gateway_id="gw-eu.1_a").gateway_id == "gw-eu.1_a"
+
+
+@pytest.mark.parametrize("endpoint", ["notaurl", "http://", "grpc://collector:4317"])
+def test_an_otel_endpoint_that_is_no_http_url_is_refused(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KVGATE_OTEL_ENDPOINT=notaurl` (or a gRPC endpoint: the exporter is OTLP/HTTP) was
+    accepted, and every span batch then failed to export, an ERROR line each batch."""
+    monkeypatch.setenv("KVGATE_OTEL_ENDPOINT", endpoint)
+    with pytest.raises(ValidationError) as info:
+        GatewaySettings()
+    assert "otel_endpoint (KVGATE_OTEL_ENDPOINT): not an http(s) URL" in settings_error(info.value)
+    monkeypatch.setenv("KVGATE_OTEL_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
+    assert GatewaySettings().otel_endpoint == "http://127.0.0.1:4318/v1/traces"
