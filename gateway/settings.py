@@ -93,7 +93,7 @@ class GatewaySettings(BaseSettings):
     read_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # between two chunks of a response
     max_body_bytes: Annotated[int, Field(ge=1)] = 8 * 1024 * 1024
     # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread
-    tokenize_offload_chars: int = OFFLOAD_CHARS
+    tokenize_offload_chars: Annotated[int, Field(ge=0)] = OFFLOAD_CHARS
     # extra replicas tried when a connection fails before the first byte
     retries: Annotated[int, Field(ge=0)] = 2
     drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0

@@ -215,3 +215,16 @@ def test_an_otel_endpoint_that_is_no_http_url_is_refused(
     assert "otel_endpoint (KVGATE_OTEL_ENDPOINT): not an http(s) URL" in settings_error(info.value)
     monkeypatch.setenv("KVGATE_OTEL_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
     assert GatewaySettings().otel_endpoint == "http://127.0.0.1:4318/v1/traces"
+
+
+def test_a_negative_offload_threshold_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVGATE_TOKENIZE_OFFLOAD_CHARS=-5 was accepted (a character count below zero: every
+    prompt went to the worker thread), where every other count setting is range-checked."""
+    monkeypatch.setenv("KVGATE_TOKENIZE_OFFLOAD_CHARS", "-5")
+    with pytest.raises(ValidationError) as info:
+        GatewaySettings()
+    assert "tokenize_offload_chars (KVGATE_TOKENIZE_OFFLOAD_CHARS): Input should be greater" in (
+        settings_error(info.value)
+    )
+    monkeypatch.setenv("KVGATE_TOKENIZE_OFFLOAD_CHARS", "0")  # 0: every uncached text
+    assert GatewaySettings().tokenize_offload_chars == 0
