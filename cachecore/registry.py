@@ -174,9 +174,10 @@ class ReplicaAllowlist:
                 ok.append(reg)
             else:
                 rejected.append(Rejection(reg.replica_id, reg.url, reason))
-        claims: dict[tuple[str, int | None], list[Registration]] = {}
+        claims: dict[tuple[str, int], list[Registration]] = {}
         for reg in ok:
-            claims.setdefault((reg.normalized_url, reg.dp_rank), []).append(reg)
+            # no rank is rank 0 (as allows() reads it): one engine, one claim
+            claims.setdefault((reg.normalized_url, reg.dp_rank or 0), []).append(reg)
         accepted: list[Registration] = []
         for regs in claims.values():
             if len(regs) == 1:
