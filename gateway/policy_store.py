@@ -53,7 +53,7 @@ class PolicyStore:
             policy = load_policy(self.path, allow_empty=False)
             self._check(policy, str(self.path))
         except PolicyError as exc:
-            self.last_error = str(exc)
+            self._refused(exc)
             raise
         self.apply(policy)
         return policy
@@ -63,10 +63,16 @@ class PolicyStore:
             policy = parse_policy_text(text, source, allow_empty=False)
             self._check(policy, source)
         except PolicyError as exc:
-            self.last_error = str(exc)
+            self._refused(exc)
             raise
         self.apply(policy)
         return policy
+
+    def _refused(self, exc: PolicyError) -> None:
+        # logged here, for the file watcher and POST /admin/policy alike: a refused POST
+        # was only the caller's 400, nothing in the log an operator audits
+        self.last_error = str(exc)
+        log.error("policy reload failed; keeping the old policy", extra={"error": str(exc)})
 
     def _check(self, policy: Policy, source: str) -> None:
         problems = self.check(policy) if self.check is not None else []
@@ -100,8 +106,7 @@ class PolicyStore:
                     continue
                 log.info("policy reloaded", extra={"path": str(self.path)})
                 on_result(True, "")
-            except PolicyError as exc:
-                log.error("policy reload failed; keeping the old policy", extra={"error": str(exc)})
+            except PolicyError as exc:  # logged by _refused
                 on_result(False, str(exc))
             except Exception as exc:  # a bug of ours: logged, and the watcher lives on
                 log.exception("policy reload failed; keeping the old policy")

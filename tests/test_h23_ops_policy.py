@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,50 @@ def test_an_hf_tokenizer_json_that_is_no_json_object_is_refused(
     with pytest.raises(PolicyError):
         store.reload_text(text)
     assert store.policy.models.pool("m").tokenizer == "builtin"
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        str(getattr(r, "error", ""))
+        for r in caplog.records
+        if r.levelname == "ERROR" and r.getMessage().startswith("policy reload failed")
+    ]
+
+
+def test_a_refused_admin_reload_is_logged_once_as_a_file_one_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A policy POSTed to /admin/policy and refused was only the caller's 400: nothing in
+    the log (the file watcher's refusals were logged), so an operator auditing the logs
+    never saw a rejected change, e.g. another engineer's block size. Both are now logged,
+    once each, with the failing field."""
+    f = tmp_path / "p.yaml"
+    f.write_text("routing: {strategy: round_robin}\n")
+    store = PolicyStore(f)
+    with caplog.at_level(logging.ERROR, logger="gateway.policy_store"):
+        with pytest.raises(PolicyError):
+            store.reload_text("routing: {temperature: -1}", "POST /admin/policy")
+        assert len(_refusals(caplog)) == 1
+        assert "routing.temperature" in _refusals(caplog)[0]
+        f.write_text("routing: {strategy: nonsense}\n")
+        with pytest.raises(PolicyError):
+            store.reload_file()  # POST with an empty body, and the watcher's read
+        assert len(_refusals(caplog)) == 2
+        assert "routing.strategy" in _refusals(caplog)[1]
+
+
+async def test_a_refused_file_reload_by_the_watcher_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_text("routing: {strategy: round_robin}\n")
+    store = PolicyStore(f)
+    got = asyncio.Event()
+    store.start(0.05, lambda ok, err: got.set())
+    try:
+        with caplog.at_level(logging.ERROR, logger="gateway.policy_store"):
+            f.write_text("routing: {strategy: nonsense}\n")
+            await asyncio.wait_for(got.wait(), 5.0)
+    finally:
+        await store.stop()
+    assert len(_refusals(caplog)) == 1 and "routing.strategy" in _refusals(caplog)[0]
