@@ -17,13 +17,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachecore.index.base import (
-    ROUTABLE_STATES,
-    IndexError_,
-    PrefixIndex,
-    PrefixMatch,
-    ReplicaState,
-)
+from cachecore.index.base import IndexError_, PrefixIndex, PrefixMatch, ReplicaState
 from cachecore.index.memory import MemoryIndex
 from cachecore.keys import BlockKey
 from gateway.metrics import GatewayMetrics
@@ -270,8 +264,10 @@ class GatewayIndex:
 
 def _longer(a: PrefixMatch, b: PrefixMatch | None) -> PrefixMatch:
     """``a`` with its pending length raised to ``b``'s (stored state stays the primary's).
-    Not for a replica the primary says is not routable (its agent's state): the primary
-    answers zeros for it, pending entries included, once our writes land as before."""
-    if b is None or b.pending_blocks <= a.pending_blocks or a.state not in ROUTABLE_STATES:
+    Not for a replica whose agent reports its engine unreachable: the primary answers zeros
+    for it, pending entries included, and so must we. One no agent has reported (``unknown``:
+    the shared index lost its data, and the agent has not rewritten it yet) is routed by our
+    own decisions meanwhile, as when the shared index is down."""
+    if b is None or b.pending_blocks <= a.pending_blocks or a.state is ReplicaState.UNAVAILABLE:
         return a
     return PrefixMatch(a.tier_blocks, a.stored_blocks, b.pending_blocks, a.state)

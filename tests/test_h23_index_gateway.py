@@ -4,6 +4,7 @@ copy of its own pending writes)."""
 from __future__ import annotations
 
 import pytest
+import redis.asyncio as aioredis
 
 from cachecore.index.base import ReplicaState
 from cachecore.index.memory import MemoryIndex
@@ -27,7 +28,8 @@ async def test_read_your_writes_gives_no_match_to_a_replica_the_index_says_is_no
     from the index, pending entries included (base.py: "a replica whose state is not live
     or cold answers zeros"). The local copy of this gateway's own pending writes raised its
     pending length anyway, so the gateway kept predicting hits there (and steering the
-    prefix's requests to an engine its agent cannot reach) for the pending TTL."""
+    prefix's requests to an engine its agent cannot reach) for the pending TTL. A replica
+    no agent has reported (unknown) is still routed by the gateway's own decisions."""
     primary = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
     gi = GatewayIndex(primary, GatewayMetrics(), MemoryIndex())
     try:
@@ -47,5 +49,13 @@ async def test_read_your_writes_gives_no_match_to_a_replica_the_index_says_is_no
         # as the shared index alone answers it
         alone = await primary.lookup(KEYS, ["down"], NOW + 2)
         assert alone["down"] == down
+        # the shared index lost its data (a Redis restart): until the agents rewrite it,
+        # every replica reads unknown there, and our own decisions still count (runbook)
+        admin = aioredis.Redis.from_url(redis_url)
+        await admin.flushall()
+        await admin.aclose()
+        got = await gi.lookup(KEYS, ["up"], NOW + 3, timeout_s=PATIENT_TIMEOUT_S)
+        assert got.source == "primary" and got.matches["up"].state is ReplicaState.UNKNOWN
+        assert got.matches["up"].pending_blocks == 8
     finally:
         await gi.close()
