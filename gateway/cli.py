@@ -101,8 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] not in SUBCOMMANDS:
-        build_parser().parse_args(args or ["--help"])
+    if not args:  # no command is a usage error (it exited 0, so `kvgate $CMD` "succeeded")
+        build_parser().print_help(sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help") or args[0] not in SUBCOMMANDS:
+        build_parser().parse_args(args)
         return 2
     name, rest = args[0], args[1:]
     module_name, help_text = SUBCOMMANDS[name]
