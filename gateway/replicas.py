@@ -226,7 +226,10 @@ class ReplicaPool:
         """``replica_id``'s engine now answers at ``url`` (its agent re-registered it there):
         requests and health checks go there from now on. What this gateway knew of the old
         URL (health, ejection, models, rank) is forgotten, as for a replica just added; the
-        operator's cordon and drain stay, since they name the replica."""
+        operator's cordon and drain stay, since they name the replica. ``on_change`` hears
+        the old engine leave service (False) before the new one's routability: what a
+        listener checked of an engine (the gateway's block size and tokenizer checks) is
+        the old one's."""
         rep = self._require(replica_id)
         rep.spec = ReplicaSpec(replica_id, url)
         rep.healthy, rep.ejected_until, rep.consecutive_failures = True, 0.0, 0
@@ -234,6 +237,9 @@ class ReplicaPool:
         rep.models, rep.lora_base, rep.cards = None, {}, {}
         rep.block_size = rep.capacity = rep.dp_rank = None
         self._assign_dp_ranks()
+        if rep.reported:
+            rep.reported = False
+            self._changed(rep.id, False)
         self._sync(rep)
         return rep
 

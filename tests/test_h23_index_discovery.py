@@ -50,6 +50,27 @@ async def test_a_replica_re_registered_at_another_url_is_routed_there() -> None:
         assert pool.get("gpu") is moved and not moved.healthy
 
 
+async def test_a_move_is_heard_as_the_old_engine_leaving_and_the_new_one_coming() -> None:
+    """The gateway checks an engine (block size, tokenizer alignment) again when it hears
+    its replica leave service and come back (on_change False, True): a replica that moved
+    is another engine. A move of a routable replica to a routable one was silent, so the
+    new engine was never checked."""
+    registry = MemoryRegistry()
+    async with httpx.AsyncClient() as client:
+        changes: list[tuple[str, bool]] = []
+        pool = ReplicaPool(client, HealthPolicy(), on_change=lambda r, ok: changes.append((r, ok)))
+        allow = ReplicaAllowlist(["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+        disc = Discovery(registry, allow, pool, set())
+        await registry.register(_reg("gpu", "http://10.0.0.2:8000"), 60_000, now_ms=0)
+        await disc.refresh_once(now_ms=10)
+        assert changes == []  # a new replica starts routable: nothing to hear
+        await registry.register(_reg("gpu", "http://10.0.0.3:8000"), 60_000, now_ms=20)
+        await disc.refresh_once(now_ms=30)
+        assert changes == [("gpu", False), ("gpu", True)]
+        await disc.refresh_once(now_ms=40)
+        assert len(changes) == 2
+
+
 async def test_a_static_replica_keeps_its_declared_url() -> None:
     registry = MemoryRegistry()
     async with httpx.AsyncClient() as client:
