@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
 import shutil
@@ -36,6 +37,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 
 
+_log = logging.getLogger(__name__)
+
 # from this length on, HFTokenizer.encode runs without the GIL (worth a thread hand-off)
 UNLOCKED_ENCODE_CHARS = 4096
 
@@ -46,6 +49,13 @@ PROBE_CHAT: list[dict[str, str]] = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": "kvgate alignment probe: say hello."},
 ]
+
+
+def with_special_tokens(tok: Tokenizer, ids: list[int]) -> list[int]:
+    """``ids`` (a text's :meth:`Tokenizer.encode`) as the engine tokenizes that text with
+    ``add_special_tokens``: the tokenizer's :attr:`~Tokenizer.special_affixes` around it."""
+    prefix, suffix = tok.special_affixes
+    return [*prefix, *ids, *suffix] if prefix or suffix else ids
 
 
 class TokenizerError(ValueError):
@@ -77,6 +87,9 @@ class Tokenizer(Protocol):
 
     @property
     def eos_token_id(self) -> int: ...
+
+    @property
+    def special_affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
 
 # content part types whose text vLLM renders, and the field that holds it
@@ -354,6 +367,26 @@ class HFTokenizer:
     @property
     def eos_token_id(self) -> int:
         return self._eos
+
+    @cached_property
+    def special_affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids the tokenizer's post-processor puts before and after one sequence when
+        asked to add special tokens (a Llama-family BOS: ``((bos,), ())``; none for the
+        built-in tokenizer). vLLM tokenizes a completion's text prompt so by default
+        (``add_special_tokens`` true), a chat's rendered prompt not (its template writes
+        the BOS): :func:`with_special_tokens` adds them to :meth:`encode`'s ids."""
+        plain = list(self._tok.encode(PROBE_PROMPT, add_special_tokens=False).ids)
+        full = list(self._tok.encode(PROBE_PROMPT, add_special_tokens=True).ids)
+        for i in range(len(full) - len(plain) + 1):
+            if full[i : i + len(plain)] == plain:
+                return tuple(full[:i]), tuple(full[i + len(plain) :])
+        # a post-processor that changes the text's own tokens: not an affix; the keys
+        # of such a model's completions then start where the engine's do not (logged)
+        _log.warning(
+            "tokenizer adds special tokens inside the text: completions keys may miss",
+            extra={"tokenizer": self.name},
+        )
+        return (), ()
 
     @property
     def vocab_size(self) -> int:

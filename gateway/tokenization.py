@@ -30,6 +30,7 @@ from cachecore.tokenizer import (
     Tokenizer,
     TokenizerError,
     builtin_tokenizer,
+    with_special_tokens,
 )
 from gateway.errors import GatewayError, bad_request, engine_error_body
 from policies.schema import ModelPool
@@ -107,6 +108,20 @@ def continue_final_message(body: Mapping[str, Any]) -> bool:
         ) from None
 
 
+def add_special_tokens(body: Mapping[str, Any], default: bool) -> bool:
+    """``add_special_tokens`` read as vLLM reads it: a lax bool, true when absent for a
+    completion and false for a chat (its template writes the BOS); anything else is a 400,
+    as the engine would answer. True puts the tokenizer's special tokens (a Llama BOS)
+    around the text's ids, as the engine does before it hashes its blocks."""
+    value = body.get("add_special_tokens", default)
+    if value is True or value is False:  # nearly every request: no validator call
+        return value
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except ValidationError:
+        raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens") from None
+
+
 def stream_requested(body: Mapping[str, Any]) -> bool:
     """``stream`` read as vLLM reads it: null or absent is not streamed, a lax bool
     otherwise (``"true"``, ``1``, ``"no"``...); anything else is a 400, as the engine
@@ -173,18 +188,24 @@ class LocalPromptTokenizer:
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None
 
+    def _special(self, ids: list[int], body: Mapping[str, Any], default: bool) -> list[int]:
+        return with_special_tokens(self.tok, ids) if add_special_tokens(body, default) else ids
+
     def chat_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
-        return self.segments.encode(self._render(body), scope)
+        return self._special(self.segments.encode(self._render(body), scope), body, False)
 
     def completion_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
         prompt = completion_prompt(body)
-        return prompt if isinstance(prompt, list) else self.segments.encode(prompt, scope)
+        if isinstance(prompt, list):  # token ids go to the engine as they are
+            return prompt
+        return self._special(self.segments.encode(prompt, scope), body, True)
 
     async def chat(
         self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
     ) -> list[int]:
         """:meth:`chat_sync` that tokenizes long uncached text in a worker thread."""
-        return await self.segments.encode_async(self._render(body), scope, offload_chars)
+        ids = await self.segments.encode_async(self._render(body), scope, offload_chars)
+        return self._special(ids, body, False)
 
     async def completion(
         self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
@@ -200,6 +221,7 @@ class LocalPromptTokenizer:
         prompt, packed = completion_prompt_packed(body)
         if isinstance(prompt, str):
             tokens = await self.segments.encode_async(prompt, scope, offload_chars)
+            tokens = self._special(tokens, body, True)
             return tokens, tokens
         assert packed is not None  # token ids come packed
         return prompt, packed
@@ -423,8 +445,9 @@ async def check_alignment(
     probes: Sequence[tuple[str, dict[str, Any], list[int]]] = [
         (
             "prompt",
-            {"model": model, "prompt": PROBE_PROMPT, "add_special_tokens": False},
-            tokenizer.tok.encode(PROBE_PROMPT),
+            # as completions send it: the engine's default adds special tokens (a BOS)
+            {"model": model, "prompt": PROBE_PROMPT},
+            with_special_tokens(tokenizer.tok, tokenizer.tok.encode(PROBE_PROMPT)),
         ),
         (
             "chat",

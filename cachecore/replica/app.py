@@ -47,7 +47,12 @@ from cachecore.replica.protocol import (
 )
 from cachecore.replica.server import SimReplica
 from cachecore.tasks import cancel_and_wait
-from cachecore.tokenizer import UNLOCKED_ENCODE_CHARS, SegmentCache, TokenizerError
+from cachecore.tokenizer import (
+    UNLOCKED_ENCODE_CHARS,
+    SegmentCache,
+    TokenizerError,
+    with_special_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -204,15 +209,22 @@ def create_app(replica: SimReplica) -> FastAPI:
             )
         except TokenizerError as exc:
             raise APIError(str(exc), param="messages") from exc
-        return await encode(text, salt or "")
+        ids = await encode(text, salt or "")
+        return with_special_tokens(tok, ids) if req.add_special_tokens else ids
 
     async def completion_ids(req: CompletionRequest, salt: str | None) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
-            return await encode(prompt, salt or "")
-        return completion_prompt_ids(prompt, tok.encode, tok.vocab_size)
+            ids = await encode(prompt, salt or "")
+        else:
+            ids = completion_prompt_ids(prompt, tok.encode, tok.vocab_size)
+        # a text prompt gets the tokenizer's special tokens, as vLLM adds them (token ids
+        # are the client's own)
+        if isinstance(prompt, str) and req.add_special_tokens:
+            return with_special_tokens(tok, ids)
+        return ids
 
     # A router that renders every request on every replica (vllm-router ``cache_aware``)
     # has each replica tokenize the same long shared prefixes over and over, ~4 ms of CPU
@@ -311,8 +323,12 @@ def create_app(replica: SimReplica) -> FastAPI:
             except TokenizerError as exc:
                 raise APIError(str(exc), param="messages") from exc
             ids = await encode(text, req.cache_scope())
+            if req.add_special_tokens:
+                ids = with_special_tokens(tok, ids)
         elif req.prompt is not None:
             ids = await encode(req.prompt, req.cache_scope())
+            if req.add_special_tokens is not False:
+                ids = with_special_tokens(tok, ids)
         else:
             raise APIError("either 'prompt' or 'messages' is required")
         strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None

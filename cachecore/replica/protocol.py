@@ -91,6 +91,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     messages: list[Any] = Field(default_factory=list)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the chat template writes the BOS
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
@@ -98,6 +99,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Any = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the BOS
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(None, self.max_tokens)
@@ -109,7 +111,8 @@ class TokenizeRequest(_ChatRendering):
     prompt: str | None = None
     messages: list[Any] | None = None
     add_generation_prompt: bool = True
-    add_special_tokens: bool = True
+    # vLLM's two tokenize requests: true for a prompt, false for messages (absent here)
+    add_special_tokens: bool | None = None
     return_token_strs: bool | None = False
     # not vLLM's (it ignores the field): the scope of this replica's tokenization cache,
     # which kvgate's gateway sends so that no two tenants' tokenize calls share an entry
