@@ -115,9 +115,15 @@ def parse_key_file(data: Any, source: str = "<keys>") -> dict[str, str]:
     else:
         raise KeyFileError(f"{source}: expected a mapping")
     out: dict[str, str] = {}
-    for digest, tenant in entries:
+    for n, (digest, tenant) in enumerate(entries, 1):
         if not isinstance(digest, str) or not _HEX64.match(digest.lower()):
-            raise KeyFileError(f"{source}: {digest!r} is not a SHA-256 hex digest")
+            # never the value: it may be the API key itself, pasted where its digest
+            # belongs, and this message reaches the log and /admin/keys
+            what = f"{len(digest)} characters" if isinstance(digest, str) else type(digest).__name__
+            raise KeyFileError(
+                f"{source}: entry {n} (tenant {tenant!r}) is not a SHA-256 hex digest ({what}, "
+                "not shown): the file holds each key's sha256, never the key"
+            )
         if tenant is None or isinstance(tenant, bool | int | float):
             raise KeyFileError(
                 f"{source}: tenant name {tenant!r} of {digest.lower()[:12]}... was read as "

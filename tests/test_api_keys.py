@@ -446,3 +446,26 @@ async def test_a_deeply_nested_key_file_is_refused_not_a_crash(tmp_path: Path) -
     with pytest.raises(KeyFileError, match="nested too deeply"):
         store.reload_file()
     assert await store.tenant_for("Bearer sk-a") == "a"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"keys:\n  - {sha256: sk-live-0123456789abcdef0123456789, tenant: acme}\n",
+        b"sk-live-0123456789abcdef0123456789: acme\n",
+    ],
+)
+async def test_a_plain_key_in_the_file_is_never_echoed(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator who pastes the key itself where its digest belongs: the refusal names
+    the entry and its tenant, and the key reaches neither the log nor /admin/keys."""
+    f = tmp_path / "keys.yaml"
+    replace_keys(f, {"sk-a": "a"})
+    store = KeyStore(key_file=f)
+    f.write_bytes(content)
+    with caplog.at_level("DEBUG"), pytest.raises(KeyFileError) as err:
+        store.reload_file()
+    said = [str(err.value), str(store.last_error), caplog.text]
+    assert "entry 1 (tenant 'acme') is not a SHA-256 hex digest" in said[0]
+    assert not any("sk-live" in s or "0123456789abcdef" in s for s in said), said
