@@ -280,6 +280,25 @@ def _engine_refusal(payload: Any, text: str) -> GatewayError:
     )
 
 
+def _engine_busy(r: httpx.Response, payload: Any) -> GatewayError:
+    """The engine's 429 or 503 (rate limited, overloaded, starting) with its Retry-After,
+    as the proxy relays the same answer from the completion endpoint: the SDKs retry a
+    429/503 after the engine's wait, where a 502 lost both the status and the wait."""
+    shaped = engine_error_body(payload, r.status_code)
+    err = shaped["error"] if shaped is not None else {}
+    message, kind, code = err.get("message"), err.get("type"), err.get("code")
+    retry_after = r.headers.get("retry-after")
+    return GatewayError(
+        r.status_code,
+        message
+        if isinstance(message, str) and message
+        else f"engine tokenization returned {r.status_code}",
+        type_=kind if isinstance(kind, str) and kind else None,
+        headers={"Retry-After": retry_after} if retry_after else None,
+        extra={"code": code} if code is not None else None,
+    )
+
+
 class EnginePromptTokenizer:
     """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize").
     ``replica_url(tried)`` picks a replica's URL other than those ``tried``.
@@ -324,6 +343,8 @@ class EnginePromptTokenizer:
             answer = None
         if r.status_code == 400:
             raise _engine_refusal(answer, r.text)
+        if r.status_code in (429, 503):
+            raise _engine_busy(r, answer)
         if r.status_code != 200:
             raise GatewayError(502, f"engine tokenization returned {r.status_code}")
         ids = _response_ids(answer)
