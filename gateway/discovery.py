@@ -86,6 +86,7 @@ class Discovery:
                 log.info("replica discovered", extra={"replica": reg.replica_id, "url": reg.url})
                 if self.on_added is not None:
                     self.on_added(spec)
+                self.pool.report(reg.replica_id)  # back cordoned: its metric says so
             elif reg.replica_id not in self.static_ids and self._moved(rep.url, reg):
                 # its engine answers elsewhere now (restarted on another host): the old URL
                 # would be routed to and health-checked until the gateway restarted, since

@@ -209,18 +209,37 @@ class ReplicaPool:
         self._shared_warned: set[str] = set()  # URLs shared without DP ids, warned once
         # URL -> (engine name, lowest rank seen): a data-parallel engine's ranks, remembered
         self._dp_groups: dict[str, tuple[str, int]] = {}
+        # id -> (cordoned, draining) of a removed replica the operator had cordoned or
+        # drained: its word outlives a gap in the registration (a Redis restart empties the
+        # registry until the agents' next heartbeat); one entry per such replica
+        self._held: dict[str, tuple[bool, bool]] = {}
 
     # ---------------------------------------------------------------- membership
     def add(self, spec: ReplicaSpec) -> Replica:
+        """The replica ``spec`` names, added if new: routable until told otherwise, or
+        cordoned or drained as it was when removed (:meth:`report` tells ``on_change``)."""
         rep = self._replicas.get(spec.id)
         if rep is None:
             rep = self._replicas[spec.id] = Replica(spec)
+            held = self._held.pop(spec.id, None)
+            if held is not None:
+                rep.cordoned, rep.draining = held
             self._assign_dp_ranks()
         return rep
 
     def remove(self, replica_id: str) -> None:
-        if self._replicas.pop(replica_id, None) is not None:
+        rep = self._replicas.pop(replica_id, None)
+        if rep is not None:
+            if rep.cordoned or rep.draining:
+                self._held[replica_id] = (rep.cordoned, rep.draining)
             self._assign_dp_ranks()
+
+    def report(self, replica_id: str) -> None:
+        """Tell ``on_change`` the replica's routability if it differs from what it last
+        heard (a replica just added starts as routable)."""
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            self._sync(rep)
 
     def move(self, replica_id: str, url: str) -> Replica:
         """``replica_id``'s engine now answers at ``url`` (its agent re-registered it there):

@@ -82,3 +82,38 @@ async def test_a_static_replica_keeps_its_declared_url() -> None:
         await disc.refresh_once(now_ms=10)
         rep = pool.get("static-1")
         assert rep is not None and rep.url == "http://10.0.0.1:8000"
+
+
+async def test_a_cordon_outlives_a_gap_in_the_registration() -> None:
+    """A Redis restart empties the registry until the agents' next heartbeat: discovery
+    removes every discovered replica meanwhile and adds it back after. The operator's
+    cordon of one was lost on the way, and the replica under maintenance took traffic."""
+    registry = MemoryRegistry()
+    async with httpx.AsyncClient() as client:
+        changes: list[tuple[str, bool]] = []
+        pool = ReplicaPool(client, HealthPolicy(), on_change=lambda r, ok: changes.append((r, ok)))
+        allow = ReplicaAllowlist(["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+        added: list[str] = []
+        disc = Discovery(registry, allow, pool, set(), on_added=lambda sp: added.append(sp.id))
+        for rid, url in (("kept", "http://10.0.0.2:8000"), ("free", "http://10.0.0.3:8000")):
+            await registry.register(_reg(rid, url), 1_000, now_ms=0)
+        await disc.refresh_once(now_ms=10)
+        pool.cordon("kept")
+        assert changes == [("kept", False)]
+        await disc.refresh_once(now_ms=2_000)  # the registrations are gone
+        assert pool.ids() == []
+        for rid, url in (("kept", "http://10.0.0.2:8000"), ("free", "http://10.0.0.3:8000")):
+            await registry.register(_reg(rid, url), 10_000, now_ms=3_000)
+        await disc.refresh_once(now_ms=3_010)
+        kept, free = pool.get("kept"), pool.get("free")
+        assert kept is not None and free is not None
+        assert kept.cordoned and not free.cordoned
+        assert pool.candidates("m") == [free]
+        # told after on_added (which marks a new replica healthy): the cordon is the news
+        assert changes == [("kept", False), ("kept", False)]
+        assert added == ["free", "kept", "free", "kept"]
+        pool.cordon("kept", on=False)
+        assert sorted(r.id for r in pool.candidates("m")) == ["free", "kept"]
+        pool.remove("kept")
+        pool.add(ReplicaSpec("kept", "http://10.0.0.2:8000"))
+        assert not pool.get("kept").cordoned  # type: ignore[union-attr]
