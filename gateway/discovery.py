@@ -5,6 +5,12 @@ started with discovery adds every registration whose URL the operator declared (
 ``--replica`` URLs and ``KVGATE_REPLICA_ALLOWLIST`` entries, ``[id=]URL``) and removes a
 discovered replica when its registration expires. A rogue agent cannot point the gateway
 at an undeclared URL: such registrations are rejected and counted.
+
+A discovered replica whose registration is missing from a read is removed once the last
+read that had it is ``removal_grace_s`` old: a Redis restart loses every registration until
+the agents' next heartbeat (2 s), and a fleet of discovered replicas emptied at every
+restart would answer 503 meanwhile. While it waits, the replica's health checks keep a dead
+engine out of routing as they always do.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class Discovery:
         on_added: Callable[[ReplicaSpec], None] | None = None,
         interval_s: float = 2.0,
         on_count: Callable[[str, int], None] | None = None,
+        removal_grace_s: float = 5.0,
     ) -> None:
         self.registry = registry
         self.allowlist = allowlist
@@ -53,6 +60,8 @@ class Discovery:
         self.errors = 0
         self.on_count = on_count  # (outcome, n): "rejected" registrations, read "error"s
         self._task: asyncio.Task[None] | None = None
+        self.removal_grace_ms = int(removal_grace_s * 1000)
+        self._last_seen: dict[str, int] = {}  # discovered id -> the last read that had it
 
     async def refresh_once(self, now_ms: int | None = None) -> None:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
@@ -99,8 +108,12 @@ class Discovery:
                 rep = self.pool.move(reg.replica_id, reg.url.rstrip("/"))
             rep.block_size = reg.block_size
             self.discovered[reg.replica_id] = reg
+            self._last_seen[reg.replica_id] = now_ms
         for rid in [r for r in self.discovered if r not in seen]:
+            if now_ms - self._last_seen.get(rid, now_ms) < self.removal_grace_ms:
+                continue  # gone for less than the grace: a registry that lost it, maybe
             del self.discovered[rid]
+            self._last_seen.pop(rid, None)
             if rid not in self.static_ids:
                 self.pool.remove(rid)
                 log.info("replica registration expired: removed", extra={"replica": rid})

@@ -290,7 +290,9 @@ async def test_a_rank_keeps_its_header_while_a_sibling_agent_restarts() -> None:
         await disc.refresh_once(now_ms=10)
         assert [pool.get(r).dp_rank for r in ("R", "R@dp1")] == [0, 1]  # type: ignore[union-attr]
         await registry.deregister("R", "agent-R")  # its agent stops (a rolling restart)
-        await disc.refresh_once(now_ms=20)
+        await disc.refresh_once(now_ms=20)  # within discovery's removal grace: kept
+        assert sorted(pool.ids()) == ["R", "R@dp1"]
+        await disc.refresh_once(now_ms=5_010)
         assert pool.ids() == ["R@dp1"] and pool.get("R@dp1").dp_rank == 1  # type: ignore[union-attr]
         # a lone R@dpN at a URL never seen with its siblings is a server of its own
         lone = pool.add(ReplicaSpec("T@dp3", "http://10.0.0.2:8000"))

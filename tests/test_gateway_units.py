@@ -585,7 +585,9 @@ async def test_discovery_adds_allowlisted_replicas_only_and_drops_expired() -> N
         assert sorted(pool.ids()) == ["gpu-2", "static-1"]
         assert disc.rejected == 2  # not allowlisted; pinned to another id
         assert counted == {"rejected": 2}  # kvgate_discovery_events_total{outcome}
-        await disc.refresh_once(now_ms=5000)  # every registration expired
+        await disc.refresh_once(now_ms=5000)  # every registration expired: within the grace
+        assert sorted(pool.ids()) == ["gpu-2", "static-1"]
+        await disc.refresh_once(now_ms=5010)  # gone since the read at 10, 5 s ago
         assert pool.ids() == ["static-1"]  # static replicas stay
 
 

@@ -85,9 +85,10 @@ async def test_a_static_replica_keeps_its_declared_url() -> None:
 
 
 async def test_a_cordon_outlives_a_gap_in_the_registration() -> None:
-    """A Redis restart empties the registry until the agents' next heartbeat: discovery
-    removes every discovered replica meanwhile and adds it back after. The operator's
-    cordon of one was lost on the way, and the replica under maintenance took traffic."""
+    """Registrations gone for longer than discovery's removal grace (a Redis outage, the
+    agents unable to heartbeat): discovery removes every discovered replica meanwhile and
+    adds it back after. The operator's cordon of one was lost on the way, and the replica
+    under maintenance took traffic."""
     registry = MemoryRegistry()
     async with httpx.AsyncClient() as client:
         changes: list[tuple[str, bool]] = []
@@ -100,11 +101,11 @@ async def test_a_cordon_outlives_a_gap_in_the_registration() -> None:
         await disc.refresh_once(now_ms=10)
         pool.cordon("kept")
         assert changes == [("kept", False)]
-        await disc.refresh_once(now_ms=2_000)  # the registrations are gone
+        await disc.refresh_once(now_ms=6_000)  # the registrations are gone, past the grace
         assert pool.ids() == []
         for rid, url in (("kept", "http://10.0.0.2:8000"), ("free", "http://10.0.0.3:8000")):
-            await registry.register(_reg(rid, url), 10_000, now_ms=3_000)
-        await disc.refresh_once(now_ms=3_010)
+            await registry.register(_reg(rid, url), 10_000, now_ms=7_000)
+        await disc.refresh_once(now_ms=7_010)
         kept, free = pool.get("kept"), pool.get("free")
         assert kept is not None and free is not None
         assert kept.cordoned and not free.cordoned
@@ -117,3 +118,35 @@ async def test_a_cordon_outlives_a_gap_in_the_registration() -> None:
         pool.remove("kept")
         pool.add(ReplicaSpec("kept", "http://10.0.0.2:8000"))
         assert not pool.get("kept").cordoned  # type: ignore[union-attr]
+
+
+async def test_a_registry_that_lost_every_registration_for_a_heartbeat_empties_no_pool() -> None:
+    """A Redis restart: every registration is gone until the agents' next heartbeat (2 s).
+    Discovery removed every discovered replica at its next refresh, so a fleet of
+    discovered replicas answered 503 no_replica until the refresh after the heartbeats;
+    now a replica is removed only when the last read that had it is removal_grace_s old."""
+    registry = MemoryRegistry()
+    async with httpx.AsyncClient() as client:
+        changes: list[tuple[str, bool]] = []
+        pool = ReplicaPool(client, HealthPolicy(), on_change=lambda r, ok: changes.append((r, ok)))
+        allow = ReplicaAllowlist(["http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+        disc = Discovery(registry, allow, pool, set(), removal_grace_s=5.0)
+        regs = (("a", "http://10.0.0.2:8000"), ("b", "http://10.0.0.3:8000"))
+        for rid, url in regs:
+            await registry.register(_reg(rid, url), 10_000, now_ms=0)
+        await disc.refresh_once(now_ms=10)
+        before = list(changes)
+        lost = MemoryRegistry()  # the restarted Redis: empty
+        disc.registry = lost
+        await disc.refresh_once(now_ms=2_010)
+        assert sorted(r.id for r in pool.candidates("m")) == ["a", "b"]
+        for rid, url in regs:  # the agents' heartbeats re-register
+            await lost.register(_reg(rid, url), 10_000, now_ms=3_000)
+        await disc.refresh_once(now_ms=4_010)
+        assert sorted(r.id for r in pool.candidates("m")) == ["a", "b"]
+        assert changes == before  # never out of service
+        await lost.deregister("b", "agent-b")  # b's agent stops for good
+        await disc.refresh_once(now_ms=6_010)
+        assert sorted(pool.ids()) == ["a", "b"]  # b last seen at 4,010: 2 s ago
+        await disc.refresh_once(now_ms=9_010)
+        assert pool.ids() == ["a"]
