@@ -98,6 +98,8 @@ class AgentSettings(BaseSettings):
     max_tokens_per_event: int = Field(default=1024 * 1024, gt=0)
 
     # own HTTP and trace
+    # an empty value (KVGATE_AGENT_HTTP_HOST= from an unset template variable) is refused:
+    # it listened on every interface, where the default is loopback
     http_host: str = "127.0.0.1"
     http_port: int | None = Field(default=None, ge=0, le=65535)
     key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)  # Redis key namespace
@@ -107,6 +109,13 @@ class AgentSettings(BaseSettings):
     @classmethod
     def _valid_id(cls, v: str) -> str:
         return validate_replica_id(v)
+
+    @field_validator("http_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("empty: give 0.0.0.0 (or ::) to listen on every interface")
+        return v
 
     @field_validator("engine_url")
     @classmethod

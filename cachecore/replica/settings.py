@@ -35,6 +35,9 @@ class ReplicaSettings(BaseSettings):
         env_prefix="KVGATE_REPLICA_", extra="ignore", allow_inf_nan=False
     )
 
+    # an empty host (KVGATE_REPLICA_HOST= from an unset template variable) listened on
+    # every interface, where the default is loopback; an empty events host failed in ZMQ's
+    # bind ("No such device"): both refused, naming the explicit way
     host: str = "127.0.0.1"
     events_host: str = "127.0.0.1"
     model: str = DEFAULT_MODEL
@@ -59,6 +62,13 @@ class ReplicaSettings(BaseSettings):
     # engine cores behind each replica's one HTTP port, each with its own KV cache and event
     # stream (vLLM's --data-parallel-size with its internal load balancing)
     data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+
+    @field_validator("host", "events_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("empty: give 0.0.0.0 (or ::) to listen on every interface")
+        return v
 
     @field_validator("model")
     @classmethod
