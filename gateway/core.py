@@ -72,8 +72,10 @@ from gateway.routing import (
 )
 from gateway.settings import GatewaySettings
 from gateway.tokenization import (
+    AnswerTooLarge,
     LocalPromptTokenizer,
     TokenizerPools,
+    bounded_answer,
     check_alignment,
     stream_requested,
     usage_requested,
@@ -553,13 +555,20 @@ class Gateway:
         when the engine did not answer with its metrics (checked again later)."""
         assert self.client is not None
         try:
-            r = await self.client.get(rep.url + "/metrics", timeout=2.0)
-        except httpx.HTTPError:
-            return False  # not reachable yet
-        if r.status_code != 200:
-            return r.status_code == 404  # no metrics at all: nothing to compare, ever
+            # the whole answer within 2 s and a few MiB: start-up awaits this check
+            status, body = await bounded_answer(self.client, "GET", rep.url + "/metrics", 2.0)
+        except (httpx.HTTPError, TimeoutError):
+            return False  # not reachable yet, or no whole answer in time: checked again
+        except AnswerTooLarge:
+            log.warning(
+                "the engine's /metrics is too large to read: block size unchecked",
+                extra={"replica": rep.id},
+            )
+            return True
+        if status != 200:
+            return status == 404  # no metrics at all: nothing to compare, ever
         try:
-            engine_bs = parse_metrics(r.text).block_size
+            engine_bs = parse_metrics(body.decode("utf-8", "replace")).block_size
         except ScrapeError:
             return True  # not a metrics page (a proxy's catch-all): nothing to compare
         if engine_bs is None:

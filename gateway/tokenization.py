@@ -452,6 +452,39 @@ class TokenizerPools:
         return tok
 
 
+CHECK_ANSWER_CAP = 4 << 20
+"""The most bytes a start-up check reads of an engine's answer (/metrics, /tokenize)."""
+
+
+class AnswerTooLarge(Exception):
+    """An engine's answer to a start-up check ran past :data:`CHECK_ANSWER_CAP`."""
+
+
+async def bounded_answer(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    timeout_s: float,
+    json: Any = None,
+    cap: int = CHECK_ANSWER_CAP,
+) -> tuple[int, bytes]:
+    """An engine's status and body for a start-up check, the whole answer within
+    ``timeout_s`` and at most ``cap`` bytes of body. httpx's timeout is per read: a replica
+    sending its answer a byte at a time held the gateway's start-up for as long as it
+    dribbled, and an endless body was read into memory. Raises ``TimeoutError``,
+    :class:`AnswerTooLarge` or ``httpx.HTTPError``."""
+    async with (
+        asyncio.timeout(timeout_s),
+        client.stream(method, url, json=json, timeout=timeout_s) as r,
+    ):
+        body = bytearray()
+        async for chunk in r.aiter_bytes():
+            body += chunk
+            if len(body) > cap:
+                raise AnswerTooLarge(f"answer over {cap} bytes")
+        return r.status_code, bytes(body)
+
+
 async def check_alignment(
     client: httpx.AsyncClient,
     replica_url: str,
@@ -478,18 +511,24 @@ async def check_alignment(
     ]
     for name, payload, ours in probes:
         try:
-            r = await client.post(replica_url + "/tokenize", json=payload, timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            log.info("alignment check skipped", extra={"replica": replica_url, "error": str(exc)})
+            status, body = await bounded_answer(
+                client, "POST", replica_url + "/tokenize", timeout_s, json=payload
+            )
+        except (httpx.HTTPError, TimeoutError, AnswerTooLarge) as exc:
+            error = str(exc) or f"no whole answer within {timeout_s:g} s"
+            log.info("alignment check skipped", extra={"replica": replica_url, "error": error})
             return []
-        if r.status_code == 404:
+        if status == 404:
             log.info(
                 "replica has no /tokenize: alignment unchecked", extra={"replica": replica_url}
             )
             return []
-        theirs = _response_ids(r.json()) if r.status_code == 200 else None
+        try:
+            theirs = _response_ids(orjson.loads(body)) if status == 200 else None
+        except orjson.JSONDecodeError:  # a web server that is not the engine
+            theirs = None
         if theirs is None:
-            problems.append(f"{name}: /tokenize returned {r.status_code}")
+            problems.append(f"{name}: /tokenize returned {status} and no token ids")
         elif theirs != ours:
             problems.append(
                 f"{name}: gateway has {len(ours)} tokens, engine {len(theirs)}; "
