@@ -40,7 +40,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -162,9 +162,19 @@ class LoadStore(Protocol):
         counts; also refreshes this gateway's liveness on ``replica``."""
         ...
 
-    async def heartbeat(self, gateway_id: str, replicas: Sequence[str], now_ms: int) -> None:
+    async def heartbeat(
+        self,
+        gateway_id: str,
+        replicas: Sequence[str],
+        now_ms: int,
+        counts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
         """Gateway: keep this gateway's counts on ``replicas`` alive (call well within
-        ``gateway_ttl_ms``); prunes long-lapsed gateways' fields."""
+        ``gateway_ttl_ms``); prunes long-lapsed gateways' fields. ``counts``: this gateway's
+        own in-flight (requests, prefill tokens) per replica, written as they are (a
+        replica left out keeps its fields): the deltas between heartbeats are clamped at
+        zero, so counts a store lost (a Redis restart, a prune) would otherwise stay
+        under the truth for as long as the gateway is never idle."""
         ...
 
     async def drop_gateway(self, gateway_id: str, replicas: Sequence[str]) -> None:
@@ -228,12 +238,21 @@ class MemoryLoadStore:
         g.tokens = max(0, g.tokens + d_prefill_tokens)
         g.expires_ms = now_ms + self.gateway_ttl_ms
 
-    async def heartbeat(self, gateway_id: str, replicas: Sequence[str], now_ms: int) -> None:
+    async def heartbeat(
+        self,
+        gateway_id: str,
+        replicas: Sequence[str],
+        now_ms: int,
+        counts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
         validate_gateway_id(gateway_id)
         for rid in replicas:
             rep = self._rep(rid)
             g = rep.gateways.setdefault(gateway_id, _GatewayCounts())
             g.expires_ms = now_ms + self.gateway_ttl_ms
+            own = counts.get(rid) if counts is not None else None
+            if own is not None:
+                g.requests, g.tokens = max(0, own[0]), max(0, own[1])
             for gid in [
                 gid for gid, c in rep.gateways.items() if c.expires_ms + PRUNE_AFTER_MS < now_ms
             ]:
@@ -341,12 +360,16 @@ redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
 
-# KEYS[1] inflight hash. ARGV: gateway, expires_ms, now_ms, prune_after_ms, key_ttl_ms
+# KEYS[1] inflight hash. ARGV: gateway, expires_ms, now_ms, prune_after_ms, key_ttl_ms[,
+# requests, prefill tokens: this gateway's own counts, written as they are]
 _HEARTBEAT_LUA = """
 local g = ARGV[1]
 local now = tonumber(ARGV[3])
 local prune = tonumber(ARGV[4])
 redis.call('HSET', KEYS[1], g .. ':x', ARGV[2])
+if ARGV[7] then
+  redis.call('HSET', KEYS[1], g .. ':r', ARGV[6], g .. ':t', ARGV[7])
+end
 local f = redis.call('HGETALL', KEYS[1])
 for i = 1, #f, 2 do
   local name = f[i]
@@ -434,30 +457,40 @@ class RedisLoadStore:
         ]
         await self._run("add_inflight", self._add, self.layout.inflight(replica), args)
 
-    async def heartbeat(self, gateway_id: str, replicas: Sequence[str], now_ms: int) -> None:
+    async def heartbeat(
+        self,
+        gateway_id: str,
+        replicas: Sequence[str],
+        now_ms: int,
+        counts: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
         validate_gateway_id(gateway_id)
         if not replicas:
             return
-        keys = [self.layout.inflight(r) for r in replicas]
-        args: list[str | int] = [
+        base: list[str | int] = [
             gateway_id,
             now_ms + self.gateway_ttl_ms,
             now_ms,
             PRUNE_AFTER_MS,
             self._key_ttl_ms,
         ]
+        calls: list[tuple[str, list[str | int]]] = []
+        for r in replicas:
+            own = counts.get(r) if counts is not None else None
+            args = base if own is None else [*base, max(0, own[0]), max(0, own[1])]
+            calls.append((self.layout.inflight(r), args))
         self.round_trips += 1
         try:
             # one script call per replica (each touches one slot), pipelined: one round trip
             # on standalone Redis; redis-py splits a cluster pipeline per node.
             pipe = self.client.pipeline(transaction=False)
-            for key in keys:
+            for key, args in calls:
                 self._heartbeat.queue(pipe, [key], args)
             results = await pipe.execute(raise_on_error=False)
             if any(isinstance(r, NoScriptError) for r in results):
                 await self.client.script_load(self._heartbeat.source)
                 pipe = self.client.pipeline(transaction=False)
-                for key in keys:
+                for key, args in calls:
                     self._heartbeat.queue(pipe, [key], args)
                 results = await pipe.execute(raise_on_error=False)
             for r in results:

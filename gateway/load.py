@@ -318,7 +318,11 @@ class SharedLoadRefresher:
             reps = self._replicas()
             mono = time.monotonic()
             if mono - self._last_hb > self.store.gateway_ttl_ms / 3000:
-                await self.store.heartbeat(self.gateway_id, reps, now_ms)
+                # with our counts as they are: a store that lost them (a Redis restart, a
+                # prune) has them back within one heartbeat, where the clamped deltas alone
+                # left it short for as long as this gateway was never idle
+                own = {rid: (p[0], p[1]) for rid, p in self._pushed.items()}
+                await self.store.heartbeat(self.gateway_id, reps, now_ms, own)
                 self._last_hb = mono
             records = await self.store.snapshot(reps, now_ms)
         except Exception as exc:  # keep routing on the last snapshot

@@ -916,11 +916,11 @@ async def test_shared_refresh_failure_never_writes_a_delta_twice(stage: str) -> 
                 raise ConnectionError("redis timeout")
             await super().add_inflight(gid, rid, dr, dt, now)
 
-        async def heartbeat(self, gid: str, reps: Any, now: int) -> None:
+        async def heartbeat(self, gid: str, reps: Any, now: int, counts: Any = None) -> None:
             if self.fail_at == "heartbeat":
                 self.fail_at = None
                 raise ConnectionError("redis timeout")
-            await super().heartbeat(gid, reps, now)
+            await super().heartbeat(gid, reps, now, counts)
 
         async def snapshot(self, reps: Any, now: int) -> Any:
             if self.fail_at == "snapshot":

@@ -221,3 +221,35 @@ async def test_redis_unreachable_raises() -> None:
             await s.heartbeat("g", ["a"], 0)
     finally:
         await s.close()
+
+
+async def test_counts_a_store_lost_come_back_with_the_next_heartbeat(
+    store: LoadStore, request: pytest.FixtureRequest
+) -> None:
+    """A store that lost a gateway's fields (a Redis restart, a prune) while its requests
+    were in flight: the later deltas are clamped at zero, so under steady load (one request
+    done, one dispatched) the other gateways read 1 for as long as it was never idle. The
+    heartbeat writes the gateway's own counts as they are: back within one heartbeat."""
+    from gateway.load import InFlight, SharedLoadRefresher
+
+    mine, theirs = InFlight(), InFlight()
+    a = SharedLoadRefresher(store, "gw-a", mine, lambda: ["r1"])
+    b = SharedLoadRefresher(store, "gw-b", theirs, lambda: ["r1"])
+    tickets = [mine.dispatch("r1", 100) for _ in range(10)]
+    await a.refresh_once()
+    await b.refresh_once()
+    assert b.snapshot()["r1"].other_requests == 10
+    if isinstance(store, MemoryLoadStore):  # the data is lost
+        store._replicas.clear()
+    else:
+        client = aioredis.from_url(request.getfixturevalue("redis_url"))
+        await client.flushall()
+        await client.aclose()
+    for i in range(30):  # steady load: the count never reaches zero
+        mine.done(tickets[i % 10])
+        tickets[i % 10] = mine.dispatch("r1", 100)
+        a._last_hb = 0.0 if i == 29 else a._last_hb  # the last round is a heartbeat's
+        await a.refresh_once()
+    await b.refresh_once()
+    shared = b.snapshot()["r1"]
+    assert (shared.other_requests, shared.other_queued_tokens) == (10, 1000.0)
