@@ -84,19 +84,23 @@ class GatewaySettings(BaseSettings):
     discover: bool = False  # add replicas that agents register (allowlisted URLs only)
     replica_allowlist: Annotated[list[str], NoDecode] = Field(default_factory=list)
     gateway_id: str | None = None
-    connect_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    # upstream timeouts are finite: inf is no "no timeout" (the docs promise none), it left
+    # a request on a wedged engine waiting for ever, never 504 and never ejecting it
+    connect_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2.0
     # a streamed answer's head and first chunk: they come after the queue and the prefill
-    first_byte_timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    first_byte_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 300.0
     # a non-streamed answer's head, which comes after the whole generation: a long one is
     # not a sick engine (a 16k-token reasoning answer at 50 tokens/s takes 320 s)
-    response_timeout_s: Annotated[float, Field(gt=0)] = 1800.0
-    read_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # between two chunks of a response
+    response_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1800.0
+    # between two chunks of a response
+    read_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 300.0
     max_body_bytes: Annotated[int, Field(ge=1)] = 8 * 1024 * 1024
     # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread
     tokenize_offload_chars: Annotated[int, Field(ge=0)] = OFFLOAD_CHARS
     # extra replicas tried when a connection fails before the first byte
     retries: Annotated[int, Field(ge=0)] = 2
-    drain_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    # finite: with inf one stalled stream kept a SIGTERM'd gateway running until killed
+    drain_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
     # SIGTERM: answer 503 (health, new requests) this long before closing the listener
     # (finite: with inf a SIGTERM never stopped the gateway)
     drain_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 1.0

@@ -66,3 +66,35 @@ def test_an_empty_replica_host_is_refused_not_every_interface(
     assert capsys.readouterr().err.splitlines() == [
         f"kvgate replica: error: argument {flag}: {EVERY_INTERFACE}"
     ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "KVGATE_DRAIN_TIMEOUT_S",
+        "KVGATE_CONNECT_TIMEOUT_S",
+        "KVGATE_FIRST_BYTE_TIMEOUT_S",
+        "KVGATE_RESPONSE_TIMEOUT_S",
+        "KVGATE_READ_TIMEOUT_S",
+    ],
+)
+@pytest.mark.parametrize("value", ["inf", "Infinity", "1e400"])
+def test_an_infinite_drain_or_upstream_timeout_is_refused(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`KVGATE_DRAIN_TIMEOUT_S=inf` went to asyncio.timeout and uvicorn's graceful shutdown:
+    with one stalled stream a SIGTERM never stopped the gateway. An infinite upstream
+    timeout (the docs give none the meaning "no timeout") left a request on a wedged engine
+    waiting for ever, never a 504. Refused at start, one line, exit 2."""
+    from gateway.cli import main
+    from gateway.serve import settings_error
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as info:
+        GatewaySettings()
+    says = f"({name}): Input should be a finite number"
+    assert says in settings_error(info.value)
+    assert main(["serve", "--open", "--port", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and says in err[0], err
