@@ -60,6 +60,12 @@ MAX_TIER_LOAD_FACTOR = 1e4
 CostMs = Annotated[float, Field(ge=0, le=MAX_COST_MS, allow_inf_nan=False)]
 CostMsPerUnit = Annotated[float, Field(ge=0, le=MAX_COST_MS_PER_UNIT, allow_inf_nan=False)]
 TierFactor = Annotated[float, Field(gt=0, le=MAX_TIER_LOAD_FACTOR, allow_inf_nan=False)]
+# A tenant's refill rate, per second. The limiter's wait is a shortfall (at most a request,
+# or a prompt's token count) over the rate: with 1e-320 it overflowed to inf, and the 429's
+# Retry-After (int(inf)) raised OverflowError, so every rate-limited request was a 500.
+# 1e-6 (one per 11.6 days) keeps any wait far below float overflow.
+MIN_RATE_PER_S = 1e-6
+RatePerS = Annotated[float, Field(ge=MIN_RATE_PER_S, allow_inf_nan=False)]
 
 
 class PrefixAffinityPolicy(_Section):
@@ -243,10 +249,10 @@ class SensitivePolicy(_Section):
 
 
 class TenantLimits(_Section):
-    requests_per_s: PositiveFloat | None = None
+    requests_per_s: RatePerS | None = None
     requests_burst: PositiveFloat | None = None
     max_concurrency: Annotated[int, Field(gt=0)] | None = None
-    uncached_tokens_per_s: PositiveFloat | None = None
+    uncached_tokens_per_s: RatePerS | None = None
     uncached_tokens_burst: PositiveFloat | None = None
     cold_replica_count: Annotated[int, Field(gt=0)] | None = None
 
