@@ -264,11 +264,12 @@ def test_a_port_given_twice_is_a_usage_error(
 
 
 @pytest.mark.parametrize("taken", ["events", "replay", "http"])
-def test_a_port_in_use_is_one_line_and_exit_1(taken: str) -> None:
+def test_a_port_in_use_is_one_line_and_exit_2(taken: str) -> None:
     """With its event (or replay) port held by another process, `kvgate replica` logged
     "Address already in use" and then hung for ever: the socket whose bind failed was left
     open, and the ZMQ context's term() waited for it. With its HTTP port held, it exited 3
-    after uvicorn's logged error (a JSON line), unlike the event ports' one line, exit 1."""
+    after uvicorn's logged error (a JSON line), unlike the event ports' one line, exit 1.
+    Exit 2 now for every port, as `kvgate serve` and `kvgate agent` answer a port in use."""
     import socket
     import subprocess
     import sys
@@ -286,7 +287,8 @@ def test_a_port_in_use_is_one_line_and_exit_1(taken: str) -> None:
             ],
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kvgate replica: ") and "already in use" in last, last
 

@@ -233,8 +233,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(_serve(settings, ports, tokenizer))
     except (OSError, zmq.ZMQError) as exc:  # a port in use
+        # exit 2, as `kvgate serve` and `kvgate agent` refuse a port they cannot listen on
         print(f"kvgate replica: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except SystemExit as exc:  # uvicorn exits on a bind error (after logging it)
         return int(exc.code or 1)
     return 0
