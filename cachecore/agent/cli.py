@@ -248,6 +248,9 @@ async def _main(
     freezer = (
         asyncio.create_task(_gc_freezer(gc_freeze_interval_s)) if gc_freeze_interval_s > 0 else None
     )
+    # deregister only after a start: one that failed to listen never registered, and its
+    # deregistration (a Redis call) was a "deregistration failed" warning for nothing
+    started = False
     try:
         if settings.http_port is not None:
             try:  # the constructor binds: a port in use fails there
@@ -268,13 +271,14 @@ async def _main(
                 f"agent {settings.replica_id}: http://{settings.http_host}:{server.port}",
                 flush=True,
             )
+        started = True
         await agent.start()
         await stop.wait()
         log.info("agent stopping", extra={"replica": settings.replica_id})
     finally:
         if freezer is not None:
             freezer.cancel()
-        await agent.stop(deregister=True)
+        await agent.stop(deregister=started)
         if server is not None:
             await server.stop()
         await _close(index, load_store, registry)

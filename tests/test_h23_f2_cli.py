@@ -1,0 +1,32 @@
+"""`kvgate agent` and `kvgate tokenizer` refusals: one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from cachecore.testing import free_ports
+
+
+def test_an_agent_that_cannot_listen_deregisters_nothing() -> None:
+    """With its --http-port taken, `kvgate agent` printed its one line and exit 2, then
+    logged "deregistration failed" (a Redis call, here to a port nothing listens on) for a
+    registration it never made: stderr is that one line only."""
+    http, redis = free_ports(2)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", http))
+        holder.listen()
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "gateway.cli", "agent", "--replica-id", "r0",
+                "--engine-url", "http://127.0.0.1:9", "--events", "tcp://127.0.0.1:9",
+                "--redis", f"redis://127.0.0.1:{redis}/0", "--http-port", str(http),
+            ],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        f"kvgate agent: cannot listen on 127.0.0.1:{http} (Address already in use); "
+        "give each agent on a host its own --http-port"
+    ]
