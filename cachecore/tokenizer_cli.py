@@ -25,7 +25,18 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     if args.export is not None:
-        for path in export_builtin(args.export):
+        try:
+            written = export_builtin(args.export)
+        # the up-front check passes what only the write can refuse: root under /proc, a
+        # read-only mount, a directory where a file goes; this was a traceback, exit 1
+        except OSError as exc:
+            print(
+                f"kvgate tokenizer: error: cannot write --export {args.export}: "
+                f"{exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 2
+        for path in written:
             print(path)
     if args.encode is not None:
         print(builtin_tokenizer().encode(args.encode))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from cachecore.testing import free_ports
 
@@ -29,4 +32,21 @@ def test_an_agent_that_cannot_listen_deregisters_nothing() -> None:
     assert proc.stderr.splitlines() == [
         f"kvgate agent: cannot listen on 127.0.0.1:{http} (Address already in use); "
         "give each agent on a host its own --http-port"
+    ]
+
+
+def test_an_export_the_write_refuses_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate tokenizer --export /proc/x` run as root passed the up-front check (root may
+    write anywhere, says access()) and was a mkdir traceback, exit 1; so is any directory
+    the write itself refuses, here one holding a directory named tokenizer.json."""
+    from gateway.cli import main
+
+    (tmp_path / "tokenizer.json").mkdir()
+    assert main(["tokenizer", "--export", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.splitlines() == [
+        f"kvgate tokenizer: error: cannot write --export {tmp_path}: Is a directory"
     ]
