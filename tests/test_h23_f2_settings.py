@@ -12,6 +12,8 @@ from cachecore.agent import cli as agent_cli
 from cachecore.replica import cli as replica_cli
 
 EVERY_INTERFACE = "empty: give 0.0.0.0 (or ::) to listen on every interface"
+EVERY_IPV4_INTERFACE = "empty: give 0.0.0.0 to listen on every interface"  # the agent's
+EVERY_ZMQ_INTERFACE = "empty: give * (or 0.0.0.0) to publish on every interface"
 
 
 @pytest.mark.parametrize("host", ["", " "])
@@ -38,7 +40,7 @@ def test_an_empty_agent_http_host_is_refused_not_every_interface(
     with pytest.raises(ValidationError) as info:
         agent_cli.settings_from_args(parser.parse_args(argv))
     assert agent_cli.settings_error(info.value) == (
-        f"http_host (--http-host, KVGATE_AGENT_HTTP_HOST): {EVERY_INTERFACE}"
+        f"http_host (--http-host, KVGATE_AGENT_HTTP_HOST): {EVERY_IPV4_INTERFACE}"
     )
 
 
@@ -63,8 +65,9 @@ def test_an_empty_replica_host_is_refused_not_every_interface(
     with pytest.raises(SystemExit) as exc:
         replica_cli.build_settings(parser.parse_args(argv))
     assert exc.value.code == 2
+    says = EVERY_INTERFACE if field == "host" else EVERY_ZMQ_INTERFACE
     assert capsys.readouterr().err.splitlines() == [
-        f"kvgate replica: error: argument {flag}: {EVERY_INTERFACE}"
+        f"kvgate replica: error: argument {flag}: {says}"
     ]
 
 

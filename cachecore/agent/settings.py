@@ -99,7 +99,8 @@ class AgentSettings(BaseSettings):
 
     # own HTTP and trace
     # an empty value (KVGATE_AGENT_HTTP_HOST= from an unset template variable) is refused:
-    # it listened on every interface, where the default is loopback
+    # it listened on every interface, where the default is loopback. IPv4 only (the agent's
+    # HTTP socket is AF_INET), so the refusal names 0.0.0.0, not ::
     http_host: str = "127.0.0.1"
     http_port: int | None = Field(default=None, ge=0, le=65535)
     key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)  # Redis key namespace
@@ -114,7 +115,7 @@ class AgentSettings(BaseSettings):
     @classmethod
     def _host(cls, v: str) -> str:
         if not v.strip():
-            raise ValueError("empty: give 0.0.0.0 (or ::) to listen on every interface")
+            raise ValueError("empty: give 0.0.0.0 to listen on every interface")
         return v
 
     @field_validator("engine_url")

@@ -63,11 +63,18 @@ class ReplicaSettings(BaseSettings):
     # stream (vLLM's --data-parallel-size with its internal load balancing)
     data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
 
-    @field_validator("host", "events_host")
+    @field_validator("host")
     @classmethod
     def _host(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("empty: give 0.0.0.0 (or ::) to listen on every interface")
+        return v
+
+    @field_validator("events_host")
+    @classmethod
+    def _events_host(cls, v: str) -> str:
+        if not v.strip():  # ZMQ's every interface; it binds no IPv6 (:: is "No such device")
+            raise ValueError("empty: give * (or 0.0.0.0) to publish on every interface")
         return v
 
     @field_validator("model")
