@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -256,10 +258,18 @@ async def _main(
             try:  # the constructor binds: a port in use fails there
                 server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
                 await server.start()
-            except OSError as exc:  # two agents on one host need their own --http-port
+            except OSError as exc:
+                # the advice fits the failure: "its own --http-port" for an address family
+                # or a name that does not resolve sent the operator after the wrong flag
+                if exc.errno == errno.EADDRINUSE:  # two agents on one host
+                    advice = "; give each agent on a host its own --http-port"
+                elif isinstance(exc, socket.gaierror):  # :: or a name with no IPv4 address
+                    advice = "; --http-host (KVGATE_AGENT_HTTP_HOST) takes an IPv4 address or name"
+                else:
+                    advice = ""
                 print(
                     f"kvgate agent: cannot listen on {settings.http_host}:{settings.http_port} "
-                    f"({exc.strerror}); give each agent on a host its own --http-port",
+                    f"({exc.strerror}){advice}",
                     file=sys.stderr,
                 )
                 server = None
