@@ -101,3 +101,28 @@ def test_an_infinite_drain_or_upstream_timeout_is_refused(
     assert main(["serve", "--open", "--port", "0"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and says in err[0], err
+
+
+@pytest.mark.parametrize("given", ["env", "flag"])
+def test_an_empty_agent_trace_out_is_refused_as_empty(
+    given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KVGATE_AGENT_TRACE_OUT=` (or `--trace-out ''`) was the path ".": refused as "cannot
+    open --trace-out . (Is a directory)", which names neither the variable nor the slip."""
+    for var in ("REPLICA_ID", "ENGINE_URL", "EVENTS", "REDIS", "TRACE_OUT"):
+        monkeypatch.delenv(f"KVGATE_AGENT_{var}", raising=False)
+    argv = [
+        "--replica-id", "r9", "--engine-url", "http://127.0.0.1:9",
+        "--events", "tcp://127.0.0.1:9", "--redis", "redis://127.0.0.1:9/0",
+    ]  # fmt: skip
+    if given == "env":
+        monkeypatch.setenv("KVGATE_AGENT_TRACE_OUT", "")
+    else:
+        argv += ["--trace-out", ""]
+    parser = argparse.ArgumentParser(prog="kvgate agent")
+    agent_cli.configure(parser)
+    with pytest.raises(ValidationError) as info:
+        agent_cli.settings_from_args(parser.parse_args(argv))
+    assert agent_cli.settings_error(info.value) == (
+        "trace_out (--trace-out, KVGATE_AGENT_TRACE_OUT): empty: give a file, or unset the variable"
+    )

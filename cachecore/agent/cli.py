@@ -21,7 +21,6 @@ import logging
 import signal
 import socket
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -103,7 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--http-port", type=int, help=f"port of /metrics and /health ({DEFAULT_HTTP_PORT}; 0 any)"
     )
-    p.add_argument("--trace-out", type=Path, help="JSON lines of applied changes (trace analysis)")
+    # a str, made a Path by the settings: Path("") is ".", and an empty one is refused there
+    p.add_argument("--trace-out", help="JSON lines of applied changes (trace analysis)")
     p.add_argument("--no-register", action="store_true", help="do not register the replica")
     p.add_argument(
         "--gc-freeze-interval", type=nonnegative_float, default=GC_FREEZE_INTERVAL_S,

@@ -118,6 +118,15 @@ class AgentSettings(BaseSettings):
             raise ValueError("empty: give 0.0.0.0 to listen on every interface")
         return v
 
+    @field_validator("trace_out", mode="before")
+    @classmethod
+    def _path_given(cls, v: object) -> object:
+        # an empty value (a template's unset variable) was the path ".": "cannot open
+        # --trace-out . (Is a directory)", as the gateway's empty paths were (126bba5)
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("empty: give a file, or unset the variable")
+        return v
+
     @field_validator("engine_url")
     @classmethod
     def _http_url(cls, v: str) -> str:
