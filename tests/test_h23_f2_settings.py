@@ -126,3 +126,26 @@ def test_an_empty_agent_trace_out_is_refused_as_empty(
     assert agent_cli.settings_error(info.value) == (
         "trace_out (--trace-out, KVGATE_AGENT_TRACE_OUT): empty: give a file, or unset the variable"
     )
+
+
+@pytest.mark.parametrize("given", ["env", "flag"])
+def test_an_empty_replica_tokenizer_dir_is_refused(
+    given: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`KVGATE_REPLICA_TOKENIZER_DIR=` (or `--tokenizer-dir ''`) served the built-in
+    tokenizer without a word, where a model's tokenizer was asked for."""
+    monkeypatch.delenv("KVGATE_REPLICA_TOKENIZER_DIR", raising=False)
+    argv: list[str] = []
+    if given == "env":
+        monkeypatch.setenv("KVGATE_REPLICA_TOKENIZER_DIR", "")
+    else:
+        argv = ["--tokenizer-dir", ""]
+    parser = argparse.ArgumentParser(prog="kvgate replica")
+    replica_cli.configure(parser)
+    with pytest.raises(SystemExit) as exc:
+        replica_cli.build_settings(parser.parse_args(argv))
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kvgate replica: error: argument --tokenizer-dir: "
+        "empty: give a model directory, or unset it for the built-in one"
+    ]

@@ -77,6 +77,15 @@ class ReplicaSettings(BaseSettings):
             raise ValueError("empty: give * (or 0.0.0.0) to publish on every interface")
         return v
 
+    @field_validator("tokenizer_dir")
+    @classmethod
+    def _dir_given(cls, v: str | None) -> str | None:
+        # an empty one (a template's unset variable) served the built-in tokenizer without
+        # a word, where a model's was asked for
+        if v is not None and not v.strip():
+            raise ValueError("empty: give a model directory, or unset it for the built-in one")
+        return v
+
     @field_validator("model")
     @classmethod
     def _named_model(cls, v: str) -> str:
