@@ -89,6 +89,7 @@ class HotCycle:
         "message_event",
         "more_body",
         "proto",
+        "request_id",
         "response_complete",
         "response_started",
         "streaming",
@@ -126,6 +127,7 @@ class HotCycle:
         self.response_complete = False
         self._disconnected = False
         self.task: asyncio.Task[None] | None = None
+        self.request_id: str | None = None
 
     # ---------------------------------------------------------------- the protocol's side
     @property
@@ -149,7 +151,7 @@ class HotCycle:
             await self._serve()
         except asyncio.CancelledError:
             if not self._disconnected:
-                self._end_cut_stream()  # the drain timeout ran out on a stream
+                self._end_cut_answer()  # the drain timeout ran out on this request
                 raise  # the server's own cancellation (shutdown)
             if self.task is not None:
                 self.task.uncancel()
@@ -178,6 +180,7 @@ class HotCycle:
             self.endpoint, names, self.read_body, peer[0] if peer else ""
         )
         if isinstance(out, UpstreamExchange):
+            self.request_id = out.d.request_id  # for a 503 if the drain timeout cuts it
             await out.run(self)
             return
         err, rid = out
@@ -237,11 +240,23 @@ class HotCycle:
         self.transport.write(b"".join(parts))
         self._complete()
 
-    def _end_cut_stream(self) -> None:
-        """A stream the server cancels (its drain timeout ran out) ends as one a dying
-        replica ends: an SSE error event, ``data: [DONE]``, the chunked body's end; the
-        connection then closes. Cut bare, the client's SDK saw only a protocol error."""
-        if not self.streaming or self.response_complete or self.transport.is_closing():
+    def _end_cut_answer(self) -> None:
+        """A request the server cancels (its drain timeout ran out): an answer not begun is
+        a 503 ``draining`` error, as a request arriving while draining gets; a stream ends
+        as one a dying replica ends: an SSE error event, ``data: [DONE]``, the chunked
+        body's end. The connection then closes. Cut bare, the client saw an empty reply or
+        a protocol error, with no word of why."""
+        if self.response_complete or self.transport.is_closing():
+            return
+        if not self.response_started:
+            err = GatewayError(503, "the gateway is shutting down", code="draining")
+            self.keep_alive = False
+            body = _error_bytes(err)
+            parts = self._head(err.status, err.header_pairs(self.request_id))
+            parts += (b"content-length: %d\r\n\r\n" % len(body), body)
+            self.transport.write(b"".join(parts))
+            return
+        if not self.streaming:
             return
         event = sse_error_event(503, "the gateway is shutting down", "draining")
         self.transport.write(
