@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from gateway.requesttrace import RequestTrace
@@ -82,3 +85,50 @@ async def test_a_gateway_tracing_to_a_full_disk_keeps_its_bookkeeping() -> None:
         # the precision check ran for every request (it is after the trace write)
         assert st.gw.metrics.precision[1] == before + prompts
     assert st.gw.trace is None or st.gw.trace.dropped >= 6060  # the stop did not raise
+
+
+_TORN = """
+import resource, signal, sys
+from pathlib import Path
+from gateway.requesttrace import RequestTrace
+from tests.test_h23_f1_trace_full_disk import record
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, not a kill
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+trace = RequestTrace(Path(sys.argv[1]))
+size = len(open(sys.argv[2]).read())
+resource.setrlimit(resource.RLIMIT_FSIZE, (3 * size + size // 2, hard))
+for i in range(5):
+    trace.write(record(i))
+trace.flush()  # a short write (three lines and half of one), then EFBIG
+print(trace.dropped)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+for i in range(5, 7):
+    trace.write(record(i))
+trace.flush()
+print(trace.dropped)
+"""
+
+
+def test_a_line_cut_short_by_a_write_error_does_not_swallow_the_next(tmp_path: Path) -> None:
+    """A write that fails part-way (here the file size limit, as a disk filling up does)
+    leaves half a line: the records wholly written are kept, the others counted dropped,
+    and the next record starts on a line of its own instead of being glued to the half."""
+    one = tmp_path / "one.jsonl"
+    one.write_bytes(orjson.dumps(record(0)) + b"\n")  # every record is this long
+    path = tmp_path / "trace.jsonl"
+    out = subprocess.run(
+        [sys.executable, "-c", _TORN, str(path), str(one)],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["2", "2"], out
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-1] == b""  # the file ends with a whole line
+    ids = []
+    for line in lines[:-1]:
+        try:
+            ids.append(orjson.loads(line)["request_id"])
+        except orjson.JSONDecodeError:
+            ids.append("torn")
+    assert ids == ["req-00000000", "req-00000001", "req-00000002", "torn",
+                   "req-00000005", "req-00000006"]  # fmt: skip
