@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import uvicorn
 from pydantic import ValidationError
+from pydantic_settings import BaseSettings
 
 from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.settings import AgentSettings
@@ -49,7 +50,6 @@ from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
-from cachecore.replica.settings import ReplicaSettings
 from gateway.app import create_app
 from gateway.auth import KeyStore
 from gateway.core import AgentHook, Gateway
@@ -455,7 +455,14 @@ def unknown_settings(environ: Mapping[str, str]) -> list[str]:
     nearest known name: pydantic-settings ignores them, so ``KVGATE_POLICY_FILE=strict.yaml``
     served the default policy without a word."""
     known: set[str] = set(OTHER_KVGATE_VARIABLES)
-    for cls in (GatewaySettings, AgentSettings, ReplicaSettings):
+    classes: list[type[BaseSettings]] = [GatewaySettings, AgentSettings]
+    if any(name.upper().startswith("KVGATE_REPLICA_") for name in environ):
+        # only then: the replica's settings import the engine model and numpy (an OpenBLAS
+        # thread and ~13 MiB in every gateway process otherwise)
+        from cachecore.replica.settings import ReplicaSettings
+
+        classes.append(ReplicaSettings)
+    for cls in classes:
         prefix = str(cls.model_config.get("env_prefix", "")).upper()
         known.update(prefix + name.upper() for name in cls.model_fields)
     out = []

@@ -228,3 +228,18 @@ def test_a_negative_offload_threshold_is_refused(monkeypatch: pytest.MonkeyPatch
     )
     monkeypatch.setenv("KVGATE_TOKENIZE_OFFLOAD_CHARS", "0")  # 0: every uncached text
     assert GatewaySettings().tokenize_offload_chars == 0
+
+
+def test_the_gateway_loads_no_engine_model_or_numpy() -> None:
+    """The unknown-setting check (e8693a4) imported the replicas' settings, and with them
+    the engine model and numpy: an OpenBLAS thread and ~13 MiB more in every gateway."""
+    code = (
+        "import sys, gateway.serve as s\n"
+        "s.unknown_settings({'KVGATE_POLICY_FILE': 'x'})\n"
+        "print(sorted(m for m in ('numpy', 'cachecore.engine') if m in sys.modules))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
