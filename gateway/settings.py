@@ -18,7 +18,7 @@ from cachecore.loadstate import validate_gateway_id
 from cachecore.registry import ReplicaAllowlist
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
 from gateway.replicas import AGENT_ENDPOINT_SCHEMES
-from policies.schema import builtin_policy_path
+from policies.schema import MIN_RATE_PER_S, builtin_policy_path
 
 
 def _split_csv(value: object) -> object:
@@ -188,6 +188,16 @@ class GatewaySettings(BaseSettings):
             url = urlsplit(value)
             if url.scheme not in ("http", "https") or not url.hostname:
                 raise ValueError("not an http(s) URL with a host (the OTLP/HTTP traces endpoint)")
+        return value
+
+    @field_validator("api_keys_miss_rate", "api_keys_miss_rate_global")
+    @classmethod
+    def _miss_rate(cls, value: float) -> float:
+        # a refused lookup's wait is its shortfall over the rate: with 1e-320 it overflowed
+        # to inf, and the 429's Retry-After (int(inf)) raised OverflowError, a 500 for every
+        # unknown key past the burst; the tenant limits' floor (policies.schema)
+        if 0 < value < MIN_RATE_PER_S:
+            raise ValueError(f"0 (no budget) or at least {MIN_RATE_PER_S:g} per second")
         return value
 
     @field_validator("host")

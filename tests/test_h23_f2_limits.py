@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.errors import rate_limited
 from gateway.limits import TenantLimiter
@@ -55,3 +56,34 @@ def test_the_smallest_rate_keeps_every_wait_finite() -> None:
         assert rejection is not None and math.isfinite(rejection.retry_after_s)
         error = rate_limited(rejection.message, rejection.retry_after_s, rejection.limit)
         assert error.status == 429 and int(error.headers["Retry-After"]) >= 1
+
+
+@pytest.mark.parametrize("name", ["KVGATE_API_KEYS_MISS_RATE", "KVGATE_API_KEYS_MISS_RATE_GLOBAL"])
+def test_an_unknown_key_budget_too_small_to_wait_for_is_refused(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`KVGATE_API_KEYS_MISS_RATE=1e-320` was accepted: past the burst, a refused lookup's
+    wait (its shortfall / 1e-320) was inf and the 429's Retry-After raised OverflowError,
+    a 500 for every unknown key. 0 (no budget) stays accepted."""
+    from gateway.auth import KeyLookupRefused, _check_budgets
+    from gateway.limits import TokenBucket
+    from gateway.serve import settings_error
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.setenv(name, "0")
+    GatewaySettings()
+    monkeypatch.setenv(name, "1e-320")
+    try:
+        settings = GatewaySettings()
+    except ValidationError as exc:
+        says = f"({name}): 0 (no budget) or at least 1e-06 per second"
+        assert says in settings_error(exc), settings_error(exc)
+        return
+    # unfixed: the key store's budget as it is built from these settings, spent
+    rate = getattr(settings, name.removeprefix("KVGATE_").lower())
+    bucket = TokenBucket(rate, 1.0, 0.0)
+    bucket.charge(1.0, 0.0)
+    with pytest.raises(KeyLookupRefused) as refused:
+        _check_budgets(((bucket, KeyLookupRefused),), 0.0)
+    rate_limited(str(refused.value), refused.value.retry_after_s, "unknown_keys")
+    pytest.fail(f"{name}=1e-320 accepted (its wait: {refused.value.retry_after_s} s)")
