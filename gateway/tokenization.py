@@ -299,6 +299,11 @@ def _engine_busy(r: httpx.Response, payload: Any) -> GatewayError:
     )
 
 
+ENGINE_ANSWER_CAP = 64 << 20
+"""The most bytes read of an engine's tokenize or render answer: the token ids (and
+rendered text) of the longest prompts an engine takes are a few MiB."""
+
+
 class EnginePromptTokenizer:
     """Asks a replica of the pool to tokenize (``mode`` = "render" or "tokenize").
     ``replica_url(tried)`` picks a replica's URL other than those ``tried``.
@@ -373,7 +378,9 @@ class EnginePromptTokenizer:
             if left <= 0:  # a connect timeout spent it: the client hears a timeout
                 raise TimeoutError
             try:
-                r = await self._client.post(base + path, json=payload, timeout=left)
+                r = await self._read(base + path, payload, left)
+            except AnswerTooLarge as exc:
+                raise GatewayError(502, f"engine tokenization answer {exc}") from None
             except (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
                 # not reached (refused, connect timed out), or the connection broke before
                 # an answer (reset, closed while sending or reading): another
@@ -393,6 +400,24 @@ class EnginePromptTokenizer:
                 502, f"engine tokenization failed: {type(failure).__name__}: {failure}"
             )
         raise GatewayError(503, "no replica available to tokenize", code="no_replica")
+
+    async def _read(self, url: str, payload: Mapping[str, Any], left_s: float) -> httpx.Response:
+        """The engine's answer with its body read whole, up to :data:`ENGINE_ANSWER_CAP`
+        bytes: an answer that does not end (not an engine, or a broken one) was read into
+        memory for as long as the deadline let it come, per request."""
+        async with self._client.stream("POST", url, json=payload, timeout=left_s) as r:
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > ENGINE_ANSWER_CAP:
+                    raise AnswerTooLarge(f"over {ENGINE_ANSWER_CAP} bytes")
+            # the body as read (decoded): without the headers that framed or encoded it
+            headers = [
+                (k, v)
+                for k, v in r.headers.multi_items()
+                if k not in ("content-encoding", "content-length", "transfer-encoding")
+            ]
+            return httpx.Response(r.status_code, headers=headers, content=bytes(body))
 
     async def chat(self, body: Mapping[str, Any], salt: str) -> list[int]:
         """``salt``: the request scope's cache salt. An engine may cache what it renders
