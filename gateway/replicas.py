@@ -39,6 +39,7 @@ AGENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 _SPEC_SEPARATORS = re.compile("[=,]")
 
 log = logging.getLogger(__name__)
+_WHOLE_ANSWER_READS = 4  # a health or models answer's deadline, in per-read timeouts
 
 
 class ReplicaSpecError(ValueError):
@@ -450,10 +451,12 @@ class ReplicaPool:
         ok = False
         where = f"GET {rep.url}/health"
         try:
-            # a deadline for the whole answer: httpx's timeout is per read, and a replica
-            # sending its answer a byte at a time held this round, every replica's, for
-            # as long as it dribbled
-            async with asyncio.timeout(p.timeout_s):
+            # a deadline for the whole answer too: httpx's timeout is per read, and a
+            # replica sending its answer a byte at a time held this round, every
+            # replica's, for as long as it dribbled. A few reads' worth: no stricter than
+            # the per-read timeout for an answer that comes (a loop pause in a busy
+            # process fell on the sum of connect, write and read)
+            async with asyncio.timeout(_WHOLE_ANSWER_READS * p.timeout_s):
                 r = await self._client.get(rep.url + "/health", timeout=p.timeout_s)
             ok = r.status_code == 200
             reason = f"{where}: HTTP {r.status_code}"
@@ -462,7 +465,7 @@ class ReplicaPool:
             reason = f"{where}: {type(exc).__name__}: {exc}"
         except TimeoutError:
             ok = False
-            reason = f"{where}: no whole answer within {p.timeout_s} s"
+            reason = f"{where}: no whole answer within {_WHOLE_ANSWER_READS * p.timeout_s} s"
         if ok:
             rep.health_oks += 1
             rep.health_fails = 0
@@ -487,7 +490,8 @@ class ReplicaPool:
 
     async def _models(self, rep: Replica) -> None:
         try:
-            async with asyncio.timeout(self.policy.timeout_s):  # the whole answer, as /health
+            # the whole answer, as /health
+            async with asyncio.timeout(_WHOLE_ANSWER_READS * self.policy.timeout_s):
                 r = await self._client.get(rep.url + "/v1/models", timeout=self.policy.timeout_s)
             data = r.json().get("data", []) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError, TimeoutError):
