@@ -151,10 +151,22 @@ class _StrictLoader(yaml.SafeLoader):
                 continue
             value = value_node.value if isinstance(value_node, yaml.ScalarNode) else value_node
             if seen.setdefault(key_node.value, value) != value:
+                # not the key: it may be an API key pasted where its digest belongs
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"{key_node.value[:12]!r}... is listed twice", key_node.start_mark
+                    None, None, "a key is listed twice, for different tenants", key_node.start_mark
                 )
         return super().construct_mapping(node, deep)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error without PyYAML's snippet of the offending line: the line may hold an API
+    key pasted where its digest belongs, and this message reaches the log and /admin/keys."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return f"not YAML ({type(exc).__name__})"
+    parts = [p for p in (exc.context, exc.problem) if p]
+    mark = exc.problem_mark or exc.context_mark
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{'; '.join(parts) or 'not YAML'}{where}"
 
 
 def load_key_file(path: Path, finished: bool = False) -> dict[str, str]:
@@ -173,7 +185,9 @@ def load_key_file(path: Path, finished: bool = False) -> dict[str, str]:
     # ValueError: UnicodeDecodeError, a file that is no text (a binary file, a torn write)
     except KeyFileError:
         raise
-    except (OSError, ValueError, yaml.YAMLError) as exc:
+    except yaml.YAMLError as exc:
+        raise KeyFileError(f"{path}: {_yaml_problem(exc)}") from None
+    except (OSError, ValueError) as exc:
         raise KeyFileError(f"{path}: {exc}") from None
     except RecursionError:  # PyYAML builds nested collections recursively
         raise KeyFileError(f"{path}: nested too deeply to be a key file") from None
