@@ -455,16 +455,19 @@ def unknown_settings(environ: Mapping[str, str]) -> list[str]:
     nearest known name: pydantic-settings ignores them, so ``KVGATE_POLICY_FILE=strict.yaml``
     served the default policy without a word."""
     known: set[str] = set(OTHER_KVGATE_VARIABLES)
-    classes: list[type[BaseSettings]] = [GatewaySettings, AgentSettings]
-    if any(name.upper().startswith("KVGATE_REPLICA_") for name in environ):
-        # only then: the replica's settings import the engine model and numpy (an OpenBLAS
-        # thread and ~13 MiB in every gateway process otherwise)
-        from cachecore.replica.settings import ReplicaSettings
 
-        classes.append(ReplicaSettings)
-    for cls in classes:
+    def add(cls: type[BaseSettings]) -> None:
         prefix = str(cls.model_config.get("env_prefix", "")).upper()
         known.update(prefix + name.upper() for name in cls.model_fields)
+
+    add(GatewaySettings)
+    add(AgentSettings)
+    if any(n.upper().startswith("KVGATE_REPLICA_") and n.upper() not in known for n in environ):
+        # only then (KVGATE_REPLICA_ALLOWLIST is the gateway's own): the replica's settings
+        # import the engine model and numpy, an OpenBLAS thread and ~13 MiB in a gateway
+        from cachecore.replica.settings import ReplicaSettings
+
+        add(ReplicaSettings)
     out = []
     for name in sorted(environ):
         var = name.upper()  # pydantic-settings reads the names case-insensitively

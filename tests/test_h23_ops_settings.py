@@ -235,7 +235,7 @@ def test_the_gateway_loads_no_engine_model_or_numpy() -> None:
     the engine model and numpy: an OpenBLAS thread and ~13 MiB more in every gateway."""
     code = (
         "import sys, gateway.serve as s\n"
-        "s.unknown_settings({'KVGATE_POLICY_FILE': 'x'})\n"
+        "s.unknown_settings({'KVGATE_POLICY_FILE': 'x', 'KVGATE_REPLICA_ALLOWLIST': 'y'})\n"
         "print(sorted(m for m in ('numpy', 'cachecore.engine') if m in sys.modules))\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
