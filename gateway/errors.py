@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -149,10 +150,16 @@ def body_too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"request body larger than {limit} bytes", code="body_too_large")
 
 
+_MAX_RETRY_AFTER_S = 86_400.0
+
+
 def rate_limited(message: str, retry_after_s: float, limit: str) -> GatewayError:
     """OpenAI's 429 (code ``rate_limit_exceeded``, type ``requests`` or ``tokens``) with the
     tenant limit that ran out in ``limit``: concurrency, rate or uncached_tokens."""
-    secs = max(1, int(retry_after_s + 0.999))
+    # a wait no bucket can give (inf, NaN, a rate near zero) is a day, not an OverflowError
+    # that makes the 429 a 500; the settings bound the rates, this bounds every caller
+    wait = retry_after_s if math.isfinite(retry_after_s) else _MAX_RETRY_AFTER_S
+    secs = max(1, int(min(wait, _MAX_RETRY_AFTER_S) + 0.999))
     return GatewayError(
         429,
         message,

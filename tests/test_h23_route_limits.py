@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gateway.limits import TenantLimiter, TokenBucket
@@ -31,3 +33,15 @@ def test_a_tenant_limiter_does_not_admit_more_for_a_stale_clock() -> None:
     assert rej is not None and rej.limit == "rate"
     rej = lim.admit("t", limits, 100.0)
     assert rej is not None and rej.limit == "rate"
+
+
+@pytest.mark.parametrize("wait", [math.inf, math.nan, 1e300, -5.0])
+def test_a_wait_no_bucket_can_give_is_still_a_429(wait: float) -> None:
+    """A rate near zero made a limiter's wait inf, and int(inf) in the 429's Retry-After
+    raised OverflowError: a 500 where a 429 was meant. The settings now bound the rates;
+    the 429 bounds every caller: at most a day, at least a second."""
+    from gateway.errors import rate_limited
+
+    err = rate_limited("slow down", wait, "rate")
+    secs = int(err.headers["Retry-After"])
+    assert err.status == 429 and 1 <= secs <= 86_400
