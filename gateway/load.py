@@ -260,6 +260,9 @@ class LoadTracker:
         return out
 
 
+_NONE = (0, 0)
+
+
 class SharedLoadRefresher:
     """Keeps a local copy of the shared :class:`LoadStore` snapshot, refreshed every
     ``interval_s``, and flushes this gateway's in-flight deltas to it. "Others" are the
@@ -321,7 +324,9 @@ class SharedLoadRefresher:
                 # with our counts as they are: a store that lost them (a Redis restart, a
                 # prune) has them back within one heartbeat, where the clamped deltas alone
                 # left it short for as long as this gateway was never idle
-                own = {rid: (p[0], p[1]) for rid, p in self._pushed.items()}
+                # (zero where it sent nothing: a gateway restarted under the same
+                # --gateway-id clears what its previous process left there)
+                own = {rid: (p[0], p[1]) for rid in reps for p in (self._pushed.get(rid, _NONE),)}
                 await self.store.heartbeat(self.gateway_id, reps, now_ms, own)
                 self._last_hb = mono
             records = await self.store.snapshot(reps, now_ms)

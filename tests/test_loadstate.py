@@ -253,3 +253,15 @@ async def test_counts_a_store_lost_come_back_with_the_next_heartbeat(
     await b.refresh_once()
     shared = b.snapshot()["r1"]
     assert (shared.other_requests, shared.other_queued_tokens) == (10, 1000.0)
+
+
+async def test_a_gateway_restarted_under_its_id_clears_what_it_left(store: LoadStore) -> None:
+    """An operator-set --gateway-id: the new process's heartbeat kept the dead one's counts
+    alive on replicas it had not sent to yet; it writes zero there now."""
+    from gateway.load import InFlight, SharedLoadRefresher
+
+    await store.add_inflight("gw-a", "r1", 5, 500, 0)  # what the previous process left
+    fresh = SharedLoadRefresher(store, "gw-a", InFlight(), lambda: ["r1"])
+    await fresh.refresh_once()  # its first refresh heartbeats
+    rec = (await store.snapshot(["r1"], 1))["r1"]
+    assert (rec.inflight_requests, rec.inflight_prefill_tokens) == (0, 0)
