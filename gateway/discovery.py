@@ -62,6 +62,7 @@ class Discovery:
         self._task: asyncio.Task[None] | None = None
         self.removal_grace_ms = int(removal_grace_s * 1000)
         self._last_seen: dict[str, int] = {}  # discovered id -> the last read that had it
+        self._static_elsewhere: set[tuple[str, str]] = set()  # (static id, URL) warned of
 
     async def refresh_once(self, now_ms: int | None = None) -> None:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
@@ -106,6 +107,17 @@ class Discovery:
                     extra={"replica": reg.replica_id, "url": reg.url, "old_url": rep.url},
                 )
                 rep = self.pool.move(reg.replica_id, reg.url.rstrip("/"))
+            elif (
+                self._moved(rep.url, reg)
+                and (reg.replica_id, reg.url) not in self._static_elsewhere
+            ):
+                # a static replica keeps its declared URL; its agent says the engine is
+                # elsewhere: the operator's to reconcile (once per URL, not every refresh)
+                self._static_elsewhere.add((reg.replica_id, reg.url))
+                log.warning(
+                    "static replica registered at another URL: its declared URL is kept",
+                    extra={"replica": reg.replica_id, "url": reg.url, "declared_url": rep.url},
+                )
             rep.block_size = reg.block_size
             self.discovered[reg.replica_id] = reg
             self._last_seen[reg.replica_id] = now_ms

@@ -5,6 +5,7 @@ expires, so the old URL would be routed to until the gateway restarted."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from cachecore.registry import MemoryRegistry, Registration, ReplicaAllowlist
 from gateway.discovery import Discovery
@@ -71,7 +72,8 @@ async def test_a_move_is_heard_as_the_old_engine_leaving_and_the_new_one_coming(
         assert len(changes) == 2
 
 
-async def test_a_static_replica_keeps_its_declared_url() -> None:
+async def test_a_static_replica_keeps_its_declared_url(caplog: pytest.LogCaptureFixture) -> None:
+    """Kept, and said once (08bd3cd had dropped the warning with the old branch)."""
     registry = MemoryRegistry()
     async with httpx.AsyncClient() as client:
         pool = ReplicaPool(client, HealthPolicy())
@@ -79,9 +81,13 @@ async def test_a_static_replica_keeps_its_declared_url() -> None:
         allow = ReplicaAllowlist(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
         disc = Discovery(registry, allow, pool, {"static-1"})
         await registry.register(_reg("static-1", "http://10.0.0.2:8000"), 60_000, now_ms=0)
-        await disc.refresh_once(now_ms=10)
+        caplog.set_level("WARNING", logger="gateway.discovery")
+        for t in (10, 20, 30):
+            await disc.refresh_once(now_ms=t)
         rep = pool.get("static-1")
         assert rep is not None and rep.url == "http://10.0.0.1:8000"
+        said = [r for r in caplog.records if "static replica registered at another" in r.msg]
+        assert len(said) == 1 and said[0].__dict__["url"] == "http://10.0.0.2:8000"
 
 
 async def test_a_cordon_outlives_a_gap_in_the_registration() -> None:
