@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
+from cachecore.index.redis import check_redis_url
 from cachecore.loadstate import validate_gateway_id
 from cachecore.registry import ReplicaAllowlist
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
@@ -169,7 +170,7 @@ class GatewaySettings(BaseSettings):
         # without a word: no shared index, load or in-flight records with the others
         if isinstance(value, str) and not value.strip():
             raise ValueError("empty: give a redis:// URL, or unset it for the embedded index")
-        return value
+        return check_redis_url(value) if isinstance(value, str) else value
 
     @field_validator("gateway_id")
     @classmethod

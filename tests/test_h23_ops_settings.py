@@ -87,11 +87,16 @@ def test_a_bad_redis_url_names_its_setting(
     url: str, problem: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`kvgate serve --redis redis://host:abc/0` said only "Port could not be cast to
-    integer value as 'abc'" (redis-py's words), which reads as a problem with --port."""
+    integer value as 'abc'" (redis-py's words), which reads as a problem with --port; the
+    agent's --redis too. Refused by the settings now, naming the setting."""
     assert main(["serve", "--open", "--port", "0", "--redis", url]) == 2
     last = capsys.readouterr().err.splitlines()[-1]
-    assert last.startswith("kvgate serve: --redis (KVGATE_REDIS_URL): ")
+    assert last.startswith("kvgate serve: redis_url (KVGATE_REDIS_URL): ")
     assert problem in last
+    args = ["agent", "--replica-id", "r0", "--engine-url", "http://127.0.0.1:9"]
+    assert main([*args, "--events", "tcp://127.0.0.1:9", "--redis", url]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "redis (--redis, KVGATE_AGENT_REDIS): " in last and problem in last
 
 
 def test_a_misspelled_setting_is_warned_about_with_the_name_meant() -> None:

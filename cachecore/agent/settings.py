@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
 from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
+from cachecore.index.redis import check_redis_url
 from cachecore.urls import split_user_info
 
 MAX_TTL_S = 86_400.0
@@ -110,6 +111,13 @@ class AgentSettings(BaseSettings):
     @classmethod
     def _valid_id(cls, v: str) -> str:
         return validate_replica_id(v)
+
+    @field_validator("redis")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        # refused here, naming --redis: redis-py's "Port could not be cast to integer value
+        # as 'abc'" out of the client built later read as an --http-port problem
+        return check_redis_url(v) if v is not None else None
 
     @field_validator("http_host")
     @classmethod

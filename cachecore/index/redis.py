@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
+from redis.connection import parse_url
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from cachecore.index.base import (
@@ -455,6 +456,16 @@ def _check_database(url: str) -> None:
     db = parts.path.strip("/")
     if db and not db.isdigit():
         raise ValueError(f"the redis URL's database must be a number, got {db!r}")
+
+
+def check_redis_url(url: str) -> str:
+    """``url`` if redis-py can connect with it, else ValueError with redis-py's reason
+    (which names the part, never the password): the settings call it, so a bad URL is an
+    error naming its flag at start-up, not "Port could not be cast to integer value as
+    'abc'" out of a client built later (read as a --port problem)."""
+    parse_url(url)  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+    _check_database(url)
+    return url
 
 
 def redis_client(
