@@ -380,7 +380,7 @@ class EnginePromptTokenizer:
             try:
                 r = await self._read(base + path, payload, left)
             except AnswerTooLarge as exc:
-                raise GatewayError(502, f"engine tokenization answer {exc}") from None
+                raise GatewayError(502, f"engine tokenization {exc}") from None
             except (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
                 # not reached (refused, connect timed out), or the connection broke before
                 # an answer (reset, closed while sending or reading): another
@@ -406,18 +406,14 @@ class EnginePromptTokenizer:
         bytes: an answer that does not end (not an engine, or a broken one) was read into
         memory for as long as the deadline let it come, per request."""
         async with self._client.stream("POST", url, json=payload, timeout=left_s) as r:
-            body = bytearray()
-            async for chunk in r.aiter_bytes():
-                body += chunk
-                if len(body) > ENGINE_ANSWER_CAP:
-                    raise AnswerTooLarge(f"over {ENGINE_ANSWER_CAP} bytes")
+            body = await _capped_body(r, ENGINE_ANSWER_CAP)
             # the body as read (decoded): without the headers that framed or encoded it
             headers = [
                 (k, v)
                 for k, v in r.headers.multi_items()
                 if k not in ("content-encoding", "content-length", "transfer-encoding")
             ]
-            return httpx.Response(r.status_code, headers=headers, content=bytes(body))
+            return httpx.Response(r.status_code, headers=headers, content=body)
 
     async def chat(self, body: Mapping[str, Any], salt: str) -> list[int]:
         """``salt``: the request scope's cache salt. An engine may cache what it renders
@@ -502,12 +498,18 @@ async def bounded_answer(
         asyncio.timeout(timeout_s),
         client.stream(method, url, json=json, timeout=timeout_s) as r,
     ):
-        body = bytearray()
-        async for chunk in r.aiter_bytes():
-            body += chunk
-            if len(body) > cap:
-                raise AnswerTooLarge(f"answer over {cap} bytes")
-        return r.status_code, bytes(body)
+        return r.status_code, await _capped_body(r, cap)
+
+
+async def _capped_body(r: httpx.Response, cap: int) -> bytes:
+    """A streamed answer's (decoded) body, refused with :class:`AnswerTooLarge` as soon as
+    it passes ``cap`` bytes, never held whole."""
+    body = bytearray()
+    async for chunk in r.aiter_bytes():
+        body += chunk
+        if len(body) > cap:
+            raise AnswerTooLarge(f"answer over {cap} bytes")
+    return bytes(body)
 
 
 async def check_alignment(
