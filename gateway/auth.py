@@ -29,7 +29,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
 from cachecore.tasks import cancel_and_wait
-from gateway.filewatch import file_version
+from gateway.filewatch import SettledChange, file_version
 from gateway.limits import TokenBucket
 from policies.schema import TENANT_NAME as _TENANT  # one rule for keys and policy tenants
 
@@ -239,8 +239,7 @@ class KeyStore:
     ) -> None:
         self.key_file = Path(key_file) if key_file is not None else None
         # taken before the read: a change during it shows as a new version next time
-        self._version = file_version(self.key_file)
-        self._seen = self._version  # the version at the watcher's previous look
+        self._watch = SettledChange(file_version(self.key_file))
         # a file modified longer ago than this is whole even if its last line has no end
         # (the watcher's poll interval, set by start)
         self.settle_s = 2.0
@@ -304,7 +303,7 @@ class KeyStore:
         if self.key_file is None:
             raise KeyFileError("the gateway was started without an API key file (--api-keys)")
         before = file_version(self.key_file)
-        self._version = self._seen = before
+        self._watch.reading(before)
         # a last line with no end is a write caught mid-line only while the file is new:
         # one that has kept still for a poll interval (``settled``: the watcher saw it so)
         # is whole, as the start-up read took it (a Kubernetes secret made from a literal,
@@ -337,9 +336,7 @@ class KeyStore:
         the previous look (a writer that truncates and rewrites it in place is given that
         time to finish; an atomic replace, a rename over it, is as still as can be). None
         when nothing was applied; raises :class:`KeyFileError` on a refused reload."""
-        now = file_version(self.key_file)
-        if now == self._version or now != self._seen:
-            self._seen = now
+        if not self._watch.due(file_version(self.key_file)):
             return None
         return self.reload_file(settled=True)
 

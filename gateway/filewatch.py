@@ -1,4 +1,5 @@
-"""A watched file's version, shared by the policy and the API key file watchers."""
+"""A watched file's version, and when a change of it is due for a reload: shared by the
+policy and the API key file watchers."""
 
 from __future__ import annotations
 
@@ -21,3 +22,25 @@ def file_version(path: Path | None) -> FileVersion | None:
     except OSError:
         return None
     return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid, st.st_gid, st.st_ctime_ns)
+
+
+class SettledChange:
+    """When a watched file is due for a reload: its version differs from the one last read
+    and is the one the previous look found, so it has kept still for a poll interval (a
+    file written in parts is not read half-written; an atomic replace is as still as can
+    be). ``read`` is the version last read, ``seen`` the previous look's."""
+
+    def __init__(self, version: FileVersion | None) -> None:
+        self.read = self.seen = version
+
+    def reading(self, version: FileVersion | None) -> None:
+        """``version`` is about to be read (taken before the read: a change during it
+        shows as a new version at the next look)."""
+        self.read = self.seen = version
+
+    def due(self, now: FileVersion | None) -> bool:
+        """One look that found ``now``: whether to reload."""
+        if now == self.read or now != self.seen:
+            self.seen = now
+            return False
+        return True

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cachecore.tasks import cancel_and_wait
-from gateway.filewatch import FileVersion, file_version
+from gateway.filewatch import FileVersion, SettledChange, file_version
 from policies.schema import Policy, PolicyError, load_policy, parse_policy_text
 
 log = logging.getLogger(__name__)
@@ -23,8 +23,7 @@ class PolicyStore:
         if policy is None:  # at start-up an invalid file is fatal
             policy = Policy() if self.path is None else load_policy(self.path)
         self.policy = policy
-        self._version = self._stat()
-        self._seen = self._version  # the version the watcher's previous look found
+        self._watch = SettledChange(self._stat())
         self.on_change: Callable[[Policy], None] | None = None
         # what the schema cannot know (the engines' block sizes): (field, problem) pairs
         # that refuse a reload, checked before it is applied
@@ -47,7 +46,7 @@ class PolicyStore:
         """Re-read the file. Raises :class:`PolicyError` (and keeps the old policy)."""
         if self.path is None:
             raise PolicyError("<none>", [("", "the gateway was started without a policy file")])
-        self._version = self._seen = self._stat()
+        self._watch.reading(self._stat())
         try:
             # an empty file is one caught between its truncation and its rewrite
             policy = load_policy(self.path, allow_empty=False)
@@ -81,7 +80,7 @@ class PolicyStore:
 
     def changed_on_disk(self) -> bool:
         m = self._stat()
-        return m is not None and m != self._version
+        return m is not None and m != self._watch.read
 
     def poll_file(self) -> bool:
         """One look at the file: reload it once it has changed and then kept still since the
@@ -91,9 +90,7 @@ class PolicyStore:
         A file gone for a whole interval (deleted, not replaced) is reported once, as a
         reload that cannot read it: the policy in force stays, but a restart would fail.
         False when nothing was read; raises :class:`PolicyError` on a refused reload."""
-        now = self._stat()
-        if now == self._version or now != self._seen:
-            self._seen = now
+        if not self._watch.due(self._stat()):
             return False
         self.reload_file()
         return True
