@@ -13,6 +13,9 @@ Tasks::
                  engine has been busy without progress), restart and reachability detection
     heartbeat    registration with a TTL (only URLs the operator declared are accepted)
     checker      index still holds our state? (Redis restart: changed run_id / lost meta)
+
+stream, scraper, heartbeat and checker run under one supervision rule (:meth:`Agent._loop`):
+an unexpected error is logged and counted and the loop restarts after a pause.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ log = logging.getLogger(__name__)
 
 _START_TIME_TOLERANCE_S = 1e-3
 
+# a failed background loop restarts after 0.5 s, doubling while it fails without progress
+_LOOP_PAUSE_S = 0.5
+_LOOP_PAUSE_MAX_S = 5.0
+LOOP_FAILING_AFTER = 3
+"""Failures in a row (no progress between them) after which /health calls a loop failing."""
+
 
 @runtime_checkable
 class HasInstanceId(Protocol):
@@ -77,6 +86,44 @@ class EngineInfo:
     block_size: int
     num_gpu_blocks: int | None
     start_time: float
+
+
+class LoopRun:
+    """One background loop's record under supervision: restarts in all, and failures since
+    it last made progress. A periodic loop reports each completed iteration
+    (:meth:`progressed`); a loop that never completes one (the stream) has a ``probe``
+    whose value moves with its progress (the last seq it applied)."""
+
+    __slots__ = ("_at_failure", "_in_a_row", "last_error", "name", "probe", "restarts")
+
+    def __init__(self, name: str, probe: Callable[[], object] | None = None) -> None:
+        self.name = name
+        self.probe = probe
+        self.restarts = 0
+        self._in_a_row = 0
+        self._at_failure: object = None  # the probe's value at the last failure
+        self.last_error: str | None = None
+
+    def progressed(self) -> None:
+        self._in_a_row = 0
+
+    @property
+    def in_a_row(self) -> int:
+        moved = self.probe is not None and self.probe() != self._at_failure
+        return 0 if moved else self._in_a_row
+
+    def failed(self, exc: Exception) -> float:
+        """Record a failure; the pause before the restart, seconds."""
+        self.restarts += 1
+        self._in_a_row = self.in_a_row + 1
+        if self.probe is not None:
+            self._at_failure = self.probe()
+        self.last_error = repr(exc)[:300]
+        return min(_LOOP_PAUSE_MAX_S, _LOOP_PAUSE_S * 2.0 ** (self._in_a_row - 1))
+
+    @property
+    def failing(self) -> bool:
+        return self.in_a_row >= LOOP_FAILING_AFTER
 
 
 class Agent:
@@ -122,6 +169,7 @@ class Agent:
         self.stream: EventStream | None = None
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.loops: dict[str, LoopRun] = {}  # the supervised background loops, by name
         self._supervisor: asyncio.Task[None] | None = None
         self._instance_id: str | None = None
         self._stopped = False
@@ -199,6 +247,7 @@ class Agent:
             any(s.dirty for s in self.syncs.values())
             or not self.engine_reachable
             or self.registration_conflict
+            or any(loop.failing for loop in self.loops.values())
         ):
             status = "degraded"
         else:
@@ -215,6 +264,15 @@ class Agent:
             "block_size": self.engine.block_size if self.engine else None,
             "stream_last_seq": stream.last_seq if stream else None,
             "replicas": replicas,
+            "loops": {
+                loop.name: {
+                    "restarts": loop.restarts,
+                    "failures_in_row": loop.in_a_row,
+                    "failing": loop.failing,
+                    "last_error": loop.last_error,
+                }
+                for loop in self.loops.values()
+            },
             "event_to_index_ms": {
                 "p50": None if p50 is None else round(p50 * 1000, 3),
                 "p99": None if p99 is None else round(p99 * 1000, 3),
@@ -254,11 +312,15 @@ class Agent:
             stream = self.stream = self._make_stream()
             stream.last_seq = primary.written_seq
             stream.subscribe()
-            self._spawn(self._scrape_loop(), "scrape")
-            self._spawn(self._check_loop(), "check")
+            self._spawn("scrape", self._scrape_loop)
+            self._spawn("check", self._check_loop)
             if self.registry_link is not None:
-                self._spawn(self._heartbeat_loop(), "heartbeat")
-            self._spawn(self._run_stream(stream, restart_first), "stream")
+                self._spawn("heartbeat", self._heartbeat_loop)
+            self._spawn(
+                "stream",
+                lambda loop: self._run_stream(stream, restart_first, loop),
+                probe=lambda: stream.last_seq,
+            )
             await stream.caught_up.wait()
             self.ready.set()
             log.info(
@@ -277,27 +339,47 @@ class Agent:
             log.exception("agent supervisor failed", extra={"replica": self.primary_id})
             raise
 
-    def _spawn(self, coro: Awaitable[None], what: str) -> None:
-        async def guarded() -> None:
-            await coro
+    def _spawn(
+        self,
+        name: str,
+        run: Callable[[LoopRun], Awaitable[None]],
+        probe: Callable[[], object] | None = None,
+    ) -> None:
+        loop = self.loops[name] = LoopRun(name, probe)
+        self._tasks.append(
+            asyncio.create_task(self._loop(loop, run), name=f"agent-{self.primary_id}-{name}")
+        )
 
-        self._tasks.append(asyncio.create_task(guarded(), name=f"agent-{self.primary_id}-{what}"))
-
-    async def _run_stream(self, stream: EventStream, restart_first: bool) -> None:
-        """The stream never gives up: any unexpected failure restarts it after a pause,
-        and the restarted stream replays what it missed."""
-        first = True
+    async def _loop(self, loop: LoopRun, run: Callable[[LoopRun], Awaitable[None]]) -> None:
+        """The one supervision rule of every background loop: none gives up. An unexpected
+        error (a bug, a library's) ended a loop silently for the life of the process (no
+        more scrapes, checks or heartbeats: the registration expired) while /health said
+        ok; now it is logged with its traceback, counted, and the loop restarts after a
+        pause that doubles while it fails without progress (0.5 s to 5 s)."""
         while True:
             try:
-                await stream.run(restart_first and first)
+                await run(loop)
+                return  # the loops run until cancelled; one that ends meant to
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as exc:
+                pause = loop.failed(exc)
+                self.metrics.loop_restarts.labels(self.primary_id, loop.name).inc()
                 log.exception(
-                    "event stream failed; restarting it", extra={"replica": self.primary_id}
+                    "agent loop failed; restarting it",
+                    extra={
+                        "replica": self.primary_id,
+                        "loop": loop.name,
+                        "failures_in_row": loop.in_a_row,
+                        "pause_s": pause,
+                    },
                 )
-                await asyncio.sleep(0.5)
-            first = False
+                await asyncio.sleep(pause)
+
+    async def _run_stream(self, stream: EventStream, restart_first: bool, loop: LoopRun) -> None:
+        """A restarted stream replays what it missed (a start-time restart is done on the
+        first run only)."""
+        await stream.run(restart_first and loop.restarts == 0)
 
     async def _wait_for_engine(self) -> EngineSnapshot:
         t0 = time.monotonic()
@@ -557,60 +639,64 @@ class Agent:
         self._scrape_ok(snap)
         return self._start_changed(snap)
 
-    async def _scrape_loop(self) -> None:
+    async def _scrape_loop(self, loop: LoopRun) -> None:
+        while True:
+            await asyncio.sleep(self.settings.scrape_interval_s)
+            await self._scrape_once()
+            loop.progressed()
+
+    async def _scrape_once(self) -> None:
         s = self.settings
         stream = self.stream
         assert stream is not None
-        while True:
-            await asyncio.sleep(s.scrape_interval_s)
-            try:
-                snap = await self.scraper.metrics()
-            except ScrapeError as exc:
-                self.metrics.scrape_errors.inc()
-                self.metrics.engine_up.set(0)
-                down_for = time.monotonic() - self._last_scrape_ok
-                if self.engine_reachable and down_for >= s.unavailable_after_s:
-                    if await self.scraper.healthy():
-                        # only its metrics fail (slow or broken): it serves, and its events
-                        # keep its index current, so its cache stays routable (a slow
-                        # /metrics used to hide a healthy replica's cache from routing)
-                        if not self._metrics_failing:
-                            self._metrics_failing = True
-                            log.warning(
-                                "engine metrics failing but /health answers: replica stays "
-                                "routable, its load is not published",
-                                extra={"replica": self.primary_id, "error": str(exc)},
-                            )
-                        continue
-                    self.engine_reachable = False
-                    log.warning(
-                        "engine unreachable: replica unavailable for routing",
-                        extra={"replica": self.primary_id, "error": str(exc)},
-                    )
-                    for sync in list(self.syncs.values()):
-                        await sync.put(SetEngineReachable(False))
-                continue
-            self._scrape_ok(snap)
-            # one rank of a data-parallel server: its own core's queues and progress (the
-            # server's /metrics holds every rank's, labelled by engine)
-            core = snap.for_core(s.data_parallel_rank)
-            stalled_s = self.progress.observe(core, time.monotonic())
-            self.metrics.engine_stalled.set(stalled_s)
-            if self.load_link is not None:
-                await self.load_link.publish(self.primary_id, core, self.metrics, stalled_s)
-            # a new process first clears (still unroutable), only then becomes reachable:
-            # its old entries must never be routable, not even for a moment
-            if self._start_changed(snap):
-                async with stream.lock:
-                    if self._start_changed(snap):  # the stream may have handled it meanwhile
-                        await stream.restart("start_time")
-            if not self.engine_reachable:
-                self.engine_reachable = True
-                log.info("engine reachable again", extra={"replica": self.primary_id})
+        try:
+            snap = await self.scraper.metrics()
+        except ScrapeError as exc:
+            self.metrics.scrape_errors.inc()
+            self.metrics.engine_up.set(0)
+            down_for = time.monotonic() - self._last_scrape_ok
+            if self.engine_reachable and down_for >= s.unavailable_after_s:
+                if await self.scraper.healthy():
+                    # only its metrics fail (slow or broken): it serves, and its events
+                    # keep its index current, so its cache stays routable (a slow
+                    # /metrics used to hide a healthy replica's cache from routing)
+                    if not self._metrics_failing:
+                        self._metrics_failing = True
+                        log.warning(
+                            "engine metrics failing but /health answers: replica stays "
+                            "routable, its load is not published",
+                            extra={"replica": self.primary_id, "error": str(exc)},
+                        )
+                    return
+                self.engine_reachable = False
+                log.warning(
+                    "engine unreachable: replica unavailable for routing",
+                    extra={"replica": self.primary_id, "error": str(exc)},
+                )
                 for sync in list(self.syncs.values()):
-                    await sync.put(SetEngineReachable(True))
+                    await sync.put(SetEngineReachable(False))
+            return
+        self._scrape_ok(snap)
+        # one rank of a data-parallel server: its own core's queues and progress (the
+        # server's /metrics holds every rank's, labelled by engine)
+        core = snap.for_core(s.data_parallel_rank)
+        stalled_s = self.progress.observe(core, time.monotonic())
+        self.metrics.engine_stalled.set(stalled_s)
+        if self.load_link is not None:
+            await self.load_link.publish(self.primary_id, core, self.metrics, stalled_s)
+        # a new process first clears (still unroutable), only then becomes reachable:
+        # its old entries must never be routable, not even for a moment
+        if self._start_changed(snap):
+            async with stream.lock:
+                if self._start_changed(snap):  # the stream may have handled it meanwhile
+                    await stream.restart("start_time")
+        if not self.engine_reachable:
+            self.engine_reachable = True
+            log.info("engine reachable again", extra={"replica": self.primary_id})
+            for sync in list(self.syncs.values()):
+                await sync.put(SetEngineReachable(True))
 
-    async def _check_loop(self) -> None:
+    async def _check_loop(self, loop: LoopRun) -> None:
         while True:
             await asyncio.sleep(self.settings.index_check_interval_s)
             current = await self._instance()
@@ -628,8 +714,9 @@ class Agent:
                 self._instance_id = current
             for sync in list(self.syncs.values()):
                 await sync.put(CheckIndex(server_changed=changed))
+            loop.progressed()
 
-    async def _heartbeat_loop(self) -> None:
+    async def _heartbeat_loop(self, loop: LoopRun) -> None:
         assert self.registry_link is not None and self.engine is not None
         while True:
             snap = self.last_snapshot
@@ -642,6 +729,7 @@ class Agent:
                 or info.num_gpu_blocks,
                 metrics=self.metrics,
             )
+            loop.progressed()
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
 

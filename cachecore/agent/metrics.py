@@ -190,6 +190,12 @@ class AgentMetrics:
             "kvgate_agent_heartbeats", "Registration heartbeats, by outcome", ["outcome"],
             registry=r,
         )  # fmt: skip
+        self.loop_restarts = Counter(
+            "kvgate_agent_loop_restarts",
+            "Background loops (scrape, check, heartbeat, stream) restarted after an "
+            "unexpected error",
+            ["replica", "loop"], registry=r,
+        )  # fmt: skip
         self.load_publishes = Counter(
             "kvgate_agent_load_publishes", "Load records published, by outcome", ["outcome"],
             registry=r,
