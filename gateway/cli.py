@@ -39,6 +39,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "attack": ("loadtest.attack", "isolation attack suite; non-zero exit if an attack succeeds"),
     "trace": ("cachecore.traceanalysis", "analyse a trace: occupancy, duplication, lifetimes"),
     "tokenizer": ("cachecore.tokenizer_cli", "export the built-in tokenizer as an HF model dir"),
+    "index": ("gateway.index_cli", "the Redis index per replica: stats, sweep, forget departed"),
 }
 
 # servers that drain gracefully on SIGTERM by their own handlers (and exit by the signal)

@@ -163,6 +163,10 @@ class KeyLayout:
     def registration_pattern(self) -> str:
         return f"{self.prefix}:{{r:*}}:reg"
 
+    def replica_keys_pattern(self) -> str:
+        """Matches every key of every replica (``kvgate index`` groups them by replica)."""
+        return f"{self.prefix}:{{r:*}}:*"
+
     def epoch_keys_pattern(self) -> str:
         """Matches every epoch-scoped key (b:, m:, rm:, gw:p:) of every replica."""
         return f"{self.prefix}:{{r:*}}:*:*"

@@ -31,6 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import is_not, not_
 from types import MappingProxyType
@@ -79,6 +80,8 @@ DEFAULT_MAX_WRITE_FIELDS = 16_384
 PENDING_KEY_GRACE_MS = 60_000
 """A pending zset's key TTL is its latest expiry plus this grace (relative to the caller's
 clock, so skew between gateway and Redis clocks cannot expire live entries early)."""
+
+_FORGET_KEYS_PER_CALL = 1024  # keys one forget script unlinks (a replica has a few; orphans more)
 
 RedisClient = aioredis.Redis | RedisCluster
 REDIS_FAILURES: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
@@ -415,6 +418,69 @@ end
 return 0
 """
 
+# KEYS: one meta key per replica (on Cluster none, the metas in ARGV: call_per_replica).
+# Per replica a row: whether the meta exists, its epoch, state, last_seq, engine_start and
+# updated_ms as stored (nil when absent), then HLEN of b: and m:, ZCARD of rm: and gw:p: of
+# that epoch, whether a registration key exists, and 1 when one of those keys was of the
+# wrong type (read as empty). Commands the sweeper ACL grants (operators run it with that).
+INSPECT_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
+local wrong
+local function read(r, absent)
+  if type(r) == 'table' and r.err then
+    if string.find(r.err, 'WRONGTYPE', 1, true) ~= 1 then error(r) end
+    wrong = 1
+    return absent
+  end
+  return r
+end
+local metas = KEYS
+if #KEYS == 0 then metas = ARGV end
+local out = {}
+for r = 1, #metas do
+  local meta = metas[r]
+  local base = string.sub(meta, 1, -5)
+  wrong = 0
+  local m = read(redis.pcall('HMGET', meta, 'epoch', 'state', 'last_seq', 'engine_start',
+                             'updated_ms'), {false, false, false, false, false})
+  local epoch = m[1] or '0'
+  out[r] = {
+    redis.call('EXISTS', meta), m[1], m[2], m[3], m[4], m[5],
+    read(redis.pcall('HLEN', base .. 'b:' .. epoch), 0),
+    read(redis.pcall('HLEN', base .. 'm:' .. epoch), 0),
+    read(redis.pcall('ZCARD', base .. 'rm:' .. epoch), 0),
+    read(redis.pcall('ZCARD', base .. 'gw:p:' .. epoch), 0),
+    redis.call('EXISTS', base .. 'reg'), wrong,
+  }
+end
+return out
+"""
+
+# KEYS[1] meta, KEYS[2..] the replica's epoch-scoped keys a SCAN found (any epoch). ARGV:
+# now_ms, idle_ms, force. Unless forced, refuses ({'registered'}) while a registration key
+# exists, or ({'recent', updated_ms}) when the meta was updated less than idle_ms ago. Else
+# unlinks them, the meta, the current epoch's keys (created since the SCAN) and the keys
+# with no epoch, all at once: a returning agent finds no meta and builds a new replica from
+# epoch 1, into which no key of the old one survives (its clear unlinks only epoch 0's).
+FORGET_LUA = """
+local meta = KEYS[1]
+local base = string.sub(meta, 1, -5)
+local m = redis.pcall('HMGET', meta, 'epoch', 'updated_ms')
+if m.err then m = {} end  -- a meta made no hash: nothing an agent keeps up to date
+if ARGV[3] ~= '1' then
+  if redis.call('EXISTS', base .. 'reg') == 1 then return {'registered'} end
+  local updated = tonumber(m[2] or '')
+  if updated and tonumber(ARGV[1]) - updated < tonumber(ARGV[2]) then
+    return {'recent', m[2]}
+  end
+end
+local epoch = m[1] or '0'
+local names = {meta, base .. 'reg', base .. 'load', base .. 'gw:inflight',
+               base .. 'b:' .. epoch, base .. 'm:' .. epoch, base .. 'rm:' .. epoch,
+               base .. 'gw:p:' .. epoch}
+for i = 2, #KEYS do names[#names + 1] = KEYS[i] end
+return {'forgotten', redis.call('UNLINK', unpack(names))}
+"""
+
 
 def c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     """``cls`` (a redis-py asyncio connection class) packing commands with hiredis's C
@@ -644,6 +710,34 @@ def _or(value: _T | None, absent: _T) -> _T:
     return absent if value is None else value
 
 
+def _meta_of(
+    epoch: bytes | None,
+    state: bytes | None,
+    last_seq: bytes | None,
+    engine_start: bytes | None,
+    updated: bytes | None,
+) -> ReplicaMeta:
+    """A meta hash's fields as stored (None: absent) read as :class:`ReplicaMeta`."""
+    # the agent's own fields: one that is no number (a broken or rogue agent's) reads
+    # as absent, as removal_floor reads it as no integer, never a ValueError; named in
+    # ``unreadable`` (the replica's own agent rebuilds it)
+    ints = {
+        "epoch": _agent_int(epoch, 0),
+        "last_seq": _agent_int(last_seq, -1),
+        "updated_ms": _agent_int(updated, 0),
+    }
+    start = _agent_float(engine_start, 0.0)
+    absent = ReplicaMeta()
+    return ReplicaMeta(
+        epoch=_or(ints["epoch"], absent.epoch),
+        state=_state(state) if state is not None else ReplicaState.UNKNOWN,
+        last_seq=_or(ints["last_seq"], absent.last_seq),
+        engine_start=_or(start, absent.engine_start),
+        updated_ms=_or(ints["updated_ms"], absent.updated_ms),
+        unreadable=tuple(name for name, v in [*ints.items(), ("engine_start", start)] if v is None),
+    )
+
+
 def _agent_int(raw: bytes | str | None, default: int) -> int | None:
     """An agent-written integer field; None when it holds anything else (a rogue agent's)."""
     if raw is None:
@@ -652,6 +746,46 @@ def _agent_int(raw: bytes | str | None, default: int) -> int | None:
         return int(raw)
     except ValueError:
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInspection:
+    """What the index holds for one replica (``kvgate index stats``): its meta as
+    :meth:`RedisIndex.meta` reads it (``has_meta`` False: there is none), the entries of its
+    current epoch's ``b:``/``m:`` hashes and ``rm:``/``gw:p:`` sorted sets (pending entries
+    counted whether expired or not: what Redis holds), whether a registration key exists,
+    and whether one of those keys was of the wrong type (counted as empty)."""
+
+    replica: str
+    has_meta: bool
+    meta: ReplicaMeta
+    stored: int
+    mirror: int
+    removals: int
+    pending: int
+    registration: bool
+    wrong_type: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """What :meth:`RedisIndex.sweep_orphan_keys` unlinked, out of how many keys examined;
+    ``complete`` False: it stopped at its bound with keys left to examine."""
+
+    removed: list[str]
+    examined: int
+    complete: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetResult:
+    """:meth:`RedisIndex.forget_replica`'s answer: ``unlinked`` keys, or why it refused
+    (``registered``, or ``recent`` with the meta's ``updated_ms``)."""
+
+    replica: str
+    unlinked: int = 0
+    refused: str = ""
+    updated_ms: int | None = None
 
 
 class RedisIndex:
@@ -684,6 +818,8 @@ class RedisIndex:
         self._remove_pending = RedisScript(REMOVE_PENDING_LUA)
         self._sweep = RedisScript(SWEEP_LUA)
         self._removed_since = RedisScript(REMOVED_SINCE_LUA, readonly=True)
+        self._inspect = RedisScript(INSPECT_LUA, readonly=True)
+        self._forget = RedisScript(FORGET_LUA)
         self._meta_keys: dict[str, str] = {}
         self.round_trips = 0  # network calls issued (for benchmarks and tests)
         # called with a replica whose agent-owned keys a lookup found of the wrong type
@@ -953,27 +1089,7 @@ class RedisIndex:
             )
         except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"meta {replica}") from exc
-        epoch, state, last_seq, engine_start, updated = raw
-        # the agent's own fields: one that is no number (a broken or rogue agent's) reads
-        # as absent, as removal_floor reads it as no integer, never a ValueError; named in
-        # ``unreadable`` (the replica's own agent rebuilds it)
-        ints = {
-            "epoch": _agent_int(epoch, 0),
-            "last_seq": _agent_int(last_seq, -1),
-            "updated_ms": _agent_int(updated, 0),
-        }
-        start = _agent_float(engine_start, 0.0)
-        absent = ReplicaMeta()
-        return ReplicaMeta(
-            epoch=_or(ints["epoch"], absent.epoch),
-            state=_state(state) if state is not None else ReplicaState.UNKNOWN,
-            last_seq=_or(ints["last_seq"], absent.last_seq),
-            engine_start=_or(start, absent.engine_start),
-            updated_ms=_or(ints["updated_ms"], absent.updated_ms),
-            unreadable=tuple(
-                name for name, v in [*ints.items(), ("engine_start", start)] if v is None
-            ),
-        )
+        return _meta_of(*raw)
 
     async def _scan_epoch_hash(self, replica: str, kind: str) -> dict[bytes, bytes]:
         """HSCAN the current epoch's ``b:`` or ``m:`` hash without blocking Redis; retried
@@ -1058,11 +1174,6 @@ class RedisIndex:
                 epoch = (await self.meta(rid)).epoch
                 self.round_trips += 1
                 pending += int(await self.client.zcard(self.layout.pending(rid, epoch)))
-            if isinstance(self.client, RedisCluster):  # INFO goes to one node by default
-                per_node = await self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-                used = sum(int(v.get("used_memory", 0)) for v in per_node.values())
-            else:
-                used = (await self.client.info("memory")).get("used_memory", 0)
         except REDIS_FAILURES as exc:
             raise IndexError_(f"stats: {exc}") from exc
         return IndexStats(
@@ -1070,33 +1181,150 @@ class RedisIndex:
             stored_entries=stored,
             pending_entries=pending,
             distinct_keys=len(distinct),
-            extra={"used_memory": float(used) if isinstance(used, int | float) else 0.0},
+            extra={"used_memory": float(await self.used_memory())},
         )
+
+    async def used_memory(self) -> int:
+        """Redis ``used_memory`` in bytes, summed over every primary on Cluster."""
+        try:
+            self.round_trips += 1
+            if isinstance(self.client, RedisCluster):  # INFO goes to one node by default
+                per_node = await self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                used = sum(int(v.get("used_memory", 0)) for v in per_node.values())
+            else:
+                used = (await self.client.info("memory")).get("used_memory", 0)
+        except REDIS_FAILURES as exc:
+            raise IndexError_(f"used_memory: {exc}") from exc
+        return int(used) if isinstance(used, int | float) else 0
+
+    # ------------------------------------------------------------------ operators
+    # ``kvgate index`` (gateway/index_cli.py); the commands the sweeper ACL grants
+    # (gateway_acl_rules(sweeper=True)) are all they send.
+
+    async def keys_by_replica(self) -> dict[str, list[bytes]]:
+        """Every key of this layout, grouped by replica (SCAN of every primary: O(keys in
+        Redis), a few per replica, never blocking it)."""
+        out: dict[str, list[bytes]] = {}
+        try:
+            async for raw in self.client.scan_iter(
+                match=self.layout.replica_keys_pattern(), count=1000
+            ):
+                parsed = self.layout.parse(raw.decode())
+                if parsed is not None:
+                    out.setdefault(parsed[0], []).append(raw)
+        except REDIS_FAILURES as exc:
+            raise IndexError_(f"scan: {exc}") from exc
+        return out
+
+    async def inspect_replicas(
+        self, replicas: Sequence[str], chunk: int = 256
+    ) -> list[ReplicaInspection]:
+        """What the index holds for each of ``replicas`` (in order): one read-only script
+        per ``chunk`` replicas (per shard on Cluster), so a fleet of thousands neither
+        makes thousands of round trips nor blocks Redis in one long script."""
+        out: list[ReplicaInspection] = []
+        for at in range(0, len(replicas), chunk):
+            part = replicas[at : at + chunk]
+            try:
+                rows, calls = await call_per_replica(
+                    self.client, self._inspect, self.layout, part, self._meta_key, []
+                )
+            except REDIS_FAILURES as exc:
+                raise IndexError_(f"inspect: {exc}") from exc
+            self.round_trips += calls
+            for rid, row in zip(part, rows, strict=True):
+                has_meta, *fields = row[:6]
+                counts = [int(v) for v in row[6:12]]
+                out.append(
+                    ReplicaInspection(
+                        replica=rid,
+                        has_meta=bool(has_meta),
+                        meta=_meta_of(*fields),
+                        stored=counts[0],
+                        mirror=counts[1],
+                        removals=counts[2],
+                        pending=counts[3],
+                        registration=bool(counts[4]),
+                        wrong_type=bool(counts[5]),
+                    )
+                )
+        return out
+
+    async def forget_replica(
+        self,
+        replica: str,
+        keys: Sequence[bytes | str],
+        *,
+        now_ms: int,
+        idle_ms: int,
+        force: bool = False,
+    ) -> ForgetResult:
+        """Unlink every key of ``replica`` (a departed one): its meta, its keys with no
+        epoch, its current epoch's and every key of ``keys`` (what
+        :meth:`keys_by_replica` found for it), at once. Unless ``force``, refused while it
+        has a registration key or its meta was updated less than ``idle_ms`` before
+        ``now_ms`` (checked in the same script, so an agent that writes in between is
+        never half-forgotten). An agent of that id that comes back later finds no meta and
+        builds a new replica from scratch."""
+        meta = self.layout.meta(replica)
+        scoped: list[tuple[bytes | str, int]] = []  # epoch-scoped keys and their epochs
+        for key in keys:
+            parsed = self.layout.parse(key.decode() if isinstance(key, bytes) else key)
+            if parsed is None or parsed[0] != replica:
+                raise ValueError(f"{key!r} is no key of replica {replica!r}")
+            if parsed[2] is not None:
+                scoped.append((key, parsed[2]))
+        head, rest = scoped[:_FORGET_KEYS_PER_CALL], scoped[_FORGET_KEYS_PER_CALL:]
+        try:
+            for key, epoch in rest:  # a bounded script: the surplus goes as orphans first
+                await self._call(self._sweep, [meta, key], [epoch])
+            reply = await self._call(
+                self._forget,
+                [meta, *(key for key, _ in head)],
+                [now_ms, idle_ms, "1" if force else "0"],
+            )
+        except REDIS_FAILURES as exc:
+            raise _stale_or_index_error(exc, f"forget {replica}") from exc
+        outcome = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        if outcome == "forgotten":
+            log.info("replica forgotten", extra={"replica": replica, "unlinked": reply[1]})
+            return ForgetResult(replica, unlinked=int(reply[1]))
+        updated = _agent_int(reply[1], 0) if len(reply) > 1 else None
+        return ForgetResult(replica, refused=outcome, updated_ms=updated)
 
     async def sweep_orphans(self, max_keys: int = 100_000) -> int:
         """Unlink epoch-scoped keys (b:, m:, rm:, gw:p:) whose epoch is not their replica's
         current one. A clear unlinks the old b:/m:/rm: keys itself, so orphans only come from
         a lost meta hash (deleted by hand, or evicted under a wrong maxmemory-policy), and
         old gw:p: zsets also expire by their own TTL; run this from an operator job with the
-        sweeper ACL. Bounded by ``max_keys`` examined keys. Returns how many were unlinked."""
-        removed = examined = 0
+        sweeper ACL (``kvgate index sweep``). Bounded by ``max_keys`` examined keys. Returns
+        how many were unlinked."""
+        return len((await self.sweep_orphan_keys(max_keys)).removed)
+
+    async def sweep_orphan_keys(self, max_keys: int = 100_000) -> SweepResult:
+        """:meth:`sweep_orphans`, naming the keys it unlinked."""
+        removed: list[str] = []
+        examined = 0
+        complete = True
         try:
             async for raw in self.client.scan_iter(
                 match=self.layout.epoch_keys_pattern(), count=1000
             ):
-                examined += 1
-                if examined > max_keys:
+                if examined >= max_keys:
+                    complete = False
                     break
+                examined += 1
                 parsed = self.layout.parse(raw.decode())
                 if parsed is None or parsed[2] is None:
                     continue
                 rid, _, epoch = parsed
-                removed += int(await self._call(self._sweep, [self.layout.meta(rid), raw], [epoch]))
+                if int(await self._call(self._sweep, [self.layout.meta(rid), raw], [epoch])):
+                    removed.append(raw.decode())
         except REDIS_FAILURES as exc:
             raise IndexError_(f"sweep: {exc}") from exc
         if removed:
-            log.info("swept orphaned epoch keys", extra={"removed": removed})
-        return removed
+            log.info("swept orphaned epoch keys", extra={"removed": len(removed)})
+        return SweepResult(removed, examined, complete)
 
     async def ping_ms(self) -> float:
         """One PING round trip in milliseconds (health checks and benchmarks). The clock is
@@ -1115,4 +1343,12 @@ class RedisIndex:
             log.debug("redis close failed", exc_info=True)
 
 
-__all__ = ["EMPTY_TIERS", "RedisIndex", "RedisScript", "call_per_replica"]
+__all__ = [
+    "EMPTY_TIERS",
+    "ForgetResult",
+    "RedisIndex",
+    "RedisScript",
+    "ReplicaInspection",
+    "SweepResult",
+    "call_per_replica",
+]

@@ -1,0 +1,343 @@
+"""``kvgate index``: what the shared Redis index holds per replica, and its clean-up.
+
+    kvgate index stats [--json]                       per replica, and totals
+    kvgate index sweep [--max-keys N]                 old epochs' orphaned keys
+    kvgate index forget REPLICA... [--idle-for 10m]   every key of departed replicas
+    kvgate index forget --departed --idle-for 24h     every unregistered replica idle that long
+
+A replica that leaves the fleet for good leaves its index keys (meta, its epoch's block and
+mirror hashes, removal log) in Redis for ever; its registration and load keys expire. The
+Redis URL, Cluster flag and key prefix are the gateway's settings (``KVGATE_REDIS_URL``,
+``KVGATE_REDIS_CLUSTER``, ``KVGATE_KEY_PREFIX``), overridden by the flags. Everything it
+sends is within the sweeper ACL (``gateway_acl_rules(sweeper=True)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from cachecore.argtypes import positive_int
+from cachecore.index.base import IndexError_
+from cachecore.index.layout import InvalidReplicaIdError, KeyLayout, validate_replica_id
+from cachecore.index.redis import RedisIndex, ReplicaInspection
+
+DEFAULT_IDLE_S = 600.0
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(text: str) -> float:
+    """A ``type=`` for a duration in seconds: ``90``, ``90s``, ``10m``, ``24h``, ``2d``."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 10m, 24h)") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite duration >= 0, got {text!r}")
+    return value
+
+
+def _replica_id(text: str) -> str:
+    try:
+        return validate_replica_id(text)
+    except InvalidReplicaIdError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _age(ms: float) -> str:
+    """``ms`` as the largest whole unit: 42s, 7m, 3h, 2d."""
+    s = max(0.0, ms / 1000.0)
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if s >= size:
+            return f"{int(s // size)}{unit}"
+    return f"{int(s)}s"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--redis", dest="redis_url", metavar="URL",
+        help="redis://[user:password@]host:port/db of the index (env KVGATE_REDIS_URL)",
+    )  # fmt: skip
+    common.add_argument(
+        "--redis-cluster", action="store_true",
+        help="--redis is a seed node of a Redis Cluster (env KVGATE_REDIS_CLUSTER)",
+    )  # fmt: skip
+    common.add_argument("--key-prefix", help="Redis key namespace (env KVGATE_KEY_PREFIX; 'kvg')")
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    stats = sub.add_parser(
+        "stats", parents=[common], help="per replica: state, epoch, entries, pending, age"
+    )
+    stats.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    sweep = sub.add_parser(
+        "sweep", parents=[common], help="unlink epoch keys no replica's meta points at"
+    )
+    sweep.add_argument(
+        "--max-keys", type=positive_int, default=100_000,
+        help="examine at most this many keys per run (%(default)s)",
+    )  # fmt: skip
+    forget = sub.add_parser(
+        "forget", parents=[common], help="unlink every key of replicas that left for good"
+    )
+    forget.add_argument(
+        "replicas", nargs="*", type=_replica_id, metavar="REPLICA", help="replica ids"
+    )
+    forget.add_argument(
+        "--departed", action="store_true",
+        help="every replica that is not registered and idle for --idle-for",
+    )  # fmt: skip
+    forget.add_argument(
+        "--idle-for", type=duration, default=DEFAULT_IDLE_S, metavar="DURATION",
+        help="refuse a replica whose meta was updated more recently (90s, 10m, 24h; 10m)",
+    )  # fmt: skip
+    forget.add_argument(
+        "--force", action="store_true",
+        help="forget even a registered or recently updated replica (its agent rebuilds it)",
+    )  # fmt: skip
+    forget.add_argument("--dry-run", action="store_true", help="say what would go; unlink none")
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    url: str
+    cluster: bool
+    prefix: str
+
+
+class _Refused(Exception):
+    """A usage or setup problem, printed as one line (exit 2)."""
+
+
+def _target(args: argparse.Namespace) -> _Target:
+    """The gateway's Redis settings (``KVGATE_REDIS_URL``, ...), the flags over them."""
+    from gateway.settings import GatewaySettings
+
+    overrides: dict[str, Any] = {}
+    if args.redis_url is not None:
+        overrides["redis_url"] = args.redis_url
+    if args.key_prefix is not None:
+        overrides["key_prefix"] = args.key_prefix
+    if args.redis_cluster:
+        overrides["redis_cluster"] = True
+    try:
+        settings = GatewaySettings(**overrides)
+    except ValidationError as exc:
+        from gateway.serve import settings_error
+
+        raise _Refused(settings_error(exc)) from None
+    except ValueError as exc:  # pydantic-settings' SettingsError: an environment value unparsed
+        raise _Refused(str(exc)) from None
+    if not settings.redis_url:
+        raise _Refused("no Redis given: pass --redis URL (or set KVGATE_REDIS_URL)")
+    return _Target(settings.redis_url, settings.redis_cluster, settings.key_prefix)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "forget":
+            if bool(args.replicas) == bool(args.departed):
+                raise _Refused("forget takes REPLICA ids or --departed (one of them)")
+            if args.departed and args.force:  # it would forget a replica that just came back
+                raise _Refused("--departed forgets only idle unregistered replicas: no --force")
+        target = _target(args)
+        try:
+            index = RedisIndex.from_url(
+                target.url,
+                KeyLayout(target.prefix),
+                cluster=target.cluster,
+                socket_timeout_s=10.0,
+                connect_timeout_s=5.0,
+                max_connections=8,
+            )
+        except ValueError as exc:  # the URL's own problem (the URL is not quoted)
+            raise _Refused(f"--redis (KVGATE_REDIS_URL): {exc}") from None
+        return asyncio.run(_run(index, args))
+    except _Refused as exc:
+        print(f"kvgate index: {exc}", file=sys.stderr)
+        return 2
+    except IndexError_ as exc:  # unreachable, refused (ACL, auth, not a cluster), ...
+        print(f"kvgate index: Redis failed: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+async def _run(index: RedisIndex, args: argparse.Namespace) -> int:
+    try:
+        if args.action == "stats":
+            return await _stats(index, args.json)
+        if args.action == "sweep":
+            return await _sweep(index, args.max_keys)
+        return await _forget(index, args)
+    finally:
+        await index.close()
+
+
+def _now_ms() -> int:
+    # the agents stamp updated_ms with their wall clocks: ages are read against this one's
+    return int(time.time() * 1000)
+
+
+async def _inspect(
+    index: RedisIndex,
+) -> tuple[dict[str, list[bytes]], list[ReplicaInspection], set[str]]:
+    """Every replica's keys, what the index holds for it, and the ids validly registered."""
+    from cachecore.registry import RedisRegistry
+
+    keys = await index.keys_by_replica()
+    infos = await index.inspect_replicas(sorted(keys))
+    registry = RedisRegistry(index.client, index.layout)  # shares the client: not closed
+    registered = {reg.replica_id for reg in await registry.discover(_now_ms(), sorted(keys))}
+    return keys, infos, registered
+
+
+def _registered(info: ReplicaInspection, registered: set[str]) -> str:
+    if info.replica in registered:
+        return "yes"
+    return "invalid" if info.registration else "no"  # a key no gateway accepts
+
+
+def _updated_age_ms(info: ReplicaInspection, now_ms: int) -> int | None:
+    if not info.has_meta or info.meta.updated_ms <= 0:
+        return None
+    return now_ms - info.meta.updated_ms
+
+
+async def _stats(index: RedisIndex, as_json: bool) -> int:
+    keys, infos, registered = await _inspect(index)
+    used = await index.used_memory()
+    now = _now_ms()
+    rows = []
+    for info in infos:
+        age = _updated_age_ms(info, now)
+        rows.append(
+            {
+                "replica": info.replica,
+                "state": info.meta.state.value if info.has_meta else None,
+                "epoch": info.meta.epoch if info.has_meta else None,
+                "stored": info.stored,
+                "mirror": info.mirror,
+                "pending": info.pending,
+                "removals": info.removals,
+                "keys": len(keys[info.replica]),
+                "updated_age_s": None if age is None else round(age / 1000.0, 3),
+                "registered": _registered(info, registered),
+                "unreadable": info.wrong_type or bool(info.meta.unreadable),
+            }
+        )
+    totals = {
+        "replicas": len(rows),
+        "registered": sum(r["registered"] == "yes" for r in rows),
+        "stored": sum(info.stored for info in infos),
+        "mirror": sum(info.mirror for info in infos),
+        "pending": sum(info.pending for info in infos),
+        "keys": sum(len(k) for k in keys.values()),
+    }
+    if as_json:
+        print(json.dumps({"replicas": rows, "totals": totals, "used_memory": used}))
+        return 0
+    head = ("REPLICA", "STATE", "EPOCH", "STORED", "MIRROR", "PENDING", "REMOVALS", "KEYS",
+            "UPDATED", "REGISTERED")  # fmt: skip
+    table = [head]
+    for r in rows:
+        age = r["updated_age_s"]
+        state = r["state"] or "(no meta)"
+        table.append(
+            (
+                r["replica"],
+                state + ("!" if r["unreadable"] else ""),
+                "-" if r["epoch"] is None else str(r["epoch"]),
+                *(str(r[k]) for k in ("stored", "mirror", "pending", "removals", "keys")),
+                "-" if age is None else _age(age * 1000.0) + " ago",
+                r["registered"],
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    if any(r["unreadable"] for r in rows):
+        print("! a key or meta field no agent writes (read as empty); its agent rebuilds it")
+    print(
+        f"{totals['replicas']} replicas ({totals['registered']} registered), "
+        f"{totals['stored']} stored entries, {totals['pending']} pending, "
+        f"{totals['keys']} keys; Redis used_memory {used / 2**20:.1f} MiB"
+    )
+    return 0
+
+
+async def _sweep(index: RedisIndex, max_keys: int) -> int:
+    result = await index.sweep_orphan_keys(max_keys)
+    for key in result.removed:
+        print(f"removed {key}")
+    print(f"removed {len(result.removed)} orphaned keys of {result.examined} examined")
+    if not result.complete:
+        print(f"stopped at --max-keys {max_keys} with keys left to examine: run it again")
+    return 0
+
+
+def _refusal(
+    info: ReplicaInspection | None, registered: set[str], now_ms: int, idle_s: float
+) -> str | None:
+    """Why ``forget`` leaves a replica alone (without --force), or None. The forget script
+    checks the same again as it unlinks (an agent may come back in between)."""
+    if info is None:
+        return "holds no keys under this prefix (a typo, or another --key-prefix?)"
+    if info.registration:
+        what = "registered" if info.replica in registered else "has a registration key"
+        return f"it is {what} (its agent runs, or stopped less than its TTL ago)"
+    age = _updated_age_ms(info, now_ms)
+    if age is not None and age < idle_s * 1000.0:
+        return f"its meta was updated {_age(age)} ago (under --idle-for {_age(idle_s * 1000)})"
+    return None
+
+
+def _summary(info: ReplicaInspection, nkeys: int) -> str:
+    epoch = f"epoch {info.meta.epoch}, " if info.has_meta else "no meta, "
+    return f"{nkeys} keys ({epoch}{info.stored} stored entries, {info.pending} pending)"
+
+
+async def _forget(index: RedisIndex, args: argparse.Namespace) -> int:
+    keys, infos, registered = await _inspect(index)
+    by_id = {info.replica: info for info in infos}
+    now = _now_ms()
+    idle_ms = int(args.idle_for * 1000)
+    if args.departed:
+        chosen = [info for info in infos if _refusal(info, registered, now, args.idle_for) is None]
+        if not chosen:
+            print(f"no departed replica (unregistered, idle for {_age(idle_ms)})")
+            return 0
+    else:
+        refusals = []
+        for rid in dict.fromkeys(args.replicas):  # once each, in the order given
+            why = _refusal(by_id.get(rid), registered, now, args.idle_for)
+            if why is not None and not (args.force and rid in by_id):
+                refusals.append(f"{rid}: {why}")
+        if refusals:
+            for line in refusals:
+                print(f"kvgate index forget: not forgetting {line}", file=sys.stderr)
+            print("kvgate index forget: nothing forgotten (--force to override)", file=sys.stderr)
+            return 2
+        chosen = [by_id[rid] for rid in dict.fromkeys(args.replicas)]
+    code = 0
+    for info in chosen:
+        rid = info.replica
+        if args.dry_run:
+            print(f"would forget {rid}: {_summary(info, len(keys[rid]))}")
+            continue
+        result = await index.forget_replica(
+            rid, keys[rid], now_ms=_now_ms(), idle_ms=idle_ms, force=args.force
+        )
+        if result.refused:  # it came back since the look above
+            why = "it registered" if result.refused == "registered" else "its meta was updated"
+            print(f"kvgate index forget: not forgetting {rid}: {why} just now", file=sys.stderr)
+            code = 2
+            continue
+        print(f"forgot {rid}: {_summary(info, result.unlinked)}")
+    return code
