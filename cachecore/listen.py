@@ -4,9 +4,13 @@ instead of the server's logged one and exit."""
 
 from __future__ import annotations
 
+import errno
 import socket
+from collections.abc import Sequence
+from typing import Any
 
 LISTEN_BACKLOG = 2048
+_FREE_PORT_TRIES = 8  # port 0: picks of a port free on the first address but not another
 
 
 class ListenError(OSError):
@@ -23,8 +27,9 @@ def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[
     port is held from the check to the serving with no window for another process to take
     it (a socket only bound does not hold it against SO_REUSEADDR binders on Linux).
     Connections made before the server starts wait in the backlog. With SO_REUSEADDR, as
-    asyncio's ``create_server`` sets, so a port in TIME_WAIT is not taken for busy. Raises
-    :class:`ListenError` naming the first failure (nothing stays open)."""
+    asyncio's ``create_server`` sets, so a port in TIME_WAIT is not taken for busy. Port 0
+    picks a free one, the same on every address (one port for clients of either family).
+    Raises :class:`ListenError` naming the first failure (nothing stays open)."""
     try:
         # a name listed twice (two /etc/hosts lines) resolves twice: one socket per address,
         # as asyncio's create_server does, or the second bind fails against the first
@@ -37,7 +42,24 @@ def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[
         )
     except OSError as exc:  # socket.gaierror: a host name that does not resolve
         raise ListenError(exc.strerror or str(exc)) from exc
+    for _ in range(_FREE_PORT_TRIES if port == 0 else 1):
+        bound = _listen_on(infos, port, backlog)
+        if bound is not None:
+            return bound
+    raise ListenError(f"no port free on every address of {host!r} in {_FREE_PORT_TRIES} picks")
+
+
+def _listen_on(
+    infos: Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]],
+    port: int,
+    backlog: int,
+) -> list[socket.socket] | None:
+    """One listening socket per address; None when ``port`` is 0 and the port the first
+    address picked is in use on another (pick again). Each address picking its own (asyncio's
+    create_server with port 0) gave ``localhost`` or ``::`` one port per family, and a
+    server that names one port reachable on one family only."""
     bound: list[socket.socket] = []
+    picked = port
     try:
         for family, kind, proto, _, addr in infos:
             try:
@@ -49,10 +71,15 @@ def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
-                sock.bind(addr)
+                sock.bind((addr[0], picked, *addr[2:]))
                 sock.listen(backlog)
             except OSError as exc:
+                if picked != port and exc.errno == errno.EADDRINUSE:
+                    for s in bound:
+                        s.close()
+                    return None
                 raise ListenError(exc.strerror or str(exc)) from exc
+            picked = sock.getsockname()[1]
         if not bound:
             raise ListenError("no address to listen on")
     except BaseException:

@@ -30,6 +30,7 @@ from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings
 from cachecore.argtypes import log_level, nonnegative_float
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
+from cachecore.listen import ListenError
 from cachecore.logs import configure_logging
 
 if TYPE_CHECKING:  # imported when run: `kvgate agent --help` stays fast
@@ -253,34 +254,33 @@ async def _main(
     # deregister only after a start: one that failed to listen never registered, and its
     # deregistration (a Redis call) was a "deregistration failed" warning for nothing
     started = False
+    # an IPv6 address is bracketed before its port ("::1:9400" reads as an address)
+    host = f"[{settings.http_host}]" if ":" in settings.http_host else settings.http_host
     try:
         if settings.http_port is not None:
-            try:  # the constructor binds: a port in use fails there
+            try:  # the constructor listens: a port in use fails there
                 server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
-                await server.start()
-            except OSError as exc:
-                # the advice fits the failure: "its own --http-port" for an address family
-                # or a name that does not resolve sent the operator after the wrong flag
-                if exc.errno == errno.EADDRINUSE:  # two agents on one host
+            except ListenError as exc:
+                # the advice fits the failure: "its own --http-port" for a name that does
+                # not resolve sent the operator after the wrong flag
+                cause = exc.__cause__
+                if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
                     advice = "; give each agent on a host its own --http-port"
-                elif isinstance(exc, socket.gaierror):  # :: or a name with no IPv4 address
-                    advice = "; --http-host (KVGATE_AGENT_HTTP_HOST) takes an IPv4 address or name"
+                elif isinstance(cause, socket.gaierror):
+                    advice = "; --http-host (KVGATE_AGENT_HTTP_HOST) takes an address or a name"
                 else:
                     advice = ""
                 print(
-                    f"kvgate agent: cannot listen on {settings.http_host}:{settings.http_port} "
-                    f"({exc.strerror}){advice}",
+                    f"kvgate agent: cannot listen on {host}:{settings.http_port} "
+                    f"({exc.reason}){advice}",
                     file=sys.stderr,
                 )
-                server = None
                 return 2
+            await server.start()
             log.info(
                 "agent http listening", extra={"host": settings.http_host, "port": server.port}
             )
-            print(
-                f"agent {settings.replica_id}: http://{settings.http_host}:{server.port}",
-                flush=True,
-            )
+            print(f"agent {settings.replica_id}: http://{host}:{server.port}", flush=True)
         started = True
         await agent.start()
         await stop.wait()

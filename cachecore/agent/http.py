@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import Sequence
 
 import uvicorn
@@ -14,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cachecore.agent.agent import Agent
+from cachecore.listen import bind_listeners
 
 
 def agent_app(agents: Sequence[Agent]) -> FastAPI:
@@ -35,14 +35,15 @@ def agent_app(agents: Sequence[Agent]) -> FastAPI:
 
 
 class AgentHTTPServer:
-    """uvicorn in a task, bound before start() returns (``port`` 0 picks a free one)."""
+    """uvicorn in a task, listening from the constructor on every address ``host`` resolves
+    to, as the gateway and the replica do (``port`` 0 picks a free one, the same on each).
+    One AF_INET socket refused ``::1`` and listened on IPv4 only for a name with an IPv6
+    address. Raises :class:`~cachecore.listen.ListenError`."""
 
     def __init__(self, agents: Sequence[Agent], host: str, port: int) -> None:
         self.host = host
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self.port = int(self._sock.getsockname()[1])
+        self._socks = bind_listeners(host, port)
+        self.port = int(self._socks[0].getsockname()[1])
         config = uvicorn.Config(
             agent_app(agents), log_level="warning", access_log=False, lifespan="off"
         )
@@ -50,7 +51,7 @@ class AgentHTTPServer:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        self._task = asyncio.create_task(self._server.serve(sockets=self._socks))
         for _ in range(200):
             if self._server.started:
                 return
@@ -61,4 +62,5 @@ class AgentHTTPServer:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._task, 5.0)
-        self._sock.close()
+        for sock in self._socks:
+            sock.close()

@@ -100,8 +100,8 @@ class AgentSettings(BaseSettings):
 
     # own HTTP and trace
     # an empty value (KVGATE_AGENT_HTTP_HOST= from an unset template variable) is refused:
-    # it listened on every interface, where the default is loopback. IPv4 only (the agent's
-    # HTTP socket is AF_INET), so the refusal names 0.0.0.0, not ::
+    # it listened on every interface, where the default is loopback. Any address or name
+    # (each address it resolves to is listened on, as the gateway does)
     http_host: str = "127.0.0.1"
     http_port: int | None = Field(default=None, ge=0, le=65535)
     key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)  # Redis key namespace
