@@ -56,7 +56,7 @@ def _listen_on(
 ) -> list[socket.socket] | None:
     """One listening socket per address; None when ``port`` is 0 and the port the first
     address picked is in use on another (pick again). Each address picking its own (asyncio's
-    create_server with port 0) gave ``localhost`` or ``::`` one port per family, and a
+    create_server with port 0) gave ``localhost`` or ``""`` one port per family, and a
     server that names one port reachable on one family only."""
     bound: list[socket.socket] = []
     picked = port
