@@ -214,7 +214,7 @@ async def _stats(index: RedisIndex, as_json: bool) -> int:
     keys, infos, registered = await _inspect(index)
     used = await index.used_memory()
     now = _now_ms()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in infos:
         age = _updated_age_ms(info, now)
         rows.append(
@@ -245,7 +245,7 @@ async def _stats(index: RedisIndex, as_json: bool) -> int:
         return 0
     head = ("REPLICA", "STATE", "EPOCH", "STORED", "MIRROR", "PENDING", "REMOVALS", "KEYS",
             "UPDATED", "REGISTERED")  # fmt: skip
-    table = [head]
+    table: list[tuple[str, ...]] = [head]
     for r in rows:
         age = r["updated_age_s"]
         state = r["state"] or "(no meta)"

@@ -711,11 +711,11 @@ def _or(value: _T | None, absent: _T) -> _T:
 
 
 def _meta_of(
-    epoch: bytes | None,
-    state: bytes | None,
-    last_seq: bytes | None,
-    engine_start: bytes | None,
-    updated: bytes | None,
+    epoch: bytes | str | None,
+    state: bytes | str | None,
+    last_seq: bytes | str | None,
+    engine_start: bytes | str | None,
+    updated: bytes | str | None,
 ) -> ReplicaMeta:
     """A meta hash's fields as stored (None: absent) read as :class:`ReplicaMeta`."""
     # the agent's own fields: one that is no number (a broken or rogue agent's) reads
