@@ -519,3 +519,22 @@ async def test_stats_and_forget_on_redis_cluster(
     finally:
         await admin.aclose()
         await index.close()
+
+
+async def test_a_meta_made_no_hash_is_shown_and_forgotten(
+    fleet: tuple[RedisIndex, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A broken tool or rogue agent may turn a meta into a string (its ACL allows DEL and
+    SET): stats flags the replica instead of failing for every replica, and forget removes
+    it (no agent keeps such a meta up to date)."""
+    index, url = fleet
+    await index.client.set(L.meta("rogue"), b"not a hash")
+    await index.client.hset(L.blocks("rogue", 0), KEYS[0], G)
+    code, out, err = await kvgate_in_thread(cli(url, "stats")[1:], capsys)
+    assert code == 0, err
+    row = next(line.split() for line in out.splitlines() if line.startswith("rogue "))
+    assert row[1:3] == ["unknown!", "0"] and row[7] == "2"
+    assert "! a key or meta field no agent writes" in out
+    code, out, err = await kvgate_in_thread(cli(url, "forget", "rogue")[1:], capsys)
+    assert code == 0 and out.startswith("forgot rogue: 2 keys"), err
+    assert await replica_keys(index.client, "rogue") == set()
