@@ -300,7 +300,8 @@ def _refusal(
 
 def _summary(info: ReplicaInspection, nkeys: int) -> str:
     epoch = f"epoch {info.meta.epoch}, " if info.has_meta else "no meta, "
-    return f"{nkeys} keys ({epoch}{info.stored} stored entries, {info.pending} pending)"
+    keys = "1 key" if nkeys == 1 else f"{nkeys} keys"
+    return f"{keys} ({epoch}{info.stored} stored entries, {info.pending} pending)"
 
 
 async def _forget(index: RedisIndex, args: argparse.Namespace) -> int:

@@ -282,7 +282,7 @@ async def test_forget_unlinks_every_key_of_the_replica_and_no_other(
     assert code == 0, err
     assert out.splitlines() == [
         "forgot gone: 6 keys (epoch 1, 3 stored entries, 0 pending)",
-        "forgot ghost: 1 keys (no meta, 0 stored entries, 0 pending)",
+        "forgot ghost: 1 key (no meta, 0 stored entries, 0 pending)",
     ]
     assert await replica_keys(index.client, "gone") == set()
     assert await replica_keys(index.client, "ghost") == set()
@@ -301,7 +301,7 @@ async def test_forget_departed_takes_the_unregistered_idle_ones(
     code, out, _ = await kvgate_in_thread(argv, capsys)
     assert code == 0
     assert out.splitlines() == [
-        "would forget ghost: 1 keys (no meta, 0 stored entries, 0 pending)",
+        "would forget ghost: 1 key (no meta, 0 stored entries, 0 pending)",
         "would forget gone: 6 keys (epoch 1, 3 stored entries, 0 pending)",
     ]
     assert len(await replica_keys(index.client, "gone")) == 6  # a dry run
@@ -309,7 +309,7 @@ async def test_forget_departed_takes_the_unregistered_idle_ones(
         cli(url, "forget", "--departed", "--idle-for", "2h")[1:], capsys
     )
     assert code == 0
-    assert out.splitlines() == ["forgot ghost: 1 keys (no meta, 0 stored entries, 0 pending)"]
+    assert out.splitlines() == ["forgot ghost: 1 key (no meta, 0 stored entries, 0 pending)"]
     code, out, _ = await kvgate_in_thread(
         cli(url, "forget", "--departed", "--idle-for", "30m")[1:], capsys
     )
