@@ -538,3 +538,25 @@ async def test_a_meta_made_no_hash_is_shown_and_forgotten(
     code, out, err = await kvgate_in_thread(cli(url, "forget", "rogue")[1:], capsys)
     assert code == 0 and out.startswith("forgot rogue: 2 keys"), err
     assert await replica_keys(index.client, "rogue") == set()
+
+
+async def test_forget_of_more_keys_than_one_script_takes(fleet: tuple[RedisIndex, str]) -> None:
+    """Past 1,024 epoch-scoped keys (orphans of many lost metas) the surplus goes first, as
+    the sweeper would take it (never the current epoch's), and the rest in the one script:
+    refused, the replica keeps its current epoch; forgotten, nothing is left."""
+    index, _ = fleet
+    pipe = index.client.pipeline(transaction=False)
+    for epoch in range(2, 1202):
+        pipe.hset(L.blocks("gone", epoch), KEYS[0], G)
+    await pipe.execute()
+    keys = (await index.keys_by_replica())["gone"]
+    assert len(keys) == 6 + 1200
+    await index.set_state("gone", ReplicaState.LIVE, now_ms())
+    got = await index.forget_replica("gone", keys, now_ms=now_ms(), idle_ms=600_000)
+    assert got.refused == "recent"
+    held = await replica_keys(index.client, "gone")
+    assert {L.meta("gone").encode(), L.blocks("gone", 1).encode()} <= held and len(held) < 1206
+    assert await index.replica_blocks("gone") == dict.fromkeys(KEYS[:3], G)
+    got = await index.forget_replica("gone", keys, now_ms=now_ms(), idle_ms=600_000, force=True)
+    assert got.refused == "" and got.unlinked == len(held)
+    assert await replica_keys(index.client, "gone") == set()
