@@ -41,6 +41,7 @@ from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, Scope, ScopeKind
 from cachecore.loadstate import LoadStore
+from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
 from cachecore.tokenizer import strip_media
@@ -274,6 +275,7 @@ class Gateway:
         # a proxy must not keep one tenant's upstream cookies for the next anyway.
         self.upstream: LeanTransport | None = None
         self.pool: ReplicaPool | None = None
+        self.loop_lag: LoopLagMonitor | None = None
         self.index: GatewayIndex | None = None
         self.tokenizers: TokenizerPools | None = None
         self.refresher: SharedLoadRefresher | None = None
@@ -387,11 +389,17 @@ class Gateway:
             self.trace.start()
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(s.connect_timeout_s))
         self.upstream = LeanTransport(max_connections=s.max_connections)
+        # started before the first health round: a gateway starved from its start (a
+        # throttled container) would otherwise mark every replica unhealthy at once
+        self.loop_lag = LoopLagMonitor(on_lag=self.metrics.loop_lag.observe)
+        self.loop_lag.start()
         self.pool = ReplicaPool(
             self.client,
             self.policy.health,
             on_change=self._on_health,
             on_probe_ok=self._on_probe_ok,
+            loop_lag=self.loop_lag,
+            on_inconclusive=lambda rid: self.metrics.health_inconclusive.labels(rid).inc(),
         )
         self.tokenizers = TokenizerPools(
             self.client, self._any_replica_url, s.tokenizer_cache_tokens
@@ -599,6 +607,8 @@ class Gateway:
             await self.discovery.stop()
         if self.pool is not None:
             await self.pool.stop()
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
         if self._agents_stop is not None:
             await self._agents_stop()
         if self.refresher is not None:

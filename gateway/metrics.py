@@ -59,6 +59,7 @@ _LATENCY_BUCKETS = (
 _LOOKUP_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
 )  # fmt: skip
+_LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 STAGES = ("parse", "tokenize", "keys", "lookup", "score", "proxy")
 
@@ -233,6 +234,18 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "kvgate_in_flight_requests", "Requests in flight through this gateway", registry=r
         )
+        self.loop_lag = Histogram(
+            "kvgate_event_loop_lag_seconds",
+            "How late the gateway's event loop woke a 50 ms timer (CPU starvation: a "
+            "cgroup quota's throttling, a noisy neighbour, a blocking call)",
+            buckets=_LOOP_LAG_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.health_inconclusive = Counter(
+            "kvgate_health_probes_inconclusive",
+            "Health probes that timed out while the gateway's own event loop was starved: "
+            "not held against the replica",
+            ["replica"], registry=r,
+        )  # fmt: skip
         self.alignment = Counter(
             "kvgate_tokenizer_alignment_mismatches",
             "Start-up probes where the gateway's tokens differ from the engine's",

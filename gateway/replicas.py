@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -27,6 +28,7 @@ import httpx
 
 from cachecore.agent.settings import check_zmq_endpoint
 from cachecore.index.layout import split_dp_replica_id, validate_replica_id
+from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import InvalidURLError, normalize_url
 from cachecore.tasks import cancel_and_wait
 from cachecore.urls import split_user_info
@@ -40,6 +42,10 @@ _SPEC_SEPARATORS = re.compile("[=,]")
 
 log = logging.getLogger(__name__)
 _WHOLE_ANSWER_READS = 4  # a health or models answer's deadline, in per-read timeouts
+# a probe's timeout says nothing of the replica when the gateway's own loop lost at least
+# this fraction of the per-read timeout to starvation while the probe was out
+_STARVED_FRACTION = 0.5
+_STARVED_LOG_INTERVAL_S = 60.0
 
 
 class ReplicaSpecError(ValueError):
@@ -196,13 +202,20 @@ class ReplicaPool:
         on_change: Callable[[str, bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_probe_ok: Callable[[str], None] | None = None,
+        loop_lag: LoopLagMonitor | None = None,
+        on_inconclusive: Callable[[str], None] | None = None,
     ) -> None:
-        """``on_probe_ok(replica)``: after every health probe it answers (its models read)."""
+        """``on_probe_ok(replica)``: after every health probe it answers (its models read).
+        ``loop_lag``: this process's loop lateness; a probe that timed out while the loop
+        was starved is inconclusive (``on_inconclusive(replica)``): it counts neither way."""
         self._client = client
         self.policy = policy
         self._replicas: dict[str, Replica] = {}
         self._on_change = on_change
         self._on_probe_ok = on_probe_ok
+        self._loop_lag = loop_lag
+        self._on_inconclusive = on_inconclusive
+        self._starved_logged = -math.inf  # when a starved round was last logged
         self._clock = clock
         self._task: asyncio.Task[None] | None = None
         self._last_models = 0.0
@@ -450,6 +463,7 @@ class ReplicaPool:
         p = self.policy
         ok = False
         where = f"GET {rep.url}/health"
+        t0 = self._loop_lag_clock()
         try:
             # a deadline for the whole answer too: httpx's timeout is per read, and a
             # replica sending its answer a byte at a time held this round, every
@@ -460,11 +474,15 @@ class ReplicaPool:
                 r = await self._client.get(rep.url + "/health", timeout=p.timeout_s)
             ok = r.status_code == 200
             reason = f"{where}: HTTP {r.status_code}"
+        except httpx.TimeoutException as exc:
+            if self._starved(rep, t0):
+                return
+            reason = f"{where}: {type(exc).__name__}: {exc}"
         except httpx.HTTPError as exc:
-            ok = False
             reason = f"{where}: {type(exc).__name__}: {exc}"
         except TimeoutError:
-            ok = False
+            if self._starved(rep, t0):
+                return
             reason = f"{where}: no whole answer within {_WHOLE_ANSWER_READS * p.timeout_s} s"
         if ok:
             rep.health_oks += 1
@@ -487,6 +505,32 @@ class ReplicaPool:
                 rep.healthy = False
                 log.warning("replica unhealthy", extra={"replica": rep.id, "reason": reason})
         self._sync(rep)  # also reports an ejection that expired since the last round
+
+    def _loop_lag_clock(self) -> float:
+        return self._loop_lag.now() if self._loop_lag is not None else 0.0
+
+    def _starved(self, rep: Replica, since: float) -> bool:
+        """True when the probe of ``rep`` that timed out was the gateway's failure: its
+        loop lost at least half the per-read timeout while the probe was out (every probe
+        of a CPU-throttled gateway timed out at once, and every replica was marked
+        unhealthy: the whole fleet 503 for a round, at start-up for the first requests)."""
+        if self._loop_lag is None:
+            return False
+        stolen = self._loop_lag.stolen_since(since)
+        if stolen < _STARVED_FRACTION * self.policy.timeout_s:
+            return False
+        if self._on_inconclusive is not None:
+            self._on_inconclusive(rep.id)
+        now = self._loop_lag.now()
+        if now - self._starved_logged >= _STARVED_LOG_INTERVAL_S:
+            self._starved_logged = now
+            log.warning(
+                "health probe timed out while the gateway's event loop was starved: not "
+                "held against the replica (logged at most once a minute)",
+                extra={"replica": rep.id, "loop_lag_s": round(stolen, 3)},
+            )
+        self._sync(rep)
+        return True
 
     async def _models(self, rep: Replica) -> None:
         try:

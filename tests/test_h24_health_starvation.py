@@ -1,0 +1,192 @@
+"""A health probe that timed out while the gateway's own event loop was starved is not held
+against the replica. A CPU-starved gateway (a throttled container, a blocking call, a noisy
+neighbour) fires its probes' timers late, in the same loop turn as the answers they wait for,
+and marked every healthy replica unhealthy at once: at start-up the first requests got 503
+``no_replica`` (the clean-clone CI flake of the twenty-third session, reproduced under four
+CPU hogs: ``replica unhealthy`` at the gateway's start). A replica that is slow while the
+gateway's loop runs on time is still marked unhealthy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from pydantic import SecretStr
+
+from cachecore.looplag import LoopLagMonitor
+from cachecore.replica.fleet import run_fleet
+from cachecore.testing import free_port
+from gateway.replicas import ReplicaPool, ReplicaSpec
+from gateway.serve import build_gateway, serve_in_loop
+from gateway.settings import GatewaySettings
+from policies.schema import HealthPolicy
+from tests.test_gateway_support import FAST, SECRET, words
+
+pytestmark = pytest.mark.timeout(90)
+
+_HOP = {b"host", b"content-length", b"transfer-encoding", b"connection"}
+
+
+@asynccontextmanager
+async def health_proxy(
+    upstream: str, block_s: float = 0.0, sleep_s: float = 0.0, blocked_probes: int = 1
+) -> AsyncIterator[tuple[str, dict[str, int]]]:
+    """A real HTTP proxy to ``upstream`` whose first ``blocked_probes`` /health answers
+    block this process's event loop ``block_s`` (``time.sleep``: the gateway's loop, which
+    this proxy shares, is starved) and whose every /health answer waits ``sleep_s`` without
+    blocking (a slow replica). Yields its URL and counts of the /health requests seen."""
+    seen = {"health": 0}
+    client = httpx.AsyncClient(base_url=upstream, timeout=30.0)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        if scope["path"] == "/health":
+            seen["health"] += 1
+            if seen["health"] <= blocked_probes and block_s:
+                time.sleep(block_s)  # noqa: ASYNC251 -- the point: the whole loop stalls
+            if sleep_s:
+                await asyncio.sleep(sleep_s)
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+        r = await client.request(scope["method"], scope["path"], content=body, headers=headers)
+        out = [(k, v) for k, v in r.headers.raw if k.lower() not in _HOP]
+        await send({"type": "http.response.start", "status": r.status_code, "headers": out})
+        await send({"type": "http.response.body", "body": r.content})
+
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan="off", log_level="warning", loop="none"
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    deadline = time.monotonic() + 10.0
+    while not server.started:
+        assert time.monotonic() < deadline and not task.done(), "proxy did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        server.should_exit = True
+        await task
+        await client.aclose()
+
+
+# ---------------------------------------------------------------------- the monitor
+
+
+async def test_a_blocked_loop_is_counted_even_before_the_monitor_wakes() -> None:
+    lag = LoopLagMonitor(interval_s=0.02)
+    lag.start()
+    try:
+        await asyncio.sleep(0.05)
+        t0 = lag.now()
+        time.sleep(0.3)  # noqa: ASYNC251 -- a stall of this process's loop
+        # the monitor has not run since: the stall in progress counts
+        assert lag.stolen_since(t0) >= 0.25
+        await asyncio.sleep(0.05)
+        assert lag.stolen_since(t0) >= 0.25  # and once recorded, still (counted once)
+        assert lag.stolen_since(t0) < 0.3 + 0.25
+    finally:
+        await lag.stop()
+
+
+async def test_a_stall_before_the_window_is_not_counted() -> None:
+    lag = LoopLagMonitor(interval_s=0.02)
+    lag.start()
+    try:
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)  # noqa: ASYNC251
+        await asyncio.sleep(0.1)  # recorded by now
+        t0 = lag.now()
+        await asyncio.sleep(0.1)
+        assert lag.stolen_since(t0) < 0.15
+        assert lag.stolen_since(t0 - 0.2) >= 0.25 - 0.15  # part of it inside a wider window
+    finally:
+        await lag.stop()
+
+
+def test_the_monitor_refuses_a_nonsensical_interval() -> None:
+    with pytest.raises(ValueError):
+        LoopLagMonitor(interval_s=0)
+    with pytest.raises(ValueError):
+        LoopLagMonitor(max_ticks=0)
+
+
+# ---------------------------------------------------------------------- the pool
+
+
+async def _one_round(
+    url: str, monitor: LoopLagMonitor | None, inconclusive: list[str]
+) -> ReplicaPool:
+    async with httpx.AsyncClient() as client:
+        pool = ReplicaPool(
+            client, HealthPolicy(), loop_lag=monitor, on_inconclusive=inconclusive.append
+        )
+        pool.add(ReplicaSpec("r0", url))
+        await pool.check_once(refresh_models=True)
+        return pool
+
+
+async def test_a_starved_gateway_keeps_its_replica_and_a_slow_replica_is_still_caught() -> None:
+    async with run_fleet(FAST, count=1) as fleet:
+        monitor = LoopLagMonitor()
+        monitor.start()
+        try:
+            # the loop blocked 0.8 s while the probe (timeout 0.5 s) was out
+            async with health_proxy(fleet.urls[0], block_s=0.8, blocked_probes=2) as (url, _):
+                seen: list[str] = []
+                pool = await _one_round(url, monitor, seen)
+                rep = pool.get("r0")
+                assert rep is not None and rep.healthy and rep.health_fails == 0
+                assert seen == ["r0"]
+                # the same stall without the monitor: held against the replica (as before)
+                pool = await _one_round(url, None, seen)
+                rep = pool.get("r0")
+                assert rep is not None and not rep.healthy
+            # a replica slow to answer while the loop runs on time: unhealthy, as before
+            async with health_proxy(fleet.urls[0], sleep_s=0.8) as (url, _):
+                seen = []
+                pool = await _one_round(url, monitor, seen)
+                rep = pool.get("r0")
+                assert rep is not None and not rep.healthy and seen == []
+        finally:
+            await monitor.stop()
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+async def test_a_gateway_starved_at_its_start_serves_its_first_request() -> None:
+    async with (
+        run_fleet(FAST, count=1) as fleet,
+        # the start-up round and the health loop's first (started with the gateway)
+        health_proxy(fleet.urls[0], block_s=0.8, blocked_probes=2) as (url, seen),
+    ):
+        gs = GatewaySettings(
+            replicas=[url], port=free_port(), open_access=True, salt_secrets=[SecretStr(SECRET)]
+        )
+        gw = build_gateway(gs)
+        async with (
+            serve_in_loop(gw) as base,
+            httpx.AsyncClient(base_url=base, timeout=30.0) as h,
+        ):
+            assert seen["health"] >= 1  # the start-up probe met the stall
+            # (before: marked unhealthy at once, the first request a 503 no_replica)
+            body = {"model": fleet.endpoints[0].model, "prompt": words(40, 1), "max_tokens": 1}
+            r = await h.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            metrics = (await h.get("/metrics")).text
+            rid = gw.specs[0].id
+            assert f'kvgate_health_probes_inconclusive_total{{replica="{rid}"}} 2.0' in metrics
+            assert "kvgate_event_loop_lag_seconds_bucket" in metrics
