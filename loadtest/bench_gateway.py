@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -559,17 +560,25 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             samples: dict[str, list[float]] = {"keys": [], "lookup": [], "score": []}
             total: list[float] = []
             st = gw.stages
+            sources: Counter[str] = Counter()
+            answered = None  # a decision the Redis index answered: checked below
             for i in range(args.decision_lookups + 20):
                 before = dict(st.cpu_ns)
                 d = await gw.prepare("completion", "anonymous", body, {}, "bench", True)
                 if i < 20:
                     continue  # warm-up (script load, connections)
+                sources[d.index_source] += 1
+                if d.index_source == "primary":
+                    answered = d
                 per = {s: (st.cpu_ns[s] - before.get(s, 0)) / 1e6 for s in samples}
                 for s, v in per.items():
                     samples[s].append(v)
                 total.append(sum(per.values()))
-            assert d.index_source == "primary", d.index_source
-            best = max(m.stored_blocks for m in d.matches[0].values())
+            # a lookup over its budget on a busy machine is answered by the local index
+            # (and measured as such): said below, not a crash; none at all is a broken setup
+            if answered is None:
+                raise SystemExit(f"no lookup was answered by Redis: {dict(sources)}")
+            best = max(m.stored_blocks for m in answered.matches[0].values())
             assert best == len(keys), (best, len(keys))
             pings = [await index.ping_ms() for _ in range(200)]
         finally:
@@ -580,6 +589,12 @@ async def run_decision(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         rows.append(
             f"| (Redis PING, same client) | {_pct(pings, 50):.3f} | {_pct(pings, 99):.3f} |"
         )
+        fallbacks = len(total) - sources["primary"]
+        if fallbacks:
+            rows.append(
+                f"| ({fallbacks} of {len(total)} lookups over their budget: answered by the "
+                "local index, a busy machine) | | |"
+            )
         p99 = _pct(total, 99)
         verdicts.append(
             f"decision p99 {p99:.3f} ms for {args.decision_tokens} tokens x {n_rep} replicas "
