@@ -15,7 +15,8 @@ Tasks::
     checker      index still holds our state? (Redis restart: changed run_id / lost meta)
 
 stream, scraper, heartbeat and checker run under one supervision rule (:meth:`Agent._loop`):
-an unexpected error is logged and counted and the loop restarts after a pause.
+an unexpected error is logged and counted and the loop restarts after a pause. The
+supervisor's start-up follows it too (loop ``start``), its failed attempt undone first.
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ class Agent:
         await cancel_and_wait(self._supervisor, *self._tasks)
         self._tasks.clear()
         self._supervisor = None
+        if self.stream is not None:  # subscribed by a start-up its stream task never ran in
+            self.stream._close_sockets()
         for sync in self.syncs.values():
             await sync.stop()
         if deregister and self.registry_link is not None:
@@ -283,61 +286,87 @@ class Agent:
     # ------------------------------------------------------------- supervisor
 
     async def _supervise(self) -> None:
+        """Start-up under the background loops' rule (:meth:`_loop`, loop ``start``): an
+        unexpected error in it (an index or library error escaping the steps that retry
+        what they expect) left the agent ``starting`` for the life of the process, indexing
+        nothing; now the failed attempt is undone and start-up retried after the pause."""
+        await self._loop(self.loops.setdefault("start", LoopRun("start")), self._start_once)
+
+    async def _start_once(self, run: LoopRun) -> None:
         try:
-            snap = await self._wait_for_engine()
-            info = await self._engine_info(snap)
-            self.engine = info
-            self.engine_reachable = True
-            primary = await self._new_sync(self.settings.data_parallel_rank or 0)
-            loaded, cause = await self._load(primary)
-            restart_first = False
-            if not loaded:
-                await primary.put(
-                    ClearReplica(ReplicaState.LIVE, info.start_time, cause, None, None)
-                )
-            else:
-                known = primary.engine_start
-                if known and abs(known - info.start_time) > _START_TIME_TOLERANCE_S:
-                    restart_first = True
-                elif not known and info.start_time:
-                    # a meta written by someone else (the gateway marks replicas live)
-                    primary.engine_start = info.start_time
-                    await self._retry_index(
-                        lambda: self._set_engine_start(primary.replica_id, info.start_time),
-                        "set_engine_start",
-                    )
-                # the engine answers: whatever state the index had, it is reachable now
-                await primary.put(CheckIndex())
-            self._instance_id = await self._instance()
-            stream = self.stream = self._make_stream()
-            stream.last_seq = primary.written_seq
-            stream.subscribe()
-            self._spawn("scrape", self._scrape_loop)
-            self._spawn("check", self._check_loop)
-            if self.registry_link is not None:
-                self._spawn("heartbeat", self._heartbeat_loop)
-            self._spawn(
-                "stream",
-                lambda loop: self._run_stream(stream, restart_first, loop),
-                probe=lambda: stream.last_seq,
-            )
-            await stream.caught_up.wait()
-            self.ready.set()
-            log.info(
-                "agent ready",
-                extra={
-                    "replica": self.primary_id,
-                    "model": info.model,
-                    "block_size": info.block_size,
-                    "last_seq": stream.last_seq,
-                    "restored": loaded,
-                },
-            )
-        except asyncio.CancelledError:
-            raise
+            await self._start_up()
         except Exception:
-            log.exception("agent supervisor failed", extra={"replica": self.primary_id})
+            # a retry must find nothing of this attempt: no second subscription, scraper
+            # or sync worker beside the next attempt's (stop() undoes a cancelled one)
+            await self._undo_start()
             raise
+        run.progressed()
+
+    async def _start_up(self) -> None:
+        """Wait for the engine, load the index's state, subscribe, spawn the loops."""
+        snap = await self._wait_for_engine()
+        info = await self._engine_info(snap)
+        self.engine = info
+        self.engine_reachable = True
+        primary = await self._new_sync(self.settings.data_parallel_rank or 0)
+        loaded, cause = await self._load(primary)
+        restart_first = False
+        if not loaded:
+            await primary.put(ClearReplica(ReplicaState.LIVE, info.start_time, cause, None, None))
+        else:
+            known = primary.engine_start
+            if known and abs(known - info.start_time) > _START_TIME_TOLERANCE_S:
+                restart_first = True
+            elif not known and info.start_time:
+                # a meta written by someone else (the gateway marks replicas live)
+                primary.engine_start = info.start_time
+                await self._retry_index(
+                    lambda: self._set_engine_start(primary.replica_id, info.start_time),
+                    "set_engine_start",
+                )
+            # the engine answers: whatever state the index had, it is reachable now
+            await primary.put(CheckIndex())
+        self._instance_id = await self._instance()
+        stream = self.stream = self._make_stream()
+        stream.last_seq = primary.written_seq
+        stream.subscribe()
+        self._spawn("scrape", self._scrape_loop)
+        self._spawn("check", self._check_loop)
+        if self.registry_link is not None:
+            self._spawn("heartbeat", self._heartbeat_loop)
+        self._spawn(
+            "stream",
+            lambda loop: self._run_stream(stream, restart_first, loop),
+            probe=lambda: stream.last_seq,
+        )
+        await stream.caught_up.wait()
+        log.info(
+            "agent ready",
+            extra={
+                "replica": self.primary_id,
+                "model": info.model,
+                "block_size": info.block_size,
+                "last_seq": stream.last_seq,
+                "restored": loaded,
+            },
+        )
+        self.ready.set()
+
+    async def _undo_start(self) -> None:
+        """Undo a failed start-up attempt: its loops, its subscription (a stream task that
+        never ran has not closed it) and every rank's sync, each stopped as an agent stop
+        would (what they wrote stays in the index: the next attempt loads it, as a
+        restarted agent would)."""
+        await cancel_and_wait(*self._tasks)
+        self._tasks.clear()
+        for name in [n for n in self.loops if n != "start"]:
+            del self.loops[name]
+        if self.stream is not None:
+            self.stream._close_sockets()
+            self.stream = None
+        for sync in self.syncs.values():
+            await sync.stop()
+        self.syncs.clear()
 
     def _spawn(
         self,

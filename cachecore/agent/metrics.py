@@ -192,8 +192,8 @@ class AgentMetrics:
         )  # fmt: skip
         self.loop_restarts = Counter(
             "kvgate_agent_loop_restarts",
-            "Background loops (scrape, check, heartbeat, stream) restarted after an "
-            "unexpected error",
+            "Background loops (scrape, check, heartbeat, stream) and start-up (start) "
+            "restarted after an unexpected error",
             ["replica", "loop"], registry=r,
         )  # fmt: skip
         self.load_publishes = Counter(
