@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from cachecore.agent.settings import check_zmq_endpoint
+from cachecore.httpread import AnswerTooLarge, read_answer
 from cachecore.index.layout import split_dp_replica_id, validate_replica_id
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import InvalidURLError, normalize_url
@@ -42,6 +43,12 @@ _SPEC_SEPARATORS = re.compile("[=,]")
 
 log = logging.getLogger(__name__)
 _WHOLE_ANSWER_READS = 4  # a health or models answer's deadline, in per-read timeouts
+# the most body read of a replica's answer (more is refused as it comes: an endless body was
+# read into memory for as long as the deadline let it come, every round). /health: engines
+# answer it empty or with a few fields. /v1/models: a card per served model and adapter
+# (~0.5 KiB with vLLM's permission list), so an engine with thousands of LoRA adapters fits
+_HEALTH_CAP = 64 << 10
+_MODELS_CAP = 8 << 20
 # a probe's timeout says nothing of the replica when the gateway's own loop lost at least
 # this fraction of the per-read timeout to starvation while the probe was out
 _STARVED_FRACTION = 0.5
@@ -221,6 +228,7 @@ class ReplicaPool:
         self._last_models = 0.0
         self._started = int(time.time())  # a card's `created` when its engine gives none
         self._shared_warned: set[str] = set()  # URLs shared without DP ids, warned once
+        self._models_too_large: set[str] = set()  # replicas warned of it, once each
         # URL -> (engine name, lowest rank seen): a data-parallel engine's ranks, remembered
         self._dp_groups: dict[str, tuple[str, int]] = {}
         # id -> (cordoned, draining) of a removed replica the operator had cordoned or
@@ -465,13 +473,20 @@ class ReplicaPool:
         where = f"GET {rep.url}/health"
         t0 = self._loop_lag_clock()
         try:
-            # a deadline for the whole answer too: httpx's timeout is per read, and a
-            # replica sending its answer a byte at a time held this round, every
+            # a deadline for the whole answer too, and a cap: httpx's timeout is per read,
+            # and a replica sending its answer a byte at a time held this round, every
             # replica's, for as long as it dribbled. A few reads' worth: no stricter than
             # the per-read timeout for an answer that comes (a loop pause in a busy
             # process fell on the sum of connect, write and read)
-            async with asyncio.timeout(_WHOLE_ANSWER_READS * p.timeout_s):
-                r = await self._client.get(rep.url + "/health", timeout=p.timeout_s)
+            r = await read_answer(
+                self._client,
+                "GET",
+                rep.url + "/health",
+                timeout_s=p.timeout_s,
+                deadline_s=_WHOLE_ANSWER_READS * p.timeout_s,
+                cap=_HEALTH_CAP,
+                read_unless_ok=False,  # the status says it all
+            )
             ok = r.status_code == 200
             reason = f"{where}: HTTP {r.status_code}"
         except httpx.TimeoutException as exc:
@@ -480,10 +495,12 @@ class ReplicaPool:
             reason = f"{where}: {type(exc).__name__}: {exc}"
         except httpx.HTTPError as exc:
             reason = f"{where}: {type(exc).__name__}: {exc}"
-        except TimeoutError:
+        except AnswerTooLarge as exc:  # not an engine's health answer
+            reason = f"{where}: {exc}"
+        except TimeoutError as exc:  # no whole answer by the deadline
             if self._starved(rep, t0):
                 return
-            reason = f"{where}: no whole answer within {_WHOLE_ANSWER_READS * p.timeout_s} s"
+            reason = f"{where}: {exc}"
         if ok:
             rep.health_oks += 1
             rep.health_fails = 0
@@ -535,9 +552,26 @@ class ReplicaPool:
     async def _models(self, rep: Replica) -> None:
         try:
             # the whole answer, as /health
-            async with asyncio.timeout(_WHOLE_ANSWER_READS * self.policy.timeout_s):
-                r = await self._client.get(rep.url + "/v1/models", timeout=self.policy.timeout_s)
+            r = await read_answer(
+                self._client,
+                "GET",
+                rep.url + "/v1/models",
+                timeout_s=self.policy.timeout_s,
+                deadline_s=_WHOLE_ANSWER_READS * self.policy.timeout_s,
+                cap=_MODELS_CAP,
+                read_unless_ok=False,
+            )
             data = r.json().get("data", []) if r.status_code == 200 else None
+        except AnswerTooLarge as exc:
+            # said once per replica (a list never read is asked for every round): silent,
+            # an engine with more adapters than the cap allows would just never route
+            if rep.id not in self._models_too_large:
+                self._models_too_large.add(rep.id)
+                log.warning(
+                    "replica's /v1/models too large to read: its models not refreshed",
+                    extra={"replica": rep.id, "error": str(exc)},
+                )
+            return
         except (httpx.HTTPError, ValueError, AttributeError, TimeoutError):
             return
         if not isinstance(data, list):
