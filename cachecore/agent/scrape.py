@@ -18,7 +18,6 @@ size needs ``--block-size`` on its agent (the engine's ``--page-size``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from collections.abc import Mapping
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from cachecore.httpread import AnswerTimeout, AnswerTooLarge, read_answer
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -301,22 +302,22 @@ class EngineScraper:
         """GET ``path``: its status and body (unread unless 200), within ``timeout_s``; a
         body over ``max_bytes`` is refused as it arrives, never held whole."""
         try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self._client.stream("GET", f"{self.engine_url}{path}") as resp:
-                    if resp.status_code != 200:
-                        return resp.status_code, b""
-                    chunks: list[bytes] = []
-                    size = 0
-                    async for chunk in resp.aiter_bytes():
-                        size += len(chunk)
-                        if size > max_bytes:
-                            raise ScrapeError(f"{path} larger than {max_bytes} bytes")
-                        chunks.append(chunk)
-                    return 200, b"".join(chunks)
-        except TimeoutError as exc:
+            r = await read_answer(
+                self._client,
+                "GET",
+                f"{self.engine_url}{path}",
+                timeout_s=self.timeout_s,
+                deadline_s=self.timeout_s,
+                cap=max_bytes,
+                read_unless_ok=False,
+            )
+        except AnswerTooLarge as exc:
+            raise ScrapeError(f"{path} larger than {max_bytes} bytes") from exc
+        except AnswerTimeout as exc:
             raise ScrapeError(f"{path} took over {self.timeout_s} s") from exc
         except httpx.HTTPError as exc:
             raise ScrapeError(f"{type(exc).__name__}: {exc}") from exc
+        return r.status_code, r.content
 
     async def metrics(self) -> EngineSnapshot:
         status, body = await self._get("/metrics", MAX_METRICS_BYTES)
