@@ -19,6 +19,7 @@ import httpx
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
+from cachecore.httpread import AnswerTooLarge, read_answer
 from cachecore.tokenizer import (
     OFFLOAD_CHARS,
     PROBE_CHAT,
@@ -378,7 +379,18 @@ class EnginePromptTokenizer:
             if left <= 0:  # a connect timeout spent it: the client hears a timeout
                 raise TimeoutError
             try:
-                r = await self._read(base + path, payload, left)
+                # the whole answer within what is left of the deadline, capped: one that did
+                # not end (not an engine, or a broken one) was read into memory for as long
+                # as the deadline let it come, per request
+                r = await read_answer(
+                    self._client,
+                    "POST",
+                    base + path,
+                    json=payload,
+                    timeout_s=left,
+                    deadline_s=left,
+                    cap=ENGINE_ANSWER_CAP,
+                )
             except AnswerTooLarge as exc:
                 raise GatewayError(502, f"engine tokenization {exc}") from None
             except (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
@@ -400,20 +412,6 @@ class EnginePromptTokenizer:
                 502, f"engine tokenization failed: {type(failure).__name__}: {failure}"
             )
         raise GatewayError(503, "no replica available to tokenize", code="no_replica")
-
-    async def _read(self, url: str, payload: Mapping[str, Any], left_s: float) -> httpx.Response:
-        """The engine's answer with its body read whole, up to :data:`ENGINE_ANSWER_CAP`
-        bytes: an answer that does not end (not an engine, or a broken one) was read into
-        memory for as long as the deadline let it come, per request."""
-        async with self._client.stream("POST", url, json=payload, timeout=left_s) as r:
-            body = await _capped_body(r, ENGINE_ANSWER_CAP)
-            # the body as read (decoded): without the headers that framed or encoded it
-            headers = [
-                (k, v)
-                for k, v in r.headers.multi_items()
-                if k not in ("content-encoding", "content-length", "transfer-encoding")
-            ]
-            return httpx.Response(r.status_code, headers=headers, content=body)
 
     async def chat(self, body: Mapping[str, Any], salt: str) -> list[int]:
         """``salt``: the request scope's cache salt. An engine may cache what it renders
@@ -477,10 +475,6 @@ CHECK_ANSWER_CAP = 4 << 20
 """The most bytes a start-up check reads of an engine's answer (/metrics, /tokenize)."""
 
 
-class AnswerTooLarge(Exception):
-    """An engine's answer to a start-up check ran past :data:`CHECK_ANSWER_CAP`."""
-
-
 async def bounded_answer(
     client: httpx.AsyncClient,
     method: str,
@@ -489,27 +483,14 @@ async def bounded_answer(
     json: Any = None,
     cap: int = CHECK_ANSWER_CAP,
 ) -> tuple[int, bytes]:
-    """An engine's status and body for a start-up check, the whole answer within
-    ``timeout_s`` and at most ``cap`` bytes of body. httpx's timeout is per read: a replica
-    sending its answer a byte at a time held the gateway's start-up for as long as it
-    dribbled, and an endless body was read into memory. Raises ``TimeoutError``,
-    :class:`AnswerTooLarge` or ``httpx.HTTPError``."""
-    async with (
-        asyncio.timeout(timeout_s),
-        client.stream(method, url, json=json, timeout=timeout_s) as r,
-    ):
-        return r.status_code, await _capped_body(r, cap)
-
-
-async def _capped_body(r: httpx.Response, cap: int) -> bytes:
-    """A streamed answer's (decoded) body, refused with :class:`AnswerTooLarge` as soon as
-    it passes ``cap`` bytes, never held whole."""
-    body = bytearray()
-    async for chunk in r.aiter_bytes():
-        body += chunk
-        if len(body) > cap:
-            raise AnswerTooLarge(f"answer over {cap} bytes")
-    return bytes(body)
+    """An engine's status and body for a start-up check: the whole answer within
+    ``timeout_s`` (start-up awaits it) and at most ``cap`` bytes of body. Raises
+    ``cachecore.httpread.AnswerTimeout`` (a ``TimeoutError``), :class:`AnswerTooLarge` or
+    ``httpx.HTTPError``."""
+    r = await read_answer(
+        client, method, url, json=json, timeout_s=timeout_s, deadline_s=timeout_s, cap=cap
+    )
+    return r.status_code, r.content
 
 
 async def check_alignment(
@@ -542,7 +523,7 @@ async def check_alignment(
                 client, "POST", replica_url + "/tokenize", timeout_s, json=payload
             )
         except (httpx.HTTPError, TimeoutError, AnswerTooLarge) as exc:
-            error = str(exc) or f"no whole answer within {timeout_s:g} s"
+            error = str(exc) or type(exc).__name__
             log.info("alignment check skipped", extra={"replica": replica_url, "error": error})
             return []
         if status == 404:
