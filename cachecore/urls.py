@@ -7,11 +7,15 @@ a ``?``). The one reading here is RFC 3986's, as ``urllib.parse.urlsplit`` and b
 it: the authority runs from ``//`` to the first ``/``, ``?`` or ``#``; its user info is
 everything before its LAST ``@`` (an unencoded ``@`` in a password belongs to the password).
 Errors built from it name the host and never the secret.
+
+A host put into a URL is written one way too (:func:`url_host`): an IPv6 literal in brackets,
+its zone id as the URL's reader needs it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 from urllib.parse import unquote
 
 
@@ -59,4 +63,38 @@ def split_user_info(url: str) -> UserInfo | None:
     )
 
 
-__all__ = ["UserInfo", "split_user_info"]
+ZoneForm = Literal["encoded", "bare", "dropped"]
+
+
+def url_host(host: str, zone: ZoneForm = "encoded") -> str:
+    """``host`` (a name, an IPv4 or IPv6 address, bracketed or not) as the host of a URL:
+    an IPv6 literal in brackets (``http://::1:9100`` is no URL). An IPv6 zone id
+    (``fe80::1%eth0``, link-local) is written as ``zone`` says:
+
+    * ``encoded``: RFC 6874's URI form, ``[fe80::1%25eth0]`` (URLs shown to people, for
+      curl and the like);
+    * ``bare``: ``[fe80::1%eth0]``, the only form httpx 0.29 connects to (it hands the host
+      to getaddrinfo undecoded, which refuses ``%25eth0``): URLs kvgate itself fetches;
+    * ``dropped``: ``[fe80::1]``, for a Host header (RFC 6874 section 4: the zone id means
+      nothing beyond the sender).
+
+    A bracketed ``host`` is already a URL's: a ``%25`` in it is taken as encoded (socket
+    APIs write ``%`` bare), so ``url_host(url_host(h)) == url_host(h)``.
+
+    >>> url_host("fe80::1%eth0"), url_host("[::1]"), url_host("10.0.0.1")
+    ('[fe80::1%25eth0]', '[::1]', '10.0.0.1')
+    """
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    if ":" not in host:
+        return host
+    address, pct, zone_id = host.partition("%")
+    if bracketed and zone_id.startswith("25"):
+        zone_id = zone_id[2:]
+    if not pct or zone == "dropped":
+        return f"[{address}]"
+    return f"[{address}%{'25' if zone == 'encoded' else ''}{zone_id}]"
+
+
+__all__ = ["UserInfo", "ZoneForm", "split_user_info", "url_host"]

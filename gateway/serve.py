@@ -50,6 +50,7 @@ from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
+from cachecore.urls import url_host
 from gateway.app import create_app
 from gateway.auth import KeyStore
 from gateway.core import AgentHook, Gateway
@@ -211,7 +212,7 @@ class _DrainingServer(uvicorn.Server):
         if sockets is not None and self.started:  # uvicorn logs its address only without them
             for sock in sockets:
                 host, port = sock.getsockname()[:2]
-                log.info("serving", extra={"url": f"http://{_url_host(host)}:{port}"})
+                log.info("serving", extra={"url": f"http://{url_host(host)}:{port}"})
         if self.freeze_gc and not self.should_exit:
             freeze_startup_heap()
 
@@ -229,10 +230,6 @@ class _DrainingServer(uvicorn.Server):
 
     def _end_grace(self) -> None:
         self.should_exit = True
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class _InLoopServer(_DrainingServer):

@@ -48,6 +48,8 @@ from typing import cast
 import httptools
 import httpx
 
+from cachecore.urls import url_host
+
 _HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the socket
 _HostKey = tuple[str, int, bool]  # host, port, TLS
 
@@ -301,7 +303,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     f"upstream must be http:// or https://, not {base_url!r}"
                 )
             key = self._hosts[base_url] = _host_key(url)
-            host = f"[{url.host}]" if ":" in url.host else url.host  # an IPv6 literal
+            # an IPv6 literal bracketed, its zone id (link-local) not sent (RFC 6874)
+            host = url_host(url.host, zone="dropped")
             self._host_header[key] = f"{host}:{key[1]}".encode("ascii")
         prefix = base_url.split("://", 1)[1].split("/", 1)
         target = ("/" + prefix[1].rstrip("/") if len(prefix) > 1 else "") + path

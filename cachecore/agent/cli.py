@@ -32,6 +32,7 @@ from cachecore.argtypes import log_level, nonnegative_float
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.listen import ListenError
 from cachecore.logs import configure_logging
+from cachecore.urls import url_host
 
 if TYPE_CHECKING:  # imported when run: `kvgate agent --help` stays fast
     from cachecore.index.redis import RedisIndex
@@ -254,8 +255,7 @@ async def _main(
     # deregister only after a start: one that failed to listen never registered, and its
     # deregistration (a Redis call) was a "deregistration failed" warning for nothing
     started = False
-    # an IPv6 address is bracketed before its port ("::1:9400" reads as an address)
-    host = f"[{settings.http_host}]" if ":" in settings.http_host else settings.http_host
+    host = url_host(settings.http_host)  # "::1:9400" reads as an address
     try:
         if settings.http_port is not None:
             try:  # the constructor listens: a port in use fails there

@@ -19,6 +19,7 @@ from cachecore.engine import (
     get_profile,
 )
 from cachecore.kvevents import Encoding
+from cachecore.urls import url_host
 
 DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_TOPIC = "kv-events"
@@ -172,11 +173,10 @@ def endpoints_for(
 ) -> ReplicaEndpoints:
     ev_host = "127.0.0.1" if settings.events_host in ("0.0.0.0", "*") else settings.events_host
     http_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    if ":" in http_host:  # an IPv6 address: bracketed in a URL ("http://::1:9100" is none)
-        http_host = f"[{http_host.strip('[]')}]"
     return ReplicaEndpoints(
         index=index,
-        url=f"http://{http_host}:{ports.http}",
+        # fetched with httpx (the fleet's readiness wait, the gateway): a zone id bare
+        url=f"http://{url_host(http_host, zone='bare')}:{ports.http}",
         events_endpoint=f"tcp://{ev_host}:{ports.events}",
         replay_endpoint=f"tcp://{ev_host}:{ports.replay}",
         model=settings.model,
