@@ -19,7 +19,9 @@ import httpx
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from cachecore.httpread import AnswerTooLarge, read_answer
+# AnswerTooLarge re-exported: the start-up checks' callers (gateway.core) catch it
+from cachecore.httpread import AnswerTooLarge as AnswerTooLarge
+from cachecore.httpread import read_answer
 from cachecore.tokenizer import (
     OFFLOAD_CHARS,
     PROBE_CHAT,
