@@ -8,9 +8,7 @@ hundreds of MiB a round)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import orjson
@@ -18,52 +16,41 @@ import pytest
 
 from cachecore.agent.scrape import EngineScraper, ScrapeError
 from cachecore.httpread import AnswerTimeout, AnswerTooLarge, read_answer
+from gateway.errors import GatewayError
 from gateway.replicas import ReplicaPool, ReplicaSpec
+from gateway.tokenization import EnginePromptTokenizer
 from policies.schema import HealthPolicy
 from tests.test_h23_f1_startup_reads import engine  # a loopback engine that can flood
+from tests.test_tokenize_retries import in_order
+from tests.test_upstream import json_answer, read_request, server
 
 pytestmark = pytest.mark.timeout(60)
 
 # what the sockets' buffers may hold beyond a cap (the engine fixture's own allowance)
 _BUFFERS = 16 << 20
 
-Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
+
+async def _flood(writer: asyncio.StreamWriter, head: bytes, sent: dict[str, int]) -> None:
+    """``head``, then a body that does not end: 64 KiB chunks (chunked framing when the
+    head says so) as fast as they are read, 256 MiB at most, counted in ``sent``."""
+    writer.write(head)
+    chunk = b"#" * (1 << 16)
+    if b"chunked" in head:
+        chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
+    for _ in range(1 << 12):
+        writer.write(chunk)
+        await writer.drain()
+        sent["bytes"] += 1 << 16
 
 
-@contextlib.asynccontextmanager
-async def answering(handler: Handler) -> AsyncIterator[str]:
-    """A loopback server: ``handler(path, writer)`` writes the answer to each request (a
-    bounded number per connection). Yields its URL."""
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            for _ in range(100):
-                head = await reader.readuntil(b"\r\n\r\n")
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        await reader.readexactly(int(line.split(b":", 1)[1]))
-                await handler(head.split(b" ", 2)[1], writer)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.ensure_future(serve(reader, writer))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await server.wait_closed()
+async def _dribbles(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A 300-byte answer, a byte per 0.2 s (60 s in all): each read well in time."""
+    await read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 300\r\n\r\n")
+    for _ in range(300):
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b"1")
 
 
 # ------------------------------------------------------------------ the gateway's reads
@@ -88,16 +75,11 @@ async def test_an_endless_models_answer_is_read_no_further_than_the_cap(
 async def test_an_endless_health_answer_is_a_failed_probe_read_no_further_than_the_cap() -> None:
     """It was read whole (256 MiB within 8 s at loopback speed) and counted healthy."""
     policy = HealthPolicy(timeout_s=2.0, unhealthy_after=1)
-    async with (
-        engine(floods="/health") as flood,
-        engine() as fine,
-        httpx.AsyncClient() as client,
-    ):
+    async with engine(floods="/health") as flood, httpx.AsyncClient() as client:
         pool = ReplicaPool(client, policy)
-        bad = pool.add(ReplicaSpec("flood", flood["url"]))
-        good = pool.add(ReplicaSpec("fine", fine["url"]))
+        rep = pool.add(ReplicaSpec("flood", flood["url"]))
         await asyncio.wait_for(pool.check_once(refresh_models=True), 20)
-    assert not bad.healthy and good.healthy and good.models == {"m"}
+    assert not rep.healthy and rep.models is None
     # the cap (64 KiB) and what the socket buffers hold
     assert flood["sent"] < (64 << 10) + _BUFFERS, flood["sent"]
 
@@ -116,11 +98,13 @@ async def test_a_models_answer_under_the_cap_is_read_whole() -> None:
     ]
     body = orjson.dumps({"object": "list", "data": cards})
 
-    async def answer(path: bytes, writer: asyncio.StreamWriter) -> None:
-        page = body if path == b"/v1/models" else b"{}"
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(page) + page)
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(10):  # bounded: a round sends two requests
+            head = await read_request(reader)
+            writer.write(json_answer(body if b" /v1/models " in head else b"{}"))
+            await writer.drain()
 
-    async with answering(answer) as url, httpx.AsyncClient() as client:
+    async with server(answer) as (url, _), httpx.AsyncClient() as client:
         pool = ReplicaPool(client, HealthPolicy(timeout_s=2.0))
         rep = pool.add(ReplicaSpec("many", url))
         await asyncio.wait_for(pool.check_once(refresh_models=True), 20)
@@ -132,30 +116,19 @@ async def test_a_models_answer_under_the_cap_is_read_whole() -> None:
 async def test_a_body_over_the_cap_is_refused_as_it_arrives() -> None:
     sent = {"bytes": 0}
 
-    async def floods(path: bytes, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        chunk = b"x" * (1 << 16)
-        for _ in range(1 << 12):  # 256 MiB at most, with no length said
-            writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-            await writer.drain()
-            sent["bytes"] += len(chunk)
+    async def floods(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)  # no length said
+        await _flood(writer, b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", sent)
 
-    async with answering(floods) as url, httpx.AsyncClient() as client:
+    async with server(floods) as (url, _), httpx.AsyncClient() as client:
         with pytest.raises(AnswerTooLarge, match="answer over 1048576 bytes"):
             await read_answer(client, "GET", url, timeout_s=2.0, deadline_s=20.0, cap=1 << 20)
     assert sent["bytes"] < (1 << 20) + _BUFFERS, sent
 
 
 async def test_a_dribbled_answer_runs_out_of_its_deadline_not_its_per_read_timeout() -> None:
-    async def dribbles(path: bytes, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 300\r\n\r\n")
-        for _ in range(300):  # 60 s in all, a byte per 0.2 s: each read well in time
-            await writer.drain()
-            await asyncio.sleep(0.2)
-            writer.write(b" ")
-
     loop = asyncio.get_running_loop()
-    async with answering(dribbles) as url, httpx.AsyncClient() as client:
+    async with server(_dribbles) as (url, _), httpx.AsyncClient() as client:
         t0 = loop.time()
         with pytest.raises(AnswerTimeout, match="no whole answer within 1 s") as caught:
             await read_answer(client, "GET", url, timeout_s=1.0, deadline_s=1.0, cap=1 << 20)
@@ -167,10 +140,11 @@ async def test_a_dribbled_answer_runs_out_of_its_deadline_not_its_per_read_timeo
 async def test_an_outer_deadline_passes_through_as_its_own() -> None:
     """A caller's shorter deadline is the caller's TimeoutError, not an AnswerTimeout."""
 
-    async def hangs(path: bytes, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(30)
+    async def hangs(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # no answer: until the client gives up and closes
 
-    async with answering(hangs) as url, httpx.AsyncClient() as client:
+    async with server(hangs) as (url, _), httpx.AsyncClient() as client:
         with pytest.raises(TimeoutError) as caught:
             async with asyncio.timeout(0.3):
                 await read_answer(client, "GET", url, timeout_s=5.0, deadline_s=5.0, cap=100)
@@ -179,14 +153,15 @@ async def test_an_outer_deadline_passes_through_as_its_own() -> None:
 
 @pytest.mark.parametrize("read_unless_ok", [True, False])
 async def test_a_refusal_body_is_read_only_when_asked(read_unless_ok: bool) -> None:
-    async def refuses(path: bytes, writer: asyncio.StreamWriter) -> None:
+    async def refuses(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
         page = b'{"error": {"message": "too long"}}'
         writer.write(
             b"HTTP/1.1 400 Bad Request\r\nretry-after: 3\r\ncontent-length: %d\r\n\r\n%b"
             % (len(page), page)
         )
 
-    async with answering(refuses) as url, httpx.AsyncClient() as client:
+    async with server(refuses) as (url, _), httpx.AsyncClient() as client:
         r = await read_answer(
             client,
             "POST",
@@ -205,17 +180,36 @@ async def test_a_gzip_answer_is_decoded_and_capped_as_decoded() -> None:
     """The cap counts what the body decodes to: 1 MiB of zeros is ~1 KiB on the wire."""
     page = gzip.compress(b"0" * (1 << 20))
 
-    async def zipped(path: bytes, writer: asyncio.StreamWriter) -> None:
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%b"
-            % (len(page), page)
-        )
+    async def zipped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):  # the test's two requests, on one connection or two
+            await read_request(reader)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%b"
+                % (len(page), page)
+            )
+            await writer.drain()
 
-    async with answering(zipped) as url, httpx.AsyncClient() as client:
+    async with server(zipped) as (url, _), httpx.AsyncClient() as client:
         r = await read_answer(client, "GET", url, timeout_s=2.0, deadline_s=2.0, cap=1 << 20)
         assert r.content == b"0" * (1 << 20) and "content-encoding" not in r.headers
         with pytest.raises(AnswerTooLarge):
             await read_answer(client, "GET", url, timeout_s=2.0, deadline_s=2.0, cap=1 << 19)
+
+
+# ------------------------------------------------------------------ the tokenize answer
+async def test_a_dribbled_tokenize_answer_is_a_504_within_the_deadline() -> None:
+    """The helper's deadline is a TimeoutError: the client hears the tokenization's own
+    504, not a 502 or an internal error."""
+
+    loop = asyncio.get_running_loop()
+    async with server(_dribbles) as (url, _), httpx.AsyncClient() as client:
+        tok = EnginePromptTokenizer("tokenize", client, in_order([url]), 1.0)
+        t0 = loop.time()
+        with pytest.raises(GatewayError) as caught:
+            await tok.completion({"prompt": "hi"}, "salt")
+        took = loop.time() - t0
+    assert caught.value.status == 504 and "timed out" in caught.value.message, caught.value
+    assert took < 5.0, took
 
 
 # ------------------------------------------------------------------ the agent's scrape
@@ -234,10 +228,20 @@ async def test_an_endless_metrics_page_is_a_scrape_error_read_no_further_than_th
 
 
 async def test_a_scrape_refused_with_a_status_is_not_read() -> None:
-    async with engine() as eng:  # /metrics is a 404 there
-        scraper = EngineScraper(eng["url"], timeout_s=2.0)
+    """A 404 whose body does not end: the status is the answer, the body left unread."""
+    sent = {"bytes": 0}
+
+    async def refuses(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await _flood(
+            writer, b"HTTP/1.1 404 Not Found\r\ncontent-length: %d\r\n\r\n" % (1 << 28), sent
+        )
+
+    async with server(refuses) as (url, _):
+        scraper = EngineScraper(url, timeout_s=5.0)
         try:
             with pytest.raises(ScrapeError, match="/metrics answered 404"):
                 await scraper.metrics()
         finally:
             await scraper.close()
+    assert sent["bytes"] < _BUFFERS, sent
