@@ -858,8 +858,13 @@ class Gateway:
             cold_replicas=cold,
             scope_key=scope.canonical(),
         )
-        with self.router.preview() if explain_only else contextlib.nullcontext():
-            decision = self.router.decide(req, cands, coeffs, strategy or self.strategy_override)
+        # decided without moving the router (cursor, tie rounds, trees), committed once the
+        # request will be sent: one decided again below or refused by the tenant's budget
+        # charged a replica, the tenant's scope tree and everyone's rounds for nothing
+        router = self.router
+        strat = strategy or self.strategy_override
+        with router.preview() if explain_only else contextlib.nullcontext():
+            decision = router.decide(req, cands, coeffs, strat, commit=False)
             chosen = self.pool.get(decision.replica)
             if chosen is None or not chosen.routable(time.monotonic()):
                 # cordoned, drained, ejected or removed during the awaits above (tokenizing,
@@ -869,7 +874,7 @@ class Gateway:
                 cands = [c for c in cands if c.replica in routable]
                 if not cands:
                     raise GatewayError(503, "no healthy replica serves this model", "no_replica")
-                decision = self.router.decide(req, cands, coeffs, decision.strategy)
+                decision = router.decide(req, cands, coeffs, decision.strategy, commit=False)
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,
@@ -905,6 +910,7 @@ class Gateway:
             self.metrics.rate_limited.labels(tenant, rej.limit).inc()
             raise rate_limited(rej.message, rej.retry_after_s, rej.limit)
         d.charged_uncached = uncached
+        router.commit(decision)  # no await since decide: no other decision in between
         self.metrics.decisions.labels(decision.strategy.value, decision.reason).inc()
         # the exchange counts it and writes its pending entries (on_dispatch) right after
         # the upstream write, in the same loop tick: before any other request's lookup
@@ -1028,7 +1034,7 @@ class Gateway:
             cold_replicas=d.cold_replicas,  # a retry must not escape the confinement
             scope_key=d.scope.canonical(),
         )
-        try:
+        try:  # committed at once: the retry is sent
             decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
         except NoCandidateError:  # a cold request whose tenant's cold replicas all failed
             return False

@@ -18,7 +18,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from operator import attrgetter
 from typing import Any
@@ -155,12 +155,29 @@ class ReplicaScore:
         }
 
 
+@dataclass(slots=True)
+class Effects:
+    """What a decision changes in its router, applied by :meth:`Router.commit`: the
+    round-robin step, the tie rounds, the tree growth. Recorded by :meth:`Router.decide`,
+    so a decision nobody sends (refused by the tenant's budget, decided again over other
+    replicas) moves nothing."""
+
+    seq: int  # the router's commits when decided: a later one re-checks its rounds
+    rr: bool = False
+    # per tie taken: (pick, whether it began a new round, the tied replicas)
+    rounds: list[tuple[str, bool, list[ReplicaScore]]] | None = None
+    tree: tuple[str, int] | None = None  # prefix_affinity's (replica, new tokens)
+    scope_tree: tuple[str, str, int] | None = None  # D14's (scope, replica, new tokens)
+    done: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     replica: str
     strategy: Strategy
     reason: str
     scores: tuple[ReplicaScore, ...]
+    effects: Effects | None = field(default=None, compare=False, repr=False)
 
     @property
     def chosen(self) -> ReplicaScore:
@@ -200,10 +217,22 @@ def temperature_on(params: RoutingParams, scores: Sequence[ReplicaScore]) -> boo
     return params.temperature > 0 and len(scores) > 1
 
 
-def _grow_tree(tree: dict[str, int], req: RouteRequest, pick: ReplicaScore) -> None:
-    """Add to the picked replica's tree the prompt tokens it did not hold."""
-    new = max(0, req.prompt_tokens - pick.predicted_cached_tokens)
-    tree[pick.replica] = tree.get(pick.replica, 0) + new
+def _new_tokens(req: RouteRequest, pick: ReplicaScore) -> int:
+    """What a pick adds to its replica's tree: the prompt tokens it did not hold."""
+    return max(0, req.prompt_tokens - pick.predicted_cached_tokens)
+
+
+def _take_rounds(
+    rounds: set[str], taken: Sequence[tuple[str, bool, Sequence[ReplicaScore]]], recheck: bool
+) -> None:
+    """Apply ties taken to the tie rounds: a new round first when every tied replica had one
+    in this round (``recheck``: judged on ``rounds`` as it is now, else as when decided)."""
+    for pick, new_round, ties in taken:
+        if recheck:
+            new_round = all(s.replica in rounds for s in ties)
+        if new_round:
+            rounds.clear()
+        rounds.add(pick)
 
 
 def rendezvous_weight(key: str, replica: str) -> int:
@@ -233,6 +262,7 @@ class Router:
         # expected_latency's miss tie-break (D14): per isolation scope, the prompt tokens it
         # sent to each replica that the replica did not hold
         self._scope_trees: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self._commits = 0  # decisions committed: tells a decision whether it is the latest
 
     @contextmanager
     def preview(self) -> Iterator[None]:
@@ -242,12 +272,12 @@ class Router:
         operator's explains would otherwise steer ties and rounds). Safe under asyncio:
         :meth:`decide` never awaits, so nothing else decides in between."""
         rr, rounds, rng = self._rr, set(self._round), self.rng.getstate()
-        trees = dict(self._tree_tokens)
+        trees, commits = dict(self._tree_tokens), self._commits
         scope_trees = OrderedDict((k, dict(v)) for k, v in self._scope_trees.items())
         try:
             yield
         finally:
-            self._rr, self._round = rr, rounds
+            self._rr, self._round, self._commits = rr, rounds, commits
             self.rng.setstate(rng)
             self._tree_tokens, self._scope_trees = trees, scope_trees
 
@@ -257,7 +287,15 @@ class Router:
         candidates: Sequence[Candidate],
         coeffs: Coefficients,
         strategy: Strategy | None = None,
+        commit: bool = True,
     ) -> Decision:
+        """Choose a replica. ``commit`` (the default) applies the decision's effects on the
+        router at once; ``commit=False`` leaves them to :meth:`commit`, for a caller that
+        may not send the request: until then the cursor, the tie rounds and the trees stay
+        as they were. The RNG's draws are not held back: a draw is no accounting (no later
+        decision's odds depend on how many came before), and undoing one would cost a
+        getstate/setstate of the generator's 2.5 KB per request; :meth:`preview` restores
+        it, as explain promises the next request's decision."""
         if not candidates:
             raise NoCandidateError("no healthy replica serves this request")
         strat = strategy or self.params.strategy
@@ -265,12 +303,13 @@ class Router:
         eligible = [s for s in scores if s.eligible]
         if not eligible:  # a confined tenant's cold request, none of its replicas offered
             raise NoCandidateError("none of the tenant's cold replicas can take this request")
+        fx = Effects(self._commits)
         if req.load_only:
-            pick, reason = self._load_only(req, eligible)
+            pick, reason = self._load_only(req, eligible, fx)
         elif strat is Strategy.EXPECTED_LATENCY:
-            pick, reason = self._expected_latency(req, eligible)
+            pick, reason = self._expected_latency(req, eligible, fx)
         elif strat is Strategy.PREFIX_AFFINITY:
-            pick, reason = self._prefix_affinity(req, eligible)
+            pick, reason = self._prefix_affinity(req, eligible, fx)
         elif strat is Strategy.LEAST_LOADED:
             pick, reason = self._least_loaded(eligible)
         elif strat is Strategy.CONSISTENT_HASH:
@@ -281,11 +320,36 @@ class Router:
                 pick, reason = self.rng.choice(eligible).replica, "no_session_key"
         elif strat is Strategy.ROUND_ROBIN:
             pick = eligible[self._rr % len(eligible)].replica
-            self._rr += 1
+            fx.rr = True
             reason = "round_robin"
         else:
             pick, reason = self.rng.choice(eligible).replica, "random"
-        return Decision(pick, strat, reason, tuple(scores))
+        decision = Decision(pick, strat, reason, tuple(scores), fx)
+        if commit:
+            self.commit(decision)
+        return decision
+
+    def commit(self, decision: Decision) -> None:
+        """Apply what ``decision`` changes in the router, as ``decide`` would have: once (a
+        decision committed already, by ``decide`` too, changes nothing again). A decision
+        committed after others re-checks whether its ties began a new round on the rounds
+        they left."""
+        fx = decision.effects
+        if fx is None or fx.done:
+            return
+        fx.done = True
+        if fx.rr:
+            self._rr += 1
+        if fx.rounds:
+            _take_rounds(self._round, fx.rounds, fx.seq != self._commits)
+        if fx.tree is not None:
+            replica, new = fx.tree
+            self._tree_tokens[replica] = self._tree_tokens.get(replica, 0) + new
+        if fx.scope_tree is not None:
+            scope, replica, new = fx.scope_tree
+            tree = self._scope_tree(scope)
+            tree[replica] = tree.get(replica, 0) + new
+        self._commits += 1
 
     # ------------------------------------------------------------------ scoring
     def _score(
@@ -382,7 +446,9 @@ class Router:
         bound = best + eps
         return [s for s in scores if s.cost_ms <= bound]
 
-    def _lowest_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, bool]:
+    def _lowest_cost(
+        self, scores: Sequence[ReplicaScore], fx: Effects
+    ) -> tuple[ReplicaScore, bool]:
         ties = self._ties(scores)
         if len(ties) == 1:
             return ties[0], False
@@ -390,27 +456,35 @@ class Router:
         # round when there are none), so ties spread as evenly as round_robin, in an order
         # nobody can predict: a fixed rotation would let one tenant's placements reveal how
         # many cold requests the others sent, and line them up with theirs
-        fresh = [s for s in ties if s.replica not in self._round]
-        if not fresh:
-            self._round.clear()
-            fresh = ties
-        pick = self.rng.choice(fresh)
-        self._round.add(pick.replica)
+        taken = fx.rounds
+        rounds = self._round
+        if taken:  # a second tie in one decision (a spill): on the rounds the first left
+            rounds = set(rounds)
+            _take_rounds(rounds, taken, False)
+        fresh = [s for s in ties if s.replica not in rounds]
+        new_round = not fresh
+        pick = self.rng.choice(ties if new_round else fresh)
+        if taken is None:
+            fx.rounds = [(pick.replica, new_round, ties)]
+        else:
+            taken.append((pick.replica, new_round, ties))
         return pick, True
 
     def _expected_latency(
-        self, req: RouteRequest, scores: Sequence[ReplicaScore]
+        self, req: RouteRequest, scores: Sequence[ReplicaScore], fx: Effects
     ) -> tuple[str, str]:
-        if self.params.miss_tie_break is MissTieBreak.SCOPE_TREE and req.scope_key is not None:
-            tree = self._scope_tree(req.scope_key)
-            pick = self._smallest_scope_tree(scores, tree)
+        scope = req.scope_key
+        if self.params.miss_tie_break is MissTieBreak.SCOPE_TREE and scope is not None:
+            # read only: a scope's tree is made (and its LRU place moved) at the commit
+            tree = self._scope_trees.get(scope)
+            pick = self._smallest_scope_tree(scores, {} if tree is None else tree)
             if pick is None:
-                pick, reason = self._expected_latency_cost(scores)
+                pick, reason = self._expected_latency_cost(scores, fx)
             else:
                 reason = "smallest_tree"
-            _grow_tree(tree, req, pick)
+            fx.scope_tree = (scope, pick.replica, _new_tokens(req, pick))
             return pick.replica, reason
-        pick, reason = self._expected_latency_cost(scores)
+        pick, reason = self._expected_latency_cost(scores, fx)
         return pick.replica, reason
 
     def _scope_tree(self, scope: str) -> dict[str, int]:
@@ -452,7 +526,9 @@ class Router:
         low = min(tree.get(s.replica, 0) for s in scores)
         return self.rng.choice([s for s in scores if tree.get(s.replica, 0) <= low])
 
-    def _expected_latency_cost(self, scores: Sequence[ReplicaScore]) -> tuple[ReplicaScore, str]:
+    def _expected_latency_cost(
+        self, scores: Sequence[ReplicaScore], fx: Effects
+    ) -> tuple[ReplicaScore, str]:
         p = self.params
         if temperature_on(p, scores):
             best = min(s.cost_ms for s in scores)
@@ -460,7 +536,7 @@ class Router:
             weights = [math.exp(-(s.cost_ms - best) / scale) for s in scores]
             pick = self.rng.choices(list(scores), weights=weights, k=1)[0]
             return pick, "softmax"
-        pick, tied = self._lowest_cost(scores)
+        pick, tied = self._lowest_cost(scores, fx)
         if p.spill_queue_ms is not None and pick.matched_blocks > 0:
             # a prefix piles up when its holder's queue is longer than the shortest queue
             # by more than the bound; a busy fleet, where every queue is long, is not that
@@ -469,7 +545,7 @@ class Router:
             if pick.queue_ms > bound:
                 under = [s for s in scores if s.replica != pick.replica and s.queue_ms <= bound]
                 if under:
-                    alt, _ = self._lowest_cost(under)
+                    alt, _ = self._lowest_cost(under, fx)
                     return alt, "spill"
         if tied:
             return pick, "tie_round"
@@ -484,7 +560,7 @@ class Router:
         return self.rng.choice(ties).replica, "least_loaded"
 
     def _prefix_affinity(
-        self, req: RouteRequest, scores: Sequence[ReplicaScore]
+        self, req: RouteRequest, scores: Sequence[ReplicaScore], fx: Effects
     ) -> tuple[str, str]:
         """SGLang / vllm-router ``cache_aware``: shortest queue when imbalanced, else the
         best match above the threshold, else the replica with the smallest tree: the least
@@ -505,10 +581,12 @@ class Router:
                 pick, reason = self._smallest_tree(scores, self._tree_tokens), "smallest_tree"
         # every pick grows the picked replica's tree by what it did not hold, as SGLang
         # inserts every routed request's text into the chosen worker's tree
-        _grow_tree(self._tree_tokens, req, pick)
+        fx.tree = (pick.replica, _new_tokens(req, pick))
         return pick.replica, reason
 
-    def _load_only(self, req: RouteRequest, scores: Sequence[ReplicaScore]) -> tuple[str, str]:
+    def _load_only(
+        self, req: RouteRequest, scores: Sequence[ReplicaScore], fx: Effects
+    ) -> tuple[str, str]:
         p = self.params
         best = min(s.cost_ms for s in scores)
         why = "unkeyed" if req.unkeyed else "sensitive"
@@ -516,5 +594,5 @@ class Router:
             bound = best * (1.0 + p.sticky_slack) + p.sticky_slack_ms
             ok = [s.replica for s in scores if s.cost_ms <= bound]
             return rendezvous(req.session_key, ok), f"{why}_sticky"
-        pick, _ = self._lowest_cost(scores)
+        pick, _ = self._lowest_cost(scores, fx)
         return pick.replica, f"{why}_load"
