@@ -473,20 +473,7 @@ class ReplicaPool:
         where = f"GET {rep.url}/health"
         t0 = self._loop_lag_clock()
         try:
-            # a deadline for the whole answer too, and a cap: httpx's timeout is per read,
-            # and a replica sending its answer a byte at a time held this round, every
-            # replica's, for as long as it dribbled. A few reads' worth: no stricter than
-            # the per-read timeout for an answer that comes (a loop pause in a busy
-            # process fell on the sum of connect, write and read)
-            r = await read_answer(
-                self._client,
-                "GET",
-                rep.url + "/health",
-                timeout_s=p.timeout_s,
-                deadline_s=_WHOLE_ANSWER_READS * p.timeout_s,
-                cap=_HEALTH_CAP,
-                read_unless_ok=False,  # the status says it all
-            )
+            r = await self._read(rep, "/health", _HEALTH_CAP)
             ok = r.status_code == 200
             reason = f"{where}: HTTP {r.status_code}"
         except httpx.TimeoutException as exc:
@@ -523,6 +510,23 @@ class ReplicaPool:
                 log.warning("replica unhealthy", extra={"replica": rep.id, "reason": reason})
         self._sync(rep)  # also reports an ejection that expired since the last round
 
+    async def _read(self, rep: Replica, path: str, cap: int) -> httpx.Response:
+        """``GET path`` of ``rep``, its answer whole and at most ``cap`` bytes of body (a
+        status other than 200 unread: the status says it all). A deadline for the whole
+        answer too: httpx's timeout is per read, and a replica sending its answer a byte at
+        a time held this round, every replica's, for as long as it dribbled. A few reads'
+        worth: no stricter than the per-read timeout for an answer that comes (a loop pause
+        in a busy process fell on the sum of connect, write and read)."""
+        return await read_answer(
+            self._client,
+            "GET",
+            rep.url + path,
+            timeout_s=self.policy.timeout_s,
+            deadline_s=_WHOLE_ANSWER_READS * self.policy.timeout_s,
+            cap=cap,
+            read_unless_ok=False,
+        )
+
     def _loop_lag_clock(self) -> float:
         return self._loop_lag.now() if self._loop_lag is not None else 0.0
 
@@ -551,16 +555,7 @@ class ReplicaPool:
 
     async def _models(self, rep: Replica) -> None:
         try:
-            # the whole answer, as /health
-            r = await read_answer(
-                self._client,
-                "GET",
-                rep.url + "/v1/models",
-                timeout_s=self.policy.timeout_s,
-                deadline_s=_WHOLE_ANSWER_READS * self.policy.timeout_s,
-                cap=_MODELS_CAP,
-                read_unless_ok=False,
-            )
+            r = await self._read(rep, "/v1/models", _MODELS_CAP)
             data = r.json().get("data", []) if r.status_code == 200 else None
         except AnswerTooLarge as exc:
             # said once per replica (a list never read is asked for every round): silent,
