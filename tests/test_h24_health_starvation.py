@@ -188,5 +188,8 @@ async def test_a_gateway_starved_at_its_start_serves_its_first_request() -> None
             assert r.status_code == 200, r.text
             metrics = (await h.get("/metrics")).text
             rid = gw.specs[0].id
-            assert f'kvgate_health_probes_inconclusive_total{{replica="{rid}"}} 2.0' in metrics
+            # both blocked probes at least (a busy machine may starve a later one too)
+            line = f'kvgate_health_probes_inconclusive_total{{replica="{rid}"}} '
+            counted = [ln for ln in metrics.splitlines() if ln.startswith(line)]
+            assert counted and float(counted[0].split()[-1]) >= 2.0, counted
             assert "kvgate_event_loop_lag_seconds_bucket" in metrics
