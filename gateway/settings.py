@@ -18,6 +18,9 @@ from cachecore.index.redis import check_redis_url
 from cachecore.loadstate import validate_gateway_id
 from cachecore.registry import ReplicaAllowlist
 from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
+from gateway.cors import DEFAULT_HEADERS as CORS_HEADERS
+from gateway.cors import DEFAULT_METHODS as CORS_METHODS
+from gateway.cors import CorsPolicy, check_origin, check_token
 from gateway.replicas import AGENT_ENDPOINT_SCHEMES
 from policies.schema import MIN_RATE_PER_S, builtin_policy_path
 
@@ -122,12 +125,32 @@ class GatewaySettings(BaseSettings):
     # bound of each local tokenizer's segment cache (system prompts, documents, chat turns
     # per scope), in token ids: ~40 bytes each with their text, so 1,000,000 is ~40 MB
     tokenizer_cache_tokens: Annotated[int, Field(gt=0)] = SEGMENT_CACHE_TOKENS
+    # CORS for browser apps on other origins (gateway/cors.py, docs/gateway.md "CORS"):
+    # comma-separated; no origin (the default) is CORS off, "*" any origin
+    cors_allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    cors_allowed_methods: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(CORS_METHODS)
+    )
+    cors_allowed_headers: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(CORS_HEADERS)
+    )
+    # cookies or HTTP auth from the browser: only with a list of origins (not "*")
+    cors_allow_credentials: bool = False
+    # how long a browser keeps a preflight's answer (Chromium caps it at 7200 s)
+    cors_max_age_s: Annotated[int, Field(ge=0, le=86400)] = 600
     # DEBUG ONLY, never in production: every tenant (and trust group) shares ONE cache scope,
     # so tenants hit each other's prefixes. It exists for the attack suite's positive
     # controls (``kvgate attack``), which must show that their probes detect a shared cache.
     debug_unsafe_shared_scope: bool = False
 
-    @field_validator("salt_secrets", "replica_allowlist", mode="before")
+    @field_validator(
+        "salt_secrets",
+        "replica_allowlist",
+        "cors_allowed_origins",
+        "cors_allowed_methods",
+        "cors_allowed_headers",
+        mode="before",
+    )
     @classmethod
     def _csv(cls, value: object) -> object:
         return _split_csv(value)
@@ -240,6 +263,26 @@ class GatewaySettings(BaseSettings):
             else:
                 specs.append(part)
         return specs
+
+    @field_validator("cors_allowed_origins", mode="after")
+    @classmethod
+    def _cors_origins(cls, value: list[str]) -> list[str]:
+        return [check_origin(v) for v in value]
+
+    @field_validator("cors_allowed_methods", mode="after")
+    @classmethod
+    def _cors_methods(cls, value: list[str]) -> list[str]:
+        return [check_token(v, "method").upper() for v in value]
+
+    @field_validator("cors_allowed_headers", mode="after")
+    @classmethod
+    def _cors_headers(cls, value: list[str]) -> list[str]:
+        return [check_token(v, "header").lower() for v in value]
+
+    @model_validator(mode="after")
+    def _cors(self) -> GatewaySettings:
+        CorsPolicy.from_settings(self)  # refuses "*" with credentials, which browsers refuse
+        return self
 
     @model_validator(mode="after")
     def _one_way_in(self) -> GatewaySettings:
