@@ -198,7 +198,7 @@ class Agent:
         self._tasks.clear()
         self._supervisor = None
         if self.stream is not None:  # subscribed by a start-up its stream task never ran in
-            self.stream._close_sockets()
+            self.stream.close()
         for sync in self.syncs.values():
             await sync.stop()
         if deregister and self.registry_link is not None:
@@ -362,7 +362,7 @@ class Agent:
         for name in [n for n in self.loops if n != "start"]:
             del self.loops[name]
         if self.stream is not None:
-            self.stream._close_sockets()
+            self.stream.close()
             self.stream = None
         for sync in self.syncs.values():
             await sync.stop()

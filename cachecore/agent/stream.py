@@ -58,6 +58,16 @@ def payload_digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def _close_pair(sock: zmq.asyncio.Socket | None, monitor: zmq.asyncio.Socket | None) -> None:
+    """Close a SUB socket and its monitor, the monitor stopped first."""
+    if sock is not None:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        sock.close(linger=0)
+    if monitor is not None:
+        monitor.close(linger=0)
+
+
 class EventStream:
     """Sequence tracking and recovery for one engine publisher.
 
@@ -117,33 +127,39 @@ class EventStream:
     # -------------------------------------------------------------------- run
 
     def subscribe(self) -> None:
-        """Connect the SUB socket (before any replay, so nothing falls in between)."""
+        """Connect the SUB socket (before any replay, so nothing falls in between). One that
+        fails (a refused endpoint, a ZMQ error) closes what it made: the start-up that
+        called it is retried, and each attempt would leave its sockets open otherwise."""
         if self._sock is not None:
             return
         sock = self.ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        # ZMQ drops the peer on a larger frame before buffering it, so a broken publisher
-        # cannot make the agent allocate gigabytes. libzmq does not reconnect after such a
-        # drop: the monitor sees the disconnect and we resubscribe (then catch up).
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload_bytes + 1024)
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(self.events_endpoint)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            # ZMQ drops the peer on a larger frame before buffering it, so a broken
+            # publisher cannot make the agent allocate gigabytes. libzmq does not reconnect
+            # after such a drop: the monitor sees the disconnect and we resubscribe (then
+            # catch up).
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload_bytes + 1024)
+            sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(self.events_endpoint)
+        except BaseException:
+            _close_pair(sock, monitor)
+            raise
         self._sock = sock
+        self._monitor = monitor
         self._poller = zmq.asyncio.Poller()
         self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
 
-    def _close_sockets(self) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            self._sock.close(linger=0)
-            self._sock = None
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
+    def close(self) -> None:
+        """Close the SUB socket and its monitor (idempotent; a later :meth:`subscribe`
+        opens new ones)."""
+        _close_pair(self._sock, self._monitor)
+        self._sock = None
+        self._monitor = None
 
     async def _recv(self) -> list[bytes] | None:
         """The next live message, or None after the connection was lost and replaced."""
@@ -158,7 +174,7 @@ class EventStream:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.metrics.resubscribes.inc()
                 log.info("event stream disconnected; resubscribing", extra={"replica": self.name})
-                self._close_sockets()
+                self.close()
                 await asyncio.sleep(0.05)
                 self.subscribe()
                 return None
@@ -192,7 +208,7 @@ class EventStream:
                 async with self.lock:
                     await self._on_live(frame)
         finally:
-            self._close_sockets()
+            self.close()
 
     async def _after_reconnect(self) -> None:
         """Whatever was published while we were not connected: replay it, verifying that
