@@ -176,6 +176,9 @@ class Dispatch:
     decision: Decision
     salt_index: int = 0
     attempts: int = 0
+    # attempts whose exchange the replica broke after the request was sent (it may have
+    # died of this request): retried at most KVGATE_DROP_RETRIES times
+    drops: int = 0
     tried: list[str] = field(default_factory=list)
     ticket: Ticket | None = None
     t_start: float = 0.0
@@ -1015,6 +1018,13 @@ class Gateway:
         d.tried.append(failed)
         rest = [c for c in d.candidates if c.replica not in d.tried]
         if not rest or d.attempts >= self.settings.retries:
+            return False
+        if d.drops > self.settings.drop_retries:
+            log.warning(
+                "request not retried: replicas broke its exchange after it was sent (a "
+                "request that crashes its engine would take the fleet down one by one)",
+                extra={"request_id": d.request_id, "replicas": d.tried, "drops": d.drops},
+            )
             return False
         assert self.pool is not None
         # only replicas that may take new requests now: one cordoned, drained, ejected or

@@ -47,6 +47,9 @@ _RETRYABLE = (
     httpx.WriteError,
     httpx.PoolTimeout,
 )
+# failures after the request was handed to a connection the replica had accepted: it
+# may have the request, and may have died of it
+_SENT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _JSON = b"application/json"
 
 
@@ -273,6 +276,8 @@ class UpstreamExchange(Response):
                     busy = isinstance(exc, httpx.PoolTimeout)
                     if not busy:
                         gw.pool.record_failure(failed, definitive=_refused(exc))
+                    if isinstance(exc, _SENT):
+                        d.drops += 1  # (an idle keep-alive close is resent by upstream)
                     gw.metrics.upstream_errors.labels(failed, "pool" if busy else "connect").inc()
                     log.warning(
                         "upstream failed before the first byte",
@@ -286,6 +291,12 @@ class UpstreamExchange(Response):
                             "no upstream connection free in time: the gateway's limit of "
                             f"{s.max_connections} connections per replica "
                             "(KVGATE_MAX_CONNECTIONS) is reached"
+                        )
+                    elif d.drops > s.drop_retries:
+                        status, code = 502, "upstream_unreachable"
+                        message = (
+                            f"{d.drops} replicas closed the connection without an answer to "
+                            "this request: not retried further (KVGATE_DROP_RETRIES)"
                         )
                     else:
                         status, code = 502, "upstream_unreachable"

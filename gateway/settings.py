@@ -103,6 +103,10 @@ class GatewaySettings(BaseSettings):
     tokenize_offload_chars: Annotated[int, Field(ge=0)] = OFFLOAD_CHARS
     # extra replicas tried when a connection fails before the first byte
     retries: Annotated[int, Field(ge=0)] = 2
+    # of those, how many may follow an exchange the replica broke after the request was
+    # sent (closed or reset with no byte of answer): a request that crashes its engine (a
+    # query of death) takes down at most this many more replicas
+    drop_retries: Annotated[int, Field(ge=0)] = 1
     # finite: with inf one stalled stream kept a SIGTERM'd gateway running until killed
     drain_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
     # SIGTERM: answer 503 (health, new requests) this long before closing the listener
