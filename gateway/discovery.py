@@ -45,6 +45,7 @@ class Discovery:
         interval_s: float = 2.0,
         on_count: Callable[[str, int], None] | None = None,
         removal_grace_s: float = 5.0,
+        on_removed: Callable[[str], None] | None = None,
     ) -> None:
         self.registry = registry
         self.allowlist = allowlist
@@ -59,6 +60,9 @@ class Discovery:
         self._rejections: set[Rejection] = set()
         self.errors = 0
         self.on_count = on_count  # (outcome, n): "rejected" registrations, read "error"s
+        # a replica removed for good (after its grace): what is kept per replica id goes
+        # with it, or autoscaled replicas with fresh ids grow it for the gateway's life
+        self.on_removed = on_removed
         self._task: asyncio.Task[None] | None = None
         self.removal_grace_ms = int(removal_grace_s * 1000)
         self._last_seen: dict[str, int] = {}  # discovered id -> the last read that had it
@@ -129,6 +133,8 @@ class Discovery:
             if rid not in self.static_ids:
                 self.pool.remove(rid)
                 log.info("replica registration expired: removed", extra={"replica": rid})
+                if self.on_removed is not None:
+                    self.on_removed(rid)
 
     @staticmethod
     def _moved(current: str, reg: Registration) -> bool:

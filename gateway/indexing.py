@@ -123,6 +123,22 @@ class GatewayIndex:
                 self._local_live.add(r)
                 self.local.set_state_now(r, ReplicaState.LIVE, now_ms)
 
+    def forget(self, replica: str) -> None:
+        """``replica`` left the pool for good (discovery removed it after its grace):
+        drop what this gateway holds for it, or autoscaled replicas with fresh ids grow
+        the local index and the live marks by one entry per id ever seen. Its in-flight
+        writes go as their requests end (:meth:`done`, :meth:`withdraw`: the local index
+        has nothing left to undo). Back later, it starts as a new replica (marked live
+        again at its first pending write). An in-process primary (embedded mode) drops
+        it only while no agent wrote it: its entries and state are then this gateway's
+        own decisions; an agent's are the agent's (a shared index's are never touched:
+        ``kvgate index forget`` is the operator's)."""
+        if self.local is not None:
+            self._local_live.discard(replica)
+            self.local.forget_replica_now(replica)
+        elif isinstance(self.primary, MemoryIndex):
+            self.primary.forget_replica_now(replica, unwritten_only=True)
+
     def add_pending(
         self, replica: str, keys: Sequence[BlockKey], ttl_ms: int, now_ms: int, start: int = 0
     ) -> PendingWrite | None:

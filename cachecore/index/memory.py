@@ -270,6 +270,20 @@ class MemoryIndex:
             if not box:
                 self._graveyard.popleft()
 
+    def _bury(self, rep: _Replica) -> None:
+        """Hand ``rep``'s containers to the graveyard (freed a step at a time by
+        :meth:`_drain`); the caller replaces or drops them."""
+        for box, counted in (
+            (rep.blocks, True),  # still counted in _n_blocks until freed
+            (rep.mirror, False),
+            (rep.pending._expiry, False),
+            (rep.pending._heap, False),
+            (rep.removed, False),
+            (rep.removed_heap, False),
+        ):
+            if box:
+                self._graveyard.append((box, counted))
+
     def _enforce_bound(self) -> None:
         excess = self._n_blocks - self.max_entries
         if excess <= 0:
@@ -434,16 +448,7 @@ class MemoryIndex:
         self, replica: str, state: ReplicaState, now_ms: int, engine_start: float = 0.0
     ) -> int:
         rep = self._rep(replica)
-        for box, counted in (
-            (rep.blocks, True),  # still counted in _n_blocks until freed
-            (rep.mirror, False),
-            (rep.pending._expiry, False),
-            (rep.pending._heap, False),
-            (rep.removed, False),
-            (rep.removed_heap, False),
-        ):
-            if box:
-                self._graveyard.append((box, counted))
+        self._bury(rep)
         rep.blocks = OrderedDict()
         rep.mirror = {}
         rep.pending = _Pending()
@@ -457,6 +462,26 @@ class MemoryIndex:
         rep.updated_ms = now_ms
         self._drain()
         return rep.epoch
+
+    def forget_replica_now(self, replica: str, *, unwritten_only: bool = False) -> bool:
+        """Drop everything held for ``replica`` (a departed one: replica ids come and go
+        with discovery, and an entry kept per id ever seen grows without bound): its
+        entries, pending entries, removal log and meta. Its containers are freed through
+        the graveyard, as a clear's are. A replica of that id written later starts from
+        scratch (epoch 0, state unknown). With ``unwritten_only``, only a replica no agent
+        has written (no clear, no batch, no engine start: its pending entries and state
+        are a gateway's own). Returns whether it was dropped."""
+        rep = self._replicas.get(replica)
+        if rep is None:
+            return False
+        if unwritten_only and (
+            rep.epoch or rep.last_seq >= 0 or rep.engine_start or rep.blocks or rep.mirror
+        ):
+            return False
+        del self._replicas[replica]
+        self._bury(rep)
+        self._drain()
+        return True
 
     async def removed_since(
         self, replica: str, keys: Sequence[BlockKey], since_ms: int
