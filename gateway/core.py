@@ -455,6 +455,7 @@ class Gateway:
                 self.registry, allow, self.pool, {sp.id for sp in self.specs},
                 on_added=lambda sp: self.metrics.healthy.labels(sp.id).set(1),
                 on_count=lambda outcome, n: self.metrics.discovery.labels(outcome).inc(n),
+                on_removed=self.index.forget,
             )  # fmt: skip
             await self.discovery.refresh_once()
             self.discovery.start()

@@ -13,11 +13,13 @@ in-process MemoryRegistry agents register in, a real ReplicaPool (no probes run)
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from cachecore.index.base import ReplicaState
 from cachecore.index.memory import MemoryIndex
@@ -25,12 +27,14 @@ from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import IndexWrite
 from cachecore.registry import MemoryRegistry, Registration, ReplicaAllowlist
-from cachecore.testing import PATIENT_TIMEOUT_S
+from cachecore.testing import PATIENT_TIMEOUT_S, free_ports
+from gateway.core import Gateway
 from gateway.discovery import Discovery
 from gateway.indexing import GatewayIndex
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import ReplicaPool
-from policies.schema import HealthPolicy
+from gateway.settings import GatewaySettings
+from policies.schema import HealthPolicy, parse_policy_text
 
 KEYS = BlockKeyer(4).keys(list(range(4 * 8)), "kvg1:t", "m")
 OTHER = BlockKeyer(4).keys(list(range(100, 100 + 4 * 8)), "kvg1:t", "m")
@@ -215,3 +219,50 @@ async def test_forget_frees_a_replicas_entries_through_the_graveyard() -> None:
     await idx.apply("r", 0, IndexWrite({KEYS[0]: 1}), 12)  # a new replica: epoch 0
     assert await idx.replica_blocks("r") == {KEYS[0]: 1}
     idx.check_invariants()
+
+
+@pytest.mark.redis
+async def test_a_gateway_with_discovery_forgets_its_churned_replicas(redis_url: str) -> None:
+    """Gateway.start wires Discovery's removal to GatewayIndex.forget: a started gateway
+    (shared Redis primary, so a local index) keeps nothing of 50 replicas that came,
+    were routed to and went."""
+    registry = MemoryRegistry()
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"  # nothing listens: probes fail fast, nothing else
+    gw = Gateway(
+        GatewaySettings(
+            salt_secrets=[SecretStr("x" * 32)], open_access=True, replica_allowlist=[url]
+        ),
+        parse_policy_text(""),
+        index=RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S),
+        registry=registry,
+    )
+    await gw.start()
+    try:
+        assert gw.discovery is not None and gw.index is not None and gw.pool is not None
+        await gw.discovery.stop()  # refreshed by hand, at the test's times
+        local = gw.index.local
+        assert local is not None
+        now = int(time.time() * 1000)
+        for i in range(50):
+            rid = f"gpu-{i}"
+            reg = Registration(
+                replica_id=rid, url=url, model="m", block_size=4, capacity_blocks=100,
+                agent_id=f"agent-{rid}", registered_ms=now,
+            )  # fmt: skip
+            await registry.register(reg, 1_000, now_ms=now)
+            now += 1
+            await gw.discovery.refresh_once(now_ms=now)
+            assert gw.pool.get(rid) is not None
+            w = gw.index.add_pending(rid, KEYS, TTL_MS, now)
+            assert w is not None
+            gw.index.done(w)
+            assert (await local.stats()).replicas == 1
+            now += GRACE_MS + 1_001
+            await gw.discovery.refresh_once(now_ms=now)
+            assert gw.pool.get(rid) is None
+        assert (await local.stats()).replicas == 0
+        assert gw.index._local_live == set()
+        await gw.index.settle()
+    finally:
+        await gw.stop()
