@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from gateway.auth import KeyCheckError, KeyFileError, KeyLookupRefused, KeyReload, check_admin
 from gateway.core import Gateway, request_id_from
+from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import (
     GatewayError,
     bad_request,
@@ -136,6 +137,8 @@ class Completions:
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
+        # None: CORS off. The FastAPI app's CorsMiddleware uses this same policy
+        self.cors = CorsPolicy.from_settings(gw.settings)
 
     async def handle(
         self,
@@ -533,4 +536,6 @@ def create_app(gw: Gateway) -> FastAPI:
     app.add_api_route("/admin/fit", guarded(admin_fit), methods=["GET"])
     app.add_api_route("/admin/index", guarded(admin_index), methods=["GET"])
     app.add_middleware(RequestIdMiddleware)
+    if completions_core.cors is not None:  # outermost: preflights answered before routing
+        app.add_middleware(CorsMiddleware, policy=completions_core.cors)
     return app

@@ -83,6 +83,7 @@ class HotCycle:
         "chunked",
         "chunks",
         "content_length",
+        "cors",
         "endpoint",
         "headers",
         "keep_alive",
@@ -128,6 +129,7 @@ class HotCycle:
         self._disconnected = False
         self.task: asyncio.Task[None] | None = None
         self.request_id: str | None = None
+        self.cors: list[tuple[bytes, bytes]] | None = None  # added to the answer's head
 
     # ---------------------------------------------------------------- the protocol's side
     @property
@@ -175,6 +177,8 @@ class HotCycle:
         for name, value in self.headers:  # the first value of a repeated header wins
             names.setdefault(name.decode("latin-1"), value.decode("latin-1"))
         completions: Completions = self.proto.completions
+        if completions.cors is not None:  # the same policy as the ASGI side (gateway/cors.py)
+            self.cors = completions.cors.actual(names.get("origin"))
         peer = self.proto.client  # (host, port); None on a socket without an address
         out = await completions.handle(
             self.endpoint, names, self.read_body, peer[0] if peer else ""
@@ -220,6 +224,9 @@ class HotCycle:
             # hang; the answer says close, and the connection closes after it
             self.keep_alive = False
         parts = _status_and_headers(self.proto, status, headers)
+        if self.cors:
+            for name, value in self.cors:
+                parts += (name, b": ", value, b"\r\n")
         if not self.keep_alive:
             parts.append(_CLOSE)
         self.response_started = True
