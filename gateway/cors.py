@@ -44,9 +44,11 @@ if TYPE_CHECKING:
 
 # the methods kvgate's client endpoints take (GET, HEAD: models, health; POST: completions)
 DEFAULT_METHODS = ("GET", "HEAD", "POST")
-# request headers kvgate reads from clients (gateway/core.py, gateway/app.py); a browser
-# asks before sending any header that is not CORS-safelisted (Content-Type:
-# application/json is not)
+# request headers kvgate reads from clients (gateway/core.py, gateway/app.py), and those
+# the OpenAI SDKs send (the JS SDK in a browser: X-Stainless-OS, -Retry-Count, ... a set
+# that grows by release, hence the prefix). A browser asks before sending any header that
+# is not CORS-safelisted (Content-Type: application/json is not): one not allowed here
+# fails the request
 DEFAULT_HEADERS = (
     "authorization",
     "content-type",
@@ -54,6 +56,9 @@ DEFAULT_HEADERS = (
     "x-session-id",
     "x-kvgate-session",
     "x-kvgate-sensitive",
+    "x-stainless-*",
+    "openai-organization",
+    "openai-project",
 )
 # answer headers a client reads (gateway/proxy.py, gateway/errors.py)
 EXPOSE_HEADERS = b"x-request-id, retry-after, x-kvgate-replica, x-kvgate-predicted-cached-tokens"
@@ -94,8 +99,10 @@ def check_origin(value: str) -> str:
 
 
 def check_token(value: str, what: str) -> str:
-    """A method or header name: an RFC 9110 token (or ``*``, any)."""
-    if value != "*" and (not value or not set(value) <= _TCHAR):
+    """A method or header name: an RFC 9110 token, ``*`` (any) or, for a header, a prefix
+    ending in ``*`` (``x-stainless-*``)."""
+    name = value[:-1] if what == "header" and value.endswith("*") and value != "*" else value
+    if value != "*" and (not name or not set(name) <= _TCHAR or "*" in name):
         raise ValueError(f"{value!r} is not an HTTP {what} name")
     return value
 
@@ -111,6 +118,7 @@ class CorsPolicy:
         "_any_origin",
         "_headers",
         "_methods",
+        "_prefixes",
         "_preflight",
         "_vary_only",
     )
@@ -135,6 +143,7 @@ class CorsPolicy:
         self._any_method = "*" in self._methods
         self._headers = frozenset(check_token(h, "header").lower() for h in headers)
         self._any_headers = "*" in self._headers
+        self._prefixes = tuple(h[:-1] for h in self._headers if h.endswith("*") and h != "*")
         common: Pairs = [(b"access-control-expose-headers", EXPOSE_HEADERS)]
         shared: Pairs = [(b"access-control-max-age", str(max_age_s).encode())]
         if credentials:
@@ -174,6 +183,9 @@ class CorsPolicy:
         pairs = self._actual.get(origin) if origin is not None else None
         return self._vary_only if pairs is None else pairs
 
+    def _header_ok(self, name: str) -> bool:
+        return name in self._headers or (bool(self._prefixes) and name.startswith(self._prefixes))
+
     def preflight(self, origin: str, method: str, asked: str | None) -> tuple[int, Pairs, bytes]:
         """The answer to a preflight: status, headers, body. ``asked``: its
         Access-Control-Request-Headers (comma-separated names)."""
@@ -185,7 +197,7 @@ class CorsPolicy:
             why = f"origin {origin} is not allowed"
         elif not (self._any_method or method in self._methods):
             why = f"method {method} is not allowed"
-        elif not self._any_headers and (bad := [n for n in names if n not in self._headers]):
+        elif not self._any_headers and (bad := [n for n in names if not self._header_ok(n)]):
             why = f"request header(s) {', '.join(bad)} not allowed"
         vary = (b"vary", b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers")
         if base is None or why is not None:

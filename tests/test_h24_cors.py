@@ -123,6 +123,12 @@ async def test_completions_and_chats_preflight_and_answers_from_an_allowed_origi
                     assert body.rstrip().endswith(b"data: [DONE]")
                 else:
                     assert orjson.loads(body)["usage"]["completion_tokens"] >= 1
+        # the headers the OpenAI JS SDK sends from a browser pass with the defaults
+        sdk = "authorization,content-type,x-stainless-arch,x-stainless-lang,x-stainless-os,"
+        sdk += "x-stainless-package-version,x-stainless-retry-count,x-stainless-runtime,"
+        sdk += "x-stainless-runtime-version,x-stainless-timeout"
+        status, headers, _ = await exchange(st, preflight(CHAT, APP, asked=sdk))
+        assert status == 204 and headers["access-control-allow-headers"] == sdk.replace(",", ", ")
         # an OpenAI error answer on the hot path (400, not JSON) is readable by the page too
         status, headers, body = await exchange(st, post(st, CHAT, APP, body=b"{not json"))
         assert status == 400 and orjson.loads(body)["error"]["code"] == "invalid_json"
@@ -251,15 +257,26 @@ def test_a_bad_cors_setting_is_one_line_and_exit_2(env: dict[str, str], message:
     assert out.stderr.strip().splitlines() == [f"kvgate serve: {message}"], out.stderr
 
 
-def test_settings_normalise_and_refuse() -> None:
-    s = GatewaySettings(
-        cors_allowed_origins="HTTPS://Chat.Example.com:8443 , http://localhost:3000",
-        cors_allowed_methods="get,post",
-        cors_allowed_headers="Authorization, X-Stainless-OS",
-    )
-    assert s.cors_allowed_origins == ["https://chat.example.com:8443", "http://localhost:3000"]
+def test_settings_normalise_and_refuse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the environment gives them: comma-separated, any case."""
+    monkeypatch.setenv("KVGATE_CORS_ALLOWED_ORIGINS", "HTTPS://Chat.Example.com:8443 , *")
+    monkeypatch.setenv("KVGATE_CORS_ALLOWED_METHODS", "get,post")
+    monkeypatch.setenv("KVGATE_CORS_ALLOWED_HEADERS", "Authorization, X-Stainless-*")
+    s = GatewaySettings()
+    assert s.cors_allowed_origins == ["https://chat.example.com:8443", "*"]
     assert s.cors_allowed_methods == ["GET", "POST"]
-    assert s.cors_allowed_headers == ["authorization", "x-stainless-os"]
-    for bad in ("null", "chat.example.com", "https://chat.example.com/app", "ftp://x"):
+    assert s.cors_allowed_headers == ["authorization", "x-stainless-*"]
+    monkeypatch.delenv("KVGATE_CORS_ALLOWED_METHODS")
+    for name, bad in [
+        ("ORIGINS", "null"),
+        ("ORIGINS", "chat.example.com"),
+        ("ORIGINS", "https://chat.example.com/app"),
+        ("ORIGINS", "ftp://chat.example.com"),
+        ("ORIGINS", "https://chat.example.com:99999"),
+        ("HEADERS", "x-*-y"),
+        ("HEADERS", "**"),
+    ]:
+        monkeypatch.setenv(f"KVGATE_CORS_ALLOWED_{name}", bad)
         with pytest.raises(ValidationError):
-            GatewaySettings(cors_allowed_origins=bad)
+            GatewaySettings()
+        monkeypatch.delenv(f"KVGATE_CORS_ALLOWED_{name}")
