@@ -4,21 +4,25 @@ A timeout measured in the loop is only evidence against the peer when the loop i
 on time: a blocked or CPU-starved process (a cgroup quota's throttling, a noisy neighbour, a
 long GC pass) fires every timer it has late, and a timer that fires in the same loop turn as
 the peer's answer arrives cancels the read before the answer is seen. Health checks use
-:meth:`LoopLagMonitor.stolen_since` to tell the two apart.
+:meth:`LoopLagMonitor.longest_stall_since` to tell the two apart.
 
 The monitor is one task that sleeps ``interval_s`` at a time and records how late each wake
 was. Invariants: ``_ticks`` holds ``(woke_at, lag)`` in wake order, each lag >= 0, at most
-``max_ticks`` of them; a stall ``[woke_at - lag, woke_at]`` is counted once.
+``max_ticks`` of them (at 50 ms, 25 s of history: longer windows are under-read); a
+stall ``[woke_at - lag, woke_at]`` is one entry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
 from cachecore.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
 
 
 class LoopLagMonitor:
@@ -67,18 +71,27 @@ class LoopLagMonitor:
             self._ticks.append((now, lag))
             self._due = now + self.interval_s
             if self._on_lag is not None:
-                self._on_lag(lag)
+                try:
+                    self._on_lag(lag)
+                except Exception:  # a metrics error must not end the monitor
+                    log.exception("loop lag callback failed")
 
-    def stolen_since(self, since: float) -> float:
-        """Seconds of loop lateness that fell after ``since`` (the monitor's clock):
-        recorded stalls, clipped to the window, plus the stall in progress (the tick due
-        but not run yet, e.g. while a timeout's callback runs in the same loop turn)."""
+    def longest_stall_since(self, since: float) -> float:
+        """The longest single stall of the loop after ``since`` (the monitor's clock), in
+        seconds: recorded stalls clipped to the window, and the stall in progress (the tick
+        due but not run yet, e.g. while a timeout's callback runs in the same loop turn).
+        The longest, not the sum: a timer fires falsely when one stall spans its due time
+        (the answer it waits for and the timer then land in the same loop turn), and a busy
+        loop's many short slices add up without doing that. 0 while the monitor is not
+        running: a stopped monitor's due time would otherwise read as a stall for ever."""
+        if not self.running:
+            return 0.0
         now = self._clock()
-        stolen = 0.0
+        longest = 0.0
         for woke_at, lag in reversed(self._ticks):
             if woke_at <= since:
                 break
-            stolen += min(lag, woke_at - since)
+            longest = max(longest, min(lag, woke_at - since))
         if self._due is not None and now > self._due:
-            stolen += now - max(self._due, since)
-        return stolen
+            longest = max(longest, now - max(self._due, since))
+        return longest

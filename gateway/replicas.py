@@ -53,6 +53,9 @@ _MODELS_CAP = 8 << 20
 # this fraction of the per-read timeout to starvation while the probe was out
 _STARVED_FRACTION = 0.5
 _STARVED_LOG_INTERVAL_S = 60.0
+# inconclusive probes in a row after which the next timeout counts all the same: a gateway
+# stalled at every probe must still take a hung replica out (as it did before the rule)
+_MAX_INCONCLUSIVE = 3
 
 
 class ReplicaSpecError(ValueError):
@@ -154,6 +157,7 @@ class Replica:
     consecutive_failures: int = 0
     health_fails: int = 0
     health_oks: int = 0
+    health_inconclusive: int = 0  # probes in a row that timed out in a starved loop
     cordoned: bool = False
     draining: bool = False
     in_flight: int = 0
@@ -488,6 +492,7 @@ class ReplicaPool:
             if self._starved(rep, t0):
                 return
             reason = f"{where}: {exc}"
+        rep.health_inconclusive = 0
         if ok:
             rep.health_oks += 1
             rep.health_fails = 0
@@ -531,24 +536,28 @@ class ReplicaPool:
         return self._loop_lag.now() if self._loop_lag is not None else 0.0
 
     def _starved(self, rep: Replica, since: float) -> bool:
-        """True when the probe of ``rep`` that timed out was the gateway's failure: its
-        loop lost at least half the per-read timeout while the probe was out (every probe
-        of a CPU-throttled gateway timed out at once, and every replica was marked
-        unhealthy: the whole fleet 503 for a round, at start-up for the first requests)."""
+        """True when the probe of ``rep`` that timed out was the gateway's failure: one
+        stall of its loop as long as half the per-read timeout while the probe was out (a
+        CPU-throttled gateway fired every probe's timer late, in the same loop turn as the
+        answer, and marked every replica unhealthy: the whole fleet 503 for a round, at
+        start-up for the first requests). Not after ``_MAX_INCONCLUSIVE`` in a row."""
         if self._loop_lag is None:
             return False
-        stolen = self._loop_lag.stolen_since(since)
-        if stolen < _STARVED_FRACTION * self.policy.timeout_s:
+        stall = self._loop_lag.longest_stall_since(since)
+        if stall < _STARVED_FRACTION * self.policy.timeout_s:
             return False
+        if rep.health_inconclusive >= _MAX_INCONCLUSIVE:
+            return False  # counted as a failure (the streak restarts with it)
+        rep.health_inconclusive += 1
         if self._on_inconclusive is not None:
             self._on_inconclusive(rep.id)
         now = self._loop_lag.now()
         if now - self._starved_logged >= _STARVED_LOG_INTERVAL_S:
             self._starved_logged = now
             log.warning(
-                "health probe timed out while the gateway's event loop was starved: not "
+                "health probe timed out while the gateway's event loop was stalled: not "
                 "held against the replica (logged at most once a minute)",
-                extra={"replica": rep.id, "loop_lag_s": round(stolen, 3)},
+                extra={"replica": rep.id, "loop_stall_s": round(stall, 3)},
             )
         self._sync(rep)
         return True

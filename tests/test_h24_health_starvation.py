@@ -93,10 +93,10 @@ async def test_a_blocked_loop_is_counted_even_before_the_monitor_wakes() -> None
         t0 = lag.now()
         time.sleep(0.3)  # noqa: ASYNC251 -- a stall of this process's loop
         # the monitor has not run since: the stall in progress counts
-        assert lag.stolen_since(t0) >= 0.25
+        assert lag.longest_stall_since(t0) >= 0.25
         await asyncio.sleep(0.05)
-        assert lag.stolen_since(t0) >= 0.25  # and once recorded, still (counted once)
-        assert lag.stolen_since(t0) < 0.3 + 0.25
+        assert lag.longest_stall_since(t0) >= 0.25  # and once recorded, still (counted once)
+        assert lag.longest_stall_since(t0) < 0.3 + 0.25
     finally:
         await lag.stop()
 
@@ -107,13 +107,46 @@ async def test_a_stall_before_the_window_is_not_counted() -> None:
     try:
         await asyncio.sleep(0.05)
         time.sleep(0.3)  # noqa: ASYNC251
+        ended = lag.now()
         await asyncio.sleep(0.1)  # recorded by now
         t0 = lag.now()
         await asyncio.sleep(0.1)
-        assert lag.stolen_since(t0) < 0.15
-        assert lag.stolen_since(t0 - 0.2) >= 0.25 - 0.15  # part of it inside a wider window
+        assert lag.longest_stall_since(t0) < 0.25
+        # a window opening 0.2 s before the stall ended holds that part of it
+        assert 0.15 <= lag.longest_stall_since(ended - 0.2) < 0.3
     finally:
         await lag.stop()
+
+
+async def test_a_busy_loops_short_slices_are_no_stall() -> None:
+    """Back-to-back 60 ms slices of work add up to most of the window, but no single stall
+    spans a timer's due time long enough to fake a timeout: the longest is what counts."""
+    lag = LoopLagMonitor(interval_s=0.02)
+    lag.start()
+    try:
+        await asyncio.sleep(0.05)
+        t0 = lag.now()
+        for _ in range(10):
+            time.sleep(0.06)  # noqa: ASYNC251 -- a slice of synchronous work
+            await asyncio.sleep(0)
+        assert lag.longest_stall_since(t0) < 0.2
+    finally:
+        await lag.stop()
+
+
+async def test_a_stopped_or_failing_monitor_reads_no_stall() -> None:
+    def broken(_: float) -> None:
+        raise RuntimeError("a metrics error")
+
+    lag = LoopLagMonitor(interval_s=0.02, on_lag=broken)
+    lag.start()
+    await asyncio.sleep(0.1)
+    assert lag.running  # the callback's errors did not end it
+    t0 = lag.now()
+    assert lag._task is not None
+    lag._task.cancel()  # ended without stop(): its due time must not read as a stall
+    await asyncio.sleep(0.3)
+    assert not lag.running and lag.longest_stall_since(t0) == 0.0
 
 
 def test_the_monitor_refuses_a_nonsensical_interval() -> None:
@@ -160,6 +193,78 @@ async def test_a_starved_gateway_keeps_its_replica_and_a_slow_replica_is_still_c
                 pool = await _one_round(url, monitor, seen)
                 rep = pool.get("r0")
                 assert rep is not None and not rep.healthy and seen == []
+        finally:
+            await monitor.stop()
+
+
+@asynccontextmanager
+async def hung_engine() -> AsyncIterator[str]:
+    """Accepts connections and reads, never answers (a wedged engine, SIGSTOPped)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.read(65536):
+                pass
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_hung_replica_behind_a_busy_but_running_loop_is_marked_unhealthy() -> None:
+    """A loop doing back-to-back 60 ms slices of work is busy, not stalled: the probe of a
+    replica that never answers is held against it (summing the slices' lateness made every
+    such probe inconclusive, and the hung replica kept its traffic for ever)."""
+    monitor = LoopLagMonitor()
+    monitor.start()
+    stop = asyncio.Event()
+
+    async def busy() -> None:
+        while not stop.is_set():
+            time.sleep(0.06)  # noqa: ASYNC251 -- a slice of synchronous work
+            await asyncio.sleep(0)
+
+    worker = asyncio.ensure_future(busy())
+    try:
+        async with hung_engine() as url:
+            seen: list[str] = []
+            pool = await _one_round(url, monitor, seen)
+            rep = pool.get("r0")
+            assert rep is not None and not rep.healthy and seen == []
+    finally:
+        stop.set()
+        await worker
+        await monitor.stop()
+
+
+async def test_a_gateway_stalled_at_every_probe_still_takes_a_replica_out() -> None:
+    """Three inconclusive probes in a row at most: the fourth timeout counts."""
+    async with run_fleet(FAST, count=1) as fleet:
+        monitor = LoopLagMonitor()
+        monitor.start()
+        try:
+            async with (
+                health_proxy(fleet.urls[0], block_s=0.8, blocked_probes=10) as (url, _),
+                httpx.AsyncClient() as client,
+            ):
+                seen: list[str] = []
+                pool = ReplicaPool(
+                    client, HealthPolicy(), loop_lag=monitor, on_inconclusive=seen.append
+                )
+                pool.add(ReplicaSpec("r0", url))
+                rep = pool.get("r0")
+                assert rep is not None
+                for round_ in range(3):
+                    await pool.check_once()
+                    assert rep.healthy, round_
+                await pool.check_once()
+                assert not rep.healthy and seen == ["r0"] * 3
         finally:
             await monitor.stop()
 
