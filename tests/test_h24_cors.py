@@ -7,9 +7,11 @@ CORS at all: a preflight got 405, and no answer carried Access-Control-Allow-Ori
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -155,6 +157,22 @@ async def test_models_and_fastapi_errors_from_an_allowed_origin() -> None:
         status, headers, _ = await exchange(st, get("/v1/models", None))
         assert status == 200 and "access-control-allow-origin" not in headers
         assert headers["vary"] == "Origin"
+
+
+async def test_a_refused_api_key_is_readable_by_the_page(tmp_path: Path) -> None:
+    """The 401 (hot path and FastAPI) carries the allow headers: the page can tell its user
+    the key is wrong, not a bare "network error"."""
+    keys = tmp_path / "keys.yaml"
+    good = hashlib.sha256(b"sk-good").hexdigest()
+    keys.write_text(f"keys:\n  - sha256: {good}\n    tenant: acme\n")
+    async with stack(count=1, cors_allowed_origins=APP, api_keys_file=keys) as st:
+        for raw in (post(st, CHAT, APP), post(st, COMPLETIONS, APP, stream=True)):
+            status, headers, body = await exchange(st, raw)  # "Bearer none"
+            assert status == 401 and orjson.loads(body)["error"]["code"] == "invalid_api_key"
+            assert_allowed(headers)
+        status, headers, _ = await exchange(st, get("/v1/models", APP))
+        assert status == 401
+        assert_allowed(headers)
 
 
 async def test_a_refused_origin_method_or_header_gets_no_cors() -> None:
