@@ -60,6 +60,10 @@ DEFAULT_HEADERS = (
     "openai-organization",
     "openai-project",
 )
+# CORS-safelisted request headers (Fetch s2.2.2): a browser still lists one in a preflight
+# when its value is not safelisted (Content-Type: application/json), so they are always
+# allowed: a custom list without content-type refused every JSON POST
+SAFELISTED_HEADERS = frozenset({"accept", "accept-language", "content-language", "content-type"})
 # answer headers a client reads (gateway/proxy.py, gateway/errors.py)
 EXPOSE_HEADERS = b"x-request-id, retry-after, x-kvgate-replica, x-kvgate-predicted-cached-tokens"
 EXEMPT_PREFIXES = ("/admin/", "/metrics")  # admin-key routes: no CORS (module docstring)
@@ -141,7 +145,7 @@ class CorsPolicy:
             )
         self._methods = frozenset(check_token(m, "method").upper() for m in methods)
         self._any_method = "*" in self._methods
-        self._headers = frozenset(check_token(h, "header").lower() for h in headers)
+        self._headers = SAFELISTED_HEADERS.union(check_token(h, "header").lower() for h in headers)
         self._any_headers = "*" in self._headers
         self._prefixes = tuple(h[:-1] for h in self._headers if h.endswith("*") and h != "*")
         common: Pairs = [(b"access-control-expose-headers", EXPOSE_HEADERS)]

@@ -18,6 +18,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from gateway.cors import CorsPolicy
 from gateway.hotpath import HotCycle
 from gateway.settings import GatewaySettings
 from tests.test_gateway_support import Stack, stack, words
@@ -298,3 +299,13 @@ def test_settings_normalise_and_refuse(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValidationError):
             GatewaySettings()
         monkeypatch.delenv(f"KVGATE_CORS_ALLOWED_{name}")
+
+
+def test_a_custom_header_list_still_takes_content_type() -> None:
+    """A browser lists Content-Type in its preflight for application/json (not a safelisted
+    value): a list without it refused every JSON POST."""
+    policy = CorsPolicy([APP], headers=["authorization"])
+    status, headers, _ = policy.preflight(APP, "POST", "authorization,content-type")
+    assert status == 204
+    assert (b"access-control-allow-headers", b"authorization, content-type") in headers
+    assert policy.preflight(APP, "POST", "x-stainless-os")[0] == 403
