@@ -8,12 +8,15 @@ engine-tokenized pools read through :func:`read_answer`."""
 from __future__ import annotations
 
 import asyncio
+import zlib
 from typing import Any
 
 import httpx
 
 # the headers that framed or encoded the body on the wire: the answer's body is decoded
 _WIRE_HEADERS = ("content-encoding", "content-length", "transfer-encoding")
+# engines' answers uncompressed (one that compresses all the same is inflated under the cap)
+_IDENTITY = {"accept-encoding": "identity"}
 
 
 class AnswerTooLarge(Exception):
@@ -23,6 +26,31 @@ class AnswerTooLarge(Exception):
 class AnswerTimeout(TimeoutError):
     """No whole answer within the deadline. A ``TimeoutError``, so a caller that also
     awaits under its own deadline handles both alike."""
+
+
+def _decoder(r: httpx.Response) -> Any:
+    """A zlib decompressor for the answer's encoding; None for an uncompressed one."""
+    encoding = r.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "identity":
+        return None
+    if encoding in ("gzip", "x-gzip"):
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if encoding == "deflate":  # HTTP's deflate is the zlib format
+        return zlib.decompressobj()
+    raise httpx.DecodingError(f"answer in an encoding not asked for: {encoding}", request=r.request)
+
+
+def _inflate(decoder: Any, chunk: bytes, body: bytearray, cap: int) -> None:
+    """Decode ``chunk`` into ``body``, never past ``cap + 1`` bytes: httpx's decoders
+    inflate a network read whole before a cap could see it (64 KiB of gzip is 64 MiB of
+    zeros). Stops early once over the cap (the caller refuses the answer)."""
+    data = chunk
+    try:
+        while data and len(body) <= cap:
+            body += decoder.decompress(data, cap - len(body) + 1)
+            data = decoder.unconsumed_tail
+    except zlib.error as exc:
+        raise httpx.DecodingError(f"compressed answer not valid: {exc}") from None
 
 
 async def read_answer(
@@ -43,16 +71,25 @@ async def read_answer(
     (unread: the connection is closed rather than drained).
 
     Raises :class:`AnswerTooLarge`, :class:`AnswerTimeout` or ``httpx.HTTPError`` (an
-    ``httpx.TimeoutException`` for one read, write or connect over ``timeout_s``)."""
+    ``httpx.TimeoutException`` for one read, write or connect over ``timeout_s``; an
+    ``httpx.DecodingError`` for a body it cannot decode)."""
     try:
         async with (
             asyncio.timeout(deadline_s),
-            client.stream(method, url, json=json, timeout=timeout_s) as r,
+            client.stream(method, url, json=json, timeout=timeout_s, headers=_IDENTITY) as r,
         ):
             body = bytearray()
             if r.status_code == 200 or read_unless_ok:
-                async for chunk in r.aiter_bytes():
-                    body += chunk
+                decoder = _decoder(r)
+                async for chunk in r.aiter_raw():
+                    if decoder is None:
+                        body += chunk
+                    else:
+                        _inflate(decoder, chunk, body, cap)
+                    if len(body) > cap:
+                        raise AnswerTooLarge(f"answer over {cap} bytes")
+                if decoder is not None:
+                    body += decoder.flush(cap - len(body) + 1)
                     if len(body) > cap:
                         raise AnswerTooLarge(f"answer over {cap} bytes")
             headers = [(k, v) for k, v in r.headers.multi_items() if k not in _WIRE_HEADERS]
