@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -53,6 +54,10 @@ def _inflate(decoder: Any, chunk: bytes, body: bytearray, cap: int) -> None:
         raise httpx.DecodingError(f"compressed answer not valid: {exc}") from None
 
 
+async def _held(r: httpx.Response) -> AsyncIterator[bytes]:
+    yield r.content
+
+
 async def read_answer(
     client: httpx.AsyncClient,
     method: str,
@@ -80,8 +85,13 @@ async def read_answer(
         ):
             body = bytearray()
             if r.status_code == 200 or read_unless_ok:
-                decoder = _decoder(r)
-                async for chunk in r.aiter_raw():
+                if r.is_stream_consumed:
+                    # a transport that read the body already (httpx.MockTransport) holds it
+                    # decoded: no raw stream is left to read
+                    decoder, raw = None, _held(r)
+                else:
+                    decoder, raw = _decoder(r), r.aiter_raw()
+                async for chunk in raw:
                     if decoder is None:
                         body += chunk
                     else:
