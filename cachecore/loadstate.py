@@ -63,6 +63,17 @@ PRUNE_AFTER_MS = 60_000
 they are only ignored, so a gateway that stalled briefly resumes with correct counts)."""
 
 
+def _inflight_key_ttl_ms(gateway_ttl_ms: int) -> int:
+    """A replica's in-flight hash lives this long after its last gateway write: past its
+    gateways' liveness, their prune and a grace."""
+    return gateway_ttl_ms + PRUNE_AFTER_MS + GARBAGE_GRACE_MS
+
+
+def _load_key_ttl_ms(ttl_ms: int) -> int:
+    """A replica's load record lives this long after its agent's publish (``ttl_ms``)."""
+    return max(1, ttl_ms) + GARBAGE_GRACE_MS
+
+
 class LoadStoreError(IndexError_):
     """The load store failed; the gateway keeps routing on its last snapshot."""
 
@@ -203,6 +214,9 @@ class _MemReplica:
     engine: EngineLoad | None = None
     engine_expires_ms: int = 0
     gateways: dict[str, _GatewayCounts] = field(default_factory=dict)
+    # when Redis would have let both of its keys expire (the latest write's key TTL): the
+    # record reads as empty by then, and it is dropped (see MemoryLoadStore.heartbeat)
+    gc_ms: int = 0
 
 
 class MemoryLoadStore:
@@ -213,6 +227,10 @@ class MemoryLoadStore:
             raise ValueError("gateway_ttl_ms must be positive")
         self.gateway_ttl_ms = gateway_ttl_ms
         self._replicas: dict[str, _MemReplica] = {}
+
+    @property
+    def _key_ttl_ms(self) -> int:
+        return _inflight_key_ttl_ms(self.gateway_ttl_ms)
 
     def _rep(self, replica: str) -> _MemReplica:
         rep = self._replicas.get(replica)
@@ -227,16 +245,19 @@ class MemoryLoadStore:
         rep = self._rep(replica)
         rep.engine = load
         rep.engine_expires_ms = now_ms + ttl_ms
+        rep.gc_ms = max(rep.gc_ms, now_ms + _load_key_ttl_ms(ttl_ms))
 
     async def add_inflight(
         self, gateway_id: str, replica: str, d_requests: int, d_prefill_tokens: int, now_ms: int
     ) -> None:
         validate_gateway_id(gateway_id)
-        g = self._rep(replica).gateways.setdefault(gateway_id, _GatewayCounts())
+        rep = self._rep(replica)
+        g = rep.gateways.setdefault(gateway_id, _GatewayCounts())
         # clamped on write, as in Redis (a late completion after a prune is a no-op)
         g.requests = max(0, g.requests + d_requests)
         g.tokens = max(0, g.tokens + d_prefill_tokens)
         g.expires_ms = now_ms + self.gateway_ttl_ms
+        rep.gc_ms = max(rep.gc_ms, now_ms + self._key_ttl_ms)
 
     async def heartbeat(
         self,
@@ -246,10 +267,15 @@ class MemoryLoadStore:
         counts: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         validate_gateway_id(gateway_id)
+        # the replicas no one wrote for a key TTL (removed ones: autoscaled fleets bring
+        # fresh ids) go, as their Redis keys expire; else one entry per id ever seen
+        for rid in [rid for rid, rep in self._replicas.items() if rep.gc_ms < now_ms]:
+            del self._replicas[rid]
         for rid in replicas:
             rep = self._rep(rid)
             g = rep.gateways.setdefault(gateway_id, _GatewayCounts())
             g.expires_ms = now_ms + self.gateway_ttl_ms
+            rep.gc_ms = max(rep.gc_ms, now_ms + self._key_ttl_ms)
             own = counts.get(rid) if counts is not None else None
             if own is not None:
                 g.requests, g.tokens = max(0, own[0]), max(0, own[1])
@@ -421,7 +447,7 @@ class RedisLoadStore:
 
     @property
     def _key_ttl_ms(self) -> int:
-        return self.gateway_ttl_ms + PRUNE_AFTER_MS + GARBAGE_GRACE_MS
+        return _inflight_key_ttl_ms(self.gateway_ttl_ms)
 
     async def _run(self, what: str, script: RedisScript, key: str, args: list[Any]) -> Any:
         self.round_trips += 1
@@ -439,7 +465,7 @@ class RedisLoadStore:
             repr(float(load.kv_usage)),
             load.metrics_ts_ms,
             now_ms + ttl_ms,
-            max(1, ttl_ms) + GARBAGE_GRACE_MS,
+            _load_key_ttl_ms(ttl_ms),
             load.stalled_since_ms,
         ]
         await self._run("publish_engine", self._publish, self.layout.load(replica), args)

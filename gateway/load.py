@@ -52,6 +52,9 @@ class Ticket:
     # monotonic s at which its first token is predicted; past it plus the policy's grace
     # (read when the lateness is measured, so a reload applies at once) it is overdue
     expected: float = math.inf
+    # its replica's entry when dispatched: once the replica is forgotten (or forgotten and
+    # added again, a new entry) the ticket counts nowhere (:meth:`InFlight.forget`)
+    entry: _Own | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,7 @@ class InFlight:
         o.queued_tokens += uncached_tokens
         o.queued_requests += 1
         self._delta(replica, 1, uncached_tokens)
-        t = Ticket(replica, uncached_tokens, 0, expected)
+        t = Ticket(replica, uncached_tokens, 0, expected, o)
         if expected != math.inf:
             o.watched.append(t)
         o.waiting[id(t)] = t
@@ -122,9 +125,10 @@ class InFlight:
 
     def progressed(self, replica: str, now: float) -> None:
         """The replica's engine just produced something (a stream's first chunk, a whole
-        answer): evidence of progress at ``now`` (monotonic s)."""
-        o = self._entry(replica)
-        if now > o.progress_at:
+        answer): evidence of progress at ``now`` (monotonic s). Kept only where this
+        gateway dispatched: a request that outlived its replica's removal makes no entry."""
+        o = self._own.get(replica)
+        if o is not None and now > o.progress_at:
             o.progress_at = now
 
     def since_progress_s(self, replica: str, now: float) -> float:
@@ -163,10 +167,20 @@ class InFlight:
             )
         return excess
 
+    def forget(self, replica: str) -> None:
+        """``replica`` was removed for good: its entry and unflushed deltas go. Its
+        requests still in flight end without a trace (their tickets' entry is no longer
+        the replica's); one added again under the id starts from nothing."""
+        self._own.pop(replica, None)
+        self.pending_deltas.pop(replica, None)
+
     def first_token(self, t: Ticket) -> None:
         if t.phase != 0:
             return
-        o = self._own[t.replica]
+        o = self._own.get(t.replica)
+        if o is None or o is not t.entry:  # its replica was forgotten
+            t.phase = 1
+            return
         o.queued_tokens = max(0.0, o.queued_tokens - t.tokens)
         o.queued_requests = max(0, o.queued_requests - 1)
         o.running += 1
@@ -181,7 +195,10 @@ class InFlight:
         if t.phase == 0:
             self.first_token(t)
         if t.phase == 1:
-            o = self._own[t.replica]
+            o = self._own.get(t.replica)
+            if o is None or o is not t.entry:  # its replica was forgotten
+                t.phase = 2
+                return
             o.running = max(0, o.running - 1)
             t.phase = 2
             self._delta(t.replica, -1, 0)
@@ -319,6 +336,11 @@ class SharedLoadRefresher:
                 p[1] += d_tok
                 del deltas[rid]  # written: never retried
             reps = self._replicas()
+            gone = self._pushed.keys() - set(reps)
+            for rid in gone:
+                # removed from the pool: no delta of it comes any more (InFlight.forget),
+                # and the store's counts of ours there lapse, no longer heartbeaten
+                del self._pushed[rid]
             mono = time.monotonic()
             if mono - self._last_hb > self.store.gateway_ttl_ms / 3000:
                 # with our counts as they are: a store that lost them (a Redis restart, a

@@ -24,9 +24,13 @@ from prometheus_client.registry import Collector
 class _CachedLabels:
     """``labels()`` answered from a dict once a label set has been seen: prometheus-client
     validates the values and takes a lock on every call, ~5 us each, several per request.
-    The gateway never removes a label set, so a cached child stays the registered one."""
+    A label set is removed only through :meth:`remove_where`, which drops it from the cache
+    too: a cached child is always the registered one (a stale one would count unseen)."""
 
     _children: dict[tuple[str, ...], Any]
+    _labelnames: tuple[str, ...]
+    _metrics: dict[Any, Any]
+    _lock: Any
 
     def labels(self, *values: Any, **by_name: Any) -> Any:
         if by_name:
@@ -39,6 +43,22 @@ class _CachedLabels:
             pass
         child = self._children[values] = super().labels(*values)  # type: ignore[misc]
         return child
+
+    def remove_where(self, label: str, value: str) -> None:
+        """Remove every label set whose ``label`` is ``value`` (all of a departed replica's
+        series, whatever its other labels), from the cache as well: a later ``labels()``
+        registers a new child."""
+        if label not in self._labelnames:
+            return
+        at = self._labelnames.index(label)
+        with self._lock:  # the registered children, those made by name included
+            gone = [lv for lv in self._metrics if lv[at] == value]
+        for lv in gone:
+            self.remove(*lv)  # type: ignore[attr-defined]
+        cache = getattr(self, "_children", None)
+        if cache:
+            for values in [v for v in cache if str(v[at]) == value]:
+                del cache[values]
 
 
 class Counter(_CachedLabels, _Counter):
@@ -297,6 +317,13 @@ class GatewayMetrics:
         if self._err_prompt:
             self.cached_error_ratio.set(self._err_abs / self._err_prompt)
         return err / prompt if prompt else 0.0
+
+    def forget_replica(self, replica: str) -> None:
+        """Drop every series of ``replica`` (a replica removed for good): each metric with a
+        ``replica`` label, found by its labels, so one added later is not forgotten here."""
+        for metric in vars(self).values():
+            if isinstance(metric, _CachedLabels):
+                metric.remove_where("replica", replica)
 
     @property
     def precision(self) -> tuple[int, int]:

@@ -255,6 +255,7 @@ class ReplicaPool:
 
     def remove(self, replica_id: str) -> None:
         rep = self._replicas.pop(replica_id, None)
+        self._models_too_large.discard(replica_id)  # back under its id: warned again, once
         if rep is not None:
             if rep.cordoned or rep.draining:
                 self._held[replica_id] = (rep.cordoned, rep.draining)
@@ -569,7 +570,8 @@ class ReplicaPool:
         except AnswerTooLarge as exc:
             # said once per replica (a list never read is asked for every round): silent,
             # an engine with more adapters than the cap allows would just never route
-            if rep.id not in self._models_too_large:
+            # (not for a replica removed while its probe was out: it would stay for ever)
+            if rep.id not in self._models_too_large and self._replicas.get(rep.id) is rep:
                 self._models_too_large.add(rep.id)
                 log.warning(
                     "replica's /v1/models too large to read: its models not refreshed",

@@ -351,6 +351,18 @@ class Router:
             tree[replica] = tree.get(replica, 0) + new
         self._commits += 1
 
+    def forget(self, replica: str) -> None:
+        """``replica`` was removed for good: its tree sizes and tie-round place go (one
+        entry per replica id ever routed to, else); back under the same id it starts as a
+        new replica, with empty trees. A scope tree left empty is dropped (it reads as
+        absent)."""
+        self._tree_tokens.pop(replica, None)
+        self._round.discard(replica)
+        trees = self._scope_trees
+        for scope in [s for s, tree in trees.items() if tree.pop(replica, None) is not None]:
+            if not trees[scope]:
+                del trees[scope]
+
     # ------------------------------------------------------------------ scoring
     def _score(
         self, req: RouteRequest, candidates: Sequence[Candidate], coeffs: Coefficients
