@@ -364,12 +364,41 @@ class Gateway:
                     problems.append((f"{field}.block_size", msg + str(rep.block_size)))
         return sorted(set(problems))
 
+    def _departed(self, replica: str) -> bool:
+        """``replica`` is no longer in the pool: a probe or check that was out when it was
+        removed reports late, and must not make again what its removal dropped."""
+        return self.pool is not None and self.pool.get(replica) is None
+
     def _on_health(self, replica: str, routable: bool) -> None:
+        if self._departed(replica):
+            return
         self.metrics.healthy.labels(replica).set(1 if routable else 0)
         if not routable:
             # back in service it may be another engine (a restart with another config): it
             # is checked again at its next OK probe
             self._verified.discard(replica)
+
+    def _on_inconclusive(self, replica: str) -> None:
+        if not self._departed(replica):
+            self.metrics.health_inconclusive.labels(replica).inc()
+
+    def _replica_removed(self, replica: str) -> None:
+        """Discovery removed ``replica`` for good (past its grace): what the gateway keeps
+        per replica id goes with it, or autoscaled fleets (fresh ids at each scale-up) grow
+        its memory and /metrics for its whole life. Back under the same id it is a new
+        replica. A request still in flight there ends without it, except its latency
+        histograms and upstream error counts, which its end makes again (bounded by the
+        requests outliving their replica's removal, past the registration's grace)."""
+        if self.index is not None:
+            self.index.forget(replica)
+        self.inflight.forget(replica)
+        self.router.forget(replica)
+        self.quarantine.forget(replica)
+        watcher = self._quarantine_watchers.pop(replica, None)
+        if watcher is not None:
+            watcher.cancel()
+        self._verified.discard(replica)
+        self.metrics.forget_replica(replica)
 
     def _on_probe_ok(self, replica: str) -> None:
         if (
@@ -402,7 +431,7 @@ class Gateway:
             on_change=self._on_health,
             on_probe_ok=self._on_probe_ok,
             loop_lag=self.loop_lag,
-            on_inconclusive=lambda rid: self.metrics.health_inconclusive.labels(rid).inc(),
+            on_inconclusive=self._on_inconclusive,
         )
         self.tokenizers = TokenizerPools(
             self.client, self._any_replica_url, s.tokenizer_cache_tokens
@@ -455,7 +484,7 @@ class Gateway:
                 self.registry, allow, self.pool, {sp.id for sp in self.specs},
                 on_added=lambda sp: self.metrics.healthy.labels(sp.id).set(1),
                 on_count=lambda outcome, n: self.metrics.discovery.labels(outcome).inc(n),
-                on_removed=self.index.forget,
+                on_removed=self._replica_removed,
             )  # fmt: skip
             await self.discovery.refresh_once()
             self.discovery.start()
@@ -514,8 +543,9 @@ class Gateway:
             return
         self._verifying.add(replica_id)
         try:
-            if await self._check_block_size(rep, _base_models(rep)):
-                self._verified.add(replica_id)
+            ok = await self._check_block_size(rep, _base_models(rep))
+            if ok and self.pool is not None and self.pool.get(replica_id) is rep:
+                self._verified.add(replica_id)  # not a replica removed meanwhile
             if not self._tokenizers_checked:
                 self._tokenizers_checked = True
                 await self._check_tokenizers(rep, _base_models(rep))
@@ -1183,6 +1213,8 @@ class Gateway:
                 got = await self._settled_claim(d, claimed)
             finally:
                 self._settling[d.replica] -= 1
+                if not self._settling[d.replica]:
+                    del self._settling[d.replica]  # an entry per replica ever checked, else
             if got is None:
                 self.metrics.claim_checks.labels(d.replica, "skipped").inc()
                 return  # cannot tell an eviction from a lie without the shared index
@@ -1205,6 +1237,8 @@ class Gateway:
             outcome = "false"
         else:  # "unverifiable", or "tampered" (counted as false): an impossible floor or time
             outcome = str(answer)
+        if self._departed(d.replica):
+            return  # removed while its check was out: no verdict, no quarantine to watch
         self.metrics.claim_checks.labels(d.replica, outcome).inc()
         unverifiable = answer is LogAnswer.UNVERIFIABLE
         changed = self.quarantine.observe(
