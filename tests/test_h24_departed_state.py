@@ -338,10 +338,12 @@ async def test_a_claim_check_out_when_its_replica_left_leaves_nothing() -> None:
 
 
 class _ProbeEngine:
-    """An engine whose ``/health`` is held until released, then answers ``status``; its
-    ``/v1/models`` is a gzip bomb (a few KB inflating past the pool's 8 MiB cap)."""
+    """An engine whose ``held`` GET (``/health``) is held until released, then answers
+    ``status``; its ``/v1/models`` is a gzip bomb (a few KB inflating past the pool's
+    8 MiB cap)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: bytes = b"GET /health") -> None:
+        self.path = held
         self.held = asyncio.Event()
         self.release = asyncio.Event()
         self.status = 503
@@ -363,7 +365,7 @@ class _ProbeEngine:
                 if req is None:
                     return
                 line = req[0].split(b"\r\n", 1)[0]
-                if line.startswith(b"GET /health"):
+                if line.startswith(self.path):
                     self.held.set()
                     await asyncio.wait_for(self.release.wait(), 30)
                     w.write(answer(self.status, b"{}"))
@@ -397,6 +399,31 @@ async def test_a_probe_out_when_its_replica_left_makes_no_series_again() -> None
             await asyncio.wait_for(probe, 30)
             gw._on_inconclusive("gpu-c")  # as a starved probe of it would report now
             assert _series_of(await f.metrics_text(), "gpu-c") == []
+    finally:
+        await eng.stop()
+
+
+async def test_a_block_size_check_out_when_its_replica_left_verifies_nothing() -> None:
+    """The gateway's block-size check of a replica (its engine's /metrics) answered after
+    the replica was removed: the replica is not marked verified (before: a mark per
+    replica id ever checked, and a re-added one taken as checked)."""
+    eng = _ProbeEngine(held=b"GET /metrics")
+    eng.status = 404  # no metrics: verified, nothing to compare
+    await eng.start()
+    try:
+        async with fleet("health: {interval_s: 60}", eng.url) as f:
+            gw = f.gw
+            await f.join("gpu-v", eng.url)
+            check = gw.spawn(gw._check_replica("gpu-v"))
+            await asyncio.wait_for(eng.held.wait(), 30)
+            await f.leave("gpu-v")
+            eng.release.set()
+            await asyncio.wait_for(check, 30)
+            assert "gpu-v" not in gw._verified and "gpu-v" not in gw._verifying
+            # the control: a check that answers while its replica is there verifies it
+            await f.join("gpu-w", eng.url)
+            await asyncio.wait_for(gw._check_replica("gpu-w"), 30)
+            assert "gpu-w" in gw._verified
     finally:
         await eng.stop()
 
