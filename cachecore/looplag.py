@@ -6,10 +6,11 @@ long GC pass) fires every timer it has late, and a timer that fires in the same 
 the peer's answer arrives cancels the read before the answer is seen. Health checks use
 :meth:`LoopLagMonitor.longest_stall_since` to tell the two apart.
 
-The monitor is one task that sleeps ``interval_s`` at a time and records how late each wake
-was. Invariants: ``_ticks`` holds ``(woke_at, lag)`` in wake order, each lag >= 0, at most
-``max_ticks`` of them (at 50 ms, 25 s of history: longer windows are under-read); a
-stall ``[woke_at - lag, woke_at]`` is one entry.
+The monitor is one timer callback that reschedules itself every ``interval_s`` and records
+how late each run was. Invariants: ``_ticks`` holds ``(woke_at, lag)`` in wake order, each
+lag >= 0, at most ``max_ticks`` of them (at 50 ms, 25 s of history: longer windows are
+under-read); a stall ``[woke_at - lag, woke_at]`` is one entry; ``running`` exactly while a
+tick is scheduled.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-
-from cachecore.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -41,40 +40,45 @@ class LoopLagMonitor:
         self._on_lag = on_lag
         self._clock = clock
         self._ticks: deque[tuple[float, float]] = deque(maxlen=max_ticks)
-        self._due: float | None = None  # when the sleeping tick should wake
-        self._task: asyncio.Task[None] | None = None
+        self._due: float | None = None  # when the pending tick should run
+        self._handle: asyncio.TimerHandle | None = None
 
     def now(self) -> float:
-        """The monitor's clock (what :meth:`stolen_since` takes)."""
+        """The monitor's clock (what :meth:`longest_stall_since` takes)."""
         return self._clock()
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._handle is not None
 
     def start(self) -> None:
-        if self._task is None:
-            self._due = self._clock() + self.interval_s
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag")
+        if self._handle is None:
+            self._schedule(asyncio.get_running_loop())
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = None
         self._due = None
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            now = self._clock()
-            due = self._due if self._due is not None else now
-            lag = max(0.0, now - due)
-            self._ticks.append((now, lag))
-            self._due = now + self.interval_s
-            if self._on_lag is not None:
-                try:
-                    self._on_lag(lag)
-                except Exception:  # a metrics error must not end the monitor
-                    log.exception("loop lag callback failed")
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        # a timer callback, not a sleeping task: a task's wake takes a second loop turn
+        # (the timer, then the task's step), each behind whatever runs there, and read a
+        # single stall as up to twice its length
+        self._due = self._clock() + self.interval_s
+        self._handle = loop.call_later(self.interval_s, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = self._clock()
+        due = self._due if self._due is not None else now
+        lag = max(0.0, now - due)
+        self._ticks.append((now, lag))
+        self._schedule(loop)
+        if self._on_lag is not None:
+            try:
+                self._on_lag(lag)
+            except Exception:  # a metrics error must not end the monitor
+                log.exception("loop lag callback failed")
 
     def longest_stall_since(self, since: float) -> float:
         """The longest single stall of the loop after ``since`` (the monitor's clock), in
