@@ -53,8 +53,9 @@ _MODELS_CAP = 8 << 20
 # this fraction of the per-read timeout to starvation while the probe was out
 _STARVED_FRACTION = 0.5
 _STARVED_LOG_INTERVAL_S = 60.0
-# inconclusive probes in a row after which the next timeout counts all the same: a gateway
-# stalled at every probe must still take a hung replica out (as it did before the rule)
+# inconclusive probes in a row after which the next timeout counts all the same, in a round
+# where another replica answered: a gateway stalled at every probe still takes a hung
+# replica out (as it did before the rule), and never the whole fleet at once
 _MAX_INCONCLUSIVE = 3
 
 
@@ -201,6 +202,17 @@ class Replica:
             "routable": self.routable(now),
             "dp_rank": self.dp_rank,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """One health probe's outcome: ``answered`` when the replica sent an answer (any
+    status); ``stall`` when it timed out while the gateway's own loop stalled."""
+
+    ok: bool
+    reason: str
+    answered: bool = False
+    stall: float | None = None
 
 
 class ReplicaPool:
@@ -470,31 +482,41 @@ class ReplicaPool:
     # ---------------------------------------------------------------- active checks
     async def check_once(self, refresh_models: bool = False) -> None:
         reps = list(self._replicas.values())
-        await asyncio.gather(*(self._check(r, refresh_models) for r in reps))
+        probes = await asyncio.gather(*(self._probe(r) for r in reps))
+        # some replica answered in this round: the loop could see answers, so a timeout
+        # past the inconclusive streak is held against its replica. A round where none
+        # answered holds nothing against anyone: all of a stalled gateway's probes time out
+        # together, and counting them ejected the whole fleet at once
+        answered = any(pr.answered for pr in probes)
+        await asyncio.gather(
+            *(
+                self._apply(r, pr, answered, refresh_models)
+                for r, pr in zip(reps, probes, strict=True)
+            )
+        )
 
-    async def _check(self, rep: Replica, refresh_models: bool) -> None:
-        p = self.policy
-        ok = False
+    async def _probe(self, rep: Replica) -> _Probe:
         where = f"GET {rep.url}/health"
         t0 = self._loop_lag_clock()
         try:
             r = await self._read(rep, "/health", _HEALTH_CAP)
-            ok = r.status_code == 200
-            reason = f"{where}: HTTP {r.status_code}"
+            return _Probe(r.status_code == 200, f"{where}: HTTP {r.status_code}", True)
         except httpx.TimeoutException as exc:
-            if self._starved(rep, t0):
-                return
-            reason = f"{where}: {type(exc).__name__}: {exc}"
+            return _Probe(False, f"{where}: {type(exc).__name__}: {exc}", stall=self._stall(t0))
         except httpx.HTTPError as exc:
-            reason = f"{where}: {type(exc).__name__}: {exc}"
+            return _Probe(False, f"{where}: {type(exc).__name__}: {exc}")
         except AnswerTooLarge as exc:  # not an engine's health answer
-            reason = f"{where}: {exc}"
+            return _Probe(False, f"{where}: {exc}", True)
         except TimeoutError as exc:  # no whole answer by the deadline
-            if self._starved(rep, t0):
-                return
-            reason = f"{where}: {exc}"
+            return _Probe(False, f"{where}: {exc}", stall=self._stall(t0))
+
+    async def _apply(self, rep: Replica, pr: _Probe, answered: bool, refresh_models: bool) -> None:
+        p = self.policy
+        if pr.stall is not None and (rep.health_inconclusive < _MAX_INCONCLUSIVE or not answered):
+            self._inconclusive(rep, pr.stall)
+            return
         rep.health_inconclusive = 0
-        if ok:
+        if pr.ok:
             rep.health_oks += 1
             rep.health_fails = 0
             recovered = False
@@ -513,7 +535,7 @@ class ReplicaPool:
             rep.health_oks = 0
             if rep.healthy and rep.health_fails >= p.unhealthy_after:
                 rep.healthy = False
-                log.warning("replica unhealthy", extra={"replica": rep.id, "reason": reason})
+                log.warning("replica unhealthy", extra={"replica": rep.id, "reason": pr.reason})
         self._sync(rep)  # also reports an ejection that expired since the last round
 
     async def _read(self, rep: Replica, path: str, cap: int) -> httpx.Response:
@@ -536,23 +558,24 @@ class ReplicaPool:
     def _loop_lag_clock(self) -> float:
         return self._loop_lag.now() if self._loop_lag is not None else 0.0
 
-    def _starved(self, rep: Replica, since: float) -> bool:
-        """True when the probe of ``rep`` that timed out was the gateway's failure: one
-        stall of its loop as long as half the per-read timeout while the probe was out (a
-        CPU-throttled gateway fired every probe's timer late, in the same loop turn as the
-        answer, and marked every replica unhealthy: the whole fleet 503 for a round, at
-        start-up for the first requests). Not after ``_MAX_INCONCLUSIVE`` in a row."""
+    def _stall(self, since: float) -> float | None:
+        """The gateway's own stall while a probe that timed out was out, when it is long
+        enough to have caused the timeout (one stall of at least half the per-read timeout:
+        a CPU-throttled gateway fired every probe's timer late, in the same loop turn as
+        the answer, and marked every replica unhealthy: the whole fleet 503 for a round, at
+        start-up for the first requests); None when the timeout is the replica's."""
         if self._loop_lag is None:
-            return False
+            return None
         stall = self._loop_lag.longest_stall_since(since)
-        if stall < _STARVED_FRACTION * self.policy.timeout_s:
-            return False
-        if rep.health_inconclusive >= _MAX_INCONCLUSIVE:
-            return False  # counted as a failure (the streak restarts with it)
+        return stall if stall >= _STARVED_FRACTION * self.policy.timeout_s else None
+
+    def _inconclusive(self, rep: Replica, stall: float) -> None:
+        """A probe that counts neither way (up to ``_MAX_INCONCLUSIVE`` in a row, more in
+        rounds where no replica answered)."""
         rep.health_inconclusive += 1
         if self._on_inconclusive is not None:
             self._on_inconclusive(rep.id)
-        now = self._loop_lag.now()
+        now = self._loop_lag.now() if self._loop_lag is not None else 0.0
         if now - self._starved_logged >= _STARVED_LOG_INTERVAL_S:
             self._starved_logged = now
             log.warning(
@@ -561,7 +584,6 @@ class ReplicaPool:
                 extra={"replica": rep.id, "loop_stall_s": round(stall, 3)},
             )
         self._sync(rep)
-        return True
 
     async def _models(self, rep: Replica) -> None:
         try:

@@ -245,28 +245,82 @@ async def test_a_hung_replica_behind_a_busy_but_running_loop_is_marked_unhealthy
         await monitor.stop()
 
 
-async def test_a_gateway_stalled_at_every_probe_still_takes_a_replica_out() -> None:
-    """Three inconclusive probes in a row at most: the fourth timeout counts."""
-    async with run_fleet(FAST, count=1) as fleet:
+async def _rounds(
+    pool: ReplicaPool, n: int, ids: tuple[str, ...] = ("r0", "r1")
+) -> list[list[bool]]:
+    """``n`` health rounds: each replica's health after each."""
+    out = []
+    for _ in range(n):
+        await pool.check_once()
+        out.append([r.healthy for r in (pool.get(i) for i in ids) if r is not None])
+    return out
+
+
+async def test_a_round_where_no_replica_answered_holds_nothing_against_anyone() -> None:
+    """A gateway stalled at every probe: every replica's probes are inconclusive, however
+    many rounds (the streak cap counted them all at the fourth round: the whole fleet
+    unhealthy at once, the first defect back every fourth round)."""
+    async with run_fleet(FAST, count=2) as fleet:
         monitor = LoopLagMonitor()
         monitor.start()
         try:
             async with (
-                health_proxy(fleet.urls[0], block_s=0.8, blocked_probes=10) as (url, _),
+                health_proxy(fleet.urls[0], block_s=0.8, blocked_probes=10) as (a, _),
+                health_proxy(fleet.urls[1], block_s=0.8, blocked_probes=10) as (b, _),
                 httpx.AsyncClient() as client,
             ):
                 seen: list[str] = []
                 pool = ReplicaPool(
                     client, HealthPolicy(), loop_lag=monitor, on_inconclusive=seen.append
                 )
-                pool.add(ReplicaSpec("r0", url))
-                rep = pool.get("r0")
-                assert rep is not None
-                for round_ in range(3):
-                    await pool.check_once()
-                    assert rep.healthy, round_
-                await pool.check_once()
-                assert not rep.healthy and seen == ["r0"] * 3
+                pool.add(ReplicaSpec("r0", a))
+                pool.add(ReplicaSpec("r1", b))
+                assert await _rounds(pool, 5) == [[True, True]] * 5
+                assert len(seen) == 10
+        finally:
+            await monitor.stop()
+
+
+@asynccontextmanager
+async def hung_and_stalling_engine() -> AsyncIterator[str]:
+    """Never answers; 0.3 s after each connection it blocks the loop 0.4 s (across the
+    probe's 0.5 s read timeout): a hung replica probed by a stalled gateway."""
+    loop = asyncio.get_running_loop()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop.call_later(0.3, time.sleep, 0.4)
+        try:
+            while await reader.read(65536):
+                pass
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_hung_replica_is_taken_out_in_rounds_where_its_peers_answer() -> None:
+    """Three inconclusive probes in a row at most when another replica answered in the
+    round: the fourth timeout counts."""
+    async with run_fleet(FAST, count=1) as fleet, hung_and_stalling_engine() as hung:
+        monitor = LoopLagMonitor()
+        monitor.start()
+        try:
+            async with httpx.AsyncClient() as client:
+                seen: list[str] = []
+                pool = ReplicaPool(
+                    client, HealthPolicy(), loop_lag=monitor, on_inconclusive=seen.append
+                )
+                pool.add(ReplicaSpec("r0", hung))
+                pool.add(ReplicaSpec("r1", fleet.urls[0]))
+                got = await _rounds(pool, 4)
+                assert got == [[True, True]] * 3 + [[False, True]], got
+                assert seen == ["r0"] * 3
         finally:
             await monitor.stop()
 
