@@ -410,10 +410,8 @@ def create_app(gw: Gateway) -> FastAPI:
     async def admin_policy_post(request: Request) -> Any:
         raw = await read_body(request, 1 << 20)
         try:
-            if raw.strip():
-                pol = gw.policies.reload_text(raw.decode("utf-8", "replace"))
-            else:
-                pol = gw.policies.reload_file()
+            # an empty body: the file again
+            pol = await gw.policies.reload(raw.decode("utf-8", "replace") if raw.strip() else None)
         except PolicyError as exc:
             gw.metrics.policy_reloads.labels("invalid").inc()
             err = GatewayError(400, str(exc), code="invalid_policy")

@@ -83,7 +83,7 @@ from gateway.tokenization import (
 )
 from gateway.tracing import make_provider, make_tracer
 from gateway.upstream import LeanTransport
-from policies.schema import Policy, PriorityPolicy, TenantPolicy
+from policies.schema import Policy, PolicyError, PriorityPolicy, TenantPolicy
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,7 @@ class Gateway:
         self.policies = PolicyStore(settings.policy if policy is None else None, policy)
         self.policies.on_change = self._apply_policy
         self.policies.check = self._engine_mismatches
+        self.policies.prepare = self._load_tokenizers
         pol = self.policies.policy
         self.metrics = GatewayMetrics()
         self.stages = self.metrics.stages
@@ -346,7 +347,13 @@ class Gateway:
             self.metrics.quarantined.labels(rid).set(0)  # disabled: released
         if self.pool is not None:
             self.pool.policy = pol.health
+        if self.tokenizers is not None:
+            self.tokenizers.retain(pol.models)
         self.metrics.policy_reloads.labels("ok").inc()
+
+    async def _load_tokenizers(self, pol: Policy) -> list[tuple[str, str]]:
+        # a reload's last check (PolicyStore.prepare); before start, start loads them
+        return [] if self.tokenizers is None else await self.tokenizers.load_hf(pol.models)
 
     def _engine_mismatches(self, pol: Policy) -> list[tuple[str, str]]:
         """A reloaded policy's block sizes against those the engines are known to use (read
@@ -436,6 +443,9 @@ class Gateway:
         self.tokenizers = TokenizerPools(
             self.client, self._any_replica_url, s.tokenizer_cache_tokens
         )
+        problems = await self.tokenizers.load_hf(self.policy.models)
+        if problems:  # refused as a reload would be: before serving any of its requests
+            raise PolicyError(str(self.policies.path or "<policy>"), problems)
         for spec in self.specs:
             self.pool.add(spec)
             self.metrics.healthy.labels(spec.id).set(1)

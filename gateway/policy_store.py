@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from cachecore.tasks import cancel_and_wait
@@ -28,6 +28,12 @@ class PolicyStore:
         # what the schema cannot know (the engines' block sizes): (field, problem) pairs
         # that refuse a reload, checked before it is applied
         self.check: Callable[[Policy], list[tuple[str, str]]] | None = None
+        # what must be loaded before a policy can serve (its hf pools' tokenizers), awaited
+        # off the event loop as a reload's last check: its (field, problem) pairs refuse it
+        self.prepare: Callable[[Policy], Awaitable[list[tuple[str, str]]]] | None = None
+        # one reload at a time: the watcher's and POST /admin/policy's would otherwise
+        # interleave at prepare's await, and the older one could be applied last
+        self._lock = asyncio.Lock()
         self.last_error: str | None = None
         self.reloads = 0
         self._task: asyncio.Task[None] | None = None
@@ -43,28 +49,52 @@ class PolicyStore:
             self.on_change(policy)
 
     def reload_file(self) -> Policy:
-        """Re-read the file. Raises :class:`PolicyError` (and keeps the old policy)."""
-        if self.path is None:
-            raise PolicyError("<none>", [("", "the gateway was started without a policy file")])
-        self._watch.reading(self._stat())
+        """Re-read the file. Raises :class:`PolicyError` (and keeps the old policy). Only
+        for a store with no ``prepare`` step (the gateway's reloads are :meth:`reload`)."""
+        return self._reload_now(None, "")
+
+    def reload_text(self, text: str, source: str = "POST /admin/policy") -> Policy:
+        return self._reload_now(text, source)
+
+    def _reload_now(self, text: str | None, source: str) -> Policy:
+        if self.prepare is not None:  # skipping it would apply an hf pool that cannot load
+            raise RuntimeError("this policy store prepares its reloads: await reload()")
         try:
-            # an empty file is one caught between its truncation and its rewrite
-            policy = load_policy(self.path, allow_empty=False)
-            self._check(policy, str(self.path))
+            policy = self._read(text, source)
         except PolicyError as exc:
             self._refused(exc)
             raise
         self.apply(policy)
         return policy
 
-    def reload_text(self, text: str, source: str = "POST /admin/policy") -> Policy:
-        try:
+    async def reload(self, text: str | None = None, source: str = "POST /admin/policy") -> Policy:
+        """Read ``text`` (None: the file), check it, await ``prepare``, apply it. Raises
+        :class:`PolicyError` (and keeps the old policy)."""
+        async with self._lock:
+            try:
+                policy = self._read(text, source)
+                if self.prepare is not None:
+                    problems = await self.prepare(policy)
+                    if problems:
+                        raise PolicyError(source if text is not None else str(self.path), problems)
+            except PolicyError as exc:
+                self._refused(exc)
+                raise
+            self.apply(policy)
+            return policy
+
+    def _read(self, text: str | None, source: str) -> Policy:
+        """The policy in ``text`` (None: the file), checked; raises :class:`PolicyError`."""
+        if text is not None:
             policy = parse_policy_text(text, source, allow_empty=False)
             self._check(policy, source)
-        except PolicyError as exc:
-            self._refused(exc)
-            raise
-        self.apply(policy)
+            return policy
+        if self.path is None:
+            raise PolicyError("<none>", [("", "the gateway was started without a policy file")])
+        self._watch.reading(self._stat())
+        # an empty file is one caught between its truncation and its rewrite
+        policy = load_policy(self.path, allow_empty=False)
+        self._check(policy, str(self.path))
         return policy
 
     def _refused(self, exc: PolicyError) -> None:
@@ -95,11 +125,17 @@ class PolicyStore:
         self.reload_file()
         return True
 
+    async def _poll_file(self) -> bool:
+        if not self._watch.due(self._stat()):  # as poll_file, with the prepared reload
+            return False
+        await self.reload()
+        return True
+
     async def watch(self, interval_s: float, on_result: Callable[[bool, str], None]) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                if not self.poll_file():
+                if not await self._poll_file():
                     continue
                 log.info("policy reloaded", extra={"path": str(self.path)})
                 on_result(True, "")

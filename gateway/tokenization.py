@@ -36,7 +36,8 @@ from cachecore.tokenizer import (
     with_special_tokens,
 )
 from gateway.errors import GatewayError, bad_request, engine_error_body
-from policies.schema import ModelPool
+from gateway.filewatch import FileVersion, file_version
+from policies.schema import ModelPool, ModelsPolicy
 
 log = logging.getLogger(__name__)
 
@@ -451,6 +452,9 @@ class TokenizerPools:
         self._replica_url = replica_url
         self._cache_tokens = cache_tokens  # each local tokenizer's segment cache bound
         self._local: dict[tuple[str, str | None], LocalPromptTokenizer] = {}
+        # each loaded hf directory's files as they were read: a reload reads them again
+        # only when they changed (a tokenizer updated in place)
+        self._versions: dict[str, tuple[FileVersion | None, ...]] = {}
 
     def for_pool(self, model: str, pool: ModelPool) -> PromptTokenizer:
         if pool.tokenizer in ("engine_render", "engine_tokenize"):
@@ -465,12 +469,60 @@ class TokenizerPools:
         tok = self._local.get(key)
         if tok is None:
             if pool.tokenizer == "hf" and pool.tokenizer_dir:
+                # a policy the gateway applies had it loaded by load_hf: this is for a
+                # TokenizerPools used without one (tests, tools)
                 hf = HFTokenizer.from_dir(Path(pool.tokenizer_dir))
                 tok = LocalPromptTokenizer(hf, self._cache_tokens)
             else:
                 tok = LocalPromptTokenizer(builtin_tokenizer(), self._cache_tokens)
             self._local[key] = tok
         return tok
+
+    async def load_hf(self, models: ModelsPolicy) -> list[tuple[str, str]]:
+        """Load every hf pool's tokenizer of ``models`` on a worker thread, before a policy
+        with them is applied (at start-up and at each reload): a tokenizer.json that does
+        not load (cut short, corrupt) then refuses the policy, where it was accepted and
+        failed every request of its pool, each parsing the file again on the event loop.
+        Returns (field, problem) pairs; the loaded ones are what :meth:`local` serves.
+        ``tokenizers`` holds the GIL while it parses, so the loop still waits for that
+        part (~65 ms/MB here); the reads, the template and a failed request's retries no
+        longer do."""
+        problems: list[tuple[str, str]] = []
+        named = [("models.default", models.default)]
+        named += [(f"models.pools.{name}", pool) for name, pool in models.pools.items()]
+        done: set[str] = set()
+        for field, pool in named:
+            directory = pool.tokenizer_dir
+            if pool.tokenizer != "hf" or not directory or directory in done:
+                continue
+            done.add(directory)
+            version = _hf_files_version(Path(directory))
+            if self._versions.get(directory) == version and ("hf", directory) in self._local:
+                continue
+            try:
+                hf = await asyncio.to_thread(HFTokenizer.from_dir, Path(directory))
+            except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
+                tok_file = str(Path(directory) / "tokenizer.json")
+                problems.append((f"{field}.tokenizer_dir", f"{tok_file!r} does not load: {exc}"))
+                continue
+            self._local[("hf", directory)] = LocalPromptTokenizer(hf, self._cache_tokens)
+            self._versions[directory] = version
+        return problems
+
+    def retain(self, models: ModelsPolicy) -> None:
+        """Forget the local tokenizers ``models`` no longer uses (requests in flight keep
+        theirs): a reload's replaced directories are not held for ever."""
+        pools = [models.default, *models.pools.values()]
+        keep = {(p.tokenizer, p.tokenizer_dir) for p in pools}
+        for key in [k for k in self._local if k not in keep]:
+            del self._local[key]
+            if key[1] is not None:
+                self._versions.pop(key[1], None)
+
+
+def _hf_files_version(directory: Path) -> tuple[FileVersion | None, ...]:
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    return tuple(file_version(directory / name) for name in names)
 
 
 CHECK_ANSWER_CAP = 4 << 20

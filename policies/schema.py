@@ -163,13 +163,12 @@ TokenizerKind = Literal["builtin", "hf", "engine_render", "engine_tokenize"]
 
 def hf_dir_problem(directory: Path) -> str | None:
     """Why :meth:`cachecore.tokenizer.HFTokenizer.from_dir` would fail on ``directory``
-    (None if its files are there). Checked when the policy loads: after a reload the
-    gateway opens the tokenizer only when a request needs it, so a bad directory was
-    accepted and then failed every request. Files are checked, not parsed:
-    ``tokenizer.json`` can be large, and a reload runs on the event loop; only its first
-    bytes are read, which must open a JSON object (a Git LFS pointer, a clone made without
-    git-lfs, or an HTML error page saved by a download, were accepted and then answered
-    every request with a 500)."""
+    (None if its files are there), for every reader of a policy (``kvgate policy check``
+    too). Files are checked, not parsed: ``tokenizer.json`` can be large, and parsing runs
+    on the event loop; only its first bytes are read, which must open a JSON object (a Git
+    LFS pointer, a clone made without git-lfs, an HTML error page saved by a download). A
+    file cut short passes this: the gateway refuses it when it loads the policy's
+    tokenizers, before applying it (gateway.tokenization ``TokenizerPools.load_hf``)."""
     if not directory.is_dir():
         return f"{str(directory)!r} is not a directory"
     tok_file = directory / "tokenizer.json"

@@ -379,7 +379,7 @@ async def test_sensitive_requests_are_not_indexed_and_stay_in_their_session() ->
         )
         assert cached(r.usage) == 0
         # the header is refused where the policy does not allow it
-        gw.policies.reload_text("default_tenant: {sensitive: {allow_header: false}}")
+        await gw.policies.reload("default_tenant: {sensitive: {allow_header: false}}")
         with pytest.raises(openai.PermissionDeniedError):
             await c.chat.completions.create(
                 model=st.model, messages=chat(system, "x"), max_tokens=1, extra_headers=hdr
