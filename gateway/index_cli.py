@@ -5,6 +5,10 @@
     kvgate index forget REPLICA... [--idle-for 10m]   every key of departed replicas
     kvgate index forget --departed --idle-for 24h     every unregistered replica idle that long
 
+Idle: neither its agent (meta ``updated_ms``) nor a gateway (a pending entry's or in-flight
+record's expiry) wrote for it within ``--idle-for``; a replica with no agent has only the
+latter.
+
 A replica that leaves the fleet for good leaves its index keys (meta, its epoch's block and
 mirror hashes, removal log) in Redis for ever; its registration and load keys expire. The
 Redis URL, Cluster flag and key prefix are the gateway's settings (``KVGATE_REDIS_URL``,
@@ -28,7 +32,7 @@ from pydantic import ValidationError
 from cachecore.argtypes import positive_int
 from cachecore.index.base import IndexError_
 from cachecore.index.layout import InvalidReplicaIdError, KeyLayout, validate_replica_id
-from cachecore.index.redis import RedisIndex, ReplicaInspection
+from cachecore.index.redis import ForgetResult, RedisIndex, ReplicaInspection
 
 DEFAULT_IDLE_S = 600.0
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -97,7 +101,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     forget.add_argument(
         "--idle-for", type=duration, default=DEFAULT_IDLE_S, metavar="DURATION",
-        help="refuse a replica whose meta was updated more recently (90s, 10m, 24h; 10m)",
+        help="refuse a replica its agent or a gateway wrote for more recently (90s, 10m, 24h; 10m)",
     )  # fmt: skip
     forget.add_argument(
         "--force", action="store_true",
@@ -298,6 +302,32 @@ def _refusal(
     return None
 
 
+def _active(result: ForgetResult, now_ms: int, idle_s: float) -> str:
+    """Why the forget script refused a replica its gateways route to."""
+    until = result.active_ms or 0
+    if until > now_ms:
+        return f"gateways are routing to it (their entries for it live {_age(until - now_ms)} more)"
+    idle = _age(idle_s * 1000)
+    return f"gateways routed to it {_age(now_ms - until)} ago (under --idle-for {idle})"
+
+
+async def _in_use(
+    index: RedisIndex, info: ReplicaInspection, keys: list[bytes], args: argparse.Namespace
+) -> str | None:
+    """Why the forget script would refuse ``info``'s replica now, or None: the gateways'
+    writes for it (pending entries, in-flight records), which :func:`_refusal` cannot see,
+    judged where the real forget judges them."""
+    now = _now_ms()
+    result = await index.forget_replica(
+        info.replica, keys, now_ms=now, idle_ms=int(args.idle_for * 1000), check=True
+    )
+    if not result.refused:
+        return None
+    if result.refused == "active":
+        return _active(result, now, args.idle_for)
+    return "it registered or its meta was updated just now"
+
+
 def _summary(info: ReplicaInspection, nkeys: int) -> str:
     epoch = f"epoch {info.meta.epoch}, " if info.has_meta else "no meta, "
     keys = "1 key" if nkeys == 1 else f"{nkeys} keys"
@@ -310,14 +340,22 @@ async def _forget(index: RedisIndex, args: argparse.Namespace) -> int:
     now = _now_ms()
     idle_ms = int(args.idle_for * 1000)
     if args.departed:
-        chosen = [info for info in infos if _refusal(info, registered, now, args.idle_for) is None]
+        chosen = [
+            info
+            for info in infos
+            if _refusal(info, registered, now, args.idle_for) is None
+            and await _in_use(index, info, keys[info.replica], args) is None
+        ]
         if not chosen:
             print(f"no departed replica (unregistered, idle for {_age(idle_ms)})")
             return 0
     else:
         refusals = []
         for rid in dict.fromkeys(args.replicas):  # once each, in the order given
-            why = _refusal(by_id.get(rid), registered, now, args.idle_for)
+            info = by_id.get(rid)
+            why = _refusal(info, registered, now, args.idle_for)
+            if why is None and info is not None and not args.force:
+                why = await _in_use(index, info, keys[rid], args)
             if why is not None and not (args.force and rid in by_id):
                 refusals.append(f"{rid}: {why}")
         if refusals:
@@ -336,8 +374,11 @@ async def _forget(index: RedisIndex, args: argparse.Namespace) -> int:
             rid, keys[rid], now_ms=_now_ms(), idle_ms=idle_ms, force=args.force
         )
         if result.refused:  # it came back since the look above
-            why = "it registered" if result.refused == "registered" else "its meta was updated"
-            print(f"kvgate index forget: not forgetting {rid}: {why} just now", file=sys.stderr)
+            why = {
+                "registered": "it registered just now",
+                "recent": "its meta was updated just now",
+            }.get(result.refused) or _active(result, _now_ms(), args.idle_for)
+            print(f"kvgate index forget: not forgetting {rid}: {why}", file=sys.stderr)
             code = 2
             continue
         print(f"forgot {rid}: {_summary(info, result.unlinked)}")

@@ -456,28 +456,55 @@ return out
 """
 
 # KEYS[1] meta, KEYS[2..] the replica's epoch-scoped keys a SCAN found (any epoch). ARGV:
-# now_ms, idle_ms, force. Unless forced, refuses ({'registered'}) while a registration key
-# exists, or ({'recent', updated_ms}) when the meta was updated less than idle_ms ago. Else
-# unlinks them, the meta, the current epoch's keys (created since the SCAN) and the keys
-# with no epoch, all at once: a returning agent finds no meta and builds a new replica from
-# epoch 1, into which no key of the old one survives (its clear unlinks only epoch 0's).
+# now_ms, idle_ms, force, check. Unless forced, refuses ({'registered'}) while a registration
+# key exists, ({'recent', updated_ms}) when the meta was updated less than idle_ms ago, or
+# ({'active', expiry_ms}) when a gateway's pending entry or in-flight liveness expired less
+# than idle_ms ago (or has not yet): a replica with no agent (static, gateway-only) has no
+# meta, and gateways routing to it are its only sign of life. An expiry stands in for the
+# write before it (never later): the safe side. With check '1' it unlinks nothing and
+# answers {'forgettable'}. Else unlinks them, the meta, the current epoch's keys (created
+# since the SCAN) and the keys with no epoch, all at once: a returning agent finds no meta
+# and builds a new replica from epoch 1, into which no key of the old one survives (its
+# clear unlinks only epoch 0's).
 FORGET_LUA = """
 local meta = KEYS[1]
 local base = string.sub(meta, 1, -5)
 local m = redis.pcall('HMGET', meta, 'epoch', 'updated_ms')
 if m.err then m = {} end  -- a meta made no hash: nothing an agent keeps up to date
-if ARGV[3] ~= '1' then
-  if redis.call('EXISTS', base .. 'reg') == 1 then return {'registered'} end
-  local updated = tonumber(m[2] or '')
-  if updated and tonumber(ARGV[1]) - updated < tonumber(ARGV[2]) then
-    return {'recent', m[2]}
-  end
-end
 local epoch = m[1] or '0'
 local names = {meta, base .. 'reg', base .. 'load', base .. 'gw:inflight',
                base .. 'b:' .. epoch, base .. 'm:' .. epoch, base .. 'rm:' .. epoch,
                base .. 'gw:p:' .. epoch}
 for i = 2, #KEYS do names[#names + 1] = KEYS[i] end
+if ARGV[3] ~= '1' then
+  local now, idle = tonumber(ARGV[1]), tonumber(ARGV[2])
+  if redis.call('EXISTS', base .. 'reg') == 1 then return {'registered'} end
+  local updated = tonumber(m[2] or '')
+  if updated and now - updated < idle then
+    return {'recent', m[2]}
+  end
+  -- gateway-owned keys of the wrong type read as no activity (pcall), as in lookups
+  local newest = nil
+  local function seen(v)
+    v = tonumber(v)
+    if v and (newest == nil or v > newest) then newest = v end
+  end
+  local pending = base .. 'gw:p:'
+  for i = 1, #names do
+    if string.sub(names[i], 1, #pending) == pending then
+      local top = redis.pcall('ZRANGE', names[i], -1, -1, 'WITHSCORES')
+      if not top.err and top[2] then seen(top[2]) end
+    end
+  end
+  local f = redis.pcall('HGETALL', base .. 'gw:inflight')
+  if not f.err then
+    for i = 1, #f, 2 do
+      if string.sub(f[i], -2) == ':x' then seen(f[i + 1]) end
+    end
+  end
+  if newest and now - math.min(newest, now) < idle then return {'active', newest} end
+end
+if ARGV[4] == '1' then return {'forgettable'} end
 return {'forgotten', redis.call('UNLINK', unpack(names))}
 """
 
@@ -780,12 +807,14 @@ class SweepResult:
 @dataclass(frozen=True, slots=True)
 class ForgetResult:
     """:meth:`RedisIndex.forget_replica`'s answer: ``unlinked`` keys, or why it refused
-    (``registered``, or ``recent`` with the meta's ``updated_ms``)."""
+    (``registered``; ``recent`` with the meta's ``updated_ms``; ``active`` with
+    ``active_ms``, the latest expiry of a gateway's pending entry or in-flight liveness)."""
 
     replica: str
     unlinked: int = 0
     refused: str = ""
     updated_ms: int | None = None
+    active_ms: int | None = None
 
 
 class RedisIndex:
@@ -1258,14 +1287,18 @@ class RedisIndex:
         now_ms: int,
         idle_ms: int,
         force: bool = False,
+        check: bool = False,
     ) -> ForgetResult:
         """Unlink every key of ``replica`` (a departed one): its meta, its keys with no
         epoch, its current epoch's and every key of ``keys`` (what
         :meth:`keys_by_replica` found for it), at once. Unless ``force``, refused while it
-        has a registration key or its meta was updated less than ``idle_ms`` before
-        ``now_ms`` (checked in the same script, so an agent that writes in between is
-        never half-forgotten). An agent of that id that comes back later finds no meta and
-        builds a new replica from scratch."""
+        has a registration key, its meta was updated less than ``idle_ms`` before
+        ``now_ms``, or a gateway's pending entry or in-flight liveness for it expired less
+        than ``idle_ms`` before (gateways route to it: an agentless replica has no meta),
+        all checked in the same script, so an agent or gateway that writes in between is
+        never half-forgotten. ``check``: only say whether it would be refused (unlinked
+        stays 0; nothing, not even the surplus orphans, is unlinked). An agent of that id
+        that comes back later finds no meta and builds a new replica from scratch."""
         meta = self.layout.meta(replica)
         scoped: list[tuple[bytes | str, int]] = []  # epoch-scoped keys and their epochs
         for key in keys:
@@ -1275,13 +1308,15 @@ class RedisIndex:
             if parsed[2] is not None:
                 scoped.append((key, parsed[2]))
         head, rest = scoped[:_FORGET_KEYS_PER_CALL], scoped[_FORGET_KEYS_PER_CALL:]
+        if check:
+            rest = []
         try:
             for key, epoch in rest:  # a bounded script: the surplus goes as orphans first
                 await self._call(self._sweep, [meta, key], [epoch])
             reply = await self._call(
                 self._forget,
                 [meta, *(key for key, _ in head)],
-                [now_ms, idle_ms, "1" if force else "0"],
+                [now_ms, idle_ms, "1" if force else "0", "1" if check else "0"],
             )
         except REDIS_FAILURES as exc:
             raise _stale_or_index_error(exc, f"forget {replica}") from exc
@@ -1289,6 +1324,10 @@ class RedisIndex:
         if outcome == "forgotten":
             log.info("replica forgotten", extra={"replica": replica, "unlinked": reply[1]})
             return ForgetResult(replica, unlinked=int(reply[1]))
+        if outcome == "forgettable":
+            return ForgetResult(replica)
+        if outcome == "active":
+            return ForgetResult(replica, refused=outcome, active_ms=int(reply[1]))
         updated = _agent_int(reply[1], 0) if len(reply) > 1 else None
         return ForgetResult(replica, refused=outcome, updated_ms=updated)
 
