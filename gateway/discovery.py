@@ -66,7 +66,9 @@ class Discovery:
         self._task: asyncio.Task[None] | None = None
         self.removal_grace_ms = int(removal_grace_s * 1000)
         self._last_seen: dict[str, int] = {}  # discovered id -> the last read that had it
-        self._static_elsewhere: set[tuple[str, str]] = set()  # (static id, URL) warned of
+        # static id -> the other URL its registration was warned of: one entry per static
+        # replica, gone when its registration is (a set of every URL grew with churn)
+        self._static_elsewhere: dict[str, str] = {}
 
     async def refresh_once(self, now_ms: int | None = None) -> None:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
@@ -111,13 +113,12 @@ class Discovery:
                     extra={"replica": reg.replica_id, "url": reg.url, "old_url": rep.url},
                 )
                 rep = self.pool.move(reg.replica_id, reg.url.rstrip("/"))
-            elif (
-                self._moved(rep.url, reg)
-                and (reg.replica_id, reg.url) not in self._static_elsewhere
-            ):
+            elif not self._moved(rep.url, reg):
+                self._static_elsewhere.pop(reg.replica_id, None)
+            elif self._static_elsewhere.get(reg.replica_id) != reg.url:
                 # a static replica keeps its declared URL; its agent says the engine is
                 # elsewhere: the operator's to reconcile (once per URL, not every refresh)
-                self._static_elsewhere.add((reg.replica_id, reg.url))
+                self._static_elsewhere[reg.replica_id] = reg.url
                 log.warning(
                     "static replica registered at another URL: its declared URL is kept",
                     extra={"replica": reg.replica_id, "url": reg.url, "declared_url": rep.url},
@@ -130,6 +131,7 @@ class Discovery:
                 continue  # gone for less than the grace: a registry that lost it, maybe
             del self.discovered[rid]
             self._last_seen.pop(rid, None)
+            self._static_elsewhere.pop(rid, None)
             if rid not in self.static_ids:
                 self.pool.remove(rid)
                 log.info("replica registration expired: removed", extra={"replica": rid})

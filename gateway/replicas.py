@@ -320,6 +320,11 @@ class ReplicaPool:
         by_url: dict[str, list[Replica]] = {}
         for rep in self._replicas.values():
             by_url.setdefault(self._url_key(rep), []).append(rep)
+        # what is kept per URL goes with its last replica (a data-parallel engine's ranks
+        # share one URL): autoscaled pods' fresh IPs grew it for the gateway's life
+        for gone in [u for u in self._dp_groups if u not in by_url]:
+            del self._dp_groups[gone]
+        self._shared_warned.intersection_update(by_url)
         for url, reps in by_url.items():
             ranks: list[int | None] = [None] * len(reps)
             split = [split_dp_replica_id(r.id) for r in reps]
