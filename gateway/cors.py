@@ -73,6 +73,12 @@ _TCHAR = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHI
 Pairs = list[tuple[bytes, bytes]]
 
 
+def exempt(path: str) -> bool:
+    """A path that answers no CORS (``/admin``, ``/metrics``: module docstring); ``path``
+    percent-decoded, as an ASGI scope's."""
+    return path.startswith(EXEMPT_PREFIXES)
+
+
 def check_origin(value: str) -> str:
     """``*`` or a serialized origin, ``scheme://host[:port]``, lower-cased as browsers send
     it. Anything else could never equal an ``Origin`` header, a silent refusal: a path or
@@ -225,7 +231,7 @@ class CorsMiddleware:
         self.policy = policy
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(EXEMPT_PREFIXES):
+        if scope["type"] != "http" or exempt(scope["path"]):
             await self.app(scope, receive, send)
             return
         origin = method = asked = None

@@ -26,9 +26,11 @@ most one socket read more than the limit. After the 431 the gateway shuts its si
 drops what the client still sends for up to :data:`_LINGER_S` before closing: closing
 with unread bytes would reset the connection before the client reads its answer. A request
 the parser refuses is answered the same way, with a 400 OpenAI error object (uvicorn's
-own answer is text/plain). An upgrade offer other than to a WebSocket (``Upgrade: h2c``) is
-ignored and the request served as HTTP/1.1, body included (uvicorn loses the body).
-Tests: tests/test_hotpath.py, tests/test_h23_api_http.py.
+own answer is text/plain). Both carry the CORS headers when the request's Origin was read
+before the refusal (``GatewayHttpProtocol._cors``). An upgrade offer other than to a
+WebSocket (``Upgrade: h2c``) is ignored and the request served as HTTP/1.1, body included
+(uvicorn loses the body). Tests: tests/test_hotpath.py, tests/test_h23_api_http.py,
+tests/test_h24_http_edges.py.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any, cast
+from urllib.parse import unquote
 
 import httptools
 import orjson
@@ -43,6 +46,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from gateway.app import Completions
+from gateway.cors import exempt
 from gateway.errors import GatewayError, body_too_large, sse_error_event
 from gateway.proxy import UpstreamExchange
 
@@ -335,6 +339,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.head_received = 0  # bytes received since the head began, while in_head
         self.head_refused = False
         self.replaying = False  # a new parser reads again a head whose cycle exists
+        # the Origin of the request being parsed, for the CORS headers of a refusal
+        # (``_refuse``); None between requests, so garbage after one never takes its origin
+        self.origin: str | None = None
 
     def data_received(self, data: bytes) -> None:
         if self.head_refused:
@@ -436,7 +443,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         idle = cycle is None or cycle.response_complete
         if idle or (cycle.more_body and not cycle.response_started):
             body = _error_bytes(err)
-            parts = _status_and_headers(self, err.status, err.header_pairs())
+            parts = _status_and_headers(self, err.status, err.header_pairs() + self._cors())
             parts += (_CLOSE, b"content-length: %d\r\n\r\n" % len(body), body)
             transport.write(b"".join(parts))
             if idle and transport.can_write_eof():
@@ -444,6 +451,23 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 asyncio.get_running_loop().call_later(_LINGER_S, transport.close)
                 return
         transport.close()
+
+    def _cors(self) -> list[tuple[bytes, bytes]]:
+        """The CORS headers of a refusal: those of any answer to the request, when its
+        Origin (and so its target) was read before it; a page then reads why (a 431 for a
+        header it set too large) rather than a bare network error. A header line the parser
+        holds unfinished is not known: an Origin after the refused header gets none."""
+        policy = self.completions.cors
+        if policy is None:
+            return []
+        if self.origin is not None:  # the target came before any header: it is whole
+            try:
+                path = httptools.parse_url(self.url).path.decode("latin-1")
+            except httptools.HttpParserInvalidURLError:
+                return []
+            if exempt(unquote(path)):  # as the ASGI scope's path, percent-decoded
+                return []
+        return policy.actual(self.origin)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)  # marks ``self.cycle``
@@ -458,6 +482,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         super().on_header(name, value)
         self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+        if len(name) == 6 and self.origin is None and name.lower() == b"origin":
+            # the first wins, as on both paths; trailing blanks dropped as uvicorn does
+            self.origin = value.rstrip(b" \t").decode("latin-1")
         if len(name) == 14 and name.lower() == b"content-length":
             digits = value.strip()
             self.content_length = int(digits) if digits.isdigit() else None
@@ -480,11 +507,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.content_length = None
         self.head_bytes = 0
+        self.origin = None
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self.in_head = True  # what comes next is the next request's head
         self.replaying = False
+        self.origin = None
 
     def on_headers_complete(self) -> None:
         self.in_head = False
