@@ -121,6 +121,78 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+class InternalErrorMiddleware:
+    """An unhandled error in a route, before its answer began: an OpenAI 500 error object,
+    inside the CORS and request-id middlewares so it carries their headers. Starlette's own
+    500 (``ServerErrorMiddleware``) is outermost, text/plain and without CORS: a browser
+    reported it as a CORS failure, not a 500. The connection closes after it, as the hot
+    path's 500 does. An error after the answer began goes on to uvicorn, which cuts the
+    connection (a cut answer must not look complete)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            err = GatewayError(500, "internal gateway error", headers={"connection": "close"})
+            await err.response()(scope, receive, send)  # x-request-id: RequestIdMiddleware
+
+
+class ExpectContinueMiddleware:
+    """A request with ``Expect: 100-continue`` answered before its route asked for the body
+    (an admin POST's 401: uvicorn writes ``100 Continue`` at the first ``receive``) says
+    ``connection: close``, and uvicorn closes after it, as the hot path does
+    (``HotCycle._head``). The client never sent the body: one that sent its next request
+    instead would have it read as this body and wait (RFC 9110 s10.1.1: a server answering
+    before the content SHOULD say whether it closes)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        expects = body = False
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"expect":
+                    expects = value.lower() == b"100-continue"
+                elif name == b"content-length":
+                    body = body or value != b"0"
+                elif name == b"transfer-encoding":
+                    body = True
+        if not (expects and body):
+            await self.app(scope, receive, send)
+            return
+        asked = False
+
+        async def receive_asked() -> Any:
+            nonlocal asked
+            asked = True
+            return await receive()
+
+        async def send_closing(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and not asked:
+                closing = [*(message.get("headers") or []), (b"connection", b"close")]
+                message = {**message, "headers": closing}
+            await send(message)
+
+        await self.app(scope, receive_asked, send_closing)
+
+
 Refusal = tuple[GatewayError, str]
 """An answer the gateway gives itself instead of going upstream, with the request id."""
 
@@ -533,6 +605,8 @@ def create_app(gw: Gateway) -> FastAPI:
     app.add_api_route("/admin/stages", guarded(admin_stages), methods=["GET", "POST"])
     app.add_api_route("/admin/fit", guarded(admin_fit), methods=["GET"])
     app.add_api_route("/admin/index", guarded(admin_index), methods=["GET"])
+    app.add_middleware(InternalErrorMiddleware)  # inside both: its 500 gets their headers
+    app.add_middleware(ExpectContinueMiddleware)
     app.add_middleware(RequestIdMiddleware)
     if completions_core.cors is not None:  # outermost: preflights answered before routing
         app.add_middleware(CorsMiddleware, policy=completions_core.cors)
