@@ -5,9 +5,12 @@ instead of the server's logged one and exit."""
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 from collections.abc import Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 2048
 _FREE_PORT_TRIES = 8  # port 0: picks of a port free on the first address but not another
@@ -29,7 +32,9 @@ def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[
     Connections made before the server starts wait in the backlog. With SO_REUSEADDR, as
     asyncio's ``create_server`` sets, so a port in TIME_WAIT is not taken for busy. Port 0
     picks a free one, the same on every address (one port for clients of either family).
-    Raises :class:`ListenError` naming the first failure (nothing stays open)."""
+    An address this host does not have (EADDRNOTAVAIL) is skipped, logged, when another
+    one is listened on: Docker's /etc/hosts names ``::1 localhost`` with IPv6 disabled.
+    Raises :class:`ListenError` naming the first other failure (nothing stays open)."""
     try:
         # a name listed twice (two /etc/hosts lines) resolves twice: one socket per address,
         # as asyncio's create_server does, or the second bind fails against the first
@@ -59,6 +64,7 @@ def _listen_on(
     create_server with port 0) gave ``localhost`` or ``""`` one port per family, and a
     server that names one port reachable on one family only."""
     bound: list[socket.socket] = []
+    missing: list[tuple[Any, OSError]] = []  # addresses this host lacks, skipped if another binds
     picked = port
     try:
         for family, kind, proto, _, addr in infos:
@@ -78,10 +84,23 @@ def _listen_on(
                     for s in bound:
                         s.close()
                     return None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    bound.pop().close()
+                    missing.append((addr[0], exc))
+                    continue
                 raise ListenError(exc.strerror or str(exc)) from exc
             picked = sock.getsockname()[1]
         if not bound:
+            if missing:
+                exc = missing[0][1]
+                raise ListenError(exc.strerror or str(exc))
             raise ListenError("no address to listen on")
+        for address, exc in missing:
+            log.warning(
+                "not listening on %s: %s (listening on the host's other addresses)",
+                address,
+                exc.strerror or exc,
+            )
     except BaseException:
         for sock in bound:
             sock.close()
