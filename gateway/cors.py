@@ -23,6 +23,12 @@ Answers, by the Fetch standard (s4.8-4.10, CORS check and CORS-preflight fetch):
   otherwise); with a list of origins also ``Vary: Origin`` (the answer depends on it: a
   shared cache must not hand one origin's answer to another).
 
+Chromium's Private Network Access: a preflight from a public page to a gateway on a
+private address carries ``Access-Control-Request-Private-Network: true`` and fails
+without ``Access-Control-Allow-Private-Network: true`` in the 204, which is answered when
+``KVGATE_CORS_ALLOW_PRIVATE_NETWORK`` is set. Unset, the header is ignored, not refused:
+a Chromium in PNA's warning-only mode then still gets the plain 204 it proceeds on.
+
 ``/admin`` and ``/metrics`` get none of this: they take the admin key, an operator's
 credential used from curl, ``kvgate`` and Prometheus, never from a page. Allowing them
 would let any script on an allowed origin (an XSS in the chat UI) drive the admin API
@@ -130,6 +136,8 @@ class CorsPolicy:
         "_methods",
         "_prefixes",
         "_preflight",
+        "_preflight_vary",
+        "_private_network",
         "_vary_only",
     )
 
@@ -140,6 +148,7 @@ class CorsPolicy:
         headers: Iterable[str] = DEFAULT_HEADERS,
         credentials: bool = False,
         max_age_s: int = 600,
+        private_network: bool = False,
     ) -> None:
         origins = [check_origin(o) for o in origins]
         self._any_origin = "*" in origins
@@ -170,6 +179,12 @@ class CorsPolicy:
             vary = [] if self._any_origin else [(b"vary", b"Origin")]
             self._actual[origin] = [acao, *common, *vary]
             self._preflight[origin] = [acao, *shared]
+        # Chromium's Private Network Access (module docstring): answered only when set
+        self._private_network = private_network
+        vary = b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
+        if private_network:  # the answer then depends on that request header too
+            vary += b", Access-Control-Request-Private-Network"
+        self._preflight_vary = (b"vary", vary)
         # a list of origins: an answer to any other (or none) varies by Origin too
         self._vary_only: Pairs = [] if self._any_origin else [(b"vary", b"Origin")]
 
@@ -184,6 +199,7 @@ class CorsPolicy:
             s.cors_allowed_headers,
             s.cors_allow_credentials,
             s.cors_max_age_s,
+            s.cors_allow_private_network,
         )
 
     def actual(self, origin: str | None) -> Pairs:
@@ -196,9 +212,12 @@ class CorsPolicy:
     def _header_ok(self, name: str) -> bool:
         return name in self._headers or (bool(self._prefixes) and name.startswith(self._prefixes))
 
-    def preflight(self, origin: str, method: str, asked: str | None) -> tuple[int, Pairs, bytes]:
+    def preflight(
+        self, origin: str, method: str, asked: str | None, private_network: bool = False
+    ) -> tuple[int, Pairs, bytes]:
         """The answer to a preflight: status, headers, body. ``asked``: its
-        Access-Control-Request-Headers (comma-separated names)."""
+        Access-Control-Request-Headers (comma-separated names); ``private_network``: it
+        carries ``Access-Control-Request-Private-Network: true``."""
         base = self._preflight.get("*" if self._any_origin else origin)
         names = [n.strip().lower() for n in asked.split(",")] if asked else []
         names = [n for n in names if n]
@@ -209,7 +228,7 @@ class CorsPolicy:
             why = f"method {method} is not allowed"
         elif not self._any_headers and (bad := [n for n in names if not self._header_ok(n)]):
             why = f"request header(s) {', '.join(bad)} not allowed"
-        vary = (b"vary", b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers")
+        vary = self._preflight_vary
         if base is None or why is not None:
             err = GatewayError(403, f"CORS preflight refused: {why}", code="cors_refused")
             return 403, [(b"content-type", b"application/json"), vary], orjson.dumps(err.body())
@@ -218,6 +237,8 @@ class CorsPolicy:
             pairs.append((b"access-control-allow-methods", method.encode("latin-1")))
         if names:
             pairs.append((b"access-control-allow-headers", ", ".join(names).encode("latin-1")))
+        if private_network and self._private_network:
+            pairs.append((b"access-control-allow-private-network", b"true"))
         return 204, pairs, b""
 
 
@@ -235,6 +256,7 @@ class CorsMiddleware:
             await self.app(scope, receive, send)
             return
         origin = method = asked = None
+        private_network = False
         for name, value in scope["headers"]:
             if name == b"origin":
                 origin = origin or value.decode("latin-1")
@@ -243,8 +265,10 @@ class CorsMiddleware:
             elif name == b"access-control-request-headers":
                 text = value.decode("latin-1")  # a repeated header: one list (RFC 9110 s5.3)
                 asked = text if asked is None else f"{asked},{text}"
+            elif name == b"access-control-request-private-network":
+                private_network = value.strip().lower() == b"true"
         if scope["method"] == "OPTIONS" and origin is not None and method is not None:
-            status, headers, body = self.policy.preflight(origin, method, asked)
+            status, headers, body = self.policy.preflight(origin, method, asked, private_network)
             if body:
                 headers = [*headers, (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": status, "headers": headers})

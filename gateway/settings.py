@@ -142,6 +142,9 @@ class GatewaySettings(BaseSettings):
     cors_allow_credentials: bool = False
     # how long a browser keeps a preflight's answer (Chromium caps it at 7200 s)
     cors_max_age_s: Annotated[int, Field(ge=0, le=86400)] = 600
+    # Chromium's Private Network Access: a public page may call a gateway on a private
+    # address (Access-Control-Allow-Private-Network in the preflight's answer)
+    cors_allow_private_network: bool = False
     # DEBUG ONLY, never in production: every tenant (and trust group) shares ONE cache scope,
     # so tenants hit each other's prefixes. It exists for the attack suite's positive
     # controls (``kvgate attack``), which must show that their probes detect a shared cache.
