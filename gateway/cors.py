@@ -181,10 +181,10 @@ class CorsPolicy:
             self._preflight[origin] = [acao, *shared]
         # Chromium's Private Network Access (module docstring): answered only when set
         self._private_network = private_network
-        vary = b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
+        varies = b"Origin, Access-Control-Request-Method, Access-Control-Request-Headers"
         if private_network:  # the answer then depends on that request header too
-            vary += b", Access-Control-Request-Private-Network"
-        self._preflight_vary = (b"vary", vary)
+            varies += b", Access-Control-Request-Private-Network"
+        self._preflight_vary = (b"vary", varies)
         # a list of origins: an answer to any other (or none) varies by Origin too
         self._vary_only: Pairs = [] if self._any_origin else [(b"vary", b"Origin")]
 
