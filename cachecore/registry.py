@@ -35,7 +35,7 @@ from cachecore.index.layout import (
     validate_replica_id,
 )
 from cachecore.index.redis import REDIS_FAILURES, RedisClient, RedisScript, redis_client
-from cachecore.urls import split_user_info
+from cachecore.urls import split_user_info, url_host
 
 MAX_REGISTRATION_BYTES = 4096
 DEFAULT_REGISTRATION_TTL_MS = 10_000
@@ -51,8 +51,10 @@ class InvalidURLError(ValueError):
 
 def normalize_url(url: str) -> str:
     """Canonical form used to compare URLs with the allowlist: lower-case scheme and host,
-    explicit port, no trailing slash. User info, query and fragment are refused (they are
-    the usual ways to make a URL look like another)."""
+    explicit port, no trailing slash. An IPv6 zone id keeps its case (interface names are
+    case-sensitive) and is written bare, ``[fe80::1%eth0]``, RFC 6874's ``%25eth0`` read as
+    the same (:func:`~cachecore.urls.url_host`). User info, query and fragment are refused
+    (they are the usual ways to make a URL look like another)."""
     info = split_user_info(url)  # errors are logged and answered: never the password
     if info is not None:
         raise InvalidURLError(f"URL must not carry user info: {info.redacted!r}")
@@ -66,13 +68,14 @@ def normalize_url(url: str) -> str:
         raise InvalidURLError(f"URL scheme must be http or https: {url!r}")
     if parts.query or parts.fragment:
         raise InvalidURLError(f"URL must not carry a query or fragment: {url!r}")
-    host = (parts.hostname or "").lower()
+    host = parts.hostname or ""  # lower-cased, zone id and all
     if not host:
         raise InvalidURLError(f"URL has no host: {url!r}")
+    if parts.netloc.startswith("["):  # an IPv6 literal as written: only its address lowered
+        address, pct, zone_id = parts.netloc[1 : parts.netloc.index("]")].partition("%")
+        host = url_host(f"[{address.lower()}{pct}{zone_id}]", zone="bare")
     if port is None:
         port = 443 if scheme == "https" else 80
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
     path = parts.path.rstrip("/")
     return f"{scheme}://{host}:{port}{path}"
 
