@@ -8,10 +8,12 @@ Chromium's Private Network Access preflight (KVGATE_CORS_ALLOW_PRIVATE_NETWORK).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 import pytest
 
+from gateway.app import ExpectContinueMiddleware, InternalErrorMiddleware
 from gateway.hotpath import MAX_HEADER_BYTES
 from gateway.settings import GatewaySettings
 from tests.test_gateway_support import Stack, stack
@@ -231,3 +233,48 @@ def test_the_private_network_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert GatewaySettings().cors_allow_private_network is True
     monkeypatch.delenv("KVGATE_CORS_ALLOW_PRIVATE_NETWORK")
     assert GatewaySettings().cors_allow_private_network is False
+
+
+async def test_a_crash_after_the_answer_began_is_left_to_the_server() -> None:
+    """Direct ASGI calls (no server): an answer already begun cannot become a 500; the error
+    goes on, and uvicorn cuts the connection (a cut answer must not look complete)."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def streams_then_fails(scope: Any, rcv: Any, snd: Any) -> None:
+        await snd({"type": "http.response.start", "status": 200, "headers": []})
+        await snd({"type": "http.response.body", "body": b"part", "more_body": True})
+        raise RuntimeError("injected fault")
+
+    scope = {"type": "http", "method": "GET", "path": "/x", "headers": []}
+    with pytest.raises(RuntimeError, match="injected fault"):
+        await InternalErrorMiddleware(streams_then_fails)(scope, receive, send)
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[0]["status"] == 200
+
+
+async def test_expect_without_a_body_or_after_reading_it_keeps_the_connection() -> None:
+    async def answers(scope: Any, rcv: Any, snd: Any) -> None:
+        if scope["path"] == "/reads":
+            await rcv()
+        await snd({"type": "http.response.start", "status": 200, "headers": []})
+        await snd({"type": "http.response.body", "body": b""})
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    for path, length, closes in (("/x", b"2", True), ("/x", b"0", False), ("/reads", b"2", False)):
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any], sent: list[dict[str, Any]] = sent) -> None:
+            sent.append(message)
+
+        headers = [(b"expect", b"100-continue"), (b"content-length", length)]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+        await ExpectContinueMiddleware(answers)(scope, receive, send)
+        assert ((b"connection", b"close") in sent[0]["headers"]) == closes, (path, length)
