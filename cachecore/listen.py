@@ -92,14 +92,14 @@ def _listen_on(
             picked = sock.getsockname()[1]
         if not bound:
             if missing:
-                exc = missing[0][1]
-                raise ListenError(exc.strerror or str(exc))
+                first = missing[0][1]
+                raise ListenError(first.strerror or str(first))
             raise ListenError("no address to listen on")
-        for address, exc in missing:
+        for address, error in missing:
             log.warning(
                 "not listening on %s: %s (listening on the host's other addresses)",
                 address,
-                exc.strerror or exc,
+                error.strerror or error,
             )
     except BaseException:
         for sock in bound:
