@@ -163,13 +163,13 @@ async def test_a_good_tokenizer_is_loaded_once_off_the_loop_before_it_serves(
 async def test_a_slow_tokenizer_load_does_not_stall_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A load that waits 0.4 s (a slow volume) during a reload and the pool's first
-    requests: a 50 ms ticker keeps ticking (before: the first request stalled it 0.4 s).
+    """A load that waits 1 s (a slow volume) during a reload and the pool's first
+    requests: a 50 ms ticker keeps ticking (before: the first request stalled it 1 s).
     The parse itself holds the GIL (``tokenizers``) and is not covered by this."""
     good = _exported(tmp_path / "good")
     f = tmp_path / "p.yaml"
     f.write_text(BASE)
-    monkeypatch.setattr(HFTokenizer, "from_dir", _FromDirSpy(delay_s=0.4))
+    monkeypatch.setattr(HFTokenizer, "from_dir", _FromDirSpy(delay_s=1.0))
     async with _gateway(f) as (_gw, h):
         gaps: list[float] = []
         stop = asyncio.Event()
@@ -188,8 +188,8 @@ async def test_a_slow_tokenizer_load_does_not_stall_the_loop(
         await _served(h, "first")
         stop.set()
         await ticker
-        assert len(gaps) >= 5  # it ticked through the load
-        assert max(gaps) < 0.3, gaps
+        assert len(gaps) >= 10  # it ticked through the load
+        assert max(gaps) < 0.5, gaps  # a busy host's jitter, not the 1 s load
 
 
 async def test_a_truncated_tokenizer_fails_the_start(tmp_path: Path) -> None:
