@@ -455,8 +455,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _cors(self) -> list[tuple[bytes, bytes]]:
         """The CORS headers of a refusal: those of any answer to the request, when its
         Origin (and so its target) was read before it; a page then reads why (a 431 for a
-        header it set too large) rather than a bare network error. A header line the parser
-        holds unfinished is not known: an Origin after the refused header gets none."""
+        cookie jar over the limit, sent after Origin) rather than a bare network error. A
+        header line the parser holds unfinished is not known, nor is an Origin after the
+        refused line (docs/gateway.md "CORS")."""
         policy = self.completions.cors
         if policy is None:
             return []
