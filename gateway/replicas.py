@@ -487,17 +487,24 @@ class ReplicaPool:
     # ---------------------------------------------------------------- active checks
     async def check_once(self, refresh_models: bool = False) -> None:
         reps = list(self._replicas.values())
-        probes = await asyncio.gather(*(self._probe(r) for r in reps))
-        # some replica answered in this round: the loop could see answers, so a timeout
-        # past the inconclusive streak is held against its replica. A round where none
-        # answered holds nothing against anyone: all of a stalled gateway's probes time out
-        # together, and counting them ejected the whole fleet at once
-        answered = any(pr.answered for pr in probes)
+        answered = False  # some replica answered in this round: the loop could see answers
+        past_streak: list[tuple[Replica, _Probe]] = []
+
+        async def check(rep: Replica) -> None:
+            nonlocal answered
+            pr = await self._probe(rep)
+            answered = answered or pr.answered
+            if pr.stall is not None and rep.health_inconclusive >= _MAX_INCONCLUSIVE:
+                past_streak.append((rep, pr))  # judged once the round is known
+            else:  # applied as it comes: a dead replica is out before a slow peer answers
+                await self._apply(rep, pr, False, refresh_models)
+
+        await asyncio.gather(*(check(r) for r in reps))
+        # a timeout past the streak is held against its replica only when another answered
+        # in the round: all of a stalled gateway's probes time out together, and counting
+        # them ejected the whole fleet at once
         await asyncio.gather(
-            *(
-                self._apply(r, pr, answered, refresh_models)
-                for r, pr in zip(reps, probes, strict=True)
-            )
+            *(self._apply(rep, pr, answered, refresh_models) for rep, pr in past_streak)
         )
 
     async def _probe(self, rep: Replica) -> _Probe:

@@ -354,3 +354,53 @@ async def test_a_gateway_starved_at_its_start_serves_its_first_request() -> None
             counted = [ln for ln in metrics.splitlines() if ln.startswith(line)]
             assert counted and float(counted[0].split()[-1]) >= 2.0, counted
             assert "kvgate_event_loop_lag_seconds_bucket" in metrics
+
+
+@asynccontextmanager
+async def dribbling_engine() -> AsyncIterator[str]:
+    """Answers /health 200 with a body sent a byte every 0.2 s (never whole within the
+    probe's 2 s deadline)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+            for _ in range(100):
+                await writer.drain()
+                await asyncio.sleep(0.2)
+                writer.write(b" ")
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_dead_replica_is_out_before_a_slow_peers_probe_ends() -> None:
+    """Each probe's outcome applies as it comes (only a timeout past the inconclusive streak
+    waits for the round): a refused replica was marked unhealthy only once its peer's
+    dribbled answer ran out its 2 s deadline."""
+    monitor = LoopLagMonitor()
+    monitor.start()
+    try:
+        async with dribbling_engine() as slow, httpx.AsyncClient() as client:
+            out: dict[str, float] = {}
+
+            def changed(replica: str, routable: bool) -> None:
+                if not routable:
+                    out[replica] = time.monotonic()
+
+            pool = ReplicaPool(client, HealthPolicy(), on_change=changed, loop_lag=monitor)
+            pool.add(ReplicaSpec("dead", f"http://127.0.0.1:{free_port()}"))
+            pool.add(ReplicaSpec("slow", slow))
+            t0 = time.monotonic()
+            await pool.check_once()
+            assert time.monotonic() - t0 >= 1.5  # the round lasts the 2 s deadline
+            assert out["dead"] - t0 < 1.0, out  # the dead replica was out long before
+    finally:
+        await monitor.stop()
