@@ -183,7 +183,7 @@ async def measure(cfg: FloodConfig) -> FloodReport:
                 ("flood, no defence", True, UNDEFENDED),
             ]
             for i, (label, flood, policy) in enumerate(plan):
-                g.gw.policies.reload_text(policy)
+                await g.gw.policies.reload(policy, "kvgate attack")
                 await _reset(fleet, g, http)
                 runs.append(await _run(g, fleet, http, workload(flood, cfg.seed + i), label))
     return FloodReport(runs, time.perf_counter() - t0)
