@@ -180,6 +180,9 @@ class Dispatch:
     # died of this request): retried at most KVGATE_DROP_RETRIES times
     drops: int = 0
     tried: list[str] = field(default_factory=list)
+    # the pool's replica the current attempt went to: a check still out when that replica
+    # left, or was replaced by a new one under the same id, is not about the one there now
+    target: Replica | None = None
     ticket: Ticket | None = None
     t_start: float = 0.0
     load_at_dispatch: LoadView | None = None
@@ -1247,8 +1250,14 @@ class Gateway:
             outcome = "false"
         else:  # "unverifiable", or "tampered" (counted as false): an impossible floor or time
             outcome = str(answer)
-        if self._departed(d.replica):
-            return  # removed while its check was out: no verdict, no quarantine to watch
+        if self._departed(d.replica) or (
+            d.target is not None
+            and self.pool is not None
+            and self.pool.get(d.replica) is not d.target
+        ):
+            # removed, or replaced under its id, while its check was out: no verdict, no
+            # quarantine to watch (the new engine's index says nothing of the old claims)
+            return
         self.metrics.claim_checks.labels(d.replica, outcome).inc()
         unverifiable = answer is LogAnswer.UNVERIFIABLE
         changed = self.quarantine.observe(

@@ -252,7 +252,7 @@ class UpstreamExchange(Response):
         try:
             while True:
                 c0 = time.perf_counter_ns()
-                rep = gw.pool.get(d.replica)
+                rep = d.target = gw.pool.get(d.replica)
                 if rep is None:  # removed meanwhile
                     if gw.reroute(d, d.replica):
                         continue

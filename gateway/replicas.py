@@ -209,6 +209,7 @@ class _Probe:
     """One health probe's outcome: ``answered`` when the replica sent an answer (any
     status); ``stall`` when it timed out while the gateway's own loop stalled."""
 
+    url: str  # where it went: a replica moved meanwhile is not judged by it
     ok: bool
     reason: str
     answered: bool = False
@@ -410,7 +411,11 @@ class ReplicaPool:
 
     # ---------------------------------------------------------------- passive signals
     def _sync(self, rep: Replica) -> None:
-        """Tell on_change when ``rep``'s routability differs from what it last heard."""
+        """Tell on_change when ``rep``'s routability differs from what it last heard (not
+        for a replica object the pool no longer holds: a probe that was out when its
+        replica was removed, or replaced by a new one under the same id, reports late)."""
+        if self._replicas.get(rep.id) is not rep:
+            return
         now = self._clock()
         routable = rep.routable(now)
         if routable != rep.reported:
@@ -508,22 +513,27 @@ class ReplicaPool:
         )
 
     async def _probe(self, rep: Replica) -> _Probe:
-        where = f"GET {rep.url}/health"
+        url = rep.url
+        where = f"GET {url}/health"
         t0 = self._loop_lag_clock()
         try:
             r = await self._read(rep, "/health", _HEALTH_CAP)
-            return _Probe(r.status_code == 200, f"{where}: HTTP {r.status_code}", True)
+            return _Probe(url, r.status_code == 200, f"{where}: HTTP {r.status_code}", True)
         except httpx.TimeoutException as exc:
-            return _Probe(False, f"{where}: {type(exc).__name__}: {exc}", stall=self._stall(t0))
+            return _Probe(
+                url, False, f"{where}: {type(exc).__name__}: {exc}", stall=self._stall(t0)
+            )
         except httpx.HTTPError as exc:
-            return _Probe(False, f"{where}: {type(exc).__name__}: {exc}")
+            return _Probe(url, False, f"{where}: {type(exc).__name__}: {exc}")
         except AnswerTooLarge as exc:  # not an engine's health answer
-            return _Probe(False, f"{where}: {exc}", True)
+            return _Probe(url, False, f"{where}: {exc}", True)
         except TimeoutError as exc:  # no whole answer by the deadline
-            return _Probe(False, f"{where}: {exc}", stall=self._stall(t0))
+            return _Probe(url, False, f"{where}: {exc}", stall=self._stall(t0))
 
     async def _apply(self, rep: Replica, pr: _Probe, answered: bool, refresh_models: bool) -> None:
         p = self.policy
+        if self._replicas.get(rep.id) is not rep or rep.url != pr.url:
+            return  # removed, replaced or moved while its probe was out: not about it now
         if pr.stall is not None and (rep.health_inconclusive < _MAX_INCONCLUSIVE or not answered):
             self._inconclusive(rep, pr.stall)
             return
