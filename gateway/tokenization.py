@@ -483,7 +483,8 @@ class TokenizerPools:
         with them is applied (at start-up and at each reload): a tokenizer.json that does
         not load (cut short, corrupt) then refuses the policy, where it was accepted and
         failed every request of its pool, each parsing the file again on the event loop.
-        Returns (field, problem) pairs; the loaded ones are what :meth:`local` serves.
+        Returns (field, problem) pairs; when there are none, the loaded ones are what
+        :meth:`local` serves (when there are, nothing changed).
         ``tokenizers`` holds the GIL while it parses, so the loop still waits for that
         part (~65 ms/MB here); the reads, the template and a failed request's retries no
         longer do."""
@@ -491,6 +492,9 @@ class TokenizerPools:
         named = [("models.default", models.default)]
         named += [(f"models.pools.{name}", pool) for name, pool in models.pools.items()]
         done: set[str] = set()
+        # installed only when all load: a refused policy changes nothing (a directory the
+        # old policy shares would otherwise serve the new file's tokenizer already)
+        staged: dict[str, tuple[LocalPromptTokenizer, tuple[FileVersion | None, ...]]] = {}
         for field, pool in named:
             directory = pool.tokenizer_dir
             if pool.tokenizer != "hf" or not directory or directory in done:
@@ -505,8 +509,11 @@ class TokenizerPools:
                 tok_file = str(Path(directory) / "tokenizer.json")
                 problems.append((f"{field}.tokenizer_dir", f"{tok_file!r} does not load: {exc}"))
                 continue
-            self._local[("hf", directory)] = LocalPromptTokenizer(hf, self._cache_tokens)
-            self._versions[directory] = version
+            staged[directory] = (LocalPromptTokenizer(hf, self._cache_tokens), version)
+        if not problems:
+            for directory, (tok, version) in staged.items():
+                self._local[("hf", directory)] = tok
+                self._versions[directory] = version
         return problems
 
     def retain(self, models: ModelsPolicy) -> None:
