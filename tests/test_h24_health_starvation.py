@@ -27,6 +27,7 @@ from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from policies.schema import HealthPolicy
 from tests.test_gateway_support import FAST, SECRET, words
+from tests.test_upstream import server
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -199,24 +200,10 @@ async def test_a_starved_gateway_keeps_its_replica_and_a_slow_replica_is_still_c
             await monitor.stop()
 
 
-@asynccontextmanager
-async def hung_engine() -> AsyncIterator[str]:
-    """Accepts connections and reads, never answers (a wedged engine, SIGSTOPped)."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while await reader.read(65536):
-                pass
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+async def hung(reader: asyncio.StreamReader, _: asyncio.StreamWriter) -> None:
+    """Reads, never answers (a wedged engine, SIGSTOPped): a handler for ``server``."""
+    while await reader.read(65536):
+        pass
 
 
 async def test_a_hung_replica_behind_a_busy_but_running_loop_is_marked_unhealthy() -> None:
@@ -234,7 +221,7 @@ async def test_a_hung_replica_behind_a_busy_but_running_loop_is_marked_unhealthy
 
     worker = asyncio.ensure_future(busy())
     try:
-        async with hung_engine() as url:
+        async with server(hung) as (url, _):
             seen: list[str] = []
             pool = await _one_round(url, monitor, seen)
             rep = pool.get("r0")
@@ -281,33 +268,17 @@ async def test_a_round_where_no_replica_answered_holds_nothing_against_anyone() 
             await monitor.stop()
 
 
-@asynccontextmanager
-async def hung_and_stalling_engine() -> AsyncIterator[str]:
+async def hung_and_stalling(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
     """Never answers; 0.3 s after each connection it blocks the loop 0.4 s (across the
     probe's 0.5 s read timeout): a hung replica probed by a stalled gateway."""
-    loop = asyncio.get_running_loop()
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        loop.call_later(0.3, time.sleep, 0.4)
-        try:
-            while await reader.read(65536):
-                pass
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    asyncio.get_running_loop().call_later(0.3, time.sleep, 0.4)
+    await hung(reader, w)
 
 
 async def test_a_hung_replica_is_taken_out_in_rounds_where_its_peers_answer() -> None:
     """Three inconclusive probes in a row at most when another replica answered in the
     round: the fourth timeout counts."""
-    async with run_fleet(FAST, count=1) as fleet, hung_and_stalling_engine() as hung:
+    async with run_fleet(FAST, count=1) as fleet, server(hung_and_stalling) as (stalling, _):
         monitor = LoopLagMonitor()
         monitor.start()
         try:
@@ -316,7 +287,7 @@ async def test_a_hung_replica_is_taken_out_in_rounds_where_its_peers_answer() ->
                 pool = ReplicaPool(
                     client, HealthPolicy(), loop_lag=monitor, on_inconclusive=seen.append
                 )
-                pool.add(ReplicaSpec("r0", hung))
+                pool.add(ReplicaSpec("r0", stalling))
                 pool.add(ReplicaSpec("r1", fleet.urls[0]))
                 got = await _rounds(pool, 4)
                 assert got == [[True, True]] * 3 + [[False, True]], got
@@ -356,29 +327,15 @@ async def test_a_gateway_starved_at_its_start_serves_its_first_request() -> None
             assert "kvgate_event_loop_lag_seconds_bucket" in metrics
 
 
-@asynccontextmanager
-async def dribbling_engine() -> AsyncIterator[str]:
-    """Answers /health 200 with a body sent a byte every 0.2 s (never whole within the
-    probe's 2 s deadline)."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
-            for _ in range(100):
-                await writer.drain()
-                await asyncio.sleep(0.2)
-                writer.write(b" ")
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+async def dribbling(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers 200 with a body sent a byte every 0.2 s (never whole within the probe's 2 s
+    deadline)."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+    for _ in range(100):
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(b" ")
 
 
 async def test_a_dead_replica_is_out_before_a_slow_peers_probe_ends() -> None:
@@ -388,7 +345,7 @@ async def test_a_dead_replica_is_out_before_a_slow_peers_probe_ends() -> None:
     monitor = LoopLagMonitor()
     monitor.start()
     try:
-        async with dribbling_engine() as slow, httpx.AsyncClient() as client:
+        async with server(dribbling) as (slow, _), httpx.AsyncClient() as client:
             out: dict[str, float] = {}
 
             def changed(replica: str, routable: bool) -> None:

@@ -9,50 +9,38 @@ from __future__ import annotations
 import asyncio
 import gzip
 import tracemalloc
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
 from cachecore.httpread import AnswerTooLarge, read_answer
+from tests.test_upstream import Handler, server
 
 pytestmark = pytest.mark.timeout(60)
 
 BOMB = gzip.compress(bytes(64 << 20), compresslevel=9)  # 64 MiB of zeros, ~64 KB on the wire
 
 
-@asynccontextmanager
-async def engine(gzip_always: bool) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """Answers every GET with 64 MiB of zeros, gzip-encoded when ``gzip_always`` (whatever
-    the client accepts), else plain; yields its URL and the request heads it read."""
-    heads: list[bytes] = []
+def engine(gzip_always: bool, heads: list[bytes]) -> Handler:
+    """Answers a GET with 64 MiB of zeros, gzip-encoded when ``gzip_always`` (whatever the
+    client accepts), else plain; appends the request heads it read to ``heads``."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            heads.append(await reader.readuntil(b"\r\n\r\n"))
-            if gzip_always:
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n"
-                    % len(BOMB)
-                )
-                writer.write(BOMB)
-            else:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (64 << 20))
-                for _ in range(64):
-                    writer.write(bytes(1 << 20))
-                    await writer.drain()
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        if gzip_always:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n"
+                % len(BOMB)
+            )
+            writer.write(BOMB)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (64 << 20))
+            for _ in range(64):
+                writer.write(bytes(1 << 20))
+                await writer.drain()
+        await writer.drain()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", heads
-    finally:
-        server.close()
+    return serve
 
 
 async def _peak_of_read(url: str) -> tuple[BaseException, int]:
@@ -73,7 +61,8 @@ async def _peak_of_read(url: str) -> tuple[BaseException, int]:
 
 
 async def test_a_gzip_bomb_is_refused_before_it_inflates() -> None:
-    async with engine(gzip_always=True) as (url, heads):
+    heads: list[bytes] = []
+    async with server(engine(True, heads)) as (url, _):
         exc, peak = await _peak_of_read(url)
     assert peak < 8 << 20, peak  # before: ~64 MiB inflated from one read
     assert isinstance(exc, AnswerTooLarge)
@@ -81,24 +70,18 @@ async def test_a_gzip_bomb_is_refused_before_it_inflates() -> None:
 
 
 async def test_an_encoding_it_cannot_decode_is_one_clear_error() -> None:
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def brotli(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-encoding: br\r\ncontent-length: 3\r\n\r\nabc")
         await writer.drain()
-        writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        async with httpx.AsyncClient() as client:
-            with pytest.raises(httpx.DecodingError, match="encoding not asked for: br"):
-                await read_answer(client, "GET", url, timeout_s=5, deadline_s=5, cap=1024)
-    finally:
-        server.close()
+    async with server(brotli) as (url, _), httpx.AsyncClient() as client:
+        with pytest.raises(httpx.DecodingError, match="encoding not asked for: br"):
+            await read_answer(client, "GET", url, timeout_s=5, deadline_s=5, cap=1024)
 
 
 async def test_a_plain_answer_over_the_cap_is_still_refused_as_it_arrives() -> None:
-    async with engine(gzip_always=False) as (url, _):
+    async with server(engine(False, [])) as (url, _):
         exc, peak = await _peak_of_read(url)
     assert isinstance(exc, AnswerTooLarge)
     assert peak < 8 << 20, peak

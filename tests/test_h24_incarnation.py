@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -23,35 +21,23 @@ from gateway.core import Dispatch
 from gateway.replicas import ReplicaPool, ReplicaSpec
 from gateway.routing import Decision, Strategy
 from policies.schema import HealthPolicy
-from tests.test_h24_departed_state import MODEL, fleet
+from tests.test_h24_departed_state import fleet
+from tests.test_upstream import server
+from tests.test_upstream_faults import MODEL
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@asynccontextmanager
-async def slow_failing_engine() -> AsyncIterator[str]:
-    """Answers /health 503 after 0.3 s (a probe that is out for a while, then fails)."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            await asyncio.sleep(0.3)
-            writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+async def slow_failing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers 503 after 0.3 s (a probe that is out for a while, then fails)."""
+    await reader.readuntil(b"\r\n\r\n")
+    await asyncio.sleep(0.3)
+    writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+    await writer.drain()
 
 
 async def test_a_late_probe_of_an_old_incarnation_leaves_the_new_one_alone() -> None:
-    async with slow_failing_engine() as url, httpx.AsyncClient() as client:
+    async with server(slow_failing) as (url, _), httpx.AsyncClient() as client:
         heard: list[tuple[str, bool]] = []
         pool = ReplicaPool(client, HealthPolicy(), on_change=lambda r, ok: heard.append((r, ok)))
         pool.add(ReplicaSpec("vllm-0", url))
@@ -66,8 +52,8 @@ async def test_a_late_probe_of_an_old_incarnation_leaves_the_new_one_alone() -> 
 
 async def test_a_probe_of_the_old_url_does_not_judge_a_moved_replica() -> None:
     async with (
-        slow_failing_engine() as old_url,
-        slow_failing_engine() as new_url,
+        server(slow_failing) as (old_url, _),
+        server(slow_failing) as (new_url, _),
         httpx.AsyncClient() as client,
     ):
         pool = ReplicaPool(client, HealthPolicy())
