@@ -112,21 +112,16 @@ class PolicyStore:
         m = self._stat()
         return m is not None and m != self._watch.read
 
-    def poll_file(self) -> bool:
-        """One look at the file: reload it once it has changed and then kept still since the
-        previous look, so a file written in parts (an editor's or `cat`'s save, a copy) is
-        not read half-written: a part that parses would be applied (an isolation-strict
-        file cut before its limits ran with none), one that does not would log an error.
-        A file gone for a whole interval (deleted, not replaced) is reported once, as a
-        reload that cannot read it: the policy in force stays, but a restart would fail.
-        False when nothing was read; raises :class:`PolicyError` on a refused reload."""
+    async def poll_file(self) -> bool:
+        """One look at the file: reload it (the prepared reload, :meth:`reload`) once it
+        has changed and then kept still since the previous look, so a file written in parts
+        (an editor's or `cat`'s save, a copy) is not read half-written: a part that parses
+        would be applied (an isolation-strict file cut before its limits ran with none), one
+        that does not would log an error. A file gone for a whole interval (deleted, not
+        replaced) is reported once, as a reload that cannot read it: the policy in force
+        stays, but a restart would fail. False when nothing was read; raises
+        :class:`PolicyError` on a refused reload."""
         if not self._watch.due(self._stat()):
-            return False
-        self.reload_file()
-        return True
-
-    async def _poll_file(self) -> bool:
-        if not self._watch.due(self._stat()):  # as poll_file, with the prepared reload
             return False
         await self.reload()
         return True
@@ -135,7 +130,7 @@ class PolicyStore:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                if not await self._poll_file():
+                if not await self.poll_file():
                     continue
                 log.info("policy reloaded", extra={"path": str(self.path)})
                 on_result(True, "")

@@ -597,7 +597,7 @@ class ReplicaPool:
         rep.health_inconclusive += 1
         if self._on_inconclusive is not None:
             self._on_inconclusive(rep.id)
-        now = self._loop_lag.now() if self._loop_lag is not None else 0.0
+        now = self._loop_lag_clock()
         if now - self._starved_logged >= _STARVED_LOG_INTERVAL_S:
             self._starved_logged = now
             log.warning(
