@@ -100,6 +100,12 @@ class ClientConnection(Protocol):
     the transport (after waiting out back-pressure); after the client went away they write
     nothing."""
 
+    @property
+    def disconnected(self) -> bool:
+        """The client went away before the answer was complete: set before the exchange's
+        task is cancelled for it, so a cancellation without it is the server's own (its
+        drain timeout ran out)."""
+
     async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A whole answer; ``headers`` without its length."""
 
@@ -116,10 +122,11 @@ class ClientConnection(Protocol):
 class AsgiConnection:
     """A :class:`ClientConnection` over an ASGI ``send``."""
 
-    __slots__ = ("send",)
+    __slots__ = ("disconnected", "send")
 
     def __init__(self, send: Send) -> None:
         self.send = send
+        self.disconnected = False  # set by UpstreamExchange.__call__'s watcher
 
     async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         headers = [*headers, (b"content-length", b"%d" % len(body))]
@@ -183,19 +190,18 @@ class UpstreamExchange(Response):
         me = asyncio.current_task()
         assert me is not None
         watch = asyncio.ensure_future(_wait_disconnect(receive))
-        cancelled_by_us = False
+        conn = AsgiConnection(send)
 
         def on_disconnect(_: object) -> None:
-            nonlocal cancelled_by_us
             if not self._settled and not watch.cancelled():
-                cancelled_by_us = True
+                conn.disconnected = True
                 me.cancel()
 
         watch.add_done_callback(on_disconnect)
         try:
-            await self.run(AsgiConnection(send))
+            await self.run(conn)
         except asyncio.CancelledError:
-            if not cancelled_by_us:
+            if not conn.disconnected:
                 raise  # the server's own cancellation (shutdown): not ours to swallow
             me.uncancel()
         finally:
@@ -328,8 +334,17 @@ class UpstreamExchange(Response):
                 await self._relay_stream(conn, resp, t0)
             else:
                 await self._relay_json(conn, resp, t0)
-        except asyncio.CancelledError:  # the client went away
-            self._finish(Outcome(499, None, time.perf_counter() - t0, None, None, None, None))
+        except asyncio.CancelledError:
+            e2e = time.perf_counter() - t0
+            if conn.disconnected:  # the client went away
+                self._finish(Outcome(499, None, e2e, None, None, None, None))
+            else:
+                # the server's own cut (the drain timeout ran out): the gateway's 503, as the
+                # server answers it (hotpath's 503 ``draining``, or the SSE error event of a
+                # stream begun); no error, so it counts against no replica
+                if not self.status:
+                    self.status = 503
+                self._finish(Outcome(503, None, e2e, None, None, None, None))
             raise
         finally:
             if resp is not None:
