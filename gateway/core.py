@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -65,6 +65,7 @@ from gateway.requesttrace import RequestTrace
 from gateway.routing import (
     Candidate,
     Decision,
+    Effects,
     NoCandidateError,
     Router,
     RouteRequest,
@@ -1059,6 +1060,7 @@ class Gateway:
         """After a connection failure before the first byte: pick another replica."""
         self.on_release(d)
         self._settle_pending(d, refused=True)  # the failed replica never got the request
+        self._retract_growth(d, failed)
         d.tried.append(failed)
         rest = [c for c in d.candidates if c.replica not in d.tried]
         if not rest or d.attempts >= self.settings.retries:
@@ -1088,15 +1090,43 @@ class Gateway:
             cold_replicas=d.cold_replicas,  # a retry must not escape the confinement
             scope_key=d.scope.canonical(),
         )
-        try:  # committed at once: the retry is sent
-            decision = self.router.decide(req, rest, self.fit.coefficients(), d.decision.strategy)
+        first = d.decision.effects
+        try:
+            decision = self.router.decide(
+                req, rest, self.fit.coefficients(), d.decision.strategy, commit=False
+            )
         except NoCandidateError:  # a cold request whose tenant's cold replicas all failed
             return False
+        fx = decision.effects
+        if fx is not None and first is not None and first.rr:
+            fx.rr = False  # one request, one step of the cursor: the first attempt's
+        self.router.commit(decision)  # committed at once: the retry is sent
         d.decision = decision
         _, d.salt_index = _best_match(d.replica, d.matches)
         d.attempts += 1
         self.metrics.retries.inc()
         return True
+
+    def _retract_growth(self, d: Dispatch, failed: str) -> None:
+        """The failed attempt's replica never got the prompt: take back what its committed
+        decision added to the trees (prefix_affinity's, D14's scope tree), or the replica
+        reads as holding a prefix it never saw and the scope's next misses go elsewhere.
+        Router has no undo (D24), so the growth is committed back negated through
+        ``Router.commit``. Not for a replica removed (and forgotten by the router) since:
+        its trees are gone already. Tie rounds are not taken back (no public way)."""
+        fx = d.decision.effects
+        if fx is None or not fx.done or d.decision.replica != failed:
+            return
+        rep = self.pool.get(failed) if self.pool is not None else None
+        if rep is None or (d.target is not None and rep is not d.target):
+            return  # removed, or back under its id as a new replica: trees not ours
+        tree = (fx.tree[0], -fx.tree[1]) if fx.tree is not None and fx.tree[1] else None
+        scope = fx.scope_tree
+        scope_tree = (scope[0], scope[1], -scope[2]) if scope is not None and scope[2] else None
+        if tree is None and scope_tree is None:
+            return
+        undo = Effects(fx.seq, tree=tree, scope_tree=scope_tree)
+        self.router.commit(replace(d.decision, effects=undo))
 
     def _settle_pending(self, d: Dispatch, refused: bool) -> None:
         """The attempt is over: a refused one's pending entries are undone (they would
