@@ -455,6 +455,10 @@ class TokenizerPools:
         # each loaded hf directory's files as they were read: a reload reads them again
         # only when they changed (a tokenizer updated in place)
         self._versions: dict[str, tuple[FileVersion | None, ...]] = {}
+        # each hf directory that did not load: its files' version then, and why. The policy
+        # watcher retries such a refusal: the same files are not parsed again (the parse
+        # holds the GIL, ~65 ms/MB) while a file still being copied is
+        self._failed: dict[str, tuple[tuple[FileVersion | None, ...], str]] = {}
 
     def for_pool(self, model: str, pool: ModelPool) -> PromptTokenizer:
         if pool.tokenizer in ("engine_render", "engine_tokenize"):
@@ -503,12 +507,20 @@ class TokenizerPools:
             version = _hf_files_version(Path(directory))
             if self._versions.get(directory) == version and ("hf", directory) in self._local:
                 continue
+            failed = self._failed.get(directory)
+            if failed is not None and failed[0] == version:
+                problems.append((f"{field}.tokenizer_dir", failed[1]))
+                continue
             try:
                 hf = await asyncio.to_thread(HFTokenizer.from_dir, Path(directory))
             except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
                 tok_file = str(Path(directory) / "tokenizer.json")
-                problems.append((f"{field}.tokenizer_dir", f"{tok_file!r} does not load: {exc}"))
+                problem = f"{tok_file!r} does not load: {exc}"
+                if not isinstance(exc, OSError):  # a read error may pass: tried again
+                    self._failed[directory] = (version, problem)
+                problems.append((f"{field}.tokenizer_dir", problem))
                 continue
+            self._failed.pop(directory, None)
             staged[directory] = (LocalPromptTokenizer(hf, self._cache_tokens), version)
         if not problems:
             for directory, (tok, version) in staged.items():
@@ -521,6 +533,7 @@ class TokenizerPools:
         theirs): a reload's replaced directories are not held for ever."""
         pools = [models.default, *models.pools.values()]
         keep = {(p.tokenizer, p.tokenizer_dir) for p in pools}
+        self._failed.clear()  # a policy applied: the refused directories are not held
         for key in [k for k in self._local if k not in keep]:
             del self._local[key]
             if key[1] is not None:
