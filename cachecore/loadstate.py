@@ -16,15 +16,27 @@ Two sources feed one :class:`LoadRecord` per replica:
 is not on the per-request path: the gateway refreshes a local copy every ~50-100 ms and adds
 its own dispatches since the last refresh.
 
-Time is always the caller's ``now_ms`` (wall-clock milliseconds in production): expiry is
-decided by comparing stored expiry stamps with it, so both stores answer identically and
-tests are deterministic. Redis keys also get a TTL (expiry plus a grace) for garbage
-collection only.
+Clocks. Expiry and age are judged on one clock. :class:`MemoryLoadStore` (one process) uses
+the caller's ``now_ms``. :class:`RedisLoadStore` is written by agents and gateways on other
+hosts, whose wall clocks differ: an agent's ``now_ms + ttl_ms`` judged by a gateway's own
+``now_ms`` made a fresh report read as expired when the agent's clock ran behind by more
+than the TTL (the replica's load unknown) and a dead agent's report live on for as long as
+its clock ran ahead (likewise a gateway's liveness judged by another gateway). So by default
+(``clock="redis"``) its scripts stamp and judge expiry with the Redis server's ``TIME``, and
+each writer's ``now_ms`` serves only to measure its offset from that clock: a snapshot
+returns ``metrics_ts_ms`` and ``stalled_since_ms`` moved onto the reader's clock (so
+``age_ms(now_ms)`` and ``fresh`` take the reader's own ``now_ms``, and ``stalled_ms``, a
+difference on the agent's clock, is unchanged) and the agent's clock offset from the
+reader's as ``clock_skew_ms``. Redis Cluster: a replica's keys share one slot, so its
+record is stamped and judged on one node's clock. ``clock="caller"`` keeps the callers'
+``now_ms`` as the clock (both stores then answer identically: deterministic tests). Redis
+keys also get a TTL (expiry plus a grace) for garbage collection only.
 
 Redis layout (see :mod:`cachecore.index.layout`): ``kvg:{r:<id>}:load`` (agent-owned hash:
-running, waiting, kv_usage, metrics_ts_ms, expires_ms, and since D17 stalled_since_ms and
-stalled_at_ms) and ``kvg:{r:<id>}:gw:inflight`` (gateway-owned hash: ``<gateway>:r``,
-``<gateway>:t``, ``<gateway>:x`` = liveness expiry).
+running, waiting, kv_usage, metrics_ts_ms, expires_ms, since D17 stalled_since_ms and
+stalled_at_ms, since the twenty-fifth session clock_offset_ms and clock_at_ms) and
+``kvg:{r:<id>}:gw:inflight`` (gateway-owned hash: ``<gateway>:r``, ``<gateway>:t``,
+``<gateway>:x`` = liveness expiry).
 
 Compatibility: the record is a hash of named fields, so a field is only ever added, never
 renamed or reinterpreted, and a missing one reads as its "nothing to report" value (0). A
@@ -32,6 +44,12 @@ record from an agent older than D17 has no stall fields and reads as not stalled
 gateway reads the fields it knows. The stall counts only when ``stalled_at_ms`` equals the
 record's ``metrics_ts_ms``: an older agent taking over a key (a rollback) rewrites
 metrics_ts_ms but not the stall fields, and a stall left there must not grow forever.
+The clock offset (the agent's ``now_ms`` minus Redis's clock at the publish) counts only
+when ``clock_at_ms`` equals ``metrics_ts_ms`` for the same reason; without it the agent's
+clock is taken as the reader's (no correction, as before). ``expires_ms`` and ``<gateway>:x``
+are wall-clock expiry stamps as before, now the Redis server's clock where an older writer
+used its own: a reader of either version compares them with a clock of another host, as
+every reader did, and a mixed fleet is no worse than the old one.
 """
 
 from __future__ import annotations
@@ -42,7 +60,7 @@ import socket
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from redis.exceptions import NoScriptError
 
@@ -132,6 +150,10 @@ class LoadRecord:
     inflight_prefill_tokens: int = 0
     gateways: int = 0  # live gateways with counts on this replica
     stalled_since_ms: int = 0  # EngineLoad.stalled_since_ms (0: not stalled, or no report)
+    # the agent's clock minus the reader's, measured through Redis's clock at the publish
+    # and the read (0: one clock, no report, or an agent that does not say); metrics_ts_ms
+    # and stalled_since_ms are already moved onto the reader's clock by it
+    clock_skew_ms: int = 0
 
     @property
     def has_engine(self) -> bool:
@@ -140,13 +162,14 @@ class LoadRecord:
     @property
     def stalled_ms(self) -> int:
         """How long the engine had been busy without progress when last scraped (0 when
-        not). Both stamps are the agent's clock: no skew against the reader's."""
+        not). A difference of two stamps of one clock: no skew against the reader's."""
         if self.stalled_since_ms <= 0 or not self.has_engine:
             return 0
         return max(0, self.metrics_ts_ms - self.stalled_since_ms)
 
     def age_ms(self, now_ms: int) -> int | None:
-        """Age of the engine report, or None without one."""
+        """Age of the engine report on the reader's clock (``now_ms``, the one it passed to
+        the snapshot), or None without one."""
         return now_ms - self.metrics_ts_ms if self.has_engine else None
 
     def fresh(self, now_ms: int, max_age_ms: int) -> bool:
@@ -323,10 +346,32 @@ class MemoryLoadStore:
 
 # ------------------------------------------------------------------------------- redis
 
-_SNAPSHOT_LUA = """#!lua flags=no-writes,allow-cross-slot-keys
-local now = tonumber(ARGV[1])
+# The clock a script stamps and judges expiry with: ARGV's caller now_ms, or with mode '1'
+# the Redis server's TIME (one clock for every host; see the module docstring).
+_CLOCK_LUA = """
+local function clock(now_arg, mode)
+  if mode == '1' then
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return tonumber(now_arg)
+end
+local function int(x) return string.format('%d', x) end
+"""
+
+# ARGV: the reader's now_ms, clock mode[, Cluster: the keys]. Per key a row: running,
+# waiting, kv_usage, metrics_ts_ms and stalled_since_ms (both on the reader's clock),
+# in-flight requests and tokens, live gateways, the agent's clock skew from the reader's
+_SNAPSHOT_LUA = (
+    """#!lua flags=no-writes,allow-cross-slot-keys
+"""
+    + _CLOCK_LUA
+    + """
+local reader = tonumber(ARGV[1])
+local now = clock(ARGV[1], ARGV[2])
+local reader_off = reader - now  -- the reader's clock minus the store's
 local lkeys, first = KEYS, 0
-if #KEYS == 0 then lkeys, first = ARGV, 1 end  -- Cluster: undeclared keys, after the ARGV
+if #KEYS == 0 then lkeys, first = ARGV, 2 end  -- Cluster: undeclared keys, after the ARGV
 local out = {}
 for r = 1, #lkeys - first do
   local lkey = lkeys[first + r]
@@ -334,21 +379,34 @@ for r = 1, #lkeys - first do
   -- the load record is its agent's: a key of the wrong type or a field that is no number
   -- reads as no record / 0, never a script error that would fail every replica's read
   local l = redis.pcall('HMGET', lkey, 'running', 'waiting', 'kv_usage', 'metrics_ts_ms',
-                        'expires_ms', 'stalled_since_ms', 'stalled_at_ms')
+                        'expires_ms', 'stalled_since_ms', 'stalled_at_ms', 'clock_offset_ms',
+                        'clock_at_ms')
   if l.err then
     if string.find(l.err, 'WRONGTYPE', 1, true) ~= 1 then error(l) end
     l = {}
   end
-  local row = {0, 0, '0', 0, 0, 0, 0, 0}
+  local row = {0, 0, '0', 0, 0, 0, 0, 0, 0}
   local exp = tonumber(l[5])
-  if exp and exp > now then
+  local ts = tonumber(l[4]) or 0
+  if exp and exp > now and ts > 0 then
     row[1] = tonumber(l[1]) or 0
     row[2] = tonumber(l[2]) or 0
     local kv = tonumber(l[3])
     if kv and kv >= 0 and kv <= 1 then row[3] = tostring(kv) end
-    row[4] = tonumber(l[4]) or 0
+    -- the agent's stamps onto the reader's clock, when the agent said its offset (absent
+    -- before the twenty-fifth session; stale after an older agent took the key over)
+    local shift = 0
+    local off = tonumber(l[8])
+    if off and l[9] and l[9] == l[4] then
+      shift = reader_off - off
+      row[9] = off - reader_off
+    end
+    row[4] = math.max(1, ts + shift)
     -- absent before D17; stale (not this scrape's) after an older agent took the key over
-    if l[7] and l[4] and l[7] == l[4] then row[8] = tonumber(l[6]) or 0 end
+    if l[7] and l[4] and l[7] == l[4] then
+      local since = tonumber(l[6]) or 0
+      if since > 0 then row[8] = math.max(1, since + shift) end
+    end
   end
   local f = redis.call('HGETALL', ikey)
   local vals = {}
@@ -369,9 +427,13 @@ for r = 1, #lkeys - first do
 end
 return out
 """
+)
 
-# KEYS[1] inflight hash. ARGV: gateway, d_req, d_tok, expires_ms, key_ttl_ms
-_ADD_INFLIGHT_LUA = """
+# KEYS[1] inflight hash. ARGV: gateway, d_req, d_tok, now_ms, key_ttl_ms, gateway_ttl_ms,
+# clock mode
+_ADD_INFLIGHT_LUA = (
+    _CLOCK_LUA
+    + """
 local g = ARGV[1]
 -- clamp at zero on write: a completion that arrives after this gateway's fields were pruned
 -- must not hide its later dispatches
@@ -381,20 +443,23 @@ end
 if redis.call('HINCRBY', KEYS[1], g .. ':t', ARGV[3]) < 0 then
   redis.call('HSET', KEYS[1], g .. ':t', 0)
 end
-redis.call('HSET', KEYS[1], g .. ':x', ARGV[4])
+redis.call('HSET', KEYS[1], g .. ':x', int(clock(ARGV[4], ARGV[7]) + tonumber(ARGV[6])))
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
+)
 
-# KEYS[1] inflight hash. ARGV: gateway, expires_ms, now_ms, prune_after_ms, key_ttl_ms[,
-# requests, prefill tokens: this gateway's own counts, written as they are]
-_HEARTBEAT_LUA = """
+# KEYS[1] inflight hash. ARGV: gateway, gateway_ttl_ms, now_ms, prune_after_ms, key_ttl_ms,
+# clock mode[, requests, prefill tokens: this gateway's own counts, written as they are]
+_HEARTBEAT_LUA = (
+    _CLOCK_LUA
+    + """
 local g = ARGV[1]
-local now = tonumber(ARGV[3])
+local now = clock(ARGV[3], ARGV[6])
 local prune = tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], g .. ':x', ARGV[2])
-if ARGV[7] then
-  redis.call('HSET', KEYS[1], g .. ':r', ARGV[6], g .. ':t', ARGV[7])
+redis.call('HSET', KEYS[1], g .. ':x', int(now + tonumber(ARGV[2])))
+if ARGV[8] then
+  redis.call('HSET', KEYS[1], g .. ':r', ARGV[7], g .. ':t', ARGV[8])
 end
 local f = redis.call('HGETALL', KEYS[1])
 for i = 1, #f, 2 do
@@ -407,30 +472,49 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 """
+)
 
-_PUBLISH_LUA = """
+# KEYS[1] load record. ARGV: running, waiting, kv_usage, metrics_ts_ms, now_ms, key_ttl_ms,
+# stalled_since_ms, ttl_ms, clock mode
+_PUBLISH_LUA = (
+    _CLOCK_LUA
+    + """
+local now = clock(ARGV[5], ARGV[9])
 redis.call('HSET', KEYS[1], 'running', ARGV[1], 'waiting', ARGV[2], 'kv_usage', ARGV[3],
-           'metrics_ts_ms', ARGV[4], 'expires_ms', ARGV[5], 'stalled_since_ms', ARGV[7],
-           'stalled_at_ms', ARGV[4])
+           'metrics_ts_ms', ARGV[4], 'expires_ms', int(now + tonumber(ARGV[8])),
+           'stalled_since_ms', ARGV[7], 'stalled_at_ms', ARGV[4],
+           'clock_offset_ms', int(tonumber(ARGV[5]) - now), 'clock_at_ms', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 return 1
 """
+)
+
+Clock = Literal["redis", "caller"]
 
 
 class RedisLoadStore:
-    """:class:`LoadStore` on Redis, shared by every gateway process and agent."""
+    """:class:`LoadStore` on Redis, shared by every gateway process and agent. ``clock``:
+    ``"redis"`` (production) stamps and judges expiry with the Redis server's clock, the
+    callers' ``now_ms`` only measuring their offsets from it; ``"caller"`` uses the callers'
+    ``now_ms`` as the clock, as :class:`MemoryLoadStore` does (tests with simulated time;
+    right only when every host's clock agrees)."""
 
     def __init__(
         self,
         client: RedisClient,
         layout: KeyLayout | None = None,
         gateway_ttl_ms: int = DEFAULT_GATEWAY_TTL_MS,
+        clock: Clock = "redis",
     ) -> None:
         if gateway_ttl_ms <= 0:
             raise ValueError("gateway_ttl_ms must be positive")
+        if clock not in ("redis", "caller"):
+            raise ValueError(f"clock must be 'redis' or 'caller', not {clock!r}")
         self.client = client
         self.layout = layout or KeyLayout()
         self.gateway_ttl_ms = gateway_ttl_ms
+        self.clock: Clock = clock
+        self._mode = "1" if clock == "redis" else "0"
         self._snapshot = RedisScript(_SNAPSHOT_LUA, readonly=True)
         self._add = RedisScript(_ADD_INFLIGHT_LUA)
         self._heartbeat = RedisScript(_HEARTBEAT_LUA)
@@ -464,9 +548,11 @@ class RedisLoadStore:
             load.num_waiting,
             repr(float(load.kv_usage)),
             load.metrics_ts_ms,
-            now_ms + ttl_ms,
+            now_ms,
             _load_key_ttl_ms(ttl_ms),
             load.stalled_since_ms,
+            ttl_ms,
+            self._mode,
         ]
         await self._run("publish_engine", self._publish, self.layout.load(replica), args)
 
@@ -478,8 +564,10 @@ class RedisLoadStore:
             gateway_id,
             int(d_requests),
             int(d_prefill_tokens),
-            now_ms + self.gateway_ttl_ms,
+            now_ms,
             self._key_ttl_ms,
+            self.gateway_ttl_ms,
+            self._mode,
         ]
         await self._run("add_inflight", self._add, self.layout.inflight(replica), args)
 
@@ -495,10 +583,11 @@ class RedisLoadStore:
             return
         base: list[str | int] = [
             gateway_id,
-            now_ms + self.gateway_ttl_ms,
+            self.gateway_ttl_ms,
             now_ms,
             PRUNE_AFTER_MS,
             self._key_ttl_ms,
+            self._mode,
         ]
         calls: list[tuple[str, list[str | int]]] = []
         for r in replicas:
@@ -544,7 +633,12 @@ class RedisLoadStore:
             return {}
         try:
             rows, calls = await call_per_replica(
-                self.client, self._snapshot, self.layout, replicas, self.layout.load, [now_ms]
+                self.client,
+                self._snapshot,
+                self.layout,
+                replicas,
+                self.layout.load,
+                [now_ms, self._mode],
             )
         except REDIS_FAILURES as exc:
             raise LoadStoreError(f"snapshot: {type(exc).__name__}: {exc}") from exc
@@ -561,6 +655,7 @@ class RedisLoadStore:
                 inflight_prefill_tokens=int(row[5]),
                 gateways=int(row[6]),
                 stalled_since_ms=int(row[7]),
+                clock_skew_ms=int(row[8]),
             )
         return out
 

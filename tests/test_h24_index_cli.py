@@ -102,7 +102,7 @@ async def fleet(redis_url: str) -> AsyncIterator[tuple[RedisIndex, str]]:
     * ``ghost``: no meta at all, only an orphaned block hash of epoch 3 (a meta lost)."""
     index = RedisIndex.from_url(redis_url, L, socket_timeout_s=5.0)
     registry = RedisRegistry(index.client, L)
-    load = RedisLoadStore(index.client, L)
+    load = RedisLoadStore(index.client, L, clock="caller")  # writes of the past: old now_ms
     now = now_ms()
     e = await index.clear_replica("live", ReplicaState.LIVE, now)
     await index.apply("live", e, IndexWrite(dict.fromkeys(KEYS[:4], G), {1: b"r" * 20}, seq=7), now)

@@ -25,7 +25,7 @@ async def static(redis_url: str) -> AsyncIterator[tuple[RedisIndex, RedisLoadSto
     """``static-a``: no agent, routed to just now (a pending entry, a gateway's in-flight
     record); ``gone``: an agent's replica left two hours ago, its gateways' entries too."""
     index = RedisIndex.from_url(redis_url, L, socket_timeout_s=5.0)
-    load = RedisLoadStore(index.client, L)
+    load = RedisLoadStore(index.client, L, clock="caller")  # writes of the past: old now_ms
     now = now_ms()
     await index.add_pending("static-a", KEYS[:2], 60_000, now)
     await load.add_inflight("gw1", "static-a", 3, 300, now)

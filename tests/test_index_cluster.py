@@ -368,7 +368,8 @@ async def test_load_records_round_trip_on_cluster(
     shards: dict[int, list[str]],
     ghosts: list[str],
 ) -> None:
-    red = RedisLoadStore(RedisCluster.from_url(cluster_url), gateway_ttl_ms=1000)
+    # simulated time, as the memory store keeps it (Redis's own clock: test_h25_load_clock)
+    red = RedisLoadStore(RedisCluster.from_url(cluster_url), gateway_ttl_ms=1000, clock="caller")
     mem = MemoryLoadStore(gateway_ttl_ms=1000)
     stores = [red, mem]
     rs = interleaved(shards)

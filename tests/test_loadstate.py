@@ -25,13 +25,19 @@ from cachecore.testing import free_port
 TTL = 1000
 
 
+def caller_clock(url: str) -> RedisLoadStore:
+    """Simulated time: the callers' now_ms is the clock, as in the memory store (the
+    production clock, Redis's, is tested in test_h25_load_clock)."""
+    return RedisLoadStore.from_url(url, gateway_ttl_ms=TTL, clock="caller")
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[LoadStore]:
     s: LoadStore
     if request.param == "memory":
         s = MemoryLoadStore(gateway_ttl_ms=TTL)
     else:
-        s = RedisLoadStore.from_url(request.getfixturevalue("redis_url"), gateway_ttl_ms=TTL)
+        s = caller_clock(request.getfixturevalue("redis_url"))
     yield s
     await s.close()
 
@@ -44,7 +50,7 @@ async def test_engine_load_and_freshness(store: LoadStore) -> None:
     assert a.fresh(1200, 300) and not a.fresh(1200, 299) and a.age_ms(1200) == 300
     assert snap["b"] == LoadRecord("b")
     assert not snap["b"].has_engine and snap["b"].age_ms(1) is None
-    # the engine report expires by the caller's clock (agent down)
+    # the engine report expires by the store's clock (agent down)
     gone = (await store.snapshot(["a"], 1500))["a"]
     assert not gone.has_engine and gone.num_waiting == 0
 
@@ -69,7 +75,7 @@ async def test_a_record_from_an_older_agent_reads_as_not_stalled(redis_url: str)
     older than D17) parses, not stalled; stall fields a newer agent left behind count only
     with the scrape that wrote them, so an older agent taking the key over (a rollback)
     cannot leave a stall that grows for ever."""
-    red = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
+    red = caller_clock(redis_url)
     admin = aioredis.Redis.from_url(redis_url)
     key = "kvg:{r:a}:load"
 
@@ -136,7 +142,7 @@ async def test_crashed_gateway_counts_expire_and_are_pruned(store: LoadStore) ->
 
 async def test_lapsed_gateway_fields_are_pruned(redis_url: str) -> None:
     mem = MemoryLoadStore(gateway_ttl_ms=TTL)
-    red = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
+    red = caller_clock(redis_url)
     admin = aioredis.Redis.from_url(redis_url)
     try:
         for s in (mem, red):
@@ -185,8 +191,8 @@ def test_gateway_ids() -> None:
 
 
 async def test_two_gateway_processes_share_one_picture(redis_url: str) -> None:
-    g1 = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
-    g2 = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=TTL)
+    g1 = caller_clock(redis_url)
+    g2 = caller_clock(redis_url)
     admin = aioredis.Redis.from_url(redis_url)
     try:
         replicas = [f"r{i}" for i in range(16)]
