@@ -406,7 +406,10 @@ def create_app(gw: Gateway) -> FastAPI:
     async def health() -> Response:
         if gw.draining:
             return _json({"status": "draining"}, 503)
-        return _json({"status": "ok", "in_flight": gw.in_flight})
+        # liveness only: the gateway-wide in-flight count is every tenant's traffic request
+        # by request (when each starts and ends: a hit's short prefill shows), and /health
+        # answers anyone; admins read it from /admin/replicas and /metrics
+        return _json({"status": "ok"})
 
     # ------------------------------------------------------------------ admin
     def admin(request: Request, unconfigured: str = ADMIN_DISABLED) -> None:
@@ -440,7 +443,7 @@ def create_app(gw: Gateway) -> FastAPI:
         return wrapper
 
     async def admin_replicas(request: Request) -> Any:
-        return {"replicas": gw.replicas_state()}
+        return {"in_flight": gw.in_flight, "replicas": gw.replicas_state()}
 
     async def admin_replica_op(request: Request) -> Any:
         rid = request.path_params["rid"]

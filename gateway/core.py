@@ -30,6 +30,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.scrape import ScrapeError, parse_metrics
+from cachecore.cacheread import body_reads_prefix_cache
 from cachecore.index.base import (
     IndexError_,
     PrefixIndex,
@@ -189,7 +190,8 @@ class Dispatch:
     load_at_dispatch: LoadView | None = None
     raw_body: bytes | None = None  # the client's bytes, when they parsed to ``body``
     lookup_ms: int = 0  # wall clock of the index lookup (the claim check's "since")
-    unkeyed: bool = False  # media parts: routed by load, no keys, no precision or claims
+    # media parts, or prompt logprobs (no cache read): by load, no keys, precision or claims
+    unkeyed: bool = False
     cold_replicas: frozenset[str] | None = None  # the tenant's confinement (kept for retries)
     # the id the engine gets: the client's id made unique, so that no client-chosen id can
     # collide with another tenant's request on an engine (vLLM refuses or confuses a
@@ -815,7 +817,11 @@ class Gateway:
         st.add("parse", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()
-        unkeyed = False
+        # a request the engine serves without reading its prefix cache (prompt logprobs,
+        # cachecore.cacheread) is routed by load and judged by nothing, as a media request:
+        # a hit buys it nothing, its cached_tokens of 0 is no verdict on the replica's
+        # claims, and the budget charges its whole prompt, which the engine computes
+        unkeyed = not body_reads_prefix_cache(body, endpoint == "chat")
         media_tokens = 0
         if isinstance(tokenizer, LocalPromptTokenizer):
             # the segment cache is per scope (a shared one is a cross-tenant timing channel)
@@ -825,9 +831,9 @@ class Gateway:
                 # images, audio: vLLM keys their blocks with the items' hashes, which we
                 # cannot; such a request is sized by its text and routed by load alone
                 text_only, media_parts = strip_media(body.get("messages"))
-                unkeyed = media_parts > 0
+                unkeyed = unkeyed or media_parts > 0
                 media_tokens = media_parts * mpool.media_part_tokens
-                chat_body = {**body, "messages": text_only} if unkeyed else body
+                chat_body = {**body, "messages": text_only} if media_parts else body
                 tokens = await tokenizer.chat(chat_body, cs, off)
                 packed: Sequence[int] = tokens
             else:
@@ -1174,7 +1180,7 @@ class Gateway:
         if self.trace is not None:
             self._trace(d, out)
         if out.cached_tokens is None or out.status != 200 or d.unkeyed:
-            return  # a media request's engine tokens include its items: nothing to compare
+            return  # media (the engine counts its items) or no cache read: nothing to judge
         prompt = out.prompt_tokens if out.prompt_tokens is not None else d.prompt_tokens
         if prompt != d.prompt_tokens:
             self._warn_precision(

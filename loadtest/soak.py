@@ -486,7 +486,7 @@ def verdicts(rep: SoakReport, warmup_frac: float) -> list[tuple[str, bool, str]]
         (
             "in-flight accounting back to zero",
             rep.final_in_flight == 0 and not dirty,
-            f"/health in_flight {rep.final_in_flight}; replicas not at zero: {dirty or 'none'}",
+            f"in_flight {rep.final_in_flight}; replicas not at zero: {dirty or 'none'}",
         )
     )
     bad = {r: v for r, v in rep.exactness.items() if v[2]}
@@ -707,9 +707,9 @@ async def _run_traffic(
         await asyncio.sleep(1.0)  # the client's connections are closed: let the server see it
         _, final_fds, _, cpu1 = proc_stats(pid)
         final_upstream = upstream_sockets(pid, ports)
-        health = (await probe.get(base + "/health")).json()
         final_metrics = await metrics_text()
-        accounts = (await probe.get(base + "/admin/replicas", headers=admin)).json()["replicas"]
+        state = (await probe.get(base + "/admin/replicas", headers=admin)).json()
+        accounts = state["replicas"]
         exactness = await _exactness(probe, fleet, redis_url, args.settle_s)
     await r.aclose()
     return SoakReport(
@@ -720,7 +720,7 @@ async def _run_traffic(
         final_fds,
         final_upstream,
         MAX_IDLE_PER_HOST * len(fleet.endpoints),
-        int(health.get("in_flight", -1)),
+        int(state.get("in_flight", -1)),
         accounts,
         exactness,
         reloads[0],

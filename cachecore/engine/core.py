@@ -235,6 +235,7 @@ class EngineCore:
             lora_name=request.lora_name,
             lora_id=lora_id,
             prompt_bytes=prompt_bytes,
+            skip_reading_prefix_cache=request.skip_reading_prefix_cache,
         )
         self._requests[request.request_id] = state
         self.waiting.append(state)
@@ -317,10 +318,12 @@ class EngineCore:
                 req.status = RequestStatus.RUNNING
                 if req.num_cached_tokens < 0:
                     # first admission: vLLM's prefix-cache query/hit counters leave out the
-                    # re-admissions of preempted requests (it counts those apart)
-                    stats.requests += 1
-                    stats.queries += req.num_tokens
-                    stats.hits += n_hit
+                    # re-admissions of preempted requests (it counts those apart) and the
+                    # requests that read no cache (it returns before recording them)
+                    if not req.skip_reading_prefix_cache:
+                        stats.requests += 1
+                        stats.queries += req.num_tokens
+                        stats.hits += n_hit
                     req.num_cached_tokens = n_hit
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now

@@ -57,6 +57,8 @@ class KVCacheManager:
         recomputes its last block). Returns the blocks and their token count. The caller
         records ``prefix_stats`` once the request is admitted (a blocked queue head is looked
         up again every step and must not count twice)."""
+        if req.skip_reading_prefix_cache:
+            return [], 0  # vLLM's early return: its blocks are hashed and cached later
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         # every full prompt block's hash at once (as vLLM does when a request arrives):

@@ -44,6 +44,9 @@ class EngineRequest:
     # engine converts them. Trusted: the engine checks only their length and first and
     # last id, so a caller that cannot vouch for them must leave them out
     prompt_bytes: bytes | None = None
+    # vLLM's skip_reading_prefix_cache (prompt logprobs asked: cachecore.cacheread): no
+    # prefix hit, and no prefix-cache query counted; the blocks are still cached
+    skip_reading_prefix_cache: bool = False
 
 
 @dataclass(slots=True)
@@ -93,6 +96,7 @@ class RequestState:
     # the prompt's ids as the hashes consume them (uint32 little-endian), made once for
     # the fingerprint and kept until the prompt's full blocks are hashed
     prompt_bytes: bytes = b""
+    skip_reading_prefix_cache: bool = False  # EngineRequest's
 
     @property
     def num_tokens(self) -> int:

@@ -114,13 +114,17 @@ def create_app(replica: SimReplica) -> FastAPI:
         salt: str | None,
         lora: str | None,
         rid: str | None,
+        reads_cache: bool = True,
     ) -> tuple[EngineDriver, RequestHandle]:
         driver = replica.driver
         request_id = f"{prefix}-{rid or uuid.uuid4().hex}"
         try:
             handle = driver.submit(
-                EngineRequest(request_id, prompt_ids, max_tokens, cache_salt=salt, lora_name=lora)
-            )
+                EngineRequest(
+                    request_id, prompt_ids, max_tokens, cache_salt=salt, lora_name=lora,
+                    skip_reading_prefix_cache=not reads_cache,
+                )
+            )  # fmt: skip
         except RequestRejectedError as exc:
             raise APIError(str(exc)) from exc
         return driver, handle
@@ -254,8 +258,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         ids = await chat_prompt(req, salt)
         model = req.model or replica.model
         driver, handle = submit(
-            "chatcmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req)
-        )
+            "chatcmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req),
+            req.reads_prefix_cache(),
+        )  # fmt: skip
         if req.stream:
             inc, cont = stream_flags(req)
             return StreamingResponse(
@@ -275,8 +280,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         ids = await completion_ids(req, salt)
         model = req.model or replica.model
         driver, handle = submit(
-            "cmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req)
-        )
+            "cmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req),
+            req.reads_prefix_cache(),
+        )  # fmt: skip
         if req.stream:
             inc, cont = stream_flags(req)
             return StreamingResponse(

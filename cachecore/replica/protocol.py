@@ -13,6 +13,7 @@ import orjson
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from cachecore.cacheread import reads_prefix_cache
 from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
 from cachecore.tokenizer import ChatOptions
 
@@ -71,6 +72,15 @@ class _GenerationRequest(BaseModel):
     cache_salt: Any = None  # validated by hand: vLLM's own message on a bad salt
     n: int | None = 1
     request_id: str | None = None
+    prompt_logprobs: int | None = None
+    echo: bool | None = False
+
+    def reads_prefix_cache(self) -> bool:
+        """vLLM's rule (:mod:`cachecore.cacheread`): no prefix hit for prompt logprobs."""
+        return reads_prefix_cache(self.prompt_logprobs, bool(self.echo), self._echo_logprobs())
+
+    def _echo_logprobs(self) -> object:
+        return None
 
 
 class _ChatRendering(BaseModel):
@@ -92,17 +102,25 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's: the chat template writes the BOS
+    top_logprobs: int | None = 0  # vLLM's default: echo alone asks for prompt logprobs
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
+
+    def _echo_logprobs(self) -> object:
+        return self.top_logprobs
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Any = None
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the BOS
+    logprobs: int | None = None
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(None, self.max_tokens)
+
+    def _echo_logprobs(self) -> object:
+        return self.logprobs
 
 
 class TokenizeRequest(_ChatRendering):
