@@ -7,13 +7,15 @@
 
 Idle: neither its agent (meta ``updated_ms``) nor a gateway (a pending entry's or in-flight
 record's expiry) wrote for it within ``--idle-for``; a replica with no agent has only the
-latter.
+latter. Ages are read against the Redis server's clock (``TIME``), not this host's: an
+operator's machine or job whose clock runs ahead judged a live replica idle.
 
 A replica that leaves the fleet for good leaves its index keys (meta, its epoch's block and
 mirror hashes, removal log) in Redis for ever; its registration and load keys expire. The
 Redis URL, Cluster flag and key prefix are the gateway's settings (``KVGATE_REDIS_URL``,
-``KVGATE_REDIS_CLUSTER``, ``KVGATE_KEY_PREFIX``), overridden by the flags. Everything it
-sends is within the sweeper ACL (``gateway_acl_rules(sweeper=True)``).
+``KVGATE_REDIS_CLUSTER``, ``KVGATE_KEY_PREFIX``), overridden by the flags; no other
+``KVGATE_*`` variable is read. Everything it sends is within the sweeper ACL
+(``gateway_acl_rules(sweeper=True)``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,24 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachecore.argtypes import positive_int
 from cachecore.index.base import IndexError_
-from cachecore.index.layout import InvalidReplicaIdError, KeyLayout, validate_replica_id
-from cachecore.index.redis import ForgetResult, RedisIndex, ReplicaInspection
+from cachecore.index.layout import (
+    DEFAULT_PREFIX,
+    InvalidReplicaIdError,
+    KeyLayout,
+    validate_replica_id,
+)
+from cachecore.index.redis import (
+    REDIS_FAILURES,
+    ForgetResult,
+    RedisIndex,
+    ReplicaInspection,
+    check_redis_url,
+)
 
 DEFAULT_IDLE_S = 600.0
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -121,10 +135,33 @@ class _Refused(Exception):
     """A usage or setup problem, printed as one line (exit 2)."""
 
 
+class IndexSettings(BaseSettings):
+    """The gateway's settings this command uses, read as ``GatewaySettings`` reads them
+    and nothing more: with all of them, an unrelated bad variable (``KVGATE_PORT=abc``, a
+    malformed ``KVGATE_CORS_*``) refused the command."""
+
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
+
+    redis_url: str | None = None
+    redis_cluster: bool = False
+    key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _redis_url(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("empty: give a redis:// URL")
+        return check_redis_url(value) if isinstance(value, str) else value
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        KeyLayout(value)  # raises on a prefix Redis keys cannot carry
+        return value
+
+
 def _target(args: argparse.Namespace) -> _Target:
     """The gateway's Redis settings (``KVGATE_REDIS_URL``, ...), the flags over them."""
-    from gateway.settings import GatewaySettings
-
     overrides: dict[str, Any] = {}
     if args.redis_url is not None:
         overrides["redis_url"] = args.redis_url
@@ -133,7 +170,7 @@ def _target(args: argparse.Namespace) -> _Target:
     if args.redis_cluster:
         overrides["redis_cluster"] = True
     try:
-        settings = GatewaySettings(**overrides)
+        settings = IndexSettings(**overrides)
     except ValidationError as exc:
         from gateway.serve import settings_error
 
@@ -184,13 +221,29 @@ async def _run(index: RedisIndex, args: argparse.Namespace) -> int:
         await index.close()
 
 
-def _now_ms() -> int:
-    # the agents stamp updated_ms with their wall clocks: ages are read against this one's
-    return int(time.time() * 1000)
+class _Clock:
+    """The Redis server's clock in ms: its ``TIME`` once, then this host's monotonic time
+    since. The stamps judged (the agents' ``updated_ms``, the gateways' expiries) come from
+    the fleet's clocks, which share Redis; this host's wall clock (an operator's laptop, a
+    job's container) is no part of them."""
+
+    def __init__(self, redis_ms: int) -> None:
+        self._at, self._base = time.monotonic(), redis_ms
+
+    @classmethod
+    async def of(cls, index: RedisIndex) -> _Clock:
+        try:
+            sec, usec = await index.client.time()
+        except REDIS_FAILURES as exc:
+            raise IndexError_(f"time: {exc}") from exc
+        return cls(int(sec) * 1000 + int(usec) // 1000)
+
+    def now_ms(self) -> int:
+        return self._base + int((time.monotonic() - self._at) * 1000)
 
 
 async def _inspect(
-    index: RedisIndex,
+    index: RedisIndex, clock: _Clock
 ) -> tuple[dict[str, list[bytes]], list[ReplicaInspection], set[str]]:
     """Every replica's keys, what the index holds for it, and the ids validly registered."""
     from cachecore.registry import RedisRegistry
@@ -198,8 +251,51 @@ async def _inspect(
     keys = await index.keys_by_replica()
     infos = await index.inspect_replicas(sorted(keys))
     registry = RedisRegistry(index.client, index.layout)  # shares the client: not closed
-    registered = {reg.replica_id for reg in await registry.discover(_now_ms(), sorted(keys))}
+    registered = {reg.replica_id for reg in await registry.discover(clock.now_ms(), sorted(keys))}
     return keys, infos, registered
+
+
+async def _routed_ms(index: RedisIndex, keys: dict[str, list[bytes]]) -> dict[str, int]:
+    """Per replica, the newest expiry of a gateway's pending entry (``gw:p:*``, any epoch)
+    or in-flight liveness (``gw:inflight``'s ``<gateway>:x``): what the forget script
+    judges a replica's gateway activity by, and all an agentless replica has. Plain reads,
+    a pipeline per 1000; a key of the wrong type reads as none, as in the script."""
+    asks: list[tuple[str, str]] = []  # (replica, key) of each command
+    for rid, names in keys.items():
+        for raw in names:
+            name = raw.decode()
+            parsed = index.layout.parse(name)
+            if parsed is not None and parsed[1] in ("gw:p", "gw:inflight"):
+                asks.append((rid, name))
+    newest: dict[str, int] = {}
+    for at in range(0, len(asks), 1000):
+        part = asks[at : at + 1000]
+        pipe = index.client.pipeline(transaction=False)
+        for _rid, name in part:
+            if name.endswith(":gw:inflight"):
+                pipe.hgetall(name)
+            else:
+                pipe.zrange(name, -1, -1, withscores=True)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except REDIS_FAILURES as exc:
+            raise IndexError_(f"routed: {exc}") from exc
+        for (rid, _name), reply in zip(part, replies, strict=True):
+            if isinstance(reply, Exception):
+                if str(reply).startswith("WRONGTYPE"):
+                    continue
+                raise IndexError_(f"routed: {reply}")
+            if isinstance(reply, dict):
+                stamps = [v for k, v in reply.items() if str(k, "utf-8", "replace").endswith(":x")]
+            else:
+                stamps = [score for _member, score in reply]
+            for v in stamps:
+                try:
+                    ms = int(float(v))
+                except (TypeError, ValueError):
+                    continue  # a field no gateway writes
+                newest[rid] = max(ms, newest.get(rid, ms))
+    return newest
 
 
 def _registered(info: ReplicaInspection, registered: set[str]) -> str:
@@ -215,12 +311,15 @@ def _updated_age_ms(info: ReplicaInspection, now_ms: int) -> int | None:
 
 
 async def _stats(index: RedisIndex, as_json: bool) -> int:
-    keys, infos, registered = await _inspect(index)
+    clock = await _Clock.of(index)
+    keys, infos, registered = await _inspect(index, clock)
+    routed = await _routed_ms(index, keys)
     used = await index.used_memory()
-    now = _now_ms()
+    now = clock.now_ms()
     rows: list[dict[str, Any]] = []
     for info in infos:
         age = _updated_age_ms(info, now)
+        last = routed.get(info.replica)
         rows.append(
             {
                 "replica": info.replica,
@@ -232,6 +331,8 @@ async def _stats(index: RedisIndex, as_json: bool) -> int:
                 "removals": info.removals,
                 "keys": len(keys[info.replica]),
                 "updated_age_s": None if age is None else round(age / 1000.0, 3),
+                # since its gateways' newest entry lapsed; < 0: still live for that long
+                "routed_age_s": None if last is None else round((now - last) / 1000.0, 3),
                 "registered": _registered(info, registered),
                 "unreadable": info.wrong_type or bool(info.meta.unreadable),
             }
@@ -248,10 +349,10 @@ async def _stats(index: RedisIndex, as_json: bool) -> int:
         print(json.dumps({"replicas": rows, "totals": totals, "used_memory": used}))
         return 0
     head = ("REPLICA", "STATE", "EPOCH", "STORED", "MIRROR", "PENDING", "REMOVALS", "KEYS",
-            "UPDATED", "REGISTERED")  # fmt: skip
+            "UPDATED", "ROUTED", "REGISTERED")  # fmt: skip
     table: list[tuple[str, ...]] = [head]
     for r in rows:
-        age = r["updated_age_s"]
+        age, last = r["updated_age_s"], r["routed_age_s"]
         state = r["state"] or "(no meta)"
         table.append(
             (
@@ -260,6 +361,7 @@ async def _stats(index: RedisIndex, as_json: bool) -> int:
                 "-" if r["epoch"] is None else str(r["epoch"]),
                 *(str(r[k]) for k in ("stored", "mirror", "pending", "removals", "keys")),
                 "-" if age is None else _age(age * 1000.0) + " ago",
+                "-" if last is None else "now" if last < 0 else _age(last * 1000.0) + " ago",
                 r["registered"],
             )
         )
@@ -268,6 +370,12 @@ async def _stats(index: RedisIndex, as_json: bool) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     if any(r["unreadable"] for r in rows):
         print("! a key or meta field no agent writes (read as empty); its agent rebuilds it")
+    if any(r["updated_age_s"] is None for r in rows):
+        print(
+            "UPDATED -: no agent stamp (no agent: a replica only gateways route to, or its"
+            " meta is lost); ROUTED: when its gateways' newest pending entry or in-flight"
+            " record lapsed (now: one is live)"
+        )
     print(
         f"{totals['replicas']} replicas ({totals['registered']} registered), "
         f"{totals['stored']} stored entries, {totals['pending']} pending, "
@@ -312,12 +420,16 @@ def _active(result: ForgetResult, now_ms: int, idle_s: float) -> str:
 
 
 async def _in_use(
-    index: RedisIndex, info: ReplicaInspection, keys: list[bytes], args: argparse.Namespace
+    index: RedisIndex,
+    info: ReplicaInspection,
+    keys: list[bytes],
+    args: argparse.Namespace,
+    clock: _Clock,
 ) -> str | None:
     """Why the forget script would refuse ``info``'s replica now, or None: the gateways'
     writes for it (pending entries, in-flight records), which :func:`_refusal` cannot see,
     judged where the real forget judges them."""
-    now = _now_ms()
+    now = clock.now_ms()
     result = await index.forget_replica(
         info.replica, keys, now_ms=now, idle_ms=int(args.idle_for * 1000), check=True
     )
@@ -335,16 +447,17 @@ def _summary(info: ReplicaInspection, nkeys: int) -> str:
 
 
 async def _forget(index: RedisIndex, args: argparse.Namespace) -> int:
-    keys, infos, registered = await _inspect(index)
+    clock = await _Clock.of(index)
+    keys, infos, registered = await _inspect(index, clock)
     by_id = {info.replica: info for info in infos}
-    now = _now_ms()
+    now = clock.now_ms()
     idle_ms = int(args.idle_for * 1000)
     if args.departed:
         chosen = [
             info
             for info in infos
             if _refusal(info, registered, now, args.idle_for) is None
-            and await _in_use(index, info, keys[info.replica], args) is None
+            and await _in_use(index, info, keys[info.replica], args, clock) is None
         ]
         if not chosen:
             print(f"no departed replica (unregistered, idle for {_age(idle_ms)})")
@@ -355,7 +468,7 @@ async def _forget(index: RedisIndex, args: argparse.Namespace) -> int:
             info = by_id.get(rid)
             why = _refusal(info, registered, now, args.idle_for)
             if why is None and info is not None and not args.force:
-                why = await _in_use(index, info, keys[rid], args)
+                why = await _in_use(index, info, keys[rid], args, clock)
             if why is not None and not (args.force and rid in by_id):
                 refusals.append(f"{rid}: {why}")
         if refusals:
@@ -371,13 +484,13 @@ async def _forget(index: RedisIndex, args: argparse.Namespace) -> int:
             print(f"would forget {rid}: {_summary(info, len(keys[rid]))}")
             continue
         result = await index.forget_replica(
-            rid, keys[rid], now_ms=_now_ms(), idle_ms=idle_ms, force=args.force
+            rid, keys[rid], now_ms=clock.now_ms(), idle_ms=idle_ms, force=args.force
         )
         if result.refused:  # it came back since the look above
             why = {
                 "registered": "it registered just now",
                 "recent": "its meta was updated just now",
-            }.get(result.refused) or _active(result, _now_ms(), args.idle_for)
+            }.get(result.refused) or _active(result, clock.now_ms(), args.idle_for)
             print(f"kvgate index forget: not forgetting {rid}: {why}", file=sys.stderr)
             code = 2
             continue

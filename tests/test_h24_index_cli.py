@@ -141,6 +141,7 @@ def test_stats_json_names_each_replica_and_the_totals(
     assert (live["state"], live["epoch"], live["stored"], live["mirror"]) == ("live", 1, 4, 1)
     assert live["pending"] == 2 and live["registered"] == "yes"
     assert 0 <= live["updated_age_s"] < 60
+    assert -60 < live["routed_age_s"] < -50  # its pending entries live a minute more
     # meta, b:1, m:1, gw:p:1, reg, load
     assert live["keys"] == 6
     assert (gone["state"], gone["stored"], gone["removals"], gone["registered"]) == (
@@ -150,6 +151,8 @@ def test_stats_json_names_each_replica_and_the_totals(
     assert gone["keys"] == 6  # meta, b:1, m:1, rm:1, gw:p:0, gw:inflight
     assert ghost["state"] is None and ghost["epoch"] is None and ghost["keys"] == 1
     assert ghost["updated_age_s"] is None and ghost["stored"] == 0
+    assert ghost["routed_age_s"] is None
+    assert 3500 < gone["routed_age_s"] < 3600  # its in-flight record lapsed 59m ago
     totals = doc["totals"]
     assert totals == {
         "replicas": 3, "registered": 1, "stored": 7, "mirror": 2, "pending": 2, "keys": 13,
@@ -166,14 +169,17 @@ def test_stats_table_by_default(
     lines = out.splitlines()
     assert lines[0].split() == [
         "REPLICA", "STATE", "EPOCH", "STORED", "MIRROR", "PENDING", "REMOVALS", "KEYS",
-        "UPDATED", "REGISTERED",
+        "UPDATED", "ROUTED", "REGISTERED",
     ]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines[1:4]}
     assert rows["live"][1:8] == ["live", "1", "4", "1", "2", "0", "6"]
-    assert rows["live"][-1] == "yes" and rows["gone"][-3:] == ["1h", "ago", "no"]
-    assert rows["ghost"][1:4] == ["(no", "meta)", "-"]
-    assert lines[4].startswith("3 replicas (1 registered), 7 stored entries, 2 pending, 13 keys")
-    assert "used_memory" in lines[4]
+    assert rows["live"][-2:] == ["now", "yes"]  # its pending entries are live
+    # its agent wrote an hour ago; its gateways' entries lapsed 59 minutes ago
+    assert rows["gone"][-5:] == ["1h", "ago", "59m", "ago", "no"]
+    assert rows["ghost"][1:4] == ["(no", "meta)", "-"] and rows["ghost"][-3:] == ["-", "-", "no"]
+    assert lines[4].startswith("UPDATED -: no agent stamp")  # ghost has no meta
+    assert lines[5].startswith("3 replicas (1 registered), 7 stored entries, 2 pending, 13 keys")
+    assert "used_memory" in lines[5]
 
 
 def test_stats_reads_the_gateways_redis_setting(
@@ -201,7 +207,7 @@ def test_redis_problems_are_one_line_and_exit_2(
 
     monkeypatch.delenv("KVGATE_REDIS_URL", raising=False)
     cases = {
-        f"redis://127.0.0.1:{free_port()}/0": "Redis failed: scan: ",  # nothing listens
+        f"redis://127.0.0.1:{free_port()}/0": "Redis failed: time: ",  # nothing listens
         "redis://127.0.0.1:abc/0": "KVGATE_REDIS_URL",
         "redis://u:hunter2@127.0.0.1:1/db": "database must be a number",
         "": "KVGATE_REDIS_URL",
