@@ -167,3 +167,30 @@ async def test_on_a_cluster_each_shard_judges_on_its_own_clock(
     finally:
         await agent.close()
         await gateway.close()
+
+
+async def test_the_gateway_logs_an_agent_clock_off_from_its_own_once(
+    stores: tuple[RedisLoadStore, RedisLoadStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The skew the store measures is what an operator needs for the checks that still
+    compare an agent's stamps with the gateway's clock (D22's removal log): logged once
+    when it passes CLOCK_SKEW_WARN_MS, once when it is back."""
+    from gateway.load import InFlight, SharedLoadRefresher
+
+    agent, gateway = stores
+    refresher = SharedLoadRefresher(gateway, "gw-skew", InFlight(), lambda: ["clk"])
+
+    async def publish_and_refresh(skew: int) -> None:
+        at = wall_ms() + skew
+        await agent.publish_engine("clk", EngineLoad(0, 0, 0.0, metrics_ts_ms=at), 5_000, at)
+        await refresher.refresh_once()
+
+    caplog.set_level("INFO", logger="gateway.load")
+    for skew in (SKEW_MS, SKEW_MS, 0, 0):
+        await publish_and_refresh(skew)
+    said = [(r.levelname, r.getMessage()[:18]) for r in caplog.records]
+    assert said == [
+        ("WARNING", "agent clock differ"),
+        ("INFO", "agent clock agrees"),
+    ], said
+    assert refresher.skewed == set()
