@@ -721,10 +721,13 @@ class Gateway:
         headers: Mapping[str, str],
         body: Mapping[str, Any],
         model: str,
+        base_model: str | None = None,
     ) -> tuple[Scope, str | None]:
-        """The request's isolation scope and its session key (for stickiness)."""
+        """The request's isolation scope and its session key (for stickiness).
+        ``sensitive.models`` covers a listed model's adapters: ``base_model`` is the model
+        an adapter request runs on (its prompts are the listed model's as much)."""
         kind: str = tpol.sensitive.default
-        if model in tpol.sensitive.models:
+        if model in tpol.sensitive.models or base_model in tpol.sensitive.models:
             kind = _stricter(kind, tpol.sensitive.models_kind)
         asked = headers.get(SENSITIVE_HEADER)
         if asked is not None:
@@ -798,8 +801,8 @@ class Gateway:
         priority: tuple[int | None, bool] = (None, False)
         if "priority" in body or tpol.priority.mode in _PRIORITY_SET:
             priority = _priority_rewrite(tpol.priority, body)  # a 400 before any work
-        scope, session = self.resolve_scope(tenant, tpol, headers, body, model)
         base_model, lora = self.pool.base_model(model, reps)
+        scope, session = self.resolve_scope(tenant, tpol, headers, body, model, base_model)
         same = self.pool.same_meaning(model, lora, base_model, reps)
         if len(same) < len(reps):
             if model not in self._ambiguous_models:
@@ -1096,16 +1099,16 @@ class Gateway:
             cold_replicas=d.cold_replicas,  # a retry must not escape the confinement
             scope_key=d.scope.canonical(),
         )
-        first = d.decision.effects
         try:
             decision = self.router.decide(
                 req, rest, self.fit.coefficients(), d.decision.strategy, commit=False
             )
         except NoCandidateError:  # a cold request whose tenant's cold replicas all failed
             return False
-        fx = decision.effects
-        if fx is not None and first is not None and first.rr:
-            fx.rr = False  # one request, one step of the cursor: the first attempt's
+        if decision.effects is not None:
+            # one request, one step of the round-robin cursor: its first decision's (a
+            # retry's decision has the same strategy and flags, so it would step again)
+            decision.effects.rr = False
         self.router.commit(decision)  # committed at once: the retry is sent
         d.decision = decision
         _, d.salt_index = _best_match(d.replica, d.matches)

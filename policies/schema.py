@@ -243,7 +243,8 @@ SensitiveKind = Literal["none", "session", "request"]
 class SensitivePolicy(_Section):
     default: SensitiveKind = "none"
     allow_header: bool = False  # may clients ask via x-kvgate-sensitive: session|request
-    models: list[str] = Field(default_factory=list)  # requests to these are always sensitive
+    # requests to these (and to their LoRA adapters) are always sensitive
+    models: list[str] = Field(default_factory=list)
     models_kind: Literal["session", "request"] = "session"
 
 
