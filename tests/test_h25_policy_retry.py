@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -66,7 +67,11 @@ class _Copy:
         shutil.copytree(src, self.dir, ignore=shutil.ignore_patterns("tokenizer.json"))
 
     def part(self, fraction: float) -> None:
-        (self.dir / "tokenizer.json").write_bytes(self.data[: int(len(self.data) * fraction)])
+        # each stage whole (renamed over): a look between a stage's truncation and its
+        # write would see a third, empty stage and make the counts race
+        tmp = self.dir.parent / "tokenizer.json.part"
+        tmp.write_bytes(self.data[: int(len(self.data) * fraction)])
+        os.replace(tmp, self.dir / "tokenizer.json")
 
 
 class _Loads:
