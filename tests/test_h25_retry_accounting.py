@@ -41,3 +41,17 @@ async def test_a_replica_that_refused_the_connection_is_charged_nothing(config: 
         if config != "prefix_affinity":
             (charged,) = router._scope_trees.values()  # the one tenant's tree
         assert charged.get(y, 0) == 0 and charged[x] > 0, charged
+
+
+async def test_two_refused_connections_step_round_robin_once() -> None:
+    """Each retry is decided again over the replicas left: one request, one step of the
+    cursor, however many connections it took (a second retry stepped it again)."""
+    reps = [FakeReplica() for _ in range(3)]
+    async with gateway(reps, GATEWAY_CONFIGS["round_robin"]) as (gw, _):
+        d = await gw.prepare("completion", "anonymous", completion(words(50, 1)), {}, "r")
+        assert gw.router._rr == 1  # sent: committed
+        first = d.replica
+        assert gw.reroute(d, d.replica) and d.replica != first
+        assert gw.reroute(d, d.replica)  # refused again: the last replica
+        assert len({first, *d.tried, d.replica}) == 3
+        assert gw.router._rr == 1
