@@ -18,7 +18,7 @@ import re
 import shutil
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -130,6 +130,43 @@ def strip_media(messages: Any) -> tuple[Any, int]:
                 msg = {**msg, "content": [p for p in content if not _is_media(p)]}
         out.append(msg)
     return (out, found) if found else (messages, 0)
+
+
+def media_uuids(messages: Any) -> bool:
+    """Whether any media part of ``messages`` names its item by a client ``uuid`` (vLLM's
+    field: the item's hash in its multimodal caches, which no cache_salt scopes)."""
+    if not isinstance(messages, list):
+        return False
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, list):
+            for part in content:
+                if _is_media(part) and part.get("uuid") is not None:
+                    return True
+    return False
+
+
+def scope_media_uuids(messages: list[Any], scoped: Callable[[str], str]) -> list[Any]:
+    """``messages`` with every media part's string ``uuid`` replaced by ``scoped(uuid)``
+    (copies of the messages and parts changed; the rest shared). vLLM takes a client's uuid
+    as the item's hash in its processor and encoder caches, unsalted, and serves a part
+    with no data but a uuid from those caches: one scope's uuid must never name another
+    scope's item. A uuid that is not a string is left for the engine to refuse."""
+    out: list[Any] = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, list) and any(
+            _is_media(p) and isinstance(p.get("uuid"), str) for p in content
+        ):
+            parts = [
+                {**p, "uuid": scoped(p["uuid"])}
+                if _is_media(p) and isinstance(p.get("uuid"), str)
+                else p
+                for p in content
+            ]
+            msg = {**msg, "content": parts}
+        out.append(msg)
+    return out
 
 
 def message_text(content: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import logging
 import math
 import random
@@ -45,7 +46,7 @@ from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
-from cachecore.tokenizer import strip_media
+from cachecore.tokenizer import media_uuids, scope_media_uuids, strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
 from gateway.errors import GatewayError, bad_request, rate_limited
@@ -192,6 +193,7 @@ class Dispatch:
     lookup_ms: int = 0  # wall clock of the index lookup (the claim check's "since")
     # media parts, or prompt logprobs (no cache read): by load, no keys, precision or claims
     unkeyed: bool = False
+    media_uuids: bool = False  # a media part names its item by uuid: scoped upstream
     cold_replicas: frozenset[str] | None = None  # the tenant's confinement (kept for retries)
     # the id the engine gets: the client's id made unique, so that no client-chosen id can
     # collide with another tenant's request on an engine (vLLM refuses or confuses a
@@ -955,6 +957,7 @@ class Gateway:
             salt_index=best_salt.get(decision.replica, 0),
             lookup_ms=now,
             unkeyed=unkeyed,
+            media_uuids=endpoint == "chat" and media_uuids(body.get("messages")),
             cold_replicas=cold,
             priority=priority[0],
             drop_priority=priority[1],
@@ -985,6 +988,7 @@ class Gateway:
             and not report_mode
             and not d.drop_priority
             and (d.priority is None or "priority" not in d.body)
+            and not d.media_uuids
         )
         if raw is not None and not d.stream and d.body and untouched:
             # nothing to replace: append the salt (and a tenant's priority) to the client's
@@ -1004,6 +1008,15 @@ class Gateway:
             body[name] = d.upstream_id
         for name in _OPERATOR_FIELDS.intersection(body):
             del body[name]
+        if d.media_uuids:
+            # vLLM's multimodal caches take a client's uuid as the item's hash, unsalted,
+            # and serve a part with no data from them: scoped like the salt, so a uuid
+            # names an item of the request's own scope only (reuse within it still works)
+            key = salt.encode()
+            body["messages"] = scope_media_uuids(
+                body["messages"],
+                lambda u: "kvg1:" + hmac.new(key, u.encode(), hashlib.sha256).hexdigest()[:32],
+            )
         if report_mode:
             assert isinstance(xargs, dict)
             body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != _REPORT_MODE}

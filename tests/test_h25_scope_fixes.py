@@ -4,6 +4,7 @@ its trust group's, scope and its prompt served from cache to a group member)."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from cachecore.keys import ScopeKind
@@ -42,3 +43,36 @@ async def test_sensitive_models_cover_the_models_adapters() -> None:
             r = await h.post("/v1/completions", json=body, headers=auth(key))
             assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_media_uuids_name_items_of_the_requests_own_scope_only() -> None:
+    """vLLM takes a media part's ``uuid`` as the item's hash in its processor and encoder
+    caches (no cache_salt scopes them) and serves a part with no data but a uuid from
+    there: b naming a's uuid read a's image. The gateway sends each uuid scoped like the
+    salt: the same within a scope (reuse works), another in every other scope."""
+    build = {"key_store": KeyStore({hash_key(k): t for k, t in KEYS.items()})}
+    async with stack(count=1, build=build, open_access=False) as st:
+        image = {"url": "data:image/png;base64,iVBORw0KGgo="}
+
+        async def sent(tenant: str, part: dict[str, object]) -> tuple[dict[str, object], str]:
+            text = {"type": "text", "text": "describe"}
+            body = {
+                "model": st.model,
+                "max_tokens": 1,
+                "messages": [{"role": "user", "content": [text, part]}],
+            }
+            d = await st.gw.prepare("chat", tenant, body, {}, "x", explain_only=True)
+            up = orjson.loads(st.gw.upstream_body(d))
+            content = up["messages"][0]["content"]
+            assert content[0] == text
+            return content[1], up["cache_salt"]
+
+        uid = "acme-contract-scan-0042"
+        a1, _ = await sent("a", {"type": "image_url", "image_url": image, "uuid": uid})
+        a2, _ = await sent("a", {"type": "image_url", "image_url": None, "uuid": uid})
+        b, _ = await sent("b", {"type": "image_url", "image_url": None, "uuid": uid})
+        assert a1["uuid"] == a2["uuid"] != uid and str(a1["uuid"]).startswith("kvg1:")
+        assert b["uuid"] != a1["uuid"] and b["image_url"] is None
+        assert a1["image_url"] == image
+        plain, _ = await sent("a", {"type": "image_url", "image_url": image})
+        assert "uuid" not in plain  # no uuid asked, none added
