@@ -397,7 +397,9 @@ for r = 1, #lkeys - first do
     -- before the twenty-fifth session; stale after an older agent took the key over)
     local shift = 0
     local off = tonumber(l[8])
-    if off and l[9] and l[9] == l[4] then
+    -- an offset beyond a day (or NaN, inf: no number the agent's publish writes) is no
+    -- clock's: ignored, the record read as from an agent that did not say
+    if off and math.abs(off) <= 86400000 and l[9] and l[9] == l[4] then
       shift = reader_off - off
       row[9] = off - reader_off
     end

@@ -194,3 +194,27 @@ async def test_the_gateway_logs_an_agent_clock_off_from_its_own_once(
         ("INFO", "agent clock agrees"),
     ], said
     assert refresher.skewed == set()
+
+
+async def test_an_offset_that_is_no_clocks_is_ignored(
+    stores: tuple[RedisLoadStore, RedisLoadStore], redis_url: str
+) -> None:
+    """The record is its agent's to write: an offset that is no number, or beyond a day
+    (NaN, inf, 1e300 parse as numbers in Redis's Lua), reads as no offset; never an error
+    that would fail the other replicas' records read in the same call."""
+    agent, gateway = stores
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        for rid in ("good", "odd"):
+            at = wall_ms()
+            await agent.publish_engine(rid, EngineLoad(1, 4, 0.5, metrics_ts_ms=at), 5_000, at)
+        for junk in ("nan", "inf", "-inf", "1e300", "x", str(2 * 86_400_000)):
+            await admin.hset("kvg:{r:odd}:load", "clock_offset_ms", junk)
+            now = wall_ms()
+            snap = await gateway.snapshot(["good", "odd"], now)
+            assert snap["good"].num_waiting == 4 and snap["odd"].num_waiting == 4, junk
+            age = snap["odd"].age_ms(now)
+            assert snap["odd"].clock_skew_ms == 0, junk
+            assert age is not None and 0 <= age < SLACK_MS, junk
+    finally:
+        await admin.aclose()
