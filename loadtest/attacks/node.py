@@ -440,6 +440,50 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
     )
 
 
+# ------------------------------------------------------------------------ 3e: a framing client
+
+
+async def framing_client(st: NodeStack) -> AttackResult:
+    """A client re-sends its own cached prefix asking for prompt logprobs: vLLM reads no
+    prefix cache for such a request (the simulated replica serves it so) and reports 0
+    cached tokens while the index rightly holds the prefix. Judged as claims, K of them
+    quarantined the honest replica for every tenant; now such requests are routed by load
+    and judged by nothing (``cachecore.cacheread``)."""
+    gw = st.g.gw
+    prompt = st.words.text(st.cfg.prompt_words)
+    home = await st.ask(prompt)
+    await st.settled(home)
+    replicas = ("r0", "r1")
+    before = {r: _claim_checks(gw, r, "false") for r in replicas}
+    sent = Q_M + 1  # more than K: enough to quarantine under the old rule
+    zero = 0
+    headers = st.g.tenants.headers(VICTIM)
+    for i in range(sent):
+        r = await send(
+            st.http, st.g.url, headers, st.model, prompt=f"{prompt} {i}", stream=False,
+            extra={"prompt_logprobs": 1} if i % 2 == 0 else {"echo": True, "logprobs": 1},
+        )  # fmt: skip
+        zero += int(r.ok and r.cached_tokens == 0)
+        await until(gw.background_settled, Q_VERDICT_WAIT_S)
+    await asyncio.sleep(Q_SETTLE_S + 0.5)  # past the settle time: any check has judged
+    await until(gw.background_settled, Q_VERDICT_WAIT_S)
+    false = sum(_claim_checks(gw, r, "false") - before[r] for r in replicas)
+    quarantined = [r for r in replicas if gw.quarantine.is_quarantined(r)]
+    # the prefix read as usual: still predicted on its replica and served from its cache
+    reply = await send(st.http, st.g.url, headers, st.model, prompt=f"{prompt} again", stream=False)
+    served = reply.ok and reply.replica == home and reply.cached_tokens > 0
+    ok = zero == sent and false == 0 and not quarantined and served
+    return AttackResult(
+        "3 poisoning: a client's cache-skipping requests against an honest replica",
+        f"{sent} prompt-logprobs requests on a cached prefix",
+        Outcome.HELD if ok else Outcome.BROKEN,
+        f"{zero}/{sent} answered with 0 cached tokens (the engine read no cache, as vLLM); "
+        f"false claim checks {false}; quarantined {quarantined or 'none'}; the prefix read "
+        f"as usual afterwards {'a hit on its replica' if served else 'moved off its replica'}"
+        f" ({reply.cached_tokens} cached tokens on {reply.replica})",
+    )
+
+
 # ------------------------------------------------------------------------ 3d: rogue floor
 
 
@@ -760,6 +804,7 @@ async def malformed_flood(st: NodeStack) -> AttackResult:
 async def run_node(cfg: NodeConfig | None = None) -> list[AttackResult]:
     async with node_stack(cfg) as st:
         return [
+            await framing_client(st),
             await rogue_writes(st),
             await false_claims(st),
             await rogue_floor(st),
