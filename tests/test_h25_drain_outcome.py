@@ -106,11 +106,11 @@ async def test_a_stream_cut_by_the_drain_is_an_outcome_503() -> None:
             async with contextlib.AsyncExitStack() as running:
                 url = await running.enter_async_context(serve_in_loop(gw))
                 body = {**completion(), "stream": True}
-                req = asyncio.ensure_future(h.post(url + "/v1/completions", json=body))
-                await _until_posted(rep)
-                await asyncio.sleep(0.2)  # its first chunk is relayed
-            r = await asyncio.wait_for(req, 10)
-        assert r.status_code == 200 and b"draining" in r.content  # the SSE error event
+                req = h.build_request("POST", url + "/v1/completions", json=body)
+                r = await asyncio.wait_for(h.send(req, stream=True), 10)  # the head is out
+                assert r.status_code == 200
+            content = await asyncio.wait_for(r.aread(), 10)
+        assert b"draining" in content  # the SSE error event
         assert [o.status for o in seen] == [503] and seen[0].error is None
         assert _requests(gw, "499") == 0
 
