@@ -381,6 +381,11 @@ def warmup_items(text: TextSource, n: int) -> Workload:
 # ------------------------------------------------------------------------ replica metrics
 
 
+# the simulated engine's computed prefill tokens (every chunk and recomputation);
+# vllm:prompt_tokens_total counts whole prompts, cache hits included, as vLLM does
+PREFILL_COMPUTED = "kvgate_prefill_tokens_computed_total"
+
+
 async def scrape(client: httpx.AsyncClient, urls: Sequence[str]) -> list[dict[str, float]]:
     """Per replica: request_success, prompt tokens computed, prefix hits/queries, and the
     loop-lag histogram's cumulative buckets (``lag_le_<bound>``)."""
@@ -393,7 +398,7 @@ async def scrape(client: httpx.AsyncClient, urls: Sequence[str]) -> list[dict[st
             for s in fam.samples:
                 if s.name == "kvgate_replica_loop_lag_seconds_bucket":
                     row[f"lag_le_{s.labels['le']}"] = s.value
-                elif s.name.startswith("vllm:"):
+                elif s.name.startswith("vllm:") or s.name == PREFILL_COMPUTED:
                     row[s.name] = row.get(s.name, 0.0) + s.value
         out.append(row)
     return out
@@ -511,9 +516,7 @@ class Bench:
                 per = _delta(before, after, "vllm:request_success")
         mean = sum(per) / len(per) if per else 0.0
         summary["load_imbalance"] = max(per) / mean if mean else math.nan
-        summary["engine_prefill_tokens"] = float(
-            sum(_delta(before, after, "vllm:prompt_tokens_total"))
-        )
+        summary["engine_prefill_tokens"] = float(sum(_delta(before, after, PREFILL_COMPUTED)))
         lag = lag_p99_ms(before, after)
         status = "ok"
         # any failed request: the systems no longer replayed the same load and its TTFT is

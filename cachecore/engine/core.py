@@ -132,7 +132,13 @@ class EngineStats:
     prefix_cache_hits: int  # tokens served from the prefix cache at admission
     num_preemptions: int
     num_steps: int
+    # prefill tokens computed, every chunk and recomputation after preemption (kvgate's
+    # own counter; not vLLM's prompt_tokens)
     num_prompt_tokens_computed: int
+    # vLLM's prompt_tokens / prompt_tokens_cached: each request's whole prompt and its
+    # prefix-cache hit, added once, at its first token
+    num_prompt_tokens: int
+    num_prompt_tokens_cached: int
     num_generation_tokens: int
     num_finished: int
     num_evictions: int
@@ -174,6 +180,8 @@ class EngineCore:
         self._num_preemptions = 0
         self._num_steps = 0
         self._num_prompt_computed = 0
+        self._num_prompt = 0
+        self._num_prompt_cached = 0
         self._num_generated = 0
         self._num_finished = 0
 
@@ -356,6 +364,12 @@ class EngineCore:
             plan = req.output_plan
             t = plan[n_out] if n_out < len(plan) else self._planned_tokens(req, n_out, 1)[0]
             ids.append(t)
+            if n_out == 0:
+                # vLLM counts a prompt when its first token comes out (IterationStats'
+                # is_prefilling): whole, hits included, never its recomputation after a
+                # preemption (a preempted request recomputes with n_out > 0)
+                self._num_prompt += req.num_prompt_tokens
+                self._num_prompt_cached += req.num_cached_tokens
             if n_out + 1 >= req.max_tokens:
                 self._finish(req)
                 any_finished = True
@@ -514,6 +528,8 @@ class EngineCore:
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
             num_prompt_tokens_computed=self._num_prompt_computed,
+            num_prompt_tokens=self._num_prompt,
+            num_prompt_tokens_cached=self._num_prompt_cached,
             num_generation_tokens=self._num_generated,
             num_finished=self._num_finished,
             num_evictions=pool.num_evictions,

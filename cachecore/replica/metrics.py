@@ -1,5 +1,6 @@
-"""Prometheus metrics of one replica under vLLM's names (each with a ``model_name`` label),
-in a registry of its own (never the process-wide default registry).
+"""Prometheus metrics of one replica under vLLM's names and labels (``model_name`` and
+``engine``, the core's index: "0" for a single core, as ``vllm serve`` labels every v1
+series), in a registry of its own (never the process-wide default registry).
 
 Gauges and counters are read from the engine at scrape time; latency histograms are observed
 by the driver in wall-clock seconds, as a client sees them (i.e. already multiplied by the
@@ -34,16 +35,19 @@ _LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model: str, engine: Callable[[], EngineCore], start_time: float) -> None:
+    def __init__(
+        self, model: str, engine: Callable[[], EngineCore], start_time: float, index: str
+    ) -> None:
         self._model = model
         self._engine = engine
         self._start_time = start_time
+        self._index = index
 
     def collect(self) -> Iterator[Metric]:
         core = self._engine()
         st = core.stats()
-        m = [self._model]
-        lbl = ["model_name"]
+        m = [self._model, self._index]
+        lbl = ["model_name", "engine"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=lbl)
@@ -75,8 +79,20 @@ class _EngineCollector(Collector):
         yield counter(
             "vllm:num_preemptions", "Cumulative number of preemptions.", st.num_preemptions
         )
+        # vLLM's meaning: each request's whole prompt, added at its first token (a long
+        # chunked prefill leaves it still until then; D17 reads it)
         yield counter(
-            "vllm:prompt_tokens", "Prefill tokens computed.", st.num_prompt_tokens_computed
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", st.num_prompt_tokens
+        )
+        yield counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local prefix cache hits).",
+            st.num_prompt_tokens_cached,
+        )
+        yield counter(
+            "kvgate_prefill_tokens_computed",
+            "Prefill tokens computed by the simulated engine, every chunk and recomputation.",
+            st.num_prompt_tokens_computed,
         )
         yield counter(
             "vllm:generation_tokens", "Generation tokens processed.", st.num_generation_tokens
@@ -88,6 +104,7 @@ class _EngineCollector(Collector):
             "Information of the LLMEngine CacheConfig.",
             labels=[
                 "model_name",
+                "engine",
                 "block_size",
                 "num_gpu_blocks",
                 "enable_prefix_caching",
@@ -95,8 +112,7 @@ class _EngineCollector(Collector):
             ],
         )
         info.add_metric(
-            [self._model, str(cfg.block_size), str(cfg.num_blocks), "True", cfg.hash_algo.value],
-            1.0,
+            [*m, str(cfg.block_size), str(cfg.num_blocks), "True", cfg.hash_algo.value], 1.0
         )
         yield info
         yield GaugeMetricFamily(
@@ -109,30 +125,37 @@ class _EngineCollector(Collector):
 class ReplicaMetrics:
     """One replica's registry. Rebuilt on a simulated restart (counters start over)."""
 
-    def __init__(self, model: str, engine: Callable[[], EngineCore], start_time: float) -> None:
+    def __init__(
+        self,
+        model: str,
+        engine: Callable[[], EngineCore],
+        start_time: float,
+        engine_index: int = 0,
+    ) -> None:
         self.model = model
         self.registry = CollectorRegistry()
-        lbl = ["model_name"]
+        lbl = ["model_name", "engine"]
+        idx = str(engine_index)
         reg = self.registry
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token in seconds.",
             lbl, registry=reg, buckets=_TTFT_BUCKETS,
-        ).labels(model_name=model)  # fmt: skip
+        ).labels(model_name=model, engine=idx)  # fmt: skip
         self.queue_time = Histogram(
             "vllm:request_queue_time_seconds", "Time spent in the WAITING phase.",
             lbl, registry=reg, buckets=_LATENCY_BUCKETS,
-        ).labels(model_name=model)  # fmt: skip
+        ).labels(model_name=model, engine=idx)  # fmt: skip
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "End to end request latency in seconds.",
             lbl, registry=reg, buckets=_LATENCY_BUCKETS,
-        ).labels(model_name=model)  # fmt: skip
+        ).labels(model_name=model, engine=idx)  # fmt: skip
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.",
             lbl, registry=reg, buckets=_ITL_BUCKETS,
-        ).labels(model_name=model)  # fmt: skip
+        ).labels(model_name=model, engine=idx)  # fmt: skip
         self.loop_lag = Histogram(
             "kvgate_replica_loop_lag_seconds",
             "How late the replica's engine loop woke up after a step (event-loop lag).",
             registry=reg, buckets=_LAG_BUCKETS,
         )  # fmt: skip
-        reg.register(_EngineCollector(model, engine, start_time))
+        reg.register(_EngineCollector(model, engine, start_time, idx))
