@@ -4,7 +4,17 @@ step (D17).
 vLLM's ``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total`` only grow while the
 engine computes. An engine with requests (running + waiting > 0) whose counters stand still
 from one scrape to the next has not made progress in between: a wedge whose HTTP, /health
-and /metrics still answer. The agent publishes the start of such a stretch in its load
+and /metrics still answer.
+
+Those counters alone miss one kind of progress: vLLM adds a prompt to ``prompt_tokens``
+only when its first token comes out, so a long chunked prefill with nothing decoding
+beside it leaves both still for seconds. Its KV-cache usage is what moves then: vLLM sets
+``vllm:kv_cache_usage_perc`` from the scheduler's stats after every step (even a step with
+no request output), and each prefill chunk allocates blocks, so a rise between scrapes is
+a step taken. A fall is not counted: it is freed blocks (finishes, which move the counters
+anyway, preemptions, or aborts, which the simulated replica applies without a step).
+``vllm:iteration_tokens_total`` would not help: vLLM observes it only on steps with a
+request output. The agent publishes the start of such a stretch in its load
 record; the gateway charges what exceeds the policy's ``routing.overdue_grace_ms`` as
 queue wait, as it does for a late stream (D16).
 
@@ -28,13 +38,17 @@ class _CoreProgress:
     """One engine core's counters across scrapes."""
 
     counters: _Counters | None = None
+    usage: float | None = None  # KV-cache usage at the last scrape
     # monotonic s since which the core is busy and its counters have not moved; None
     # while idle or untracked
     since: float | None = None
 
-    def observe(self, busy: bool, counters: _Counters, restarted: bool, now: float) -> float:
-        prev, since = self.counters, self.since
+    def observe(
+        self, busy: bool, counters: _Counters, usage: float | None, restarted: bool, now: float
+    ) -> float:
+        prev, since, prev_usage = self.counters, self.since, self.usage
         self.counters = counters
+        self.usage = usage
         if counters == (None, None):
             self.since = None  # no counters: never judged
             return 0.0
@@ -53,6 +67,8 @@ class _CoreProgress:
                 return 0.0
             if new > old:
                 moved = True
+        if usage is not None and prev_usage is not None and usage > prev_usage:
+            moved = True  # blocks allocated: a step, e.g. a prefill chunk (module docstring)
         if moved or since is None:
             self.since = now
             return 0.0
@@ -92,7 +108,10 @@ class ProgressTracker:
         self._start_time = snap.start_time
         cores = snap.engines or {
             "": EngineCounters(
-                snap.running + snap.waiting, snap.prompt_tokens, snap.generation_tokens
+                snap.running + snap.waiting,
+                snap.prompt_tokens,
+                snap.generation_tokens,
+                kv_usage=snap.kv_usage,
             )
         }
         for gone in self._cores.keys() - cores.keys():
@@ -102,7 +121,8 @@ class ProgressTracker:
             core = self._cores.get(name)
             if core is None:
                 core = self._cores[name] = _CoreProgress()
-            s = core.observe(c.busy > 0, (c.prompt_tokens, c.generation_tokens), restarted, now)
+            counters = (c.prompt_tokens, c.generation_tokens)
+            s = core.observe(c.busy > 0, counters, c.kv_usage, restarted, now)
             stalled = max(stalled, s)
         return stalled
 
