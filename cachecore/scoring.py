@@ -144,10 +144,18 @@ class HitPrediction:
 
 
 def hit_cap_blocks(prompt_tokens: int, block_size: int) -> int:
-    """The engine's cap on full-block hits: the last prompt token is always computed."""
+    """The engine's cap on full-block hits: the last prompt token is always computed.
+    What the gateway keys (the engine stores these blocks, whatever it drops on a hit)."""
     if prompt_tokens <= 0:
         return 0
     return (prompt_tokens - 1) // block_size
+
+
+def hit_blocks(matched: int, prompt_tokens: int, block_size: int, drop: int = 0) -> int:
+    """Blocks an engine serves from cache for a ``matched``-block prefix: capped as
+    :func:`hit_cap_blocks`, then ``drop`` blocks fewer (vLLM with EAGLE/EAGLE3/MTP drafting
+    recomputes the last matched block: ``models.<pool>.hit_drop_blocks``)."""
+    return max(0, min(matched, hit_cap_blocks(prompt_tokens, block_size)) - drop)
 
 
 def predict_hit(
@@ -155,8 +163,10 @@ def predict_hit(
     prompt_tokens: int,
     block_size: int,
     coeffs: Coefficients,
+    drop: int = 0,
 ) -> HitPrediction:
-    """Apply the hit cap and the tier split to an index match.
+    """Apply the hit cap (and the engine's ``drop``, :func:`hit_blocks`) and the tier split
+    to an index match.
 
     Blocks ``[0, gpu)`` hit on GPU; blocks ``[gpu, stored)`` are on slower tiers and each
     is charged at the fastest tier whose own prefix covers it (REMOTE when none does);
@@ -167,6 +177,12 @@ def predict_hit(
     gpu = min(tb.get(Tier.GPU, 0), cap)
     stored = max(gpu, min(match.stored_blocks, cap))
     pending = max(stored, min(match.pending_blocks, cap))
+    if drop:
+        # the engine drops the last blocks of whatever prefix it finds: of the stored one,
+        # or of the pending one once those blocks are stored
+        stored = max(0, stored - drop)
+        pending = max(stored, pending - drop)
+        gpu = min(gpu, stored)
     loaded_weighted = 0.0
     if stored > gpu:  # the uncommon case: hits beyond the GPU prefix
         covered = gpu
@@ -229,13 +245,14 @@ def cost(
     block_size: int,
     load: LoadView,
     coeffs: Coefficients,
+    drop: int = 0,
 ) -> CostBreakdown:
     """Routing cost (ms) of a request on a replica: see the module docstring. Its
     ``ttft_ms`` equals ``dot(coeffs.as_vector(), features(...))`` plus the load's
     ``overdue_ms`` (a test holds it to that; the fit learns the model, the lateness is
     measured); written out because the router calls it for every replica of every
     request."""
-    return cost_of_hit(predict_hit(match, prompt_tokens, block_size, coeffs), load, coeffs)
+    return cost_of_hit(predict_hit(match, prompt_tokens, block_size, coeffs, drop), load, coeffs)
 
 
 def cost_of_hit(hit: HitPrediction, load: LoadView, coeffs: Coefficients) -> CostBreakdown:

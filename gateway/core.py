@@ -45,7 +45,7 @@ from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, S
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
-from cachecore.scoring import LoadView, OnlineFit, features, hit_cap_blocks
+from cachecore.scoring import LoadView, OnlineFit, features, hit_blocks, hit_cap_blocks
 from cachecore.tokenizer import media_uuids, scope_media_uuids, strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
@@ -205,6 +205,9 @@ class Dispatch:
     # the client's removed (policies.schema.PriorityPolicy)
     priority: int | None = None
     drop_priority: bool = False
+    # blocks the engine drops off every prefix hit (models.<pool>.hit_drop_blocks, read at
+    # routing): the claim check and a retry's decision model the same engine
+    hit_drop_blocks: int = 0
 
     @property
     def replica(self) -> str:
@@ -916,6 +919,7 @@ class Gateway:
             unkeyed=unkeyed,
             cold_replicas=cold,
             scope_key=scope.canonical(),
+            hit_drop_blocks=mpool.hit_drop_blocks,
         )
         # decided without moving the router (cursor, tie rounds, trees), committed once the
         # request will be sent: one decided again below or refused by the tenant's budget
@@ -961,6 +965,7 @@ class Gateway:
             cold_replicas=cold,
             priority=priority[0],
             drop_priority=priority[1],
+            hit_drop_blocks=mpool.hit_drop_blocks,
         )
         if explain_only:
             return d
@@ -1111,6 +1116,7 @@ class Gateway:
             unkeyed=d.unkeyed,
             cold_replicas=d.cold_replicas,  # a retry must not escape the confinement
             scope_key=d.scope.canonical(),
+            hit_drop_blocks=d.hit_drop_blocks,
         )
         try:
             decision = self.router.decide(
@@ -1260,8 +1266,9 @@ class Gateway:
         match = d.matches[d.salt_index].get(d.replica)
         if match is None:
             return
-        cap = hit_cap_blocks(d.prompt_tokens, d.block_size)
-        claimed = min(match.stored_blocks, cap)
+        # in the engine's blocks: what it should serve of the stored prefix (an EAGLE/MTP
+        # engine drops the last block; the index rightly holds it)
+        claimed = hit_blocks(match.stored_blocks, d.prompt_tokens, d.block_size, d.hit_drop_blocks)
         if claimed < self.policy.quarantine.min_claimed_blocks:
             return
         self.spawn(self._recheck(d, claimed, cached_tokens // d.block_size))
@@ -1288,7 +1295,8 @@ class Gateway:
         if actual < claimed <= still:
             # the claim stands, but its first missing block may have been evicted after the
             # lookup and stored again by this very request before the check looked
-            answer = await self._restored_since_lookup(d, actual)
+            # the engine's chain ended hit_drop_blocks past what it served
+            answer = await self._restored_since_lookup(d, actual + d.hit_drop_blocks)
             if answer is None:
                 self.metrics.claim_checks.labels(d.replica, "skipped").inc()
                 return  # the index did not answer: the gateway's failure, no verdict
@@ -1423,9 +1431,12 @@ class Gateway:
         """Blocks the index still claims on ``d.replica`` once the agent had time to report
         an eviction: looked up until the claim drops below ``claimed`` or
         ``quarantine.settle_s`` passes; and whether it took more than the first look (the
-        cases the settle rule exists for). None when the shared index does not answer."""
+        cases the settle rule exists for). None when the shared index does not answer.
+        ``claimed`` and the answer are in the engine's blocks: the index's, less the blocks
+        the engine drops off a hit (``Dispatch.hit_drop_blocks``)."""
         assert self.index is not None
-        keys = d.keys[d.salt_index][:claimed]
+        drop = d.hit_drop_blocks
+        keys = d.keys[d.salt_index][: claimed + drop]
         deadline = time.monotonic() + self.policy.quarantine.settle_s
         looks = 0
         while True:
@@ -1435,7 +1446,7 @@ class Gateway:
             )
             if res.source != "primary":
                 return None
-            still = res.matches.get(d.replica, empty_match()).stored_blocks
+            still = max(0, res.matches.get(d.replica, empty_match()).stored_blocks - drop)
             left = deadline - time.monotonic()
             if still < claimed or left <= 0:
                 return still, looks > 1

@@ -117,6 +117,9 @@ class RouteRequest:
     unkeyed: bool = False  # load_only because the gateway cannot key it (media parts)
     cold_replicas: frozenset[str] | None = None  # confine this tenant's cold traffic
     scope_key: str | None = None  # the isolation scope (tenant or trust group)
+    # blocks the engine drops off every prefix hit (the pool's hit_drop_blocks: 1 for vLLM
+    # with EAGLE/EAGLE3/MTP drafting), so predictions equal its cached_tokens
+    hit_drop_blocks: int = 0
 
 
 @dataclass(slots=True)  # built per replica per request: not frozen (3x cheaper); read-only
@@ -369,6 +372,7 @@ class Router:
     ) -> list[ReplicaScore]:
         bs = req.block_size
         n = req.prompt_tokens
+        drop = req.hit_drop_blocks
         # every replica without a match predicts the same hit: its costs on every replica's
         # load in one call (a matched replica's are computed too and unused: there are few)
         no_hit = predict_hit(NO_MATCH, n, bs, coeffs)
@@ -383,7 +387,7 @@ class Router:
             []
             if load_only
             else [
-                (i, cost(c.match, n, bs, c.load, coeffs))
+                (i, cost(c.match, n, bs, c.load, coeffs, drop))
                 for i, c in enumerate(candidates)
                 if c.match.pending_blocks and not c.quarantined
             ]

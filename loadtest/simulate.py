@@ -89,6 +89,9 @@ class SimConfig:
     # deferred analytic decode (fast); False steps every decode step (the reference mode a
     # test compares it with)
     defer_decode: bool = True
+    # engines as vLLM with EAGLE/MTP drafting (EngineConfig.drop_last_hit_block); the router
+    # models it by the policy's pool hit_drop_blocks, as the gateway does
+    drop_last_hit_block: bool = False
 
 
 @dataclass(slots=True)
@@ -153,6 +156,7 @@ class FleetSimulator:
         self.cfg = cfg
         self.policy = policy
         self.workload = workload
+        self._drop = policy.models.pool(MODEL).hit_drop_blocks
         profile = get_profile(cfg.profile)
         vocab = default_output_vocab()
         self.engines = [
@@ -163,6 +167,7 @@ class FleetSimulator:
                     block_size=cfg.block_size,
                     hash_seed=cfg.seed * 1000 + i,
                     hash_algo=HashAlgo.XXHASH,  # engine hashes never reach our keys: fastest
+                    drop_last_hit_block=cfg.drop_last_hit_block,
                 ),
                 vocab,
             )
@@ -394,7 +399,11 @@ class FleetSimulator:
                 cands[pos[mrid]] = Candidate(mrid, loads[mrid], m)
         session = item.session or (f"{item.tenant}/{keys[0].hex()}" if keys else None)
         req = RouteRequest(
-            prompt_tokens=n, block_size=bs, session_key=session, scope_key=item.tenant
+            prompt_tokens=n,
+            block_size=bs,
+            session_key=session,
+            scope_key=item.tenant,
+            hit_drop_blocks=self._drop,
         )
         decision = self.router.decide(req, cands, self.fit.coefficients(), self.cfg.strategy)
         self.result.decision_us.append((time.perf_counter() - t0) * 1e6)

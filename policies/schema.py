@@ -211,6 +211,10 @@ class ModelPool(_Section):
     # prompt tokens counted per media part (image, audio, video) of a chat, which the gateway
     # cannot tokenize: for the routing cost and the tenant's uncached-token budget
     media_part_tokens: Annotated[int, Field(ge=0)] = 1024
+    # blocks the engine drops off every prefix-cache hit: 1 for vLLM with EAGLE, EAGLE3 or
+    # MTP speculative decoding (it recomputes the last matched block for the drafter);
+    # predictions and claim checks are that much lower than the index's match
+    hit_drop_blocks: Annotated[int, Field(ge=0)] = 0
 
     @field_validator("tokenizer_dir")
     @classmethod

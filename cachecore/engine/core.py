@@ -76,6 +76,10 @@ class EngineConfig:
     # its whole sequence fits in the free blocks, not just its first chunk; otherwise a
     # long chunked prompt is admitted into a nearly full cache and preempted part-way
     reserve_full_sequence: bool = True
+    # vLLM with EAGLE/EAGLE3/MTP speculative decoding (SpeculativeConfig.use_eagle()): every
+    # prefix-cache hit loses its last matched block, recomputed for the drafter's hidden
+    # states (FullAttentionManager.find_longest_cache_hit)
+    drop_last_hit_block: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 2:
@@ -168,7 +172,7 @@ class EngineCore:
         self.pool = BlockPool(
             config.num_blocks, config.block_size, config.wire_hash_format, config.enable_events
         )
-        self.kv = KVCacheManager(self.pool, self.hasher)
+        self.kv = KVCacheManager(self.pool, self.hasher, config.drop_last_hit_block)
         self.tokens = OutputTokens(
             output_vocab if output_vocab is not None else default_output_vocab()
         )

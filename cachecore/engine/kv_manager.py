@@ -24,9 +24,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, hasher: EngineHasher) -> None:
+    def __init__(
+        self, pool: BlockPool, hasher: EngineHasher, drop_last_hit_block: bool = False
+    ) -> None:
         self.pool = pool
         self.hasher = hasher
+        self.drop_last_hit_block = drop_last_hit_block  # EngineConfig's (vLLM's use_eagle)
         self.block_size = pool.block_size
         self.prefix_stats = PrefixCacheStats()
 
@@ -65,6 +68,8 @@ class KVCacheManager:
         # one chained pass, and the blocks get registered under them later anyway
         self._ensure_hashes(req, max_blocks)
         hits = self.pool.longest_cached_prefix(req.block_hashes[:max_blocks])
+        if hits and self.drop_last_hit_block:
+            hits.pop()  # vLLM under EAGLE/MTP: after the cap; the block is recomputed
         return hits, len(hits) * bs
 
     def num_blocks_needed(self, req: RequestState, num_new_tokens: int, num_hit_blocks: int) -> int:

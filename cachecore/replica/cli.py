@@ -99,6 +99,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--tokenizer-dir",
         help="HF model dir with tokenizer.json + chat template (default: the built-in one)",
     )
+    a(
+        "--drop-last-hit-block",
+        action="store_true",
+        help="drop the last matched block of every prefix-cache hit, as vLLM does with "
+        "EAGLE/EAGLE3/MTP speculative decoding",
+    )
     a("--access-log", action="store_true", help="log every HTTP request (debugging)")
     a("--log-level", type=log_level, default="INFO")
     a("--plain-logs", action="store_true", help="human-readable logs instead of JSON lines")
@@ -132,6 +138,8 @@ def build_settings(args: argparse.Namespace) -> ReplicaSettings:
         overrides["legacy_replay_reply"] = True
     if args.access_log:
         overrides["access_log"] = True
+    if args.drop_last_hit_block:
+        overrides["drop_last_hit_block"] = True
     if args.no_events:
         overrides["publish_events"] = False
     try:

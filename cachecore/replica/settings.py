@@ -63,6 +63,9 @@ class ReplicaSettings(BaseSettings):
     # engine cores behind each replica's one HTTP port, each with its own KV cache and event
     # stream (vLLM's --data-parallel-size with its internal load balancing)
     data_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    # behave as vLLM with EAGLE/EAGLE3/MTP speculative decoding: every prefix-cache hit
+    # loses its last matched block (the gateway's models.<pool>.hit_drop_blocks: 1)
+    drop_last_hit_block: bool = False
 
     @field_validator("host")
     @classmethod
@@ -123,6 +126,7 @@ class ReplicaSettings(BaseSettings):
             wire_hash_format=self.event_hash_format,
             lora_names=tuple(self.lora),
             enable_events=self.publish_events,
+            drop_last_hit_block=self.drop_last_hit_block,
         )
 
 
