@@ -3,6 +3,7 @@ policy and the API key file watchers."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 FileVersion = tuple[int, int, int, int, int, int, int]
@@ -28,19 +29,32 @@ class SettledChange:
     """When a watched file is due for a reload: its version differs from the one last read
     and is the one the previous look found, so it has kept still for a poll interval (a
     file written in parts is not read half-written; an atomic replace is as still as can
-    be). ``read`` is the version last read, ``seen`` the previous look's."""
+    be). ``read`` is the version last read, ``seen`` the previous look's, ``seen_at`` the
+    monotonic time of the first look (or read) that found ``seen``: how long the file has
+    kept still, at least (:meth:`still_s`)."""
 
     def __init__(self, version: FileVersion | None) -> None:
         self.read = self.seen = version
+        self.seen_at = time.monotonic()
+
+    def _see(self, version: FileVersion | None) -> None:
+        if version != self.seen:
+            self.seen, self.seen_at = version, time.monotonic()
 
     def reading(self, version: FileVersion | None) -> None:
         """``version`` is about to be read (taken before the read: a change during it
         shows as a new version at the next look)."""
-        self.read = self.seen = version
+        self._see(version)
+        self.read = version
 
     def due(self, now: FileVersion | None) -> bool:
         """One look that found ``now``: whether to reload."""
         if now == self.read or now != self.seen:
-            self.seen = now
+            self._see(now)
             return False
         return True
+
+    def still_s(self) -> float:
+        """Seconds since a look first found the version seen last (0 just after a change):
+        a slow writer's pause between two parts counts only from the look after it."""
+        return time.monotonic() - self.seen_at
