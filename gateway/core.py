@@ -79,8 +79,12 @@ from gateway.tokenization import (
     AnswerTooLarge,
     LocalPromptTokenizer,
     TokenizerPools,
+    add_special_tokens,
     bounded_answer,
+    card_max_model_len,
     check_alignment,
+    completion_prompt,
+    request_truncation,
     stream_requested,
     usage_requested,
 )
@@ -829,37 +833,53 @@ class Gateway:
         # cachecore.cacheread) is routed by load and judged by nothing, as a media request:
         # a hit buys it nothing, its cached_tokens of 0 is no verdict on the replica's
         # claims, and the budget charges its whole prompt, which the engine computes
-        unkeyed = not body_reads_prefix_cache(body, endpoint == "chat")
+        chat = endpoint == "chat"
+        unkeyed = not body_reads_prefix_cache(body, chat)
+        # truncate_prompt_tokens: the engine runs only the prompt's last (or first) k
+        # tokens, so those are keyed, sized and charged; -1 (the model's context) when no
+        # replica's card gives its max_model_len: routed by load, charged whole
+        trunc, trunc_known = request_truncation(
+            body, chat, lambda: _context_len(reps, model, base_model)
+        )
+        unkeyed = unkeyed or not trunc_known
         media_tokens = 0
         if isinstance(tokenizer, LocalPromptTokenizer):
             # the segment cache is per scope (a shared one is a cross-tenant timing channel)
             cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
             off = self.settings.tokenize_offload_chars  # long text: BPE off the event loop
-            if endpoint == "chat":
+            if chat:
                 # images, audio: vLLM keys their blocks with the items' hashes, which we
                 # cannot; such a request is sized by its text and routed by load alone
                 text_only, media_parts = strip_media(body.get("messages"))
                 unkeyed = unkeyed or media_parts > 0
                 media_tokens = media_parts * mpool.media_part_tokens
                 chat_body = {**body, "messages": text_only} if media_parts else body
-                tokens = await tokenizer.chat(chat_body, cs, off)
+                tokens = await tokenizer.chat(chat_body, cs, off, trunc)
                 packed: Sequence[int] = tokens
             else:
                 # a token-id prompt comes packed by its check: the keys need no second pass
-                tokens, packed = await tokenizer.completion_packed(body, cs, off)
+                tokens, packed = await tokenizer.completion_packed(body, cs, off, trunc)
         else:
             # the engine tokenizes: under the scope's salt, so no cache of the engine's
             # is shared between scopes (the same timing channel as the segment cache's)
             salt = self.minter.salt(scope)
             tokens = await (
-                tokenizer.chat(body, salt)
-                if endpoint == "chat"
-                else tokenizer.completion(body, salt)
+                tokenizer.chat(body, salt) if chat else tokenizer.completion(body, salt)
             )
+            if trunc is not None and len(tokens) > trunc.keep:
+                # exact for token ids and text without special tokens; the engine's
+                # tokenizer keeps a BOS it added, which the gateway cannot place: sized
+                if add_special_tokens(body, not chat) and (
+                    chat or isinstance(completion_prompt(body), str)
+                ):
+                    unkeyed = True
+                tokens = tokens[trunc.kept(len(tokens))]
             packed = tokens
         st.add("tokenize", time.perf_counter_ns() - t0)
         # media parts count at the pool's estimate: for the cost and the flooding budget
         n_prompt = len(tokens) + media_tokens
+        if trunc is not None:  # media parts are in the truncated part
+            n_prompt = min(n_prompt, trunc.keep)
 
         t0 = time.perf_counter_ns()
         salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)
@@ -1512,6 +1532,12 @@ def _base_models(rep: Replica) -> list[str]:
     (checking it against the default pool gave false alarms, and four adapters hid the
     base)."""
     return sorted(m for m in rep.models or [] if m not in rep.lora_base)
+
+
+def _context_len(reps: Sequence[Replica], model: str, base_model: str) -> int | None:
+    """The model's context (max_model_len) as every candidate's /v1/models card gives it
+    (an adapter's card, else its base model's); None when one gives none or they differ."""
+    return card_max_model_len([r.cards.get(model) or r.cards.get(base_model) for r in reps])
 
 
 def _now_ms() -> int:

@@ -12,12 +12,13 @@ import array
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Annotated, Any, Literal, Protocol, cast
 
 import httpx
 import orjson
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 # AnswerTooLarge re-exported: the start-up checks' callers (gateway.core) catch it
 from cachecore.httpread import AnswerTooLarge as AnswerTooLarge
@@ -82,6 +83,134 @@ def completion_prompt_packed(
 def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
     """The prompt that decides routing. A batch of prompts routes by its first one."""
     return completion_prompt_packed(body)[0]
+
+
+_INT64_MAX = 2**63 - 1
+# vLLM's field: Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None, read laxly (pydantic)
+_TRUNCATE = TypeAdapter(Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None)
+_SIDE = TypeAdapter(Literal["left", "right"] | None)
+_LAX_INT = TypeAdapter(int | None)
+
+
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """What of a prompt the engine keeps: its last ``keep`` tokens (``left``, vLLM's
+    default), or its first."""
+
+    keep: int
+    left: bool = True
+
+    def kept(self, n: int) -> slice:
+        """The part of ``n`` ids (token ids as given: no special tokens added) kept."""
+        if n <= self.keep:
+            return slice(0, n)
+        return slice(n - self.keep, n) if self.left else slice(0, self.keep)
+
+    def text(self, ids: list[int], affixes: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+        """A text's ids, with the special tokens added around them (add_special_tokens;
+        ``((), ())`` when none), as the engine's tokenizer truncates them: it keeps the
+        special tokens and shortens the text between them."""
+        if len(ids) <= self.keep:
+            return ids
+        prefix, suffix = affixes
+        inner = self.keep - len(prefix) - len(suffix)
+        if not (prefix or suffix) or inner <= 0:
+            return ids[self.kept(len(ids))]
+        text = ids[len(prefix) : len(ids) - len(suffix)]
+        return [*prefix, *text[Truncation(inner, self.left).kept(len(text))], *suffix]
+
+
+def truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
+    """``truncate_prompt_tokens`` read as vLLM's request models read it (completions and
+    chats): an int >= -1 (lax: "5" and 5.0 too), null when absent. 0 keeps no token, an
+    empty prompt the engine refuses: refused here. Anything else is a 400, as the engine
+    would answer."""
+    value = body.get("truncate_prompt_tokens")
+    if value is None:
+        return None
+    try:
+        got = (
+            value
+            if type(value) is int and -1 <= value <= _INT64_MAX
+            else _TRUNCATE.validate_python(value)
+        )
+    except ValidationError:
+        got = 0
+    if got == 0:
+        raise bad_request(
+            "'truncate_prompt_tokens' must be an integer >= 1, or -1 (the model's context)",
+            "truncate_prompt_tokens",
+        )
+    return cast(int, got)
+
+
+def truncation_side(body: Mapping[str, Any]) -> bool:
+    """``truncation_side`` as vLLM reads it: "left" (the default: keeps the last tokens)
+    or "right" (keeps the first); True for left. Anything else is a 400."""
+    value = body.get("truncation_side")
+    if value is None or value == "left":
+        return True
+    try:
+        return _SIDE.validate_python(value) != "right"
+    except ValidationError:
+        raise bad_request(
+            "'truncation_side' must be 'left' or 'right'", "truncation_side"
+        ) from None
+
+
+def max_output_tokens(body: Mapping[str, Any], chat: bool) -> int:
+    """The output tokens vLLM reserves from the context when it resolves
+    ``truncate_prompt_tokens: -1`` (its ``max_input_tokens`` = max_model_len - this): a
+    chat's ``max_completion_tokens``, else its ``max_tokens``, else 0; a completion's
+    ``max_tokens`` (16 when absent, 0 when null). A value the engine refuses counts 0:
+    the request is refused before any prefill."""
+    if chat:
+        value = body.get("max_completion_tokens")
+        if value is None:
+            value = body.get("max_tokens")
+    else:
+        value = body.get("max_tokens", 16)
+    try:
+        got = _LAX_INT.validate_python(value)
+    except ValidationError:
+        return 0
+    return got or 0
+
+
+def card_max_model_len(cards: Sequence[Mapping[str, Any] | None]) -> int | None:
+    """The ``max_model_len`` every card (one per replica: its /v1/models entry for the
+    model) gives, or None when one gives none or two differ: then the gateway cannot say
+    what ``truncate_prompt_tokens: -1`` keeps."""
+    seen: set[int] = set()
+    for card in cards:
+        value = None if card is None else card.get("max_model_len")
+        if type(value) is not int or value < 1:
+            return None
+        seen.add(value)
+    return seen.pop() if len(seen) == 1 else None
+
+
+def request_truncation(
+    body: Mapping[str, Any], chat: bool, max_model_len: Callable[[], int | None]
+) -> tuple[Truncation | None, bool]:
+    """The request's ``truncate_prompt_tokens`` and ``truncation_side`` (a 400 for what
+    vLLM refuses), as the part of the prompt the engine runs, and whether the gateway
+    knows that part. ``-1`` keeps vLLM's ``max_input_tokens``: ``max_model_len()`` (the
+    replicas' cards) less :func:`max_output_tokens`; unknown when no card says it. What
+    keeps nothing (an output reserve of the whole context) the engine refuses: unknown
+    too, nothing is judged by a refusal."""
+    limit = truncate_prompt_tokens(body)
+    left = truncation_side(body)
+    if limit is None:
+        return None, True
+    if limit == -1:
+        context = max_model_len()
+        if context is None:
+            return None, False
+        limit = context - max_output_tokens(body, chat)
+        if limit < 1:
+            return None, False
+    return Truncation(limit, left), True
 
 
 _LAX_BOOL = TypeAdapter(bool)  # immutable: a validator, no state
@@ -192,42 +321,73 @@ class LocalPromptTokenizer:
         except TokenizerError as exc:
             raise bad_request(str(exc), "messages") from None
 
-    def _special(self, ids: list[int], body: Mapping[str, Any], default: bool) -> list[int]:
-        return with_special_tokens(self.tok, ids) if add_special_tokens(body, default) else ids
+    def _special(
+        self,
+        ids: list[int],
+        body: Mapping[str, Any],
+        default: bool,
+        trunc: Truncation | None = None,
+    ) -> list[int]:
+        """A text's ids as the engine makes them: the special tokens added when asked,
+        then truncated as ``trunc`` says (the tokenizer keeps the special tokens)."""
+        if not add_special_tokens(body, default):
+            return ids if trunc is None else trunc.text(ids, ((), ()))
+        ids = with_special_tokens(self.tok, ids)
+        return ids if trunc is None else trunc.text(ids, self.tok.special_affixes)
 
-    def chat_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
-        return self._special(self.segments.encode(self._render(body), scope), body, False)
+    def chat_sync(
+        self, body: Mapping[str, Any], scope: str | None = "", trunc: Truncation | None = None
+    ) -> list[int]:
+        return self._special(self.segments.encode(self._render(body), scope), body, False, trunc)
 
-    def completion_sync(self, body: Mapping[str, Any], scope: str | None = "") -> list[int]:
+    def completion_sync(
+        self, body: Mapping[str, Any], scope: str | None = "", trunc: Truncation | None = None
+    ) -> list[int]:
         prompt = completion_prompt(body)
         if isinstance(prompt, list):  # token ids go to the engine as they are
-            return prompt
-        return self._special(self.segments.encode(prompt, scope), body, True)
+            return prompt if trunc is None else prompt[trunc.kept(len(prompt))]
+        return self._special(self.segments.encode(prompt, scope), body, True, trunc)
 
     async def chat(
-        self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
+        self,
+        body: Mapping[str, Any],
+        scope: str | None = "",
+        offload_chars: int = OFFLOAD_CHARS,
+        trunc: Truncation | None = None,
     ) -> list[int]:
         """:meth:`chat_sync` that tokenizes long uncached text in a worker thread."""
         ids = await self.segments.encode_async(self._render(body), scope, offload_chars)
-        return self._special(ids, body, False)
+        return self._special(ids, body, False, trunc)
 
     async def completion(
-        self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
+        self,
+        body: Mapping[str, Any],
+        scope: str | None = "",
+        offload_chars: int = OFFLOAD_CHARS,
+        trunc: Truncation | None = None,
     ) -> list[int]:
-        tokens, _ = await self.completion_packed(body, scope, offload_chars)
+        tokens, _ = await self.completion_packed(body, scope, offload_chars, trunc)
         return tokens
 
     async def completion_packed(
-        self, body: Mapping[str, Any], scope: str | None = "", offload_chars: int = OFFLOAD_CHARS
+        self,
+        body: Mapping[str, Any],
+        scope: str | None = "",
+        offload_chars: int = OFFLOAD_CHARS,
+        trunc: Truncation | None = None,
     ) -> tuple[list[int], Sequence[int]]:
         """:meth:`completion`, with the ids for the block keys: a token-id prompt's packed
-        ids (its check built them), else the token list itself."""
+        ids (its check built them), else the token list itself. ``trunc``: the request's
+        ``truncate_prompt_tokens``, the part of the prompt the engine runs."""
         prompt, packed = completion_prompt_packed(body)
         if isinstance(prompt, str):
             tokens = await self.segments.encode_async(prompt, scope, offload_chars)
-            tokens = self._special(tokens, body, True)
+            tokens = self._special(tokens, body, True, trunc)
             return tokens, tokens
         assert packed is not None  # token ids come packed
+        if trunc is not None and len(prompt) > trunc.keep:
+            kept = trunc.kept(len(prompt))
+            return prompt[kept], packed[kept]
         return prompt, packed
 
 

@@ -214,7 +214,10 @@ def create_app(replica: SimReplica) -> FastAPI:
         except TokenizerError as exc:
             raise APIError(str(exc), param="messages") from exc
         ids = await encode(text, salt or "")
-        return with_special_tokens(tok, ids) if req.add_special_tokens else ids
+        keep = req.truncation(replica.core.max_model_len)
+        if not req.add_special_tokens:
+            return req.truncate(ids, keep, ((), ()))
+        return req.truncate(with_special_tokens(tok, ids), keep, tok.special_affixes)
 
     async def completion_ids(req: CompletionRequest, salt: str | None) -> list[int]:
         prompt = req.prompt
@@ -225,10 +228,11 @@ def create_app(replica: SimReplica) -> FastAPI:
         else:
             ids = completion_prompt_ids(prompt, tok.encode, tok.vocab_size)
         # a text prompt gets the tokenizer's special tokens, as vLLM adds them (token ids
-        # are the client's own)
+        # are the client's own); then vLLM's truncate_prompt_tokens
+        keep = req.truncation(replica.core.max_model_len)
         if isinstance(prompt, str) and req.add_special_tokens:
-            return with_special_tokens(tok, ids)
-        return ids
+            return req.truncate(with_special_tokens(tok, ids), keep, tok.special_affixes)
+        return req.truncate(ids, keep, ((), ()))
 
     # A router that renders every request on every replica (vllm-router ``cache_aware``)
     # has each replica tokenize the same long shared prefixes over and over, ~4 ms of CPU

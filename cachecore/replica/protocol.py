@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi.responses import JSONResponse
@@ -74,6 +74,49 @@ class _GenerationRequest(BaseModel):
     request_id: str | None = None
     prompt_logprobs: int | None = None
     echo: bool | None = False
+    # vLLM's: keep the prompt's last (left) or first (right) k tokens; -1: the context
+    # less the output tokens asked for (its max_input_tokens)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+
+    def max_output_tokens(self) -> int:
+        """What vLLM reserves of the context for the output when it resolves -1."""
+        return 0
+
+    def truncation(self, max_model_len: int) -> int | None:
+        """How many prompt tokens the engine keeps (None: all), refused as vLLM refuses:
+        more than the context less the output tokens, or none at all (an empty prompt)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        max_input = max_model_len - self.max_output_tokens()
+        if keep > max_input:
+            raise APIError(
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - "
+                f"max_tokens = {max_input}. Please request a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
+        if keep == -1:
+            keep = max_input
+        if keep < 1:
+            raise APIError("The decoder prompt cannot be empty", param="truncate_prompt_tokens")
+        return keep
+
+    def truncate(
+        self, ids: list[int], keep: int | None, affixes: tuple[Sequence[int], Sequence[int]]
+    ) -> list[int]:
+        """``ids`` as vLLM truncates them. ``affixes``: the special tokens added around a
+        text (add_special_tokens), which the tokenizer's truncation keeps while it
+        shortens the text between them; none for token ids or a chat's template text."""
+        if keep is None or len(ids) <= keep:
+            return ids
+        left = self.truncation_side != "right"
+        prefix, suffix = affixes
+        inner = keep - len(prefix) - len(suffix)
+        if (prefix or suffix) and inner > 0:
+            text = ids[len(prefix) : len(ids) - len(suffix)]
+            return [*prefix, *(text[-inner:] if left else text[:inner]), *suffix]
+        return ids[-keep:] if left else ids[:keep]
 
     def reads_prefix_cache(self) -> bool:
         """vLLM's rule (:mod:`cachecore.cacheread`): no prefix hit for prompt logprobs."""
@@ -107,6 +150,10 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
 
+    def max_output_tokens(self) -> int:
+        value = self.max_completion_tokens
+        return (value if value is not None else self.max_tokens) or 0
+
     def _echo_logprobs(self) -> object:
         return self.top_logprobs
 
@@ -118,6 +165,12 @@ class CompletionRequest(_GenerationRequest):
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(None, self.max_tokens)
+
+    def max_output_tokens(self) -> int:
+        # vLLM's completion request: max_tokens is 16 when absent, and null reserves none
+        if "max_tokens" not in self.model_fields_set:
+            return DEFAULT_MAX_TOKENS
+        return self.max_tokens or 0
 
     def _echo_logprobs(self) -> object:
         return self.logprobs
