@@ -83,6 +83,7 @@ from gateway.tokenization import (
     bounded_answer,
     card_max_model_len,
     check_alignment,
+    completion_batch_size,
     completion_prompt,
     request_truncation,
     stream_requested,
@@ -842,7 +843,13 @@ class Gateway:
             body, chat, lambda: _context_len(reps, model, base_model)
         )
         unkeyed = unkeyed or not trunc_known
+        # a batch of prompts (/v1/completions): vLLM runs one engine request per prompt.
+        # Sized and charged as the sum of its prompts and routed by load (no one prefix
+        # to key or check claims by; a confined tenant's batch is cold)
+        batch = not chat and completion_batch_size(body) > 1
+        unkeyed = unkeyed or batch
         media_tokens = 0
+        lengths: list[int] | None = None
         if isinstance(tokenizer, LocalPromptTokenizer):
             # the segment cache is per scope (a shared one is a cross-tenant timing channel)
             cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
@@ -856,6 +863,10 @@ class Gateway:
                 chat_body = {**body, "messages": text_only} if media_parts else body
                 tokens = await tokenizer.chat(chat_body, cs, off, trunc)
                 packed: Sequence[int] = tokens
+            elif batch:
+                lengths = await tokenizer.prompt_lengths(body, cs, off, trunc)
+                tokens = []
+                packed = tokens
             else:
                 # a token-id prompt comes packed by its check: the keys need no second pass
                 tokens, packed = await tokenizer.completion_packed(body, cs, off, trunc)
@@ -863,9 +874,15 @@ class Gateway:
             # the engine tokenizes: under the scope's salt, so no cache of the engine's
             # is shared between scopes (the same timing channel as the segment cache's)
             salt = self.minter.salt(scope)
-            tokens = await (
-                tokenizer.chat(body, salt) if chat else tokenizer.completion(body, salt)
-            )
+            if batch:
+                lengths = await tokenizer.prompt_lengths(body, salt)
+                if trunc is not None:
+                    lengths = [min(n, trunc.keep) for n in lengths]
+                tokens = []
+            else:
+                tokens = await (
+                    tokenizer.chat(body, salt) if chat else tokenizer.completion(body, salt)
+                )
             if trunc is not None and len(tokens) > trunc.keep:
                 # exact for token ids and text without special tokens; the engine's
                 # tokenizer keeps a BOS it added, which the gateway cannot place: sized
@@ -877,8 +894,8 @@ class Gateway:
             packed = tokens
         st.add("tokenize", time.perf_counter_ns() - t0)
         # media parts count at the pool's estimate: for the cost and the flooding budget
-        n_prompt = len(tokens) + media_tokens
-        if trunc is not None:  # media parts are in the truncated part
+        n_prompt = len(tokens) + media_tokens if lengths is None else sum(lengths)
+        if trunc is not None and lengths is None:  # media parts are in the truncated part
             n_prompt = min(n_prompt, trunc.keep)
 
         t0 = time.perf_counter_ns()

@@ -59,29 +59,55 @@ def _token_ids(value: Any) -> array.array[int] | None:
     return packed
 
 
-def completion_prompt_packed(
+def completion_prompts(
     body: Mapping[str, Any],
-) -> tuple[str | list[int], array.array[int] | None]:
-    """The prompt that decides routing, and for token ids (only) the same ids packed as
-    uint32. A batch of prompts routes by its first one."""
+) -> list[tuple[str | list[int], array.array[int] | None]]:
+    """Every prompt of a completion request, each with (for token ids only) the same ids
+    packed as uint32: one for a string or a token array, each element of a batch (a list
+    of strings or a list of token arrays, as vLLM's request model takes them; vLLM runs
+    one engine request per element). Anything else is a 400, as the engine would answer."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return prompt, None
+        return [(prompt, None)]
     packed = _token_ids(prompt)
     if packed is not None:
-        return cast(list[int], prompt), packed
+        return [(cast(list[int], prompt), packed)]
     if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, str):
-            return first, None
-        packed = _token_ids(first)
-        if packed is not None:
-            return first, packed
+        if all(isinstance(p, str) for p in prompt):
+            return [(p, None) for p in prompt]
+        out: list[tuple[str | list[int], array.array[int] | None]] = []
+        for p in prompt:
+            packed = _token_ids(p)
+            if packed is None:  # a mixed batch or a bad element: vLLM's model refuses it
+                break
+            out.append((p, packed))
+        else:
+            return out
     raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
 
 
+def completion_batch_size(body: Mapping[str, Any]) -> int:
+    """How many prompts a completion request carries (a batch: a list of strings or of
+    token arrays), read without checking them (:func:`completion_prompts` does)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1
+
+
+def completion_prompt_packed(
+    body: Mapping[str, Any],
+) -> tuple[str | list[int], array.array[int] | None]:
+    """The first prompt, and for token ids (only) the same ids packed as uint32: the one
+    prompt of a request that has one (a batch is routed by load: :func:`completion_prompts`)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):  # nearly every request: no list built
+        return prompt, None
+    return completion_prompts(body)[0]
+
+
 def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
-    """The prompt that decides routing. A batch of prompts routes by its first one."""
+    """The first prompt (the only one but for a batch)."""
     return completion_prompt_packed(body)[0]
 
 
@@ -299,6 +325,8 @@ class PromptTokenizer(Protocol):
 
     async def completion(self, body: Mapping[str, Any], salt: str) -> list[int]: ...
 
+    async def prompt_lengths(self, body: Mapping[str, Any], salt: str) -> list[int]: ...
+
 
 class LocalPromptTokenizer:
     def __init__(self, tokenizer: Tokenizer, cache_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
@@ -389,6 +417,25 @@ class LocalPromptTokenizer:
             kept = trunc.kept(len(prompt))
             return prompt[kept], packed[kept]
         return prompt, packed
+
+    async def prompt_lengths(
+        self,
+        body: Mapping[str, Any],
+        scope: str | None = "",
+        offload_chars: int = OFFLOAD_CHARS,
+        trunc: Truncation | None = None,
+    ) -> list[int]:
+        """The tokens the engine runs for each prompt of a completion request (a batch:
+        one engine request each): token arrays counted, text tokenized as one prompt is
+        (long text in a worker thread)."""
+        lengths: list[int] = []
+        for prompt, _ in completion_prompts(body):
+            if isinstance(prompt, list):
+                lengths.append(len(prompt) if trunc is None else min(len(prompt), trunc.keep))
+                continue
+            ids = await self.segments.encode_async(prompt, scope, offload_chars)
+            lengths.append(len(self._special(ids, body, True, trunc)))
+        return lengths
 
 
 def _response_ids(payload: Any) -> list[int] | None:
@@ -593,10 +640,29 @@ class EnginePromptTokenizer:
         prompt = completion_prompt(body)
         if isinstance(prompt, list):
             return prompt
-        payload = {"model": body.get("model"), "prompt": prompt, "cache_salt": salt}
+        return await self._tokenize_text(body, prompt, salt)
+
+    async def _tokenize_text(self, body: Mapping[str, Any], text: str, salt: str) -> list[int]:
+        payload = {"model": body.get("model"), "prompt": text, "cache_salt": salt}
         if "add_special_tokens" in body:
             payload["add_special_tokens"] = body["add_special_tokens"]
         return await self._post("/tokenize", payload)
+
+    BATCH_CONCURRENCY = 8
+    """At most this many /tokenize calls out at once for the text prompts of a batch."""
+
+    async def prompt_lengths(self, body: Mapping[str, Any], salt: str) -> list[int]:
+        """Each prompt's tokens of a completion request (a batch), before any truncation:
+        token arrays counted, each text asked of the engine (a few at a time)."""
+        prompts = completion_prompts(body)
+        lengths = [len(p) if isinstance(p, list) else 0 for p, _ in prompts]
+        texts = [(i, p) for i, (p, _) in enumerate(prompts) if isinstance(p, str)]
+        for start in range(0, len(texts), self.BATCH_CONCURRENCY):
+            part = texts[start : start + self.BATCH_CONCURRENCY]
+            got = await asyncio.gather(*(self._tokenize_text(body, t, salt) for _, t in part))
+            for (i, _), ids in zip(part, got, strict=True):
+                lengths[i] = len(ids)
+        return lengths
 
 
 class TokenizerPools:
