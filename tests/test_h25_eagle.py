@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
@@ -22,7 +23,7 @@ from cachecore.lifecycle import Tier
 from cachecore.replica.settings import ReplicaSettings
 from cachecore.scoring import Coefficients, LoadView, hit_blocks, predict_hit
 from gateway.routing import Candidate, Router, RouteRequest, RoutingParams, Strategy
-from policies.schema import ModelPool, parse_policy_text
+from policies.schema import ModelPool, Policy, parse_policy_text
 from tests.test_gateway_faults import checked
 from tests.test_gateway_support import stack
 
@@ -208,3 +209,25 @@ async def test_with_hit_drop_blocks_a_longer_prefix_is_checked_and_agrees() -> N
         assert got == {"agree": 4}, got
         assert gw.metrics.precision[0] == err0  # no error added by these requests
         assert not gw.quarantine.is_quarantined(rep)
+
+
+# ---------------------------------------------------------------------- the simulator
+def test_the_simulator_models_an_eagle_fleet_by_the_policy() -> None:
+    from loadtest.simulate import FleetSimulator, SimConfig, scaled_workload
+    from loadtest.workloads import TextSource
+    from policies.schema import builtin_policy_path, load_policy
+
+    text = TextSource()
+    base = load_policy(builtin_policy_path("default"))
+    pool = base.models.default.model_copy(update={"hit_drop_blocks": 1})
+    field = base.model_copy(update={"models": base.models.model_copy(update={"default": pool})})
+    cfg = SimConfig(replicas=4, num_blocks=2048)
+
+    def pred_error(policy: Policy, drop: bool) -> float:
+        w = scaled_workload("shared-prefix", 200, cfg.replicas, 10.0, 0, text)
+        sim = FleetSimulator(replace(cfg, drop_last_hit_block=drop), policy, w)
+        return float(asyncio.run(sim.run()).row()["pred_error"])
+
+    plain = pred_error(base, False)  # the default fleet, as the policy models it
+    unset, set_ = pred_error(base, True), pred_error(field, True)
+    assert set_ <= plain < unset, (plain, set_, unset)
