@@ -161,3 +161,41 @@ async def test_an_engine_tokenized_pool_counts_every_text_of_a_batch() -> None:
         body["truncate_prompt_tokens"] = 60
         d = await st.gw.prepare("completion", "anonymous", body, {}, "x", explain_only=True)
         assert d.prompt_tokens == 50 + 60 * 10
+
+
+async def test_the_simulated_replica_serves_a_batch_as_vllm() -> None:
+    """One engine request per prompt, a choice each (index i), usage summed (cached tokens
+    the last prompt's); streamed chunks carry their prompt's index; and through the
+    gateway a batch is answered whole, its size the engine's."""
+    async with stack(count=1) as st, st.http() as h, httpx.AsyncClient(timeout=30.0) as direct:
+        url = st.fleet.endpoints[0].url + "/v1/completions"
+        prompts = [list(range(100, 164)), list(range(100, 164)), list(range(500, 520))]
+        body: dict[str, Any] = {"model": st.model, "prompt": prompts, "max_tokens": 3}
+        r = await direct.post(url, json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+        assert got["usage"]["prompt_tokens"] == 64 + 64 + 20
+        assert got["usage"]["completion_tokens"] == 9
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the last's
+        stream = dict(body, stream=True, stream_options={"include_usage": True})
+        seen: dict[int, int] = {}
+        final: dict[str, Any] = {}
+        async with direct.stream("POST", url, json=stream) as s:
+            async for line in s.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    seen[c["index"]] = seen.get(c["index"], 0) + 1
+                final = chunk.get("usage") or final
+        assert seen == {0: 3, 1: 3, 2: 3} and final["prompt_tokens"] == 148
+        r = await direct.post(url, json=dict(body, prompt=[[1, 2], [3, -1]]))
+        assert r.status_code == 400
+        texts = {"model": st.model, "prompt": [words(30, 1), words(40, 2)], "max_tokens": 1}
+        texts["truncate_prompt_tokens"] = 35
+        d = await st.gw.prepare("completion", "anonymous", dict(texts), {}, "x", explain_only=True)
+        r = await h.post("/v1/completions", json=texts)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 2
+        assert r.json()["usage"]["prompt_tokens"] == d.prompt_tokens == 30 + 35

@@ -33,10 +33,13 @@ from cachecore.replica.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    batch_usage,
     chat_chunk,
     chat_response,
+    completion_batch_response,
     completion_chunk,
     completion_prompt_ids,
+    completion_prompts,
     completion_response,
     error_body,
     now_s,
@@ -219,10 +222,9 @@ def create_app(replica: SimReplica) -> FastAPI:
             return req.truncate(ids, keep, ((), ()))
         return req.truncate(with_special_tokens(tok, ids), keep, tok.special_affixes)
 
-    async def completion_ids(req: CompletionRequest, salt: str | None) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+    async def completion_ids(req: CompletionRequest, salt: str | None, prompt: Any) -> list[int]:
+        """The ids the engine runs for ``prompt``, one of the request's
+        (:func:`completion_prompts`)."""
         if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
             ids = await encode(prompt, salt or "")
         else:
@@ -233,6 +235,114 @@ def create_app(replica: SimReplica) -> FastAPI:
         if isinstance(prompt, str) and req.add_special_tokens:
             return req.truncate(with_special_tokens(tok, ids), keep, tok.special_affixes)
         return req.truncate(ids, keep, ((), ()))
+
+    async def completion_batch(
+        request: Request,
+        req: CompletionRequest,
+        prompts: list[Any],
+        salt: str | None,
+        lora: str | None,
+        model: str,
+    ) -> Response:
+        """A batch of prompts as vLLM serves it: one engine request per prompt (ids
+        ``<id>-<i>``), one choice each (``index`` i), usage summed (:func:`batch_usage`)."""
+        ids = [await completion_ids(req, salt, p) for p in prompts]
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        handles: list[tuple[EngineDriver, RequestHandle]] = []
+        try:
+            for i, prompt_ids in enumerate(ids):
+                request_id = f"{rid}-{i}"
+                reads = req.reads_prefix_cache()
+                max_tokens = req.requested_max_tokens()
+                handles.append(
+                    submit("cmpl", prompt_ids, max_tokens, salt, lora, request_id, reads)
+                )
+        except APIError:
+            for driver, handle in handles:  # refused as a whole, as vLLM validates first
+                driver.abort(handle.request_id)
+            raise
+        if req.stream:
+            inc, cont = stream_flags(req)
+            return StreamingResponse(
+                stream_batch(handles, f"cmpl-{rid}", model, inc, cont),
+                media_type="text/event-stream",
+            )
+        work = asyncio.gather(*(collect(driver, handle) for driver, handle in handles))
+        got = await gather_unless_gone(request, work)
+        if got is None:
+            return Response(status_code=499)
+        return JSONResponse(completion_batch_response(f"cmpl-{rid}", model, got, now_s()))
+
+    async def gather_unless_gone(
+        request: Request, work: asyncio.Future[list[tuple[str, RequestOutput]]]
+    ) -> list[tuple[str, RequestOutput]] | None:
+        """``work`` (a batch's collects), abandoned if the client hangs up first: each
+        collect's finally aborts its engine request. None then."""
+        gone = asyncio.ensure_future(until_disconnect(request))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                await cancel_and_wait(work)
+            await cancel_and_wait(gone)
+        if work.cancelled():
+            return None
+        return work.result()
+
+    async def stream_batch(
+        handles: list[tuple[EngineDriver, RequestHandle]],
+        rid: str,
+        model: str,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        """A batch's stream: each prompt's chunks as they come, ``index`` the prompt's
+        place; one usage chunk for the batch at the end (vLLM's)."""
+        created = now_s()
+        queue: asyncio.Queue[tuple[int, RequestOutput | EngineStoppedError | None]]
+        queue = asyncio.Queue()
+
+        async def pump(i: int, handle: RequestHandle) -> None:
+            try:
+                async for out in handle.outputs():
+                    queue.put_nowait((i, out))
+            except EngineStoppedError as exc:
+                queue.put_nowait((i, exc))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, h)) for i, (_, h) in enumerate(handles)]
+        lasts: list[RequestOutput | None] = [None] * len(handles)
+        try:
+            open_ = len(handles)
+            while open_:
+                i, item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                    continue
+                if isinstance(item, EngineStoppedError):
+                    yield sse(error_body(str(item), 503, "ServiceUnavailableError"))
+                    break
+                lasts[i] = item
+                text = replica.token_text(item.new_token_ids)
+                finish = item.finish_reason.value if item.finish_reason else None
+                chunk = completion_chunk(rid, model, created, text, finish)
+                chunk["choices"][0]["index"] = i
+                if continuous_usage:
+                    chunk["usage"] = usage(item)
+                yield sse(chunk)
+            else:
+                done = [o for o in lasts if o is not None]
+                if include_usage and len(done) == len(lasts):
+                    chunk = usage_chunk(rid, model, created, "text_completion", done[-1])
+                    chunk["usage"] = batch_usage(done)
+                    yield sse(chunk)
+        finally:
+            for task in tasks:
+                await cancel_and_wait(task)
+            for driver, handle in handles:
+                driver.abort(handle.request_id)
+        yield SSE_DONE
 
     # A router that renders every request on every replica (vllm-router ``cache_aware``)
     # has each replica tokenize the same long shared prefixes over and over, ~4 ms of CPU
@@ -281,8 +391,11 @@ def create_app(replica: SimReplica) -> FastAPI:
         req = await _parse(request, CompletionRequest)
         lora = check_model(req.model)
         salt = validate_common(req)
-        ids = await completion_ids(req, salt)
+        prompts = completion_prompts(req.prompt)
         model = req.model or replica.model
+        if len(prompts) > 1:
+            return await completion_batch(request, req, prompts, salt, lora, model)
+        ids = await completion_ids(req, salt, prompts[0])
         driver, handle = submit(
             "cmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req),
             req.reads_prefix_cache(),
@@ -316,9 +429,15 @@ def create_app(replica: SimReplica) -> FastAPI:
         req = await _parse(request, CompletionRequest)
         check_model(req.model)
         salt = req.cache_salt  # not validated on this endpoint: a bad one is no scope
-        ids = await completion_ids(req, salt if isinstance(salt, str) else None)
-        return _json_bytes(
-            {"token_ids": ids, "prompt_token_ids": ids, "model": req.model or replica.model}
+        scope = salt if isinstance(salt, str) else None
+        model = req.model or replica.model
+        rendered = []
+        for prompt in completion_prompts(req.prompt):  # a batch: one render per prompt
+            ids = await completion_ids(req, scope, prompt)
+            rendered.append({"token_ids": ids, "prompt_token_ids": ids, "model": model})
+        return Response(
+            orjson.dumps(rendered[0] if len(rendered) == 1 else rendered),
+            media_type="application/json",
         )
 
     @app.post("/tokenize", response_model=None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import orjson
 from fastapi.responses import JSONResponse
@@ -331,11 +331,21 @@ def usage_chunk(
     }
 
 
+def completion_prompts(prompt: Any) -> list[Any]:
+    """A /v1/completions ``prompt`` as vLLM's request model takes it: a string or a token
+    array (one prompt), or a batch, a list of strings or of token arrays (one engine
+    request each); each checked by :func:`completion_prompt_ids`."""
+    batch = isinstance(prompt, list) and bool(prompt)
+    if batch and (
+        all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)
+    ):
+        return cast(list[Any], prompt)
+    return [prompt]
+
+
 def completion_prompt_ids(prompt: Any, encode: Any, vocab_size: int) -> list[int]:
-    """A /v1/completions ``prompt``: a string, a list of token ids, or a one-element list
-    of either (batched prompts are not simulated)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    """One prompt of a /v1/completions request (:func:`completion_prompts`): a string or a
+    list of token ids."""
     if isinstance(prompt, str):
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
@@ -348,9 +358,39 @@ def completion_prompt_ids(prompt: Any, encode: Any, vocab_size: int) -> list[int
         if bool in kinds or min(prompt) < 0 or max(prompt) >= vocab_size:
             raise APIError(f"token ids must be in [0, {vocab_size})", param="prompt")
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise APIError("batched prompts are not supported by the simulated replica", param="prompt")
     raise APIError("prompt must be a string or a list of token ids", param="prompt")
+
+
+def batch_usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """A batch's usage as vLLM reports it: prompt and completion tokens summed over its
+    prompts, cached tokens the last prompt's (vLLM reads them off its last result)."""
+    prompt = sum(o.num_prompt_tokens for o in outs)
+    output = sum(o.num_output_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + output,
+        "completion_tokens": output,
+        "prompt_tokens_details": {"cached_tokens": outs[-1].num_cached_tokens},
+    }
+
+
+def completion_batch_response(
+    request_id: str, model: str, results: Sequence[tuple[str, RequestOutput]], created: int
+) -> dict[str, Any]:
+    """A batch's answer: one choice per prompt, ``index`` its place in the batch."""
+    choices = []
+    for i, (text, last) in enumerate(results):
+        choice = completion_response(request_id, model, text, last, created)["choices"][0]
+        choice["index"] = i
+        choices.append(choice)
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": batch_usage([last for _, last in results]),
+    }
 
 
 def joined_text(texts: Sequence[str]) -> str:
