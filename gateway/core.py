@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -67,7 +67,6 @@ from gateway.requesttrace import RequestTrace
 from gateway.routing import (
     Candidate,
     Decision,
-    Effects,
     NoCandidateError,
     Router,
     RouteRequest,
@@ -1161,11 +1160,8 @@ class Gateway:
             )
         except NoCandidateError:  # a cold request whose tenant's cold replicas all failed
             return False
-        if decision.effects is not None:
-            # one request, one step of the round-robin cursor: its first decision's (a
-            # retry's decision has the same strategy and flags, so it would step again)
-            decision.effects.rr = False
-        self.router.commit(decision)  # committed at once: the retry is sent
+        # committed at once: the retry is sent (the failed decision's step was taken back)
+        self.router.commit(decision)
         d.decision = decision
         _, d.salt_index = _best_match(d.replica, d.matches)
         d.attempts += 1
@@ -1174,24 +1170,16 @@ class Gateway:
 
     def _retract_growth(self, d: Dispatch, failed: str) -> None:
         """The failed attempt's replica never got the prompt: take back what its committed
-        decision added to the trees (prefix_affinity's, D14's scope tree), or the replica
-        reads as holding a prefix it never saw and the scope's next misses go elsewhere.
-        Router has no undo (D24), so the growth is committed back negated through
-        ``Router.commit``. Not for a replica removed (and forgotten by the router) since:
-        its trees are gone already. Tie rounds are not taken back (no public way)."""
-        fx = d.decision.effects
-        if fx is None or not fx.done or d.decision.replica != failed:
+        decision changed in the router (``Router.retract``: the round-robin step, its place
+        in the tie round, what it added to prefix_affinity's tree and D14's scope tree), or
+        the replica reads as holding a prefix it never saw and the scope's next misses go
+        elsewhere. The trees stay for a replica removed (and forgotten by the router) or
+        back under its id as a new one since: they are not that decision's any more."""
+        if d.decision.replica != failed:
             return
         rep = self.pool.get(failed) if self.pool is not None else None
-        if rep is None or (d.target is not None and rep is not d.target):
-            return  # removed, or back under its id as a new replica: trees not ours
-        tree = (fx.tree[0], -fx.tree[1]) if fx.tree is not None and fx.tree[1] else None
-        scope = fx.scope_tree
-        scope_tree = (scope[0], scope[1], -scope[2]) if scope is not None and scope[2] else None
-        if tree is None and scope_tree is None:
-            return
-        undo = Effects(fx.seq, tree=tree, scope_tree=scope_tree)
-        self.router.commit(replace(d.decision, effects=undo))
+        ours = rep is not None and (d.target is None or rep is d.target)
+        self.router.retract(d.decision, trees=ours)
 
     def _settle_pending(self, d: Dispatch, refused: bool) -> None:
         """The attempt is over: a refused one's pending entries are undone (they would

@@ -238,6 +238,15 @@ def _take_rounds(
         rounds.add(pick)
 
 
+def _shrink(tree: dict[str, int], replica: str, tokens: int) -> None:
+    """Take ``tokens`` back from ``replica``'s entry; an entry at zero or below goes."""
+    left = tree.get(replica, 0) - tokens
+    if left > 0:
+        tree[replica] = left
+    else:
+        tree.pop(replica, None)
+
+
 def rendezvous_weight(key: str, replica: str) -> int:
     """``replica``'s highest-random-weight score for ``key``."""
     return xxhash.xxh3_64_intdigest(f"{key}\x00{replica}".encode())
@@ -353,6 +362,33 @@ class Router:
             tree = self._scope_tree(scope)
             tree[replica] = tree.get(replica, 0) + new
         self._commits += 1
+
+    def retract(self, decision: Decision, trees: bool = True) -> None:
+        """Take back what a committed ``decision`` changed, for a request that never reached
+        its replica (the connection was refused): the round-robin step, its pick's place in
+        the tie round, and (``trees``) what it added to the trees, without a commit of its
+        own. A round the decision began stays begun (the one before is not kept); a tree
+        entry taken to zero goes, and a scope tree evicted since is not made again. A
+        decision not committed, or retracted already, changes nothing."""
+        fx = decision.effects
+        if fx is None or not fx.done:
+            return
+        fx.done = False
+        if fx.rr:
+            self._rr -= 1
+        for pick, _, _ in fx.rounds or ():
+            self._round.discard(pick)
+        if not trees:
+            return
+        if fx.tree is not None:
+            _shrink(self._tree_tokens, *fx.tree)
+        if fx.scope_tree is not None:
+            scope, replica, new = fx.scope_tree
+            tree = self._scope_trees.get(scope)
+            if tree is not None:
+                _shrink(tree, replica, new)
+                if not tree:
+                    del self._scope_trees[scope]
 
     def forget(self, replica: str) -> None:
         """``replica`` was removed for good: its tree sizes and tie-round place go (one

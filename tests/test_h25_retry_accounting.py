@@ -55,3 +55,64 @@ async def test_two_refused_connections_step_round_robin_once() -> None:
         assert gw.reroute(d, d.replica)  # refused again: the last replica
         assert len({first, *d.tried, d.replica}) == 3
         assert gw.router._rr == 1
+
+
+async def test_a_replica_that_refused_the_connection_keeps_its_turn_in_the_tie_round() -> None:
+    """With random tie rounds (miss_tie_break: round) the refused replica stayed in the
+    round as if it had taken a tied request: the next misses went elsewhere until the
+    round ended. Only the replica the request reached has had its turn."""
+    reps = [FakeReplica(), FakeReplica()]
+    async with gateway(reps, GATEWAY_CONFIGS["expected_latency/round"]) as (gw, _):
+        d = await gw.prepare("completion", "anonymous", completion(words(200, 2)), {}, "t")
+        first = d.replica
+        assert gw.router._round == {first}  # a miss everywhere: a tie, taken in the round
+        assert gw.reroute(d, first) and d.replica != first
+        # the retry over the one replica left ties with nobody: no round entry of its own
+        assert first not in gw.router._round
+
+
+def test_retract_takes_back_a_committed_decision_and_nothing_more() -> None:
+    """Router.retract: the cursor step, the pick's place in the round, the tree growth;
+    an entry taken to zero goes; a scope tree evicted since is not made again; twice or
+    on an uncommitted decision it does nothing."""
+    import random
+
+    from cachecore.scoring import Coefficients, LoadView
+    from gateway.routing import (
+        Candidate,
+        MissTieBreak,
+        Router,
+        RouteRequest,
+        RoutingParams,
+        Strategy,
+    )
+
+    cands = [Candidate(f"r{i}", LoadView()) for i in range(3)]
+    req = RouteRequest(prompt_tokens=320, block_size=16, scope_key="t")
+    co = Coefficients()
+    rr = Router(RoutingParams(strategy=Strategy.ROUND_ROBIN), random.Random(0))
+    d = rr.decide(req, cands, co)
+    rr.retract(d)
+    rr.retract(d)
+    assert rr._rr == 0
+    tied = Router(RoutingParams(miss_tie_break=MissTieBreak.ROUND), random.Random(0))
+    a = tied.decide(req, cands, co)
+    b = tied.decide(req, cands, co)
+    tied.retract(b)
+    assert tied._round == {a.replica}
+    pa = Router(RoutingParams(strategy=Strategy.PREFIX_AFFINITY), random.Random(0))
+    d = pa.decide(req, cands, co)
+    pa.retract(d)
+    assert pa._tree_tokens == {}  # no zero entry left behind
+    st = Router(RoutingParams(), random.Random(0))
+    d = st.decide(req, cands, co)
+    assert st._scope_trees["t"] == {d.replica: 320}
+    st.retract(d)
+    assert "t" not in st._scope_trees  # emptied: dropped, as forget() does
+    d = st.decide(req, cands, co)
+    st._scope_trees.clear()  # evicted from the LRU before the connection failed
+    st.retract(d)
+    assert st._scope_trees == {}
+    undecided = st.decide(req, cands, co, commit=False)
+    st.retract(undecided)
+    assert st._scope_trees == {} and st._commits == 2
