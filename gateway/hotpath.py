@@ -15,8 +15,10 @@ protocol's connection handling is unchanged: keep-alive and its timer, pipelined
 back-pressure, graceful shutdown (the last answer on a connection carries
 ``connection: close``). When the client goes away before its answer is complete, the
 cycle cancels the task that serves it; the exchange turns that into an aborted upstream
-request. An HTTP/1.0 client cannot read chunked framing (RFC 9112 s7): its stream goes
-out unframed and the connection closes at its end.
+request. A client that keeps the connection and reads nothing is cut off the same way once
+a write has waited ``KVGATE_CLIENT_WRITE_TIMEOUT_S`` for the socket (the connection is
+aborted: a close would wait for the unread bytes). An HTTP/1.0 client cannot read chunked
+framing (RFC 9112 s7): its stream goes out unframed and the connection closes at its end.
 
 A request head (request target plus header lines) over :data:`MAX_HEADER_BYTES` is answered
 ``431`` with an OpenAI error object and the connection is closed, on every path: httptools
@@ -36,6 +38,7 @@ tests/test_h24_http_edges.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any, cast
 from urllib.parse import unquote
@@ -48,7 +51,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from gateway.app import Completions
 from gateway.cors import exempt
 from gateway.errors import GatewayError, body_too_large, sse_error_event
-from gateway.proxy import UpstreamExchange
+from gateway.proxy import ClientWriteTimeout, UpstreamExchange
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +145,11 @@ class HotCycle:
 
     @disconnected.setter
     def disconnected(self, value: bool) -> None:
-        # the protocol sets it when the connection is lost before the answer is complete
-        self._disconnected = value
-        if value and self.task is not None and not self.task.done():
+        # the protocol sets it when the connection is lost before the answer is complete;
+        # already set (a write timed out, its task ends the exchange itself) it cancels
+        # nothing: a cancellation then would cut the upstream response's close short
+        was, self._disconnected = self._disconnected, value
+        if value and not was and self.task is not None and not self.task.done():
             self.task.cancel()
 
     async def run_asgi(self, app: Any) -> None:
@@ -161,14 +166,15 @@ class HotCycle:
                 raise  # the server's own cancellation (shutdown)
             if self.task is not None:
                 self.task.uncancel()
-        except ClientGone:
+        except (ClientGone, ClientWriteTimeout):
             pass
         except Exception:
             log.exception("unhandled error on the completion path")
             if not self.response_started:
                 err = GatewayError(500, "internal gateway error")
                 self.keep_alive = False
-                await self.answer(err.status, err.header_pairs(), _error_bytes(err))
+                with contextlib.suppress(ClientWriteTimeout):
+                    await self.answer(err.status, err.header_pairs(), _error_bytes(err))
         finally:
             if not self.response_complete and not self.transport.is_closing():
                 self.transport.close()  # an answer cut short must not look complete
@@ -240,7 +246,15 @@ class HotCycle:
     async def _writable(self) -> bool:
         flow = self.proto.flow
         if flow.write_paused and not self._disconnected:
-            await flow.drain()
+            try:
+                async with asyncio.timeout(self.proto.write_timeout_s):
+                    await flow.drain()
+            except TimeoutError:
+                # the client reads nothing: cut it off. Not through the setter: this task
+                # ends the exchange itself (ClientWriteTimeout), it needs no cancellation
+                self._disconnected = True
+                self.transport.abort()  # close() would wait for the unread bytes
+                raise ClientWriteTimeout from None
         return not self._disconnected and not self.transport.is_closing()
 
     async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
@@ -330,6 +344,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, completions: Completions, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.completions = completions
+        self.write_timeout_s = completions.gw.settings.client_write_timeout_s
         self.content_length: int | None = None  # of the request being parsed
         # the hot request being served; with pipelining uvicorn's ``cycle`` is the newest
         # parsed one, which may still wait for its turn

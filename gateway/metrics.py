@@ -242,6 +242,13 @@ class GatewayMetrics:
         self.retries = Counter(
             "kvgate_upstream_retries", "Requests retried on another replica", registry=r
         )
+        self.client_write_timeouts = Counter(
+            "kvgate_client_write_timeouts",
+            "Answers cut off because the client read none of it for "
+            "KVGATE_CLIENT_WRITE_TIMEOUT_S (connection closed, upstream request cancelled; "
+            "outcome 499)",
+            registry=r,
+        )
         self.salt_secret = Counter(
             "kvgate_salt_secret_used",
             "Requests sent with the primary salt secret's salt or the previous one's (during "

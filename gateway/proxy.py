@@ -12,7 +12,10 @@ Guarantees:
   ``data: [DONE]``, never a hang;
 * the usage chunk the gateway asked for (to read ``cached_tokens``) reaches the client only
   if the client asked for it too;
-* :meth:`Gateway.finish` runs exactly once per exchange, whatever happened.
+* :meth:`Gateway.finish` runs exactly once per exchange, whatever happened;
+* a client that reads nothing of its answer for ``KVGATE_CLIENT_WRITE_TIMEOUT_S`` is cut
+  off as one that left (outcome 499, the upstream request cancelled), counted in
+  ``kvgate_client_write_timeouts`` and logged.
 """
 
 from __future__ import annotations
@@ -95,9 +98,16 @@ class Usage:
             self.cached = None  # the engine does not report cached tokens
 
 
+class ClientWriteTimeout(Exception):
+    """A write waited ``client_write_timeout_s`` for the client to take bytes it never took
+    (it keeps its connection and reads nothing). Raised by a :class:`ClientConnection`,
+    which writes nothing more; the exchange ends as if the client had left."""
+
+
 class ClientConnection(Protocol):
     """Where an exchange writes its answer. Each method returns once the bytes are handed to
-    the transport (after waiting out back-pressure); after the client went away they write
+    the transport (after waiting out back-pressure, at most the client write timeout, past
+    which it raises :class:`ClientWriteTimeout`); after the client went away they write
     nothing."""
 
     @property
@@ -120,13 +130,24 @@ class ClientConnection(Protocol):
 
 
 class AsgiConnection:
-    """A :class:`ClientConnection` over an ASGI ``send``."""
+    """A :class:`ClientConnection` over an ASGI ``send``. A server's ``send`` waits out the
+    client's back-pressure without a bound (uvicorn's does), so each is bounded here."""
 
-    __slots__ = ("disconnected", "send")
+    __slots__ = ("_send", "disconnected", "write_timeout_s")
 
-    def __init__(self, send: Send) -> None:
-        self.send = send
+    def __init__(self, send: Send, write_timeout_s: float) -> None:
+        self._send = send
+        self.write_timeout_s = write_timeout_s
         self.disconnected = False  # set by UpstreamExchange.__call__'s watcher
+
+    async def send(self, message: Any) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await self._send(message)
+        except TimeoutError:
+            # no transport to abort through ASGI: the server closes the connection when
+            # the app returns with the answer incomplete
+            raise ClientWriteTimeout from None
 
     async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         headers = [*headers, (b"content-length", b"%d" % len(body))]
@@ -190,7 +211,7 @@ class UpstreamExchange(Response):
         me = asyncio.current_task()
         assert me is not None
         watch = asyncio.ensure_future(_wait_disconnect(receive))
-        conn = AsgiConnection(send)
+        conn = AsgiConnection(send, self.gw.settings.client_write_timeout_s)
 
         def on_disconnect(_: object) -> None:
             if not self._settled and not watch.cancelled():
@@ -334,6 +355,8 @@ class UpstreamExchange(Response):
                 await self._relay_stream(conn, resp, t0)
             else:
                 await self._relay_json(conn, resp, t0)
+        except ClientWriteTimeout:
+            self._client_stalled()
         except asyncio.CancelledError:
             e2e = time.perf_counter() - t0
             if conn.disconnected:  # the client went away
@@ -352,6 +375,26 @@ class UpstreamExchange(Response):
                     await resp.aclose()
             if not self._finished:
                 self._finish(Outcome(500, None, time.perf_counter() - t0, None, None, None))
+
+    def _client_stalled(self) -> None:
+        """The client kept its connection and read nothing for the client write timeout:
+        a client failure, like a client that left (499; no error, so it counts against no
+        replica). The connection is closed and, in ``_run``'s ``finally``, the upstream
+        response, so the engine aborts the request instead of generating for no one."""
+        gw, d = self.gw, self.d
+        self._settled = True
+        gw.metrics.client_write_timeouts.inc()
+        log.warning(
+            "client read nothing of its answer for KVGATE_CLIENT_WRITE_TIMEOUT_S: connection "
+            "closed, upstream request cancelled",
+            extra={
+                "replica": d.replica,
+                "request_id": d.request_id,
+                "tenant": d.tenant,
+                "timeout_s": gw.settings.client_write_timeout_s,
+            },
+        )
+        self._finish(Outcome(499, None, time.perf_counter() - d.t_start, None, None, None, None))
 
     async def _upstream_failed(
         self,

@@ -107,6 +107,11 @@ class GatewaySettings(BaseSettings):
     # sent (closed or reset with no byte of answer): a request that crashes its engine (a
     # query of death) takes down at most this many more replicas
     drop_retries: Annotated[int, Field(ge=0)] = 1
+    # a client that reads nothing of its answer for this long (each wait for the socket
+    # to take more bytes) is cut off and its upstream request cancelled: unbounded, one that
+    # kept its connection open and read nothing held its stream, concurrency slot, upstream
+    # connection and engine sequence for ever. 60 s is nginx's send_timeout
+    client_write_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 60.0
     # finite: with inf one stalled stream kept a SIGTERM'd gateway running until killed
     drain_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
     # SIGTERM: answer 503 (health, new requests) this long before closing the listener
