@@ -32,7 +32,7 @@ outside the policy file (an hf tokenizer still being copied, an engine's block s
 
 WEAKEN_SETTLE_S = 5.0
 """How long a policy file must keep still before a reload of it that weakens isolation is
-applied (a store's ``weaken_settle_s``; at least the poll interval)."""
+applied (``KVGATE_POLICY_WEAKEN_SETTLE_S``; at least the poll interval)."""
 
 _KIND_RANK: dict[str, int] = {"none": 0, "session": 1, "request": 2}
 # quarantine thresholds that let more false claims pass when raised / when lowered
@@ -52,7 +52,7 @@ def isolation_weakenings(old: Policy, new: Policy) -> list[str]:
     """What ``new`` loosens of the isolation ``old`` gives, one line each
     (``default_tenant.sensitive.default: session -> none``); empty when nothing. A file
     reload that weakens is applied only once the file has kept still for
-    :data:`WEAKEN_SETTLE_S`: every section is optional, so a file caught half
+    ``KVGATE_POLICY_WEAKEN_SETTLE_S``: every section is optional, so a file caught half
     written is a valid policy whose missing sections are the loose defaults.
 
     For the default tenant (every unlisted tenant) and each tenant named in either policy,

@@ -180,6 +180,7 @@ def build_gateway(
         registry=registry,
     )
     gw.strategy_override = strategy
+    gw.policies.weaken_settle_s = settings.policy_weaken_settle_s
     return gw
 
 

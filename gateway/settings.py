@@ -21,6 +21,7 @@ from cachecore.tokenizer import OFFLOAD_CHARS, SEGMENT_CACHE_TOKENS
 from gateway.cors import DEFAULT_HEADERS as CORS_HEADERS
 from gateway.cors import DEFAULT_METHODS as CORS_METHODS
 from gateway.cors import CorsPolicy, check_origin, check_token
+from gateway.policy_store import WEAKEN_SETTLE_S
 from gateway.replicas import AGENT_ENDPOINT_SCHEMES
 from policies.schema import MIN_RATE_PER_S, builtin_policy_path
 
@@ -45,6 +46,10 @@ class GatewaySettings(BaseSettings):
     policy: Path = Field(default_factory=lambda: builtin_policy_path("default"))
     # finite, as api_keys_poll_s: inf slept forever, a watcher that never looked again
     policy_poll_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2.0
+    # a file reload that weakens isolation (policy_store.isolation_weakenings) waits until
+    # the file has kept still this long (at least one poll): a half-written file is a valid
+    # policy whose later sections (default_tenant, quarantine) are the loose defaults
+    policy_weaken_settle_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = WEAKEN_SETTLE_S
     redis_url: str | None = None
     # redis_url is a seed node of a Redis Cluster: the index, load store, registry and API
     # key hash all go through a cluster client (which discovers the other nodes)

@@ -7,7 +7,7 @@ config agent over a slow mount) left a part that parses, and every section is op
 isolation-strict.yaml cut before `default_tenant:` ran unknown tenants non-sensitive, with
 no limits and no cold confinement, until the write ended. Now a file reload that weakens
 isolation (``policy_store.isolation_weakenings``) is applied only once the file has kept
-still for ``weaken_settle_s`` (5 s), logged at WARNING naming what weakens;
+still for ``KVGATE_POLICY_WEAKEN_SETTLE_S`` (5 s), logged at WARNING naming what weakens;
 one that does not weaken keeps the one-poll rule; ``POST /admin/policy`` applies at once
 and logs the same WARNING.
 
@@ -115,18 +115,18 @@ async def test_a_policy_rewritten_in_place_by_a_slow_writer_is_not_applied_half_
 async def test_a_weakening_file_is_applied_once_it_has_kept_still_for_the_setting(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A file that weakens (strict -> the default tenant non-sensitive) is not applied at
-    the one-poll mark, and is applied, with a WARNING naming what weakens, once it has
-    kept still for the store's weaken_settle_s."""
+    """KVGATE_POLICY_WEAKEN_SETTLE_S reaches the gateway's store: a file that weakens
+    (strict -> the default tenant non-sensitive) is not applied at the one-poll mark,
+    and is applied, with a WARNING naming what weakens, once it has kept still for it."""
     caplog.set_level("WARNING", logger="gateway.policy_store")
     settle_s = 1.0
     path = tmp_path / "policy.yaml"
     path.write_text(STRICT)
     loose = STRICT.replace("default: session        #", "default: none        #")
     assert loose != STRICT
-    async with stack(count=1, policy_file=path) as st:
+    async with stack(count=1, policy_file=path, policy_weaken_settle_s=settle_s) as st:
         gw = st.gw
-        gw.policies.weaken_settle_s = settle_s
+        assert gw.policies.weaken_settle_s == settle_s
         t0 = time.monotonic()
         _replace(path, loose)
         await wait_until(lambda: len(_held(caplog)) == 1)
