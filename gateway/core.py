@@ -160,6 +160,16 @@ def request_id_from(headers: Mapping[str, str]) -> str:
     return f"{random.getrandbits(128):032x}"
 
 
+_MODELS_NAMED = 10  # in the 400 of a request without a model on a multi-model fleet
+
+
+def _adapter_card(card: dict[str, object]) -> bool:
+    """A /v1/models card of a LoRA adapter (its parent another model), as the pool reads
+    one (``ReplicaPool._models``)."""
+    parent = card.get("parent")
+    return isinstance(parent, str) and bool(parent) and parent != card.get("id")
+
+
 @dataclass(slots=True)
 class Dispatch:
     """A routed request, ready to send upstream."""
@@ -212,6 +222,9 @@ class Dispatch:
     # blocks the engine drops off every prefix hit (models.<pool>.hit_drop_blocks, read at
     # routing): the claim check and a retry's decision model the same engine
     hit_drop_blocks: int = 0
+    # false when the request named no model and the gateway filled it in: the client's
+    # bytes lack it, so they do not go upstream as they are (an engine may require it)
+    model_given: bool = True
 
     @property
     def replica(self) -> str:
@@ -783,8 +796,14 @@ class Gateway:
         pol = self.policy
         t0 = time.perf_counter_ns()
         model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad_request("'model' is required and must be a string", "model")
+        model_given = model is not None and model != ""
+        if not model_given:
+            # absent, null or "": vLLM serves it with its first served model (its request
+            # models' model is optional), so the fleet's one base model serves it here. Set
+            # before anything reads it: the pool, scope and sensitive.models go by it
+            model = body["model"] = self._default_model()
+        elif not isinstance(model, str):
+            raise bad_request("'model' must be a string", "model")
         stream = stream_requested(body)
         wants_usage = usage_requested(body)  # a 400 before any tokenizing or routing
         if endpoint == "chat" and not isinstance(body.get("messages"), list):
@@ -985,6 +1004,7 @@ class Gateway:
             stream=stream,
             client_wants_usage=wants_usage,
             model=model,
+            model_given=model_given,
             prompt_tokens=n_prompt,
             block_size=bs,
             scope=scope,
@@ -1018,6 +1038,26 @@ class Gateway:
         return d
 
     # ------------------------------------------------------------------ dispatch
+    def _default_model(self) -> str:
+        """The model a request that names none is served by: the one base model the
+        routable fleet serves (its /v1/models, adapters aside), as a single vLLM serves its
+        first served model. With several, a 400 naming them; with none known, a 503."""
+        assert self.pool is not None
+        bases = sorted({str(c["id"]) for c in self.pool.model_cards() if not _adapter_card(c)})
+        if len(bases) == 1:
+            return bases[0]
+        if not bases:
+            raise GatewayError(
+                503, "no healthy replica to serve a request without 'model'", code="no_replica"
+            )
+        shown = ", ".join(bases[:_MODELS_NAMED])
+        more = f" and {len(bases) - _MODELS_NAMED} more" if len(bases) > _MODELS_NAMED else ""
+        raise bad_request(
+            f"'model' is required: this gateway serves several models ({shown}{more}); "
+            "name one (GET /v1/models lists them)",
+            "model",
+        )
+
     def upstream_body(self, d: Dispatch) -> bytes:
         """The body sent upstream: the client's fields, our cache_salt, usage requested."""
         salt = d.salts[d.salt_index]
@@ -1031,7 +1071,7 @@ class Gateway:
             and (d.priority is None or "priority" not in d.body)
             and not d.media_uuids
         )
-        if raw is not None and not d.stream and d.body and untouched:
+        if raw is not None and not d.stream and d.body and untouched and d.model_given:
             # nothing to replace: append the salt (and a tenant's priority) to the client's
             # own bytes instead of re-serializing the body (its prompt can be thousands of
             # token ids)
