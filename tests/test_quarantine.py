@@ -234,9 +234,13 @@ async def test_an_honest_floor_under_churn_is_never_past_the_agents_write(
             assert before <= floor.floor_ms <= floor.updated_ms, (i, floor)
             assert await idx.removed_since("a", keys[:1], before) is None  # trimmed
             assert judge_floor(floor, _now(), 0) is LogAnswer.UNVERIFIABLE
-        # a clear starts a new log: nothing trimmed
-        await idx.clear_replica("a", ReplicaState.LIVE, _now())
-        assert (await idx.removal_floor("a")).floor_ms == -1
+        # a clear starts a new log, complete only after the clear (R5): its floor is the
+        # clear's time, a possible one
+        at = _now()
+        await idx.clear_replica("a", ReplicaState.LIVE, at)
+        floor = await idx.removal_floor("a")
+        assert floor == RemovalFloor(at, at)
+        assert judge_floor(floor, _now(), 0) is LogAnswer.UNVERIFIABLE
     finally:
         await idx.close()
 
@@ -285,8 +289,10 @@ async def test_an_honest_agent_under_heavy_churn_is_not_quarantined(redis_url: s
     async with stack(count=2, policy=STRICT % 1, redis_url=redis_url) as st:
         agent = RedisIndex.from_url(redis_url)
         try:
-            epoch = await agent.clear_replica(st.replica_id(0), ReplicaState.LIVE, _now())
-            await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now())
+            # cleared a second before the first lookup: a clear is its log's floor, and a
+            # lookup within clock_skew_ms of it cannot be told from one before it (R5)
+            epoch = await agent.clear_replica(st.replica_id(0), ReplicaState.LIVE, _now() - 1_000)
+            await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now() - 1_000)
             for i in range(3):
                 assert await _evicted_and_restored(st, agent, epoch, 7100 + i, 5_000) == (
                     "evicted_restored"
@@ -308,8 +314,8 @@ async def test_an_honest_log_too_short_for_its_churn_is_unverifiable_not_tampere
         rep = st.replica_id(0)
         agent = RedisIndex.from_url(redis_url, removal_log=64)
         try:
-            epoch = await agent.clear_replica(rep, ReplicaState.LIVE, _now())
-            await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now())
+            epoch = await agent.clear_replica(rep, ReplicaState.LIVE, _now() - 1_000)  # as above
+            await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now() - 1_000)
             assert await _evicted_and_restored(st, agent, epoch, 7200, 200) == "unverifiable"
             assert not st.gw.quarantine.is_quarantined(rep)
             # the log reaches back this time (no churn): a checked request in the window

@@ -75,7 +75,7 @@ async def test_a_raised_floor_is_read_back_and_judged(
         await agent.apply("rf", epoch, IndexWrite({key: 0}, seq=2, removed={key}), 3_000)
         # an honest log answers: removed at 3000, after 2500
         assert await gateway.removed_since("rf", [key], 2_500) == [True]
-        assert await gateway.removal_floor("rf") == RemovalFloor(-1, 3_000)
+        assert await gateway.removal_floor("rf") == RemovalFloor(1_000, 3_000)  # the clear's
         # the agent raises its own floor (its ACL allows it): "cannot tell", every time...
         await raw_agent.hset(meta, "rm_floor", 10**15)
         assert await gateway.removed_since("rf", [key], 2_500) is None
@@ -137,8 +137,10 @@ async def _rogue_is_quarantined(
         rogue_raw = aioredis.Redis.from_url(_as(redis_url, "agent-rf"))
         honest = RedisIndex.from_url(redis_url)
         try:
-            epoch = await rogue.clear_replica(liar, ReplicaState.LIVE, _now())
-            await honest.clear_replica(other, ReplicaState.LIVE, _now())
+            # cleared a second ago: a clear is its log's floor (R5), and one within
+            # clock_skew_ms of a lookup leaves it "cannot tell"
+            epoch = await rogue.clear_replica(liar, ReplicaState.LIVE, _now() - 1_000)
+            await honest.clear_replica(other, ReplicaState.LIVE, _now() - 1_000)
             for i in range(lies):
                 assert not gw.quarantine.is_quarantined(liar)
                 prompt = words(400, 7000 + i)

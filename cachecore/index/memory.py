@@ -454,7 +454,9 @@ class MemoryIndex:
         rep.pending = _Pending()
         rep.removed = {}
         rep.removed_heap = []
-        rep.removed_floor = -1
+        # the old log went with the old epoch: "cannot tell" of anything before the clear
+        # (as CLEAR_LUA), never "not removed"
+        rep.removed_floor = now_ms
         rep.epoch += 1
         rep.state = state
         rep.last_seq = -1
@@ -574,4 +576,6 @@ class MemoryIndex:
             logged = set(r.removed_heap)
             assert all((t, k) in logged for k, t in r.removed.items())
             assert len(r.removed) <= self.removal_log
-            assert all(t >= r.removed_floor for t in r.removed.values())
+            # no time-vs-floor bound: a removal stamped before a clear's floor (an agent
+            # clock stepped back) stays in the log below it, as in Redis (never read:
+            # since_ms > floor > its time)

@@ -301,7 +301,10 @@ end
 return 1
 """
 
-# KEYS[1] meta. ARGV: state, now_ms, engine_start. Returns the new epoch.
+# KEYS[1] meta. ARGV: state, now_ms, engine_start. Returns the new epoch. The old epoch's
+# removal log goes with it, so the new one is complete only after the clear: rm_floor is
+# the clear's time (-1 read "complete since ever", and a claim looked up before an engine's
+# cache reset and stored again by its own request read as never removed: a false claim).
 CLEAR_LUA = """
 local meta = KEYS[1]
 local old = redis.call('HGET', meta, 'epoch') or '0'
@@ -315,7 +318,7 @@ else
   redis.call('HSET', meta, 'epoch', ARGV[2])
 end
 redis.call('HSET', meta, 'state', ARGV[1], 'last_seq', '-1', 'engine_start', ARGV[3],
-           'updated_ms', ARGV[2], 'rm_floor', '-1')
+           'updated_ms', ARGV[2], 'rm_floor', ARGV[2])
 local base = string.sub(meta, 1, -5)
 redis.call('UNLINK', base .. 'b:' .. old, base .. 'm:' .. old, base .. 'rm:' .. old)
 return new
