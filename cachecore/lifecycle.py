@@ -411,6 +411,11 @@ class ReplicaMirror:
     def snapshot(self) -> dict[int, bytes]:
         return dict(self._engine)
 
+    def sizes(self) -> tuple[int, int]:
+        """``len(blocks())`` and ``len(snapshot())`` without copying them: the entries the
+        index must hold for this replica and its mirror records."""
+        return len(self._value), len(self._engine)
+
     def check_invariants(self) -> None:
         """Assert the documented invariants (tests)."""
         holders: dict[BlockKey, set[int]] = {}

@@ -40,7 +40,7 @@ from cachecore.index.base import (
     empty_match,
 )
 from cachecore.index.memory import MemoryIndex
-from cachecore.index.redis import RedisIndex
+from cachecore.index.redis import RedisIndex, evicts_any_key
 from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, Scope, ScopeKind
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
@@ -486,6 +486,8 @@ class Gateway:
             unreadable = self.metrics.index_unreadable
             primary.on_unreadable = lambda rid: unreadable.labels(rid).inc()
         self.index = GatewayIndex(primary, self.metrics, local)
+        if isinstance(primary, RedisIndex):
+            await self._check_eviction_policy(primary)
         if local is not None and self.specs:
             await self._warm_index(primary)
         if embedded or isinstance(primary, MemoryIndex):
@@ -1427,6 +1429,27 @@ class Gateway:
                 if old is not None:
                     old.cancel()
                 self._quarantine_watchers[d.replica] = self.spawn(self._watch_quarantine(d.replica))
+
+    async def _check_eviction_policy(self, index: RedisIndex) -> None:
+        """An ERROR (and kvgate_index_evicting 1) at start-up when the index's Redis may
+        evict any key (``allkeys-*``): it silently empties replicas' entries (R6). Its
+        agents warn too and rewrite what they lose; a read that fails is no reason not to
+        serve (the index may be down: lookups fall back)."""
+        try:
+            async with asyncio.timeout(2.0):
+                policies = await index.eviction_policies()
+        except (IndexError_, TimeoutError):
+            return
+        evicting = sorted({p for p in policies.values() if p is not None and evicts_any_key(p)})
+        self.metrics.index_evicting.set(1 if evicting else 0)
+        if evicting:
+            log.error(
+                "the index's Redis evicts any key (maxmemory-policy %s): replicas' index "
+                "entries go under memory pressure and cache-aware routing with them until "
+                "their agents rewrite them; set maxmemory-policy noeviction (or volatile-*)",
+                ", ".join(evicting),
+                extra={"policies": policies},
+            )
 
     async def _watch_quarantine(self, replica: str, interval_s: float = 1.0) -> None:
         """While ``replica`` is quarantined, watch its index epoch: a new one means its

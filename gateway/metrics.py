@@ -211,6 +211,12 @@ class GatewayMetrics:
             "replicas' matches stand)",
             ["replica"], registry=r,
         )  # fmt: skip
+        self.index_evicting = Gauge(
+            "kvgate_index_evicting",
+            "1 when the shared index's Redis had an allkeys-* maxmemory-policy at start-up "
+            "(it evicts replicas' entries; the index requires noeviction or volatile-*)",
+            registry=r,
+        )
         self.pending_write_errors = Counter(
             "kvgate_pending_write_errors", "Pending writes the index refused or lost", registry=r
         )

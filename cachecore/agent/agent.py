@@ -49,6 +49,7 @@ from cachecore.agent.sync import (
 from cachecore.agent.trace import TraceWriter
 from cachecore.index.base import PrefixIndex, ReplicaState
 from cachecore.index.layout import dp_replica_id
+from cachecore.index.redis import evicts_any_key
 from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import MirrorRecordError, ReplicaMirror
 from cachecore.loadstate import LoadStore
@@ -71,6 +72,13 @@ class HasInstanceId(Protocol):
     """Index backends that can tell they lost their contents (Redis ``run_id``)."""
 
     async def instance_id(self) -> str: ...
+
+
+@runtime_checkable
+class HasEvictionPolicy(Protocol):
+    """Index backends on a server with a ``maxmemory-policy`` (Redis)."""
+
+    async def eviction_policies(self) -> dict[str, str | None]: ...
 
 
 def index_replica_id(name: str, dp_rank: int | None) -> str:
@@ -173,6 +181,7 @@ class Agent:
         self.loops: dict[str, LoopRun] = {}  # the supervised background loops, by name
         self._supervisor: asyncio.Task[None] | None = None
         self._instance_id: str | None = None
+        self._evicting: bool | None = None  # Redis's maxmemory-policy is allkeys-* (None: unread)
         self._stopped = False
         self.started_at = time.time()
 
@@ -327,6 +336,7 @@ class Agent:
             # the engine answers: whatever state the index had, it is reachable now
             await primary.put(CheckIndex())
         self._instance_id = await self._instance()
+        await self._check_eviction()
         stream = self.stream = self._make_stream()
         stream.last_seq = primary.written_seq
         stream.subscribe()
@@ -541,6 +551,44 @@ class Agent:
         except Exception:
             return None
 
+    async def _check_eviction(self) -> None:
+        """Read the index server's ``maxmemory-policy`` (each primary's on Cluster): under an
+        ``allkeys-*`` policy Redis evicts this replica's entries and mirror without a word
+        (docs/index.md requires noeviction or volatile-*). An ERROR when it is first seen
+        so (and the gauge kvgate_agent_index_evicting at 1), an INFO when it is fixed; the
+        index check finds and rewrites the lost entries meanwhile (``_entries_missing``)."""
+        index = self.index
+        if not isinstance(index, HasEvictionPolicy):
+            return
+        try:
+            policies = await index.eviction_policies()
+        except Exception:  # the index is down: its checks say so
+            return
+        evicting = sorted({p for p in policies.values() if p is not None and evicts_any_key(p)})
+        now = bool(evicting)
+        self.metrics.index_evicting.set(1 if now else 0)
+        if now and self._evicting is not True:
+            log.error(
+                "the index's Redis evicts any key (maxmemory-policy %s): it drops replicas' "
+                "index entries and mirrors under memory pressure, losing cache-aware routing "
+                "until the agent notices and rewrites them; set maxmemory-policy noeviction "
+                "(or volatile-*), and give Redis the memory the index needs",
+                ", ".join(evicting),
+                extra={"replica": self.primary_id, "policies": policies},
+            )
+        elif not now and self._evicting:
+            log.info(
+                "the index's Redis no longer evicts any key",
+                extra={"replica": self.primary_id, "policies": policies},
+            )
+        elif self._evicting is None and any(p is None for p in policies.values()):
+            log.info(
+                "could not read the index's maxmemory-policy (INFO memory lacks it and "
+                "CONFIG GET is refused); it must be noeviction or volatile-*",
+                extra={"replica": self.primary_id},
+            )
+        self._evicting = now
+
     # ------------------------------------------------------------------- ranks
 
     async def _new_sync(self, rank: int) -> ReplicaSync:
@@ -741,6 +789,7 @@ class Agent:
                         extra={"replica": self.primary_id},
                     )
                 self._instance_id = current
+            await self._check_eviction()  # one INFO: a policy changed at run time is seen
             for sync in list(self.syncs.values()):
                 await sync.put(CheckIndex(server_changed=changed))
             loop.progressed()

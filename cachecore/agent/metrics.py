@@ -177,6 +177,12 @@ class AgentMetrics:
         self.engine_up = Gauge(
             "kvgate_agent_engine_up", "1 when the last engine scrape succeeded", registry=r
         )
+        self.index_evicting = Gauge(
+            "kvgate_agent_index_evicting",
+            "1 when the index's Redis has an allkeys-* maxmemory-policy (it evicts replicas' "
+            "entries; the index requires noeviction or volatile-*)",
+            registry=r,
+        )
         self.engine_stalled = Gauge(
             "kvgate_agent_engine_stalled_seconds",
             "How long the engine has had requests without advancing its token counters, "

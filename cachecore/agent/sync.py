@@ -31,10 +31,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 from cachecore.agent.metrics import AgentMetrics
 from cachecore.agent.trace import TraceWriter
 from cachecore.index.base import PrefixIndex, ReplicaState, StaleEpochError
+from cachecore.index.redis import EntryCounts
 from cachecore.keys import BlockKeyer
 from cachecore.kvevents import BlockRemoved, BlockStored, EventBatch, KVEvent
 from cachecore.lifecycle import IndexWrite, MirrorCounters, ReplicaMirror
@@ -79,12 +81,22 @@ class SetEngineReachable:
 @dataclass(frozen=True, slots=True)
 class CheckIndex:
     """Verify the index still holds our epoch and last seq (a Redis restart loses both, an
-    old snapshot rolls them back); resync from the mirror when it does not."""
+    old snapshot rolls them back) and, where the backend counts them, as many entries and
+    mirror records as the mirror (an evicting Redis drops those hashes and keeps the meta);
+    resync from the mirror when it does not."""
 
     server_changed: bool = False
 
 
 Command = ApplyBatch | ClearReplica | SetEngineReachable | CheckIndex
+
+
+@runtime_checkable
+class CountsEntries(Protocol):
+    """Index backends that count a replica's entries cheaply (Redis: ``HLEN``). The memory
+    index does not: its own bound evicts entries by design, and a resync would not stay."""
+
+    async def entry_counts(self, replica: str) -> EntryCounts: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,6 +543,8 @@ class ReplicaSync:
             cause = "index_lost"
         elif meta.epoch != self.epoch or meta.last_seq != self.written_seq:
             cause = "index_diverged"
+        elif await self._entries_missing():
+            cause = "index_entries_lost"
         elif meta.state is not self._published_state():
             try:  # only the state differs (e.g. marked unavailable while we were away)
                 await self.index.set_state(self.replica_id, self._published_state(), self._now_ms())
@@ -540,6 +554,39 @@ class ReplicaSync:
         if cause:
             self.dirty = True
             await self._try_resync(cause)
+
+    async def _entries_missing(self) -> bool:
+        """Whether the index holds fewer (or more) entries or mirror records of our epoch
+        than the mirror: one read-only script (``HLEN`` of ``b:`` and ``m:``). A Redis with
+        an ``allkeys-*`` maxmemory-policy evicts those hashes while the meta, which this
+        check reads, stays recently used; the meta alone showed nothing wrong (R6). A failed
+        read is the next check's to repeat (logged as an index error, no resync)."""
+        index = self.index
+        if not isinstance(index, CountsEntries):
+            return False
+        try:
+            got = await index.entry_counts(self.replica_id)
+        except Exception as exc:
+            self.metrics.index_errors.labels(self.replica_id, "entry_counts").inc()
+            log.debug(
+                "entry count read failed", extra={"replica": self.replica_id, "error": repr(exc)}
+            )
+            return False
+        blocks, records = self.mirror.sizes()
+        if got.epoch != self.epoch or (got.blocks, got.mirror) == (blocks, records):
+            return False  # a clear in between is the next check's (the meta's) to judge
+        log.error(
+            "the index lost entries of this replica (is Redis evicting keys? the index "
+            "needs maxmemory-policy noeviction or volatile-*): rewriting from the mirror",
+            extra={
+                "replica": self.replica_id,
+                "index_blocks": got.blocks,
+                "mirror_blocks": blocks,
+                "index_records": got.mirror,
+                "mirror_records": records,
+            },
+        )
+        return True
 
     async def _try_resync(self, cause: str) -> bool:
         await self._settle()

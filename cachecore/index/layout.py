@@ -213,7 +213,9 @@ def group_by_shard(
 
 # Commands an agent needs: its own scripts (apply, clear, mirror load), plain reads of its
 # keys for resync and debugging, registration/load writes, and INFO for Redis run_id (a
-# changed run_id means Redis restarted and the agent must rewrite its mirror). On Redis
+# changed run_id means Redis restarted and the agent must rewrite its mirror) and for
+# maxmemory_policy (allkeys-* evicts the index: agents and gateways warn). No CONFIG: its
+# GET reads passwords too (RedisIndex.eviction_policies reads INFO first). On Redis
 # Cluster, redis-py's client loads the slot map (CLUSTER SLOTS) and the command table
 # (COMMAND) when it connects, and reports "cluster mode is not enabled" when refused.
 _CLUSTER_CLIENT_COMMANDS: tuple[str, ...] = ("+cluster|slots", "+command")

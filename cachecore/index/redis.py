@@ -3,7 +3,9 @@
 Key layout: :mod:`cachecore.index.layout` (documented in ``docs/index.md``). Requirements:
 Redis >= 7.0 (script flags and the ``%R~``/``%RW~`` ACL selectors
 need 7.0) and ``maxmemory-policy noeviction`` (or a ``volatile-*`` policy: only TTL'd soft
-state may ever be evicted, never a meta, block or mirror hash).
+state may ever be evicted, never a meta, block or mirror hash; agents and gateways read it,
+:meth:`RedisIndex.eviction_policies`, and agents count their entries,
+:meth:`RedisIndex.entry_counts`).
 
 Round trips:
 
@@ -421,6 +423,16 @@ end
 return 0
 """
 
+# KEYS[1] meta. The current epoch and the HLEN of its b: and m: hashes, read together: the
+# agent's index check compares them with its mirror, since an evicting Redis (allkeys-*)
+# drops those hashes while the meta, which the check itself reads, stays.
+COUNTS_LUA = """#!lua flags=no-writes
+local meta = KEYS[1]
+local epoch = redis.call('HGET', meta, 'epoch') or '0'
+local base = string.sub(meta, 1, -5)
+return {epoch, redis.call('HLEN', base .. 'b:' .. epoch), redis.call('HLEN', base .. 'm:' .. epoch)}
+"""
+
 # KEYS: one meta key per replica (on Cluster none, the metas in ARGV: call_per_replica).
 # Per replica a row: whether the meta exists, its epoch, state, last_seq, engine_start and
 # updated_ms as stored (nil when absent), then HLEN of b: and m:, ZCARD of rm: and gw:p: of
@@ -798,6 +810,23 @@ class ReplicaInspection:
 
 
 @dataclass(frozen=True, slots=True)
+class EntryCounts:
+    """What :meth:`RedisIndex.entry_counts` read in one script: the replica's epoch (as
+    stored; 0 absent) and the entries of that epoch's ``b:`` and ``m:`` hashes."""
+
+    epoch: int
+    blocks: int
+    mirror: int
+
+
+def evicts_any_key(policy: str | None) -> bool:
+    """Whether a ``maxmemory-policy`` may evict keys without a TTL (``allkeys-*``): a
+    replica's meta, entries or mirror, which the index requires kept (``noeviction`` or a
+    ``volatile-*`` policy evicts only TTL'd soft state)."""
+    return policy is not None and policy.startswith("allkeys-")
+
+
+@dataclass(frozen=True, slots=True)
 class SweepResult:
     """What :meth:`RedisIndex.sweep_orphan_keys` unlinked, out of how many keys examined;
     ``complete`` False: it stopped at its bound with keys left to examine."""
@@ -852,6 +881,7 @@ class RedisIndex:
         self._removed_since = RedisScript(REMOVED_SINCE_LUA, readonly=True)
         self._inspect = RedisScript(INSPECT_LUA, readonly=True)
         self._forget = RedisScript(FORGET_LUA)
+        self._counts = RedisScript(COUNTS_LUA, readonly=True)
         self._meta_keys: dict[str, str] = {}
         self.round_trips = 0  # network calls issued (for benchmarks and tests)
         # called with a replica whose agent-owned keys a lookup found of the wrong type
@@ -1181,6 +1211,52 @@ class RedisIndex:
             return ",".join(ids)
         return str(info["run_id"])
 
+    async def entry_counts(self, replica: str) -> EntryCounts:
+        """The replica's epoch and how many entries its ``b:`` and ``m:`` hashes hold, in
+        one read-only script (the agent's ACL allows it): the agent's periodic check
+        compares them with its mirror to see entries Redis evicted (R6)."""
+        meta = self.layout.meta(replica)
+        try:
+            epoch, blocks, mirror = await self._call(self._counts, [meta], [])
+        except REDIS_FAILURES as exc:
+            raise _stale_or_index_error(exc, f"entry_counts {replica}") from exc
+        return EntryCounts(_field_int(epoch, 0), int(blocks), int(mirror))
+
+    async def eviction_policies(self) -> dict[str, str | None]:
+        """Each primary's ``maxmemory-policy`` (one entry on standalone Redis; None where
+        it could not be read). From ``INFO memory`` (its ``maxmemory_policy``, which the
+        agent's and gateway's ACLs allow); where that lacks it, ``CONFIG GET``, which an
+        ACL (kvgate's own rules too: CONFIG GET also reads passwords) may refuse. Raises
+        IndexError_ only when Redis does not answer INFO."""
+        client = self.client
+        try:
+            self.round_trips += 1
+            if isinstance(client, RedisCluster):
+                raw = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                raw = await client.info("memory")
+        except REDIS_FAILURES as exc:
+            raise IndexError_(f"eviction_policies: {exc}") from exc
+        # a cluster answers one dict per node (one node: redis-py returns its dict alone)
+        per_node: dict[str, Any] = (
+            dict(raw) if raw and all(isinstance(v, dict) for v in raw.values()) else {"": raw}
+        )
+        out: dict[str, str | None] = {}
+        for node, info in per_node.items():
+            got = info.get("maxmemory_policy")
+            out[str(node)] = None if got is None else str(got)
+        if isinstance(client, RedisCluster) or all(v is not None for v in out.values()):
+            return out  # a cluster's CONFIG GET would go to one node: INFO's answer stands
+        try:
+            self.round_trips += 1
+            conf = await client.config_get("maxmemory-policy")
+        except REDIS_FAILURES:  # NOPERM under an ACL without CONFIG: unknown
+            return out
+        got = conf.get("maxmemory-policy", conf.get(b"maxmemory-policy"))  # type: ignore[call-overload]
+        if got is not None:
+            out = {"": got.decode() if isinstance(got, bytes) else str(got)}
+        return out
+
     async def replicas(self) -> list[str]:
         """Every replica with a meta hash (SCAN; debugging, stats and the sweeper)."""
         out: list[str] = []
@@ -1387,10 +1463,12 @@ class RedisIndex:
 
 __all__ = [
     "EMPTY_TIERS",
+    "EntryCounts",
     "ForgetResult",
     "RedisIndex",
     "RedisScript",
     "ReplicaInspection",
     "SweepResult",
     "call_per_replica",
+    "evicts_any_key",
 ]
