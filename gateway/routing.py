@@ -136,6 +136,9 @@ class ReplicaScore:
     note: str = ""
     stall_ms: float = 0.0  # cost_ms = predicted TTFT + stall_ms (cachecore.scoring)
     recompute_ms: float = 0.0  # + this: charged in Router._score (D12)
+    # prompt tokens the replica holds, where not predicted_cached_tokens: a hit on an engine
+    # that drops blocks off it (hit_drop_blocks) holds the dropped blocks all the same
+    held_tokens: int | None = None
 
     @property
     def ttft_ms(self) -> float:
@@ -221,8 +224,10 @@ def temperature_on(params: RoutingParams, scores: Sequence[ReplicaScore]) -> boo
 
 
 def _new_tokens(req: RouteRequest, pick: ReplicaScore) -> int:
-    """What a pick adds to its replica's tree: the prompt tokens it did not hold."""
-    return max(0, req.prompt_tokens - pick.predicted_cached_tokens)
+    """What a pick adds to its replica's tree: the prompt tokens it did not hold (blocks
+    the engine drops off a hit and computes again are held: not new to its cache)."""
+    held = pick.predicted_cached_tokens if pick.held_tokens is None else pick.held_tokens
+    return max(0, req.prompt_tokens - held)
 
 
 def _take_rounds(
@@ -475,6 +480,9 @@ class Router:
                 b.load_ms, _matched_blocks(hit, bs), hit.predicted_cached_tokens, s.requests,
                 True, "", b.stall_ms, e if e > 0 else 0.0,
             )  # fmt: skip
+            if drop:  # what the replica holds: the match before the engine's drop
+                held = predict_hit(candidates[i].match, n, bs, coeffs).predicted_cached_tokens
+                out[i].held_tokens = held
         cold = req.cold_replicas
         # sensitive and media requests count as cold too (their matches are ignored): a
         # confined tenant must not escape its replicas by asking for them. With none of

@@ -23,8 +23,8 @@ in-flight count, Redis memory and keys, and the TTFT of the requests finished in
 window. Once the traffic stops it checks (:func:`verdicts`):
 
 1. every well-formed request succeeded and every faulty one got its OpenAI error status;
-2. the gateway's in-flight accounting is back to zero (``/health`` and every replica's
-   in-flight and queued-token counts in ``/admin/replicas``);
+2. the gateway's in-flight accounting is back to zero (``/admin/replicas``: the gateway's
+   in-flight count and every replica's in-flight and queued-token counts);
 3. Redis holds, for every replica, exactly the keys of the blocks its engine holds
    (recomputed from the replica's ``/debug/blocks``, :mod:`cachecore.agent.expect`);
 4. no growth after warm-up (the first ``--warmup-frac`` of the run; the gateway's

@@ -231,3 +231,26 @@ def test_the_simulator_models_an_eagle_fleet_by_the_policy() -> None:
     plain = pred_error(base, False)  # the default fleet, as the policy models it
     unset, set_ = pred_error(base, True), pred_error(field, True)
     assert set_ <= plain < unset, (plain, set_, unset)
+
+
+@pytest.mark.parametrize("strategy", [Strategy.EXPECTED_LATENCY, Strategy.PREFIX_AFFINITY])
+def test_a_dropped_block_is_held_not_new_tree_growth(strategy: Strategy) -> None:
+    """The engine computes the dropped block again but its replica held it: the trees
+    (D14's scope tree, prefix_affinity's) grow by the prompt tokens the replica did not
+    hold, 40 of 200 here with or without the drop (56 with it before: every hit on an
+    EAGLE pool made its replica look a block fuller)."""
+    from cachecore.index.base import PrefixMatch
+    from cachecore.lifecycle import Tier
+
+    for drop in (0, 1):
+        router = Router(RoutingParams(strategy=strategy), random.Random(1))
+        load = LoadView(0.0, 0, 0, 0, 256, 0.1)
+        match = PrefixMatch({Tier.GPU: 10}, 10, 10)  # 160 tokens stored on r0
+        cands = [Candidate("r0", load, match), Candidate("r1", load)]
+        req = RouteRequest(prompt_tokens=200, block_size=16, scope_key="t", hit_drop_blocks=drop)
+        d = router.decide(req, cands, Coefficients())
+        assert d.replica == "r0" and d.predicted_cached_tokens == 160 - 16 * drop
+        fx = d.effects
+        assert fx is not None
+        grown = fx.scope_tree[2] if fx.scope_tree is not None else fx.tree[1]  # type: ignore[index]
+        assert grown == 40, (drop, grown)
