@@ -11,6 +11,8 @@ through :meth:`HFTokenizer.from_dir`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import random
@@ -18,7 +20,7 @@ import re
 import shutil
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -108,9 +110,36 @@ MEDIA_PART_TYPES = frozenset(
      "audio_embeds", "video_url"}
 )  # fmt: skip
 
+# the keys by which vLLM's parser finds a media item in a part it does not read by its type
+# (chat_utils._parse_chat_message_content_mm_part: a part without a type, or with a uuid)
+MEDIA_PART_KEYS = frozenset(
+    {"image_url", "image_pil", "image_embeds", "audio_embeds", "prompt_embeds", "audio_url",
+     "input_audio", "video_url"}
+)  # fmt: skip
+
+# what a client's uuid goes upstream as: this prefix and an HMAC of it (scope_media_uuids)
+SCOPED_UUID_PREFIX = "kvg1:"
+
 
 def _is_media(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES
+    """Whether vLLM reads ``part`` as a media item: by a media ``type``; or, when its
+    request model does not validate the part as text (no type, an unknown one, or a
+    text-like type without a string text: pydantic's union then picks a type-less param
+    such as CustomChatCompletionContentSimpleImageParam, dropping ``type``), by a media
+    key, which vLLM's parser then reads as the item (``{"type": "text", "image_url":
+    null, "uuid": U}`` is an image there). A text part with its text is text: the model
+    drops its other keys."""
+    if not isinstance(part, Mapping):
+        return False
+    kind = part.get("type")
+    if not isinstance(kind, str):
+        kind = None
+    if kind in MEDIA_PART_TYPES:
+        return True
+    field = TEXT_PART_FIELDS.get(kind) if kind is not None else None
+    if field is not None and isinstance(part.get(field), str):
+        return False
+    return not MEDIA_PART_KEYS.isdisjoint(part.keys())
 
 
 def strip_media(messages: Any) -> tuple[Any, int]:
@@ -133,40 +162,68 @@ def strip_media(messages: Any) -> tuple[Any, int]:
 
 
 def media_uuids(messages: Any) -> bool:
-    """Whether any media part of ``messages`` names its item by a client ``uuid`` (vLLM's
-    field: the item's hash in its multimodal caches, which no cache_salt scopes)."""
+    """Whether any content part of ``messages`` carries a ``uuid`` (vLLM's field: the
+    item's hash in its multimodal caches, which no cache_salt scopes): its type aside, as
+    :func:`scope_media_uuids` rewrites it whatever the type."""
     if not isinstance(messages, list):
         return False
     for msg in messages:
         content = msg.get("content") if isinstance(msg, Mapping) else None
         if isinstance(content, list):
             for part in content:
-                if _is_media(part) and part.get("uuid") is not None:
+                if isinstance(part, Mapping) and part.get("uuid") is not None:
                     return True
     return False
 
 
-def scope_media_uuids(messages: list[Any], scoped: Callable[[str], str]) -> list[Any]:
-    """``messages`` with every media part's string ``uuid`` replaced by ``scoped(uuid)``
-    (copies of the messages and parts changed; the rest shared). vLLM takes a client's uuid
-    as the item's hash in its processor and encoder caches, unsalted, and serves a part
-    with no data but a uuid from those caches: one scope's uuid must never name another
-    scope's item. A uuid that is not a string is left for the engine to refuse."""
+def scope_media_uuids(messages: Any, salt: str) -> Any:
+    """``messages`` with the string ``uuid`` of every object content part, whatever its
+    type, replaced by ``kvg1:`` + HMAC-SHA256(``salt``, uuid) (copies of the messages and
+    parts changed, the rest shared; the very object when there is none). vLLM takes a
+    client's uuid as the item's hash in its processor and encoder caches, unsalted, and
+    serves a part with no data but a uuid from them: one scope's uuid must never name
+    another scope's item. Every part, not only the media types: vLLM reads a uuid from a
+    part with no type, and from a "text" part without its text, as an item's; a uuid
+    that vLLM drops (on a text part with its text) loses nothing scoped. A uuid that is
+    not a string is left as it is: vLLM's model takes ``str | None`` and drops or refuses
+    any other, so it never names an item.
+
+    ``salt``: the scope's salt under the primary secret (``SaltMinter.salt(scope)``,
+    ``Dispatch.salts[0]``), whatever salt the request is served under. During a secret
+    rotation a scope's requests carry the salt of either secret (the one the replica
+    holds its prefix under), and a uuid keyed by that would get two names, so a
+    reference without data could miss the item its own scope sent; the primary's salt
+    names a scope the same on the render call and the generation, for the whole rotation
+    (a new primary renames every uuid once, as it renews every salt). It is the scope's
+    name only to a holder of the secret, and no new key material: the salt is what
+    scopes the engine's prefix cache already."""
+    if not isinstance(messages, list):
+        return messages
+    key = salt.encode()
     out: list[Any] = []
+    changed = False
     for msg in messages:
         content = msg.get("content") if isinstance(msg, Mapping) else None
         if isinstance(content, list) and any(
-            _is_media(p) and isinstance(p.get("uuid"), str) for p in content
+            isinstance(p, Mapping) and isinstance(p.get("uuid"), str) for p in content
         ):
             parts = [
-                {**p, "uuid": scoped(p["uuid"])}
-                if _is_media(p) and isinstance(p.get("uuid"), str)
+                {**p, "uuid": _scoped_uuid(key, p["uuid"])}
+                if isinstance(p, Mapping) and isinstance(p.get("uuid"), str)
                 else p
                 for p in content
             ]
             msg = {**msg, "content": parts}
+            changed = True
         out.append(msg)
-    return out
+    return out if changed else messages
+
+
+def _scoped_uuid(key: bytes, uuid: str) -> str:
+    # surrogatepass: a lone surrogate (which some JSON parsers let through) is hashed, not
+    # an encoding error on the request path
+    mac = hmac.new(key, uuid.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return SCOPED_UUID_PREFIX + mac.hexdigest()[:32]
 
 
 def message_text(content: Any) -> str:
@@ -177,7 +234,9 @@ def message_text(content: Any) -> str:
 
     Media parts (images, audio, video) carry no tokens in this gateway; they are rejected
     rather than silently dropped, because dropping them would make the gateway's tokens
-    disagree with a multimodal engine's.
+    disagree with a multimodal engine's. So is a text-like part that vLLM reads as media
+    (no string text, a media key: see ``_is_media``); the gateway strips both kinds
+    first (:func:`strip_media`) and routes such a request by load.
     """
     if content is None:
         return ""
@@ -195,6 +254,12 @@ def message_text(content: Any) -> str:
                     raise TokenizerError(
                         f"unsupported content part type: {kind!r} (kvgate routes text; "
                         "media parts are not supported)"
+                    )
+                if _is_media(part):  # typed as text, read by the engine as media
+                    raise TokenizerError(
+                        f"content part {kind!r} without a string {field!r} carries media "
+                        "fields, which the engine reads as a media part (kvgate routes "
+                        "text; media parts are not supported)"
                     )
                 text = part.get(field)
                 if text is not None and not isinstance(text, str):

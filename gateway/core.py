@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import logging
 import math
 import random
@@ -1093,13 +1092,11 @@ class Gateway:
             del body[name]
         if d.media_uuids:
             # vLLM's multimodal caches take a client's uuid as the item's hash, unsalted,
-            # and serve a part with no data from them: scoped like the salt, so a uuid
-            # names an item of the request's own scope only (reuse within it still works)
-            key = salt.encode()
-            body["messages"] = scope_media_uuids(
-                body["messages"],
-                lambda u: "kvg1:" + hmac.new(key, u.encode(), hashlib.sha256).hexdigest()[:32],
-            )
+            # and serve a part with no data from them: scoped, so a uuid names an item of
+            # the request's own scope only (reuse within it still works). Keyed by the
+            # primary's salt, not the one served under: one name per scope in a rotation,
+            # the same the engine's render call got (EnginePromptTokenizer.chat)
+            body["messages"] = scope_media_uuids(body["messages"], d.salts[0])
         if report_mode:
             assert isinstance(xargs, dict)
             body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != _REPORT_MODE}

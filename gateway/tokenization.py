@@ -34,6 +34,7 @@ from cachecore.tokenizer import (
     Tokenizer,
     TokenizerError,
     builtin_tokenizer,
+    scope_media_uuids,
     with_special_tokens,
 )
 from gateway.errors import GatewayError, bad_request, engine_error_body
@@ -627,7 +628,15 @@ class EnginePromptTokenizer:
         """``salt``: the request scope's cache salt. An engine may cache what it renders
         (the simulated replica does, per salt, as its prefix cache): without the salt every
         tenant's render would share one cache, and a hit there shows in the next tenant's
-        TTFT, since routing waits for this call."""
+        TTFT, since routing waits for this call. The salt of the scope's primary secret
+        (``SaltMinter.salt``), which also scopes the media uuids sent: vLLM's render (and
+        a multimodal /tokenize) runs the multimodal processor, whose cache a uuid names
+        unsalted, so a raw uuid told whether another scope's item was cached. They go as
+        the generation body sends them (``Gateway.upstream_body``), one name per scope."""
+        messages = body.get("messages")
+        scoped = scope_media_uuids(messages, salt)
+        if scoped is not messages:
+            body = {**body, "messages": scoped}
         if self.mode == "render":
             # the render endpoint takes the whole chat request: every field that changes
             # the rendering (tools, documents, template kwargs, ...) renders as it will
