@@ -865,7 +865,15 @@ class Gateway:
         # a batch of prompts (/v1/completions): vLLM runs one engine request per prompt.
         # Sized and charged as the sum of its prompts and routed by load (no one prefix
         # to key or check claims by; a confined tenant's batch is cold)
-        batch = not chat and completion_batch_size(body) > 1
+        n_batch = 1 if chat else completion_batch_size(body)
+        if n_batch > self.settings.max_prompt_batch:
+            # each prompt is an engine request, sized before the budget can refuse any
+            raise bad_request(
+                f"'prompt' holds {n_batch} prompts, more than this gateway takes in one "
+                f"request ({self.settings.max_prompt_batch}): send them in smaller batches",
+                "prompt",
+            )
+        batch = n_batch > 1
         unkeyed = unkeyed or batch
         media_tokens = 0
         lengths: list[int] | None = None
@@ -894,7 +902,8 @@ class Gateway:
             # is shared between scopes (the same timing channel as the segment cache's)
             salt = self.minter.salt(scope)
             if batch:
-                lengths = await tokenizer.prompt_lengths(body, salt)
+                off = self.settings.tokenize_offload_chars  # sized locally: see its doc
+                lengths = await tokenizer.prompt_lengths(body, salt, off)
                 if trunc is not None:
                     lengths = [min(n, trunc.keep) for n in lengths]
                 tokens = []

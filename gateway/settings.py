@@ -106,6 +106,9 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: Annotated[int, Field(ge=1)] = 8 * 1024 * 1024
     # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread
     tokenize_offload_chars: Annotated[int, Field(ge=0)] = OFFLOAD_CHARS
+    # prompts in one /v1/completions batch, 400 beyond: vLLM has no cap, and each prompt
+    # is an engine request (OpenAI caps its embeddings input arrays at 2,048)
+    max_prompt_batch: Annotated[int, Field(ge=1)] = 2048
     # extra replicas tried when a connection fails before the first byte
     retries: Annotated[int, Field(ge=0)] = 2
     # of those, how many may follow an exchange the replica broke after the request was
