@@ -162,13 +162,6 @@ def request_id_from(headers: Mapping[str, str]) -> str:
 _MODELS_NAMED = 10  # in the 400 of a request without a model on a multi-model fleet
 
 
-def _adapter_card(card: dict[str, object]) -> bool:
-    """A /v1/models card of a LoRA adapter (its parent another model), as the pool reads
-    one (``ReplicaPool._models``)."""
-    parent = card.get("parent")
-    return isinstance(parent, str) and bool(parent) and parent != card.get("id")
-
-
 @dataclass(slots=True)
 class Dispatch:
     """A routed request, ready to send upstream."""
@@ -1050,18 +1043,30 @@ class Gateway:
     # ------------------------------------------------------------------ dispatch
     def _default_model(self) -> str:
         """The model a request that names none is served by: the one base model the
-        routable fleet serves (its /v1/models, adapters aside), as a single vLLM serves its
-        first served model. With several, a 400 naming them; with none known, a 503."""
+        routable fleet serves (its /v1/models, adapters aside), under the name vLLM serves
+        it by (its first served name: a model served under several names is one model,
+        ``ReplicaPool.base_models``). With several, a 400 naming them. With none known: a
+        400 asking for a model when routable replicas' lists are not known (they take any
+        model named; an engine without /v1/models stays so: a 503 would invite retries
+        that never succeed), a 503 when no replica is routable."""
         assert self.pool is not None
-        bases = sorted({str(c["id"]) for c in self.pool.model_cards() if not _adapter_card(c)})
-        if len(bases) == 1:
-            return bases[0]
-        if not bases:
+        bases = self.pool.base_models()  # kept until the pool changes: not rebuilt here
+        if len(bases.names) == 1:
+            return bases.names[0][0]
+        if not bases.names:
+            if bases.unknown:
+                raise bad_request(
+                    "'model' is required: the replicas' model lists (/v1/models) are not "
+                    "known, so this gateway cannot tell which model serves a request "
+                    "without one; name it",
+                    "model",
+                )
             raise GatewayError(
                 503, "no healthy replica to serve a request without 'model'", code="no_replica"
             )
-        shown = ", ".join(bases[:_MODELS_NAMED])
-        more = f" and {len(bases) - _MODELS_NAMED} more" if len(bases) > _MODELS_NAMED else ""
+        firsts = sorted(names[0] for names in bases.names)
+        shown = ", ".join(firsts[:_MODELS_NAMED])
+        more = f" and {len(firsts) - _MODELS_NAMED} more" if len(firsts) > _MODELS_NAMED else ""
         raise bad_request(
             f"'model' is required: this gateway serves several models ({shown}{more}); "
             "name one (GET /v1/models lists them)",

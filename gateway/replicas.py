@@ -205,6 +205,17 @@ class Replica:
 
 
 @dataclass(frozen=True, slots=True)
+class BaseModels:
+    """What :meth:`ReplicaPool.base_models` finds: each base model's served names (the one
+    to serve first), whether a routable replica's model list is unknown, and whether any
+    replica is routable."""
+
+    names: tuple[tuple[str, ...], ...]
+    unknown: bool
+    routable: bool
+
+
+@dataclass(frozen=True, slots=True)
 class _Probe:
     """One health probe's outcome: ``answered`` when the replica sent an answer (any
     status); ``stall`` when it timed out while the gateway's own loop stalled."""
@@ -252,6 +263,10 @@ class ReplicaPool:
         # drained: its word outlives a gap in the registration (a Redis restart empties the
         # registry until the agents' next heartbeat); one entry per such replica
         self._held: dict[str, tuple[bool, bool]] = {}
+        # bumped by every change that can change :meth:`base_models` (membership, a model
+        # list read, a routability reported): its answer is kept until the next bump
+        self._version = 0
+        self._bases: tuple[int, BaseModels] | None = None
 
     # ---------------------------------------------------------------- membership
     def add(self, spec: ReplicaSpec) -> Replica:
@@ -259,6 +274,7 @@ class ReplicaPool:
         cordoned or drained as it was when removed (:meth:`report` tells ``on_change``)."""
         rep = self._replicas.get(spec.id)
         if rep is None:
+            self._version += 1
             rep = self._replicas[spec.id] = Replica(spec)
             held = self._held.pop(spec.id, None)
             if held is not None:
@@ -270,6 +286,7 @@ class ReplicaPool:
         rep = self._replicas.pop(replica_id, None)
         self._models_too_large.discard(replica_id)  # back under its id: warned again, once
         if rep is not None:
+            self._version += 1
             if rep.cordoned or rep.draining:
                 self._held[replica_id] = (rep.cordoned, rep.draining)
             self._assign_dp_ranks()
@@ -294,6 +311,7 @@ class ReplicaPool:
         rep.healthy, rep.ejected_until, rep.consecutive_failures = True, 0.0, 0
         rep.health_fails = rep.health_oks = 0
         rep.models, rep.lora_base, rep.cards = None, {}, {}
+        self._version += 1
         rep.block_size = rep.capacity = rep.dp_rank = None
         self._assign_dp_ranks()
         if rep.reported:
@@ -465,6 +483,7 @@ class ReplicaPool:
                 asyncio.get_running_loop().call_later(eject_s + 0.01, self._expired, rep.id)
 
     def _changed(self, replica_id: str, healthy: bool) -> None:
+        self._version += 1
         if self._on_change is not None:
             self._on_change(replica_id, healthy)
 
@@ -638,6 +657,7 @@ class ReplicaPool:
             if isinstance(parent, str) and parent and parent != m["id"]:
                 lora[m["id"]] = parent
         rep.models, rep.lora_base, rep.cards = models, lora, cards
+        self._version += 1
 
     def model_cards(self) -> list[dict[str, object]]:
         """Union of the healthy replicas' /v1/models entries, one per id (the first
@@ -663,6 +683,69 @@ class ReplicaPool:
                     card.setdefault("root", rep.lora_base[mid])
                 seen[mid] = card
         return list(seen.values())
+
+    def base_models(self) -> BaseModels:
+        """The base models (adapters aside) the routable replicas serve, each under its
+        served names, and whether a routable replica's list is not known yet: what a
+        request without ``model`` is served by. Kept until the pool changes (membership, a
+        /v1/models read, a routability reported): rebuilt per request it cost 44-136 us at
+        256 replicas (review V2)."""
+        cached = self._bases
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        bases = self._base_models()
+        self._bases = (self._version, bases)
+        return bases
+
+    def _base_models(self) -> BaseModels:
+        """One engine model served under several names (vLLM's ``--served-model-name a
+        b``: a card per name, one ``root``, no ``parent``) is one model: names are grouped
+        by their cards' ``root`` (and by name across replicas). A group's name to serve is
+        the one most replicas list first (vLLM serves its first served name; ties: the
+        first seen), then the others in the order seen."""
+        now = self._clock()
+        up: dict[str, str] = {}  # union-find over names and ("\0" + root)
+
+        def find(x: str) -> str:
+            up.setdefault(x, x)
+            while up[x] != x:
+                up[x] = up[up[x]]
+                x = up[x]
+            return x
+
+        order: dict[str, int] = {}
+        firsts: dict[str, int] = {}
+        unknown = routable = False
+        for rep in self._replicas.values():
+            if not rep.routable(now):
+                continue
+            routable = True
+            if rep.models is None:
+                unknown = True  # takes any named model; says nothing of which
+                continue
+            # its /v1/models order (the cards'), when the cards are its models'
+            listed = list(rep.cards) if rep.cards.keys() == rep.models else sorted(rep.models)
+            first = True
+            for mid in listed:
+                if mid in rep.lora_base:
+                    continue
+                order.setdefault(mid, len(order))
+                root = rep.cards.get(mid, {}).get("root")
+                if isinstance(root, str) and root:
+                    up[find(mid)] = find("\0" + root)
+                else:
+                    find(mid)
+                if first:
+                    firsts[mid] = firsts.get(mid, 0) + 1
+                    first = False
+        groups: dict[str, list[str]] = {}
+        for mid in order:
+            groups.setdefault(find(mid), []).append(mid)
+        named = [
+            tuple(sorted(names, key=lambda n: (-firsts.get(n, 0), order[n])))
+            for names in groups.values()
+        ]
+        return BaseModels(tuple(sorted(named)), unknown, routable)
 
     async def run(self) -> None:
         """Health loop: checks every interval, refreshes models every models_refresh_s."""

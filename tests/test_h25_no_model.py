@@ -9,8 +9,10 @@ base models keeps a 400 that names them."""
 
 from __future__ import annotations
 
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
+import httpx
 import orjson
 import pytest
 
@@ -18,6 +20,9 @@ from cachecore.keys import ScopeKind
 from cachecore.replica.fleet import run_fleet
 from cachecore.replica.settings import DEFAULT_MODEL, ReplicaSettings
 from gateway.core import Dispatch, Gateway, Outcome
+from gateway.errors import GatewayError
+from gateway.replicas import ReplicaPool, ReplicaSpec
+from policies.schema import HealthPolicy
 from tests.test_gateway_support import stack, words
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,3 +131,132 @@ async def test_the_filled_in_model_decides_the_sensitive_models_rule() -> None:
             assert r.status_code == 200, r.text
         kinds = [d.scope.kind for d, _ in seen]
         assert kinds == [ScopeKind.SESSION, ScopeKind.SESSION], kinds
+
+
+# ---- review 4: V9 (served-name aliases; models not known) and V2 (cost per request)
+
+
+def _engine(cards: list[dict[str, Any]] | dict[str, list[dict[str, Any]]]) -> httpx.MockTransport:
+    """Replicas that answer /health 200 and /v1/models with ``cards`` in that order (per
+    host when a dict)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            data = cards[request.url.host] if isinstance(cards, dict) else cards
+            return httpx.Response(200, json={"object": "list", "data": data})
+        return httpx.Response(200)
+
+    return httpx.MockTransport(handler)
+
+
+def _card(name: str, root: str, parent: str | None = None) -> dict[str, Any]:
+    return {"id": name, "object": "model", "root": root, "parent": parent, "max_model_len": 8192}
+
+
+async def _pool(per_replica: list[list[dict[str, Any]]]) -> ReplicaPool:
+    """A pool of replicas whose /v1/models each list the cards given, read as the health
+    loop reads them."""
+    hosts = {f"r{i}": cards for i, cards in enumerate(per_replica)}
+    pool = ReplicaPool(httpx.AsyncClient(transport=_engine(hosts)), HealthPolicy())
+    for host in hosts:
+        pool.add(ReplicaSpec(host, f"http://{host}:8000"))
+    await pool.check_once(refresh_models=True)
+    assert all(r.models is not None for r in pool.all())
+    return pool
+
+
+def _default(pool: ReplicaPool) -> str:
+    return Gateway._default_model(cast(Gateway, SimpleNamespace(pool=pool)))
+
+
+async def test_one_model_under_several_served_names_is_served_by_its_first_name() -> None:
+    """vllm serve /models/llama --served-model-name llama meta-llama/Llama-3.1-8B: a card
+    per name, one root, no parent; vLLM serves a request without model with the first.
+    The gateway counted two base models: 400 "serves several models"."""
+    aliases = [_card("llama", "/models/llama"), _card("meta-llama/Llama-3.1-8B", "/models/llama")]
+    assert _default(await _pool([aliases, aliases])) == "llama"
+    # the engine's order, not the alphabet's
+    swapped = aliases[::-1]
+    assert _default(await _pool([swapped, swapped])) == "meta-llama/Llama-3.1-8B"
+    # replicas that disagree: the name most of them list first
+    assert _default(await _pool([aliases, swapped, swapped])) == "meta-llama/Llama-3.1-8B"
+    # an adapter beside them stays aside; a second engine model (another root) is a 400
+    ad = _card("ad-one", "/loras/one", parent="llama")
+    assert _default(await _pool([[*aliases, ad], aliases])) == "llama"
+    other = [_card("qwen", "/models/qwen")]
+    with pytest.raises(GatewayError) as err:
+        _default(await _pool([aliases, other]))
+    assert err.value.status == 400 and err.value.param == "model"
+    assert "several models (llama, qwen)" in err.value.message
+    # cards without a root: each name is its own model, as before
+    bare = [{"id": "a"}, {"id": "b"}]
+    with pytest.raises(GatewayError) as err:
+        _default(await _pool([bare]))
+    assert "several models (a, b)" in err.value.message
+
+
+async def test_replicas_whose_models_are_unknown_ask_for_a_model() -> None:
+    """Routable replicas whose /v1/models is not known (an engine without it, or not read
+    yet) take any model named: a request without one was told 503 "no healthy replica",
+    which is untrue and invites retries that never succeed for such an engine."""
+    pool = ReplicaPool(httpx.AsyncClient(), HealthPolicy())
+    for i in range(2):
+        pool.add(ReplicaSpec(f"r{i}", f"http://r{i}:8000"))  # models None
+    with pytest.raises(GatewayError) as err:
+        _default(pool)
+    assert err.value.status == 400 and err.value.param == "model"
+    assert "not known" in err.value.message
+    # none routable: the 503 is the truth
+    for rep in pool.all():
+        pool.cordon(rep.id)
+    with pytest.raises(GatewayError) as err:
+        _default(pool)
+    assert err.value.status == 503 and err.value.code == "no_replica"
+    # one known beside unknown ones: served by its model, as before
+    known = await _pool([[_card("llama", "/models/llama")]])
+    known.add(ReplicaSpec("new", "http://new:8000"))
+    assert _default(known) == "llama"
+
+
+async def test_the_default_model_is_not_rebuilt_per_request() -> None:
+    """Each request without model rebuilt every replica's model cards (44-136 us at 256
+    replicas): now it is kept until the pool changes (members, a models read, a
+    routability reported)."""
+    cards = [
+        _card("llama", "/models/llama"),
+        *[_card(f"ad{i}", f"/l/{i}", "llama") for i in range(8)],
+    ]
+    pool = await _pool([cards] * 256)
+    built = {"model_cards": 0, "base_models": 0}
+    model_cards, base_models = pool.model_cards, getattr(pool, "_base_models", None)
+
+    def counting_cards() -> list[dict[str, object]]:
+        built["model_cards"] += 1
+        return model_cards()
+
+    def counting_bases() -> Any:
+        built["base_models"] += 1
+        assert base_models is not None
+        return base_models()
+
+    pool.model_cards = counting_cards  # type: ignore[method-assign]
+    pool._base_models = counting_bases  # type: ignore[method-assign]
+    assert [_default(pool) for _ in range(1000)] == ["llama"] * 1000
+    assert built == {"model_cards": 0, "base_models": 1}
+    # a change of the pool is seen at once
+    pool.cordon("r0")
+    assert _default(pool) == "llama" and built["base_models"] == 2
+    for rep in pool.all()[1:]:
+        pool.cordon(rep.id)
+    pool.cordon("r0", on=False)
+    assert _default(pool) == "llama" and built["base_models"] == 3
+    pool.remove("r0")
+    with pytest.raises(GatewayError):  # nothing routable left
+        _default(pool)
+    added = pool.add(ReplicaSpec("r0", "http://r0:8000"))
+    with pytest.raises(GatewayError) as err:  # routable, models unknown
+        _default(pool)
+    assert err.value.status == 400
+    # its models read by the health loop: served again (r0's engine serves llama)
+    await pool.check_once(refresh_models=True)
+    assert added.models is not None and _default(pool) == "llama"
