@@ -36,9 +36,13 @@ def body_reads_prefix_cache(body: Mapping[str, Any], chat: bool) -> bool:
     """:func:`reads_prefix_cache` of a raw request body, its fields read as vLLM's request
     models read them (a lax bool for ``echo``; a value the engine refuses reads as not set:
     the request is refused before any prefill, so nothing is judged by it either way)."""
-    try:
-        echo = _LAX_BOOL.validate_python(body.get("echo", False))
-    except ValidationError:
-        echo = False
+    value = body.get("echo")
+    if value is None or value is False:
+        echo = False  # nearly every request: no validator call
+    else:
+        try:
+            echo = _LAX_BOOL.validate_python(value)
+        except ValidationError:
+            echo = False
     echo_logprobs = body.get("top_logprobs", 0) if chat else body.get("logprobs")
     return reads_prefix_cache(body.get("prompt_logprobs"), echo, echo_logprobs)
