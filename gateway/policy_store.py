@@ -69,7 +69,12 @@ def isolation_weakenings(old: Policy, new: Policy) -> list[str]:
       another mode, ``clamp`` from ``strip`` or ``fixed``, a clamp's bound widened or
       dropped): a tenant could schedule itself ahead of the others;
     * its trust group: a tenant whose cache scope is now shared with a tenant it did not
-      share with (it joins a group, moves to another, or its group gains a member).
+      share with (it joins a group, moves to another, or its group gains a member); a
+      group's scope is its name, so a tenant given a group name that others held before
+      reads their cache too (the old members count as sharing with it).
+
+    And ``models.<pool>.media_part_tokens`` lowered (the default pool's or a named one's):
+    what each media part is charged against every tenant's uncached-token budget.
 
     And ``quarantine`` (every replica's claims): ``enabled`` turned off;
     ``missing_fraction``, ``min_claimed_blocks``, ``settle_s``, ``clock_skew_ms`` or
@@ -80,7 +85,7 @@ def isolation_weakenings(old: Policy, new: Policy) -> list[str]:
 
     Not counted: ``sensitive.allow_header`` (the header can only make a request's scope
     stricter), and the sections that shape performance, not isolation (routing, cost,
-    index, models, health, precision). The policy has no debug or unsafe flag
+    index, the rest of models, health, precision). The policy has no debug or unsafe flag
     (``KVGATE_DEBUG_UNSAFE_SHARED_SCOPE`` is a process setting, never reloaded); a field
     added to the sections above must be placed here (tests/test_h25_policy_partial.py
     lists the fields it has placed)."""
@@ -91,11 +96,22 @@ def isolation_weakenings(old: Policy, new: Policy) -> list[str]:
         group = new.tenants[name].trust_group
         if group is None:
             continue
-        joined = _members(new, group) - _peers(old, name)
+        # the group's scope is its name: its members now and before share it
+        joined = (_members(new, group) | _members(old, group)) - _peers(old, name)
         if joined:
             out.append(
                 f"tenants.{name}.trust_group: {group!r} shares its scope with "
                 f"{', '.join(sorted(joined))}"
+            )
+    pools = [("default", old.models.default, new.models.default)] + [
+        (f"pools.{name}", old.models.pool(name), new.models.pool(name))
+        for name in sorted(old.models.pools.keys() | new.models.pools.keys())
+    ]
+    for where, was, now in pools:
+        if now.media_part_tokens < was.media_part_tokens:
+            out.append(
+                f"models.{where}.media_part_tokens: "
+                f"{was.media_part_tokens} -> {now.media_part_tokens}"
             )
     oq, nq = old.quarantine, new.quarantine
     if oq.enabled and not nq.enabled:

@@ -400,3 +400,24 @@ def test_every_isolation_field_is_placed() -> None:
     }
     for cls, fields in placed.items():
         assert set(cls.model_fields) == fields, cls.__name__
+
+
+def test_a_group_name_given_to_others_and_a_lower_media_charge_are_weakenings() -> None:
+    """A trust group's cache scope is its name: a tenant put in a group that others held
+    reads their cache (c served 384 cached tokens of a's prompt after such a reload, no
+    WARNING); and media_part_tokens is what each media part costs against every tenant's
+    uncached-token budget (a file cut before `models:` lowered it at one poll). Review 5,
+    W1 and W2."""
+    weak = policy_store.isolation_weakenings
+    old = _pol(
+        "trust_groups: {g: [a, b]}\ntenants: {a: {trust_group: g}, b: {trust_group: g}, c: {}}"
+    )
+    new = _pol("trust_groups: {g: [c]}\ntenants: {a: {}, b: {}, c: {trust_group: g}}")
+    assert weak(old, new) == ["tenants.c.trust_group: 'g' shares its scope with a, b"]
+    assert weak(new, new) == []
+    media = _pol(
+        "models: {default: {media_part_tokens: 4096}, pools: {m: {media_part_tokens: 64}}}"
+    )
+    # m's pool gone: its models fall back to the default's 1024, a higher charge
+    assert weak(media, _pol("{}")) == ["models.default.media_part_tokens: 4096 -> 1024"]
+    assert weak(_pol("{}"), media) == ["models.pools.m.media_part_tokens: 1024 -> 64"]
