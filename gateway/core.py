@@ -1045,21 +1045,25 @@ class Gateway:
         """The model a request that names none is served by: the one base model the
         routable fleet serves (its /v1/models, adapters aside), under the name vLLM serves
         it by (its first served name: a model served under several names is one model,
-        ``ReplicaPool.base_models``). With several, a 400 naming them. With none known: a
-        400 asking for a model when routable replicas' lists are not known (they take any
-        model named; an engine without /v1/models stays so: a 503 would invite retries
-        that never succeed), a 503 when no replica is routable."""
+        ``ReplicaPool.base_models``). With several, a 400 naming them. With none known, a
+        503: routable replicas whose lists are not read yet (just added, a failed read, a
+        fleet registering again after a Redis restart: a 400 there was final to clients
+        that retry only 5xx, review 5 W4), saying a named model is served at once; or no
+        replica routable. (An engine without /v1/models at all stays unknown: its message
+        says to name the model.)"""
         assert self.pool is not None
         bases = self.pool.base_models()  # kept until the pool changes: not rebuilt here
         if len(bases.names) == 1:
             return bases.names[0][0]
         if not bases.names:
             if bases.unknown:
-                raise bad_request(
-                    "'model' is required: the replicas' model lists (/v1/models) are not "
-                    "known, so this gateway cannot tell which model serves a request "
-                    "without one; name it",
-                    "model",
+                raise GatewayError(
+                    503,
+                    "the replicas' model lists (/v1/models) are not known yet, so this "
+                    "gateway cannot tell which model serves a request without 'model'; "
+                    "name the model to be served now",
+                    code="no_replica",
+                    param="model",
                 )
             raise GatewayError(
                 503, "no healthy replica to serve a request without 'model'", code="no_replica"

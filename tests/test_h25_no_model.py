@@ -196,16 +196,18 @@ async def test_one_model_under_several_served_names_is_served_by_its_first_name(
 
 
 async def test_replicas_whose_models_are_unknown_ask_for_a_model() -> None:
-    """Routable replicas whose /v1/models is not known (an engine without it, or not read
-    yet) take any model named: a request without one was told 503 "no healthy replica",
-    which is untrue and invites retries that never succeed for such an engine."""
+    """Routable replicas whose /v1/models is not known (not read yet, mostly: just added,
+    a failed read, a fleet registering again) take any model named: a request without
+    one was told 503 "no healthy replica", which is untrue. It is a 503 still (a 400 was
+    final to clients that retry only 5xx while the lists were being read: review 5, W4),
+    saying that the lists are not known yet and that a named model is served now."""
     pool = ReplicaPool(httpx.AsyncClient(), HealthPolicy())
     for i in range(2):
         pool.add(ReplicaSpec(f"r{i}", f"http://r{i}:8000"))  # models None
     with pytest.raises(GatewayError) as err:
         _default(pool)
-    assert err.value.status == 400 and err.value.param == "model"
-    assert "not known" in err.value.message
+    assert err.value.status == 503 and err.value.param == "model"
+    assert "not known yet" in err.value.message and "name the model" in err.value.message
     # none routable: the 503 is the truth
     for rep in pool.all():
         pool.cordon(rep.id)
@@ -256,7 +258,7 @@ async def test_the_default_model_is_not_rebuilt_per_request() -> None:
     added = pool.add(ReplicaSpec("r0", "http://r0:8000"))
     with pytest.raises(GatewayError) as err:  # routable, models unknown
         _default(pool)
-    assert err.value.status == 400
+    assert err.value.status == 503 and "not known yet" in err.value.message
     # its models read by the health loop: served again (r0's engine serves llama)
     await pool.check_once(refresh_models=True)
     assert added.models is not None and _default(pool) == "llama"
