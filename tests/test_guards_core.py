@@ -207,7 +207,9 @@ async def test_pending_cap_trims_whole_expiry_groups(
 async def test_clear_resets_the_removal_log_floor(
     kind: str, request: pytest.FixtureRequest
 ) -> None:
-    """M10/R10: a clear that keeps the old removal-log floor says "cannot tell" forever."""
+    """M10/R10: a clear that keeps the old removal-log floor says "cannot tell" forever.
+    Since 0b29039 the clear is the new log's floor (R5 of the twenty-fifth session): asked
+    since after the clear, the log tells; since it or before, it cannot."""
     idx = make_index(kind, request, removal_log=2)
     try:
         await live(idx, "a")
@@ -216,10 +218,11 @@ async def test_clear_resets_the_removal_log_floor(
             await idx.apply("a", 0, IndexWrite({KEYS[i]: 0}), 10 + i)
         assert await idx.removed_since("a", KEYS[:3], 5) is None
         epoch = await idx.clear_replica("a", ReplicaState.LIVE, 20)
-        assert await idx.removed_since("a", KEYS[:3], 5) == [False, False, False]
+        assert await idx.removed_since("a", KEYS[:3], 21) == [False, False, False]
+        assert await idx.removed_since("a", KEYS[:3], 5) is None  # before the clear
         await idx.apply("a", epoch, IndexWrite({KEYS[0]: G}), 21)
         await idx.apply("a", epoch, IndexWrite({KEYS[0]: 0}), 22)
-        assert await idx.removed_since("a", KEYS[:2], 5) == [True, False]
+        assert await idx.removed_since("a", KEYS[:2], 21) == [True, False]
         if isinstance(idx, MemoryIndex):
             idx.check_invariants()
     finally:

@@ -206,7 +206,7 @@ async def test_forget_frees_a_replicas_entries_through_the_graveyard() -> None:
     epoch = await idx.clear_replica("r", ReplicaState.LIVE, 10)
     await idx.apply("r", epoch, IndexWrite({k: 1 for k in KEYS}), 10)
     await idx.apply("r", epoch, IndexWrite({KEYS[-1]: 0}), 11)  # logged as removed
-    assert await idx.removed_since("r", [KEYS[-1]], 0) == [True]
+    assert await idx.removed_since("r", [KEYS[-1]], 11) == [True]  # after the clear (10)
     assert not idx.forget_replica_now("r", unwritten_only=True)  # an agent's
     assert idx.forget_replica_now("r")
     assert not idx.forget_replica_now("r")  # nothing left
