@@ -75,7 +75,7 @@ def test_one_process_per_replica(tmp_path: Path) -> None:
     args = ["--time-scale", "0.05", "--plain-logs"]
     with launch_fleet(3, args, log_path=log, process_per_replica=True) as fleet:
         assert len(fleet.procs) == 3 and len({p.pid for p in fleet.procs}) == 3
-        assert ("\n" + log.read_text()).count("\nready {") == 3
+        assert log.read_text().count('ready {"profile"') == 3
         with httpx.Client(timeout=10) as http:
             for url in fleet.urls:
                 r = http.post(
@@ -361,3 +361,23 @@ async def test_a_replicas_http_connections_send_without_nagle() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_ready_lines_that_ran_together_are_counted(tmp_path: Path) -> None:
+    """Replicas of one fleet share a log; with unbuffered output two processes' lines ran
+    together ("...}ready {...}") and the launcher, counting ready lines at line starts,
+    waited its 60 s out with every replica ready (a clean-clone CI's bench routers test)."""
+    import subprocess
+    import sys
+
+    from cachecore.replica.fleet import _wait_ready_lines
+
+    log = tmp_path / "fleet.log"
+    line = 'ready {"profile": "8b-h100", "replicas": []}'
+    log.write_text(f"replica 0: a  model mreplica 0: b  model m\n\n{line}{line}\n{line}\n")
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])]
+    try:
+        _wait_ready_lines(procs * 3, log, timeout_s=2.0)
+    finally:
+        procs[0].kill()
+        procs[0].wait()

@@ -200,6 +200,14 @@ def load_tokenizer(settings: ReplicaSettings) -> HFTokenizer | None:
         _usage_error(f"argument --tokenizer-dir: cannot load {settings.tokenizer_dir}: {exc}")
 
 
+def _say(line: str) -> None:
+    """One whole line in one write: replicas of one fleet share a log (each its own
+    process), and with unbuffered output print() wrote the text and its newline apart, so
+    two processes' lines ran together and a reader counting ready lines missed one."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 async def _serve(
     settings: ReplicaSettings, ports: list[ReplicaPorts], tokenizer: HFTokenizer | None = None
 ) -> None:
@@ -212,22 +220,16 @@ async def _serve(
         freeze_startup_heap()  # a full collection would otherwise stall the engine loops
         for ep in fleet.endpoints:
             rank = "" if ep.dp_rank is None else f" (data-parallel rank {ep.dp_rank})"
-            print(
+            _say(
                 f"replica {ep.index}{rank}: {ep.url}  events {ep.events_endpoint}  "
-                f"replay {ep.replay_endpoint}  model {ep.model}",
-                flush=True,
+                f"replay {ep.replay_endpoint}  model {ep.model}"
             )
-        print(
-            "ready "
-            + json.dumps(
-                {
-                    "profile": settings.profile,
-                    "time_scale": settings.time_scale,
-                    "replicas": [e.as_dict() for e in fleet.endpoints],
-                }
-            ),
-            flush=True,
-        )
+        ready = {
+            "profile": settings.profile,
+            "time_scale": settings.time_scale,
+            "replicas": [e.as_dict() for e in fleet.endpoints],
+        }
+        _say("ready " + json.dumps(ready))
         await stop.wait()
 
 
