@@ -182,10 +182,13 @@ async def measure(cfg: FloodConfig) -> FloodReport:
                 *((f"flood, {d}", True, cfg.policy(d)) for d in cfg.defences),
                 ("flood, no defence", True, UNDEFENDED),
             ]
-            for i, (label, flood, policy) in enumerate(plan):
+            for label, flood, policy in plan:
                 await g.gw.policies.reload(policy, "kvgate attack")
                 await _reset(fleet, g, http)
-                runs.append(await _run(g, fleet, http, workload(flood, cfg.seed + i), label))
+                # one seed for every run: the same victims' requests with and without the
+                # flood, the same flood under each defence and none (a paired comparison;
+                # a seed per run made the undefended contrast a draw of its own workload)
+                runs.append(await _run(g, fleet, http, workload(flood, cfg.seed), label))
     return FloodReport(runs, time.perf_counter() - t0)
 
 
