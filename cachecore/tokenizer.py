@@ -60,6 +60,36 @@ def with_special_tokens(tok: Tokenizer, ids: list[int]) -> list[int]:
     return [*prefix, *ids, *suffix] if prefix or suffix else ids
 
 
+@dataclass(frozen=True, slots=True)
+class Truncation:
+    """What of a prompt the engine keeps: its last ``keep`` tokens (``left``, vLLM's
+    default), or its first (vLLM's ``truncate_prompt_tokens`` / ``truncation_side``): the
+    gateway keys what the engine runs, and the simulated replica runs it, by this one
+    rule."""
+
+    keep: int
+    left: bool = True
+
+    def kept(self, n: int) -> slice:
+        """The part of ``n`` ids (token ids as given: no special tokens added) kept."""
+        if n <= self.keep:
+            return slice(0, n)
+        return slice(n - self.keep, n) if self.left else slice(0, self.keep)
+
+    def text(self, ids: list[int], affixes: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+        """A text's ids, with the special tokens added around them (add_special_tokens;
+        ``((), ())`` when none), as the engine's tokenizer truncates them: it keeps the
+        special tokens and shortens the text between them."""
+        if len(ids) <= self.keep:
+            return ids
+        prefix, suffix = affixes
+        inner = self.keep - len(prefix) - len(suffix)
+        if not (prefix or suffix) or inner <= 0:
+            return ids[self.kept(len(ids))]
+        text = ids[len(prefix) : len(ids) - len(suffix)]
+        return [*prefix, *text[Truncation(inner, self.left).kept(len(text))], *suffix]
+
+
 class TokenizerError(ValueError):
     """A prompt or message list that cannot be tokenized (bad shape, bad template)."""
 

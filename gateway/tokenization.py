@@ -12,7 +12,6 @@ import array
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, cast
 
@@ -33,6 +32,7 @@ from cachecore.tokenizer import (
     SegmentCache,
     Tokenizer,
     TokenizerError,
+    Truncation,
     builtin_tokenizer,
     scope_media_uuids,
     with_special_tokens,
@@ -117,34 +117,6 @@ _INT64_MAX = 2**63 - 1
 _TRUNCATE = TypeAdapter(Annotated[int, Field(ge=-1, le=_INT64_MAX)] | None)
 _SIDE = TypeAdapter(Literal["left", "right"] | None)
 _LAX_INT = TypeAdapter(int | None)
-
-
-@dataclass(frozen=True, slots=True)
-class Truncation:
-    """What of a prompt the engine keeps: its last ``keep`` tokens (``left``, vLLM's
-    default), or its first."""
-
-    keep: int
-    left: bool = True
-
-    def kept(self, n: int) -> slice:
-        """The part of ``n`` ids (token ids as given: no special tokens added) kept."""
-        if n <= self.keep:
-            return slice(0, n)
-        return slice(n - self.keep, n) if self.left else slice(0, self.keep)
-
-    def text(self, ids: list[int], affixes: tuple[Sequence[int], Sequence[int]]) -> list[int]:
-        """A text's ids, with the special tokens added around them (add_special_tokens;
-        ``((), ())`` when none), as the engine's tokenizer truncates them: it keeps the
-        special tokens and shortens the text between them."""
-        if len(ids) <= self.keep:
-            return ids
-        prefix, suffix = affixes
-        inner = self.keep - len(prefix) - len(suffix)
-        if not (prefix or suffix) or inner <= 0:
-            return ids[self.kept(len(ids))]
-        text = ids[len(prefix) : len(ids) - len(suffix)]
-        return [*prefix, *text[Truncation(inner, self.left).kept(len(text))], *suffix]
 
 
 def truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:

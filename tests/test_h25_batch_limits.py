@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from cachecore.tokenizer import builtin_tokenizer
+from cachecore.tokenizer import Truncation, builtin_tokenizer
 from gateway.errors import GatewayError
 from gateway.settings import GatewaySettings
-from gateway.tokenization import EnginePromptTokenizer, LocalPromptTokenizer, Truncation
+from gateway.tokenization import EnginePromptTokenizer, LocalPromptTokenizer
 from tests.test_gateway_support import stack, words
 
 pytestmark = pytest.mark.timeout(120)

@@ -172,7 +172,7 @@ async def test_values_vllm_refuses_are_a_400_naming_the_field() -> None:
 def test_a_bos_is_kept_as_the_engines_tokenizer_keeps_it() -> None:
     """A text prompt with special tokens: HF's truncation (what vLLM calls) keeps the BOS
     and shortens the text; token ids are sliced as given."""
-    from gateway.tokenization import Truncation  # here: the e2e tests run on older code
+    from cachecore.tokenizer import Truncation  # here: the e2e tests run on older code
 
     with tempfile.TemporaryDirectory() as tmp:
         directory = bos_model(Path(tmp))
@@ -193,7 +193,8 @@ def test_a_bos_is_kept_as_the_engines_tokenizer_keeps_it() -> None:
 
 
 def test_request_truncation_reads_the_fields_as_vllm() -> None:
-    from gateway.tokenization import Truncation, request_truncation
+    from cachecore.tokenizer import Truncation
+    from gateway.tokenization import request_truncation
 
     def ctx() -> int:
         return 100

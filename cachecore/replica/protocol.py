@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cachecore.cacheread import reads_prefix_cache
 from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
-from cachecore.tokenizer import ChatOptions
+from cachecore.tokenizer import ChatOptions, Truncation
 
 
 class APIError(Exception):
@@ -105,18 +105,13 @@ class _GenerationRequest(BaseModel):
     def truncate(
         self, ids: list[int], keep: int | None, affixes: tuple[Sequence[int], Sequence[int]]
     ) -> list[int]:
-        """``ids`` as vLLM truncates them. ``affixes``: the special tokens added around a
-        text (add_special_tokens), which the tokenizer's truncation keeps while it
-        shortens the text between them; none for token ids or a chat's template text."""
-        if keep is None or len(ids) <= keep:
+        """``ids`` as vLLM truncates them (:class:`~cachecore.tokenizer.Truncation`, the
+        gateway's rule too). ``affixes``: the special tokens added around a text
+        (add_special_tokens), kept while the text between them is shortened; none for
+        token ids or a chat's template text."""
+        if keep is None:
             return ids
-        left = self.truncation_side != "right"
-        prefix, suffix = affixes
-        inner = keep - len(prefix) - len(suffix)
-        if (prefix or suffix) and inner > 0:
-            text = ids[len(prefix) : len(ids) - len(suffix)]
-            return [*prefix, *(text[-inner:] if left else text[:inner]), *suffix]
-        return ids[-keep:] if left else ids[:keep]
+        return Truncation(keep, self.truncation_side != "right").text(ids, affixes)
 
     def reads_prefix_cache(self) -> bool:
         """vLLM's rule (:mod:`cachecore.cacheread`): no prefix hit for prompt logprobs."""
