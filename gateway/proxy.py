@@ -364,8 +364,10 @@ class UpstreamExchange(Response):
             else:
                 # the server's own cut (the drain timeout ran out): the gateway's 503, as the
                 # server answers it (hotpath's 503 ``draining``, or the SSE error event of a
-                # stream begun); no error, so it counts against no replica
-                if not self.status:
+                # stream begun); no error, so it counts against no replica. A stream begun
+                # counts 503 too (its head said 200): kvgate_requests agrees with the
+                # outcome and trace. An exchange already finished keeps its status.
+                if not self._finished:
                     self.status = 503
                 self._finish(Outcome(503, None, e2e, None, None, None, None))
             raise
