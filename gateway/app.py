@@ -471,6 +471,9 @@ def create_app(gw: Gateway) -> FastAPI:
             "path": str(gw.policies.path) if gw.policies.path else None,
             "reloads": gw.policies.reloads,
             "last_error": gw.policies.last_error,
+            # a file reload held back because it weakens isolation: the policy below is
+            # still the old one
+            "pending": gw.policies.pending(),
             "policy": gw.policy.model_dump(mode="json"),
             **_in_effect(),
         }

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +218,19 @@ class _Retry:
     at: float  # the event loop's time of the next retry
 
 
+@dataclass
+class _Held:
+    """A file reload held back because it weakens isolation (:meth:`PolicyStore._hold`):
+    the file's version, what it weakens, and the wall-clock times (Unix seconds) a look
+    first found that version and it may apply (the first poll after, if it keeps still and
+    passes its checks)."""
+
+    version: FileVersion | None
+    weakens: list[str]
+    since: float
+    applies_at: float
+
+
 def _gist(error: str) -> str:
     # a tokenizer.json still being copied fails at a later line at each retry: the same
     # refusal, not a new one to log and count again
@@ -256,7 +270,7 @@ class PolicyStore:
         # a file reload that weakens isolation waits until the file has kept still this
         # long (isolation_weakenings; at least the poll interval)
         self.weaken_settle_s = weaken_settle_s
-        self._held: FileVersion | None = None  # the file's version so held, if any
+        self._held: _Held | None = None  # the file's version so held, if any
 
     def _stat(self) -> FileVersion | None:
         return file_version(self.path)
@@ -347,8 +361,10 @@ class PolicyStore:
         if not weakens:
             return False
         version = self._watch.read
-        if self._held != version:
-            self._held = version
+        if self._held is None or self._held.version != version:
+            # wall clock, for GET /admin/policy: when the file took this version, at least
+            since = time.time() - still_s
+            self._held = _Held(version, weakens, since, since + settle_s)
             log.warning(
                 "policy file weakens isolation: applied once it has kept still longer",
                 extra={
@@ -358,6 +374,22 @@ class PolicyStore:
                 },
             )
         return True
+
+    def pending(self) -> dict[str, object] | None:
+        """The file reload held back because it weakens isolation, for GET /admin/policy
+        (None when none is): ``file``, ``weakens`` (one line each), ``since`` and
+        ``applies_at`` (Unix seconds: when a look first found the file's version, and the
+        earliest time it applies, at the next poll, if the file keeps still and passes its
+        checks). A change of the file or an applied policy drops it."""
+        held = self._held
+        if held is None:
+            return None
+        return {
+            "file": str(self.path),
+            "weakens": list(held.weakens),
+            "since": round(held.since, 3),
+            "applies_at": round(held.applies_at, 3),
+        }
 
     def _apply_weakening(self, policy: Policy, source: str) -> None:
         """:meth:`apply`, logging at WARNING what ``policy`` weakens (an operator's POST is
@@ -449,7 +481,7 @@ class PolicyStore:
             return await self._reload(None, "", retry=False, settle=True) is not None
         held = self._held
         if held is not None:
-            if now != held:  # changed since: due() reads the new version once it keeps still
+            if now != held.version:  # changed: due() reads the new version once it keeps still
                 self._held = None
                 return False
             if self._watch.still_s() < max(self.weaken_settle_s, self._interval_s):
