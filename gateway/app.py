@@ -29,6 +29,7 @@ from gateway.errors import (
     body_too_large,
     invalid_api_key,
     rate_limited,
+    unsupported_media_type,
 )
 from gateway.proxy import UpstreamExchange
 from gateway.routing import NoCandidateError, Strategy
@@ -79,6 +80,19 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def json_content_type(value: str | None) -> bool:
+    """Whether a completion request's Content-Type lets its body be read as JSON: vLLM's
+    OpenAI server takes ``application/json`` alone (parameters such as a charset aside) and
+    refuses the rest with a 400 (:func:`unsupported_media_type`), ``text/plain`` included,
+    which a browser may send cross-origin without a preflight. A request without one is
+    taken as JSON, where vLLM refuses it too: it claims no other type, and raw clients (and
+    the gateway's own tests) leave it out; the engine gets the gateway's
+    ``application/json`` either way."""
+    if value is None:
+        return True
+    return value.split(";", 1)[0].strip().lower() == "application/json"
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -239,6 +253,10 @@ class Completions:
         if tenant is None:
             m.requests.labels(endpoint, "401").inc()
             return invalid_api_key(), rid
+        if not json_content_type(headers.get("content-type")):
+            # before the body, as vLLM (its check runs whatever the body holds)
+            m.requests.labels(endpoint, "400").inc()
+            return unsupported_media_type(), rid
         try:
             raw = await read_body(gw.settings.max_body_bytes)
             c0 = time.perf_counter_ns()

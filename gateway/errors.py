@@ -142,6 +142,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return GatewayError(400, message, code=code, param=param)
 
 
+def unsupported_media_type() -> GatewayError:
+    """A completion request whose Content-Type is not JSON: vLLM's OpenAI server refuses it
+    (its ``validate_json_request`` dependency, answered by its validation handler as a 400
+    with this sentence)."""
+    return bad_request(
+        "Unsupported Media Type: Only 'application/json' is allowed",
+        code="unsupported_media_type",
+    )
+
+
 def invalid_api_key() -> GatewayError:
     return GatewayError(401, "Incorrect or missing API key.", code="invalid_api_key")
 
