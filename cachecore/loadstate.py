@@ -55,10 +55,13 @@ every reader did, and a mixed fleet is no worse than the old one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
+import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -175,6 +178,87 @@ class LoadRecord:
     def fresh(self, now_ms: int, max_age_ms: int) -> bool:
         age = self.age_ms(now_ms)
         return age is not None and age <= max_age_ms
+
+
+CLOCK_SKEW_LOG_INTERVAL_S = 60.0
+CLOCK_SKEW_LOG_BURST = 2
+"""At most this many clock-skew lines per replica in :data:`CLOCK_SKEW_LOG_INTERVAL_S`: a
+skew that passes the threshold and comes back is told at once; one that flips faster (an
+offset hovering at the threshold, two agents with different clocks publishing for one
+replica, a clock stepped back and forth) is told once the window allows, with the changes
+no line told."""
+
+
+@dataclass(slots=True)
+class _Skew:
+    logged_off: bool = False  # what the last line said
+    off: bool = False  # as last observed
+    changes: int = 0  # changes of ``off`` since the last line
+    lines: deque[float] = field(default_factory=lambda: deque(maxlen=CLOCK_SKEW_LOG_BURST))
+
+
+class ClockSkewLog:
+    """Logs, per replica, whether its agent's clock is off the reader's by more than
+    ``warn_ms`` (:attr:`LoadRecord.clock_skew_ms`): a WARNING when it leaves, an INFO when it
+    is back, on a change of state only and at most :data:`CLOCK_SKEW_LOG_BURST` lines per
+    :data:`CLOCK_SKEW_LOG_INTERVAL_S` per replica. A change past that bound waits for the
+    window and is then told as the state it has reached, with ``changes_unlogged`` (the
+    changes no line told; a flip and back that no line told is told too), so an offset
+    that flips at every publish costs two lines a minute, not two per refresh. The
+    threshold matters to the checks that still compare an agent's stamps with the reader's
+    clock (D22's removal log); the load store itself judges on Redis's clock."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        warn_ms: int,
+        interval_s: float = CLOCK_SKEW_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self.warn_ms = warn_ms
+        self.interval_s = interval_s
+        self._clock = clock
+        self._replicas: dict[str, _Skew] = {}
+
+    @property
+    def off(self) -> set[str]:
+        """The replicas whose last line said their agent's clock is off."""
+        return {rid for rid, st in self._replicas.items() if st.logged_off}
+
+    def observe(self, skews: Mapping[str, int], present: Iterable[str]) -> None:
+        """``skews``: the replicas whose record measured a skew now (one without a record
+        keeps its last word); a replica not in ``present`` is forgotten."""
+        now = self._clock()
+        for rid, skew in skews.items():
+            off = abs(skew) > self.warn_ms
+            st = self._replicas.get(rid)
+            if st is None:
+                if not off:
+                    continue  # agrees, and no line said otherwise
+                st = self._replicas[rid] = _Skew()
+            if off != st.off:
+                st.off = off
+                st.changes += 1
+            if not st.changes:
+                continue
+            if len(st.lines) == CLOCK_SKEW_LOG_BURST and now - st.lines[0] < self.interval_s:
+                continue  # told enough of this replica lately: told once the window allows
+            unlogged = st.changes - (off != st.logged_off)
+            extra = {"replica": rid, "agent_clock_skew_ms": skew, "changes_unlogged": unlogged}
+            if off:
+                self._log.warning(
+                    "agent clock differs from this gateway's: load freshness is judged on "
+                    "Redis's clock and unaffected, the removal-log checks (D22) are not",
+                    extra=extra,
+                )
+            else:
+                self._log.info("agent clock agrees with this gateway's again", extra=extra)
+            st.logged_off, st.changes = off, 0
+            st.lines.append(now)
+        keep = set(present)
+        for rid in self._replicas.keys() - keep:
+            del self._replicas[rid]
 
 
 @runtime_checkable

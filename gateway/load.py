@@ -15,10 +15,10 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from cachecore.loadstate import LoadStore
+from cachecore.loadstate import ClockSkewLog, LoadStore
 from cachecore.scoring import Coefficients, LoadView
 from cachecore.tasks import cancel_and_wait
 
@@ -324,10 +324,15 @@ class SharedLoadRefresher:
         self._grace_ms = grace_ms
         self._coeffs = coeffs
         self.stalled: set[str] = set()  # replicas logged as charged for a stall
-        self.skewed: set[str] = set()  # replicas whose agent's clock is logged as off
+        self._skew = ClockSkewLog(log, CLOCK_SKEW_WARN_MS)  # bounded per replica
 
     def snapshot(self) -> Mapping[str, SharedLoad]:
         return self._snap
+
+    @property
+    def skewed(self) -> set[str]:
+        """Replicas whose agent's clock is logged as off."""
+        return self._skew.off
 
     async def refresh_once(self) -> None:
         now_ms = int(time.time() * 1000)
@@ -379,33 +384,12 @@ class SharedLoadRefresher:
             )
         self._snap = snap
         # only a record there measures the skew (none: unknown, the last word stands)
-        self._log_skew(
+        self._skew.observe(
             {rid: rec.clock_skew_ms for rid, rec in records.items() if rec.has_engine},
             records.keys(),
         )
         if self._grace_ms is not None:
             self._log_stalls(snap, self._grace_ms())
-
-    def _log_skew(self, skews: Mapping[str, int], present: Iterable[str]) -> None:
-        """Once when a replica's agent's clock (as the store measured it) leaves
-        :data:`CLOCK_SKEW_WARN_MS` of this gateway's, once when it is back; a replica gone
-        from the snapshot is forgotten."""
-        for rid, skew in skews.items():
-            off = abs(skew) > CLOCK_SKEW_WARN_MS
-            if off and rid not in self.skewed:
-                self.skewed.add(rid)
-                log.warning(
-                    "agent clock differs from this gateway's: load freshness is judged on "
-                    "Redis's clock and unaffected, the removal-log checks (D22) are not",
-                    extra={"replica": rid, "agent_clock_skew_ms": skew},
-                )
-            elif not off and rid in self.skewed:
-                self.skewed.discard(rid)
-                log.info(
-                    "agent clock agrees with this gateway's again",
-                    extra={"replica": rid, "agent_clock_skew_ms": skew},
-                )
-        self.skewed.intersection_update(present)
 
     def _log_stalls(self, snap: Mapping[str, SharedLoad], grace_ms: float | None) -> None:
         # a long prefill stands vLLM's counters still: only a stall that this gateway's own
