@@ -53,7 +53,9 @@ def normalize_url(url: str) -> str:
     """Canonical form used to compare URLs with the allowlist: lower-case scheme and host,
     explicit port, no trailing slash. An IPv6 zone id keeps its case (interface names are
     case-sensitive) and is written bare, ``[fe80::1%eth0]``, RFC 6874's ``%25eth0`` read as
-    the same (:func:`~cachecore.urls.url_host`). User info, query and fragment are refused
+    the same (:func:`~cachecore.urls.url_host`: ``%25`` is always the encoded delimiter, so
+    a zone id that begins with ``25``, which has no bare form, and an empty one are
+    refused). User info, query and fragment are refused
     (they are the usual ways to make a URL look like another)."""
     info = split_user_info(url)  # errors are logged and answered: never the password
     if info is not None:
@@ -73,7 +75,10 @@ def normalize_url(url: str) -> str:
         raise InvalidURLError(f"URL has no host: {url!r}")
     if parts.netloc.startswith("["):  # an IPv6 literal as written: only its address lowered
         address, pct, zone_id = parts.netloc[1 : parts.netloc.index("]")].partition("%")
-        host = url_host(f"[{address.lower()}{pct}{zone_id}]", zone="bare")
+        try:
+            host = url_host(f"[{address.lower()}{pct}{zone_id}]", zone="bare")
+        except ValueError as exc:  # a zone id with no bare form that reads back as itself
+            raise InvalidURLError(f"bad URL {url!r}: {exc}") from None
     if port is None:
         port = 443 if scheme == "https" else 80
     path = parts.path.rstrip("/")

@@ -78,8 +78,16 @@ def url_host(host: str, zone: ZoneForm = "encoded") -> str:
     * ``dropped``: ``[fe80::1]``, for a Host header (RFC 6874 section 4: the zone id means
       nothing beyond the sender).
 
-    A bracketed ``host`` is already a URL's: a ``%25`` in it is taken as encoded (socket
-    APIs write ``%`` bare), so ``url_host(url_host(h)) == url_host(h)``.
+    One reading of a zone id, whoever wrote it. An unbracketed ``host`` is a socket API's:
+    its ``%`` is the delimiter (``fe80::1%25`` is scope 25). A bracketed ``host`` is a
+    URL's, where ``%25`` is always RFC 6874's encoded delimiter (``[fe80::1%25eth0]``: zone
+    ``eth0``) and a bare ``%`` (section 4's convenience) is taken only before a zone that
+    does not begin with ``25``: ``[fe80::1%25x]`` is zone ``x``, never a bare ``25x``. So
+    ``url_host(url_host(h)) == url_host(h)``. For the same reason the ``bare`` form of a
+    zone id that begins with ``25`` is refused (ValueError): ``[fe80::1%2599]`` would be read
+    back, by kvgate's own :func:`~cachecore.registry.normalize_url` as by any URL reader,
+    as zone ``99`` (and ``[fe80::1%25]`` as none); name the interface instead of its number.
+    An empty zone id is refused too (``fe80::1%``, ``[fe80::1%25]``), unless dropped.
 
     >>> url_host("fe80::1%eth0"), url_host("[::1]"), url_host("10.0.0.1")
     ('[fe80::1%25eth0]', '[::1]', '10.0.0.1')
@@ -94,6 +102,13 @@ def url_host(host: str, zone: ZoneForm = "encoded") -> str:
         zone_id = zone_id[2:]
     if not pct or zone == "dropped":
         return f"[{address}]"
+    if not zone_id:
+        raise ValueError(f"IPv6 address {host!r} has an empty zone id")
+    if zone == "bare" and zone_id.startswith("25"):
+        raise ValueError(
+            f"IPv6 zone id {zone_id!r} cannot be written bare in a URL: its '%25' reads as "
+            "RFC 6874's encoded '%'; give the interface's name instead of its number"
+        )
     return f"[{address}%{'25' if zone == 'encoded' else ''}{zone_id}]"
 
 
