@@ -299,7 +299,9 @@ class Completions:
         def on_done() -> None:
             gw.limiter.release(tenant)
             gw.end()
-            m.requests.labels(endpoint, str(exchange.status or 499)).inc()
+            # the outcome's status (_finish ran before this): a stream that broke or
+            # lost its client after its 200 head counts 502 or 499, as its trace says
+            m.requests.labels(endpoint, str(exchange.status)).inc()
             if span is not None:
                 dec = d.decision
                 span.set_attributes({

@@ -189,6 +189,7 @@ class UpstreamExchange(Response):
         self.on_done = on_done
         self._finished = False
         self._settled = False  # the last message is being sent: a disconnect is normal now
+        # the answer's status: its head's while it runs, the outcome's once finished
         self.status = 0
 
     async def run(self, conn: ClientConnection) -> None:
@@ -241,6 +242,10 @@ class UpstreamExchange(Response):
     def _finish(self, out: Outcome) -> None:
         if not self._finished:
             self._finished = True
+            # from here ``status`` is the outcome's (what the trace and span say), not the
+            # head's: a stream that broke (502), was cut (503) or lost its client (499)
+            # after a 200 head counts as what it came to in kvgate_requests
+            self.status = out.status
             self.gw.finish(self.d, out)
 
     def _resp_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
@@ -364,11 +369,8 @@ class UpstreamExchange(Response):
             else:
                 # the server's own cut (the drain timeout ran out): the gateway's 503, as the
                 # server answers it (hotpath's 503 ``draining``, or the SSE error event of a
-                # stream begun); no error, so it counts against no replica. A stream begun
-                # counts 503 too (its head said 200): kvgate_requests agrees with the
-                # outcome and trace. An exchange already finished keeps its status.
-                if not self._finished:
-                    self.status = 503
+                # stream begun); no error, so it counts against no replica. An exchange
+                # already finished keeps its outcome.
                 self._finish(Outcome(503, None, e2e, None, None, None, None))
             raise
         finally:
