@@ -23,11 +23,13 @@ index lookups got no hit (its events never reached it). A run whose replicas' ev
 exceeds 5 ms is marked ``lag`` and rejected (the Python fleet shares the CPU with the router):
 shown in its seed's table, left out of the summary and the targets.
 
-The offered rate is ``--load`` times the throughput knee of least_loaded on this fleet,
-found in virtual time by the simulator (:func:`loadtest.simulate.calibrate_capacity`,
-same engine model), unless ``--rate`` is given. The workload's bounds are computed with
+Each seed's offered rate is ``--load`` times the throughput knee of least_loaded on this
+fleet for that seed's workload (its request count and seed), found in virtual time by the
+simulator (:func:`loadtest.simulate.calibrate_capacity`, same engine model), unless
+``--rate`` is given (:func:`seed_rates`). The workload's bounds are computed with
 :mod:`cachecore.traceanalysis`: the infinite-cache hit rate and the hit rate of one
-block-level LRU with the pooled capacity of the fleet (blocks x replicas).
+block-level LRU with the pooled capacity of the fleet (blocks x replicas), which like vLLM
+evicts a request's tail blocks before its head.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--load",
         type=positive_float,
         default=0.85,
-        help="offered load, fraction of least_loaded's knee",
+        help="offered load, fraction of least_loaded's knee on each seed's workload",
     )
     a(
         "--seeds",
@@ -691,26 +693,58 @@ def simulated_knee(
     text: TextSource,
     profile: str = "8b-h100",
     blocks: int = 4096,
+    *,
+    requests: int | None = None,
+    seed: int = 99,
 ) -> float:
     """least_loaded's throughput knee for ``workload`` on this fleet, requests/s, found in
     virtual time by the simulator with the default policy: what the load points are
-    fractions of (the benchmark's and the simulator studies' in docs/results)."""
+    fractions of (the benchmark's and the simulator studies' in docs/results).
+
+    The knee of THE workload ``make_workload(workload, requests, replicas, ., seed)``, all of
+    it offered at once. The workloads' sharing scales with the request count (shared-prefix:
+    a fixed number of prefix groups, so more requests share each cold prefix and cost less
+    each), so a knee only holds for the count and seed it was taken on. Without ``requests``:
+    the probe every study before the twenty-sixth session used (``max(200, 40 x replicas)``
+    requests, seed 99), kept so the scripts in docs/results reproduce their figures."""
     cfg = SimConfig(
         replicas=replicas, profile=profile, num_blocks=blocks, block_size=BLOCK_SIZE, seed=0
     )
-    n = max(200, 40 * replicas)
-    probe = make_workload(workload, n, replicas, 1e6, 99, text)
+    n = max(200, 40 * replicas) if requests is None else requests
+    probe = make_workload(workload, n, replicas, 1e6, seed, text)
     policy = load_policy(builtin_policy_path("default"))
     return asyncio.run(calibrate_capacity(cfg, policy, probe, text, n))
 
 
-def _rate(args: argparse.Namespace, text: TextSource) -> tuple[float, float | None]:
+def seed_rates(
+    args: argparse.Namespace, seeds: Sequence[int], text: TextSource
+) -> tuple[dict[int, float], dict[int, float | None]]:
+    """Each seed's offered rate and the knee it is a fraction of (None with ``--rate``).
+
+    A seed is its own workload (its own draw of groups, trace window or sample), and the
+    fleet's capacity differs between them (mooncake-groups at 120 requests: 2.8 to 3.6
+    req/s), so each seed's knee is taken on exactly the workload it runs (same request
+    count, same seed: the items and their order do not depend on the rate, except
+    multi-turn's interleaving of sessions): ``--load 0.85`` is 85% of least_loaded's knee on
+    every seed. A mean knee over the seeds would not be (there, seeds 0-2 would run at 77%,
+    98% and 83% of their own). The seeds then run at different rates; the summary's means
+    over seeds are of runs at the same fraction of their own knee (its req/s column is a
+    mean of different offered rates)."""
     if args.rate is not None:
-        return args.rate, None
-    knee = simulated_knee(args.workload, args.replicas, text, args.profile, args.blocks)
-    if not knee > 0:
-        raise ValueError(f"calibration found no throughput for {args.workload}; pass --rate")
-    return args.load * knee, knee
+        return {s: args.rate for s in seeds}, {s: None for s in seeds}
+    rates: dict[int, float] = {}
+    knees: dict[int, float | None] = {}
+    for s in dict.fromkeys(seeds):
+        knee = simulated_knee(
+            args.workload, args.replicas, text, args.profile, args.blocks,
+            requests=args.requests, seed=s,
+        )  # fmt: skip
+        if not knee > 0:
+            raise ValueError(
+                f"calibration found no throughput for {args.workload} seed {s}; pass --rate"
+            )
+        rates[s], knees[s] = args.load * knee, knee
+    return rates, knees
 
 
 # ------------------------------------------------------------------------ reporting
@@ -986,6 +1020,20 @@ def json_text(doc: Any) -> str:
     return json.dumps(clean(doc), indent=1, default=str, allow_nan=False)
 
 
+def _rates_text(
+    args: argparse.Namespace, rates: Mapping[int, float], knees: Mapping[int, float | None]
+) -> str:
+    """'3.26 req/s' (``--rate``); one seed: '3.06 req/s = 85% of its least_loaded knee
+    3.60'; several: '85% of each seed's least_loaded knee (3.06, 2.41, 2.84 req/s)'."""
+    each = ", ".join(f"{r:.2f}" for r in rates.values())
+    if any(k is None for k in knees.values()):
+        return f"{each} req/s"
+    if len(rates) == 1:
+        knee = next(iter(knees.values()))
+        return f"{each} req/s = {args.load:.0%} of its least_loaded knee {knee:.2f}"
+    return f"{args.load:.0%} of each seed's least_loaded knee ({each} req/s)"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.json is not None and str(args.json) == "-":
         # stdout holds only the JSON document: the tables and progress go to stderr
@@ -1005,18 +1053,22 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
     tokenizer_dir = ensure_tokenizer(args.peers_dir) if any(p.ok for p in peers.values()) else None
     text = TextSource()
     try:
-        rate, knee = _rate(args, text)
+        rates, knees = seed_rates(args, seeds, text)
     except ValueError as exc:
         print(f"kvgate bench routers: {exc}", file=sys.stderr)
         return 2
-    if knee is not None:
-        print(
-            f"least_loaded knee on {args.replicas} x {args.profile} (simulated): {knee:.2f} req/s;"
-            f" offering {args.load:.0%} = {rate:.2f} req/s",
-            flush=True,
-        )
+    for s in dict.fromkeys(seeds):
+        knee = knees[s]
+        if knee is not None:
+            print(
+                f"seed {s}: least_loaded knee on {args.replicas} x {args.profile} (simulated, "
+                f"this seed's {args.requests} requests): {knee:.2f} req/s; offering "
+                f"{args.load:.0%} = {rates[s]:.2f} req/s",
+                flush=True,
+            )
     workloads = {
-        s: make_workload(args.workload, args.requests, args.replicas, rate, s, text) for s in seeds
+        s: make_workload(args.workload, args.requests, args.replicas, rates[s], s, text)
+        for s in seeds
     }
     capacity = args.blocks * args.replicas
     profile = get_profile(args.profile)
@@ -1041,8 +1093,8 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
     print()
     print(
         f"## {args.workload}: {args.replicas} replicas ({args.profile}, {args.blocks} blocks x "
-        f"{BLOCK_SIZE} tokens), {args.requests} requests at {rate:.2f} req/s, time scale "
-        f"{args.time_scale}, seeds {','.join(map(str, seeds))} ({wall:.0f} s wall)"
+        f"{BLOCK_SIZE} tokens), {args.requests} requests at {_rates_text(args, rates, knees)}, "
+        f"time scale {args.time_scale}, seeds {','.join(map(str, seeds))} ({wall:.0f} s wall)"
     )
     print(
         "TTFT/e2e in seconds of engine time (wall / time scale); hit rate = engine-reported "
@@ -1051,7 +1103,8 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
     for s in seeds:
         b = bounds[s]
         print(
-            f"\n### seed {s}: bounds: infinite cache {b.infinite:.1%}, one LRU of the fleet's "
+            f"\n### seed {s} ({_rates_text(args, {s: rates[s]}, {s: knees[s]})}): "
+            f"bounds: infinite cache {b.infinite:.1%}, one LRU of the fleet's "
             f"{b.capacity_blocks} blocks {b.fleet_lru:.1%}; TTFT floor (alone, infinite "
             f"cache) p99 {b.ttft_floor_p99_s:.3f} s, mean {b.ttft_floor_mean_s:.3f} s; "
             f"schedule floor (clairvoyant, preemptive) p99 {b.schedule_floor_p99_s:.3f} s\n"
@@ -1090,8 +1143,10 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
             "workload": args.workload,
             "replicas": args.replicas,
             "requests": args.requests,
-            "rate": rate,
-            "knee": knee,
+            # per seed (str keys, as "bounds"): each seed runs at --load x its own knee
+            "load": None if args.rate is not None else args.load,
+            "rates": {str(s): r for s, r in rates.items()},
+            "knees": {str(s): k for s, k in knees.items()},
             "time_scale": args.time_scale,
             "seeds": seeds,
             "wall_s": wall,
