@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.schema import TenantLimits
+from policies.schema import TenantLimits, bucket_burst
 
 
 class TokenBucket:
@@ -139,7 +139,7 @@ def _bucket(
 ) -> TokenBucket | None:
     if rate is None:
         return None
-    b = burst if burst is not None else max(rate, 1.0)
+    b = bucket_burst(rate, burst)
     if current is None:
         return TokenBucket(rate, b, now)
     if current.rate != rate or current.burst != b:

@@ -21,6 +21,7 @@ from policies.schema import (
     SensitivePolicy,
     TenantLimits,
     TenantPolicy,
+    bucket_burst,
     load_policy,
     parse_policy_text,
 )
@@ -179,11 +180,7 @@ def _limit_weakenings(where: str, old: TenantLimits, new: TenantLimits) -> list[
         looser(rate, was_rate, now_rate)
         if was_rate is not None and now_rate is not None:  # the burst the limiter applies
             was_b, now_b = getattr(old, burst), getattr(new, burst)
-            looser(
-                burst,
-                max(was_rate, 1.0) if was_b is None else was_b,
-                max(now_rate, 1.0) if now_b is None else now_b,
-            )
+            looser(burst, bucket_burst(was_rate, was_b), bucket_burst(now_rate, now_b))
     looser("max_concurrency", old.max_concurrency, new.max_concurrency)
     looser("cold_replica_count", old.cold_replica_count, new.cold_replica_count)
     return out

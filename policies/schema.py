@@ -252,6 +252,12 @@ class SensitivePolicy(_Section):
     models_kind: Literal["session", "request"] = "session"
 
 
+def bucket_burst(rate: float, burst: float | None) -> float:
+    """What a rate limit's token bucket holds: ``burst`` as given, else one second of the
+    rate (at least 1, so a rate below 1/s still admits one request or token)."""
+    return burst if burst is not None else max(rate, 1.0)
+
+
 class TenantLimits(_Section):
     requests_per_s: RatePerS | None = None
     requests_burst: PositiveFloat | None = None
@@ -259,6 +265,20 @@ class TenantLimits(_Section):
     uncached_tokens_per_s: RatePerS | None = None
     uncached_tokens_burst: PositiveFloat | None = None
     cold_replica_count: Annotated[int, Field(gt=0)] | None = None
+
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> TenantLimits:
+        # a bucket exists only with its rate: a burst alone would be accepted and limit
+        # nothing, while the operator believes the tenant limited
+        if self.requests_burst is not None and self.requests_per_s is None:
+            raise FieldValueError(
+                "requests_burst", "needs requests_per_s (alone it limits nothing)"
+            )
+        if self.uncached_tokens_burst is not None and self.uncached_tokens_per_s is None:
+            raise FieldValueError(
+                "uncached_tokens_burst", "needs uncached_tokens_per_s (alone it limits nothing)"
+            )
+        return self
 
 
 PriorityMode = Literal["passthrough", "strip", "fixed", "clamp"]
@@ -417,6 +437,20 @@ class Policy(_Section):
             raise FieldValueError(
                 "default_tenant.trust_group", "the default tenant cannot join a group"
             )
+        # the scope comes from the tenant's own trust_group alone: a member listed here
+        # that does not name the group would share nothing, the operator's intended
+        # sharing silently not happening (and a typo never reported)
+        for g, members in self.trust_groups.items():
+            for i, name in enumerate(members):
+                if not TENANT_NAME.match(name):
+                    why = f"{name!r} is not a tenant name ([A-Za-z0-9._-]{{1,64}})"
+                elif name not in self.tenants:
+                    why = f"{name!r} is not in tenants: declare it with trust_group: {g}"
+                elif self.tenants[name].trust_group != g:
+                    why = f"{name!r} does not set trust_group: {g} (both sides are needed)"
+                else:
+                    continue
+                raise FieldValueError(f"trust_groups.{g}.{i}", why)
         return self
 
     def tenant(self, name: str) -> TenantPolicy:

@@ -273,7 +273,7 @@ tenants:
   a: {trust_group: g}
   b: {}
   s: {sensitive: {default: none, allow_header: true, models: [med]}}
-trust_groups: {g: [a, c]}
+trust_groups: {g: [a]}
 """
     )
     pol = gw.policy

@@ -281,7 +281,7 @@ def test_isolation_weakenings_lists_each_weakening() -> None:
         " models_kind: request}, limits: {requests_per_s: 10, requests_burst: 5},"
         " priority: {mode: clamp, min: 0, max: 10}}\n"
         "  b: {trust_group: g}\n"
-        "  c: {limits: {requests_per_s: 10}}\n"
+        "  c: {trust_group: h, limits: {requests_per_s: 10}}\n"
         "trust_groups: {g: [a, b], h: [c]}\n"
     )
     assert weak(base, base) == []
@@ -296,7 +296,7 @@ def test_isolation_weakenings_lists_each_weakening() -> None:
         " models_kind: request}, limits: {requests_per_s: 10, requests_burst: 5},"
         " priority: {mode: clamp, min: 0, max: 10}}\n"
         "  b: {trust_group: g}\n"
-        "  c: {limits: {requests_per_s: 10}}\n"
+        "  c: {trust_group: h, limits: {requests_per_s: 10}}\n"
         "trust_groups: {g: [a, b], h: [c]}\n"
     )
     assert got == [
@@ -322,7 +322,7 @@ def test_isolation_weakenings_lists_each_weakening() -> None:
         "tenants.c.trust_group: 'g' shares its scope with a, b",
     ]
     # a dropped from tenants: compared with the default tenant it becomes
-    got = diff("tenants:\n  b: {}\n  c: {limits: {requests_per_s: 10}}\ntrust_groups: {h: [c]}\n")
+    got = diff("tenants:\n  b: {}\n  c: {limits: {requests_per_s: 10}}\ntrust_groups: {}\n")
     assert "tenants.a.sensitive.default: request -> none" in got
     assert "tenants.a.limits.requests_per_s: 10.0 -> null" in got
     assert not any("trust_group" in line for line in got)  # leaving a group shares less
