@@ -246,7 +246,9 @@ class PolicyStore:
     ) -> None:
         self.path = Path(path) if path is not None else None
         if policy is None:  # at start-up an invalid file is fatal
-            policy = Policy() if self.path is None else load_policy(self.path)
+            # an empty one too, as at a reload: a file read mid-rewrite (or a template
+            # that rendered empty) would otherwise serve the built-in defaults unsaid
+            policy = Policy() if self.path is None else load_policy(self.path, allow_empty=False)
         self.policy = policy
         self._watch = SettledChange(self._stat())
         self.on_change: Callable[[Policy], None] | None = None

@@ -1,4 +1,4 @@
-"""Policy settings that would be silently ignored are refused at load (review R2, O1 and O2).
+"""Policy settings that would be silently ignored are refused at load (review R2, O1-O3).
 
 O1: ``requests_burst`` / ``uncached_tokens_burst`` without their rate were accepted and
 limited nothing (the limiter builds a bucket only from a rate): an operator who wrote only
@@ -8,10 +8,16 @@ shared nothing (the scope comes from ``trust_group`` alone) and nothing said so.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from gateway.cli import main
 from gateway.limits import TenantLimiter
+from gateway.policy_store import PolicyStore
 from policies.schema import (
+    EMPTY_POLICY,
+    Policy,
     PolicyError,
     TenantLimits,
     bucket_burst,
@@ -104,9 +110,13 @@ def test_a_group_declared_on_both_sides_loads() -> None:
     )
     assert pol.tenant("a").trust_group == pol.tenant("b").trust_group == "g"
     # the commented example of isolation-strict.yaml, written out, loads
-    text = builtin_policy_path("isolation-strict").read_text().replace(
-        "tenants: {}\n",
-        "tenants: {acme: {trust_group: acme-family}, acme-labs: {trust_group: acme-family}}\n",
+    text = (
+        builtin_policy_path("isolation-strict")
+        .read_text()
+        .replace(
+            "tenants: {}\n",
+            "tenants: {acme: {trust_group: acme-family}, acme-labs: {trust_group: acme-family}}\n",
+        )
     )
     text = text.replace("trust_groups: {}\n", "trust_groups: {acme-family: [acme, acme-labs]}\n")
     assert parse_policy_text(text).tenant("acme-labs").trust_group == "acme-family"
@@ -115,3 +125,21 @@ def test_a_group_declared_on_both_sides_loads() -> None:
 @pytest.mark.parametrize("name", ["default", "isolation-strict", "latency-first"])
 def test_every_builtin_policy_still_loads(name: str) -> None:
     load_policy(builtin_policy_path(name), allow_empty=False)
+
+
+@pytest.mark.parametrize("text", ["", "# rendered from a template: nothing\n", "\n\n"])
+def test_an_empty_policy_file_is_refused_at_start_up_as_at_a_reload(
+    text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """O3: a reload refuses an empty file (read between its truncation and its rewrite, it
+    would be the built-in defaults), but start-up took it and served the defaults without a
+    word: no sensitive default, no limits, no cold confinement."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError, match="the policy is empty"):
+        PolicyStore(path)
+    assert main(["serve", "--open", "--port", "0", "--policy", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"kvgate serve: invalid policy {path}: {EMPTY_POLICY}"  # (a log line)
+    path.write_text("{}\n")  # the explicit way to ask for the defaults
+    assert PolicyStore(path).policy == Policy()
