@@ -389,6 +389,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plain-logs", action="store_true", help="text logs instead of JSON")
 
 
+# the setting each flag of ``kvgate serve`` sets (its dest is the field's name), for a
+# refusal to name the flag beside the variable: the value may have come from either
+SERVE_FLAGS = {
+    "policy": "--policy",
+    "replicas": "--replica",
+    "redis_url": "--redis",
+    "key_prefix": "--key-prefix",
+    "redis_cluster": "--redis-cluster",
+    "discover": "--discover",
+    "replica_allowlist": "--allow",
+    "api_keys_file": "--api-keys",
+    "api_keys_redis": "--api-keys-redis",
+    "open_access": "--open",
+    "admin_key": "--admin-key",
+    "host": "--host",
+    "port": "--port",
+    "seed": "--seed",
+    "gateway_id": "--gateway-id",
+    "otel_endpoint": "--otel-endpoint",
+    "trace_out": "--trace-out",
+    "log_level": "--log-level",
+    "log_json": "--plain-logs",
+}
+
+
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     overrides: dict[str, Any] = {}
     for name in (
@@ -415,16 +440,22 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(**overrides)
 
 
-def settings_error(exc: ValidationError, env_prefix: str = "KVGATE_") -> str:
-    """A settings refusal in one line, each field with its environment variable."""
+def settings_error(
+    exc: ValidationError, env_prefix: str = "KVGATE_", flags: Mapping[str, str] | None = None
+) -> str:
+    """A settings refusal in one line, each field with its environment variable, and its
+    flag where ``flags`` (field -> flag) has one."""
     parts = []
     for err in exc.errors():
         if not err["loc"]:  # a check across fields: its message names them
             parts.append(err["msg"].removeprefix("Value error, "))
             continue
         field = ".".join(str(x) for x in err["loc"])
+        top = str(err["loc"][0])  # a list's item (replicas.1) is set by the list's variable
+        flag = (flags or {}).get(top)
+        where = f"{flag}, " if flag else ""
         msg = err["msg"].removeprefix("Value error, ")
-        parts.append(f"{field} ({env_prefix}{field.upper()}): {msg}")
+        parts.append(f"{field} ({where}{env_prefix}{top.upper()}): {msg}")
     return "; ".join(parts)
 
 
@@ -502,7 +533,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"kvgate serve: {settings_error(exc)}", file=sys.stderr)
+        print(f"kvgate serve: {settings_error(exc, flags=SERVE_FLAGS)}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call

@@ -31,7 +31,8 @@ def test_an_empty_host_is_refused_not_every_interface(
     assert main(["serve", "--open", "--port", "0", "--host", host]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "kvgate serve: host (KVGATE_HOST): empty: give 0.0.0.0 (or ::) to listen on every interface"
+        "kvgate serve: host (--host, KVGATE_HOST): empty: give 0.0.0.0 (or ::) to listen on"
+        " every interface"
     ]
 
 
@@ -91,7 +92,7 @@ def test_a_bad_redis_url_names_its_setting(
     agent's --redis too. Refused by the settings now, naming the setting."""
     assert main(["serve", "--open", "--port", "0", "--redis", url]) == 2
     last = capsys.readouterr().err.splitlines()[-1]
-    assert last.startswith("kvgate serve: redis_url (KVGATE_REDIS_URL): ")
+    assert last.startswith("kvgate serve: redis_url (--redis, KVGATE_REDIS_URL): ")
     assert problem in last
     args = ["agent", "--replica-id", "r0", "--engine-url", "http://127.0.0.1:9"]
     assert main([*args, "--events", "tcp://127.0.0.1:9", "--redis", url]) == 2
@@ -163,7 +164,9 @@ def test_an_empty_path_is_refused_as_empty(
     with --open an empty KVGATE_API_KEYS_FILE read as a key file: "open access and API
     keys exclude each other". Each now says the value is empty."""
     field = variable.removeprefix("KVGATE_").lower()
-    expected = [f"kvgate serve: {field} ({variable}): empty: give a file, or unset the variable"]
+    expected = [
+        f"kvgate serve: {field} ({flag}, {variable}): empty: give a file, or unset the variable"
+    ]
     monkeypatch.setenv(variable, "")
     assert main(["serve", "--open", "--port", "0"]) == 2
     assert capsys.readouterr().err.splitlines() == expected
@@ -183,7 +186,7 @@ def test_an_empty_redis_url_is_refused(
         GatewaySettings()
     assert main(["serve", "--open", "--port", "0"]) == 2
     expected = (
-        "kvgate serve: redis_url (KVGATE_REDIS_URL): empty: give a redis:// URL, or unset"
+        "kvgate serve: redis_url (--redis, KVGATE_REDIS_URL): empty: give a redis:// URL, or unset"
         " it for the embedded index"
     )
     assert capsys.readouterr().err.splitlines() == [expected]

@@ -173,7 +173,7 @@ def test_a_port_out_of_range_is_refused_not_wrapped(
     """Review: `--port 99999` served on port 34463 (99999 - 65536, the socket layer's
     16-bit truncation), so a typo put the gateway on a port nobody was told about."""
     err = _serve_refusal(["--open", *flags], monkeypatch, capsys)
-    assert f"{field} (KVGATE_{field.upper()})" in err
+    assert f"{field} ({flags[0]}, KVGATE_{field.upper()})" in err
 
 
 @pytest.mark.parametrize(
