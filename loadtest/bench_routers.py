@@ -19,9 +19,9 @@ so its agents' event ingest does not share the CPU with a peer's run.
 Before each measured run a warm-up (one shared 600-token system prompt, sent replicas + 2
 times in a row) must get engine-reported hits above zero, otherwise the system is marked
 ``misconfigured`` and its figures do not count; so is a vllm-router ``kv_aware`` run whose
-index lookups got no hit (its events never reached it). A run whose replicas' event-loop lag p99
-exceeds 5 ms is marked ``lag`` and rejected (the Python fleet shares the CPU with the router):
-shown in its seed's table, left out of the summary and the targets.
+index lookups got no hit (its events never reached it). A run where any replica's own
+event-loop lag p99 exceeds 5 ms is marked ``lag`` and rejected (the Python fleet shares the
+CPU with the router): shown in its seed's table, left out of the summary and the targets.
 
 Each seed's offered rate is ``--load`` times the throughput knee of least_loaded on this
 fleet for that seed's workload (its request count and seed), found in virtual time by the
@@ -176,7 +176,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--lag-limit-ms",
         type=positive_float,
         default=LAG_LIMIT_MS,
-        help="reject a run whose replicas' loop-lag p99 exceeds this (the issue's rule: 5 ms; "
+        help="reject a run where a replica's loop-lag p99 exceeds this (the issue's rule: 5 ms; "
         "a functional check on a shared machine may raise it)",
     )
     a("--no-install", action="store_true", help="do not install peers (absent ones are skipped)")
@@ -221,7 +221,8 @@ class SystemRun:
     per_replica: list[int] = field(default_factory=list)
     load_samples: list[tuple[float, list[int]]] = field(default_factory=list)
     warm_hits: int = 0
-    lag_p99_ms: float = math.nan
+    lag_p99_ms: float = math.nan  # the worst replica's
+    lag_p99_ms_per_replica: list[float] = field(default_factory=list)
     lag_retries: int = 0  # runs of this system and seed rejected for loop lag before this one
     # per request, in workload order: (index, TTFT s of engine time or None, prompt tokens,
     # engine-reported cached tokens); where in a run its tail lies (docs/benchmarks.md)
@@ -406,23 +407,30 @@ async def scrape(client: httpx.AsyncClient, urls: Sequence[str]) -> list[dict[st
     return out
 
 
+def replica_lag_p99_ms(
+    before: Sequence[Mapping[str, float]], after: Sequence[Mapping[str, float]]
+) -> list[float]:
+    """Each replica's own p99 of its loop lag over the run (a bucket's upper bound; NaN for
+    a replica that took no step)."""
+    out = []
+    for b, a in zip(before, after, strict=True):
+        cum = {float(k[7:]): v - b.get(k, 0.0) for k, v in a.items() if k.startswith("lag_le_")}
+        total = cum.get(math.inf, 0.0)
+        if total <= 0:
+            out.append(math.nan)
+            continue
+        out.append(next((le * 1000.0 for le in sorted(cum) if cum[le] >= 0.99 * total), math.inf))
+    return out
+
+
 def lag_p99_ms(
     before: Sequence[Mapping[str, float]], after: Sequence[Mapping[str, float]]
 ) -> float:
-    """p99 of the loop lag over the run, all replicas pooled (a bucket's upper bound)."""
-    cum: dict[float, float] = {}
-    for b, a in zip(before, after, strict=True):
-        for k, v in a.items():
-            if k.startswith("lag_le_"):
-                le = float(k[7:])
-                cum[le] = cum.get(le, 0.0) + v - b.get(k, 0.0)
-    total = cum.get(math.inf, 0.0)
-    if total <= 0:
-        return math.nan
-    for le in sorted(cum):
-        if cum[le] >= 0.99 * total:
-            return le * 1000.0
-    return math.inf
+    """The worst replica's loop-lag p99 (:func:`replica_lag_p99_ms`): the issue rejects a run
+    where the replicas' lag p99 exceeds 5 ms, and one pooled p99 would hide a replica whose
+    bad steps are under 1% of the whole fleet's (a quiet replica takes few steps)."""
+    each = [v for v in replica_lag_p99_ms(before, after) if not math.isnan(v)]
+    return max(each) if each else math.nan
 
 
 def _delta(
@@ -519,7 +527,8 @@ class Bench:
         mean = sum(per) / len(per) if per else 0.0
         summary["load_imbalance"] = max(per) / mean if mean else math.nan
         summary["engine_prefill_tokens"] = float(sum(_delta(before, after, PREFILL_COMPUTED)))
-        lag = lag_p99_ms(before, after)
+        lags = replica_lag_p99_ms(before, after)
+        lag = max((v for v in lags if not math.isnan(v)), default=math.nan)
         status = "ok"
         # any failed request: the systems no longer replayed the same load and its TTFT is
         # missing from the tail, so the run is no valid comparison (the issue's rule)
@@ -550,6 +559,7 @@ class Bench:
             samples,
             warm_hits,
             lag,
+            lags,
             requests=requests,
         )
 
@@ -767,7 +777,7 @@ def seed_table(runs: Sequence[SystemRun]) -> str:
     extra = [
         ("status", [r.status for r in done]),
         ("warm-up hits", [str(r.warm_hits) for r in done]),
-        ("loop lag p99 ms", [f"{r.lag_p99_ms:.1f}" for r in done]),
+        ("loop lag p99 ms (worst replica)", [f"{r.lag_p99_ms:.1f}" for r in done]),
     ]
     text = format_table(rows, extra)
     notes = [f"- {r.system}: {r.status}" for r in runs if not r.summary]
@@ -1160,6 +1170,7 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
                     "per_replica": r.per_replica,
                     "warm_hits": r.warm_hits,
                     "lag_p99_ms": r.lag_p99_ms,
+                    "lag_p99_ms_per_replica": r.lag_p99_ms_per_replica,
                     "lag_retries": r.lag_retries,
                     "requests": r.requests,
                 }
