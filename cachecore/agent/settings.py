@@ -14,6 +14,8 @@ from cachecore.index.redis import check_redis_url
 from cachecore.urls import split_user_info
 
 MAX_TTL_S = 86_400.0
+# hosts a ZMQ socket binds to (every interface), never one an agent can connect to
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 
 def check_zmq_endpoint(endpoint: str) -> str:
@@ -38,6 +40,14 @@ def check_zmq_endpoint(endpoint: str) -> str:
         )
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"not a TCP port (1-65535) in {endpoint!r}")
+    if host in WILDCARD_HOSTS:
+        # the engine's side (vLLM's --kv-events-config binds tcp://*:PORT): ZMQ cannot connect
+        # to "*" (a ZMQError traceback in a running agent that never became ready), and
+        # 0.0.0.0 / :: name no engine
+        raise ValueError(
+            f"{endpoint!r} is a bind address (the engine's side); the agent connects: "
+            f"give the engine's host, e.g. tcp://10.0.0.5:{port}"
+        )
     return endpoint
 
 
