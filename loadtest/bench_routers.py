@@ -910,6 +910,62 @@ def verdicts(
     return out
 
 
+def matched_seeds(workload: str, runs: Sequence[SystemRun]) -> tuple[list[int], list[int]]:
+    """(seeds the targets are judged on, seeds left out): those where expected_latency and
+    every system its targets compare it with (the peers on the shared-prefix and Mooncake
+    workloads, least_loaded on the unique and hot-prefix ones) have a counting run. A system
+    without any counting run is compared with nothing and removes no seed."""
+    seeds = sorted({r.seed for r in runs})
+    valid: dict[str, set[int]] = {}
+    for r in runs:
+        if r.counts:
+            valid.setdefault(r.system, set()).add(r.seed)
+    compared = ["expected_latency"]
+    if workload in SHARED_TARGET_WORKLOADS:
+        compared += [k for k in valid if ":" in k]
+    elif workload in (*UNIQUE_WORKLOADS, "hot-prefix") and "least_loaded" in valid:
+        compared.append("least_loaded")
+    matched = [s for s in seeds if all(s in valid.get(c, ()) for c in compared)]
+    return matched, [s for s in seeds if s not in matched]
+
+
+def judged_verdicts(
+    workload: str,
+    runs: Sequence[SystemRun],
+    bounds: Mapping[int, Bounds],
+    lag_limit_ms: float = LAG_LIMIT_MS,
+) -> list[str]:
+    """:func:`verdicts` on the seeds every compared system has a counting run on
+    (:func:`matched_seeds`), bounds and floors over those seeds too: a run rejected on one
+    seed (lag twice, errors, misconfigured) must not leave a mean over seeds 0-1 compared
+    with one over 0-2 (a hard seed kept on one side only decides the verdict). The seed
+    tables and the summary keep every valid run; a line says which seeds were left out."""
+    matched, dropped = matched_seeds(workload, runs)
+    flagged = sum(1 for r in runs if r.status == "lag")
+    if not matched:
+        if not any(r.counts and r.system == "expected_latency" for r in runs):
+            return verdicts(workload, {}, math.nan, flagged)  # says el has no valid run
+        return [
+            "- not evaluated: no seed where expected_latency and every system it is compared "
+            "with have a valid run"
+        ]
+    mruns = [r for r in runs if r.seed in matched]
+    mb = [bounds[s] for s in matched]
+    ver = verdicts(
+        workload, aggregate(mruns), statistics.fmean(b.fleet_lru for b in mb), flagged,
+        statistics.fmean(b.p99_floor_s for b in mb),
+        statistics.fmean(b.ttft_floor_mean_s for b in mb), seed_p99_ratios(mruns), lag_limit_ms,
+    )  # fmt: skip
+    if dropped:
+        ver.insert(
+            0,
+            f"- note: judged on seeds {', '.join(map(str, matched))}, where every compared "
+            f"system has a valid run; seed(s) {', '.join(map(str, dropped))} left out "
+            "(means over different seeds are no comparison)",
+        )
+    return ver
+
+
 def _seed_note(ratios: Sequence[float]) -> str:
     if not ratios:
         return ""
@@ -1126,7 +1182,6 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
     print(summary_table(agg, Counter(r.system for r in runs if r.counts)))
     floor_p99 = statistics.fmean(b.ttft_floor_p99_s for b in bounds.values())
     schedule_p99 = statistics.fmean(b.schedule_floor_p99_s for b in bounds.values())
-    sharper_p99 = statistics.fmean(b.p99_floor_s for b in bounds.values())
     floor_mean = statistics.fmean(b.ttft_floor_mean_s for b in bounds.values())
     print(
         f"\nbounds (mean over seeds): infinite cache "
@@ -1134,11 +1189,7 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
         f"{fleet_bound:.1%}; TTFT floor p99 {floor_p99:.3f} s, mean {floor_mean:.3f} s; "
         f"schedule floor p99 {schedule_p99:.3f} s"
     )
-    flagged = sum(1 for r in runs if r.status == "lag")
-    ver = verdicts(
-        args.workload, agg, fleet_bound, flagged, sharper_p99, floor_mean,
-        seed_p99_ratios(runs), args.lag_limit_ms,
-    )  # fmt: skip
+    ver = judged_verdicts(args.workload, runs, bounds, args.lag_limit_ms)
     print("\n### targets\n")
     print("\n".join(ver))
     errors = sum(int(r.summary.get("errors", 0)) for r in runs)
