@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -29,10 +29,6 @@ from cachecore.scoring import Coefficients
 from gateway.routing import MissTieBreak, RoutingParams, Strategy
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class FieldValueError(ValueError):
     """A model validator's refusal naming the field it is about, relative to the model it
     validates: pydantic places a model validator's error at the model itself (at the root
@@ -41,6 +37,35 @@ class FieldValueError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+def _takes(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field of ``annotation`` takes a value of one of ``kinds`` (a Literal's
+    values by their type: ``version: Literal[1]`` takes an int)."""
+    if annotation in kinds or type(annotation) in kinds:
+        return True
+    return any(_takes(a, kinds) for a in get_args(annotation))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        # YAML's true/false are bools, which pydantic's lax mode takes as 1 and 0 in a
+        # number field: `overhead_ms: true` was 1 ms, `k: true` 1, accepted without a word
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name) if isinstance(name, str) else None
+                if (
+                    isinstance(value, bool)
+                    and field is not None
+                    and _takes(field.annotation, (int, float))
+                    and not _takes(field.annotation, (bool,))
+                ):
+                    raise FieldValueError(name, f"a number, not {str(value).lower()}")
+        return data
 
 
 # ``allow_inf_nan=False``: YAML reads ``.inf``, ``.nan`` and ``1e400`` (inf) as floats, and
@@ -230,6 +255,12 @@ class ModelPool(_Section):
     def _dir_for_hf(self) -> ModelPool:
         if self.tokenizer == "hf" and not self.tokenizer_dir:
             raise FieldValueError("tokenizer_dir", "tokenizer 'hf' needs tokenizer_dir")
+        if self.tokenizer != "hf" and self.tokenizer_dir is not None:
+            # read by no other tokenizer: the operator's directory would never be looked at
+            raise FieldValueError(
+                "tokenizer_dir",
+                f"only with tokenizer 'hf' (tokenizer {self.tokenizer!r} reads none)",
+            )
         return self
 
 

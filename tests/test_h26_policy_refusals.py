@@ -143,3 +143,45 @@ def test_an_empty_policy_file_is_refused_at_start_up_as_at_a_reload(
     assert err[-1] == f"kvgate serve: invalid policy {path}: {EMPTY_POLICY}"  # (a log line)
     path.write_text("{}\n")  # the explicit way to ask for the defaults
     assert PolicyStore(path).policy == Policy()
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "words"),
+    [
+        ("cost: {overhead_ms: true}", "cost.overhead_ms", "a number, not true"),
+        ("quarantine: {k: true}", "quarantine.k", "a number, not true"),
+        ("routing: {temperature: false}", "routing.temperature", "a number, not false"),
+        ("routing: {spill_queue_ms: true}", "routing.spill_queue_ms", "a number"),
+        ("models: {pools: {m: {block_size: yes}}}", "models.pools.m.block_size", "a number"),
+        ("version: true", "version", "a number"),
+        (  # read by no tokenizer but hf: the directory would never be looked at
+            "models: {default: {tokenizer: builtin, tokenizer_dir: /nonexistent}}",
+            "models.default.tokenizer_dir",
+            "only with tokenizer 'hf'",
+        ),
+        (
+            "models: {pools: {m: {tokenizer: engine_render, tokenizer_dir: /x}}}",
+            "models.pools.m.tokenizer_dir",
+            "only with tokenizer 'hf'",
+        ),
+    ],
+)
+def test_a_value_that_cannot_take_effect_is_refused(text: str, field: str, words: str) -> None:
+    """O9: YAML's true/false in a number field were read as 1 and 0 (pydantic's lax mode):
+    `overhead_ms: true` was 1 ms, accepted; a tokenizer_dir beside another tokenizer than hf
+    was never looked at."""
+    with pytest.raises(PolicyError) as err:
+        parse_policy_text(text)
+    assert err.value.fields == [field]
+    assert words in str(err.value)
+
+
+def test_booleans_still_load_where_the_field_is_one() -> None:
+    pol = parse_policy_text(
+        "quarantine: {enabled: false}\n"
+        "default_tenant: {sensitive: {allow_header: true}}\n"
+        "models: {default: {alignment_check: false}}\n"
+        "cost: {fit: {enabled: false}}"
+    )
+    assert not pol.quarantine.enabled and pol.default_tenant.sensitive.allow_header
+    assert not pol.models.default.alignment_check and not pol.cost.fit.enabled
