@@ -163,8 +163,21 @@ class GatewaySettings(BaseSettings):
     # controls (``kvgate attack``), which must show that their probes detect a shared cache.
     debug_unsafe_shared_scope: bool = False
 
+    @field_validator("salt_secrets", mode="before")
+    @classmethod
+    def _salt_secrets_given(cls, value: object) -> object:
+        # an empty one (a template's unset variable, a secret that failed to render) was
+        # "no secret": a random per-process salt, so no two gateways (nor one restarted)
+        # shared a cached prefix, under a warning that the variable was absent
+        parts = _split_csv(value)
+        if isinstance(value, str) and not parts:
+            raise ValueError(
+                "empty: give one or two secrets (comma-separated, the first primary), or "
+                "unset the variable for a random per-process one"
+            )
+        return parts
+
     @field_validator(
-        "salt_secrets",
         "replica_allowlist",
         "cors_allowed_origins",
         "cors_allowed_methods",
@@ -187,6 +200,15 @@ class GatewaySettings(BaseSettings):
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
             raise ValueError("contains a control character, which no HTTP header carries")
         return SecretStr(text)
+
+    @field_validator("admin_key", mode="after")
+    @classmethod
+    def _admin_key_given(cls, value: SecretStr | None) -> SecretStr | None:
+        # an empty one (a template's unset variable) disabled the admin API and /metrics
+        # (every call 401) without a word at start-up
+        if value is not None and not value.get_secret_value():
+            raise ValueError("empty: give a key, or unset the variable to disable the admin API")
+        return value
 
     @field_validator("upstream_api_key", mode="after")
     @classmethod
