@@ -778,6 +778,8 @@ def seed_table(runs: Sequence[SystemRun]) -> str:
         ("status", [r.status for r in done]),
         ("warm-up hits", [str(r.warm_hits) for r in done]),
         ("loop lag p99 ms (worst replica)", [f"{r.lag_p99_ms:.1f}" for r in done]),
+        # sent > LATE_SEND_S after their due time (their TTFT counts the wait)
+        ("late sends", [str(int(r.summary.get("late_sends", 0))) for r in done]),
     ]
     text = format_table(rows, extra)
     notes = [f"- {r.system}: {r.status}" for r in runs if not r.summary]

@@ -3,7 +3,8 @@ URL (the kvgate gateway, a peer router, or a replica directly).
 
 Open loop: each request is sent at its arrival time whether or not earlier ones have
 finished (a closed loop hides queueing, which is what routing is about). Streaming requests
-measure TTFT as the time to the first content chunk and read the engine-reported
+measure TTFT as the time from the request's due time (not its actual send: a late send's
+wait counts) to the first content chunk and read the engine-reported
 ``usage.prompt_tokens_details.cached_tokens`` from the final usage chunk.
 
 ``time_scale`` maps trace seconds to wall seconds (``wall = t * time_scale``), the same
@@ -179,13 +180,18 @@ async def send_one(
     headers: Mapping[str, str],
     stream: bool,
     body: Mapping[str, Any] | None = None,
+    t_due: float | None = None,
 ) -> None:
     """Send one request and record what came back in ``res``. ``body`` overrides the
-    item's own body (a request with extra fields, e.g. the attack suite's spoofed salts)."""
+    item's own body (a request with extra fields, e.g. the attack suite's spoofed salts).
+    ``t_due`` (``time.perf_counter()`` clock): when an open loop meant to send it; TTFT and
+    e2e are then timed from it, so a send the load generator made late (its loop starved,
+    the in-flight gate full) counts its wait, as a user's request would (no coordinated
+    omission). Without it they are timed from the send (a closed-loop probe)."""
     path = "/v1/chat/completions" if item.api == "chat" else "/v1/completions"
     body = dict(body) if body is not None else item.body(model, stream)
-    t0 = time.perf_counter()
-    res.t_sent = t0
+    res.t_sent = time.perf_counter()
+    t0 = res.t_sent if t_due is None else min(t_due, res.t_sent)
     try:
         if not stream:
             resp = await client.post(base_url + path, json=body, headers=headers)
@@ -263,7 +269,6 @@ async def replay(
     own_client = client is None
     http = client or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
     gate = asyncio.Semaphore(max_in_flight)
-    late = 0
 
     def headers_for(item: WorkItem) -> dict[str, str]:
         h = dict(extra_headers or {})
@@ -275,9 +280,11 @@ async def replay(
             h["x-kvgate-sensitive"] = item.sensitive
         return h
 
-    async def one(res: RequestResult) -> None:
+    async def one(res: RequestResult, due: float) -> None:
         async with gate:
-            await send_one(http, base_url, model, res.item, res, headers_for(res.item), stream)
+            await send_one(
+                http, base_url, model, res.item, res, headers_for(res.item), stream, t_due=due
+            )
 
     start = time.perf_counter()
     tasks: list[asyncio.Task[None]] = []
@@ -286,9 +293,7 @@ async def replay(
             delay = start + res.t_sched - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            elif delay < -LATE_SEND_S:
-                late += 1
-            tasks.append(asyncio.create_task(one(res)))
+            tasks.append(asyncio.create_task(one(res, start + res.t_sched)))
         await asyncio.gather(*tasks)
     finally:
         for t in tasks:
@@ -298,6 +303,8 @@ async def replay(
     wall = time.perf_counter() - start
     for res in results:
         res.t_sent -= start
+    # late at the send itself: a task created on time still waits for a starved loop
+    late = sum(1 for r in results if r.t_sent - r.t_sched > LATE_SEND_S)
     return ReplayReport(workload.name, results, wall, time_scale, late)
 
 
