@@ -253,12 +253,14 @@ class Agent:
                 "dirty": sync.dirty,
                 "lag_s": round(max(0.0, time.time() - sync.last_ts), 3) if sync.last_ts else None,
             }
+        stream_problem = stream.wiring_problem if stream else None
         if not self.ready.is_set():
             status = "starting"
         elif (
             any(s.dirty for s in self.syncs.values())
             or not self.engine_reachable
             or self.registration_conflict
+            or stream_problem is not None
             or any(loop.failing for loop in self.loops.values())
         ):
             status = "degraded"
@@ -275,6 +277,7 @@ class Agent:
             "model": self.engine.model if self.engine else None,
             "block_size": self.engine.block_size if self.engine else None,
             "stream_last_seq": stream.last_seq if stream else None,
+            "stream_problem": stream_problem,
             "replicas": replicas,
             "loops": {
                 loop.name: {

@@ -53,6 +53,15 @@ log = logging.getLogger(__name__)
 MAX_DP_RANKS = 1024
 """Highest data-parallel rank (exclusive) a batch may carry; anything else is malformed."""
 
+MISWIRED_AFTER = 3
+"""Subscriptions dropped before any handshake, or replays unanswered, in a row that make the
+stream's wiring a problem (:attr:`EventStream.wiring_problem`): one is a restarting engine,
+three in a row is an endpoint that is not the engine's socket of that kind."""
+
+_MONITORED = (
+    zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+
 
 def payload_digest(payload: bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
@@ -123,6 +132,14 @@ class EventStream:
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._poller = zmq.asyncio.Poller()
+        # wiring (--events and --replay swapped, or not the engine's sockets): the SUB
+        # connection accepted then dropped at the ZMTP handshake, and replays unanswered,
+        # looked like an idle engine behind a green /health, logged at INFO only
+        self._handshaken = False  # the SUB socket's handshake succeeded since it connected
+        self._refused = False  # the last dropped one's peer refused the handshake (socket type)
+        self._drops_in_row = 0  # SUB connections dropped before a handshake, in a row
+        self._unanswered_in_row = 0  # replays that got no reply at all, in a row
+        self._warned_problem: str | None = None
 
     # -------------------------------------------------------------------- run
 
@@ -143,13 +160,14 @@ class EventStream:
             # catch up).
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload_bytes + 1024)
             sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(_MONITORED)
             sock.connect(self.events_endpoint)
         except BaseException:
             _close_pair(sock, monitor)
             raise
         self._sock = sock
         self._monitor = monitor
+        self._handshaken = False
         self._poller = zmq.asyncio.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
@@ -168,19 +186,82 @@ class EventStream:
             return await self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
         except zmq.Again:
             pass
-        ready = dict(await self._poller.poll())
-        if self._monitor is not None and self._monitor in ready:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.metrics.resubscribes.inc()
-                log.info("event stream disconnected; resubscribing", extra={"replica": self.name})
-                self.close()
-                await asyncio.sleep(0.05)
-                self.subscribe()
-                return None
-        if self._sock in ready:
-            return await self._sock.recv_multipart(copy=True)
+        while True:  # a handshake event alone is no message: poll on
+            ready = dict(await self._poller.poll())
+            if self._monitor is not None and self._monitor in ready:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.metrics.resubscribes.inc()
+                    log.info(
+                        "event stream disconnected; resubscribing", extra={"replica": self.name}
+                    )
+                    self._dropped()
+                    self.close()
+                    await asyncio.sleep(0.05)
+                    self.subscribe()
+                    return None
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._handshaken, self._refused, self._drops_in_row = True, False, 0
+                    self._check_wiring()
+                elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                    self._refused = True
+            if self._sock in ready:
+                return await self._sock.recv_multipart(copy=True)
+
+    # ----------------------------------------------------------------- wiring
+
+    def _dropped(self) -> None:
+        if not self._handshaken:
+            self._drops_in_row += 1
+            self._check_wiring()
+
+    def _replayed(self, result: ReplayResult) -> None:
+        answered = result.completed or result.frames > 0
+        self._unanswered_in_row = 0 if answered else self._unanswered_in_row + 1
+        self._check_wiring()
+
+    @property
+    def wiring_problem(self) -> str | None:
+        """Why the endpoints look miswired (``MISWIRED_AFTER`` failures in a row), or None.
+        Both failing is the signature of --events and --replay swapped: a SUB socket is
+        refused by the engine's ROUTER, a replay DEALER by its PUB, which never answers."""
+        dropping = self._drops_in_row >= MISWIRED_AFTER
+        silent = self.replay is not None and self._unanswered_in_row >= MISWIRED_AFTER
+        if dropping and silent:
+            return (
+                f"the events endpoint drops every subscription and the replay endpoint never "
+                f"answers: are --events and --replay the engine's PUB ('endpoint') and ROUTER "
+                f"('replay_endpoint'), not swapped? (--events {self.events_endpoint}, "
+                f"--replay {self.replay.endpoint if self.replay else None})"
+            )
+        if dropping:
+            why = "refuses the handshake (no PUB socket)" if self._refused else "drops it"
+            return (
+                f"the events endpoint {self.events_endpoint} takes every subscription and "
+                f"{why}: is --events the engine's PUB endpoint ('endpoint')?"
+            )
+        if silent:
+            assert self.replay is not None
+            return (
+                f"the replay endpoint {self.replay.endpoint} answered none of the last "
+                f"{self._unanswered_in_row} replays: is --replay the engine's replay ROUTER "
+                f"('replay_endpoint'), and does the engine enable it?"
+            )
         return None
+
+    def _check_wiring(self) -> None:
+        """A WARNING when a wiring problem appears (or changes), INFO when it is gone."""
+        problem = self.wiring_problem
+        if problem == self._warned_problem:
+            return
+        if problem is not None:
+            log.warning(
+                "event stream endpoints look miswired",
+                extra={"replica": self.name, "problem": problem},
+            )
+        else:
+            log.info("event stream wiring recovered", extra={"replica": self.name})
+        self._warned_problem = problem
 
     async def run(self, restart_first: bool) -> None:
         """Catch up (replay from last + 1, or a restart from 0), then follow the live
@@ -410,6 +491,7 @@ class EventStream:
             with contextlib.suppress(Exception):
                 await gen.aclose()
         self._replay_completed = result.completed
+        self._replayed(result)
         outcome = "ok" if result.completed else (result.stopped or "stopped")
         if verify and not verified and result.completed:
             # the engine holds nothing at or after our last batch: its seq went back
