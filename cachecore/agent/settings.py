@@ -4,6 +4,7 @@ override the environment)."""
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -49,6 +50,20 @@ def check_zmq_endpoint(endpoint: str) -> str:
             f"give the engine's host, e.g. tcp://10.0.0.5:{port}"
         )
     return endpoint
+
+
+def check_engine_root_url(url: str) -> str:
+    """``url`` if it can be an engine's root URL, else ValueError: an OpenAI client's base
+    URL (ending in /v1) is not, since kvgate adds /v1/..., /health and /metrics itself. The
+    one rule for the gateway's replica URLs and the agent's --engine-url: the agent took
+    http://HOST:PORT/v1 and waited for ever on "engine not reachable" (its /v1/metrics
+    answered 404) where `kvgate serve --replica` refused it."""
+    if urlsplit(url).path.rstrip("/").endswith("/v1"):
+        raise ValueError(
+            f"{url!r} ends in /v1: give the engine's root URL, without /v1 "
+            "(its /health and /v1/completions are found under it)"
+        )
+    return url
 
 
 class AgentSettings(BaseSettings):
@@ -154,7 +169,7 @@ class AgentSettings(BaseSettings):
             raise ValueError("engine_url must not carry user info (user:password@)")
         if "?" in v or "#" in v:  # so does it these, which no engine's root URL has either
             raise ValueError("engine_url must not carry a query or fragment")
-        return v.rstrip("/")
+        return check_engine_root_url(v.rstrip("/"))
 
     @field_validator("model")
     @classmethod
