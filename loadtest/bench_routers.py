@@ -301,7 +301,11 @@ def make_workload(
         if name == "mooncake-groups":
             return base.sample_groups(requests, seed).at_rate(rate)
         start = (seed * requests) % max(1, len(base.items) - requests + 1)
-        window = replace(base, items=base.items[start : start + requests])
+        window = replace(
+            base,
+            items=base.items[start : start + requests],
+            description=f"{base.description}; rows {start}-{start + requests - 1}",
+        )
         return window.at_rate(rate)
     return scaled_workload(name, requests, replicas, rate, seed, text)
 
@@ -1138,6 +1142,9 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
         s: make_workload(args.workload, args.requests, args.replicas, rates[s], s, text)
         for s in seeds
     }
+    for s, w in workloads.items():  # the trace replays' length caps among it (R1 E8)
+        if w.description:
+            print(f"seed {s}: {w.description}", flush=True)
     capacity = args.blocks * args.replicas
     profile = get_profile(args.profile)
     bounds = {s: workload_bounds(w, capacity, profile, args.replicas) for s, w in workloads.items()}
@@ -1210,6 +1217,7 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
             "load": None if args.rate is not None else args.load,
             "rates": {str(s): r for s, r in rates.items()},
             "knees": {str(s): k for s, k in knees.items()},
+            "descriptions": {str(s): w.description for s, w in workloads.items()},
             "time_scale": args.time_scale,
             "seeds": seeds,
             "wall_s": wall,

@@ -592,6 +592,7 @@ def mooncake(
     truncated to ``input_length`` (the last block is partial)."""
     path = path or trace_dir() / "mooncake_synthetic_trace.jsonl"
     rows: list[tuple[float, int, int, list[int]]] = []  # t, prompt tokens, output, hash ids
+    cut_in = 0
     with _open_trace(path) as fh:
         for lineno, line in enumerate(fh, 1):
             if max_requests is not None and len(rows) >= max_requests:
@@ -608,13 +609,14 @@ def mooncake(
             except (TypeError, ValueError) as exc:
                 raise TraceError(f"{path}:{lineno}: bad value: {exc}") from None
             if max_input_tokens is not None and n_in > max_input_tokens:
-                n_in = max_input_tokens
+                n_in, cut_in = max_input_tokens, cut_in + 1
                 hash_ids = hash_ids[: -(-n_in // MOONCAKE_BLOCK_TOKENS)]
             rows.append((t, n_in, out, hash_ids))
     # a block used once (a third of the trace's ids) is made without caching it, so it does
     # not push out the blocks that recur (every block was made ~2.1 times over)
     uses = Counter(h for _, _, _, ids in rows for h in ids)
     items: list[WorkItem] = []
+    cut_out = 0
     for t, n_in, out, hash_ids in rows:
         parts = []
         remaining = n_in
@@ -634,8 +636,8 @@ def mooncake(
             remaining -= take
             if remaining <= 0:
                 break
-        if output_cap is not None:
-            out = min(out, output_cap)
+        if output_cap is not None and out > output_cap:
+            out, cut_out = output_cap, cut_out + 1
         items.append(
             WorkItem(
                 t=t,
@@ -647,7 +649,12 @@ def mooncake(
         )
     if not items and max_requests != 0:
         raise TraceError(f"{path}: no rows")
-    return Workload("mooncake", _sorted(items), f"Mooncake trace {path.name}, {len(items)} rows")
+    return Workload(
+        "mooncake",
+        _sorted(items),
+        f"Mooncake trace {path.name}, {len(items)} rows"
+        + _caps_note(len(items), max_input_tokens, cut_in, output_cap, cut_out),
+    )
 
 
 def azure(
@@ -663,6 +670,7 @@ def azure(
     ``start`` .. ``start + max_requests - 1`` (times from the first of them)."""
     path = path or azure_path(kind)
     items = []
+    cut_in = cut_out = 0  # rows whose context / output the caps shortened
     t0: datetime | None = None
     with _open_trace(path) as fh:
         reader = csv.DictReader(fh)
@@ -680,10 +688,10 @@ def azure(
             except (TypeError, ValueError) as exc:
                 raise TraceError(f"{path}:{reader.line_num}: bad value: {exc}") from None
             t0 = t0 or ts
-            if max_input_tokens is not None:
-                n_in = min(n_in, max_input_tokens)
-            if output_cap is not None:
-                out = min(out, output_cap)
+            if max_input_tokens is not None and n_in > max_input_tokens:
+                n_in, cut_in = max_input_tokens, cut_in + 1
+            if output_cap is not None and out > output_cap:
+                out, cut_out = output_cap, cut_out + 1
             items.append(
                 WorkItem(
                     t=(ts - t0).total_seconds(),
@@ -695,7 +703,25 @@ def azure(
             )
     if not items and max_requests != 0:
         raise TraceError(f"{path}: no rows" + (f" from row {start}" if start else ""))
-    return Workload(f"azure-{kind}", _sorted(items), f"Azure {kind} trace, {len(items)} rows")
+    return Workload(
+        f"azure-{kind}",
+        _sorted(items),
+        f"Azure {kind} trace, {len(items)} rows"
+        + _caps_note(len(items), max_input_tokens, cut_in, output_cap, cut_out),
+    )
+
+
+def _caps_note(
+    rows: int, max_input: int | None, cut_in: int, max_output: int | None, cut_out: int
+) -> str:
+    """What a trace replay's length caps cut, for its description: a replay of "arrivals
+    and lengths" that shortens some must say so where its figures are read."""
+    caps = []
+    if max_input is not None:
+        caps.append(f"prompts capped at {max_input} tokens ({cut_in} of {rows} rows cut)")
+    if max_output is not None:
+        caps.append(f"outputs at {max_output} tokens ({cut_out} of {rows} cut)")
+    return "; " + ", ".join(caps) if caps else ""
 
 
 def azure_path(kind: str) -> Path:
