@@ -9,12 +9,13 @@ so a tier pays off for every prefix when its bandwidth exceeds the *break-even b
 ``n* = t_fixed / (t_prefill_per_token - bytes_per_token / bandwidth)`` (the fixed lookup cost
 dominates short prefixes).
 
-``kvgate bench tiers`` measures, with torch on the machine at hand, the dense matmul
-throughput that sets prefill time and the copy bandwidths of the tiers it can reach
-(host memory; a Redis on loopback standing in for a remote tier), then prints the
-break-even table for Llama-3-8B and -70B shapes both for this machine and for a datasheet
-H100 (50% of ~1000 TFLOP/s bf16; PCIe 5 x16; 100 Gb/s network); with ``--plot FILE`` it
-also writes the break-even plot there (no file otherwise).
+``kvgate bench tiers`` measures, with torch on this machine's CPU (every tensor is a host
+tensor, on a GPU node too), the dense matmul throughput that stands in for prefill time and
+the copy bandwidths of the tiers it can reach (a host-memory copy; a Redis on loopback
+standing in for a remote tier), then prints the break-even table for Llama-3-8B and -70B
+shapes both for this machine and for a datasheet H100 (50% of ~1000 TFLOP/s bf16; PCIe 5
+x16; 100 Gb/s network: datasheet figures, not measured); with ``--plot FILE`` it also writes
+the break-even plot there (no file otherwise).
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def _timeit(fn: Callable[[], object], repeat: int) -> float:
 
 
 def measure_matmul_flops(n: int = 1024, repeat: int = 5, dtype: str = "float32") -> float:
-    """Dense GEMM throughput (FLOP/s) on this machine with torch, the quantity that sets
-    prefill time per token (prefill is GEMM-bound)."""
+    """Dense GEMM throughput (FLOP/s) of this machine's CPU with torch, the quantity that
+    sets prefill time per token (prefill is GEMM-bound). CPU tensors only: a GPU's is the
+    datasheet row, not measured here."""
     import torch
 
     dt = getattr(torch, dtype)
@@ -111,8 +113,10 @@ def measure_matmul_flops(n: int = 1024, repeat: int = 5, dtype: str = "float32")
 
 
 def measure_copy_link(nbytes: int = 64 * 1024 * 1024, repeat: int = 5) -> TierLink:
-    """Host-memory copy bandwidth for a KV-sized tensor, and the fixed cost of a one-block
-    copy: the host tier's link on a CPU-only machine (on a GPU node, the PCIe H2D copy)."""
+    """Host-memory (CPU to CPU) copy bandwidth for a KV-sized tensor, and the fixed cost of
+    a one-block copy: the host tier's link as a CPU-only engine sees it. Not the PCIe
+    host-to-device copy a GPU engine loads a host tier through (a host memcpy, on any
+    machine): that link is the datasheet row's."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
