@@ -33,7 +33,7 @@ from gateway.errors import (
 )
 from gateway.proxy import UpstreamExchange
 from gateway.routing import NoCandidateError, Strategy
-from policies.schema import PolicyError
+from policies.schema import TENANT_NAME, PolicyError
 
 log = logging.getLogger(__name__)
 
@@ -477,7 +477,11 @@ def create_app(gw: Gateway) -> FastAPI:
         elif op == "drain":
             rep = gw.pool.drain(rid)
         else:
-            raise GatewayError(404, f"unknown operation {op!r}")
+            raise GatewayError(
+                404,
+                f"unknown operation {op!r} (cordon, uncordon or drain)",
+                code="unknown_operation",
+            )
         return rep.state(time.monotonic())
 
     async def admin_quarantine(request: Request) -> Any:
@@ -554,8 +558,18 @@ def create_app(gw: Gateway) -> FastAPI:
             "chat" if "messages" in body else "completion"
         )
         if endpoint not in ("chat", "completion"):
-            raise bad_request("endpoint must be chat or completion")
+            raise bad_request(
+                "endpoint must be chat or completion", param="endpoint", code="invalid_endpoint"
+            )
         tenant = request.query_params.get("tenant") or request.headers.get("x-kvgate-tenant")
+        if tenant and not TENANT_NAME.match(tenant):
+            # no API key can carry it: explained, it would read as a cold tenant's routing
+            raise bad_request(
+                f"{tenant!r} is not a tenant name ([A-Za-z0-9._-]{{1,64}}): no request is "
+                "ever routed as it",
+                param="tenant",
+                code="invalid_tenant",
+            )
         auth = request.headers.get("authorization")
         if not tenant and auth and request.headers.get("x-admin-key"):
             # the admin key in its own header: Authorization is a client's API key, and the
@@ -571,7 +585,11 @@ def create_app(gw: Gateway) -> FastAPI:
         try:
             strat = Strategy(strategy) if strategy else None
         except ValueError:
-            raise bad_request(f"unknown strategy {strategy!r}") from None
+            raise bad_request(
+                f"unknown strategy {strategy!r} ({', '.join(s.value for s in Strategy)})",
+                param="strategy",
+                code="invalid_strategy",
+            ) from None
         try:
             d = await gw.prepare(endpoint, tenant, body, request.headers, "explain", True, strat)
         except NoCandidateError as exc:
