@@ -200,14 +200,14 @@ class BlockPool:
         sentinel = self._sentinel
         blk = sentinel
         for _ in range(n):
-            blk = cast("KVBlock", blk.next_free)
+            blk = blk.next_free  # type: ignore[assignment]  # no cast(): a call per block
             blk.prev_free = None  # out of the queue (next_free cleared below, read first)
             if blk.block_hash is not None:
                 self._evict(blk)
             blk.ref_cnt = 1
             out.append(blk)
         # the n blocks left the head at once: link the sentinel to the one after them
-        head = cast("KVBlock", blk.next_free)
+        head: KVBlock = blk.next_free  # type: ignore[assignment]
         for taken in out:
             taken.next_free = None
         sentinel.next_free = head
@@ -221,8 +221,8 @@ class BlockPool:
         if not self._num_free:
             raise NoFreeBlocksError("need 1 blocks, 0 free")
         sentinel = self._sentinel
-        blk = cast("KVBlock", sentinel.next_free)
-        head = cast("KVBlock", blk.next_free)
+        blk: KVBlock = sentinel.next_free  # type: ignore[assignment]
+        head: KVBlock = blk.next_free  # type: ignore[assignment]
         sentinel.next_free = head
         head.prev_free = sentinel
         blk.prev_free = blk.next_free = None
@@ -249,7 +249,8 @@ class BlockPool:
         self.num_evictions += 1
         if self.enable_events:
             # the wire form its BlockStored computed, not converted again
-            self._events.append(BlockRemoved(cast("list[int]", [blk.wire_hash]), MEDIUM_GPU))
+            removed: list[int] = [blk.wire_hash]  # type: ignore[list-item]  # no cast() call
+            self._events.append(BlockRemoved(removed, MEDIUM_GPU))
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """A cache hit: take a reference, pulling free blocks out of the eviction queue."""
@@ -274,12 +275,12 @@ class BlockPool:
             if not ref:  # the common case first: one test per block
                 blk.ref_cnt = 0
                 if blk.block_hash is None:  # nothing reusable: to the head, reused first
-                    nxt = cast("KVBlock", sentinel.next_free)
+                    nxt: KVBlock = sentinel.next_free  # type: ignore[assignment]
                     blk.prev_free = sentinel
                     blk.next_free = nxt
                     sentinel.next_free = nxt.prev_free = blk
                 else:  # to the tail: evicted last
-                    last = cast("KVBlock", sentinel.prev_free)
+                    last: KVBlock = sentinel.prev_free  # type: ignore[assignment]
                     blk.prev_free = last
                     blk.next_free = sentinel
                     sentinel.prev_free = last.next_free = blk
@@ -391,10 +392,13 @@ class BlockPool:
                 # is, while the request holds it), not converted again
                 held = self._first.get(parent_hash)
                 parent_wire = held.wire_hash if held is not None else to_wire(parent_hash, fmt)
+            # the event's int-typed fields hold either wire form (no cast() calls per block)
+            stored: list[int] = [wire]  # type: ignore[list-item]
+            parent_int: int | None = parent_wire  # type: ignore[assignment]
             self._events.append(
                 BlockStored(
-                    cast("list[int]", [wire]),
-                    cast("int | None", parent_wire),
+                    stored,
+                    parent_int,
                     token_ids,  # shared with the block: neither changes it
                     self.block_size,
                     lora_id,
