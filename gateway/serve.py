@@ -52,7 +52,7 @@ from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
 from cachecore.urls import url_host
 from gateway.app import create_app
-from gateway.auth import KeyStore
+from gateway.auth import KeyFileError, KeyStore
 from gateway.core import AgentHook, Gateway
 from gateway.hotpath import GatewayHttpProtocol
 from gateway.replicas import ReplicaSpec, ReplicaSpecError, parse_replica_spec
@@ -136,19 +136,24 @@ def build_gateway(
                 redis_keys = redis_client(
                     url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25
                 )
-        key_store = KeyStore(
-            redis=redis_keys,
-            open_access=settings.open_access,
-            redis_hash=layout.api_keys(),
-            cache_ttl_s=settings.api_keys_cache_ttl_s,
-            stale_s=settings.api_keys_stale_s,
-            key_file=settings.api_keys_file,
-            miss_rate=settings.api_keys_miss_rate,
-            miss_burst=settings.api_keys_miss_burst,
-            lookups_max=settings.api_keys_lookups_max,
-            miss_rate_global=settings.api_keys_miss_rate_global,
-            miss_burst_global=settings.api_keys_miss_burst_global,
-        )
+        try:
+            key_store = KeyStore(
+                redis=redis_keys,
+                open_access=settings.open_access,
+                redis_hash=layout.api_keys(),
+                cache_ttl_s=settings.api_keys_cache_ttl_s,
+                stale_s=settings.api_keys_stale_s,
+                key_file=settings.api_keys_file,
+                miss_rate=settings.api_keys_miss_rate,
+                miss_burst=settings.api_keys_miss_burst,
+                lookups_max=settings.api_keys_lookups_max,
+                miss_rate_global=settings.api_keys_miss_rate_global,
+                miss_burst_global=settings.api_keys_miss_burst_global,
+            )
+        except KeyFileError as exc:  # named as the policy's refusal is ("invalid policy P: ")
+            raise KeyFileError(
+                f"invalid API key file (--api-keys, KVGATE_API_KEYS_FILE) {exc}"
+            ) from None
     if not key_store.configured:
         raise ValueError(
             "no API keys configured: pass --api-keys FILE, --api-keys-redis, or --open"
@@ -376,16 +381,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys-redis", action="store_true", help="API key hashes in Redis")
     parser.add_argument("--open", dest="open_access", action="store_true", help="no API keys")
     parser.add_argument("--admin-key", help="admin key (prefer KVGATE_ADMIN_KEY)")
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--strategy", choices=[s.value for s in Strategy])
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--gateway-id")
-    parser.add_argument("--otel-endpoint")
+    parser.add_argument("--host", help="listen address (env KVGATE_HOST; 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (env KVGATE_PORT; 8000)")
+    parser.add_argument(
+        "--strategy", choices=[s.value for s in Strategy],
+        help="routing strategy, over the policy's routing.strategy (default: the policy's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, help="routing RNG seed (env KVGATE_SEED; default: random)"
+    )
+    parser.add_argument(
+        "--gateway-id",
+        help="this gateway's id in the shared in-flight records (env KVGATE_GATEWAY_ID; "
+        "default: gw- and a random suffix)",
+    )
+    parser.add_argument(
+        "--otel-endpoint",
+        help="OTLP/HTTP traces endpoint (env KVGATE_OTEL_ENDPOINT; default: tracing off)",
+    )
     parser.add_argument(
         "--trace-out", help="append one JSON line per answered request (trace analyze)"
     )
-    parser.add_argument("--log-level", type=log_level)
+    parser.add_argument("--log-level", type=log_level, help="env KVGATE_LOG_LEVEL; INFO")
     parser.add_argument("--plain-logs", action="store_true", help="text logs instead of JSON")
 
 
@@ -566,6 +583,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if not gw.specs:
             log.log(*no_replica_notice(settings))
+        if settings.replica_allowlist and not settings.discover:
+            # only discovery reads it: the operator meant agents to register replicas
+            log.warning(
+                "--allow (KVGATE_REPLICA_ALLOWLIST) has no effect without --discover "
+                "(KVGATE_DISCOVER): no agent's registration is read"
+            )
         server = _DrainingServer(
             uvicorn_config(gw),
             gw,
