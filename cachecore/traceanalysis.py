@@ -109,7 +109,11 @@ class BoundResult:
 def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) -> BoundResult:
     """Token hit rate of ONE block-level LRU cache of ``capacity_blocks`` (None: infinite)
     serving the requests in order. Each request hits its longest cached prefix, then all
-    its full blocks become most recently used (evicting from the LRU end)."""
+    its full blocks become most recently used (evicting from the LRU end), its head most
+    recently of all: vLLM frees a request's blocks tail first (the engine's block pool
+    too), so under pressure a chain loses its tail, never its root. Touching head first
+    evicts the root and leaves the later blocks as dead weight no request can match (a hit
+    needs the whole prefix): a bound lower than the LRU it names."""
     cache: OrderedDict[bytes, None] = OrderedDict()
     hit = total = evictions = 0
     hits: list[int] = []
@@ -122,7 +126,7 @@ def lru_bound(requests: Iterable[RequestBlocks], capacity_blocks: int | None) ->
             matched += 1
         hits.append(capped_hit_tokens(matched, req.prompt_tokens, req.block_size))
         hit += hits[-1]
-        for k in req.keys:
+        for k in reversed(req.keys):
             if k in cache:
                 cache.move_to_end(k)
             else:

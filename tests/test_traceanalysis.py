@@ -45,7 +45,9 @@ def test_lru_keeps_recently_used_prefix() -> None:
     # capacity 5: ef evicts the older c and d, not the just-touched a and b
     r = lru_bound(trace, 5)
     assert r.hit_tokens == 8 + 8  # 3rd hits ab, 5th hits abx capped at 2 blocks (8 tokens)
-    assert lru_bound(trace, 4).hit_tokens == 8  # at 4, ef pushes a out: the 5th misses
+    # at 4, ef pushes out the tails x and c (a request's tail goes first, as in vLLM), not
+    # a: the 5th still hits ab
+    assert lru_bound(trace, 4).hit_tokens == 16
 
 
 def test_event_analysis_occupancy_lifetimes_duplication() -> None:
