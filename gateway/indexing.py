@@ -19,6 +19,7 @@ from typing import Any
 
 from cachecore.index.base import IndexError_, PrefixIndex, PrefixMatch, ReplicaState
 from cachecore.index.memory import MemoryIndex
+from cachecore.index.redis import not_a_cluster
 from cachecore.keys import BlockKey
 from gateway.metrics import GatewayMetrics
 
@@ -111,6 +112,16 @@ class GatewayIndex:
         now = time.monotonic()
         if now - self._warned > 5.0:
             self._warned = now
+            if not_a_cluster(exc):
+                # no outage: the server answers, and no retry will change its answer
+                log.error(
+                    "index lookup failed: the gateway runs with --redis-cluster "
+                    "(KVGATE_REDIS_CLUSTER) and its Redis refuses CLUSTER SLOTS: a standalone "
+                    "Redis (drop the switch) or an ACL user without +cluster|slots; every "
+                    "lookup falls back meanwhile",
+                    extra={"error": repr(exc)},
+                )
+                return
             log.warning(
                 "index lookup failed; routing from local decisions", extra={"error": repr(exc)}
             )

@@ -235,6 +235,11 @@ async def _main(
     except ValueError as exc:  # a URL the client refuses, e.g. a database on a cluster
         print(f"kvgate agent: {exc}", file=sys.stderr)
         return 2
+    problem = await _cluster_mode_problem(settings)
+    if problem is not None:
+        print(f"kvgate agent: {problem}", file=sys.stderr)
+        await _close(index, load_store, registry)
+        return 2
     try:
         agent = Agent(settings, index, load_store, registry)
     except OSError as exc:  # the constructor opens --trace-out
@@ -293,6 +298,20 @@ async def _main(
             await server.stop()
         await _close(index, load_store, registry)
     return 0
+
+
+async def _cluster_mode_problem(settings: AgentSettings) -> str | None:
+    """--redis-cluster against a standalone Redis: that server's answer was taken for an
+    outage, "index not reachable at startup; retrying" for ever, never ready."""
+    from cachecore.index.redis import cluster_mode_problem
+
+    assert settings.redis is not None
+    switch = "--redis-cluster (KVGATE_AGENT_REDIS_CLUSTER)"
+    try:
+        async with asyncio.timeout(10.0):  # bounded: a Redis that does not answer is retried later
+            return await cluster_mode_problem(settings.redis, settings.redis_cluster, switch)
+    except TimeoutError:
+        return None
 
 
 async def _close(*closables: RedisIndex | RedisLoadStore | RedisRegistry | None) -> None:

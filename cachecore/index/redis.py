@@ -628,6 +628,64 @@ def redis_client(
     return cluster_client
 
 
+# what redis-py's Cluster client raises when a node refuses CLUSTER SLOTS: a standalone
+# server's "cluster support disabled", but an ACL user without +cluster|slots reads the same
+_NOT_A_CLUSTER = "cluster mode is not enabled"
+
+
+def not_a_cluster(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a Cluster client's "Cluster
+    mode is not enabled": a node that answers but refuses CLUSTER SLOTS. No outage, so no
+    retry helps; :func:`cluster_mode_problem` tells the two causes apart."""
+    while exc is not None:
+        if _NOT_A_CLUSTER in str(exc).lower():
+            return True
+        exc = exc.__cause__
+    return False
+
+
+async def cluster_mode_problem(url: str, cluster: bool, switch: str) -> str | None:
+    """With ``cluster`` (``switch`` names that setting), why the server at ``url`` is no
+    Redis Cluster node, or None. Asked of the node itself (``INFO cluster``'s
+    ``cluster_enabled``, else CLUSTER SLOTS' own error) by a throw-away standalone client,
+    so any event loop may run it at start-up: the Cluster client's "Cluster mode is not
+    enabled" was taken for an outage for ever (the gateway fell back on every lookup, the
+    agent retried "index not reachable"). A server that does not answer is None: no
+    mismatch, the callers' outage handling applies."""
+    if not cluster:
+        return None
+    client = redis_client(url, socket_timeout_s=2.0, connect_timeout_s=2.0)
+    enabled: bool | None = None
+    try:
+        try:
+            info = await client.info("cluster")
+            if "cluster_enabled" in info:
+                enabled = bool(int(info["cluster_enabled"]))
+        except REDIS_FAILURES:  # an ACL without INFO: the command's own answer below
+            pass
+        if enabled is None:
+            try:
+                await client.execute_command("CLUSTER", "SLOTS")
+                enabled = True
+            except ResponseError as exc:
+                enabled = False if "cluster support disabled" in str(exc).lower() else None
+            except REDIS_FAILURES:
+                enabled = None
+    finally:
+        try:
+            await client.aclose()
+        except REDIS_FAILURES:
+            log.debug("redis close failed", exc_info=True)
+    if enabled is not False:
+        return None
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+    return (
+        f"{switch} is set but {host}:{parts.port or 6379} is not a Redis Cluster node "
+        "(cluster_enabled:0): drop the switch for a standalone Redis"
+    )
+
+
 class RedisScript:
     """A Lua script called by SHA; loaded on first NOSCRIPT (a Redis restart or failover
     empties the script cache) and retried once. ``readonly`` scripts run with
@@ -1470,5 +1528,7 @@ __all__ = [
     "ReplicaInspection",
     "SweepResult",
     "call_per_replica",
+    "cluster_mode_problem",
     "evicts_any_key",
+    "not_a_cluster",
 ]
