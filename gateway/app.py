@@ -551,6 +551,18 @@ def create_app(gw: Gateway) -> FastAPI:
         sl = gw.refresher.snapshot().get(rid) if gw.refresher is not None else None
         return sl.stalled_ms if sl is not None else 0.0
 
+    def _tenant_known(tenant: str) -> bool | None:
+        """Whether a tenant named to explain is one the gateway's configuration knows: a
+        key of the key file maps to it, the policy names it, or ``anonymous`` under open
+        access. None where keys are in Redis (they cannot be listed)."""
+        if (
+            gw.key_store.has_tenant(tenant)
+            or tenant in gw.policy.tenants
+            or (tenant == "anonymous" and gw.settings.open_access)
+        ):
+            return True
+        return None if gw.settings.api_keys_redis else False
+
     async def admin_explain(request: Request) -> Any:
         raw = await read_body(request, gw.settings.max_body_bytes)
         body = parse_json_object(raw)
@@ -571,6 +583,7 @@ def create_app(gw: Gateway) -> FastAPI:
                 code="invalid_tenant",
             )
         auth = request.headers.get("authorization")
+        known: bool | None = True  # a key's tenant is
         if not tenant and auth and request.headers.get("x-admin-key"):
             # the admin key in its own header: Authorization is a client's API key, and the
             # request is explained as that client's tenant (as it would be routed)
@@ -580,7 +593,9 @@ def create_app(gw: Gateway) -> FastAPI:
                 raise key_check_error(gw, exc) from None
             if tenant is None:
                 raise invalid_api_key()
-        tenant = tenant or "anonymous"
+        else:
+            tenant = tenant or "anonymous"
+            known = _tenant_known(tenant)
         strategy = request.query_params.get("strategy")
         try:
             strat = Strategy(strategy) if strategy else None
@@ -594,8 +609,11 @@ def create_app(gw: Gateway) -> FastAPI:
             d = await gw.prepare(endpoint, tenant, body, request.headers, "explain", True, strat)
         except NoCandidateError as exc:
             raise GatewayError(503, str(exc), code="no_replica") from None
-        return {
+        answer: dict[str, Any] = {
             "tenant": tenant,
+            # false: a typo's answer (every replica matched_blocks 0) looks like a cold
+            # tenant's; null: keys in Redis, which cannot be listed
+            "tenant_known": known,
             "scope_kind": d.scope.kind.value,
             "model": d.model,
             "prompt_tokens": d.prompt_tokens,
@@ -609,6 +627,12 @@ def create_app(gw: Gateway) -> FastAPI:
             "overdue_ms": {c.replica: round(c.load.overdue_ms, 3) for c in d.candidates},
             "stalled_ms": {c.replica: _stalled_ms(c.replica) for c in d.candidates},
         }
+        if known is False:
+            answer["note"] = (
+                f"no API key of the key file maps to tenant {tenant!r} and the policy names no "
+                "such tenant: explained as a tenant with nothing cached (check the name)"
+            )
+        return answer
 
     async def admin_stages(request: Request) -> Any:
         if request.method == "POST":

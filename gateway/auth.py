@@ -284,6 +284,11 @@ class KeyStore:
     def file_keys(self) -> int:
         return len(self._keys)
 
+    def has_tenant(self, tenant: str) -> bool:
+        """Whether a key of the key file (or of the keys given) maps to ``tenant``; keys
+        in Redis cannot be listed, so False says nothing of them."""
+        return tenant in self._keys.values()
+
     def replace_keys(self, keys: Mapping[str, str]) -> KeyReload:
         new = dict(keys)
         old = self._keys
