@@ -7,10 +7,15 @@ command starts anything."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only its type: argtypes stays cheap to import for every subcommand
+    from pydantic_settings import BaseSettings
 
 from cachecore.logs import LogLevelError, check_log_level
 
@@ -118,3 +123,38 @@ def log_level(text: str) -> str:
         return check_log_level(text)
     except LogLevelError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# KVGATE_* variables that are not settings but read by the load tools
+OTHER_KVGATE_VARIABLES = frozenset({"KVGATE_TRACE_DIR"})
+OTHER_KVGATE_PREFIXES = ("KVGATE_LOCUST_",)
+
+
+def settings_variables(*classes: type[BaseSettings]) -> set[str]:
+    """The environment variable of every field of ``classes`` (their prefix + the name)."""
+    return {
+        str(cls.model_config.get("env_prefix", "")).upper() + name.upper()
+        for cls in classes
+        for name in cls.model_fields
+    }
+
+
+def unknown_settings(
+    environ: Mapping[str, str], known: Iterable[str], scope: str = "KVGATE_", reader: str = "kvgate"
+) -> list[str]:
+    """One warning per variable of ``environ`` under ``scope`` that is none of ``known``
+    (nor a load tool's), with the nearest known name: pydantic-settings ignores them, so
+    ``KVGATE_POLICY_FILE=strict.yaml`` served the default policy and
+    ``KVGATE_REPLICA_BLOCKS=100`` ran replicas of 4,096 blocks, without a word. Every
+    command that reads settings calls it, ``scope`` its own prefix (``kvgate agent``:
+    ``KVGATE_AGENT_``), so another command's variables in a shared environment pass."""
+    names = {*known, *OTHER_KVGATE_VARIABLES}
+    out = []
+    for name in sorted(environ):
+        var = name.upper()  # pydantic-settings reads the names case-insensitively
+        if not var.startswith(scope) or var in names or var.startswith(OTHER_KVGATE_PREFIXES):
+            continue
+        near = difflib.get_close_matches(var, sorted(names), n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        out.append(f"{name} is no {reader} setting: ignored{hint}")
+    return out

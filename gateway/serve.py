@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import difflib
 import functools
 import importlib
 import logging
@@ -38,11 +37,11 @@ from typing import Any
 import httpx
 import uvicorn
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings
 
 from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.settings import AgentSettings
-from cachecore.argtypes import log_level
+from cachecore.argtypes import log_level, settings_variables
+from cachecore.argtypes import unknown_settings as shared_unknown_settings
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex, redis_client
@@ -490,39 +489,18 @@ def embedded_agent_settings_error(specs: Sequence[ReplicaSpec]) -> str | None:
     return None
 
 
-# KVGATE_* variables that are not settings but read by the load tools
-OTHER_KVGATE_VARIABLES = frozenset({"KVGATE_TRACE_DIR", "KVGATE_SYSTEMS"})
-OTHER_KVGATE_PREFIXES = ("KVGATE_LOCUST_",)
-
-
 def unknown_settings(environ: Mapping[str, str]) -> list[str]:
-    """One warning per ``KVGATE_*`` variable that no kvgate settings read (the gateway's,
-    its embedded agents' ``KVGATE_AGENT_*``, the replicas' ``KVGATE_REPLICA_*``), with the
-    nearest known name: pydantic-settings ignores them, so ``KVGATE_POLICY_FILE=strict.yaml``
-    served the default policy without a word."""
-    known: set[str] = set(OTHER_KVGATE_VARIABLES)
-
-    def add(cls: type[BaseSettings]) -> None:
-        prefix = str(cls.model_config.get("env_prefix", "")).upper()
-        known.update(prefix + name.upper() for name in cls.model_fields)
-
-    add(GatewaySettings)
-    add(AgentSettings)
+    """:func:`cachecore.argtypes.unknown_settings` over every ``KVGATE_*`` variable: a
+    gateway's environment holds its embedded agents' ``KVGATE_AGENT_*`` and is often shared
+    with the replicas' ``KVGATE_REPLICA_*``, so all three are known here."""
+    known = settings_variables(GatewaySettings, AgentSettings)
     if any(n.upper().startswith("KVGATE_REPLICA_") and n.upper() not in known for n in environ):
         # only then (KVGATE_REPLICA_ALLOWLIST is the gateway's own): the replica's settings
         # import the engine model and numpy, an OpenBLAS thread and ~13 MiB in a gateway
         from cachecore.replica.settings import ReplicaSettings
 
-        add(ReplicaSettings)
-    out = []
-    for name in sorted(environ):
-        var = name.upper()  # pydantic-settings reads the names case-insensitively
-        if not var.startswith("KVGATE_") or var in known or var.startswith(OTHER_KVGATE_PREFIXES):
-            continue
-        near = difflib.get_close_matches(var, sorted(known), n=1)
-        hint = f"; did you mean {near[0]}?" if near else ""
-        out.append(f"{name} is no kvgate setting: ignored{hint}")
-    return out
+        known |= settings_variables(ReplicaSettings)
+    return shared_unknown_settings(environ, known)
 
 
 def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:

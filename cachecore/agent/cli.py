@@ -18,6 +18,7 @@ import contextlib
 import errno
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -28,7 +29,7 @@ from pydantic import ValidationError
 from cachecore.agent.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings
-from cachecore.argtypes import log_level, nonnegative_float
+from cachecore.argtypes import log_level, nonnegative_float, settings_variables, unknown_settings
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.listen import ListenError
 from cachecore.logs import configure_logging
@@ -151,6 +152,9 @@ def settings_from_args(args: argparse.Namespace) -> AgentSettings:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json_format=not args.log_text)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine scrape
+    known = settings_variables(AgentSettings)
+    for warning in unknown_settings(os.environ, known, "KVGATE_AGENT_", "kvgate agent"):
+        log.warning(warning)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

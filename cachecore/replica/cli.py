@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any, NoReturn
 import zmq
 from pydantic import ValidationError
 
-from cachecore.argtypes import log_level, positive_int
+from cachecore.argtypes import log_level, positive_int, settings_variables, unknown_settings
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
@@ -27,6 +28,8 @@ from cachecore.process import freeze_startup_heap
 from cachecore.replica.fleet import plan_rank_ports, run_fleet
 from cachecore.replica.settings import ReplicaPorts, ReplicaSettings
 from cachecore.tokenizer import HFTokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BASE_PORT = 9100
 
@@ -237,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json_format=not args.plain_logs)
     if args.access_log:
         logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    known = settings_variables(ReplicaSettings)
+    for warning in unknown_settings(os.environ, known, "KVGATE_REPLICA_", "kvgate replica"):
+        log.warning(warning)
     settings = build_settings(args)
     ports = build_ports(args, settings.data_parallel_size)
     tokenizer = load_tokenizer(settings)
