@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from cachecore.agent.settings import check_zmq_endpoint
+from cachecore.agent.settings import check_engine_root_url, check_zmq_endpoint
 from cachecore.httpread import AnswerTooLarge, read_answer
 from cachecore.index.layout import split_dp_replica_id, validate_replica_id
 from cachecore.looplag import LoopLagMonitor
@@ -118,12 +118,10 @@ def parse_replica_spec(text: str) -> ReplicaSpec:
         raise ReplicaSpecError(f"replica URL {url!r}: {exc}") from None
     if parts.query or parts.fragment:
         raise ReplicaSpecError(f"replica URL must not carry a query or fragment, got {url!r}")
-    if parts.path.rstrip("/").endswith("/v1"):
-        # an OpenAI client's base URL: the gateway adds /v1/... (and /health) itself
-        raise ReplicaSpecError(
-            f"replica URL {url!r} ends in /v1: give the engine's root URL, without /v1 "
-            "(its /health and /v1/completions are found under it)"
-        )
+    try:  # an OpenAI client's base URL: the gateway adds /v1/... (and /health) itself
+        check_engine_root_url(url)
+    except ValueError as exc:  # the agent's --engine-url rule, in its words
+        raise ReplicaSpecError(f"replica URL {exc}") from None
     events = replay = None
     if sep:
         ev, comma, rp = agent.partition(",")
