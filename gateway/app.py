@@ -6,6 +6,7 @@ the hot path: the body is parsed once with orjson and forwarded with its unknown
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -232,11 +233,29 @@ class Completions:
         headers: Mapping[str, str],
         read_body: Callable[[int], Awaitable[bytes]],
         client: str | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> UpstreamExchange | Refusal:
         """Authenticate, parse, admit and route one request. Returns the exchange to run
         (which owns the admission from then on) or the error to answer with.
         ``read_body(limit)`` returns the whole body or raises a 413 :class:`GatewayError`.
-        ``client``: the peer's address, whose budget an unknown API key's lookup spends."""
+        ``client``: the peer's address, whose budget an unknown API key's lookup spends.
+        ``gone``: whether the client has left, for a server that cancels the request's
+        task when it does (the hot path): such a cancellation counts 499 in
+        kvgate_requests, any other (the drain timeout's cut) 503."""
+        try:
+            return await self._handle(endpoint, headers, read_body, client)
+        except asyncio.CancelledError:
+            if gone is not None:  # else who cut it is unknown: not counted
+                self.gw.metrics.requests.labels(endpoint, "499" if gone() else "503").inc()
+            raise
+
+    async def _handle(
+        self,
+        endpoint: str,
+        headers: Mapping[str, str],
+        read_body: Callable[[int], Awaitable[bytes]],
+        client: str | None,
+    ) -> UpstreamExchange | Refusal:
         gw = self.gw
         t_start = time.perf_counter()
         rid = request_id_from(headers)
@@ -265,6 +284,11 @@ class Completions:
         except GatewayError as exc:
             m.requests.labels(endpoint, str(exc.status)).inc()
             return exc, rid
+        except Exception:
+            # the body never came whole: the client left (the hot path's ClientGone,
+            # starlette's ClientDisconnect); no answer, its outcome a 499
+            m.requests.labels(endpoint, "499").inc()
+            raise
         limits = gw.policy.tenant(tenant).limits
         rej = gw.limiter.admit(tenant, limits, time.monotonic())
         if rej is not None:
@@ -286,9 +310,11 @@ class Completions:
                 span.set_attribute("http.status_code", err.status)
                 span.end()
             return err, rid
-        except BaseException:
+        except BaseException as exc:
             gw.limiter.release(tenant)
             gw.end()
+            if isinstance(exc, Exception):  # a bug, which both servers answer 500
+                m.requests.labels(endpoint, "500").inc()
             if span is not None:
                 span.end()
             raise

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from starlette.requests import ClientDisconnect
 
-from gateway.app import create_app
+from gateway.app import Completions, create_app
 from gateway.core import Gateway, Outcome
 from gateway.serve import serve_in_loop
 from tests.test_h25_drain_outcome import STREAM_HEAD, _chunk, _gateway, _recording, _requests
@@ -109,3 +110,67 @@ async def test_a_client_that_leaves_mid_stream_counts_499() -> None:
             await _until(seen)
         assert [o.status for o in seen] == [499]
         assert _counts(gw) == {"200": 0, "499": 1, "502": 0, "503": 0}
+
+
+@pytest.mark.parametrize(("gone", "counted"), [(True, "499"), (False, "503"), (None, None)])
+async def test_a_request_cut_before_dispatch_counts_by_who_cut_it(
+    gone: bool | None, counted: str | None
+) -> None:
+    """A request cancelled in its body read (or its routing) was not counted at all: the
+    hot path cancels the task when the client leaves (499), the drain timeout when it cuts
+    (503); a server that cannot say which (``gone`` None) counts nothing."""
+    rep = FakeReplica()
+    async with _gateway(rep) as gw:
+        arrived = asyncio.Event()
+
+        async def read_body(limit: int) -> bytes:
+            arrived.set()
+            await asyncio.sleep(30)  # the body is still on its way
+            return b""
+
+        flag = (lambda: gone) if gone is not None else None
+        task = asyncio.ensure_future(
+            Completions(gw).handle("completion", {}, read_body, "127.0.0.1", flag)
+        )
+        await asyncio.wait_for(arrived.wait(), 5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        want = {"200": 0, "499": 0, "502": 0, "503": 0}
+        if counted is not None:
+            want[counted] = 1
+        assert _counts(gw) == want
+
+
+async def test_a_body_read_that_fails_counts_499() -> None:
+    """Starlette's ClientDisconnect (the ASGI side's client leaving mid-body) went past every
+    count too."""
+    rep = FakeReplica()
+    async with _gateway(rep) as gw:
+
+        async def read_body(limit: int) -> bytes:
+            raise ClientDisconnect()
+
+        with pytest.raises(ClientDisconnect):
+            await Completions(gw).handle("completion", {}, read_body, "127.0.0.1")
+        assert _counts(gw) == {"200": 0, "499": 1, "502": 0, "503": 0}
+
+
+async def test_a_gateway_bug_before_dispatch_counts_500() -> None:
+    rep = FakeReplica()
+    async with _gateway(rep) as gw:
+
+        async def broken(*args: object, **kwargs: object) -> object:
+            raise RuntimeError("a bug in routing")
+
+        gw.prepare = broken  # type: ignore[method-assign,assignment]
+        async with _hot(gw) as h:
+            r = await asyncio.wait_for(h.post("/v1/completions", json=completion()), 10)
+            assert r.status_code == 500
+            asgi = httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=create_app(gw)), base_url="http://t"
+            )
+            async with asgi:
+                r = await asyncio.wait_for(asgi.post("/v1/completions", json=completion()), 10)
+            assert r.status_code == 500
+        assert _requests(gw, "500") == 2 and gw.in_flight == 0
