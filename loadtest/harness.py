@@ -29,8 +29,11 @@ FLUSH_TIMEOUT_S = 30.0
 
 def scaled_policy(strategy: str, time_scale: float, max_num_seqs: int | None = None) -> str:
     """The shipped default policy with the strategy set and the cost coefficients scaled to
-    the replicas' time scale (they are in ms of engine time). ``max_num_seqs``: the
-    replicas' sequence slots, which an operator declares in the policy (engines do not
+    the replicas' time scale (they are in ms of engine time), and with them the routing
+    margins compared against costs (the tie band, the sensitive sessions' slack), which
+    would otherwise be wider in engine time at a faster scale. ``overdue_grace_ms`` stays:
+    it waits out the host's wall-clock jitter, which no time scale shrinks. ``max_num_seqs``:
+    the replicas' sequence slots, which an operator declares in the policy (engines do not
     publish it); left at the policy's 256, a 16-slot engine never looks saturated."""
     data: dict[str, Any] = yaml.safe_load(builtin_policy_path("default").read_text())
     data["routing"]["strategy"] = strategy
@@ -45,6 +48,9 @@ def scaled_policy(strategy: str, time_scale: float, max_num_seqs: int | None = N
         "saturation_ms",
     ):
         cost[name] = cost[name] * time_scale
+    routing = data["routing"]
+    routing["tie_epsilon_ms"] = routing["tie_epsilon_ms"] * time_scale
+    routing["sensitive_sticky"]["slack_ms"] = routing["sensitive_sticky"]["slack_ms"] * time_scale
     data["index"]["pending_ttl_ms"] = max(200, int(data["index"]["pending_ttl_ms"] * time_scale))
     return yaml.safe_dump(data, sort_keys=False)
 

@@ -8,7 +8,13 @@ import asyncio
 
 import pytest
 
-from loadtest.bench_routers import BLOCK_SIZE, configure, make_workload, seed_rates
+from loadtest.bench_routers import (
+    BLOCK_SIZE,
+    _rates_text,
+    configure,
+    make_workload,
+    seed_rates,
+)
 from loadtest.simulate import SimConfig, calibrate_capacity
 from loadtest.workloads import TextSource
 from policies.schema import builtin_policy_path, load_policy
@@ -69,3 +75,13 @@ def test_a_workloads_requests_do_not_depend_on_its_rate(workload: str) -> None:
     assert [(x.messages, x.prompt, x.tenant, x.max_tokens) for x in a.items] == [
         (x.messages, x.prompt, x.tenant, x.max_tokens) for x in b.items
     ]
+
+
+def test_the_header_names_each_seeds_rate_and_knee() -> None:
+    args = argparse.Namespace(load=0.85)
+    two = _rates_text(args, {0: 6.336, 1: 6.544}, {0: 7.454, 1: 7.699})
+    assert two == "85% of each seed's least_loaded knee (6.34, 6.54 req/s)"
+    assert _rates_text(args, {0: 6.336}, {0: 7.454}) == (
+        "6.34 req/s = 85% of its least_loaded knee 7.45"
+    )
+    assert _rates_text(args, {0: 3.0, 1: 3.0}, {0: None, 1: None}) == "3.00 req/s"
