@@ -44,7 +44,7 @@ from cachecore.argtypes import log_level, settings_variables
 from cachecore.argtypes import unknown_settings as shared_unknown_settings
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
-from cachecore.index.redis import RedisIndex, redis_client
+from cachecore.index.redis import RedisIndex, cluster_mode_problem, redis_client
 from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
@@ -489,6 +489,27 @@ def embedded_agent_settings_error(specs: Sequence[ReplicaSpec]) -> str | None:
     return None
 
 
+def redis_mode_problem(settings: GatewaySettings) -> str | None:
+    """--redis-cluster against a standalone Redis, or None (also when Redis does not
+    answer: an outage the gateway serves through). That server's answer was otherwise taken
+    for an outage for ever: every lookup fell back, the load and discovery never worked."""
+    if not (settings.redis_url and settings.redis_cluster):
+        return None
+    url, switch = settings.redis_url, "--redis-cluster (KVGATE_REDIS_CLUSTER)"
+
+    async def ask() -> str | None:
+        try:  # bounded: a Redis that does not answer is served through, not waited for
+            async with asyncio.timeout(10.0):
+                return await cluster_mode_problem(url, True, switch)
+        except TimeoutError:
+            return None
+
+    try:
+        return asyncio.run(ask())
+    except ValueError:  # a URL the client refuses: build_gateway says so, naming --redis
+        return None
+
+
 def unknown_settings(environ: Mapping[str, str]) -> list[str]:
     """:func:`cachecore.argtypes.unknown_settings` over every ``KVGATE_*`` variable: a
     gateway's environment holds its embedded agents' ``KVGATE_AGENT_*`` and is often shared
@@ -546,6 +567,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        problem = redis_mode_problem(settings)
+        if problem is not None:
+            log.error("cannot start the gateway", extra={"error": problem})
+            print(f"kvgate serve: {problem}", file=sys.stderr)
+            return 2
         try:
             gw = build_gateway(
                 settings, strategy=Strategy(args.strategy) if args.strategy else None

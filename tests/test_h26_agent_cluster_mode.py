@@ -100,3 +100,21 @@ async def test_an_acl_user_is_asked_by_the_command_it_may_run(redis_own: RedisSe
     problem = await cluster_mode_problem(base.format("slots"), True, SWITCH)
     assert problem is not None and "is not a Redis Cluster node" in problem
     assert await cluster_mode_problem(base.format("mute"), True, SWITCH) is None
+
+
+def test_kvgate_serve_refuses_in_one_line(redis_url: str) -> None:
+    """Unfixed, the gateway serves (every lookup falling back): a timeout bounds it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    argv = ["serve", "--open", "--plain-logs", "--port", "0", "--redis", redis_url,
+            "--redis-cluster", "--replica", "r0=http://127.0.0.1:9"]  # fmt: skip
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", *argv],
+            env=env, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("kvgate serve --redis-cluster against a standalone Redis served")
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    switch = "--redis-cluster (KVGATE_REDIS_CLUSTER)"
+    assert last.startswith(f"kvgate serve: {switch} is set but 127.0.0.1:"), done.stderr[-2000:]
