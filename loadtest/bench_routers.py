@@ -766,10 +766,14 @@ def seed_rates(
 
 # ------------------------------------------------------------------------ reporting
 
+# the figures over seeds (errors are not among them: a run with any failed request
+# does not count, so over the counting runs they are always 0)
 _SUMMARY_KEYS = (
     ("token_hit_rate", "hit rate", "{:.1%}"),
     ("ttft_mean_s", "TTFT mean s", "{:.3f}"),
+    ("prefill_tokens", "prefill tokens", "{:,.0f}"),
     ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+    ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
     ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
     ("e2e_p99_s", "e2e p99 s", "{:.3f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
@@ -1176,7 +1180,9 @@ def _run(args: argparse.Namespace, json_out: TextIO | None) -> int:
     )
     print(
         "TTFT/e2e in seconds of engine time (wall / time scale); hit rate = engine-reported "
-        "cached prompt tokens / prompt tokens; imbalance = max/mean requests per replica"
+        "cached prompt tokens / prompt tokens; imbalance = max/mean requests per replica; "
+        "pred. error = sum |predicted - engine-reported cached tokens| / prompt tokens (not "
+        "/ cached tokens)"
     )
     for s in seeds:
         b = bounds[s]

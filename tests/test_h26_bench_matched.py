@@ -5,7 +5,14 @@ verdict."""
 
 from __future__ import annotations
 
-from loadtest.bench_routers import Bounds, SystemRun, judged_verdicts, matched_seeds
+from loadtest.bench_routers import (
+    Bounds,
+    SystemRun,
+    aggregate,
+    judged_verdicts,
+    matched_seeds,
+    summary_table,
+)
 
 
 def run(system: str, seed: int, p99: float, status: str = "ok", hit: float = 0.7) -> SystemRun:
@@ -70,3 +77,16 @@ def test_no_seed_in_common_is_said_not_judged() -> None:
     assert judged_verdicts("short-unique", lag_only, BOUNDS) == [
         "- not evaluated: expected_latency has no valid run"
     ]
+
+
+def test_the_summary_over_seeds_has_the_issues_figures() -> None:
+    """R1's N4: the per-seed tables had prefill tokens and TTFT p90, the summary over seeds
+    (the figures quoted as results) had neither."""
+    runs = [run("expected_latency", k, 0.6) for k in range(2)]
+    for r, (prefill, p90) in zip(runs, ((1200.0, 0.30), (1800.0, 0.50)), strict=True):
+        r.summary.update(prefill_tokens=prefill, ttft_p90_s=p90)
+    table = summary_table(aggregate(runs), 2)
+    head, _, row = table.splitlines()
+    cells = dict(zip(head.split(" | "), row.split(" | "), strict=True))
+    assert cells["prefill tokens"] == "1,500 (1,200–1,800)"
+    assert cells["TTFT p90 s"] == "0.400 (0.300–0.500)"
