@@ -188,12 +188,13 @@ TokenizerKind = Literal["builtin", "hf", "engine_render", "engine_tokenize"]
 
 def hf_dir_problem(directory: Path) -> str | None:
     """Why :meth:`cachecore.tokenizer.HFTokenizer.from_dir` would fail on ``directory``
-    (None if its files are there), for every reader of a policy (``kvgate policy check``
-    too). Files are checked, not parsed: ``tokenizer.json`` can be large, and parsing runs
-    on the event loop; only its first bytes are read, which must open a JSON object (a Git
-    LFS pointer, a clone made without git-lfs, an HTML error page saved by a download). A
-    file cut short passes this: the gateway refuses it when it loads the policy's
-    tokenizers, before applying it (gateway.tokenization ``TokenizerPools.load_hf``)."""
+    (None if its files are there), for every reader of a policy (the gateway at start-up
+    and at each reload, ``kvgate simulate --policy``). Files are checked, not parsed:
+    ``tokenizer.json`` can be large, and parsing runs on the event loop; only its first
+    bytes are read, which must open a JSON object (a Git LFS pointer, a clone made without
+    git-lfs, an HTML error page saved by a download). A file cut short passes this: the
+    gateway refuses it when it loads the policy's tokenizers, before applying it
+    (gateway.tokenization ``TokenizerPools.load_hf``)."""
     if not directory.is_dir():
         return f"{str(directory)!r} is not a directory"
     tok_file = directory / "tokenizer.json"
