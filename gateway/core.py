@@ -1436,6 +1436,7 @@ class Gateway:
                     "claimed": claimed,
                     "actual": actual,
                     "outcome": outcome,
+                    **self.quarantine.standing(d.replica),
                 },
             )
             if changed:
@@ -1497,12 +1498,19 @@ class Gateway:
                 )
             elif self.quarantine.is_quarantined(replica):
                 # its agent can rebuild at will: a rebuild lifts one quarantine, and the
-                # next only once agreeing checks proved the replica since
+                # next only once agreeing checks proved the replica since; never a repeat
+                # offender's (W3)
                 log.warning(
                     "replica stays quarantined although its index was rebuilt: a rebuild "
-                    "already lifted a quarantine of it since it last proved its claims; "
-                    "quarantine.recover_after agreeing checks release it",
-                    extra={"replica": replica, "epoch": now, "was": epoch},
+                    "already lifted a quarantine of it since it last proved its claims, or "
+                    "it is a repeat offender; quarantine_recover_after agreeing checks "
+                    "release it",
+                    extra={
+                        "replica": replica,
+                        "epoch": now,
+                        "was": epoch,
+                        **self.quarantine.standing(replica),
+                    },
                 )
                 epoch = now  # said once per rebuild
 
@@ -1575,7 +1583,7 @@ class Gateway:
         out = []
         for r in self.pool.all():
             st = r.state(now)
-            st["quarantined"] = self.quarantine.is_quarantined(r.id)
+            st.update(self.quarantine.standing(r.id))
             qt, qr, run = self.inflight.own(r.id)
             st["own_queued_tokens"], st["own_queued_requests"], st["own_running"] = qt, qr, run
             out.append(st)

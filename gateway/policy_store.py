@@ -45,7 +45,7 @@ _QUARANTINE_LOOSER_UP = (
     "clock_skew_ms",
     "tamper_margin_ms",
 )
-_QUARANTINE_LOOSER_DOWN = ("recover_after",)
+_QUARANTINE_LOOSER_DOWN = ("recover_after", "recover_after_max", "forgive_after")
 # (count, window) pairs: quarantined at `count` among the last `window` checks
 _QUARANTINE_RATES = (("k", "m"), ("max_unverifiable", "unverifiable_window"))
 
@@ -80,7 +80,8 @@ def isolation_weakenings(old: Policy, new: Policy) -> list[str]:
 
     And ``quarantine`` (every replica's claims): ``enabled`` turned off;
     ``missing_fraction``, ``min_claimed_blocks``, ``settle_s``, ``clock_skew_ms`` or
-    ``tamper_margin_ms`` raised, ``recover_after`` lowered; ``k`` of the last ``m``, and
+    ``tamper_margin_ms`` raised, ``recover_after``, ``recover_after_max`` or
+    ``forgive_after`` lowered; ``k`` of the last ``m``, and
     ``max_unverifiable`` of the last ``unverifiable_window``: the count raised (a longer
     run of false claims passes) or the count over the window raised (the rate of them a
     replica can keep up), or the unverifiable track turned off (``max_unverifiable`` 0).

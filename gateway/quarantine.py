@@ -29,6 +29,17 @@ epoch: the claims that earned it are gone). A rebuild releases once: its agent c
 at will, so a replica quarantined again before ``recover_after`` agreeing checks proved it
 since is released by agreeing checks only (a rogue agent that cleared its index at each
 quarantine was back in service within a second, for another ``k`` lies, without end).
+
+A repeat offender proves itself longer (W3): without it a rogue told its ``k`` or
+``max_unverifiable`` lies, answered truthfully for ``recover_after`` checks and started
+again with a fresh count, two thirds of its checked requests unjudged lies. Each quarantine
+a replica earns doubles the agreeing checks its next one needs (``recover_after``, 2x,
+4x, ... up to ``recover_after_max``), and ``forgive_after`` checked requests in service
+without a bad one forget one quarantine (:func:`recover_needed`). A rebuild lifts a first
+offence only: a quarantine entered with another remembered ends by agreeing checks alone.
+So past a few cheap cycles each costs a rogue ``recover_after_max`` truthful checks, or
+``forgive_after`` per quarantine forgotten, and D22's bound holds over any horizon, not
+within one cycle only.
 """
 
 from __future__ import annotations
@@ -80,6 +91,21 @@ def judge_floor(floor: RemovalFloor, now_ms: int, margin_ms: int) -> LogAnswer:
     return LogAnswer.UNVERIFIABLE
 
 
+def max_repeats(policy: QuarantinePolicy) -> int:
+    """The fewest quarantines remembered at which :func:`recover_needed` reaches its cap:
+    more are not kept, so forgiving starts below the cap (0: no escalation)."""
+    cap = max(policy.recover_after, policy.recover_after_max)
+    return (-(-cap // policy.recover_after) - 1).bit_length()
+
+
+def recover_needed(policy: QuarantinePolicy, repeats: int) -> int:
+    """Agreeing checks that release a quarantine entered with ``repeats`` earlier ones
+    remembered: ``recover_after`` doubled per repeat, at most ``recover_after_max`` (a
+    ``recover_after`` above that cap: no escalation)."""
+    cap = max(policy.recover_after, policy.recover_after_max)
+    return min(cap, policy.recover_after << min(repeats, max_repeats(policy)))
+
+
 @dataclass(slots=True)
 class _ReplicaClaims:
     window: deque[bool] = field(default_factory=deque)
@@ -92,6 +118,11 @@ class _ReplicaClaims:
     # released by a rebuild and not proven by recover_after agreeing checks since: its next
     # quarantine is not lifted by a rebuild (see the module docstring)
     rebuilt: bool = False
+    # quarantines remembered (W3): each doubles the next one's recover_after; one is
+    # forgotten per forgive_after checked requests in service without a bad one
+    repeats: int = 0
+    entered_with: int = 0  # ``repeats`` when the latest quarantine began: what it needs
+    clean: int = 0  # good checked requests in service since a bad one, entry or forgiving
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +152,11 @@ class QuarantineTracker:
 
     def configure(self, policy: QuarantinePolicy) -> None:
         self.policy = policy
+        top = max_repeats(policy)
         for st in self._replicas.values():
             while len(st.window) > policy.m:
                 st.window.popleft()
+            st.repeats = min(st.repeats, top)
         if not policy.enabled:
             # released, and what was counted goes: a later re-enable starts from nothing
             self._replicas.clear()
@@ -135,18 +168,35 @@ class QuarantineTracker:
     def quarantined(self) -> list[str]:
         return sorted(r for r, st in self._replicas.items() if st.quarantined)
 
+    def standing(self, replica: str) -> dict[str, bool | int]:
+        """What /admin/replicas and the quarantine logs show of ``replica``: whether it is
+        quarantined, the quarantines it is remembered for, and the agreeing checks its
+        quarantine needs (the current one's, else the next one's)."""
+        st = self._replicas.get(replica)
+        if st is None:
+            st = _ReplicaClaims()
+        repeats = st.entered_with if st.quarantined else st.repeats
+        return {
+            "quarantined": st.quarantined,
+            "quarantine_repeats": st.repeats,
+            "quarantine_recover_after": recover_needed(self.policy, repeats),
+        }
+
     def release(self, replica: str) -> bool:
         """Lift ``replica``'s quarantine and forget its window (its index was rebuilt from
         the engine: the old claims are gone). Returns whether it was lifted: not when it
         was not quarantined, nor when a rebuild already lifted a quarantine of it and no
-        ``recover_after`` agreeing checks proved it since."""
+        ``recover_after`` agreeing checks proved it since, nor for a repeat offender (a
+        quarantine entered with another remembered: W3), whose agent could otherwise
+        rebuild its way past the longer proof."""
         st = self._replicas.get(replica)
-        if st is None or not st.quarantined or st.rebuilt:
+        if st is None or not st.quarantined or st.rebuilt or st.entered_with:
             return False
         st.quarantined = False
         st.rebuilt = True
         st.window.clear()
         st.agreeing = 0
+        st.clean = 0
         st.unverifiable_at.clear()
         return True
 
@@ -167,32 +217,58 @@ class QuarantineTracker:
             return None  # the blocks were removed in between: an eviction, not a lie
         if bad and check.removed_since_lookup:
             return None  # removed after the lookup, stored again: an eviction, not a lie
+        self._forgive(st, bad)
         if bad and check.unverifiable:
             # no verdict for the window, but a log trimmed past every lookup is no alibi:
             # a rogue agent raises its floor for that (D22)
             st.agreeing = 0
             if not st.quarantined and p.max_unverifiable and unverifiable >= p.max_unverifiable:
-                st.quarantined = True
-                st.unverifiable_at.clear()
+                self._enter(st)
                 return True
             return None
         st.window.append(bad)
         while len(st.window) > p.m:
             st.window.popleft()
         st.agreeing = 0 if bad else st.agreeing + 1
-        if st.rebuilt and not st.quarantined and st.agreeing >= p.recover_after:
+        need = recover_needed(p, st.entered_with)
+        if st.rebuilt and not st.quarantined and st.agreeing >= need:
             st.rebuilt = False  # proven since its rebuild: a rebuild may lift a quarantine
         if not st.quarantined and sum(st.window) >= p.k:
-            st.quarantined = True
-            st.agreeing = 0
+            self._enter(st)
             return True
-        if st.quarantined and st.agreeing >= p.recover_after:
+        if st.quarantined and st.agreeing >= need:
             st.quarantined = False
             st.rebuilt = False
             st.window.clear()
+            st.clean = 0
             st.unverifiable_at.clear()
             return False
         return None
+
+    def _enter(self, st: _ReplicaClaims) -> None:
+        """Quarantine: it needs the agreeing checks its remembered repeats make, and the
+        next one twice as many (W3)."""
+        st.quarantined = True
+        st.agreeing = 0
+        st.clean = 0
+        st.unverifiable_at.clear()
+        st.entered_with = st.repeats
+        st.repeats = min(st.repeats + 1, max_repeats(self.policy))
+
+    def _forgive(self, st: _ReplicaClaims, bad: bool) -> None:
+        """Count a checked request in service that was no eviction: ``forgive_after`` good
+        ones with no bad one between forget one quarantine. A bad one (a lie, judged or
+        not) starts the count again, so a rogue cannot lie its way back to a short
+        quarantine; while quarantined nothing is forgiven (proving is recover_after's)."""
+        if st.quarantined:
+            return
+        if bad:
+            st.clean = 0
+            return
+        st.clean += 1
+        if st.clean >= self.policy.forgive_after:
+            st.clean = 0
+            st.repeats = max(0, st.repeats - 1)
 
     def _count_unverifiable(self, st: _ReplicaClaims, unverifiable: bool) -> int:
         """Count one checked request (every kind: agreeing, evicted, false); how many of

@@ -382,6 +382,11 @@ class QuarantinePolicy(_Section):
     m: Annotated[int, Field(gt=0)] = 5
     min_claimed_blocks: Annotated[int, Field(gt=0)] = 2
     recover_after: Annotated[int, Field(gt=0)] = 3
+    # a repeat offender proves itself longer: each quarantine it earns doubles the agreeing
+    # checks its next one needs (recover_after, 2x, 4x, ...) up to recover_after_max, and
+    # forgive_after checked requests in service without a bad one forget one (D22)
+    recover_after_max: Annotated[int, Field(gt=0, le=1_000_000)] = 1000
+    forgive_after: Annotated[int, Field(gt=0, le=1_000_000)] = 1000
     # a disagreement waits this long for the agent to report the eviction behind it before
     # it counts as a false claim: an agent that lags (a starved CPU) is not a liar
     settle_s: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = 3.0

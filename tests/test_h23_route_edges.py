@@ -133,7 +133,8 @@ def test_a_rebuild_lifts_one_quarantine_not_every_one() -> None:
     gateway calls release) and lies again: each rebuild lifted the quarantine at once, so
     it misrouted k requests per rebuild without end. A rebuild now lifts one quarantine;
     the next needs recover_after agreeing checks, after which a rebuild may lift again."""
-    q = QuarantineTracker(QuarantinePolicy(k=3, m=5, recover_after=3))
+    # the rebuild rule alone: no escalation (a repeat offender's is test_h26_quarantine_cycles)
+    q = QuarantineTracker(QuarantinePolicy(k=3, m=5, recover_after=3, recover_after_max=3))
     bad, agree = ClaimCheck("r", 10, 0, 10), ClaimCheck("r", 10, 10, 10)
     for _ in range(3):
         q.observe(bad)

@@ -391,6 +391,8 @@ def test_every_isolation_field_is_placed() -> None:
             "m",
             "min_claimed_blocks",
             "recover_after",
+            "recover_after_max",
+            "forgive_after",
             "settle_s",
             "clock_skew_ms",
             "tamper_margin_ms",

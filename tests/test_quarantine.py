@@ -90,8 +90,16 @@ def test_a_removal_time_past_the_gateways_clock_is_tampered() -> None:
 
 # ------------------------------------------------------------------ the tracker
 
+# no escalation (recover_after_max = recover_after): a repeat offender's is W3's,
+# tests/test_h26_quarantine_cycles.py
 POLICY = QuarantinePolicy(
-    k=2, m=3, min_claimed_blocks=2, recover_after=2, max_unverifiable=3, unverifiable_window=10
+    k=2,
+    m=3,
+    min_claimed_blocks=2,
+    recover_after=2,
+    max_unverifiable=3,
+    unverifiable_window=10,
+    recover_after_max=2,
 )
 
 

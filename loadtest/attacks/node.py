@@ -527,6 +527,10 @@ async def rogue_floor(st: NodeStack, max_honest: int = 60) -> AttackResult:
         for name, cover, bound, outcome in rogues:
             if name not in st.cfg.floor_rogues:
                 continue
+            # each rogue plays a fresh replica: what the gateway remembers of the last one
+            # (its quarantines: each doubles the next release's agreeing checks, D22's W3)
+            # is not this one's
+            gw.quarantine.forget(liar)
             judged_before = _claim_checks(gw, liar, outcome)
             requests, misrouted, skipped = await _lie_until_quarantined(
                 st, rogue, liar, 3 * bound, cover
