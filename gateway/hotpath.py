@@ -191,8 +191,9 @@ class HotCycle:
             self.cors = completions.cors.actual(names.get("origin"))
         peer = self.proto.client  # (host, port); None on a socket without an address
         out = await completions.handle(
-            self.endpoint, names, self.read_body, peer[0] if peer else ""
-        )
+            self.endpoint, names, self.read_body, peer[0] if peer else "",
+            lambda: self._disconnected,  # a cancellation before dispatch: 499, else 503
+        )  # fmt: skip
         if isinstance(out, UpstreamExchange):
             self.request_id = out.d.request_id  # for a 503 if the drain timeout cuts it
             await out.run(self)

@@ -174,3 +174,39 @@ async def test_a_gateway_bug_before_dispatch_counts_500() -> None:
                 r = await asyncio.wait_for(asgi.post("/v1/completions", json=completion()), 10)
             assert r.status_code == 500
         assert _requests(gw, "500") == 2 and gw.in_flight == 0
+
+
+async def _half_a_body(url: str) -> asyncio.StreamWriter:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    _, w = await asyncio.open_connection(host, int(port))
+    w.write(
+        b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        b"content-length: 1000\r\n\r\n" + b'{"model": "fake-model", "prompt": "hel'
+    )
+    await w.drain()
+    await asyncio.sleep(0.3)  # the gateway is reading the body
+    return w
+
+
+async def test_a_client_that_leaves_mid_body_counts_499_on_the_hot_path() -> None:
+    rep = FakeReplica()
+    async with _gateway(rep) as gw, serve_in_loop(gw) as url:
+        w = await _half_a_body(url)
+        w.close()  # the client leaves before its body is whole
+        for _ in range(100):  # the gateway sees it: at most 5 s
+            if _requests(gw, "499"):
+                break
+            await asyncio.sleep(0.05)
+        assert _counts(gw) == {"200": 0, "499": 1, "502": 0, "503": 0}
+        assert rep.posts == 0
+
+
+async def test_a_request_the_drain_cuts_mid_body_counts_503_on_the_hot_path() -> None:
+    rep = FakeReplica()
+    async with _gateway(rep) as gw:
+        async with contextlib.AsyncExitStack() as running:
+            url = await running.enter_async_context(serve_in_loop(gw))
+            w = await _half_a_body(url)
+        # the server stopped: its drain timeout (0.5 s) cut the body read
+        w.close()
+        assert _counts(gw) == {"200": 0, "499": 0, "502": 0, "503": 1}
