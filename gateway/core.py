@@ -328,6 +328,8 @@ class Gateway:
         # probe (one down at start-up, a discovered one, a restarted engine)
         self._verified: set[str] = set()
         self._verifying: set[str] = set()
+        # models.pools entries told to apply to nothing, under the policy in force
+        self._unserved_told: set[str] = set()
         self.trace: RequestTrace | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -370,6 +372,32 @@ class Gateway:
         if self.tokenizers is not None:
             self.tokenizers.retain(pol.models)
         self.metrics.policy_reloads.labels("ok").inc()
+        self._unserved_told.clear()  # a new policy: its pools are told again
+        self._warn_unserved_pools(pol)
+
+    def _warn_unserved_pools(self, pol: Policy) -> None:
+        """A WARNING for each ``models.pools`` entry no replica serves as a base model (a
+        typo of the model's name: its block size, tokenizer or hit_drop_blocks would never
+        apply, the block-size check skipping it too), once per policy, when every replica's
+        model list is known (one not read yet may serve it). An adapter's name says so: its
+        requests use its base model's pool."""
+        reps = self.pool.all() if self.pool is not None else []
+        if not reps or any(r.models is None for r in reps):
+            return
+        bases = {m for r in reps for m in _base_models(r)}
+        adapters = {m for r in reps for m in r.models or [] if m in r.lora_base}
+        for name in sorted(set(pol.models.pools) - bases - self._unserved_told):
+            self._unserved_told.add(name)
+            log.warning(
+                "a policy model pool applies to no model the replicas serve",
+                extra={
+                    "field": f"models.pools.{name}",
+                    "reason": "an adapter: its requests use its base model's pool"
+                    if name in adapters
+                    else "no replica serves this model",
+                    "served": ", ".join(sorted(bases)),
+                },
+            )
 
     async def _load_tokenizers(self, pol: Policy) -> list[tuple[str, str]]:
         # a reload's last check (PolicyStore.prepare); before start, start loads them
@@ -578,6 +606,7 @@ class Gateway:
             ok = await self._check_block_size(rep, _base_models(rep))
             if ok and self.pool is not None and self.pool.get(replica_id) is rep:
                 self._verified.add(replica_id)  # not a replica removed meanwhile
+            self._warn_unserved_pools(self.policy)  # its models are known now
             if not self._tokenizers_checked:
                 self._tokenizers_checked = True
                 await self._check_tokenizers(rep, _base_models(rep))
