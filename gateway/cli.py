@@ -1,4 +1,4 @@
-"""The single ``kvgate`` entry point.
+"""The single kvgate entry point.
 
 Each subcommand lives in its own module exposing ``configure(parser)`` and
 ``run(args) -> int``; modules are imported only when their subcommand runs, so
@@ -40,6 +40,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("cachecore.traceanalysis", "analyse a trace: occupancy, duplication, lifetimes"),
     "tokenizer": ("cachecore.tokenizer_cli", "export the built-in tokenizer as an HF model dir"),
     "index": ("gateway.index_cli", "the Redis index per replica: stats, sweep, forget departed"),
+    "policy": ("policies.cli", "validate policy files offline: kvgate policy check FILE..."),
 }
 
 # servers that drain gracefully on SIGTERM by their own handlers (and exit by the signal)

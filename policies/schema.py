@@ -512,7 +512,8 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
         error = err.get("ctx", {}).get("error")
         if isinstance(error, FieldValueError):  # a model validator's: it names its field
             loc.append(error.field)
-        out.append((".".join(loc), str(err["msg"])))
+        # "Value error, " is pydantic's wrapping of a validator's own words
+        out.append((".".join(loc), str(err["msg"]).removeprefix("Value error, ")))
     return out
 
 
