@@ -354,13 +354,19 @@ async def _lie(
 
 
 async def _lie_until_quarantined(
-    st: NodeStack, rogue: RedisIndex, liar: str, limit: int, cover: LieCover | None = None
-) -> tuple[int, int, int]:
+    st: NodeStack,
+    rogue: RedisIndex,
+    liar: str,
+    limit: int,
+    cover: LieCover | None = None,
+    track: str = "false",
+) -> tuple[int, int, dict[str, int]]:
     """Lie (then ``cover``) before each request until ``liar`` is quarantined, at most
-    ``limit`` times: (lying requests, how many went to the liar, checks the gateway skipped)."""
+    ``limit`` times: (lying requests, how many went to the liar, the requests that got no
+    verdict on ``track``'s count, by why: :func:`_no_verdict`)."""
     gw = st.g.gw
-    skipped_before = _claim_checks(gw, liar, "skipped")
-    misrouted = requests = 0
+    before = _no_verdict_counts(gw, liar, track)
+    misrouted = requests = unseen = 0
     for _ in range(limit):
         if gw.quarantine.is_quarantined(liar):
             break
@@ -369,15 +375,47 @@ async def _lie_until_quarantined(
         if cover is not None:
             await cover(epoch, keys)
         requests += 1
+        # no claim check is out here (the last one's verdict was awaited), so a fallback
+        # now is this request's routing lookup; unseen if it spawned no check either
+        fallbacks = _index_fallbacks(gw)
         if await st.ask(prompt) == liar:
             misrouted += 1
+        unseen += int(_index_fallbacks(gw) > fallbacks and gw.background_settled())
         # claim checks run after responses (a quarantine's watcher is not one: waiting
         # on every background task cost the full timeout per request while quarantined)
         await until(gw.background_settled, Q_VERDICT_WAIT_S)
-    # a check the gateway could not conclude (its index lookup timed out on a busy
-    # machine) judges nothing, by design: the bound is K checks that could tell, so each
-    # skipped one allows one more request
-    return requests, misrouted, _claim_checks(gw, liar, "skipped") - skipped_before
+    after = _no_verdict_counts(gw, liar, track)
+    excused = {why: after[why] - before[why] for why in after}
+    return requests, misrouted, {"unseen": unseen, **excused}
+
+
+# claim-check outcomes that give a lie no count on a track: no verdict (the gateway could
+# not tell: its index lookup timed out on a busy machine), an eviction (the index no longer
+# claimed the blocks at the check: under load the liar's honest agent rewrote its index
+# from its mirror, dropping the lie), the other track's (the log could not tell: the honest
+# agent's trim moved its floor past the lookup, over the rogue's)
+_NO_VERDICT = ("skipped", "evicted", "evicted_late", "evicted_restored", "unverifiable")
+
+
+def _no_verdict_counts(gw: Any, liar: str, track: str) -> dict[str, int]:
+    return {why: _claim_checks(gw, liar, why) for why in _NO_VERDICT if why != track}
+
+
+def _index_fallbacks(gw: Any) -> int:
+    """The gateway's lookups answered by its local index (kvgate_index_fallbacks_total)."""
+    return int(_counter_total(gw.metrics.index_fallbacks))
+
+
+def _no_verdict(excused: dict[str, int]) -> str:
+    """The figures' account of the requests :func:`false_claims_held` excused."""
+    said = {
+        "unseen": "routed without the lie (the index lookup fell back)",
+        "skipped": "check skipped (the gateway could not tell)",
+        "unverifiable": "judged unverifiable (the other track's)",
+        "evicted": "judged evicted (the index had dropped the lie)",
+    }
+    parts = [f"{n} {said.get(why, why)}" for why, n in excused.items() if n]
+    return f"; no verdict on this count: {', '.join(parts)}" if parts else ""
 
 
 async def _honest_until_released(st: NodeStack, liar: str, max_honest: int) -> int:
@@ -402,7 +440,7 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
     k = Q_K
     try:
         # bounded: the bound is K, allow 3M
-        requests_until, misrouted, skipped = await _lie_until_quarantined(st, rogue, liar, 3 * Q_M)
+        requests_until, misrouted, excused = await _lie_until_quarantined(st, rogue, liar, 3 * Q_M)
         quarantined = gw.quarantine.is_quarantined(liar)
         admin = (
             await st.http.get(st.g.url + "/admin/quarantine", headers=st.g.admin_headers)
@@ -422,7 +460,7 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
         released = not gw.quarantine.is_quarantined(liar)
     finally:
         await rogue.close()
-    ok = false_claims_held(quarantined, requests_until, k, skipped) and (
+    ok = false_claims_held(quarantined, requests_until, k, sum(excused.values())) and (
         ignored == lies_while and released
     )
     held = Outcome.HELD if ok else Outcome.BROKEN
@@ -431,9 +469,7 @@ async def false_claims(st: NodeStack, max_honest: int = 60) -> AttackResult:
         f"{requests_until} lies, {lies_while} while quarantined, {honest} honest",
         held,
         f"quarantined after {requests_until} requests (bound K={k}: X={Q_MISSING:.0%} "
-        f"missing on K of the last M={Q_M}"
-        + (f"; {skipped} check(s) skipped: the gateway could not tell" if skipped else "")
-        + f"), {misrouted} misrouted; "
+        f"missing on K of the last M={Q_M}" + _no_verdict(excused) + f"), {misrouted} misrouted; "
         f"admin sees {admin.get('quarantined')}; lies ignored while quarantined "
         f"{ignored}/{lies_while}; released after {honest} honest requests"
         f" (recover_after={Q_RECOVER})",
@@ -532,8 +568,8 @@ async def rogue_floor(st: NodeStack, max_honest: int = 60) -> AttackResult:
             # is not this one's
             gw.quarantine.forget(liar)
             judged_before = _claim_checks(gw, liar, outcome)
-            requests, misrouted, skipped = await _lie_until_quarantined(
-                st, rogue, liar, 3 * bound, cover
+            requests, misrouted, excused = await _lie_until_quarantined(
+                st, rogue, liar, 3 * bound, cover, outcome
             )
             quarantined = gw.quarantine.is_quarantined(liar)
             judged = _claim_checks(gw, liar, outcome) - judged_before
@@ -549,7 +585,7 @@ async def rogue_floor(st: NodeStack, max_honest: int = 60) -> AttackResult:
                     requests=requests,
                     quarantined=quarantined,
                     judged=judged,
-                    skipped=skipped,
+                    excused=excused,
                     misrouted=misrouted,
                     honest=honest,
                     released=released,
@@ -575,14 +611,15 @@ class _FloorRun:
     requests: int
     quarantined: bool
     judged: int  # its lies' checks with that outcome
-    skipped: int
+    excused: dict[str, int]  # its requests with no verdict on its count, by why
     misrouted: int
     honest: int
     released: bool
 
     @property
     def held(self) -> bool:
-        within = false_claims_held(self.quarantined, self.requests, self.bound, self.skipped)
+        excused = sum(self.excused.values())
+        within = false_claims_held(self.quarantined, self.requests, self.bound, excused)
         return within and self.judged > 0 and self.released
 
     def figures(self) -> str:
@@ -590,17 +627,21 @@ class _FloorRun:
             f"{self.name} {'removals' if self.name == 'future' else 'floor'}: "
             f"{'' if self.quarantined else 'NOT '}quarantined after "
             f"{self.requests} requests (bound {self.bound}), {self.judged} judged {self.outcome}"
-            + (f", {self.skipped} skipped by the gateway" if self.skipped else "")
-            + f", {self.misrouted} misrouted, "
+            + f", {self.misrouted} misrouted"
+            + _no_verdict(self.excused)
+            + ", "
             + (f"released after {self.honest} honest" if self.released else "NOT released")
         )
 
 
 def false_claims_held(quarantined: bool, requests_until: int, k: int, skipped: int) -> bool:
     """The liar was quarantined within ``k`` lying requests, plus one for each of its
-    checks the gateway skipped (it could not tell an eviction from a lie: no verdict
-    either way). Counting those against K made `kvgate attack` report the defence BROKEN
-    ("AN ATTACK SUCCEEDED", exit 1) whenever one index lookup timed out on a busy host."""
+    requests ``skipped`` on the count: its check was skipped (the gateway could not tell
+    an eviction from a lie: no verdict either way), or judged by no count of this track
+    (:data:`_NO_VERDICT`), or no check came (its routing lookup fell back, the lie unseen).
+    Counting those against K made `kvgate attack` report the defence BROKEN ("AN ATTACK
+    SUCCEEDED", exit 1) whenever one index lookup timed out on a busy host, at the parent
+    of 883c5c3 as after it (3 lies judged false among 10 requests under a CPU hog)."""
     return quarantined and requests_until <= k + skipped
 
 
