@@ -7,13 +7,23 @@ another zone: numeric scope 25 (``fe80::1%25``, a socket API's form) became
 ``[fe80::1%25]`` and was normalized to ``[fe80::1%]``, an empty zone, while the agent's
 printed ``[fe80::1%2525]`` normalized to ``[fe80::1%25]``: one replica, two keys. Now the
 bare form of such a zone is refused (ValueError; normalize_url: InvalidURLError), the
-encoded form is written and read back exactly, and an empty zone id is refused."""
+encoded form is written and read back exactly, and an empty zone id is refused.
+
+Review R3's V3: ``kvgate replica --host`` with such a zone (or an empty one) was then a
+ValueError traceback out of the running fleet (exit 1); now it is the settings' one-line
+refusal naming --host (exit 2), by the same rule."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+from pydantic import ValidationError
 
 from cachecore.registry import InvalidURLError, normalize_url
+from cachecore.replica.settings import ReplicaSettings
 from cachecore.urls import url_host
 
 
@@ -67,3 +77,30 @@ def test_normalize_url_refuses_what_it_cannot_key_as_itself() -> None:
     with pytest.raises(InvalidURLError, match="empty zone id"):
         normalize_url("http://[fe80::1%25]:8000")
     assert normalize_url("http://[fe80::1%25eth0]:8000/") == "http://[fe80::1%eth0]:8000"
+
+
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [("fe80::1%25", "cannot be written bare"), ("fe80::1%", "empty zone id")],
+)
+def test_kvgate_replica_refuses_such_a_host_in_one_line(host: str, reason: str) -> None:
+    with pytest.raises(ValidationError, match=reason):
+        ReplicaSettings(host=host)
+    assert ReplicaSettings(host="fe80::1%eth0").host == "fe80::1%eth0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    for argv, given in (
+        (["--host", host], env),
+        ([], {**env, "KVGATE_REPLICA_HOST": host}),
+    ):
+        try:  # unfixed it raised out of the running fleet: no start-up to wait for
+            done = subprocess.run(
+                [sys.executable, "-m", "gateway.cli", "replica", "--count", "1",
+                 "--base-port", "0", *argv],
+                env=given, capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"kvgate replica started with host {host!r}")
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.count("\n") == 1, done.stderr[-2000:]
+        assert done.stderr.startswith("kvgate replica: error: argument --host: "), done.stderr
+        assert reason in done.stderr, done.stderr

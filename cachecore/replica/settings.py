@@ -72,6 +72,9 @@ class ReplicaSettings(BaseSettings):
     def _host(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("empty: give 0.0.0.0 (or ::) to listen on every interface")
+        # the replicas' URLs carry it bare (endpoints_for): a zone id it cannot be written
+        # with there was a ValueError traceback out of the running fleet, exit 1
+        url_host(v, zone="bare")
         return v
 
     @field_validator("events_host")
