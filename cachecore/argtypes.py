@@ -125,8 +125,11 @@ def log_level(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# KVGATE_* variables that are not settings but read by the load tools
-OTHER_KVGATE_VARIABLES = frozenset({"KVGATE_TRACE_DIR"})
+# KVGATE_* variables that are no setting of the command checking them but pass: the load
+# tools' KVGATE_TRACE_DIR, and the gateway's KVGATE_REPLICA_ALLOWLIST, under kvgate
+# replica's prefix in a shared environment (cachecore cannot import gateway's settings:
+# tests/test_h26_agent_env.py holds this to them)
+OTHER_KVGATE_VARIABLES = frozenset({"KVGATE_TRACE_DIR", "KVGATE_REPLICA_ALLOWLIST"})
 OTHER_KVGATE_PREFIXES = ("KVGATE_LOCUST_",)
 
 

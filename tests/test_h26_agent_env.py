@@ -2,7 +2,11 @@
 replica`` was ignored without a word (only ``kvgate serve`` warned), so a standalone agent
 or a replica fleet ran on defaults where the operator set a value. All three commands now
 call the one check (:func:`cachecore.argtypes.unknown_settings`), each over its own
-prefix."""
+prefix.
+
+Review R3's V4: the gateway's KVGATE_REPLICA_ALLOWLIST lies under kvgate replica's prefix,
+so in a shared environment the replica warned of it ("did you mean KVGATE_REPLICA_HOST?").
+Now it passes, as every gateway variable under the agent's or the replica's prefix must."""
 
 from __future__ import annotations
 
@@ -54,7 +58,11 @@ def test_kvgate_replica_warns_of_a_misspelled_variable() -> None:
         port = held.getsockname()[1]
         done = _kvgate(
             ["replica", "--plain-logs", "--base-port", str(port)],
-            {"KVGATE_REPLICA_BLOCKS": "100", "KVGATE_AGENT_TOPIC": "kv-events"},
+            {
+                "KVGATE_REPLICA_BLOCKS": "100",
+                "KVGATE_AGENT_TOPIC": "kv-events",
+                "KVGATE_REPLICA_ALLOWLIST": "http://10.0.0.0/8",  # the gateway's
+            },
         )
     assert done.returncode == 2, done.stderr[-2000:]
     warned = [line for line in done.stderr.splitlines() if "setting: ignored" in line]
@@ -77,6 +85,26 @@ def test_the_check_is_scoped_and_case_blind() -> None:
     assert got == [
         "kvgate_agent_topik is no kvgate agent setting: ignored; did you mean KVGATE_AGENT_TOPIC?"
     ]
+
+
+def test_the_gateways_variables_under_another_commands_prefix_pass() -> None:
+    """kvgate agent and kvgate replica run beside a gateway in one environment: none of the
+    gateway's variables under their prefixes is warned of (cachecore cannot import the
+    gateway's settings, so the shared check lists them; this keeps the list whole)."""
+    from cachecore.replica.settings import ReplicaSettings
+    from gateway.settings import GatewaySettings
+
+    gateway = settings_variables(GatewaySettings)
+    assert "KVGATE_REPLICA_ALLOWLIST" in gateway  # the case the review found
+    for cls, scope, reader in (
+        (AgentSettings, "KVGATE_AGENT_", "kvgate agent"),
+        (ReplicaSettings, "KVGATE_REPLICA_", "kvgate replica"),
+    ):
+        env = dict.fromkeys(gateway, "x")
+        assert unknown_settings(env, settings_variables(cls), scope, reader) == [], reader
+        # while a variable of neither still warns
+        env[f"{scope}NO_SUCH"] = "x"
+        assert unknown_settings(env, settings_variables(cls), scope, reader) != [], reader
 
 
 def test_engine_md_names_the_replica_variables_that_differ_from_their_flag() -> None:
