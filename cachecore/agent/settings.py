@@ -3,7 +3,6 @@ override the environment)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -15,14 +14,11 @@ from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
 from cachecore.index.redis import check_redis_url
 from cachecore.urls import split_user_info
 
-log = logging.getLogger(__name__)
-
 MAX_TTL_S = 86_400.0
-# ZMQ's bind-only wildcard: a connect to tcp://*:PORT is a ZMQError ("Invalid argument")
-BIND_ONLY_HOSTS = frozenset({"*"})
-# every-interface addresses: a connect to one reaches this host (0.0.0.0 on Linux; :: only
-# over IPv6-enabled sockets), so they work for an agent beside its engine, nowhere else
-THIS_HOST_WILDCARDS = frozenset({"0.0.0.0", "::", "[::]"})
+# bind addresses an agent cannot connect to: ZMQ refuses a connect to "*" ("Invalid
+# argument"), and one to IPv6's "::" reaches nothing (the agent's sockets leave zmq.IPV6
+# off). 0.0.0.0 is not one: a connect to it reaches this host (an agent beside its engine)
+BIND_ONLY_HOSTS = frozenset({"*", "::", "[::]"})
 
 
 def check_zmq_endpoint(endpoint: str) -> str:
@@ -48,18 +44,11 @@ def check_zmq_endpoint(endpoint: str) -> str:
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"not a TCP port (1-65535) in {endpoint!r}")
     if host in BIND_ONLY_HOSTS:
-        # the engine's side (vLLM's --kv-events-config binds tcp://*:PORT): ZMQ cannot connect
-        # to "*" (a ZMQError traceback in a running agent that never became ready)
+        # the engine's side (vLLM's --kv-events-config binds tcp://*:PORT): "*" was a
+        # ZMQError traceback in a running agent that never became ready, "::" no event ever
         raise ValueError(
             f"{endpoint!r} is a bind address (the engine's side); the agent connects: "
             f"give the engine's host, e.g. tcp://10.0.0.5:{port}"
-        )
-    if host in THIS_HOST_WILDCARDS:
-        # not refused: an agent beside its engine connected to tcp://0.0.0.0:PORT for years
-        log.warning(
-            "a ZMQ endpoint on an every-interface address connects to this host only: "
-            "give the engine's host unless it runs here",
-            extra={"endpoint": endpoint},
         )
     return endpoint
 
