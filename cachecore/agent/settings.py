@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
 from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
 from cachecore.index.redis import check_redis_url
-from cachecore.urls import split_user_info
+from cachecore.urls import split_user_info, url_host
 
 MAX_TTL_S = 86_400.0
 # bind addresses an agent cannot connect to: ZMQ refuses a connect to "*" ("Invalid
@@ -150,6 +150,9 @@ class AgentSettings(BaseSettings):
     def _host(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("empty: give 0.0.0.0 to listen on every interface")
+        # the agent writes it in its URL (cli.run): a zone id url_host refuses (an empty
+        # one) was a ValueError traceback after start-up, exit 1
+        url_host(v)
         return v
 
     @field_validator("trace_out", mode="before")
