@@ -54,6 +54,7 @@ class ReplayClient:
         the end marker, a timeout, or the batch cap; ``result`` says which."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # as the event stream's: else IPv6 reaches nothing
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload_bytes + 1024)
         try:

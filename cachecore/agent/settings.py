@@ -16,8 +16,8 @@ from cachecore.urls import split_user_info, url_host
 
 MAX_TTL_S = 86_400.0
 # bind addresses an agent cannot connect to: ZMQ refuses a connect to "*" ("Invalid
-# argument"), and one to IPv6's "::" reaches nothing (the agent's sockets leave zmq.IPV6
-# off). 0.0.0.0 is not one: a connect to it reaches this host (an agent beside its engine)
+# argument"), and one to IPv6's "::" reaches no engine bound on tcp://*:PORT (IPv4 only, as
+# vLLM's is). 0.0.0.0 is not one: a connect to it reaches this host (an agent beside it)
 BIND_ONLY_HOSTS = frozenset({"*", "::", "[::]"})
 
 

@@ -153,6 +153,9 @@ class EventStream:
         monitor: zmq.asyncio.Socket | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            # ZMQ's default is IPv4 only: a connect to tcp://[::1]:PORT (an IPv6 engine)
+            # reached nothing, without a word; IPv4 addresses and names still connect
+            sock.setsockopt(zmq.IPV6, 1)
             sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
             # ZMQ drops the peer on a larger frame before buffering it, so a broken
             # publisher cannot make the agent allocate gigabytes. libzmq does not reconnect
