@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only its type: argtypes stays cheap to import for every subcommand
+    from pydantic_core import ErrorDetails
     from pydantic_settings import BaseSettings
 
 from cachecore.logs import LogLevelError, check_log_level
@@ -131,6 +132,12 @@ def log_level(text: str) -> str:
 # tests/test_h26_agent_env.py holds this to them)
 OTHER_KVGATE_VARIABLES = frozenset({"KVGATE_TRACE_DIR", "KVGATE_REPLICA_ALLOWLIST"})
 OTHER_KVGATE_PREFIXES = ("KVGATE_LOCUST_",)
+
+
+def validation_message(err: ErrorDetails) -> str:
+    """A pydantic error's message in its validator's own words: pydantic wraps a ValueError's
+    text as "Value error, ..." (the one place every refusal strips it: settings, policies)."""
+    return str(err["msg"]).removeprefix("Value error, ")
 
 
 def settings_variables(*classes: type[BaseSettings]) -> set[str]:

@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from cachecore.argtypes import validation_message
 from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients
 from gateway.routing import MissTieBreak, RoutingParams, Strategy
@@ -512,8 +513,7 @@ def _problems(exc: ValidationError) -> list[tuple[str, str]]:
         error = err.get("ctx", {}).get("error")
         if isinstance(error, FieldValueError):  # a model validator's: it names its field
             loc.append(error.field)
-        # "Value error, " is pydantic's wrapping of a validator's own words
-        out.append((".".join(loc), str(err["msg"]).removeprefix("Value error, ")))
+        out.append((".".join(loc), validation_message(err)))
     return out
 
 

@@ -29,7 +29,13 @@ from pydantic import ValidationError
 from cachecore.agent.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings
-from cachecore.argtypes import log_level, nonnegative_float, settings_variables, unknown_settings
+from cachecore.argtypes import (
+    log_level,
+    nonnegative_float,
+    settings_variables,
+    unknown_settings,
+    validation_message,
+)
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.listen import ListenError
 from cachecore.logs import configure_logging
@@ -126,12 +132,12 @@ def settings_error(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         if not err["loc"]:  # a check across fields: its message names them
-            parts.append(err["msg"].removeprefix("Value error, "))
+            parts.append(validation_message(err))
             continue
         field = ".".join(str(x) for x in err["loc"])
         flag = flags.get(field)
         where = f"--{flag.replace('_', '-')}, " if flag else ""
-        msg = err["msg"].removeprefix("Value error, ")  # pydantic's wrapping of our own
+        msg = validation_message(err)
         parts.append(f"{field} ({where}KVGATE_AGENT_{field.upper()}): {msg}")
     return "; ".join(parts)
 

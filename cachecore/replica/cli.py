@@ -20,7 +20,13 @@ from typing import Any, NoReturn
 import zmq
 from pydantic import ValidationError
 
-from cachecore.argtypes import log_level, positive_int, settings_variables, unknown_settings
+from cachecore.argtypes import (
+    log_level,
+    positive_int,
+    settings_variables,
+    unknown_settings,
+    validation_message,
+)
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
@@ -151,9 +157,7 @@ def build_settings(args: argparse.Namespace) -> ReplicaSettings:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else ""
         flag = next((f for f, name in _SETTINGS_FLAGS.items() if name == field), field)
-        _usage_error(
-            f"argument --{flag.replace('_', '-')}: {err['msg'].removeprefix('Value error, ')}"
-        )
+        _usage_error(f"argument --{flag.replace('_', '-')}: {validation_message(err)}")
 
 
 def build_ports(args: argparse.Namespace, dp: int = 1) -> list[ReplicaPorts]:
