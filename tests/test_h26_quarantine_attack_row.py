@@ -15,7 +15,6 @@ from loadtest.attacks.node import (
     Q_MIN_CLAIMED,
     Q_MISSING,
     Q_RECOVER,
-    _index_fallbacks,
     _lie_until_quarantined,
     _no_verdict,
     _no_verdict_counts,
@@ -41,15 +40,13 @@ def test_a_busy_hosts_no_verdicts_are_excused_on_the_count_they_miss() -> None:
     checks.labels("r1", "evicted").inc()
     checks.labels("r1", "skipped").inc()
     checks.labels("r0", "skipped").inc(5)  # another replica's: not the liar's count
-    gw.metrics.index_fallbacks.labels("timeout").inc(3)
-    assert _index_fallbacks(gw) == 3
     on_k = _no_verdict_counts(gw, "r1", "false")
     assert sum(on_k.values()) == 4 and "false" not in on_k
     assert false_claims_held(True, 10, Q_K, sum(on_k.values()) + 3)
     # one more conclusive lie than that: broken
     assert not false_claims_held(True, 11, Q_K, sum(on_k.values()) + 3)
-    said = _no_verdict({"unseen": 3, **on_k})
-    assert "3 routed without the lie" in said and "2 judged unverifiable" in said
+    said = _no_verdict({"unchecked": 3, **on_k})
+    assert "3 not steered by the lie" in said and "2 judged unverifiable" in said
     # 3d's `tracking` rogue is bounded on the unverifiable track: those count there
     on_u = _no_verdict_counts(gw, "r1", "unverifiable")
     assert "unverifiable" not in on_u and sum(on_u.values()) == 2
@@ -73,7 +70,13 @@ async def test_the_row_counts_a_busy_hosts_requests_as_the_gateway_judged_them()
     1 excused, the row BROKEN although K = 3 lies were judged false."""
     gw = _gw()
     gw.quarantine = _tracker()
-    gw.background_settled = lambda: True
+    out = {"check": False}  # a claim check out: until the first look (its verdict)
+
+    def settled() -> bool:
+        was, out["check"] = out["check"], False
+        return not was
+
+    gw.background_settled = settled
     script = iter(_BUSY_3B)
 
     async def ask(prompt: str) -> str:
@@ -81,6 +84,7 @@ async def test_the_row_counts_a_busy_hosts_requests_as_the_gateway_judged_them()
         if what.startswith("unseen"):
             gw.metrics.index_fallbacks.labels("timeout").inc()
             return what.split()[1]
+        out["check"] = True
         gw.metrics.claim_checks.labels("r1", what).inc()
         if what != "skipped":
             still = 0 if what == "evicted" else 19
@@ -106,7 +110,7 @@ async def test_the_row_counts_a_busy_hosts_requests_as_the_gateway_judged_them()
     assert gw.quarantine.is_quarantined("r1")
     assert (requests, misrouted) == (10, 8)
     assert excused == {
-        "unseen": 3, "skipped": 1, "evicted": 1, "evicted_late": 0, "evicted_restored": 0,
+        "unchecked": 3, "skipped": 1, "evicted": 1, "evicted_late": 0, "evicted_restored": 0,
         "unverifiable": 2,
     }  # fmt: skip
     assert false_claims_held(True, requests, Q_K, sum(excused.values()))

@@ -366,7 +366,7 @@ async def _lie_until_quarantined(
     verdict on ``track``'s count, by why: :func:`_no_verdict`)."""
     gw = st.g.gw
     before = _no_verdict_counts(gw, liar, track)
-    misrouted = requests = unseen = 0
+    misrouted = requests = unchecked = 0
     for _ in range(limit):
         if gw.quarantine.is_quarantined(liar):
             break
@@ -375,18 +375,19 @@ async def _lie_until_quarantined(
         if cover is not None:
             await cover(epoch, keys)
         requests += 1
-        # no claim check is out here (the last one's verdict was awaited), so a fallback
-        # now is this request's routing lookup; unseen if it spawned no check either
-        fallbacks = _index_fallbacks(gw)
         if await st.ask(prompt) == liar:
             misrouted += 1
-        unseen += int(_index_fallbacks(gw) > fallbacks and gw.background_settled())
+        # no claim check was out before it (the last verdict was awaited) and a check is
+        # spawned before the answer is written: none out now, none came. The lie steered
+        # nothing then: the 5 ms index lookup fell back (routed by load), or load outweighed
+        # the claim (routed elsewhere)
+        unchecked += int(gw.background_settled())
         # claim checks run after responses (a quarantine's watcher is not one: waiting
         # on every background task cost the full timeout per request while quarantined)
         await until(gw.background_settled, Q_VERDICT_WAIT_S)
     after = _no_verdict_counts(gw, liar, track)
     excused = {why: after[why] - before[why] for why in after}
-    return requests, misrouted, {"unseen": unseen, **excused}
+    return requests, misrouted, {"unchecked": unchecked, **excused}
 
 
 # claim-check outcomes that give a lie no count on a track: no verdict (the gateway could
@@ -401,15 +402,10 @@ def _no_verdict_counts(gw: Any, liar: str, track: str) -> dict[str, int]:
     return {why: _claim_checks(gw, liar, why) for why in _NO_VERDICT if why != track}
 
 
-def _index_fallbacks(gw: Any) -> int:
-    """The gateway's lookups answered by its local index (kvgate_index_fallbacks_total)."""
-    return int(_counter_total(gw.metrics.index_fallbacks))
-
-
 def _no_verdict(excused: dict[str, int]) -> str:
     """The figures' account of the requests :func:`false_claims_held` excused."""
     said = {
-        "unseen": "routed without the lie (the index lookup fell back)",
+        "unchecked": "not steered by the lie (no claim check came)",
         "skipped": "check skipped (the gateway could not tell)",
         "unverifiable": "judged unverifiable (the other track's)",
         "evicted": "judged evicted (the index had dropped the lie)",
@@ -638,7 +634,7 @@ def false_claims_held(quarantined: bool, requests_until: int, k: int, skipped: i
     """The liar was quarantined within ``k`` lying requests, plus one for each of its
     requests ``skipped`` on the count: its check was skipped (the gateway could not tell
     an eviction from a lie: no verdict either way), or judged by no count of this track
-    (:data:`_NO_VERDICT`), or no check came (its routing lookup fell back, the lie unseen).
+    (:data:`_NO_VERDICT`), or no check came (its lookup fell back, or it went elsewhere).
     Counting those against K made `kvgate attack` report the defence BROKEN ("AN ATTACK
     SUCCEEDED", exit 1) whenever one index lookup timed out on a busy host, at the parent
     of 883c5c3 as after it (3 lies judged false among 10 requests under a CPU hog)."""
