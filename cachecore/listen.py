@@ -25,6 +25,21 @@ class ListenError(OSError):
         self.reason = reason
 
 
+def listen_advice(exc: ListenError, *, port: str, host: str) -> str:
+    """The advice that fits why a listen failed, for a command's one-line refusal: ``port``
+    (e.g. "pick another --port") for a port in use, ``host`` for a name that does not
+    resolve or an address this host does not have, nothing otherwise. The port's advice for
+    a bad host sent the operator after the wrong flag."""
+    cause = exc.__cause__
+    if isinstance(cause, socket.gaierror):
+        return host
+    if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
+        return port
+    if isinstance(cause, OSError) and cause.errno == errno.EADDRNOTAVAIL:
+        return host
+    return ""
+
+
 def bind_listeners(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
     """Listening sockets on each address a server on ``host:port`` would listen on, so the
     port is held from the check to the serving with no window for another process to take
@@ -93,7 +108,7 @@ def _listen_on(
         if not bound:
             if missing:
                 first = missing[0][1]
-                raise ListenError(first.strerror or str(first))
+                raise ListenError(first.strerror or str(first)) from first
             raise ListenError("no address to listen on")
         for address, error in missing:
             log.warning(

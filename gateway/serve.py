@@ -45,7 +45,7 @@ from cachecore.argtypes import unknown_settings as shared_unknown_settings
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex, cluster_mode_problem, redis_client
-from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners
+from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners, listen_advice
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
 from cachecore.process import freeze_startup_heap
@@ -560,9 +560,14 @@ def run(args: argparse.Namespace) -> int:
         # window (the gateway's start-up) for another process to take the port
         listeners = bind_listeners(settings.host, settings.port)
     except ListenError as exc:  # else uvicorn logs "[Errno 98] ..." and exits 3
+        advice = listen_advice(
+            exc,
+            port="; pick another --port (KVGATE_PORT) or stop what holds it",
+            host="; --host (KVGATE_HOST) takes an address or a name of this host",
+        )
         print(
-            f"kvgate serve: cannot listen on {settings.host}:{settings.port} ({exc.reason}); "
-            "pick another --port (KVGATE_PORT) or stop what holds it",
+            f"kvgate serve: cannot listen on {settings.host}:{settings.port} ({exc.reason})"
+            f"{advice}",
             file=sys.stderr,
         )
         return 2

@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import gc
 import logging
 import os
 import signal
-import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +35,7 @@ from cachecore.argtypes import (
     validation_message,
 )
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
-from cachecore.listen import ListenError
+from cachecore.listen import ListenError, listen_advice
 from cachecore.logs import configure_logging
 from cachecore.urls import url_host
 
@@ -276,15 +274,11 @@ async def _main(
             try:  # the constructor listens: a port in use fails there
                 server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
             except ListenError as exc:
-                # the advice fits the failure: "its own --http-port" for a name that does
-                # not resolve sent the operator after the wrong flag
-                cause = exc.__cause__
-                if isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE:
-                    advice = "; give each agent on a host its own --http-port"
-                elif isinstance(cause, socket.gaierror):
-                    advice = "; --http-host (KVGATE_AGENT_HTTP_HOST) takes an address or a name"
-                else:
-                    advice = ""
+                advice = listen_advice(
+                    exc,
+                    port="; give each agent on a host its own --http-port",
+                    host="; --http-host (KVGATE_AGENT_HTTP_HOST) takes an address or a name",
+                )
                 print(
                     f"kvgate agent: cannot listen on {host}:{settings.http_port} "
                     f"({exc.reason}){advice}",
