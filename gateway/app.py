@@ -34,7 +34,7 @@ from gateway.errors import (
 )
 from gateway.proxy import UpstreamExchange
 from gateway.routing import NoCandidateError, Strategy
-from policies.schema import TENANT_NAME, PolicyError
+from policies.schema import TENANT_NAME, PolicyError, not_a_tenant_name
 
 log = logging.getLogger(__name__)
 
@@ -603,8 +603,7 @@ def create_app(gw: Gateway) -> FastAPI:
         if tenant and not TENANT_NAME.match(tenant):
             # no API key can carry it: explained, it would read as a cold tenant's routing
             raise bad_request(
-                f"{tenant!r} is not a tenant name ([A-Za-z0-9._-]{{1,64}}): no request is "
-                "ever routed as it",
+                f"{not_a_tenant_name(tenant)}: no request is ever routed as it",
                 param="tenant",
                 code="invalid_tenant",
             )

@@ -435,6 +435,11 @@ class PrecisionPolicy(_Section):
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
 
 
+def not_a_tenant_name(name: str) -> str:
+    """The refusal's words for a name :data:`TENANT_NAME` does not match (policy and admin)."""
+    return f"{name!r} is not a tenant name ([A-Za-z0-9._-]{{1,64}})"
+
+
 class Policy(_Section):
     version: Literal[1] = 1
     routing: RoutingPolicy = RoutingPolicy()
@@ -456,8 +461,8 @@ class Policy(_Section):
             if not TENANT_NAME.match(name):
                 raise FieldValueError(
                     f"tenants.{name}",
-                    f"{name!r} is not a tenant name ([A-Za-z0-9._-]{{1,64}}): no API key's "
-                    "tenant can have it, so these settings would never apply",
+                    f"{not_a_tenant_name(name)}: no API key's tenant can have it, so "
+                    "these settings would never apply",
                 )
         for name, t in self.tenants.items():
             g = t.trust_group
@@ -481,7 +486,7 @@ class Policy(_Section):
         for g, members in self.trust_groups.items():
             for i, name in enumerate(members):
                 if not TENANT_NAME.match(name):
-                    why = f"{name!r} is not a tenant name ([A-Za-z0-9._-]{{1,64}})"
+                    why = not_a_tenant_name(name)
                 elif name not in self.tenants:
                     why = f"{name!r} is not in tenants: declare it with trust_group: {g}"
                 elif self.tenants[name].trust_group != g:
