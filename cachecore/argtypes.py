@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only its type: argtypes stays cheap to import for every subcommand
+    from pydantic import ValidationError
     from pydantic_core import ErrorDetails
     from pydantic_settings import BaseSettings
 
@@ -138,6 +139,26 @@ def validation_message(err: ErrorDetails) -> str:
     """A pydantic error's message in its validator's own words: pydantic wraps a ValueError's
     text as "Value error, ..." (the one place every refusal strips it: settings, policies)."""
     return str(err["msg"]).removeprefix("Value error, ")
+
+
+def settings_error(
+    exc: ValidationError, env_prefix: str = "KVGATE_", flags: Mapping[str, str] | None = None
+) -> str:
+    """A settings refusal in one line (serve, agent, index), each field with its environment
+    variable, and its flag where ``flags`` (field -> flag) has one. pydantic's own text spans
+    lines and quotes the input, which may hold a Redis URL and its password."""
+    parts = []
+    for err in exc.errors():
+        if not err["loc"]:  # a check across fields: its message names them
+            parts.append(validation_message(err))
+            continue
+        field = ".".join(str(x) for x in err["loc"])
+        top = str(err["loc"][0])  # a list's item (replicas.1) is set by the list's variable
+        flag = (flags or {}).get(top)
+        where = f"{flag}, " if flag else ""
+        msg = validation_message(err)
+        parts.append(f"{field} ({where}{env_prefix}{top.upper()}): {msg}")
+    return "; ".join(parts)
 
 
 def settings_variables(*classes: type[BaseSettings]) -> set[str]:

@@ -172,7 +172,7 @@ def _target(args: argparse.Namespace) -> _Target:
     try:
         settings = IndexSettings(**overrides)
     except ValidationError as exc:
-        from gateway.serve import settings_error
+        from cachecore.argtypes import settings_error
 
         raise _Refused(settings_error(exc)) from None
     except ValueError as exc:  # pydantic-settings' SettingsError: an environment value unparsed

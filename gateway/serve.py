@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.settings import AgentSettings
-from cachecore.argtypes import log_level, settings_variables, validation_message
+from cachecore.argtypes import log_level, settings_error, settings_variables
 from cachecore.argtypes import unknown_settings as shared_unknown_settings
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
@@ -454,25 +454,6 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     if args.plain_logs:
         overrides["log_json"] = False
     return GatewaySettings(**overrides)
-
-
-def settings_error(
-    exc: ValidationError, env_prefix: str = "KVGATE_", flags: Mapping[str, str] | None = None
-) -> str:
-    """A settings refusal in one line, each field with its environment variable, and its
-    flag where ``flags`` (field -> flag) has one."""
-    parts = []
-    for err in exc.errors():
-        if not err["loc"]:  # a check across fields: its message names them
-            parts.append(validation_message(err))
-            continue
-        field = ".".join(str(x) for x in err["loc"])
-        top = str(err["loc"][0])  # a list's item (replicas.1) is set by the list's variable
-        flag = (flags or {}).get(top)
-        where = f"{flag}, " if flag else ""
-        msg = validation_message(err)
-        parts.append(f"{field} ({where}{env_prefix}{top.upper()}): {msg}")
-    return "; ".join(parts)
 
 
 def embedded_agent_settings_error(specs: Sequence[ReplicaSpec]) -> str | None:

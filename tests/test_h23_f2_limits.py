@@ -65,9 +65,9 @@ def test_an_unknown_key_budget_too_small_to_wait_for_is_refused(
     """`KVGATE_API_KEYS_MISS_RATE=1e-320` was accepted: past the burst, a refused lookup's
     wait (its shortfall / 1e-320) was inf and the 429's Retry-After raised OverflowError,
     a 500 for every unknown key. 0 (no budget) stays accepted."""
+    from cachecore.argtypes import settings_error
     from gateway.auth import KeyLookupRefused, _check_budgets
     from gateway.limits import TokenBucket
-    from gateway.serve import settings_error
     from gateway.settings import GatewaySettings
 
     monkeypatch.setenv(name, "0")

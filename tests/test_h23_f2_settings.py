@@ -89,8 +89,8 @@ def test_an_infinite_drain_or_upstream_timeout_is_refused(
     with one stalled stream a SIGTERM never stopped the gateway. An infinite upstream
     timeout (the docs give none the meaning "no timeout") left a request on a wedged engine
     waiting for ever, never a 504. Refused at start, one line, exit 2."""
+    from cachecore.argtypes import settings_error
     from gateway.cli import main
-    from gateway.serve import settings_error
     from gateway.settings import GatewaySettings
 
     monkeypatch.setenv(name, value)

@@ -10,8 +10,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from cachecore.argtypes import settings_error
 from gateway.cli import main
-from gateway.serve import settings_error
 from gateway.settings import GatewaySettings
 
 

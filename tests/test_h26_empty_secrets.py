@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr, ValidationError
 
+from cachecore.argtypes import settings_error
 from gateway.cli import main
-from gateway.serve import settings_error
 from gateway.settings import GatewaySettings
 
 

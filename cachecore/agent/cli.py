@@ -32,8 +32,8 @@ from cachecore.argtypes import (
     nonnegative_float,
     settings_variables,
     unknown_settings,
-    validation_message,
 )
+from cachecore.argtypes import settings_error as shared_settings_error
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.listen import ListenError, listen_advice
 from cachecore.logs import configure_logging
@@ -123,21 +123,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_error(exc: ValidationError) -> str:
-    """A settings refusal in one line, each field with its flag and environment variable.
-    pydantic's own text spans lines and quotes the input, which holds the Redis URL and its
-    password."""
-    flags = {name: flag for flag, name in _FIELDS.items()}
-    parts = []
-    for err in exc.errors():
-        if not err["loc"]:  # a check across fields: its message names them
-            parts.append(validation_message(err))
-            continue
-        field = ".".join(str(x) for x in err["loc"])
-        flag = flags.get(field)
-        where = f"--{flag.replace('_', '-')}, " if flag else ""
-        msg = validation_message(err)
-        parts.append(f"{field} ({where}KVGATE_AGENT_{field.upper()}): {msg}")
-    return "; ".join(parts)
+    """A settings refusal in one line, each field with its flag and environment variable."""
+    flags = {name: f"--{flag.replace('_', '-')}" for flag, name in _FIELDS.items()}
+    return shared_settings_error(exc, env_prefix="KVGATE_AGENT_", flags=flags)
 
 
 def settings_from_args(args: argparse.Namespace) -> AgentSettings:
