@@ -247,10 +247,13 @@ async def test_redis_keys_fail_closed_once_redis_has_been_unreachable_past_the_b
     """A key Redis confirmed stays valid while Redis cannot be asked for at most
     ``stale_s`` after that confirmation; then (and for a key it never confirmed) the
     lookup fails closed. It was valid for as long as Redis stayed away."""
-    client = redis_client(redis_own.url, socket_timeout_s=0.25, connect_timeout_s=0.25)
+    # a stopped Redis refuses at once: the timeouts only bound the lookups while it is up.
+    # The 3 s bound leaves a busy host room to stop Redis and look up within it (with 1 s,
+    # all that had ~0.8 s)
+    client = redis_client(redis_own.url, socket_timeout_s=5.0, connect_timeout_s=5.0)
     try:
         await client.hset("kvg:apikeys", mapping={hash_key("sk-r"): "acme"})
-        store = KeyStore(redis=client, cache_ttl_s=0.1, stale_s=1.0)
+        store = KeyStore(redis=client, cache_ttl_s=0.1, stale_s=3.0)
         assert await store.tenant_for("Bearer sk-r") == "acme"
         confirmed = time.monotonic()
         assert await store.tenant_for("Bearer sk-unknown") is None
@@ -260,7 +263,7 @@ async def test_redis_keys_fail_closed_once_redis_has_been_unreachable_past_the_b
         assert await store.tenant_for("Bearer sk-unknown") is None  # its answer too
         with pytest.raises(KeyStoreUnavailable):
             await store.tenant_for("Bearer sk-never-seen")
-        await asyncio.sleep(max(0.0, confirmed + 1.05 - time.monotonic()))
+        await asyncio.sleep(max(0.0, confirmed + 3.05 - time.monotonic()))
         with pytest.raises(KeyStoreUnavailable):
             await store.tenant_for("Bearer sk-r")
         assert store.redis_errors >= 1
@@ -292,7 +295,7 @@ async def test_a_key_that_cannot_be_checked_gets_503_not_401(redis_own: RedisSer
             api_keys_redis=True,
             open_access=False,
             api_keys_cache_ttl_s=0.1,
-            api_keys_stale_s=1.5,
+            api_keys_stale_s=3.0,  # room for stopping Redis and two requests on a busy host
         ) as st,
         st.http() as h,
     ):
@@ -309,7 +312,7 @@ async def test_a_key_that_cannot_be_checked_gets_503_not_401(redis_own: RedisSer
         )
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "api_key_store_unavailable"
-        await asyncio.sleep(max(0.0, confirmed + 1.6 - time.monotonic()))
+        await asyncio.sleep(max(0.0, confirmed + 3.1 - time.monotonic()))
         r = await h.post("/v1/chat/completions", json=body, headers=auth)
         assert r.status_code == 503 and r.json()["error"]["code"] == "api_key_store_unavailable"
         assert (await h.get("/v1/models", headers=auth)).status_code == 503
