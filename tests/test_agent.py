@@ -543,16 +543,20 @@ async def test_an_engine_whose_metrics_fail_but_which_serves_stays_routable(rig:
     keep the index current, so it stays LIVE (a slow /metrics made the agent call it
     unreachable and hid a healthy replica's cache from routing); once /health fails too it
     is UNAVAILABLE as before."""
-    rig.settings_kw["scrape_timeout_s"] = 0.2
+    # the timeout bounds the /health probes too: 1 s, so that a busy host's stall of the
+    # loop serving them is no outage (at 0.2 s, one of ~10 probes late made it UNAVAILABLE)
+    rig.settings_kw["scrape_timeout_s"] = 1.0
     await rig.start()
     ev, _ = rig.engine.store(toks(0, 2))
     await rig.publish(ev)
     await rig.settle()
     assert rig.agent is not None
     errors0 = counter_total(rig.agent.metrics.scrape_errors)
-    for delay, status in ((0.5, 200), (0.0, 500)):  # slow, then broken
+    # slow (past the timeout), then broken; each long enough for two failed scrapes past
+    # unavailable_after_s (0.4 s), either of which made it UNAVAILABLE before
+    for delay, status, window_s in ((2.0, 200, 2.5), (0.0, 500, 1.2)):
         rig.stub.metrics_delay_s, rig.stub.metrics_status = delay, status
-        await asyncio.sleep(1.2)  # three times unavailable_after_s
+        await asyncio.sleep(window_s)
         assert await _state_is(rig, ReplicaState.LIVE), (delay, status)
         match = await rig.index.lookup(list(rig.engine.keys()), ["r0"], 0)
         assert match["r0"].stored_blocks == 2
