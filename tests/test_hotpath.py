@@ -237,7 +237,12 @@ async def test_a_stream_the_client_does_not_read_is_held_back_then_delivered_who
         try:
             n = 1500
             writer.write(request(completion(st, words(20, 7), max_tokens=n, stream=True)))
-            await asyncio.sleep(1.0)  # the stream fills the buffers; the gateway must wait
+            # the stream fills the buffers, and the gateway must wait: until it does (a busy
+            # host's engine may take longer than the 1 s a fixed sleep gave it), 20 s at most
+            for _ in range(400):
+                if any(paused):
+                    break
+                await asyncio.sleep(0.05)
             assert any(paused)  # it did wait for the client
             status, _, body = await read_response(reader)
             assert status == 200
