@@ -153,7 +153,9 @@ async def test_a_replica_that_never_answers_is_ejected() -> None:
 
     hung, good = FakeReplica(silent), FakeReplica()
     policy = "routing: {strategy: round_robin}\nhealth: {eject_after_failures: 2, eject_s: 30}"
-    async with gateway([hung, good], policy, response_timeout_s=0.3) as (gw, h):
+    # the timeout bounds the good replica's answers too: 1 s, so that a busy host's stall
+    # is no third 504 (at 0.3 s, any of its six answers that late made one)
+    async with gateway([hung, good], policy, response_timeout_s=1.0) as (gw, h):
         assert gw.pool is not None
         hung_id = next(r.id for r in gw.pool.all() if r.url == hung.url)
         statuses = []
