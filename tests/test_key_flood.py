@@ -461,11 +461,15 @@ def test_bench_keys_api_key_flood_shows_the_budget_cut_the_hgets() -> None:
     }
     before_401, before_hgets = rows["budgets off, 1 address (before)"]
     after_401, _ = rows["defaults, 1 address"]
-    assert before_401 > 1_000 and before_hgets > 500, rows
-    before = next(ln for ln in out.stdout.splitlines() if "| budgets off, 1 address" in ln)
-    assert before.split(" | ")[3] == "0", before  # no 429: neither budget refuses
     # burst + rate x (1 s and slack) + the lookup slots (64): lookups in flight pass their
     # check before earlier refusals are spent (fabe9de's bound); this read 116 in a CI run
-    assert after_401 <= 100 + 10 * 1.5 + 64, rows
+    bound = 100 + 10 * 1.5 + 64
+    # without the budget the flood's made-up keys were looked up far past that bound, one
+    # HGET each. How many a 1 s flood sends is the host's speed (~2,400 here, 707 under two
+    # CPU hogs): a fixed 1,000 failed a slow host; twice the bound (358) leaves it room
+    assert before_401 > 2 * bound and before_hgets > 0.5 * before_401, rows
+    before = next(ln for ln in out.stdout.splitlines() if "| budgets off, 1 address" in ln)
+    assert before.split(" | ")[3] == "0", before  # no 429: neither budget refuses
+    assert after_401 <= bound, rows
     assert "defaults, 4 addresses" in rows and "global budget off, 4 addresses" in rows
     assert "target: the valid client answered in every arm: met" in out.stdout
