@@ -132,8 +132,9 @@ def build_gateway(
                 )
             # one hash, one slot: plain HGETs, alike on standalone and Cluster
             with _naming_redis_url():
+                timeout_s = settings.api_keys_redis_timeout_s
                 redis_keys = redis_client(
-                    url, cluster=cluster, socket_timeout_s=0.25, connect_timeout_s=0.25
+                    url, cluster=cluster, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s
                 )
         try:
             key_store = KeyStore(

@@ -81,6 +81,15 @@ class GatewaySettings(BaseSettings):
     # Redis key lookups in flight at once, all clients together (one per key however many
     # requests carry it); past it a lookup waits up to 1 s for a slot, then gets a 503
     api_keys_lookups_max: Annotated[int, Field(ge=1)] = 64
+    # a Redis key lookup's connect and read timeout. It runs on the event loop's clock: an
+    # answer Redis sent in time but read after a backlog this long counts as Redis down (a
+    # key never seen gets a 503, and the next second's lookups are skipped), so it sits well
+    # above a loaded loop's lag (0.25 s failed healthy lookups in request bursts). On a
+    # partitioned Redis a failed lookup answers the next second's requests at once (the
+    # key's last answer, or a 503): only requests that arrive while a lookup is in flight
+    # wait, at most this long (with 1 s, about half of those whose key's answer is older
+    # than the TTL). Finite: with inf a lookup never gave up on a partitioned Redis
+    api_keys_redis_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     open_access: bool = False  # no API keys: every request is tenant "anonymous"
     admin_key: SecretStr | None = None
     # /metrics without the admin key. Off: its per-replica token counters move request by
