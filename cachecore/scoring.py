@@ -13,14 +13,21 @@ refitted online from observed TTFT by :class:`OnlineFit` (bounded recursive leas
 
 The router ranks replicas by that TTFT plus one term that is not the request's own latency::
 
-    stall = stall_weight * own_prefill_ms * running
+    stall = stall_weight * (own_prefill_ms + overhead * [queued_requests < 2]) * running
 
 A prefill chunk runs in the same engine steps as the replica's decodes, so each of its
 ``running`` requests waits for this request's prefill (vLLM's chunked prefill; the simulated
 engine's step model). Routing on its own TTFT alone, a long miss lands on a replica full of
 decoding requests as readily as on an idle one (it barely slows its own first token) and
-stalls all of them; the term charges it part of that. It is small for hits (little prefill)
-and not fitted: it is a cost to other requests, which no TTFT observation measures.
+stalls all of them; the term charges it part of that. A step that carries any prefill also
+pays the step overhead, once: a prefill sent where the next step would carry none makes it
+pay that for every running request, one that joins a prefill waiting for that step adds
+nothing. Of a replica's requests before their first token, one is most likely in the step
+under way (a request joins at the next step), so only a second one is known to wait for the
+next: with fewer, the overhead is charged. (Short misses spread one per replica kept every
+replica's decodes paying it near saturation: docs/benchmarks.md, "Short non-repeating
+requests near saturation".) The term is small for hits (little prefill) and not fitted: it
+is a cost to other requests, which no TTFT observation measures.
 
 The engine's hit cap: vLLM never serves the last prompt token from cache (it needs logits),
 so at most ``(prompt_len - 1) // block_size`` full blocks hit. Every prediction applies it.
@@ -279,6 +286,8 @@ def cost_terms(
     own_prefill = pt * uncached
     load_ms = coeffs.load_ms_per_token * hit.loaded_weighted
     stall_per_running = coeffs.stall_weight * own_prefill
+    # with no prefill waiting for the next step, this one adds the step overhead to it
+    stall_alone = coeffs.stall_weight * (own_prefill + overhead)
     out: list[tuple[float, float, float, float, float]] = []
     for load in loads:
         running = load.running
@@ -288,7 +297,8 @@ def cost_terms(
         queue_ms += load.overdue_ms
         if over > 0:
             queue_ms += saturation * over
-        stall_ms = stall_per_running * running
+        stall = stall_per_running if load.queued_requests > 1 else stall_alone
+        stall_ms = stall * running
         out.append(
             (
                 overhead + queue_ms + own_prefill + load_ms + stall_ms,

@@ -236,8 +236,13 @@ def test_a_tied_miss_goes_where_its_scope_sent_the_least_new_data() -> None:
     # trees: first 2048, other 0: the next misses go to `other` until it catches up
     for _ in range(5):
         assert r.decide(small, two, C).replica == other
-    # within the tie band (10% of the cost), a little busier does not matter ...
-    near = [Candidate(c.replica, LoadView(running=1 if c.replica == other else 0)) for c in two]
+    # within the tie band (10% of the cost), a little busier does not matter (one decoding
+    # request is more: the stall term charges 0.15 x (16 ms prefill + 30 ms step overhead)
+    # for it, beyond the band) ...
+    near = [
+        Candidate(c.replica, LoadView(queued_prefill_tokens=8 if c.replica == other else 0))
+        for c in two
+    ]
     assert r.decide(small, near, C).replica == other
     # ... a real difference in cost does
     far = [

@@ -135,8 +135,11 @@ def test_cost_equals_the_linear_model_the_fit_uses() -> None:
         x = features(b.hit.uncached_tokens, b.hit.loaded_weighted, load)
         # the measured lateness of the replica's queue adds to the model's estimate
         assert b.ttft_ms == pytest.approx(dot(C.as_vector(), x) + load.overdue_ms)
-        # the routing cost adds the decode stall this prefill imposes on the running ones
-        assert b.stall_ms == pytest.approx(C.stall_weight * b.prefill_ms * load.running)
+        # the routing cost adds the decode stall this prefill imposes on the running ones:
+        # its own prefill, and the step overhead unless a prefill waits for the next step
+        alone = C.overhead_ms if load.queued_requests < 2 else 0.0
+        stall = C.stall_weight * (b.prefill_ms + alone) * load.running
+        assert b.stall_ms == pytest.approx(stall)
         assert b.cost_ms == pytest.approx(b.ttft_ms + b.stall_ms)
 
 
@@ -152,9 +155,31 @@ def test_a_long_miss_prefers_the_replica_with_fewer_decoding_requests() -> None:
     gap = cost(none, 4000, 16, busy, own).cost_ms - cost(none, 4000, 16, idle, own).cost_ms
     assert gap == pytest.approx(5.0)
     b, i = cost(none, 4000, 16, busy, C), cost(none, 4000, 16, idle, C)
-    assert b.cost_ms - i.cost_ms == pytest.approx(5.0 + C.stall_weight * 1000.0 * 10)
+    # its prefill (1,000 ms) and, with no prefill queued on either, the step overhead (30 ms)
+    assert b.cost_ms - i.cost_ms == pytest.approx(5.0 + C.stall_weight * 1030.0 * 10)
     assert b.ttft_ms - i.ttft_ms == pytest.approx(5.0)  # what the fit predicts is unchanged
     assert cost(gpu_match(240), 4000, 16, busy, C).cost_ms < i.cost_ms
+
+
+def test_a_short_miss_joins_a_waiting_prefill_rather_than_add_a_step_overhead() -> None:
+    """A step that carries any prefill pays the step overhead (30 ms) once. A 128-token miss
+    (32 ms of prefill) sent where the next step would carry no prefill makes it pay that for
+    each of the 12 decoding requests there; sent where a second request waits behind the one
+    in the step under way, it shares the next step, which pays it anyway. On its own TTFT it
+    would take the other replica (25 ms sooner); its routing cost sends it to the waiting one.
+    One request before its first token is most likely in the step under way: no sharing."""
+    one = LoadView(queued_prefill_tokens=50.0, queued_requests=1, running=12, capacity=16)
+    two = LoadView(queued_prefill_tokens=150.0, queued_requests=2, running=12, capacity=16)
+    none = gpu_match(0)
+    a, j = cost(none, 128, 16, one, C), cost(none, 128, 16, two, C)
+    assert j.ttft_ms - a.ttft_ms == pytest.approx(25.0)
+    assert a.stall_ms == pytest.approx(C.stall_weight * (32.0 + 30.0) * 12)
+    assert j.stall_ms == pytest.approx(C.stall_weight * 32.0 * 12)
+    assert j.cost_ms < a.cost_ms
+    quiet = cost(none, 128, 16, LoadView(running=12, capacity=16), C)
+    assert quiet.stall_ms == a.stall_ms
+    # with nothing decoding there is nobody to stall
+    assert cost(none, 128, 16, LoadView(capacity=16), C).stall_ms == 0.0
 
 
 def test_with_vector_keeps_every_other_field() -> None:
