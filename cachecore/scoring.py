@@ -26,8 +26,13 @@ nothing. Of a replica's requests before their first token, one is most likely in
 under way (a request joins at the next step), so only a second one is known to wait for the
 next: with fewer, the overhead is charged. (Short misses spread one per replica kept every
 replica's decodes paying it near saturation: docs/benchmarks.md, "Short non-repeating
-requests near saturation".) The term is small for hits (little prefill) and not fitted: it
-is a cost to other requests, which no TTFT observation measures.
+requests near saturation".) A full hit still computes its last token in a step of its
+own, so it pays the overhead part too. ``stall_weight`` is not fitted (the stall is a cost
+to other requests, which no TTFT observation measures); ``overhead`` is the fitted TTFT
+intercept, which also holds the gateway-to-engine round trip, so the overhead part follows
+what the fit learns (small where a real engine's step overhead is). ``queued_requests`` is
+what this gateway dispatched: with several gateways the others' queued requests are not
+counted, the overhead is charged more often than a shared step would warrant (D25).
 
 The engine's hit cap: vLLM never serves the last prompt token from cache (it needs logits),
 so at most ``(prompt_len - 1) // block_size`` full blocks hit. Every prediction applies it.
