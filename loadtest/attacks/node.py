@@ -426,7 +426,8 @@ _NO_VERDICT = ("skipped", "evicted", "evicted_late", "evicted_restored", "unveri
 
 
 def _no_verdict_counts(gw: Any, liar: str, track: str) -> dict[str, int]:
-    return {why: _claim_checks(gw, liar, why) for why in _NO_VERDICT if why != track}
+    counts = _claim_check_counts(gw, liar)
+    return {why: counts[why] for why in _NO_VERDICT if why != track}
 
 
 def _no_verdict(excused: dict[str, int]) -> str:
@@ -689,16 +690,7 @@ def _claim_check_counts(gw: Any, replica: str) -> Counter[str]:
 
 def _claim_checks(gw: Any, replica: str, outcome: str) -> int:
     """The gateway's kvgate_claim_checks_total for ``replica`` and ``outcome``."""
-    for metric in gw.metrics.claim_checks.collect():
-        for sample in metric.samples:
-            labels = sample.labels
-            if (
-                sample.name.endswith("_total")
-                and labels.get("replica") == replica
-                and labels.get("outcome") == outcome
-            ):
-                return int(sample.value)
-    return 0
+    return _claim_check_counts(gw, replica)[outcome]
 
 
 # ------------------------------------------------------------------------ 3c: stale replay
