@@ -220,7 +220,10 @@ class KeyStore:
     With ``key_file`` the keys are read from it (unless ``keys`` is given) and
     :meth:`reload_file` reads it again: the new set replaces the old in one reference swap,
     so a lookup sees either set whole (keys added, removed and moved to another tenant
-    together) and costs no more than before."""
+    together) and costs no more than before.
+
+    ``owns_redis``: :meth:`close` closes ``redis`` (the client build_gateway made for the
+    store); a client the caller passed in without it stays the caller's to close."""
 
     def __init__(
         self,
@@ -236,6 +239,7 @@ class KeyStore:
         lookups_max: int = 64,
         miss_rate_global: float = 1000.0,
         miss_burst_global: float = 1000.0,
+        owns_redis: bool = False,
     ) -> None:
         self.key_file = Path(key_file) if key_file is not None else None
         # taken before the read: a change during it shows as a new version next time
@@ -247,6 +251,7 @@ class KeyStore:
             keys = load_key_file(self.key_file)
         self._keys = dict(keys or {})
         self._redis = redis
+        self._owns_redis = owns_redis
         self._redis_hash = redis_hash
         self.open_access = open_access
         self._cache_ttl = cache_ttl_s
@@ -372,6 +377,16 @@ class KeyStore:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+
+    async def close(self) -> None:
+        """Close the Redis client if the store owns it (``owns_redis``); Gateway.stop calls
+        it once the requests that look keys up have drained."""
+        if self._redis is None or not self._owns_redis:
+            return
+        try:
+            await self._redis.aclose()
+        except (RedisError, RedisClusterException, OSError):  # Redis gone: nothing to close
+            log.debug("api key redis close failed", exc_info=True)
 
     async def tenant_for(self, authorization: str | None, client: str | None = None) -> str | None:
         """The key's tenant, or None. ``client``: the peer address, whose budget of refused

@@ -712,6 +712,14 @@ class Gateway:
             t.cancel()
         if self.index is not None:
             await self.index.close()
+        # the gateway owns the stores it was given, as it owns its index: closed last, once
+        # the refresher has dropped this gateway's counts and discovery and the agents
+        # stopped (each close swallows a Redis that is gone)
+        if self._load_store is not None:
+            await self._load_store.close()
+        if self.registry is not None:
+            await self.registry.close()
+        await self.key_store.close()
         if self.client is not None:
             await self.client.aclose()
         if self.upstream is not None:

@@ -149,6 +149,7 @@ def build_gateway(
                 lookups_max=settings.api_keys_lookups_max,
                 miss_rate_global=settings.api_keys_miss_rate_global,
                 miss_burst_global=settings.api_keys_miss_burst_global,
+                owns_redis=True,  # built here for it: closed by Gateway.stop
             )
         except KeyFileError as exc:  # named as the policy's refusal is ("invalid policy P: ")
             raise KeyFileError(
