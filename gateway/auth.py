@@ -223,7 +223,11 @@ class KeyStore:
     together) and costs no more than before.
 
     ``owns_redis``: :meth:`close` closes ``redis`` (the client build_gateway made for the
-    store); a client the caller passed in without it stays the caller's to close."""
+    store); a client the caller passed in without it stays the caller's to close.
+
+    ``redis_timeout_s``: how long one Redis lookup may take in all (None: as long as the
+    client takes). A Cluster client retries a command that timed out and refreshes its view
+    of the nodes first, so without it a lookup on a stalled shard waited 10+ timeouts."""
 
     def __init__(
         self,
@@ -240,6 +244,7 @@ class KeyStore:
         miss_rate_global: float = 1000.0,
         miss_burst_global: float = 1000.0,
         owns_redis: bool = False,
+        redis_timeout_s: float | None = None,
     ) -> None:
         self.key_file = Path(key_file) if key_file is not None else None
         # taken before the read: a change during it shows as a new version next time
@@ -252,6 +257,7 @@ class KeyStore:
         self._keys = dict(keys or {})
         self._redis = redis
         self._owns_redis = owns_redis
+        self._redis_timeout_s = redis_timeout_s
         self._redis_hash = redis_hash
         self.open_access = open_access
         self._cache_ttl = cache_ttl_s
@@ -495,8 +501,12 @@ class KeyStore:
         assert self._redis is not None
         now = time.monotonic()
         try:
-            raw = await self._redis.hget(self._redis_hash, digest)
-        # RedisClusterException (no RedisError): a cluster client that reaches no node
+            # the client's own retries (kept: they reconnect a connection Redis closed)
+            # and a Cluster client's topology refresh all within the one deadline
+            async with asyncio.timeout(self._redis_timeout_s):
+                raw = await self._redis.hget(self._redis_hash, digest)
+        # RedisClusterException (no RedisError): a cluster client that reaches no node;
+        # OSError includes the deadline's TimeoutError
         except (RedisError, RedisClusterException, OSError) as exc:
             self.redis_errors += 1
             failed_at = time.monotonic()

@@ -150,6 +150,7 @@ def build_gateway(
                 miss_rate_global=settings.api_keys_miss_rate_global,
                 miss_burst_global=settings.api_keys_miss_burst_global,
                 owns_redis=True,  # built here for it: closed by Gateway.stop
+                redis_timeout_s=settings.api_keys_redis_timeout_s,
             )
         except KeyFileError as exc:  # named as the policy's refusal is ("invalid policy P: ")
             raise KeyFileError(
