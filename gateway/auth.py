@@ -386,7 +386,8 @@ class KeyStore:
 
     async def close(self) -> None:
         """Close the Redis client if the store owns it (``owns_redis``); Gateway.stop calls
-        it once the requests that look keys up have drained."""
+        it last. Key lookups run before a request counts as in flight, in shielded tasks the
+        drain does not wait for: one still in flight here fails as Redis down (a 503)."""
         if self._redis is None or not self._owns_redis:
             return
         try:

@@ -852,7 +852,7 @@ def seed_p99_ratios(runs: Sequence[SystemRun], versus: str | None = None) -> lis
             others = [v for k, v in m.items() if ":" in k]
         else:
             others = [m[versus]] if versus in m else []
-        if "expected_latency" in m and others:
+        if "expected_latency" in m and others and min(others) > 0:
             out.append(m["expected_latency"] / min(others))
     return out
 

@@ -83,3 +83,10 @@ def test_the_peer_verdict_pools_against_the_best_peer_by_seed_mean() -> None:
     line = next(v for v in ver if "TTFT p99" in v)
     assert "vllm-router:kv_aware" in line
     assert line.endswith("pooled over the seeds' requests: 0.100 vs 1.000 s, ratio 0.10")
+
+
+def test_a_zero_p99_on_the_compared_side_gives_no_ratio() -> None:
+    """Review R1: the pooled note skipped a compared p99 of 0, the per-seed ratio divided
+    by it (ZeroDivisionError). A TTFT is never 0 in a real run; the two agree now."""
+    runs = [run("expected_latency", 0, [0.1] * 100), run("least_loaded", 0, [0.0] * 100)]
+    assert seed_p99_ratios(runs, "least_loaded") == []
