@@ -54,9 +54,10 @@ async def lookup_fails_after(settings: GatewaySettings) -> float:
         with pytest.raises(KeyStoreUnavailable):
             await gw.key_store.tenant_for("Bearer sk-never-seen", "127.0.0.1")
         return time.monotonic() - started
-    finally:
+    finally:  # never started, so no stop(): close the clients build_gateway made
         if gw.index is not None:
             await gw.index.close()
+        await gw.key_store.close()
 
 
 @pytest.mark.parametrize("stage", ["read", "connect"])
