@@ -20,6 +20,7 @@ import pytest
 from cachecore.engine.latency import get_profile
 from cachecore.tokenizer import builtin_tokenizer
 from gateway.tokenization import LocalPromptTokenizer
+from loadtest import bench_routers
 from loadtest.bench_routers import (
     ALL_SYSTEMS,
     LAG_LIMIT_MS,
@@ -496,9 +497,10 @@ async def test_a_lagging_run_is_rerun_on_its_seed(monkeypatch: pytest.MonkeyPatc
 
 
 async def test_kv_aware_placement_check_marks_the_run() -> None:
-    """After a kv_aware run: hits keep it; no hit makes it misconfigured even when it also
-    lagged (a lag rerun cannot fix a router that never sees events); a metrics endpoint
-    that fails makes this run failed instead of aborting the benchmark."""
+    """After a kv_aware run: a hit in the warm-up keeps it; no hit in the warm-up makes it
+    misconfigured even when the run had hits (the rule is about the warm-up, read before the
+    run) and when it also lagged (a lag rerun cannot fix a router that never sees events); a
+    metrics endpoint that fails makes this run failed instead of aborting the benchmark."""
     answers = {
         1: (200, 'vllm_router_kv_placement_lookups_total{result="hit"} 4\n'),
         2: (200, 'vllm_router_kv_placement_lookups_total{result="miss"} 7\n'),
@@ -513,12 +515,81 @@ async def test_kv_aware_placement_check_marks_the_run() -> None:
         args: Any = SimpleNamespace()
         fleet: Any = SimpleNamespace(endpoints=[])
         bench = Bench(args, fleet, Path("."), TextSource(), {}, None, client)
-        runs = [SystemRun("vllm-router:kv_aware", -1, st, {}) for st in ("ok", "lag", "ok")]
-        for port, run in zip((40001, 40002, 40003), runs, strict=True):
-            await bench._check_placement(run, port)
+        cases = [
+            ("ok", 40001, {"hit": 1.0, "miss": 1.0}),
+            ("ok", 40001, {"miss": 6.0}),  # the run's 4 hits came after a warm-up of misses
+            ("lag", 40002, {"miss": 6.0}),
+            ("ok", 40003, {"hit": 1.0}),
+            ("ok", 40001, None),  # unreadable after the warm-up
+        ]
+        runs = [SystemRun("vllm-router:kv_aware", -1, st, {}) for st, _, _ in cases]
+        for run, (_, port, warm) in zip(runs, cases, strict=True):
+            await bench._check_placement(run, port, warm)
     assert runs[0].status == "ok" and runs[0].summary["kv_placement_hit"] == 4.0
+    assert runs[0].summary["kv_placement_warmup_hit"] == 1.0
     assert runs[1].status == "misconfigured"
-    assert runs[2].status.startswith("failed: placement lookups unreadable")
+    assert runs[2].status == "misconfigured"
+    assert runs[3].status.startswith("failed: placement lookups unreadable")
+    assert runs[4].status.startswith("failed: placement lookups unreadable after the warm-up")
+
+
+async def test_a_kv_aware_warm_up_goes_on_until_its_index_credits_a_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vllm-router kv_aware replays every replica's buffered event history when it starts and
+    applies live events only after it: on a fleet that had served ten runs before (mooncake,
+    2026-12-07, seed 2) all six warm-up lookups missed and the run was dropped as
+    misconfigured although its events worked. The warm-up goes on, one request at a time,
+    until the index credits a lookup; the time limit ends it for a router that never does."""
+    sent: list[str] = []
+
+    async def fake_replay(
+        w: Any, base: str, model: str, keys: Any, time_scale: float = 1.0
+    ) -> ReplayReport:
+        sent.append(w.name)
+        return _report(ok=len(w.items), failed=0)  # 50 cached tokens a request
+
+    async def no_scrape(client: Any, urls: Any) -> list[dict[str, float]]:
+        return []
+
+    async def no_load(client: Any, urls: Any, t0: float, out: Any, stop: Any) -> None:
+        await stop.wait()
+
+    def result(self: Bench, system: System, *rest: Any) -> SystemRun:
+        return SystemRun(system.name, -1, "ok", {}, warm_hits=rest[-1])
+
+    monkeypatch.setattr(bench_routers, "replay", fake_replay)
+    monkeypatch.setattr(bench_routers, "scrape", no_scrape)
+    monkeypatch.setattr(bench_routers, "_sample_load", no_load)
+    monkeypatch.setattr(Bench, "_result", result)
+    args: Any = SimpleNamespace(time_scale=1.0)
+    fleet: Any = SimpleNamespace(urls=["http://r0", "http://r1"])  # 4 warm-up requests
+    client: Any = None
+    bench = Bench(args, fleet, Path("."), TextSource(), {}, None, client)
+    workload: Any = SimpleNamespace(name="run", items=())
+    system = System("vllm-router:kv_aware")
+
+    async def prepare() -> None:
+        return None
+
+    asked = 0
+
+    async def index_warm() -> bool:  # the index credits its third look-up
+        nonlocal asked
+        asked += 1
+        return asked >= 3
+
+    run = await bench.measure(system, "http://router", workload, None, prepare, index_warm)
+    assert sent == ["warmup"] * 6 + ["run"] and asked == 3
+    assert run.warm_hits == 6 * 50
+
+    async def never() -> bool:
+        return False
+
+    sent.clear()
+    monkeypatch.setattr(bench_routers, "INDEX_WARMUP_TIMEOUT_S", 0.0)
+    await bench.measure(system, "http://router", workload, None, prepare, never)
+    assert sent == ["warmup"] * 4 + ["run"]
 
 
 def test_placement_lookups_are_counted_by_result() -> None:
