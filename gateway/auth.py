@@ -26,8 +26,8 @@ from typing import Any
 import yaml
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
 
+from cachecore.index.redis import REDIS_FAILURES
 from cachecore.tasks import cancel_and_wait
 from gateway.filewatch import SettledChange, file_version
 from gateway.limits import TokenBucket
@@ -392,7 +392,7 @@ class KeyStore:
             return
         try:
             await self._redis.aclose()
-        except (RedisError, RedisClusterException, OSError):  # Redis gone: nothing to close
+        except REDIS_FAILURES:  # Redis gone: nothing to close
             log.debug("api key redis close failed", exc_info=True)
 
     async def tenant_for(self, authorization: str | None, client: str | None = None) -> str | None:
@@ -506,9 +506,9 @@ class KeyStore:
             # and a Cluster client's topology refresh all within the one deadline
             async with asyncio.timeout(self._redis_timeout_s):
                 raw = await self._redis.hget(self._redis_hash, digest)
-        # RedisClusterException (no RedisError): a cluster client that reaches no node;
-        # OSError includes the deadline's TimeoutError
-        except (RedisError, RedisClusterException, OSError) as exc:
+        # REDIS_FAILURES holds RedisClusterException (no RedisError: a cluster client that
+        # reaches no node) and OSError (the deadline's TimeoutError)
+        except REDIS_FAILURES as exc:
             self.redis_errors += 1
             failed_at = time.monotonic()
             self._retry_at = failed_at + _REDIS_RETRY_S

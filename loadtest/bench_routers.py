@@ -1046,7 +1046,7 @@ def judged_verdicts(
         workload, aggregate(mruns), statistics.fmean(b.fleet_lru for b in mb), flagged,
         statistics.fmean(b.p99_floor_s for b in mb),
         statistics.fmean(b.ttft_floor_mean_s for b in mb), seed_p99_ratios(mruns), lag_limit_ms,
-        {r.system: pooled_p99(mruns, r.system) for r in mruns},
+        {s: pooled_p99(mruns, s) for s in {r.system for r in mruns}},
         seed_p99_ratios(mruns, "least_loaded"),
     )  # fmt: skip
     if dropped:
