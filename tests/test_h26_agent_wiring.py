@@ -12,10 +12,33 @@ import logging
 from collections.abc import AsyncIterator
 
 import pytest
+import zmq
 
 from cachecore.agent import Agent
 from cachecore.index.memory import MemoryIndex
 from tests.test_agent_helpers import Rig, until
+
+
+def _stream_state(agent: Agent) -> dict[str, object]:
+    """What the wiring check counted, and whether a monitor event sits unread (a missed
+    wake-up) or the SUB socket is gone (a resubscription that failed). Reading ZMQ_EVENTS
+    consumes the socket's wake-up edge: only for a failure message."""
+    stream = agent.stream
+    if stream is None:
+        return {"stream": None}
+    monitor, sock = stream._monitor, stream._sock
+    return {
+        "drops_in_row": stream._drops_in_row,
+        "unanswered_in_row": stream._unanswered_in_row,
+        "handshaken": stream._handshaken,
+        "refused": stream._refused,
+        "resubscribes": agent.metrics.resubscribes._value.get(),
+        "sub_open": sock is not None and not sock.closed,
+        "monitor_event_unread": monitor is not None
+        and not monitor.closed
+        and bool(int(monitor.get(zmq.EVENTS)) & zmq.POLLIN),
+        "health": agent.health(),
+    }
 
 
 @pytest.fixture
@@ -35,7 +58,10 @@ async def test_swapped_endpoints_degrade_health_with_a_warning(
     caplog.set_level(logging.INFO, logger="cachecore.agent")
     await agent.start()
     await agent.wait_ready(10.0)
-    await until(lambda: agent.health()["status"] == "degraded", timeout_s=15.0)
+    try:
+        await until(lambda: agent.health()["status"] == "degraded", timeout_s=15.0)
+    except AssertionError as exc:  # failed once in a full CI run, never alone: say where
+        raise AssertionError(f"{exc}: {_stream_state(agent)}") from None
     health = agent.health()
     assert health["engine_reachable"] and not health["registration_conflict"], health
     assert "not swapped?" in (health["stream_problem"] or ""), health
