@@ -280,10 +280,19 @@ def message_text(content: Any) -> str:
             elif isinstance(part, Mapping):
                 kind = part.get("type")
                 field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
-                if field is None:
+                if field is None and kind in MEDIA_PART_TYPES:
                     raise TokenizerError(
                         f"unsupported content part type: {kind!r} (kvgate routes text; "
                         "media parts are not supported)"
+                    )
+                if field is None:
+                    # no text part, nor one of the media types the gateway strips first
+                    # (strip_media): the gateway's own 400 for a typo such as "image",
+                    # which must not tell the client that media is refused
+                    raise TokenizerError(
+                        f"unsupported content part type: {kind!r} (text parts: "
+                        f"{', '.join(TEXT_PART_FIELDS)}; media parts: "
+                        f"{', '.join(sorted(MEDIA_PART_TYPES))})"
                     )
                 if _is_media(part):  # typed as text, read by the engine as media
                     raise TokenizerError(
