@@ -515,17 +515,19 @@ def no_replica_notice(settings: GatewaySettings) -> tuple[int, str]:
     if settings.discover and any(entry.strip() for entry in settings.replica_allowlist):
         return logging.INFO, (
             "no --replica given: replicas come from discovery (allowlisted agent "
-            "registrations); requests get 503 until one has registered"
+            "registrations); until one has registered, a request naming a model gets 404 "
+            "model_not_found and one without a model 503 no_replica"
         )
     if settings.discover:
         return logging.WARNING, (
             "no --replica and no --allow given: discovery rejects every registration, "
-            "so every request will get 503"
+            "so no request can be served (404 model_not_found, or 503 without a model)"
         )
     return (
         logging.WARNING,
-        "no --replica and no --discover given: every request will get 503 (pass --replica "
-        "URL, or --redis URL --discover --allow URL)",
+        "no --replica and no --discover given: no request can be served (404 "
+        "model_not_found, or 503 without a model; pass --replica URL, or --redis URL "
+        "--discover --allow URL)",
     )
 
 

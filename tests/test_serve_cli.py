@@ -125,7 +125,7 @@ def test_discovery_with_an_allowlist_is_not_told_every_request_gets_503(
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        ([], "no --replica and no --discover given: every request will get 503"),
+        ([], "no --replica and no --discover given: no request can be served"),
         (
             ["--redis", "redis://127.0.0.1:1", "--discover"],
             "discovery rejects every registration",
