@@ -359,14 +359,17 @@ def create_app(gw: Gateway) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gw.start()
-        gw.metrics.api_keys.set(keys.file_keys)
-        keys.start(gw.settings.api_keys_poll_s, on_key_reload)
+        await gw.start()  # one that raises has stopped what it started
         try:
+            # inside: whatever fails from here on, the gateway is stopped
+            gw.metrics.api_keys.set(keys.file_keys)
+            keys.start(gw.settings.api_keys_poll_s, on_key_reload)
             yield
         finally:
-            await keys.stop()
-            await gw.stop()
+            try:
+                await keys.stop()
+            finally:
+                await gw.stop()
 
     app = FastAPI(
         title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

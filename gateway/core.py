@@ -465,6 +465,25 @@ class Gateway:
             self.spawn(self._check_replica(replica))
 
     async def start(self) -> None:
+        """Start serving: the clients, the index, the background tasks and the checks, in
+        that order. A start that raises part way (a refused policy, a failing agent, a
+        cancellation) stops and closes what it had made (:meth:`stop`) before it raises, the
+        original exception as it was: nobody else stops a gateway whose start failed
+        (uvicorn does not run the lifespan's shutdown then), and its client, tasks, trace
+        file and Redis connections stayed open for the rest of the process. A failure of
+        that clean-up is logged, not raised in its place."""
+        try:
+            await self._start()
+        except GeneratorExit:  # the coroutine closed unawaited (its loop gone): no awaiting
+            raise
+        except BaseException:
+            try:
+                await self.stop()
+            except Exception:
+                log.exception("stopping the gateway after its failed start failed too")
+            raise
+
+    async def _start(self) -> None:
         s = self.settings
         limits = httpx.Limits(
             max_connections=s.max_connections,
@@ -689,45 +708,79 @@ class Gateway:
         return True
 
     async def stop(self) -> None:
+        """Drain, then stop and close what the gateway started and the stores it owns.
+        Safe on a gateway whose start failed part way (what it never made is skipped; the
+        index it was given is closed even when start never wrapped it) and called again.
+        Each step runs even when an earlier one failed (a failing agent stop left the
+        index, the stores, the client and the trace file open): a failure is logged and the
+        first one raised once all ran."""
         self.draining = True
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
-                await self._idle.wait()
+                await self._idle.wait()  # set unless a request is in flight
         except TimeoutError:
             log.warning(
                 "drain timeout: closing with requests in flight", extra={"n": self.in_flight}
             )
-        await self.policies.stop()
+        failed: Exception | None = None
+        for what, step in self._stop_steps():
+            try:
+                await step()
+            except Exception as exc:  # the other steps still run; a cancellation stops here
+                log.error("gateway stop: a step failed", exc_info=True, extra={"step": what})
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+    def _stop_steps(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        """:meth:`stop`'s steps in order, those of what exists (each idempotent)."""
+        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+        steps.append(("policy poller", self.policies.stop))  # no-op if never started
         if self.discovery is not None:
-            await self.discovery.stop()
+            steps.append(("discovery", self.discovery.stop))
         if self.pool is not None:
-            await self.pool.stop()
+            steps.append(("health checks", self.pool.stop))
         if self.loop_lag is not None:
-            await self.loop_lag.stop()
+            steps.append(("loop lag monitor", self.loop_lag.stop))
         if self._agents_stop is not None:
-            await self._agents_stop()
+            steps.append(("embedded agents", self._stop_agents))
         if self.refresher is not None:
-            await self.refresher.stop()
-        for t in list(self._bg):
-            t.cancel()
+            steps.append(("load refresher", self.refresher.stop))
+        steps.append(("background tasks", self._cancel_background))
         if self.index is not None:
-            await self.index.close()
+            steps.append(("index", self.index.close))
+        elif self._index_arg is not None:  # start failed before wrapping it: still ours
+            steps.append(("index", self._index_arg.close))
         # the gateway owns the stores it was given, as it owns its index: closed last, once
         # the refresher has dropped this gateway's counts and discovery and the agents
         # stopped (each close swallows a Redis that is gone)
         if self._load_store is not None:
-            await self._load_store.close()
+            steps.append(("load store", self._load_store.close))
         if self.registry is not None:
-            await self.registry.close()
-        await self.key_store.close()
+            steps.append(("registry", self.registry.close))
+        steps.append(("key store", self.key_store.close))
         if self.client is not None:
-            await self.client.aclose()
+            steps.append(("http client", self.client.aclose))
         if self.upstream is not None:
-            await self.upstream.aclose()
+            steps.append(("upstream transport", self.upstream.aclose))
+        if self._tracer_provider is not None:
+            steps.append(("tracer", self._shutdown_tracer))
+        if self.trace is not None:
+            steps.append(("request trace", self.trace.close))
+        return steps
+
+    async def _stop_agents(self) -> None:
+        stop, self._agents_stop = self._agents_stop, None  # once: a second stop skips them
+        if stop is not None:
+            await stop()
+
+    async def _cancel_background(self) -> None:
+        for t in list(self._bg):
+            t.cancel()
+
+    async def _shutdown_tracer(self) -> None:
         if self._tracer_provider is not None:
             self._tracer_provider.shutdown()
-        if self.trace is not None:
-            await self.trace.close()
 
     def _any_replica_url(self, model: str, tried: Collection[str] = ()) -> str | None:
         if self.pool is None:
