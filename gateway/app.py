@@ -371,8 +371,16 @@ def create_app(gw: Gateway) -> FastAPI:
             finally:
                 await gw.stop()
 
+    # redirect_slashes off: a 307 to the path without its trailing slash was the only answer
+    # that was no OpenAI error (and its Location names this hop's scheme and host, wrong
+    # behind a TLS proxy); OpenAI's API answers such a path 404 "Invalid URL", as we now do
     app = FastAPI(
-        title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="kvgate",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
     )
     app.state.gateway = gw
 
@@ -663,9 +671,12 @@ def create_app(gw: Gateway) -> FastAPI:
         return answer
 
     async def admin_stages(request: Request) -> Any:
+        # a POST answers with the counters it resets (read and reset with no await between:
+        # nothing is lost to requests in between, and what it drops can still be read)
+        snapshot = gw.stages.snapshot()
         if request.method == "POST":
             gw.stages.reset()
-        return {"stages": gw.stages.snapshot()}
+        return {"stages": snapshot}
 
     async def admin_fit(request: Request) -> Any:
         f = gw.fit
