@@ -45,6 +45,7 @@ from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_blocks, hit_cap_blocks
+from cachecore.tasks import cancel_and_wait
 from cachecore.tokenizer import media_uuids, scope_media_uuids, strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
@@ -102,6 +103,10 @@ valid tenant name, so it cannot collide with a real tenant's scope)."""
 # (the rest are skipped: k of m bad checks need no more), polled at this interval
 MAX_SETTLING_CHECKS = 8
 SETTLE_POLL_S = 0.25
+# stop(): how long the cancelled background tasks may take to end, and how many times a
+# task that swallowed its cancellation is cancelled again within it
+BACKGROUND_STOP_S = 2.0
+BACKGROUND_STOP_CANCELS = 4
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 _ENGINE_ID_FIELDS = frozenset(("request_id", "rid"))
 """Body fields an engine takes its request id from (vLLM's ``request_id``, SGLang's ``rid``)."""
@@ -713,7 +718,8 @@ class Gateway:
         index it was given is closed even when start never wrapped it) and called again.
         Each step runs even when an earlier one failed (a failing agent stop left the
         index, the stores, the client and the trace file open): a failure is logged and the
-        first one raised once all ran."""
+        first one raised once all ran. The background tasks are cancelled and waited for
+        (at most :data:`BACKGROUND_STOP_S`) before the index and the stores close."""
         self.draining = True
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
@@ -775,8 +781,18 @@ class Gateway:
             await stop()
 
     async def _cancel_background(self) -> None:
-        for t in list(self._bg):
-            t.cancel()
+        """Cancel the one-shot background tasks (replica and claim checks, quarantine
+        watchers) and wait until they have ended, before the index and the stores close
+        under them: a cancelled task runs on to its next ``await`` and through its clean-up,
+        and one still reading or writing the index or a store after stop returned touched
+        closed clients. Bounded: a task that swallows its cancellation is cancelled again,
+        and one that outlives :data:`BACKGROUND_STOP_S` is logged and left (shutdown goes
+        on)."""
+        me = asyncio.current_task()
+        tasks = [t for t in self._bg if t is not me]
+        if tasks:
+            grace_s = BACKGROUND_STOP_S / BACKGROUND_STOP_CANCELS
+            await cancel_and_wait(*tasks, grace_s=grace_s, attempts=BACKGROUND_STOP_CANCELS)
 
     async def _shutdown_tracer(self) -> None:
         if self._tracer_provider is not None:

@@ -57,9 +57,23 @@ class EmbeddedAgents:
         return {a.primary_id: a for a in self.agents}
 
     async def stop(self) -> None:
+        """Stop every agent, then destroy the shared context (linger 0: a close must not
+        block the loop on unsent messages). Every agent is stopped and the context
+        destroyed even when one agent's stop raises (they held their sockets on the context
+        and their tasks ran on); such a failure is logged and the first one raised at the
+        end."""
+        failed: Exception | None = None
         for agent in self.agents:
-            await agent.stop(deregister=True)
+            try:
+                await agent.stop(deregister=True)
+            except Exception as exc:  # the others still stop; a cancellation stops here
+                log.error(
+                    "embedded agent stop failed", exc_info=True, extra={"replica": agent.primary_id}
+                )
+                failed = failed or exc
         self.ctx.destroy(linger=0)
+        if failed is not None:
+            raise failed
 
 
 def embedded_agent_settings(spec: AgentSpec, **overrides: Any) -> AgentSettings:
@@ -88,14 +102,16 @@ def build_embedded_agents(
     registry: RegistryStore | None = None,
     **overrides: Any,
 ) -> EmbeddedAgents:
-    """Construct (not start) one agent per spec that has event endpoints."""
+    """Construct (not start) one agent per spec that has event endpoints. Every spec's
+    settings are read before anything is made: a spec refused (pydantic's ValidationError)
+    leaves no ZMQ context behind, nor does an agent that fails to construct."""
+    settings = [embedded_agent_settings(sp, **overrides) for sp in specs if sp.events]
     ctx = zmq.asyncio.Context()
-    agents = []
-    for spec in specs:
-        if not spec.events:
-            continue
-        settings = embedded_agent_settings(spec, **overrides)
-        agents.append(Agent(settings, index, load_store, registry, zmq_context=ctx))
+    try:
+        agents = [Agent(st, index, load_store, registry, zmq_context=ctx) for st in settings]
+    except BaseException:
+        ctx.destroy(linger=0)
+        raise
     return EmbeddedAgents(agents, ctx)
 
 
@@ -109,14 +125,27 @@ async def start_embedded_agents(
     """Start an agent per spec (returns at once; each waits for its engine on its own)
     and return the coroutine function that stops them all. ``metrics_registry``: the
     agents' metrics are exposed there too (the gateway's ``/metrics``), labelled by
-    replica, until they stop."""
+    replica, until they stop.
+
+    A start that raises part way (an agent's start, the collector's registration, a
+    cancellation) stops the agents it made (their tasks and sockets), unregisters the
+    collector and destroys the context before it raises the original exception: the
+    caller gets no stop function to do it with (a gateway whose agent hook raised stops
+    all it made but these agents). A failure of that clean-up is logged, not raised over
+    it."""
     group = build_embedded_agents(specs, index, load_store, None, **overrides)
-    collector = None
-    if metrics_registry is not None:
-        collector = AgentsCollector({a.primary_id: a.metrics.registry for a in group.agents})
-        metrics_registry.register(collector)
-    for agent in group.agents:
-        await agent.start()
+    collector: AgentsCollector | None = None
+    try:
+        if metrics_registry is not None:
+            collector = AgentsCollector({a.primary_id: a.metrics.registry for a in group.agents})
+            metrics_registry.register(collector)
+        for agent in group.agents:
+            await agent.start()
+    except GeneratorExit:  # the coroutine closed unawaited (its loop gone): no awaiting
+        raise
+    except BaseException:
+        await _undo_start(group, collector, metrics_registry)
+        raise
     log.info("embedded agents started", extra={"replicas": [a.primary_id for a in group.agents]})
 
     async def stop() -> None:
@@ -125,3 +154,23 @@ async def start_embedded_agents(
         await group.stop()
 
     return stop
+
+
+async def _undo_start(
+    group: EmbeddedAgents,
+    collector: AgentsCollector | None,
+    metrics_registry: CollectorRegistry | None,
+) -> None:
+    """:func:`start_embedded_agents`' clean-up after it failed: each step runs, and a
+    failure is logged (the caller raises the start's own exception)."""
+    if collector is not None and metrics_registry is not None:
+        try:
+            metrics_registry.unregister(collector)
+        except KeyError:  # its registration was what failed
+            pass
+        except Exception:
+            log.exception("unregistering the embedded agents' metrics after a failed start")
+    try:
+        await group.stop()  # every agent, then the context, whatever one of them raised
+    except Exception:
+        log.exception("stopping the embedded agents after their failed start failed too")
