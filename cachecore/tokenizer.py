@@ -280,7 +280,7 @@ def message_text(content: Any) -> str:
             elif isinstance(part, Mapping):
                 kind = part.get("type")
                 field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
-                if field is None and kind in MEDIA_PART_TYPES:
+                if field is None and isinstance(kind, str) and kind in MEDIA_PART_TYPES:
                     raise TokenizerError(
                         f"unsupported content part type: {kind!r} (kvgate routes text; "
                         "media parts are not supported)"

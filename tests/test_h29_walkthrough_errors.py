@@ -22,7 +22,16 @@ def _chat(model: str, part: object) -> dict[str, object]:
     }
 
 
-@pytest.mark.parametrize("part", [{"type": "foo", "text": "x"}, {"type": 5, "text": "x"}])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "foo", "text": "x"},
+        {"type": 5, "text": "x"},
+        # unhashable types: a set lookup of them raised TypeError, a 500 not this 400
+        {"type": ["text"], "text": "x"},
+        {"type": {"text": "x"}, "text": "x"},
+    ],
+)
 async def test_an_unknown_part_type_is_a_400_that_does_not_refuse_media(part: object) -> None:
     async with stack(count=1) as st, st.http() as h:
         r = await h.post("/v1/chat/completions", json=_chat(st.model, part))
