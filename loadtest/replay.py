@@ -269,10 +269,13 @@ async def replay(
     own_client = client is None
     # the gateway's upstream transport, not httpx's: on a 2-core machine httpcore's
     # per-chunk cost made this load generator the fleet's biggest CPU rival (~30 ms of CPU
-    # per 128-token stream), and the fleet's loop lag is what invalidates a run
+    # per 128-token stream), and the fleet's loop lag is what invalidates a run. Kept from
+    # httpx's pool: 256 kept-alive connections. Unlike it: no proxy from the environment
+    # (the bench and the demo send to loopback), and a body must be framed (content-length
+    # or chunked, as uvicorn, hyper and SGLang's servers frame every one)
     http = client or httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_s),
-        transport=LeanTransport(max_connections=max_in_flight),
+        transport=LeanTransport(max_connections=max_in_flight, max_idle_per_host=256),
     )
     gate = asyncio.Semaphore(max_in_flight)
 
