@@ -50,6 +50,7 @@ from cachecore.tokenizer import media_uuids, scope_media_uuids, strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
 from gateway.errors import GatewayError, bad_request, rate_limited
+from gateway.ids import random_hex
 from gateway.indexing import GatewayIndex, LookupResult, PendingWrite
 from gateway.limits import TenantLimiter
 from gateway.load import InFlight, LoadTracker, SharedLoadRefresher, Ticket
@@ -160,8 +161,9 @@ def request_id_from(headers: Mapping[str, str]) -> str:
     rid = headers.get("x-request-id")
     if rid and _REQUEST_ID.match(rid):
         return rid
-    # unique, not secret: the PRNG costs no syscall, unlike uuid4's os.urandom
-    return f"{random.getrandbits(128):032x}"
+    # unpredictable (gateway.ids: random's generator could be cloned from the ids a tenant
+    # is answered) and without a syscall per id
+    return random_hex(16)
 
 
 _MODELS_NAMED = 10  # in the 400 of a request without a model on a multi-model fleet
@@ -1105,7 +1107,7 @@ class Gateway:
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,
-            upstream_id=f"{request_id}-{random.getrandbits(64):016x}",
+            upstream_id=f"{request_id}-{random_hex(8)}",
             tenant=tenant,
             endpoint=endpoint,
             path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
