@@ -849,9 +849,11 @@ class Gateway:
     ) -> tuple[Scope, str | None]:
         """The request's isolation scope and its session key (for stickiness).
         ``sensitive.models`` covers a listed model's adapters: ``base_model`` is the model
-        an adapter request runs on (its prompts are the listed model's as much)."""
+        an adapter request runs on (its prompts are the listed model's as much); and every
+        name the replicas serve a listed model by (an alias named in the request was keyed
+        in the tenant's scope: tests/test_h29_redteam_aliases.py)."""
         kind: str = tpol.sensitive.default
-        if model in tpol.sensitive.models or base_model in tpol.sensitive.models:
+        if self._sensitive_model(tpol.sensitive.models, model, base_model):
             kind = _stricter(kind, tpol.sensitive.models_kind)
         asked = headers.get(SENSITIVE_HEADER)
         if asked is not None:
@@ -880,6 +882,18 @@ class Gateway:
         if tpol.trust_group is not None:
             return Scope(ScopeKind.GROUP, tpol.trust_group), session and f"{tenant}/{session}"
         return Scope(ScopeKind.TENANT, tenant), session and f"{tenant}/{session}"
+
+    def _sensitive_model(self, listed: Collection[str], model: str, base: str | None) -> bool:
+        """Whether ``model`` (or ``base``, the model an adapter runs on) is listed under any
+        name the replicas serve it by."""
+        if not listed:
+            return False
+        if model in listed or base in listed:
+            return True
+        if self.pool is None:
+            return False
+        names = self.pool.model_names
+        return any(n in listed for m in {model, base or model} for n in names(m))
 
     # ------------------------------------------------------------------ prepare
     async def prepare(

@@ -695,6 +695,16 @@ class ReplicaPool:
         self._bases = (self._version, bases)
         return bases
 
+    def model_names(self, model: str) -> tuple[str, ...]:
+        """Every name the routable replicas serve ``model``'s engine model by (vLLM's
+        ``--served-model-name`` aliases, grouped as :meth:`base_models` groups them), or
+        ``model`` alone: a rule naming a model (``sensitive.models``) must hold for each
+        name a client may route to it by."""
+        for names in self.base_models().names:
+            if model in names:
+                return names
+        return (model,)
+
     def _base_models(self) -> BaseModels:
         """One engine model served under several names (vLLM's ``--served-model-name a
         b``: a card per name, one ``root``, no ``parent``) is one model: names are grouped
