@@ -325,6 +325,7 @@ class Gateway:
         self.tracer = make_tracer(self._tracer_provider)
         self._warn_at = 0.0
         self._bg: set[asyncio.Task[None]] = set()
+        self._bg_closed = False  # set by stop(): later spawns are cancelled at once
         self._quarantine_watchers: dict[str, asyncio.Task[None]] = {}  # replica -> its watcher
         self._settling: Counter[str] = Counter()  # claim checks waiting for their agent
         self.alignment_problems: list[str] = []
@@ -790,6 +791,7 @@ class Gateway:
         closed clients. Bounded: a task that swallows its cancellation is cancelled again,
         and one that outlives :data:`BACKGROUND_STOP_S` is logged and left (shutdown goes
         on)."""
+        self._bg_closed = True  # from here on spawn() cancels what it is given
         me = asyncio.current_task()
         tasks = [t for t in self._bg if t is not me]
         if tasks:
@@ -816,6 +818,13 @@ class Gateway:
 
     def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        if self._bg_closed:
+            # stop() has cancelled and awaited the background tasks: one spawned now (a
+            # claim check of a request still in flight after the drain timeout) would read
+            # the index and the stores while they close. Cancelled before its first step,
+            # its coroutine never runs.
+            task.cancel()
+            return task
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
         return task

@@ -281,3 +281,20 @@ async def test_a_task_ignoring_every_cancellation_does_not_hang_stop(
         release.set()
         await asyncio.wait([task], timeout=5.0)
     assert task.done()
+
+
+async def test_a_task_spawned_after_stop_cancelled_its_tasks_never_runs(gateway: Gateway) -> None:
+    """A request still in flight after the drain timeout may spawn a claim check after stop()
+    cancelled and awaited the background tasks: it would read the index and the stores while
+    they close. Such a task is cancelled before its first step (review R1, this session)."""
+    ran: list[str] = []
+
+    async def check() -> None:
+        ran.append("ran")
+
+    await gateway.stop()
+    task = gateway.spawn(check())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ran == [] and task.cancelled()
+    assert gateway.background_settled()
