@@ -9,8 +9,12 @@ at an undeclared URL: such registrations are rejected and counted.
 A discovered replica whose registration is missing from a read is removed once the last
 read that had it is ``removal_grace_s`` old: a Redis restart loses every registration until
 the agents' next heartbeat (2 s), and a fleet of discovered replicas emptied at every
-restart would answer 503 meanwhile. While it waits, the replica's health checks keep a dead
-engine out of routing as they always do.
+restart would answer 503 meanwhile. A read that fails (Redis down) says nothing of a
+replica, so it counts as a read that had every replica the last successful read had: a
+Redis outage longer than the grace, then a restart that lost the registrations, emptied the
+whole pool at the first read after it (every client a 404 model_not_found until the
+agents' next heartbeat). One already missing before the failure keeps its clock. While it
+waits, the replica's health checks keep a dead engine out of routing as they always do.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ class Discovery:
         self._task: asyncio.Task[None] | None = None
         self.removal_grace_ms = int(removal_grace_s * 1000)
         self._last_seen: dict[str, int] = {}  # discovered id -> the last read that had it
+        # discovered ids the last successful read lacked (in their grace): a failed read
+        # since does not renew them
+        self._missing: set[str] = set()
         # static id -> the other URL its registration was warned of: one entry per static
         # replica, gone when its registration is (a set of every URL grew with churn)
         self._static_elsewhere: dict[str, str] = {}
@@ -79,6 +86,12 @@ class Discovery:
             if self.on_count is not None:
                 self.on_count("error", 1)
             log.warning("replica discovery failed", extra={"error": repr(exc)})
+            # no answer is no absence: the replicas the last read had count as seen now, so
+            # an outage longer than the grace followed by a restarted (empty) Redis does not
+            # remove them all before their agents' next heartbeat
+            for rid in self.discovered:
+                if rid not in self._missing:
+                    self._last_seen[rid] = now_ms
             return
         accepted, rejected = self.allowlist.accept(regs)
         self.rejected += len(rejected)
@@ -137,6 +150,7 @@ class Discovery:
                 log.info("replica registration expired: removed", extra={"replica": rid})
                 if self.on_removed is not None:
                     self.on_removed(rid)
+        self._missing = set(self.discovered) - seen
 
     @staticmethod
     def _moved(current: str, reg: Registration) -> bool:
