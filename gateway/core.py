@@ -1056,7 +1056,11 @@ class Gateway:
         if not scope.ephemeral and not unkeyed:
             keyer = self.keyer(bs)
             cap = min(hit_cap_blocks(n_prompt, bs), pol.index.max_prompt_blocks)
-            keys = [keyer.keys(packed, s, base_model, lora, max_blocks=cap) for s in salts]
+            # under the name the agents key by: an engine's first served name (vLLM's
+            # --served-model-name a b serves one model as a and b; its agent keys as a), so
+            # a request naming b predicts the hits a's requests left, and the other way round
+            key_model = self.pool.model_names(base_model)[0]
+            keys = [keyer.keys(packed, s, key_model, lora, max_blocks=cap) for s in salts]
         st.add("keys", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()
@@ -1107,7 +1111,7 @@ class Gateway:
             load_only=scope.ephemeral or unkeyed,
             unkeyed=unkeyed,
             cold_replicas=cold,
-            scope_key=scope.canonical(),
+            scope_key=scope.routing_key(),  # its tie rounds and draws (D26)
             hit_drop_blocks=mpool.hit_drop_blocks,
         )
         # decided without moving the router (cursor, tie rounds, trees), committed once the
@@ -1339,7 +1343,7 @@ class Gateway:
             load_only=d.ephemeral or d.unkeyed,
             unkeyed=d.unkeyed,
             cold_replicas=d.cold_replicas,  # a retry must not escape the confinement
-            scope_key=d.scope.canonical(),
+            scope_key=d.scope.routing_key(),
             hit_drop_blocks=d.hit_drop_blocks,
         )
         try:
