@@ -69,6 +69,16 @@ class Scope:
     def canonical(self) -> str:
         return f"{self.kind.value}:{self.name}"
 
+    def routing_key(self) -> str:
+        """The scope whose tie rounds and random draws the router keeps for this one's
+        requests (D26): its own, but for a per-request scope (``<tenant>/<one-off id>``)
+        its tenant's per-request scopes together, ``request:<tenant>``: one request has no
+        rounds to keep, and a flood of them would push every tenant's out of the router's
+        LRU. Nothing of another tenant's or of a trust group's is shared."""
+        if self.kind is ScopeKind.REQUEST:
+            return f"{self.kind.value}:{self.name.rpartition('/')[0]}"
+        return self.canonical()
+
 
 def is_kvgate_salt(salt: str) -> bool:
     return salt.startswith(SALT_PREFIX)

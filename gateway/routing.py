@@ -55,7 +55,8 @@ class MissTieBreak(StrEnum):
 
 
 MAX_SCOPE_TREES = 4096
-"""Scopes whose routed data the router remembers (LRU): a forgotten one starts over."""
+"""Scopes whose routed data the router remembers (LRU): a forgotten one starts over. The
+same bound holds the scopes' tie rounds and generators (D26)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,8 @@ class RoutingParams:
     """Strategy knobs (from the policy's ``routing`` section).
 
     ``tie_epsilon_ms`` / ``tie_fraction``: costs within ``tie_epsilon_ms`` of the best are
-    ties, taken in random rounds (each tied replica once per round); when no replica holds any
+    ties, taken in random rounds (each tied replica once per round; per isolation scope,
+    D26); when no replica holds any
     of the prompt, within ``max(tie_epsilon_ms, tie_fraction * best)``: the costs then
     differ only by load estimates, whose noise should not decide, and the rounds spread such
     requests about as evenly as round_robin (measured: short-unique p99 at 85% load).
@@ -116,7 +118,9 @@ class RouteRequest:
     load_only: bool = False  # sensitive (ephemeral) scope: never use any match
     unkeyed: bool = False  # load_only because the gateway cannot key it (media parts)
     cold_replicas: frozenset[str] | None = None  # confine this tenant's cold traffic
-    scope_key: str | None = None  # the isolation scope (tenant or trust group)
+    # the isolation scope (tenant or trust group): D14's trees and D26's tie rounds and
+    # draws are kept per scope; None: the shared round and the root generator
+    scope_key: str | None = None
     # blocks the engine drops off every prefix hit (the pool's hit_drop_blocks: 1 for vLLM
     # with EAGLE/EAGLE3/MTP drafting), so predictions equal its cached_tokens
     hit_drop_blocks: int = 0
@@ -172,6 +176,9 @@ class Effects:
     rr: bool = False
     # per tie taken: (pick, whether it began a new round, the tied replicas)
     rounds: list[tuple[str, bool, list[ReplicaScore]]] | None = None
+    # whose tie rounds and generator the decision used (D26): the request's isolation scope
+    # for expected_latency and load-only decisions, None for the shared ones
+    scope: str | None = None
     tree: tuple[str, int] | None = None  # prefix_affinity's (replica, new tokens)
     scope_tree: tuple[str, str, int] | None = None  # D14's (scope, replica, new tokens)
     done: bool = False
@@ -243,6 +250,21 @@ def _take_rounds(
         rounds.add(pick)
 
 
+@dataclass(slots=True, eq=False)
+class ScopeDraws:
+    """One isolation scope's tie rounds and random generator (D26): a scope's ties and
+    draws depend on its own decisions only, never on how many other tenants made. The
+    generator is seeded from the router's root generator when the scope is first met."""
+
+    rng: random.Random
+    rounds: set[str] = field(default_factory=set)  # replicas its ties went to this round
+
+    def copy(self) -> ScopeDraws:
+        rng = random.Random(0)
+        rng.setstate(self.rng.getstate())
+        return ScopeDraws(rng, set(self.rounds))
+
+
 def _shrink(tree: dict[str, int], replica: str, tokens: int) -> None:
     """Take ``tokens`` back from ``replica``'s entry; an entry at zero or below goes."""
     left = tree.get(replica, 0) - tokens
@@ -264,14 +286,25 @@ def rendezvous(key: str, replicas: Sequence[str]) -> str:
 
 
 class Router:
-    """Holds what a strategy needs between decisions (the round-robin cursor, the RNG);
-    everything else arrives with each call."""
+    """Holds what a strategy needs between decisions (the round-robin cursor, the RNG, the
+    tie rounds, the trees); everything else arrives with each call.
+
+    Per isolation scope (D14, D26): expected_latency's and load-only decisions take their
+    ties in the request's scope's own rounds and draw from its own generator, so no tenant's
+    placements depend on how many requests other tenants sent, or whether theirs hit. A
+    request without a scope, and the strategies that are no isolation default (round_robin's
+    cursor, random, consistent_hash without a key, least_loaded, prefix_affinity), use the
+    shared rounds and the root generator ``rng``."""
 
     def __init__(self, params: RoutingParams, rng: random.Random) -> None:
         self.params = params
         self.rng = rng
         self._rr = 0
         self._round: set[str] = set()  # replicas a tie went to in the current round
+        # D26: per isolation scope, its tie rounds and generator (LRU, as the scope trees)
+        self._scope_draws: OrderedDict[str, ScopeDraws] = OrderedDict()
+        # inside preview(): the copies of the scopes' draws it used (the originals untouched)
+        self._previewed: dict[str, ScopeDraws] | None = None
         # prefix_affinity's stand-in for SGLang's per-worker tree size: prompt tokens it sent
         # to each replica that the replica did not hold (SGLang counts the characters its
         # approximate tree gained per worker; neither forgets on engine evictions)
@@ -284,19 +317,24 @@ class Router:
     @contextmanager
     def preview(self) -> Iterator[None]:
         """Decisions made inside leave the router as they found it: the round-robin cursor,
-        the tie rounds, the trees and the RNG. For ``/admin/route/explain``, which must show
-        what a request would get without moving what the next real request gets (an
-        operator's explains would otherwise steer ties and rounds). Safe under asyncio:
+        the tie rounds, the trees and the RNG, the scopes' own rounds and generators (and
+        their LRU) too. For ``/admin/route/explain``, which must show what a request would
+        get without moving what the next real request gets (an operator's explains would
+        otherwise steer ties and rounds). A scope's rounds and generator are copied when a
+        decision inside first uses them, not all 4,096 up front. Safe under asyncio:
         :meth:`decide` never awaits, so nothing else decides in between."""
         rr, rounds, rng = self._rr, set(self._round), self.rng.getstate()
         trees, commits = dict(self._tree_tokens), self._commits
         scope_trees = OrderedDict((k, dict(v)) for k, v in self._scope_trees.items())
+        outer = self._previewed  # a preview inside one: on copies of the outer's copies
+        self._previewed = {} if outer is None else {k: v.copy() for k, v in outer.items()}
         try:
             yield
         finally:
             self._rr, self._round, self._commits = rr, rounds, commits
             self.rng.setstate(rng)
             self._tree_tokens, self._scope_trees = trees, scope_trees
+            self._previewed = outer
 
     def decide(
         self,
@@ -312,7 +350,8 @@ class Router:
         as they were. The RNG's draws are not held back: a draw is no accounting (no later
         decision's odds depend on how many came before), and undoing one would cost a
         getstate/setstate of the generator's 2.5 KB per request; :meth:`preview` restores
-        it, as explain promises the next request's decision."""
+        it, as explain promises the next request's decision. Nor is a scope's first draw: it
+        makes the scope's rounds and generator (D26), empty rounds until a commit."""
         if not candidates:
             raise NoCandidateError("no healthy replica serves this request")
         strat = strategy or self.params.strategy
@@ -321,6 +360,8 @@ class Router:
         if not eligible:  # a confined tenant's cold request, none of its replicas offered
             raise NoCandidateError("none of the tenant's cold replicas can take this request")
         fx = Effects(self._commits)
+        if req.load_only or strat is Strategy.EXPECTED_LATENCY:
+            fx.scope = req.scope_key  # its ties and draws: the scope's own (D26)
         if req.load_only:
             pick, reason = self._load_only(req, eligible, fx)
         elif strat is Strategy.EXPECTED_LATENCY:
@@ -358,7 +399,9 @@ class Router:
         if fx.rr:
             self._rr += 1
         if fx.rounds:
-            _take_rounds(self._round, fx.rounds, fx.seq != self._commits)
+            # re-checked when any decision committed in between (another scope's too: on
+            # rounds nobody else moved the re-check finds what the decision found)
+            _take_rounds(self._tie_rounds(fx.scope), fx.rounds, fx.seq != self._commits)
         if fx.tree is not None:
             replica, new = fx.tree
             self._tree_tokens[replica] = self._tree_tokens.get(replica, 0) + new
@@ -373,16 +416,23 @@ class Router:
         its replica (the connection was refused): the round-robin step, its pick's place in
         the tie round, and (``trees``) what it added to the trees, without a commit of its
         own. A round the decision began stays begun (the one before is not kept); a tree
-        entry taken to zero goes, and a scope tree evicted since is not made again. A
-        decision not committed, or retracted already, changes nothing."""
+        entry taken to zero goes, and a scope tree or a scope's rounds (D26) evicted since
+        are not made again. A decision not committed, or retracted already, changes
+        nothing."""
         fx = decision.effects
         if fx is None or not fx.done:
             return
         fx.done = False
         if fx.rr:
             self._rr -= 1
-        for pick, _, _ in fx.rounds or ():
-            self._round.discard(pick)
+        if fx.rounds:
+            if fx.scope is None:
+                rounds = self._round
+            else:  # the scope's own rounds; evicted since: not made again
+                draws = self._peek_draws(fx.scope)
+                rounds = set() if draws is None else draws.rounds
+            for pick, _, _ in fx.rounds:
+                rounds.discard(pick)
         if not trees:
             return
         if fx.tree is not None:
@@ -396,16 +446,68 @@ class Router:
                     del self._scope_trees[scope]
 
     def forget(self, replica: str) -> None:
-        """``replica`` was removed for good: its tree sizes and tie-round place go (one
-        entry per replica id ever routed to, else); back under the same id it starts as a
-        new replica, with empty trees. A scope tree left empty is dropped (it reads as
-        absent)."""
+        """``replica`` was removed for good: its tree sizes and its places in the tie rounds
+        (the shared round and every scope's) go (one entry per replica id ever routed to,
+        else); back under the same id it starts as a new replica, with empty trees. A scope
+        tree left empty is dropped (it reads as absent); a scope's rounds left empty stay
+        with its generator."""
         self._tree_tokens.pop(replica, None)
         self._round.discard(replica)
+        for draws in self._scope_draws.values():
+            draws.rounds.discard(replica)
+        for draws in (self._previewed or {}).values():
+            draws.rounds.discard(replica)
         trees = self._scope_trees
         for scope in [s for s, tree in trees.items() if tree.pop(replica, None) is not None]:
             if not trees[scope]:
                 del trees[scope]
+
+    # ------------------------------------------------------------------ scope draws
+    def _draws(self, scope: str) -> ScopeDraws:
+        """``scope``'s tie rounds and generator (D26), made on first use with a generator
+        seeded from the root one (deterministic under a seeded router, unpredictable under
+        an OS-seeded one); its LRU place moves. Inside :meth:`preview`, a copy."""
+        seen = self._previewed
+        if seen is not None:
+            draws = seen.get(scope)
+            if draws is None:
+                real = self._scope_draws.get(scope)
+                draws = seen[scope] = (
+                    ScopeDraws(random.Random(self.rng.getrandbits(64)))
+                    if real is None
+                    else real.copy()
+                )
+            return draws
+        states = self._scope_draws
+        draws = states.get(scope)
+        if draws is None:
+            draws = states[scope] = ScopeDraws(random.Random(self.rng.getrandbits(64)))
+            if len(states) > MAX_SCOPE_TREES:
+                states.popitem(last=False)
+        else:
+            states.move_to_end(scope)
+        return draws
+
+    def _peek_draws(self, scope: str) -> ScopeDraws | None:
+        """``scope``'s rounds and generator if the router has them; makes and moves nothing."""
+        seen = self._previewed
+        if seen is not None and scope in seen:
+            return seen[scope]
+        return self._scope_draws.get(scope)
+
+    def _tie_rounds(self, scope: str | None) -> set[str]:
+        return self._round if scope is None else self._draws(scope).rounds
+
+    def _rng(self, scope: str | None) -> random.Random:
+        return self.rng if scope is None else self._draws(scope).rng
+
+    def tie_round(self, scope: str | None = None) -> frozenset[str]:
+        """The replicas ``scope``'s ties went to in its current round (None: the shared
+        round); for tests and diagnostics: makes and moves nothing."""
+        if scope is None:
+            return frozenset(self._round)
+        draws = self._peek_draws(scope)
+        return frozenset() if draws is None else frozenset(draws.rounds)
 
     # ------------------------------------------------------------------ scoring
     def _score(
@@ -516,14 +618,19 @@ class Router:
         # round when there are none), so ties spread as evenly as round_robin, in an order
         # nobody can predict: a fixed rotation would let one tenant's placements reveal how
         # many cold requests the others sent, and line them up with theirs
+        # (the rounds and the generator of the request's scope: D26)
         taken = fx.rounds
-        rounds = self._round
+        if fx.scope is None:
+            rounds, rng = self._round, self.rng
+        else:
+            draws = self._draws(fx.scope)
+            rounds, rng = draws.rounds, draws.rng
         if taken:  # a second tie in one decision (a spill): on the rounds the first left
             rounds = set(rounds)
             _take_rounds(rounds, taken, False)
         fresh = [s for s in ties if s.replica not in rounds]
         new_round = not fresh
-        pick = self.rng.choice(ties if new_round else fresh)
+        pick = rng.choice(ties if new_round else fresh)
         if taken is None:
             fx.rounds = [(pick.replica, new_round, ties)]
         else:
@@ -537,7 +644,7 @@ class Router:
         if self.params.miss_tie_break is MissTieBreak.SCOPE_TREE and scope is not None:
             # read only: a scope's tree is made (and its LRU place moved) at the commit
             tree = self._scope_trees.get(scope)
-            pick = self._smallest_scope_tree(scores, {} if tree is None else tree)
+            pick = self._smallest_scope_tree(scores, {} if tree is None else tree, scope)
             if pick is None:
                 pick, reason = self._expected_latency_cost(scores, fx)
             else:
@@ -559,7 +666,7 @@ class Router:
         return tree
 
     def _smallest_scope_tree(
-        self, scores: Sequence[ReplicaScore], tree: dict[str, int]
+        self, scores: Sequence[ReplicaScore], tree: dict[str, int], scope: str
     ) -> ReplicaScore | None:
         """A miss everywhere whose costs tie (the ``tie_fraction`` band of D9): the tied
         replica with the least new data from this scope. Cold prefixes then spread by the
@@ -578,7 +685,9 @@ class Router:
         ties = self._ties(scores)
         if len(ties) < 2:
             return None
-        return self._smallest_tree(ties, tree)
+        low = min(tree.get(s.replica, 0) for s in ties)
+        least = [s for s in ties if tree.get(s.replica, 0) <= low]
+        return least[0] if len(least) == 1 else self._draws(scope).rng.choice(least)
 
     def _smallest_tree(self, scores: Sequence[ReplicaScore], tree: dict[str, int]) -> ReplicaScore:
         """SGLang's smallest tree: the replica with the least new prompt data in ``tree``
@@ -594,7 +703,7 @@ class Router:
             best = min(s.cost_ms for s in scores)
             scale = p.temperature * max(best, 1.0)
             weights = [math.exp(-(s.cost_ms - best) / scale) for s in scores]
-            pick = self.rng.choices(list(scores), weights=weights, k=1)[0]
+            pick = self._rng(fx.scope).choices(list(scores), weights=weights, k=1)[0]
             return pick, "softmax"
         pick, tied = self._lowest_cost(scores, fx)
         if p.spill_queue_ms is not None and pick.matched_blocks > 0:

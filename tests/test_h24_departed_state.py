@@ -223,6 +223,8 @@ async def test_fifty_churned_replicas_leave_nothing_behind() -> None:
         assert set(gw.inflight.pending_deltas) <= live
         assert set(gw.refresher._pushed) <= live
         assert set(gw.router._tree_tokens) <= live and gw.router._round <= live
+        for draws in gw.router._scope_draws.values():  # each scope's tie round (D26)
+            assert draws.rounds <= live
         for tree in gw.router._scope_trees.values():
             assert set(tree) <= live
         assert gw.quarantine.quarantined() == [] and gw.quarantine._replicas == {}
@@ -492,8 +494,10 @@ def test_the_router_forgets_a_replicas_trees_and_round() -> None:
     d = router.decide(lone, [Candidate("r1", LoadView())], Coefficients())
     assert d.replica == "r1" and set(router._scope_trees["lone"]) == {"r1"}
     router._round.add("r1")
+    router._draws("s0").rounds.add("r1")  # a scope's own round (D26)
     router.forget("r1")
     assert "r1" not in router._tree_tokens and "r1" not in router._round
+    assert "r1" not in router.tie_round("s0")
     assert all("r1" not in t for t in router._scope_trees.values())
     assert "lone" not in router._scope_trees
     assert "r0" in router._tree_tokens  # the others' stay

@@ -29,13 +29,22 @@ from tests.test_upstream_faults import FakeReplica, completion, gateway
 pytestmark = pytest.mark.timeout(60)
 
 C = Coefficients()
-State = tuple[int, frozenset[str], dict[str, int], list[tuple[str, dict[str, int]]]]
+State = tuple[
+    int,
+    frozenset[str],
+    dict[str, frozenset[str]],
+    dict[str, int],
+    list[tuple[str, dict[str, int]]],
+]
 
 
 def state(r: Router) -> State:
-    """What a decision may move (the RNG apart: a draw is no accounting, see decide)."""
+    """What a decision may move (the RNG apart: a draw is no accounting, see decide; nor
+    the place of a scope's rounds in their LRU, made or moved by a draw). The tie rounds:
+    the shared one and each scope's own (D26)."""
     scopes = [(k, dict(v)) for k, v in r._scope_trees.items()]  # the LRU order too
-    return r._rr, frozenset(r._round), dict(r._tree_tokens), scopes
+    rounds = {k: frozenset(v.rounds) for k, v in r._scope_draws.items() if v.rounds}
+    return r._rr, frozenset(r._round), rounds, dict(r._tree_tokens), scopes
 
 
 def match(blocks: int) -> PrefixMatch:

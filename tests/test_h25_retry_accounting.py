@@ -65,10 +65,11 @@ async def test_a_replica_that_refused_the_connection_keeps_its_turn_in_the_tie_r
     async with gateway(reps, GATEWAY_CONFIGS["expected_latency/round"]) as (gw, _):
         d = await gw.prepare("completion", "anonymous", completion(words(200, 2)), {}, "t")
         first = d.replica
-        assert gw.router._round == {first}  # a miss everywhere: a tie, taken in the round
+        scope = d.scope.routing_key()  # the tenant's own round (D26)
+        assert gw.router.tie_round(scope) == {first}  # a miss everywhere: a tie, in the round
         assert gw.reroute(d, first) and d.replica != first
         # the retry over the one replica left ties with nobody: no round entry of its own
-        assert first not in gw.router._round
+        assert first not in gw.router.tie_round(scope)
 
 
 def test_retract_takes_back_a_committed_decision_and_nothing_more() -> None:
@@ -99,7 +100,7 @@ def test_retract_takes_back_a_committed_decision_and_nothing_more() -> None:
     a = tied.decide(req, cands, co)
     b = tied.decide(req, cands, co)
     tied.retract(b)
-    assert tied._round == {a.replica}
+    assert tied.tie_round("t") == {a.replica}  # scope t's round (D26)
     pa = Router(RoutingParams(strategy=Strategy.PREFIX_AFFINITY), random.Random(0))
     d = pa.decide(req, cands, co)
     pa.retract(d)
