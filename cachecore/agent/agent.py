@@ -38,6 +38,7 @@ from cachecore.agent.progress import ProgressTracker
 from cachecore.agent.replay import ReplayClient
 from cachecore.agent.scrape import EngineScraper, EngineSnapshot, ScrapeError
 from cachecore.agent.settings import AgentSettings
+from cachecore.agent.silence import SilenceDetector
 from cachecore.agent.stream import EventStream
 from cachecore.agent.sync import (
     CheckIndex,
@@ -170,6 +171,8 @@ class Agent:
         self.engine: EngineInfo | None = None
         self.last_snapshot: EngineSnapshot | None = None
         self.progress = ProgressTracker()  # busy without progress (D17), per scrape
+        # computing without publishing KV events, per scrape (cachecore.agent.silence)
+        self.silence = SilenceDetector(self.primary_id, settings.events_silence_window_s)
         self.engine_reachable = False
         self._index_warned = False  # "index not reachable" logged in this engine wait
         self._last_scrape_ok = 0.0
@@ -253,7 +256,8 @@ class Agent:
                 "dirty": sync.dirty,
                 "lag_s": round(max(0.0, time.time() - sync.last_ts), 3) if sync.last_ts else None,
             }
-        stream_problem = stream.wiring_problem if stream else None
+        problems = [stream.wiring_problem if stream else None, self.silence.problem]
+        stream_problem = "; ".join(p for p in problems if p is not None) or None
         if not self.ready.is_set():
             status = "starting"
         elif (
@@ -760,8 +764,10 @@ class Agent:
         # one rank of a data-parallel server: its own core's queues and progress (the
         # server's /metrics holds every rank's, labelled by engine)
         core = snap.for_core(s.data_parallel_rank)
-        stalled_s = self.progress.observe(core, time.monotonic())
+        now = time.monotonic()
+        stalled_s = self.progress.observe(core, now)
         self.metrics.engine_stalled.set(stalled_s)
+        self._observe_silence(snap, stream, now)
         if self.load_link is not None:
             await self.load_link.publish(self.primary_id, core, self.metrics, stalled_s)
         # a new process first clears (still unroutable), only then becomes reachable:
@@ -775,6 +781,21 @@ class Agent:
             log.info("engine reachable again", extra={"replica": self.primary_id})
             for sync in list(self.syncs.values()):
                 await sync.put(SetEngineReachable(True))
+
+    def _observe_silence(self, snap: EngineSnapshot, stream: EventStream, now: float) -> None:
+        """Whether the engine computes without publishing KV events, judged on the core
+        whose events this agent receives (core 0 of a data-parallel server for an agent
+        given no rank: every vLLM rank publishes on its own port, rank 0 on the base one)."""
+        assert self.engine is not None
+        rank = self.settings.data_parallel_rank
+        work = snap.for_core(0 if rank is None else rank)
+        episodes = self.silence.episodes
+        problem = self.silence.observe(
+            work, self.engine.block_size, stream.last_live_batch(now), now
+        )
+        if self.silence.episodes != episodes:
+            self.metrics.silences.inc()
+        self.metrics.events_silent.set(0 if problem is None else 1)
 
     async def _check_loop(self, loop: LoopRun) -> None:
         while True:

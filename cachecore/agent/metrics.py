@@ -189,6 +189,17 @@ class AgentMetrics:
             "as of the last scrape (0: progressing, idle, or no counters)",
             registry=r,
         )
+        self.events_silent = Gauge(
+            "kvgate_agent_events_silent",
+            "1 while the engine computes (its counters prove new blocks) and publishes no "
+            "KV events: a broken publisher or kv_events_config, an unreachable event port",
+            registry=r,
+        )
+        self.silences = Counter(
+            "kvgate_agent_events_silences",
+            "Times the engine was found computing without publishing KV events",
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "kvgate_agent_scrape_errors", "Failed engine /metrics scrapes", registry=r
         )

@@ -38,6 +38,12 @@ START_TIME = "process_start_time_seconds"
 # an engine with requests whose counters stand still is stalled (cachecore.agent.progress)
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+# prompt tokens looked up in the prefix cache at admission, and those it served: their
+# difference is the prompt tokens the engine computed (and stored in new blocks), which
+# tells an engine serving without publishing KV events from an idle one (silence.py)
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+FINISHED = "vllm:request_success_total"  # finished requests (summed over finished_reason)
 SGLANG_RUNNING = "sglang:num_running_reqs"
 SGLANG_WAITING = "sglang:num_queue_reqs"
 SGLANG_KV_USAGE = "sglang:token_usage"  # fraction of the KV pool's tokens in use, 0..1
@@ -74,6 +80,9 @@ class EngineCounters:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float | None = None  # the core's own KV pool use (vLLM labels it per engine)
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    finished: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,10 @@ class EngineSnapshot:
     generation_tokens: float | None = None
     # the KV pool in tokens, for engines that do not export their block count (SGLang)
     max_total_tokens: int | None = None
+    # vLLM's prefix-cache lookups and hits (tokens) and finished requests; None when absent
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    finished: float | None = None
     # vLLM's busy gauges and token counters by ``engine`` label, for a data-parallel server
     # (several cores); empty otherwise, when the totals above are judged
     engines: Mapping[str, EngineCounters] = field(default_factory=dict)
@@ -116,6 +129,9 @@ class EngineSnapshot:
             kv_usage=self.kv_usage if core.kv_usage is None else core.kv_usage,
             prompt_tokens=core.prompt_tokens,
             generation_tokens=core.generation_tokens,
+            prefix_queries=core.prefix_queries,
+            prefix_hits=core.prefix_hits,
+            finished=core.finished,
             engines={},
             dp_ranks={},
         )
@@ -152,12 +168,16 @@ def parse_metrics(text: str) -> EngineSnapshot:
     model: str | None = None
     prompt: float | None = None
     generation: float | None = None
+    queries: float | None = None
+    hits: float | None = None
+    finished: float | None = None
     sgl_usage: float | None = None
     sgl_info_bs = sgl_info_pages = None
     # SGLang series by dp_rank: the largest value its (tensor-parallel) ranks report
     sgl: dict[str, dict[str, float]] = {}
     vllm_running = vllm_waiting = False
-    # per engine core: [busy, prompt tokens, generation tokens, running, waiting, KV usage]
+    # per engine core: [busy, prompt tokens, generation tokens, running, waiting, KV usage,
+    # prefix-cache queries, prefix-cache hits, finished requests]
     cores: dict[str, list[float | None]] = {}
     try:
         families = list(text_string_to_metric_families(text))
@@ -196,6 +216,15 @@ def parse_metrics(text: str) -> EngineSnapshot:
             elif name == GENERATION_TOKENS:
                 generation = (generation or 0.0) + value
                 _add(cores, s.labels, 2, value)
+            elif name == PREFIX_QUERIES:
+                queries = (queries or 0.0) + value
+                _add(cores, s.labels, 6, value)
+            elif name == PREFIX_HITS:
+                hits = (hits or 0.0) + value
+                _add(cores, s.labels, 7, value)
+            elif name == FINISHED:
+                finished = (finished or 0.0) + value
+                _add(cores, s.labels, 8, value)
             elif name in _SGLANG_PER_RANK:
                 ranks = sgl.setdefault(name, {})
                 rank = s.labels.get("dp_rank", "")
@@ -240,10 +269,15 @@ def parse_metrics(text: str) -> EngineSnapshot:
         prompt,
         generation,
         int(sum(max_tokens.values())) if max_tokens else None,
+        queries,
+        hits,
+        finished,
         # per core only where vLLM says which core is busy: one core (or busy gauges from
         # SGLang's names) is judged on the totals, as it always was
         {
-            k: EngineCounters(v[0] or 0.0, v[1], v[2], v[3] or 0.0, v[4] or 0.0, v[5])
+            k: EngineCounters(
+                v[0] or 0.0, v[1], v[2], v[3] or 0.0, v[4] or 0.0, v[5], v[6], v[7], v[8]
+            )
             for k, v in cores.items()
         }
         if len(cores) > 1 and (vllm_running or vllm_waiting)
@@ -271,7 +305,7 @@ def _core(cores: dict[str, list[float | None]], labels: Mapping[str, str]) -> li
     name = labels.get("engine", "")
     core = cores.get(name)
     if core is None:
-        core = cores[name] = [None] * 6
+        core = cores[name] = [None] * 9
     return core
 
 

@@ -94,6 +94,9 @@ class AgentSettings(BaseSettings):
     scrape_interval_s: float = Field(default=1.0, gt=0)
     scrape_timeout_s: float = Field(default=2.0, gt=0)
     unavailable_after_s: float = Field(default=5.0, gt=0)
+    # an engine whose counters show blocks computed over this window while no live event
+    # batch arrived publishes no events (cachecore.agent.silence): /health degraded; 0: off
+    events_silence_window_s: float = Field(default=30.0, ge=0)
 
     # registration and load
     heartbeat_interval_s: float = Field(default=2.0, gt=0)

@@ -122,6 +122,13 @@ class EventStream:
         self.stale_probe_cooldown_s = stale_probe_cooldown_s
         self.last_seq = -1
         self.last_digest: int | None = None
+        # monotonic time the last live batch that decoded arrived (None: none yet): an
+        # engine that computes while none arrives publishes nothing (cachecore.agent.silence)
+        self.last_batch_at: float | None = None
+        # between a received message (or the catch-up) and the next wait for one: a replay,
+        # the lock or a full queue holds the stream, and what waits in the SUB socket is
+        # unknown (reading ZMQ_EVENTS from another task would eat the edge the poller needs)
+        self._handling = False
         self.lock = asyncio.Lock()
         self.caught_up = asyncio.Event()
         self._stale_until = 0.0
@@ -174,6 +181,13 @@ class EventStream:
         self._poller = zmq.asyncio.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
+
+    def last_live_batch(self, now: float) -> float | None:
+        """When the engine last published a batch we received: ``now`` while the stream is
+        not waiting for a message (it handles one, or catches up: a replay, the lock or a
+        full queue may hold it while batches wait in the SUB socket), else the arrival of
+        the last live batch that decoded (None: none yet)."""
+        return now if self._handling else self.last_batch_at
 
     def close(self) -> None:
         """Close the SUB socket and its monitor (idempotent; a later :meth:`subscribe`
@@ -270,6 +284,7 @@ class EventStream:
         """Catch up (replay from last + 1, or a restart from 0), then follow the live
         stream until cancelled."""
         self.subscribe()
+        self._handling = True
         try:
             async with self.lock:
                 if restart_first:
@@ -278,7 +293,9 @@ class EventStream:
                     await self._replay_and_apply(self.last_seq + 1, verify=False)
             self.caught_up.set()
             while True:
+                self._handling = False
                 frames = await self._recv()
+                self._handling = True
                 if frames is None:
                     async with self.lock:
                         await self._after_reconnect()
@@ -292,6 +309,7 @@ class EventStream:
                 async with self.lock:
                     await self._on_live(frame)
         finally:
+            self._handling = False
             self.close()
 
     async def _after_reconnect(self) -> None:
@@ -348,6 +366,7 @@ class EventStream:
         batch = self._decode(frame, "live")
         if batch is None:
             return
+        self.last_batch_at = time.monotonic()
         digest = payload_digest(frame.payload)
         seq = frame.seq
         if seq == self.last_seq + 1:

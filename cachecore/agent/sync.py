@@ -213,8 +213,13 @@ class ReplicaSync:
         self._task = None
 
     async def put(self, cmd: Command) -> None:
+        # the stream puts every command in its decided order, so what follows a restart's
+        # clear is the new process's: its seq counts from scratch (the old one's stayed in
+        # /health until the new engine's first batch, for ever if none came)
         if isinstance(cmd, ApplyBatch):
             self.received_seq = cmd.seq
+        elif isinstance(cmd, ClearReplica) and cmd.cause == "engine_restart":
+            self.received_seq = -1
         await self._queue.put(cmd)
 
     async def drain(self) -> None:
@@ -503,6 +508,7 @@ class ReplicaSync:
             # an index outage replay from past the new stream's batches, losing them)
             self.written_seq = -1
             await self._try_resync("index_error")  # rewrites from the (now empty) mirror
+            self._seq_gauges()
             return
         try:
             self.epoch = await self.index.clear_replica(
@@ -512,6 +518,15 @@ class ReplicaSync:
         except Exception as exc:
             self._index_failed("clear", exc)
             self.written_seq = -1  # as above: the resync that follows does the clear
+        self._seq_gauges()
+
+    def _seq_gauges(self) -> None:
+        """last_seq and seq_lag as of now (a clear: the gauge kept the old stream's seq until
+        the next write, for ever if none came)."""
+        self.metrics.last_seq.labels(self.replica_id).set(self.written_seq)
+        self.metrics.seq_lag.labels(self.replica_id).set(
+            max(0, self.received_seq - self.written_seq)
+        )
 
     async def _set_reachable(self, reachable: bool) -> None:
         await self._settle()
