@@ -30,6 +30,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from cachecore.tasks import cancel_and_wait
+
 FLUSH_INTERVAL_S = 1.0
 BUFFER_BYTES = 1024 * 1024  # written out early when a second's records pass it
 DROP_LOG_INTERVAL_S = 60.0
@@ -116,13 +118,15 @@ class RequestTrace:
             )
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stop the flusher, write what is buffered and close the file. A close that is
+        itself cancelled still flushes and closes, then ends cancelled: suppressing the
+        flusher's CancelledError here swallowed the caller's own cancellation."""
+        try:
+            await cancel_and_wait(self._task)
+        finally:
             self._task = None
-        if self._fh is not None:
-            self.flush()
-            with contextlib.suppress(OSError):
-                self._fh.close()
-            self._fh = None
+            if self._fh is not None:
+                self.flush()
+                with contextlib.suppress(OSError):
+                    self._fh.close()
+                self._fh = None
