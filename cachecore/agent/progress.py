@@ -33,6 +33,12 @@ _START_TIME_TOLERANCE_S = 1e-3
 _Counters = tuple[float | None, float | None]
 
 
+def start_time_moved(last: float | None, now: float | None) -> bool:
+    """Whether ``process_start_time_seconds`` changed between two scrapes that both
+    carried it: a new engine process (the progress and the silence checks start over)."""
+    return last is not None and now is not None and abs(now - last) > _START_TIME_TOLERANCE_S
+
+
 @dataclass(slots=True)
 class _CoreProgress:
     """One engine core's counters across scrapes."""
@@ -100,11 +106,7 @@ class ProgressTracker:
     def observe(self, snap: EngineSnapshot, now: float) -> float:
         """Seconds the engine's most stalled core has been busy without progress as of this
         scrape (0.0 when every core progresses, is idle, or cannot be judged)."""
-        restarted = (
-            snap.start_time is not None
-            and self._start_time is not None
-            and abs(snap.start_time - self._start_time) > _START_TIME_TOLERANCE_S
-        )
+        restarted = start_time_moved(self._start_time, snap.start_time)
         self._start_time = snap.start_time
         cores = snap.engines or {
             "": EngineCounters(

@@ -38,6 +38,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from cachecore.agent.progress import start_time_moved
 from cachecore.agent.scrape import EngineSnapshot
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 MIN_BLOCKS = 4
 """Blocks the counters must prove stored (beyond a block of slack per request)."""
 
-_START_TIME_TOLERANCE_S = 1e-3
 _MAX_SAMPLES = 100_000  # a bound whatever the window and the scrape interval
 
 
@@ -129,13 +129,8 @@ class SilenceDetector:
     ) -> str | None:
         if self.window_s <= 0:
             return None
-        start = snap.start_time
-        restarted = (
-            start is not None
-            and self._start_time is not None
-            and abs(start - self._start_time) > _START_TIME_TOLERANCE_S
-        )
-        self._start_time = start
+        restarted = start_time_moved(self._start_time, snap.start_time)
+        self._start_time = snap.start_time
         sample = _sample(snap, now)
         if restarted or (self._samples and _went_back(self._samples[-1], sample)):
             self.reset("engine restarted")
