@@ -2,11 +2,13 @@
 
 Nothing here fakes a component: :class:`RedisServer` runs the real ``redis-server`` binary on
 a free loopback port with persistence off and stops it afterwards; :class:`RedisClusterServers`
-runs several of them as a real Redis Cluster (created with ``redis-cli --cluster create``).
+runs several of them as a real Redis Cluster (created with ``redis-cli --cluster create``);
+:func:`serve_asgi` serves an ASGI app with a real uvicorn server in the current event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import shutil
@@ -14,10 +16,12 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
+import uvicorn
 
 PATIENT_TIMEOUT_S = 5.0
 """Socket timeout for Redis clients in correctness tests. The stores' defaults (0.25-1 s)
@@ -54,6 +58,35 @@ def wait_for_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -
             return
         time.sleep(0.02)
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
+
+
+@contextlib.asynccontextmanager
+async def serve_asgi(
+    app: Any, *, start_timeout_s: float = 10.0, **config: Any
+) -> AsyncIterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port, as a task in the running loop;
+    yields its base URL (``https://`` when ``ssl_certfile`` is given) once it listens.
+
+    ``config`` overrides uvicorn's settings (defaults: no lifespan, warnings only, the
+    running loop). On exit the server is told to stop and awaited: its connections close
+    and its task ends before the caller's next step.
+    """
+    port = free_port()
+    settings: dict[str, Any] = {"lifespan": "off", "log_level": "warning", "loop": "none"}
+    settings.update(config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **settings))
+    task = asyncio.ensure_future(server.serve())
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:  # bounded by start_timeout_s
+            if task.done() or time.monotonic() > deadline:
+                raise TimeoutError(f"uvicorn did not start on port {port} in {start_timeout_s}s")
+            await asyncio.sleep(0.01)
+        scheme = "https" if settings.get("ssl_certfile") else "http"
+        yield f"{scheme}://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
 
 
 class MissingProgram(RuntimeError):

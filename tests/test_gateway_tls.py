@@ -3,7 +3,6 @@ certificate made by ``openssl`` for this test), the real gateway in front of it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import subprocess
@@ -11,12 +10,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
 from pydantic import SecretStr
 
 from cachecore.replica.fleet import run_fleet
-from cachecore.testing import free_port
+from cachecore.testing import free_port, serve_asgi
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from tests.test_gateway_support import FAST
@@ -41,31 +39,17 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
 @contextlib.asynccontextmanager
 async def tls_replica(cert: Path, key: Path) -> AsyncIterator[str]:
     """One simulated replica, served over TLS only; yields its https:// URL."""
-    async with run_fleet(FAST, count=1) as fleet:
-        port = free_port()
-        config = uvicorn.Config(
+    async with (
+        run_fleet(FAST, count=1) as fleet,
+        serve_asgi(
             fleet.fronts[0],
-            host="127.0.0.1",
-            port=port,
             ssl_certfile=str(cert),
             ssl_keyfile=str(key),
-            lifespan="off",
             log_config=None,
             timeout_graceful_shutdown=1,
-        )
-        server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
-        try:
-            for _ in range(500):  # bounded: 5 s
-                if server.started:
-                    break
-                await asyncio.sleep(0.01)
-            assert server.started
-            yield f"https://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(task, 10)
+        ) as url,
+    ):
+        yield url
 
 
 async def test_a_replica_at_an_https_url_serves_completions(

@@ -16,12 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from pydantic import SecretStr
 
 from cachecore.looplag import LoopLagMonitor
 from cachecore.replica.fleet import run_fleet
-from cachecore.testing import free_port
+from cachecore.testing import free_port, serve_asgi
 from gateway.replicas import ReplicaPool, ReplicaSpec
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
@@ -65,21 +64,10 @@ async def health_proxy(
         await send({"type": "http.response.start", "status": r.status_code, "headers": out})
         await send({"type": "http.response.body", "body": r.content})
 
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, lifespan="off", log_level="warning", loop="none"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    deadline = time.monotonic() + 10.0
-    while not server.started:
-        assert time.monotonic() < deadline and not task.done(), "proxy did not start"
-        await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", seen
+        async with serve_asgi(app) as url:
+            yield url, seen
     finally:
-        server.should_exit = True
-        await task
         await client.aclose()
 
 

@@ -20,10 +20,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from cachecore.testing import free_port
+from cachecore.testing import serve_asgi
 from gateway.app import create_app
 from gateway.core import Dispatch, Gateway, Outcome
 from gateway.settings import GatewaySettings
@@ -159,22 +158,8 @@ async def test_hot_path_cuts_off_a_client_that_reads_nothing(
 async def _plain_uvicorn(gw: Gateway) -> AsyncIterator[str]:
     """The same gateway behind uvicorn's own httptools protocol: completions go through
     FastAPI and ASGI (``UpstreamExchange.__call__``), as under any other ASGI server."""
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(gw), host="127.0.0.1", port=port, http="httptools", lifespan="off",
-        log_level="warning", loop="none",
-    )  # fmt: skip
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    deadline = time.monotonic() + 10.0
-    while not server.started:  # bounded
-        assert time.monotonic() < deadline and not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_asgi(create_app(gw), http="httptools") as url:
+        yield url
 
 
 async def test_asgi_path_cuts_off_a_client_that_reads_nothing(

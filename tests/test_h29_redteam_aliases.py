@@ -25,12 +25,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 
 from cachecore.keys import EPHEMERAL_SALT_PREFIX, ScopeKind
 from cachecore.replica.fleet import run_fleet
 from cachecore.replica.settings import ReplicaSettings
-from cachecore.testing import free_port
+from cachecore.testing import serve_asgi
 from tests.test_gateway_support import FAST, stack, words
 from tests.test_isolation import auth, chat_body, key_store
 
@@ -83,21 +82,10 @@ async def aliasing_proxy(
         await send({"type": "http.response.start", "status": r.status_code, "headers": out})
         await send({"type": "http.response.body", "body": content})
 
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, lifespan="off", log_level="warning", loop="none"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    deadline = time.monotonic() + 10.0
-    while not server.started:
-        assert time.monotonic() < deadline and not task.done(), "proxy did not start"
-        await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", bodies
+        async with serve_asgi(app) as url:
+            yield url, bodies
     finally:
-        server.should_exit = True
-        await task
         await client.aclose()
 
 

@@ -6,8 +6,6 @@ requests ahead of every other tenant's."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,11 +14,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 from pydantic import SecretStr
 
 from cachecore.replica.fleet import run_fleet
-from cachecore.testing import free_port
+from cachecore.testing import free_port, serve_asgi
 from gateway.auth import hash_key
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
@@ -56,21 +53,10 @@ async def recording_proxy(upstream: str) -> AsyncIterator[tuple[str, list[dict[s
         await send({"type": "http.response.start", "status": r.status_code, "headers": out})
         await send({"type": "http.response.body", "body": r.content})
 
-    port = free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, lifespan="off", log_level="warning", loop="none"
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    deadline = time.monotonic() + 10.0
-    while not server.started:
-        assert time.monotonic() < deadline and not task.done(), "proxy did not start"
-        await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", bodies
+        async with serve_asgi(app) as url:
+            yield url, bodies
     finally:
-        server.should_exit = True
-        await task
         await client.aclose()
 
 
