@@ -658,14 +658,23 @@ class ReplicaPool:
         self._version += 1
 
     def model_cards(self) -> list[dict[str, object]]:
-        """Union of the healthy replicas' /v1/models entries, one per id (the first
-        replica's card, as the engine wrote it: ``max_model_len``, ``root``, ``parent``
-        and any other field pass through), each with OpenAI's required ``object``,
-        ``created`` and ``owned_by``."""
+        """Union of every replica's /v1/models entries, one per id (a routable replica's
+        card where one lists it, else the first replica's, as the engine wrote it:
+        ``max_model_len``, ``root``, ``parent`` and any other field pass through), each
+        with OpenAI's required ``object``, ``created`` and ``owned_by``.
+
+        Replicas out of service (cordoned, draining, unhealthy, ejected) count too: a
+        request naming their models is a retryable 503 ``no_replica``, not a 404
+        ``model_not_found`` (``Gateway.prepare``), so the list says what exists, not
+        what is routable this instant. Listed only by routable replicas, a fleet
+        cordoned for maintenance listed nothing, and a client that checks the list
+        before sending concluded its model did not exist."""
         now = self._clock()
         seen: dict[str, dict[str, object]] = {}
-        for rep in self._replicas.values():
-            if not rep.routable(now) or rep.models is None:
+        # routable replicas first: their cards are the ones read from engines serving now
+        order = sorted(self._replicas.values(), key=lambda r: not r.routable(now))
+        for rep in order:
+            if rep.models is None:
                 continue
             for mid in sorted(rep.models):
                 if mid in seen:
