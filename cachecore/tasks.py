@@ -14,9 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RUN_TO_END_CANCELS = 3
+"""How many times :func:`run_to_end` cancels a clean-up past its bound before leaving it."""
 
 
 async def cancel_and_wait(
@@ -41,3 +47,59 @@ async def cancel_and_wait(
         if task is not None and task.done():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 task.result()
+
+
+async def run_to_end(
+    work: Coroutine[Any, Any, T], limit_s: float, what: str, grace_s: float = 1.0
+) -> T:
+    """Run ``work`` (a clean-up: a stop, a close) in a task of its own and wait until it has
+    ended, however often the caller is cancelled meanwhile. Awaited directly, a clean-up
+    stopped at the first cancellation that reached it, and what it had not closed yet
+    (tasks, clients, sockets, files) stayed open for the rest of the process.
+
+    A cancellation of the caller while it waited is raised once ``work`` has ended (a
+    failure of ``work`` is then logged, not raised). Otherwise ``work``'s result is
+    returned, or its exception raised.
+
+    Bounded: past ``limit_s`` ``work`` is cancelled (again every ``grace_s``, at most
+    :data:`RUN_TO_END_CANCELS` times; one that outlives that is logged and left running)
+    and TimeoutError raised, or the caller's cancellation."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(work, name=what)
+    cancelled: asyncio.CancelledError | None = None
+    deadline = loop.time() + limit_s
+    cancels = 0
+    while not task.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            if cancels == RUN_TO_END_CANCELS:
+                log.error("a clean-up survived its cancellations", extra={"what": what})
+                break
+            if cancels == 0:
+                log.error(
+                    "a clean-up did not end in time: cancelled",
+                    extra={"what": what, "limit_s": limit_s},
+                )
+            task.cancel()
+            cancels += 1
+            deadline = loop.time() + grace_s
+            continue
+        try:
+            # wait, not await: a cancellation of ours must not reach the task
+            await asyncio.wait((task,), timeout=left)
+        except asyncio.CancelledError as exc:
+            cancelled = cancelled or exc  # held until the clean-up has ended
+    failure: BaseException | None = None
+    if cancels:
+        if task.done() and not task.cancelled():
+            task.exception()  # consumed: the timeout is the outcome
+        failure = TimeoutError(f"{what} did not end within {limit_s} s")
+    elif not task.cancelled():
+        failure = task.exception()
+    if cancelled is not None:
+        if failure is not None:
+            log.error("a clean-up failed", exc_info=failure, extra={"what": what})
+        raise cancelled
+    if failure is not None:
+        raise failure
+    return task.result()
