@@ -45,7 +45,7 @@ from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_blocks, hit_cap_blocks
-from cachecore.tasks import cancel_and_wait
+from cachecore.tasks import cancel_and_wait, run_to_end
 from cachecore.tokenizer import media_uuids, scope_media_uuids, strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
@@ -108,6 +108,8 @@ SETTLE_POLL_S = 0.25
 # task that swallowed its cancellation is cancelled again within it
 BACKGROUND_STOP_S = 2.0
 BACKGROUND_STOP_CANCELS = 4
+# stop(): how long one close step may take before it is cancelled and the next one runs
+STOP_STEP_S = 10.0
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 _ENGINE_ID_FIELDS = frozenset(("request_id", "rid"))
 """Body fields an engine takes its request id from (vLLM's ``request_id``, SGLang's ``rid``)."""
@@ -479,7 +481,8 @@ class Gateway:
         original exception as it was: nobody else stops a gateway whose start failed
         (uvicorn does not run the lifespan's shutdown then), and its client, tasks, trace
         file and Redis connections stayed open for the rest of the process. A failure of
-        that clean-up is logged, not raised in its place."""
+        that clean-up is logged, not raised in its place; so is a cancellation that arrives
+        during it, which :meth:`stop` does not let cut it short."""
         try:
             await self._start()
         except GeneratorExit:  # the coroutine closed unawaited (its loop gone): no awaiting
@@ -487,6 +490,10 @@ class Gateway:
         except BaseException:
             try:
                 await self.stop()
+            except asyncio.CancelledError:
+                # cancelled again: stop ran every step all the same. The start's own
+                # exception is raised (as a TaskGroup raises its errors over a cancellation)
+                log.warning("the gateway's failed start was cancelled again while it stopped")
             except Exception:
                 log.exception("stopping the gateway after its failed start failed too")
             raise
@@ -722,8 +729,16 @@ class Gateway:
         Each step runs even when an earlier one failed (a failing agent stop left the
         index, the stores, the client and the trace file open): a failure is logged and the
         first one raised once all ran. The background tasks are cancelled and waited for
-        (at most :data:`BACKGROUND_STOP_S`) before the index and the stores close."""
+        (at most :data:`BACKGROUND_STOP_S`) before the index and the stores close.
+
+        A stop that is cancelled (a second shutdown signal, a start-up cancelled again while
+        it cleaned up) ends its drain at once but runs every step to its end, in a task of
+        its own the cancellation does not reach, then ends cancelled: cancelled in one step,
+        it left those after it (the agents, the index, the stores, the client, the trace
+        file) open. A step that blocks is cancelled after :data:`STOP_STEP_S` and counts as
+        failed; the next one runs."""
         self.draining = True
+        cancelled: asyncio.CancelledError | None = None
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
                 await self._idle.wait()  # set unless a request is in flight
@@ -731,18 +746,39 @@ class Gateway:
             log.warning(
                 "drain timeout: closing with requests in flight", extra={"n": self.in_flight}
             )
+        except asyncio.CancelledError as exc:
+            cancelled = exc  # no more draining; the steps still run
+        steps = self._stop_steps(asyncio.current_task())
+        # the per-step bound is the real one; this one stops a step that ignores its
+        # cancellation from holding the caller for ever
+        limit_s = STOP_STEP_S * (len(steps) + 1)
+        try:
+            await run_to_end(self._run_stop_steps(steps), limit_s, "gateway stop")
+        except Exception:
+            if cancelled is None:
+                raise
+            # logged by its step: the caller's cancellation is what this stop ends with
+        if cancelled is not None:
+            raise cancelled
+
+    @staticmethod
+    async def _run_stop_steps(steps: Sequence[tuple[str, Callable[[], Awaitable[None]]]]) -> None:
         failed: Exception | None = None
-        for what, step in self._stop_steps():
+        for what, step in steps:
             try:
-                await step()
-            except Exception as exc:  # the other steps still run; a cancellation stops here
+                async with asyncio.timeout(STOP_STEP_S):
+                    await step()
+            except Exception as exc:  # the other steps still run (TimeoutError: it blocked)
                 log.error("gateway stop: a step failed", exc_info=True, extra={"step": what})
                 failed = failed or exc
         if failed is not None:
             raise failed
 
-    def _stop_steps(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
-        """:meth:`stop`'s steps in order, those of what exists (each idempotent)."""
+    def _stop_steps(
+        self, caller: asyncio.Task[Any] | None
+    ) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
+        """:meth:`stop`'s steps in order, those of what exists (each idempotent).
+        ``caller``: the task that called stop (not waited for if a background task)."""
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
         steps.append(("policy poller", self.policies.stop))  # no-op if never started
         if self.discovery is not None:
@@ -755,7 +791,7 @@ class Gateway:
             steps.append(("embedded agents", self._stop_agents))
         if self.refresher is not None:
             steps.append(("load refresher", self.refresher.stop))
-        steps.append(("background tasks", self._cancel_background))
+        steps.append(("background tasks", lambda: self._cancel_background(caller)))
         if self.index is not None:
             steps.append(("index", self.index.close))
         elif self._index_arg is not None:  # start failed before wrapping it: still ours
@@ -783,17 +819,17 @@ class Gateway:
         if stop is not None:
             await stop()
 
-    async def _cancel_background(self) -> None:
+    async def _cancel_background(self, caller: asyncio.Task[Any] | None) -> None:
         """Cancel the one-shot background tasks (replica and claim checks, quarantine
         watchers) and wait until they have ended, before the index and the stores close
         under them: a cancelled task runs on to its next ``await`` and through its clean-up,
         and one still reading or writing the index or a store after stop returned touched
         closed clients. Bounded: a task that swallows its cancellation is cancelled again,
         and one that outlives :data:`BACKGROUND_STOP_S` is logged and left (shutdown goes
-        on)."""
+        on). ``caller``, the task that called :meth:`stop`, is not waited for: it waits for
+        this."""
         self._bg_closed = True  # from here on spawn() cancels what it is given
-        me = asyncio.current_task()
-        tasks = [t for t in self._bg if t is not me]
+        tasks = [t for t in self._bg if t is not caller]
         if tasks:
             grace_s = BACKGROUND_STOP_S / BACKGROUND_STOP_CANCELS
             await cancel_and_wait(*tasks, grace_s=grace_s, attempts=BACKGROUND_STOP_CANCELS)
