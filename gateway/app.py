@@ -357,6 +357,22 @@ def create_app(gw: Gateway) -> FastAPI:
         gw.metrics.api_key_reloads.labels("ok" if result is not None else "invalid").inc()
         gw.metrics.api_keys.set(keys.file_keys)
 
+    async def stop_all() -> None:
+        """The key file poller, then the gateway, even when the first raised or was
+        cancelled (gw.stop runs its steps to their end under cancellation); a failure is
+        logged with its traceback, and the first one raised once both ran."""
+        failed: BaseException | None = None
+        for what, step in (("api key poller", keys.stop), ("gateway", gw.stop)):
+            try:
+                await step()
+            except asyncio.CancelledError as exc:  # not a failure: raised at the end
+                failed = failed or exc
+            except Exception as exc:
+                log.error("shutdown: a step failed", exc_info=True, extra={"step": what})
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gw.start()  # one that raises has stopped what it started
@@ -365,11 +381,18 @@ def create_app(gw: Gateway) -> FastAPI:
             gw.metrics.api_keys.set(keys.file_keys)
             keys.start(gw.settings.api_keys_poll_s, on_key_reload)
             yield
-        finally:
+        except BaseException as exc:
+            # the error (a start-up step's, a cancellation) is what the caller sees: a
+            # failure of the stop after it replaced it, and the operator read the wrong
+            # cause. Logged (stop_all) and noted on it instead.
             try:
-                await keys.stop()
-            finally:
-                await gw.stop()
+                await stop_all()
+            except asyncio.CancelledError:
+                log.warning("cancelled again while stopping the gateway after an error")
+            except Exception as stop_exc:
+                exc.add_note(f"stopping the gateway after this failed too: {stop_exc!r}")
+            raise
+        await stop_all()
 
     # redirect_slashes off: a 307 to the path without its trailing slash was the only answer
     # that was no OpenAI error (and its Location names this hop's scheme and host, wrong
