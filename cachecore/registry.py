@@ -1,7 +1,10 @@
 """Replica registration and discovery, with an operator allowlist.
 
 Agents register their replica (engine URL, model, block size, capacity, DP rank, agent id)
-with a heartbeat TTL, refresh it well within the TTL, and deregister on clean shutdown.
+with a heartbeat TTL and refresh it well within the TTL. On a clean shutdown an agent whose
+engine still serves hands its registration over (:meth:`RegistryStore.hand_over`: it stays
+for a bounded window, for the replica's next agent to overwrite without a gap), and one
+whose engine is gone deregisters it; either only while the registration is its own.
 Gateways discover registrations and accept one ONLY if its URL is in the operator-declared
 allowlist (:class:`ReplicaAllowlist`): an agent's credentials let it write its own replica's
 registration, but a rogue agent must not be able to point the gateway at an attacker's URL
@@ -209,6 +212,14 @@ class RegistryStore(Protocol):
         """Agent, on clean shutdown: remove the registration if it is still its own."""
         ...
 
+    async def hand_over(self, replica_id: str, agent_id: str, ttl_ms: int, now_ms: int) -> bool:
+        """Agent, on a clean shutdown while its engine serves: keep the registration for
+        ``ttl_ms`` from now (shortened or lengthened), if it is still its own, so the
+        replica's next agent takes it over (its first heartbeat overwrites it) with no
+        gap in discovery. False when it is another agent's (a successor already
+        registered) or gone."""
+        ...
+
     async def discover(
         self, now_ms: int, replica_ids: Sequence[str] | None = None
     ) -> list[Registration]:
@@ -248,6 +259,21 @@ class MemoryRegistry:
         del self._regs[replica_id]
         return True
 
+    async def hand_over(self, replica_id: str, agent_id: str, ttl_ms: int, now_ms: int) -> bool:
+        if ttl_ms <= 0:
+            raise ValueError("ttl_ms must be positive")
+        cur = self._regs.get(replica_id)
+        if cur is None or cur[1] <= now_ms:
+            return False
+        try:
+            owner = Registration.from_json(cur[0]).agent_id
+        except ValueError:
+            return False
+        if owner != agent_id:
+            return False
+        self._regs[replica_id] = (cur[0], now_ms + ttl_ms)
+        return True
+
     async def discover(
         self, now_ms: int, replica_ids: Sequence[str] | None = None
     ) -> list[Registration]:
@@ -279,6 +305,18 @@ end
 return 0
 """
 
+# KEYS[1] reg key. ARGV[1] agent id, ARGV[2] TTL ms. Set the TTL of our own registration
+# only: a successor that registered already keeps its own TTL (its heartbeats renew it).
+_HAND_OVER_LUA = """
+local raw = redis.call('GET', KEYS[1])
+if not raw then return 0 end
+local ok, reg = pcall(cjson.decode, raw)
+if ok and type(reg) == 'table' and reg['agent_id'] == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
 
 class RedisRegistry:
     """:class:`RegistryStore` on Redis (``kvg:{r:<id>}:reg``)."""
@@ -288,6 +326,7 @@ class RedisRegistry:
         self.layout = layout or KeyLayout()
         self.malformed = 0
         self._deregister = RedisScript(_DEREGISTER_LUA)
+        self._hand_over = RedisScript(_HAND_OVER_LUA)
 
     @classmethod
     def from_url(
@@ -314,6 +353,15 @@ class RedisRegistry:
             return bool(await self._deregister.call(self.client, [key], [agent_id]))
         except REDIS_FAILURES as exc:
             raise RegistryError(f"deregister {replica_id}: {exc}") from exc
+
+    async def hand_over(self, replica_id: str, agent_id: str, ttl_ms: int, now_ms: int) -> bool:
+        if ttl_ms <= 0:
+            raise ValueError("ttl_ms must be positive")
+        key = self.layout.registration(replica_id)
+        try:  # the TTL on Redis's clock, as register's SET PX: now_ms is not needed
+            return bool(await self._hand_over.call(self.client, [key], [agent_id, ttl_ms]))
+        except REDIS_FAILURES as exc:
+            raise RegistryError(f"hand over {replica_id}: {exc}") from exc
 
     async def discover(
         self, now_ms: int, replica_ids: Sequence[str] | None = None

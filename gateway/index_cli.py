@@ -403,7 +403,11 @@ def _refusal(
         return "holds no keys under this prefix (a typo, or another --key-prefix?)"
     if info.registration:
         what = "registered" if info.replica in registered else "has a registration key"
-        return f"it is {what} (its agent runs, or stopped less than its TTL ago)"
+        return (
+            f"it is {what} (its agent runs, stopped less than its TTL ago, or stopped "
+            "cleanly while its engine served, leaving it to a next agent for its hand-over "
+            "window: stop the engine first, or the agent with --deregister-on-stop always)"
+        )
     age = _updated_age_ms(info, now_ms)
     if age is not None and age < idle_s * 1000.0:
         return f"its meta was updated {_age(age)} ago (under --idle-for {_age(idle_s * 1000)})"

@@ -625,8 +625,11 @@ async def test_load_record_and_registration() -> None:
         assert (reg.replica_id, reg.model, reg.block_size, reg.capacity_blocks) == (
             "r0", MODEL, BS, 4096)  # fmt: skip
         assert reg.url == r.stub.url
+        # its engine gone, a clean stop deregisters (one that still serves hands the
+        # registration over to the next agent: tests/test_agent_handover.py)
+        r.stub.up = False
         await r.stop_agent()
-        assert await registry.discover(_now()) == []  # deregistered on clean stop
+        assert await registry.discover(_now()) == []
     finally:
         await r.close()
 

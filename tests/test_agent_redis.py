@@ -208,7 +208,7 @@ async def test_cli_agent_process_end_to_end(redis_url: str, tmp_path: Path) -> N
         "--events", r.events_ep, "--replay", str(r.replay_ep),
         "--redis", redis_url, "--key-prefix", "kvgt",
         "--http-port", str(http_port), "--scrape-interval", "0.1",
-        "--heartbeat-interval", "0.2", "--log-level", "WARNING",
+        "--heartbeat-interval", "0.2", "--log-level", "WARNING", "--handover-window", "3",
     ]  # fmt: skip
     # stderr to a file, not a pipe nobody reads: a full pipe would block the agent's
     # logging (and with it the agent); the file is shown if the agent fails to stop
@@ -256,7 +256,11 @@ async def test_cli_agent_process_end_to_end(redis_url: str, tmp_path: Path) -> N
             except subprocess.TimeoutExpired:
                 code = None
             assert code == 0, err_path.read_text(errors="replace")[-4000:]
-            assert await registry.discover(int(time.time() * 1000), ["r0"]) == []
+            # its engine serves: the registration is left to the next agent for the
+            # --handover-window (tests/test_agent_handover.py), then lapses
+            assert await registry.discover(int(time.time() * 1000), ["r0"]) != []
+            left = await registry.client.pttl(registry.layout.registration("r0"))
+            assert 0 < left <= 3_000, left
             await registry.close()
     finally:
         if proc.poll() is None:

@@ -385,7 +385,8 @@ async def test_an_agent_back_after_forget_builds_a_fresh_replica(
     assert await r.index_keys() == eng.keys() and len(eng.keys()) == 6
     index = r.index
     assert isinstance(index, RedisIndex)
-    await r.stop_agent()  # a clean stop deregisters
+    r.stub.up = False  # a scale-down: the engine goes first, so the clean stop deregisters
+    await r.stop_agent()
     code, out, err = await kvgate_in_thread(
         cli(url, "forget", "r0", "--idle-for", "0s")[1:], capsys
     )

@@ -37,7 +37,7 @@ from cachecore.agent.metrics import AgentMetrics
 from cachecore.agent.progress import ProgressTracker
 from cachecore.agent.replay import ReplayClient
 from cachecore.agent.scrape import EngineScraper, EngineSnapshot, ScrapeError
-from cachecore.agent.settings import AgentSettings
+from cachecore.agent.settings import AgentSettings, StopRegistration
 from cachecore.agent.silence import SilenceDetector
 from cachecore.agent.stream import EventStream
 from cachecore.agent.sync import (
@@ -138,7 +138,8 @@ class LoopRun:
 
 class Agent:
     """One engine's cache agent. ``await start()`` returns at once (the engine may not be up
-    yet); ``await stop()`` cancels everything and deregisters.
+    yet); ``await stop()`` cancels everything and deregisters, or hands the registration
+    over to the next agent while the engine serves (:meth:`stop`).
 
     ``load_store`` and ``registry`` are optional (tests may run an agent without them).
     """
@@ -204,7 +205,11 @@ class Agent:
                 self._supervise(), name=f"agent-{self.primary_id}"
             )
 
-    async def stop(self, deregister: bool = True) -> None:
+    async def stop(self, deregister: bool | None = None) -> None:
+        """Cancel everything, then release the replica's registration. ``deregister``: None
+        does what ``settings.deregister_on_stop`` says (auto: deregister unless the engine
+        still answers ``/health``, else hand the registration over to the next agent for
+        ``handover_window_s``); True deregisters; False leaves the registration as it is."""
         self._stopped = True
         await cancel_and_wait(self._supervisor, *self._tasks)
         self._tasks.clear()
@@ -213,8 +218,8 @@ class Agent:
             self.stream.close()
         for sync in self.syncs.values():
             await sync.stop()
-        if deregister and self.registry_link is not None:
-            await self.registry_link.deregister(self.primary_id)
+        if deregister is not False and self.registry_link is not None:
+            await self._release_registration(self.registry_link, force=deregister is True)
         await self.scraper.close()
         if self.trace is not None:
             self.trace.flush()
@@ -222,6 +227,36 @@ class Agent:
                 self.trace.close()
         if self._own_ctx:
             self.ctx.destroy(linger=0)
+
+    async def _release_registration(self, link: RegistryLink, force: bool) -> None:
+        """A clean stop's end of the registration. Deregistering takes the replica out of
+        every discovering gateway (after their removal grace), which is right when its
+        engine is gone (a scale-down, an engine crash) and wrong when only the agent
+        restarts (an upgrade): its healthy engine left routing until the next agent's first
+        heartbeat, and came back as a new replica. So while the engine answers /health the
+        registration is handed over: kept ``handover_window_s`` from now, for the next
+        agent's first heartbeat to overwrite. The index entries stay either way (no stop
+        touches them); the next agent loads them and replays what it missed."""
+        rid, s = self.primary_id, self.settings
+        mode = StopRegistration.ALWAYS if force else s.deregister_on_stop
+        if not link.registered:  # nothing of ours to hand over; a predecessor's stays
+            await link.deregister(rid)
+            return
+        serving: bool | None = None
+        if mode is StopRegistration.AUTO:
+            serving = await self.scraper.healthy()  # bounded by scrape_timeout_s
+        fields = {"replica": rid, "mode": mode.value, "engine_serving": serving}
+        if mode is StopRegistration.ALWAYS or serving is False:
+            removed = await link.deregister(rid)
+            log.info("replica deregistered", extra={**fields, "removed": removed})
+            return
+        kept = await link.hand_over(rid, s.handover_window_s)
+        log.info(
+            "registration left for the replica's next agent"
+            if kept
+            else "registration not handed over: no longer this agent's",
+            extra={**fields, "handover_window_s": s.handover_window_s, "kept": kept},
+        )
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until the startup catch-up is done (tests, embedded start). Not wait_for: on 3.11

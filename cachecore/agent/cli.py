@@ -7,7 +7,9 @@
 A standalone agent needs ``--redis`` (without it there is no index another process could
 read; the embedded in-memory index lives inside ``kvgate serve``); on a Redis Cluster, give
 one node's URL (database 0) and ``--redis-cluster``. SIGTERM and SIGINT stop it
-cleanly: it deregisters its replica before exiting.
+cleanly: while its engine still answers ``/health`` it leaves the replica's registration for
+the next agent (``--handover-window``, 10 s: a restart or upgrade keeps the engine in every
+discovering gateway), else it deregisters the replica (``--deregister-on-stop``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import ValidationError
 
 from cachecore.agent.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
-from cachecore.agent.settings import AgentSettings
+from cachecore.agent.settings import AgentSettings, StopRegistration
 from cachecore.argtypes import (
     log_level,
     nonnegative_float,
@@ -66,6 +68,8 @@ _FIELDS = {
     "unavailable_after": "unavailable_after_s",
     "heartbeat_interval": "heartbeat_interval_s",
     "registration_ttl": "registration_ttl_s",
+    "deregister_on_stop": "deregister_on_stop",
+    "handover_window": "handover_window_s",
     "replay_timeout": "replay_timeout_s",
     "max_coalesce_batches": "max_coalesce_batches",
     "http_host": "http_host",
@@ -103,6 +107,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--heartbeat-interval", type=float, help="registration heartbeat, s (2)")
     p.add_argument("--registration-ttl", type=float, help="registration TTL, s (10)")
+    p.add_argument(
+        "--deregister-on-stop", choices=[m.value for m in StopRegistration],
+        help="a clean stop: auto (default) deregisters only if the engine does not answer "
+        "/health, else leaves the registration for the next agent; always; never",
+    )  # fmt: skip
+    p.add_argument(
+        "--handover-window", type=float,
+        help="how long a registration left at a clean stop stays for the next agent, s (10)",
+    )  # fmt: skip
     p.add_argument("--replay-timeout", type=float, help="replay reply timeout, s (2)")
     p.add_argument("--max-coalesce-batches", type=int, help="batches per index write (512)")
     p.add_argument("--http-host", help="bind address of /metrics and /health (127.0.0.1)")
@@ -253,8 +266,9 @@ async def _main(
     freezer = (
         asyncio.create_task(_gc_freezer(gc_freeze_interval_s)) if gc_freeze_interval_s > 0 else None
     )
-    # deregister only after a start: one that failed to listen never registered, and its
-    # deregistration (a Redis call) was a "deregistration failed" warning for nothing
+    # release the registration only after a start: one that failed to listen never
+    # registered, and its deregistration (a Redis call) was a "deregistration failed"
+    # warning for nothing
     started = False
     host = url_host(settings.http_host)  # "::1:9400" reads as an address
     try:
@@ -285,7 +299,7 @@ async def _main(
     finally:
         if freezer is not None:
             freezer.cancel()
-        await agent.stop(deregister=started)
+        await agent.stop(deregister=None if started else False)
         if server is not None:
             await server.stop()
         await _close(index, load_store, registry)

@@ -131,8 +131,29 @@ class RegistryLink:
     def in_conflict(self, window_s: float) -> bool:
         return self.conflict_at > 0 and time.monotonic() - self.conflict_at < window_s
 
-    async def deregister(self, replica: str) -> None:
+    @property
+    def registered(self) -> bool:
+        """Whether this agent wrote its registration at least once."""
+        return self._registered
+
+    async def deregister(self, replica: str) -> bool:
+        """Remove our registration (a successor's is left alone); whether one was removed."""
         try:
-            await self.store.deregister(replica, self.agent_id)
+            return await self.store.deregister(replica, self.agent_id)
         except Exception as exc:
             log.warning("deregistration failed", extra={"replica": replica, "error": repr(exc)})
+            return False
+
+    async def hand_over(self, replica: str, window_s: float) -> bool:
+        """Keep our registration ``window_s`` from now for the replica's next agent (a
+        successor's is left alone); whether ours was there to keep. A failure leaves it to
+        its heartbeat TTL, which bounds it too."""
+        try:
+            return await self.store.hand_over(
+                replica, self.agent_id, max(1, int(window_s * 1000)), _now_ms()
+            )
+        except Exception as exc:
+            log.warning(
+                "registration hand-over failed", extra={"replica": replica, "error": repr(exc)}
+            )
+            return False

@@ -3,6 +3,7 @@ override the environment)."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,6 +20,15 @@ MAX_TTL_S = 86_400.0
 # argument"), and one to IPv6's "::" reaches no engine bound on tcp://*:PORT (IPv4 only, as
 # vLLM's is). 0.0.0.0 is not one: a connect to it reaches this host (an agent beside it)
 BIND_ONLY_HOSTS = frozenset({"*", "::", "[::]"})
+
+
+class StopRegistration(StrEnum):
+    """What a clean stop does with the replica's registration
+    (``KVGATE_AGENT_DEREGISTER_ON_STOP``, ``--deregister-on-stop``)."""
+
+    AUTO = "auto"  # deregister if the engine does not answer /health, else hand over
+    ALWAYS = "always"  # deregister: the replica leaves discovery now (a scale-down)
+    NEVER = "never"  # hand over, whatever the engine says
 
 
 def check_zmq_endpoint(endpoint: str) -> str:
@@ -104,6 +114,12 @@ class AgentSettings(BaseSettings):
     # range": every heartbeat failed), and a dead replica would linger that long anyway
     registration_ttl_s: float = Field(default=10.0, gt=0, le=MAX_TTL_S)
     load_ttl_s: float = Field(default=5.0, gt=0, le=MAX_TTL_S)
+    # a clean stop: deregister, or leave the registration for the replica's next agent
+    # (an agent restart or upgrade must not take a healthy engine out of discovery)
+    deregister_on_stop: StopRegistration = StopRegistration.AUTO
+    # how long a handed-over registration stays for the next agent to take over, from the
+    # stop (its TTL is set to this); the gateways' removal grace (5 s) comes on top
+    handover_window_s: float = Field(default=10.0, gt=0, le=MAX_TTL_S)
 
     # replay and ordering
     replay_timeout_s: float = Field(default=2.0, gt=0)
