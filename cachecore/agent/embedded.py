@@ -17,6 +17,7 @@ replicas from ``--replica``. Tunables come from ``KVGATE_AGENT_*`` environment v
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -31,8 +32,12 @@ from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import split_dp_replica_id
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore
+from cachecore.tasks import run_to_end
 
 log = logging.getLogger(__name__)
+
+AGENT_STOP_S = 15.0
+"""How long one agent's stop may take (its tasks' cancellation is itself bounded, 10 s)."""
 
 
 class AgentSpec(Protocol):
@@ -61,17 +66,24 @@ class EmbeddedAgents:
         block the loop on unsent messages). Every agent is stopped and the context
         destroyed even when one agent's stop raises (they held their sockets on the context
         and their tasks ran on); such a failure is logged and the first one raised at the
-        end."""
+        end. A stop that is cancelled does the same, then ends cancelled: each agent's stop
+        runs in a task of its own (:func:`~cachecore.tasks.run_to_end`, at most
+        :data:`AGENT_STOP_S`) the cancellation does not cut short, where it used to leave
+        that agent half stopped, the agents after it running and the context alive."""
         failed: Exception | None = None
+        cancelled: asyncio.CancelledError | None = None
         for agent in self.agents:
+            name = agent.primary_id
             try:
-                await agent.stop(deregister=True)
-            except Exception as exc:  # the others still stop; a cancellation stops here
-                log.error(
-                    "embedded agent stop failed", exc_info=True, extra={"replica": agent.primary_id}
-                )
+                await run_to_end(agent.stop(deregister=True), AGENT_STOP_S, f"agent {name} stop")
+            except asyncio.CancelledError as exc:  # its stop ended all the same; the next runs
+                cancelled = cancelled or exc
+            except Exception as exc:  # the others still stop
+                log.error("embedded agent stop failed", exc_info=True, extra={"replica": name})
                 failed = failed or exc
         self.ctx.destroy(linger=0)
+        if cancelled is not None:
+            raise cancelled
         if failed is not None:
             raise failed
 
@@ -162,7 +174,8 @@ async def _undo_start(
     metrics_registry: CollectorRegistry | None,
 ) -> None:
     """:func:`start_embedded_agents`' clean-up after it failed: each step runs, and a
-    failure is logged (the caller raises the start's own exception)."""
+    failure is logged (the caller raises the start's own exception), as is a cancellation
+    that arrives meanwhile (the agents' stop runs to its end all the same)."""
     if collector is not None and metrics_registry is not None:
         try:
             metrics_registry.unregister(collector)
@@ -172,5 +185,8 @@ async def _undo_start(
             log.exception("unregistering the embedded agents' metrics after a failed start")
     try:
         await group.stop()  # every agent, then the context, whatever one of them raised
+    except asyncio.CancelledError:
+        # the start's own exception is raised (as a TaskGroup raises its errors over one)
+        log.warning("the embedded agents' failed start was cancelled again while they stopped")
     except Exception:
         log.exception("stopping the embedded agents after their failed start failed too")
