@@ -81,9 +81,20 @@ async def _parse(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise APIError(f"{loc}: {first.get('msg')}", param=loc or None) from exc
+        raise validation_error(exc) from exc
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A request model's refusal as vLLM's 400: the first field refused, ``param`` naming
+    it. A field of several types (``stop``: a string or a list of strings) fails once per
+    type, its locations tagged with the type: all are said, ``param`` the field alone."""
+    errors = exc.errors()
+    first = errors[0]
+    top = first["loc"][:1]
+    same = [e for e in errors if e["loc"][:1] == top] if top else [first]
+    said = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in same)
+    param = ".".join(str(x) for x in (top if len(same) > 1 else first["loc"]))
+    return APIError(said, param=param or None)
 
 
 def _json_bytes(data: dict[str, Any]) -> Response:

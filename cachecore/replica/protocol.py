@@ -63,7 +63,47 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class _GenerationRequest(BaseModel):
+_INT64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+class _SamplingFields(BaseModel):
+    """vLLM's sampling and output fields (both generation requests) that the simulated
+    engine does not act on, declared with vLLM's types (its ``ChatCompletionRequest`` and
+    ``CompletionRequest``: pydantic in its default lax mode, as vLLM's, so ``"0.5"`` is a
+    float and ``"yes"`` a bool there too) so that a value vLLM refuses is refused here, a
+    400 naming the field. Ignored, they let ``"temperature": "hot"`` through with a 200,
+    and the gateway's handling of bad client input was never exercised against the
+    engine's refusal. Ranges (temperature >= 0, top_p in (0, 1], ...), which vLLM checks
+    in its ``SamplingParams`` and which differ between its versions, are not checked."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float = 1.0
+    seed: _INT64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    user: str | None = None
+    # vLLM's scheduling priority (the engine here schedules first come, first served)
+    priority: _INT64 = 0
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+
+
+class _GenerationRequest(_SamplingFields):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = None
@@ -141,6 +181,8 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's: the chat template writes the BOS
     top_logprobs: int | None = 0  # vLLM's default: echo alone asks for prompt logprobs
+    logprobs: bool | None = False  # a chat's is a flag (a completion's a count)
+    parallel_tool_calls: bool | None = True
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
@@ -157,6 +199,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: Any = None
     add_special_tokens: bool = True  # vLLM's: a text prompt gets the BOS
     logprobs: int | None = None
+    suffix: str | None = None
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(None, self.max_tokens)
