@@ -41,10 +41,14 @@ from cachecore.replica.settings import (
     ReplicaSettings,
     endpoints_for,
 )
+from cachecore.tasks import run_to_end
 from cachecore.testing import free_ports
 from cachecore.tokenizer import HFTokenizer, TokenizerError, builtin_tokenizer
 
 logger = logging.getLogger(__name__)
+
+FLEET_STOP_S = 30.0
+"""How long :func:`run_fleet`'s shutdown may take (engines, HTTP servers, event sockets)."""
 
 
 class _Server(uvicorn.Server):
@@ -192,22 +196,63 @@ async def run_fleet(
                 raise TimeoutError("replica servers did not start")
             await asyncio.sleep(0.01)
         yield fleet
-    finally:
-        # end in-flight requests first (streams get an error chunk and [DONE]) so the HTTP
-        # servers have no open responses to wait for
-        for rep in replicas:
+    except BaseException:
+        # the error (a start-up's, the owner's cancellation) is raised; the shutdown's own
+        # failure, or a cancellation during it, is logged
+        try:
+            await run_to_end(_stop_fleet(fleet, tasks, listeners, ctx), FLEET_STOP_S, "fleet stop")
+        except asyncio.CancelledError:
+            logger.warning("the replica fleet's stop was cancelled; it ran to its end")
+        except Exception:
+            logger.exception("stopping the replica fleet failed")
+        raise
+    await run_to_end(_stop_fleet(fleet, tasks, listeners, ctx), FLEET_STOP_S, "fleet stop")
+
+
+async def _stop_fleet(
+    fleet: Fleet,
+    tasks: Sequence[asyncio.Task[None]],
+    listeners: Sequence[Sequence[socket.socket]],
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """:func:`run_fleet`'s shutdown, run to its end by :func:`~cachecore.tasks.run_to_end`
+    (its owner cancelled again during it stopped it in one step: the HTTP servers served
+    on, the event sockets stayed bound, the context alive). Every step runs even when one
+    fails (logged; the first raised at the end)."""
+    failed: Exception | None = None
+
+    def note(exc: Exception, what: str, replica: int) -> None:
+        nonlocal failed
+        logger.error("replica stop failed", exc_info=exc, extra={"step": what, "replica": replica})
+        failed = failed or exc
+
+    # end in-flight requests first (streams get an error chunk and [DONE]) so the HTTP
+    # servers have no open responses to wait for
+    for rep in fleet.replicas:
+        try:
             await rep.driver.stop("replica shutting down")
-        for s in fleet.servers:
-            s.should_exit = True
+        except Exception as exc:
+            note(exc, "engine", rep.index)
+    for s in fleet.servers:
+        s.should_exit = True
+    if tasks:  # uvicorn's graceful timeout (2 s) bounds this; their outcomes are consumed
+        await asyncio.wait(tasks)
         for t in tasks:
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await t
-        for rep in replicas:
+            if not t.cancelled():
+                t.exception()
+    for rep in fleet.replicas:
+        try:
             await rep.stop()
-        for socks in listeners:
-            for sock in socks:
-                sock.close()
-        ctx.term()
+        except Exception as exc:
+            note(exc, "event sockets", rep.index)
+    for socks in listeners:
+        for sock in socks:
+            sock.close()
+    # destroy, not term: term() blocks the loop until every socket is closed, for ever when
+    # a replica's stop failed before closing its own
+    ctx.destroy(linger=0)
+    if failed is not None:
+        raise failed
 
 
 @dataclass
