@@ -10,7 +10,8 @@ import argparse
 import difflib
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -168,6 +169,56 @@ def settings_variables(*classes: type[BaseSettings]) -> set[str]:
         for cls in classes
         for name in cls.model_fields
     }
+
+
+def flag_settings(
+    parser: argparse.ArgumentParser,
+    settings: type[BaseSettings],
+    renamed: Mapping[str, str] | None = None,
+) -> dict[str, argparse.Action]:
+    """field -> the option of ``parser`` that sets it: each option whose dest is a field of
+    ``settings``, or whose dest ``renamed`` (dest -> field) maps to one."""
+    fields = settings.model_fields
+    out: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        field = (renamed or {}).get(action.dest, action.dest)
+        if action.option_strings and field in fields:
+            out[field] = action
+    return out
+
+
+def long_option(action: argparse.Action) -> str:
+    """The option's ``--name`` (its first option string when it has none)."""
+    return next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+
+
+def name_variables(
+    parser: argparse.ArgumentParser,
+    settings: type[BaseSettings],
+    renamed: Mapping[str, str] | None = None,
+    negated: Collection[str] = (),
+) -> dict[str, str]:
+    """Have the help of every option that sets a field of ``settings``
+    (:func:`flag_settings`) name the field's environment variable (the model's
+    ``env_prefix`` + the field's name), unless it names it already: inside the help's
+    closing parenthesis (``(default 16; env KVGATE_REPLICA_BLOCK_SIZE)``), else after it.
+    A ``negated`` field's flag sets it false (``--plain-logs``: ``KVGATE_LOG_JSON=false``).
+    Written by hand, ``kvgate serve --help`` named the variable of 9 of its 19 such flags,
+    ``kvgate agent`` of 3 of 23, ``kvgate replica`` of none. Returns field -> the flag's
+    ``--name``."""
+    prefix = str(settings.model_config.get("env_prefix", "")).upper()
+    found = flag_settings(parser, settings, renamed)
+    for field, action in found.items():
+        var = prefix + field.upper()
+        text = action.help or ""
+        if action.help == argparse.SUPPRESS or re.search(rf"\b{var}\b", text):
+            continue
+        said = f"env {var}=false" if field in negated else f"env {var}"
+        if text.endswith(")"):
+            action.help = f"{text[:-1]}; {said})"
+        else:
+            action.help = f"{text} ({said})" if text else said
+    return {field: long_option(action) for field, action in found.items()}
 
 
 def unknown_settings(

@@ -40,7 +40,14 @@ from pydantic import ValidationError
 
 from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.settings import AgentSettings
-from cachecore.argtypes import log_level, settings_error, settings_variables
+from cachecore.argtypes import (
+    flag_settings,
+    log_level,
+    long_option,
+    name_variables,
+    settings_error,
+    settings_variables,
+)
 from cachecore.argtypes import unknown_settings as shared_unknown_settings
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
@@ -361,7 +368,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="[ID=]URL[=EVENTS,REPLAY]",
-        help="an engine replica; with EVENTS,REPLAY an embedded cache agent follows it",
+        help="an engine replica; with EVENTS,REPLAY an embedded cache agent follows it "
+        "(repeatable; env KVGATE_REPLICAS, comma-separated)",
     )
     parser.add_argument("--redis", dest="redis_url", help="redis://... for the shared index")
     parser.add_argument(
@@ -377,12 +385,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--allow", action="append", default=[], metavar="[ID=]URL",
-        help="a replica URL agents may register (besides the --replica ones)",
+        help="a replica URL agents may register, besides the --replica ones (repeatable; "
+        "env KVGATE_REPLICA_ALLOWLIST, comma-separated)",
     )  # fmt: skip
     parser.add_argument("--api-keys", dest="api_keys_file", help="API key hash file")
     parser.add_argument("--api-keys-redis", action="store_true", help="API key hashes in Redis")
     parser.add_argument("--open", dest="open_access", action="store_true", help="no API keys")
-    parser.add_argument("--admin-key", help="admin key (prefer KVGATE_ADMIN_KEY)")
+    parser.add_argument(
+        "--admin-key",
+        help="admin key (env KVGATE_ADMIN_KEY, preferred: a flag shows in the process list)",
+    )
     parser.add_argument("--host", help="listen address (env KVGATE_HOST; 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (env KVGATE_PORT; 8000)")
     parser.add_argument(
@@ -402,35 +414,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="OTLP/HTTP traces endpoint (env KVGATE_OTEL_ENDPOINT; default: tracing off)",
     )
     parser.add_argument(
-        "--trace-out", help="append one JSON line per answered request (trace analyze)"
+        "--trace-out", help="append one JSON line per answered request, for kvgate trace analyze"
     )
     parser.add_argument("--log-level", type=log_level, help="env KVGATE_LOG_LEVEL; INFO")
     parser.add_argument("--plain-logs", action="store_true", help="text logs instead of JSON")
+    # each flag above that sets a setting names its variable (KVGATE_*), read off the model
+    name_variables(parser, GatewaySettings, SERVE_RENAMED, SERVE_NEGATED)
 
 
-# the setting each flag of ``kvgate serve`` sets (its dest is the field's name), for a
-# refusal to name the flag beside the variable: the value may have come from either
-SERVE_FLAGS = {
-    "policy": "--policy",
-    "replicas": "--replica",
-    "redis_url": "--redis",
-    "key_prefix": "--key-prefix",
-    "redis_cluster": "--redis-cluster",
-    "discover": "--discover",
-    "replica_allowlist": "--allow",
-    "api_keys_file": "--api-keys",
-    "api_keys_redis": "--api-keys-redis",
-    "open_access": "--open",
-    "admin_key": "--admin-key",
-    "host": "--host",
-    "port": "--port",
-    "seed": "--seed",
-    "gateway_id": "--gateway-id",
-    "otel_endpoint": "--otel-endpoint",
-    "trace_out": "--trace-out",
-    "log_level": "--log-level",
-    "log_json": "--plain-logs",
-}
+# the flags of ``kvgate serve`` whose dest is not the name of the setting they set (every
+# other flag's dest is its setting's field name), and the one that sets its setting false
+SERVE_RENAMED = {"replica": "replicas", "allow": "replica_allowlist", "plain_logs": "log_json"}
+SERVE_NEGATED = frozenset({"log_json"})
+
+
+def serve_flags() -> dict[str, str]:
+    """field -> the ``kvgate serve`` flag that sets it, read off the parser and the settings
+    model (not kept by hand beside them), for a refusal to name the flag beside the
+    variable: the value may have come from either."""
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return {
+        field: long_option(action)
+        for field, action in flag_settings(parser, GatewaySettings, SERVE_RENAMED).items()
+    }
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -535,7 +542,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"kvgate serve: {settings_error(exc, flags=SERVE_FLAGS)}", file=sys.stderr)
+        print(f"kvgate serve: {settings_error(exc, flags=serve_flags())}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per upstream call

@@ -31,6 +31,7 @@ from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings, StopRegistration
 from cachecore.argtypes import (
     log_level,
+    name_variables,
     nonnegative_float,
     settings_variables,
     unknown_settings,
@@ -133,6 +134,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--log-level", type=log_level, default="INFO")
     p.add_argument("--log-text", action="store_true", help="plain text logs instead of JSON")
+    # each flag above that sets a setting names its variable (KVGATE_AGENT_*)
+    name_variables(p, AgentSettings, _FIELDS)
 
 
 def settings_error(exc: ValidationError) -> str:

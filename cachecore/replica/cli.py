@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from cachecore.argtypes import (
     log_level,
+    name_variables,
     positive_int,
     settings_variables,
     unknown_settings,
@@ -117,6 +118,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--access-log", action="store_true", help="log every HTTP request (debugging)")
     a("--log-level", type=log_level, default="INFO")
     a("--plain-logs", action="store_true", help="human-readable logs instead of JSON lines")
+    # each flag above that sets a setting names its variable (KVGATE_REPLICA_*)
+    # (the map build_settings reads, and --no-events, which sets publish_events false)
+    renamed = {**_SETTINGS_FLAGS, "no_events": "publish_events"}
+    name_variables(parser, ReplicaSettings, renamed, {"publish_events"})
 
 
 def _ports(arg: str | None, name: str, count: int) -> list[int] | None:
