@@ -1236,6 +1236,15 @@ class Gateway:
                     code="no_replica",
                     param="model",
                 )
+            members = self.pool.all()
+            if members and all(r.cordoned or r.draining for r in members):
+                # healthy perhaps, but taken out of service by an operator: say so
+                raise GatewayError(
+                    503,
+                    "every replica is cordoned or draining: none can serve a request "
+                    "without 'model'",
+                    code="no_replica",
+                )
             raise GatewayError(
                 503, "no healthy replica to serve a request without 'model'", code="no_replica"
             )

@@ -59,6 +59,12 @@ async def test_a_model_whose_replicas_are_all_out_of_service_is_listed_and_a_503
             "param": None,
             "code": "no_replica",
         }
+        # one naming no model is told why too (it said "no healthy replica")
+        r = await h.post("/v1/chat/completions", json={"messages": body["messages"]})
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == (
+            "every replica is cordoned or draining: none can serve a request without 'model'"
+        )
         # a model nobody serves is still a 404, listed or asked for
         missing = await h.get("/v1/models/no-such-model")
         assert missing.status_code == 404
