@@ -921,7 +921,7 @@ class Gateway:
             return Scope(ScopeKind.SESSION, f"{tenant}/{session}"), f"{tenant}/{session}"
         if kind in ("session", "request"):
             # a session-scoped request without a session id cannot be reused: per request
-            return Scope(ScopeKind.REQUEST, f"{tenant}/{uuid.uuid4().hex}"), None
+            return Scope(ScopeKind.REQUEST, f"{tenant}/{random_hex(16)}"), None
         if self.settings.debug_unsafe_shared_scope:
             return Scope(ScopeKind.TENANT, DEBUG_SHARED_SCOPE), session and f"{tenant}/{session}"
         if tpol.trust_group is not None:
