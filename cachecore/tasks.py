@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,10 @@ T = TypeVar("T")
 
 RUN_TO_END_CANCELS = 3
 """How many times :func:`run_to_end` cancels a clean-up past its bound before leaving it."""
+
+Step = tuple[str, Callable[[], Awaitable[object]], float | None]
+"""One step of a clean-up for :func:`run_steps`: its name, what it runs, its bound in seconds
+(None: none here, the step bounds itself)."""
 
 
 async def cancel_and_wait(
@@ -103,3 +107,22 @@ async def run_to_end(
     if failure is not None:
         raise failure
     return task.result()
+
+
+async def run_steps(steps: Iterable[Step], what: str, **fields: object) -> None:
+    """Run every step of a clean-up in order, each within its bound, whatever an earlier one
+    did: one failing skipped those after it, and what they close stayed open. A failure
+    (TimeoutError: the step blocked, and was cancelled) is logged with its traceback as
+    "``what``: a step failed" (with ``step`` and ``fields``) and the first one raised once
+    all ran. A cancellation of the task running them ends them: run them under
+    :func:`run_to_end` where the caller's must not."""
+    failed: Exception | None = None
+    for name, step, bound_s in steps:
+        try:
+            async with asyncio.timeout(bound_s):
+                await step()
+        except Exception as exc:  # the other steps still run
+            log.error(f"{what}: a step failed", exc_info=True, extra={**fields, "step": name})
+            failed = failed or exc
+    if failed is not None:
+        raise failed

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,7 +55,7 @@ from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import MirrorRecordError, ReplicaMirror
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore
-from cachecore.tasks import cancel_and_wait
+from cachecore.tasks import Step, cancel_and_wait, run_steps, run_to_end
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ _LOOP_PAUSE_S = 0.5
 _LOOP_PAUSE_MAX_S = 5.0
 LOOP_FAILING_AFTER = 3
 """Failures in a row (no progress between them) after which /health calls a loop failing."""
+
+STOP_STEP_S = 10.0
+"""How long one step of :meth:`Agent.stop` may take (the registration's: this and the
+engine probe's ``scrape_timeout_s``) before it is cancelled, logged as failed, and the next
+one runs."""
 
 
 @runtime_checkable
@@ -209,24 +214,71 @@ class Agent:
         """Cancel everything, then release the replica's registration. ``deregister``: None
         does what ``settings.deregister_on_stop`` says (auto: deregister unless the engine
         still answers ``/health``, else hand the registration over to the next agent for
-        ``handover_window_s``); True deregisters; False leaves the registration as it is."""
+        ``handover_window_s``); True deregisters; False leaves the registration as it is.
+
+        Every step runs (:meth:`_stop_steps`: the tasks, the subscription, each rank, the
+        registration, the scraper, the trace file, the ZMQ context), in a task of its own
+        that the caller's cancellations do not reach (:func:`~cachecore.tasks.run_to_end`):
+        one step failing or the stop being cancelled ended it in that step, and the SUB
+        socket, the trace file and the context after it stayed open for the rest of the
+        process. A failing step is logged with its traceback and the first failure raised
+        once all ran; a cancellation is raised after them. A step that blocks is cancelled
+        after :data:`STOP_STEP_S` (logged as failed) and the next one runs."""
         self._stopped = True
+        steps = run_steps(self._stop_steps(deregister), "agent stop", replica=self.primary_id)
+        await run_to_end(steps, self.stop_limit_s, f"agent {self.primary_id} stop")
+
+    @property
+    def stop_limit_s(self) -> float:
+        """How long :meth:`stop` may take in all. Its steps' bounds are the real ones; this
+        one keeps a step that ignores its cancellation from holding the caller for ever:
+        each step that waits (the tasks, each rank, the registration, the scraper), and
+        one more."""
+        waits = len(self.syncs) + 3
+        return STOP_STEP_S * (waits + 1) + self.settings.scrape_timeout_s
+
+    def _stop_steps(self, deregister: bool | None) -> Iterator[Step]:
+        """:meth:`stop`'s steps in order, each with its bound. A generator: what follows the
+        tasks is read once they have ended (the stream's task makes a new rank's sync)."""
+        yield "tasks", self._stop_tasks, STOP_STEP_S
+        stream = self.stream
+        if stream is not None:  # subscribed by a start-up its stream task never ran in
+
+            async def close_stream() -> None:
+                stream.close()
+
+            yield "stream", close_stream, STOP_STEP_S
+        for rank, sync in list(self.syncs.items()):
+            yield f"rank {rank}", sync.stop, STOP_STEP_S
+        link = self.registry_link
+        if deregister is not False and link is not None:
+
+            async def release() -> None:
+                await self._release_registration(link, force=deregister is True)
+
+            # its /health probe alone may take scrape_timeout_s
+            yield "registration", release, STOP_STEP_S + self.settings.scrape_timeout_s
+        yield "scraper", self.scraper.close, STOP_STEP_S
+        if self.trace is not None:
+            yield "trace", self._close_trace, STOP_STEP_S
+        if self._own_ctx:
+            yield "zmq context", self._destroy_ctx, STOP_STEP_S
+
+    async def _stop_tasks(self) -> None:
         await cancel_and_wait(self._supervisor, *self._tasks)
         self._tasks.clear()
         self._supervisor = None
-        if self.stream is not None:  # subscribed by a start-up its stream task never ran in
-            self.stream.close()
-        for sync in self.syncs.values():
-            await sync.stop()
-        if deregister is not False and self.registry_link is not None:
-            await self._release_registration(self.registry_link, force=deregister is True)
-        await self.scraper.close()
-        if self.trace is not None:
+
+    async def _close_trace(self) -> None:
+        assert self.trace is not None
+        try:
             self.trace.flush()
+        finally:
             if self._own_trace:
                 self.trace.close()
-        if self._own_ctx:
-            self.ctx.destroy(linger=0)
+
+    async def _destroy_ctx(self) -> None:
+        self.ctx.destroy(linger=0)
 
     async def _release_registration(self, link: RegistryLink, force: bool) -> None:
         """A clean stop's end of the registration. Deregistering takes the replica out of

@@ -1,0 +1,221 @@
+"""The standalone agent's stop runs to its end (review of the h29 shutdown fixes).
+
+``Agent.stop`` awaited its steps one after another (its tasks, each rank's stop, the
+registration's release, the scraper's close) before closing the trace file and destroying
+the ZMQ context: a cancellation arriving in one of those awaits, or one raising, ended it
+there, and the steps after it never ran (the rank's worker ran on, the registration stayed,
+the scraper's client, the trace file and the context stayed open); a step that blocked held
+the stop for ever. Now every step runs, in a task of its own the caller's cancellations do
+not reach (``cachecore.tasks.run_to_end``), each bounded (``STOP_STEP_S``); a failure is
+logged with its traceback and the first raised at the end, a cancellation after the steps.
+
+Real pieces: an agent on an engine stub and an event source on loopback (tests/
+test_agent_helpers' Rig), a memory index and registry. Faults injected by fakes named as
+such, installed over one step's callable: ``SlowStep`` (takes a while, then runs the real
+step), ``FailingStep`` (runs the real step, then raises), ``BlockingStep`` (blocks until
+cancelled, then runs the real step)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import pytest
+import zmq.asyncio
+
+from cachecore.agent import Agent
+from cachecore.agent import agent as agent_module
+from cachecore.index.memory import MemoryIndex
+from cachecore.registry import MemoryRegistry
+from tests.test_agent_helpers import Rig, until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class SlowStep:
+    """A fake for fault injection, installed over one of ``Agent.stop``'s steps: sets
+    ``entered``, takes ``delay_s``, then runs the real step and sets ``finished``."""
+
+    def __init__(self, real: Callable[[], Awaitable[None]], delay_s: float = 0.3) -> None:
+        self.real = real
+        self.delay_s = delay_s
+        self.entered = asyncio.Event()
+        self.finished = False
+
+    async def __call__(self) -> None:
+        self.entered.set()
+        await asyncio.sleep(self.delay_s)
+        await self.real()
+        self.finished = True
+
+
+class FailingStep:
+    """A fake for fault injection: runs the real step, then raises ``error``."""
+
+    def __init__(self, real: Callable[[], Awaitable[None]], error: Exception) -> None:
+        self.real = real
+        self.error = error
+
+    async def __call__(self) -> None:
+        await self.real()
+        raise self.error
+
+
+class BlockingStep:
+    """A fake for fault injection: blocks until cancelled, then runs the real step on its
+    way out (what it holds is still released)."""
+
+    def __init__(self, real: Callable[[], Awaitable[None]]) -> None:
+        self.real = real
+        self.cancelled = False
+
+    async def __call__(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        finally:
+            await self.real()
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    # always: a stop deregisters, so the registry shows whether that step ran
+    r = Rig(MemoryIndex(), deregister_on_stop="always")
+    await r.stub.start()
+    yield r
+    await r.close()
+
+
+def agent_tasks() -> list[str]:
+    """The running tasks of an agent (its supervisor, loops and rank workers)."""
+    return sorted(
+        t.get_name()
+        for t in asyncio.all_tasks()
+        if t.get_name().startswith("agent-") and not t.done()
+    )
+
+
+async def registered(registry: MemoryRegistry) -> bool:
+    return bool(await registry.discover(int(time.time() * 1000), ["r0"]))
+
+
+def step_failures(caplog: pytest.LogCaptureFixture, message: str) -> dict[str, BaseException]:
+    """step -> the exception logged with it, for each ``message`` record."""
+    out: dict[str, BaseException] = {}
+    for r in caplog.records:
+        if r.getMessage() == message and r.exc_info and r.exc_info[1] is not None:
+            assert r.levelno == logging.ERROR
+            out[str(getattr(r, "step", ""))] = r.exc_info[1]
+    return out
+
+
+@dataclass(frozen=True)
+class Started:
+    """A ready agent with a registration and its own trace file, and what its stop must
+    close: its SUB socket and the trace file (the agent drops both references)."""
+
+    agent: Agent
+    registry: MemoryRegistry
+    sub: zmq.asyncio.Socket
+    trace: TextIO
+
+
+async def started_agent(rig: Rig, tmp_path: Path) -> Started:
+    registry = MemoryRegistry()
+    rig.settings_kw["trace_out"] = tmp_path / "trace.jsonl"
+    agent = await rig.start(registry=registry)
+    await until(lambda: registered(registry), 5.0)
+    assert agent.stream is not None and agent.stream._sock is not None
+    assert agent.trace is not None and agent.trace._fh is not None
+    assert set(agent.syncs) == {0} and agent_tasks()
+    return Started(agent, registry, agent.stream._sock, agent.trace._fh)
+
+
+async def left_open(s: Started) -> list[str]:
+    """What a finished stop must have closed and released, where it did not."""
+    problems = [f"agent task still running: {name}" for name in agent_tasks()]
+    if not s.sub.closed:
+        problems.append("the SUB socket is open")
+    if await registered(s.registry):
+        problems.append("the registration is still there")
+    if not s.agent.scraper._client.is_closed:
+        problems.append("the scraper's HTTP client is open")
+    if not s.trace.closed:
+        problems.append("the trace file is open")
+    if not s.agent.ctx.closed:
+        problems.append("the ZMQ context is not destroyed")
+    return problems
+
+
+async def test_a_stop_cancelled_again_while_a_rank_stops_still_closes_everything(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = await started_agent(rig, tmp_path)
+    agent = started.agent
+    slow = SlowStep(agent.syncs[0].stop)
+    monkeypatch.setattr(agent.syncs[0], "stop", slow)
+    stopping = asyncio.ensure_future(agent.stop())
+    async with asyncio.timeout(10.0):
+        await slow.entered.wait()  # the stop is in rank 0's stop
+    stopping.cancel()
+    await asyncio.sleep(0.05)
+    stopping.cancel()  # cancelled again, while the first is held
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(10.0):
+            await stopping
+    assert stopping.cancelled()
+    problems = await left_open(started)
+    if not slow.finished:
+        problems.append("rank 0's stop was cut short")
+    assert problems == [], "left by the cancelled stop:\n" + "\n".join(problems)
+
+
+async def test_a_step_that_raises_skips_none_after_it_and_its_error_is_raised(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="cachecore.tasks")
+    started = await started_agent(rig, tmp_path)
+    agent = started.agent
+    boom = RuntimeError("injected fault: rank 0's stop failed")
+    monkeypatch.setattr(agent.syncs[0], "stop", FailingStep(agent.syncs[0].stop, boom))
+    with pytest.raises(RuntimeError) as raised:
+        async with asyncio.timeout(10.0):
+            await agent.stop()
+    assert raised.value is boom
+    problems = await left_open(started)
+    assert problems == [], "left by the failed stop:\n" + "\n".join(problems)
+    assert step_failures(caplog, "agent stop: a step failed") == {"rank 0": boom}
+
+
+async def test_a_step_that_blocks_is_cut_off_at_its_bound_and_the_rest_run(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="cachecore.tasks")
+    # (raising=False: without the bound the test shows the stop held, not a missing name)
+    monkeypatch.setattr(agent_module, "STOP_STEP_S", 0.3, raising=False)
+    started = await started_agent(rig, tmp_path)
+    agent = started.agent
+    blocking = BlockingStep(agent.scraper.close)
+    monkeypatch.setattr(agent.scraper, "close", blocking)
+    t0 = time.monotonic()
+    stopping = asyncio.ensure_future(agent.stop())
+    done, _ = await asyncio.wait([stopping], timeout=5.0)
+    took = time.monotonic() - t0
+    try:
+        assert stopping in done, "the stop is held by a blocked step"
+        assert isinstance(stopping.exception(), TimeoutError)
+    finally:
+        stopping.cancel()
+        # the rig's own stop at teardown must not block on it again
+        monkeypatch.setattr(agent.scraper, "close", blocking.real)
+    assert took < 2.0, took
+    assert blocking.cancelled and agent.scraper._client.is_closed
+    assert started.trace.closed and agent.ctx.closed
+    assert list(step_failures(caplog, "agent stop: a step failed")) == ["scraper"]
