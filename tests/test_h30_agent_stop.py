@@ -1,4 +1,4 @@
-"""The standalone agent's stop runs to its end (review of the h29 shutdown fixes).
+"""The standalone agent's shutdown runs to its end (review of the h29 shutdown fixes).
 
 ``Agent.stop`` awaited its steps one after another (its tasks, each rank's stop, the
 registration's release, the scraper's close) before closing the trace file and destroying
@@ -9,30 +9,44 @@ the stop for ever. Now every step runs, in a task of its own the caller's cancel
 not reach (``cachecore.tasks.run_to_end``), each bounded (``STOP_STEP_S``); a failure is
 logged with its traceback and the first raised at the end, a cancellation after the steps.
 
+``kvgate agent``'s ``finally`` ran ``agent.stop``, then the HTTP server's stop, then the
+Redis clients' close: ``agent.stop`` failing, or the run cancelled again while it ran, left
+the HTTP server serving and the clients connected. Now its shutdown runs every step the
+same way, and waits for the GC freezer it cancels.
+
 Real pieces: an agent on an engine stub and an event source on loopback (tests/
-test_agent_helpers' Rig), a memory index and registry. Faults injected by fakes named as
-such, installed over one step's callable: ``SlowStep`` (takes a while, then runs the real
-step), ``FailingStep`` (runs the real step, then raises), ``BlockingStep`` (blocks until
-cancelled, then runs the real step)."""
+test_agent_helpers' Rig), a memory index and registry; for the CLI, its own ``_main`` on a
+redis-server of the test's own (its CLIENT LIST shows the connections left), stopped by a
+real SIGTERM. Faults injected by fakes named as such, installed over one step's callable:
+``SlowStep`` (takes a while, then runs the real step), ``FailingStep`` (runs the real
+step, then raises), ``BlockingStep`` (blocks until cancelled, then runs the real step), and
+an ``Agent`` subclass for the CLI whose stop runs the real one and then raises, or takes a
+while before it."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
+import httpx
 import pytest
 import zmq.asyncio
 
-from cachecore.agent import Agent
+from cachecore.agent import Agent, cli
 from cachecore.agent import agent as agent_module
 from cachecore.index.memory import MemoryIndex
 from cachecore.registry import MemoryRegistry
+from cachecore.testing import RedisServer, free_port
 from tests.test_agent_helpers import Rig, until
+from tests.test_h28_redis_clients_closed import wait_for_clients
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -219,3 +233,162 @@ async def test_a_step_that_blocks_is_cut_off_at_its_bound_and_the_rest_run(
     assert blocking.cancelled and agent.scraper._client.is_closed
     assert started.trace.closed and agent.ctx.closed
     assert list(step_failures(caplog, "agent stop: a step failed")) == ["scraper"]
+
+
+# ----------------------------------------------------------------------- kvgate agent
+
+
+def recording_agent(
+    made: list[Agent], stop: Callable[[Agent, bool | None], Awaitable[None]]
+) -> type[Agent]:
+    """A fake for fault injection, installed as the CLI's ``Agent``: records each agent it
+    makes, and its stop is ``stop(agent, deregister)`` (which calls the real one)."""
+
+    class RecordingAgent(Agent):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        async def stop(self, deregister: bool | None = None) -> None:
+            await stop(self, deregister)
+
+    return RecordingAgent
+
+
+def gc_freezers() -> list[asyncio.Task[Any]]:
+    """The CLI's GC freezer tasks still running (found by their coroutine)."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "") == "_gc_freezer" and not t.done()
+    ]
+
+
+async def refused(port: int) -> bool:
+    """Whether a connection to 127.0.0.1:``port`` is refused (nothing listens)."""
+    try:
+        async with asyncio.timeout(2.0):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return True
+    writer.close()
+    return False
+
+
+@asynccontextmanager
+async def running_cli(
+    rig: Rig, redis: RedisServer, agent_class: type[Agent], made: list[Agent]
+) -> AsyncIterator[tuple[asyncio.Future[int], int]]:
+    """``kvgate agent``'s ``_main`` in this loop (its agent ``agent_class``) on the rig's
+    engine and ``redis``, once its agent is ready, its Redis clients connected and its GC
+    freezer running: (its task, its HTTP port). At the end its signal handlers are removed
+    and what the code under test left running is released."""
+    port = free_port()
+    settings = rig.settings(redis=redis.url, http_host="127.0.0.1", http_port=port)
+    loop = asyncio.get_running_loop()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "Agent", agent_class)
+        main = asyncio.ensure_future(
+            cli._main(settings, settings.key_prefix, register=True, gc_freeze_interval_s=0.05)
+        )
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=2.0) as h:
+
+                async def ready() -> bool:
+                    try:
+                        return (await h.get("/health")).status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                await until(ready, 15.0, step_s=0.05)
+            # the index's, the load store's and the registry's connections
+            during = await asyncio.to_thread(wait_for_clients, redis.url, 3, True)
+            assert len(during) >= 3, during
+            assert len(gc_freezers()) == 1 and len(made) == 1
+            yield main, port
+        finally:
+            main.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            gc.unfreeze()
+            for agent in made:  # stopped already unless the code under test skipped it
+                if not agent.ctx.closed:
+                    agent.ctx.destroy(linger=0)
+
+
+async def cli_left_open(port: int, redis: RedisServer) -> list[str]:
+    """What ``kvgate agent``'s shutdown must have stopped and closed, where it did not."""
+    problems = []
+    if not await refused(port):
+        problems.append("the HTTP server still accepts connections")
+    if freezers := gc_freezers():
+        problems.append(f"the GC freezer is still running: {freezers}")
+    after = await asyncio.to_thread(wait_for_clients, redis.url, 0, False)
+    if after:
+        problems.append(f"{len(after)} Redis connections left: {after}")
+    return problems
+
+
+@pytest.mark.redis
+async def test_the_cli_stops_its_http_server_and_closes_its_clients_when_agent_stop_fails(
+    rig: Rig, redis_own: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGTERM (the real shutdown path), and the agent's stop runs, then raises (one of
+    its steps failed): the HTTP server stops, the Redis clients close, and the CLI raises
+    the agent's error."""
+    caplog.set_level(logging.ERROR, logger="cachecore.tasks")
+    boom = RuntimeError("injected fault: the agent's stop failed")
+
+    async def failing_stop(agent: Agent, deregister: bool | None) -> None:
+        await Agent.stop(agent, deregister)
+        raise boom
+
+    made: list[Agent] = []
+    agent_class = recording_agent(made, failing_stop)
+    async with running_cli(rig, redis_own, agent_class, made) as (main, port):
+        # the CLI's own handler (asyncio's in place of the default)
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        signal.raise_signal(signal.SIGTERM)
+        with pytest.raises(RuntimeError) as raised:
+            async with asyncio.timeout(30.0):
+                await main
+    assert raised.value is boom
+    problems = await cli_left_open(port, redis_own)
+    assert problems == [], "left by the shutdown:\n" + "\n".join(problems)
+    assert step_failures(caplog, "agent shutdown: a step failed") == {"agent": boom}
+
+
+@pytest.mark.redis
+async def test_the_cli_cancelled_again_while_its_agent_stops_still_closes_everything(
+    rig: Rig, redis_own: RedisServer
+) -> None:
+    """The CLI's run cancelled (its shutdown begins), then again while the agent's stop is
+    slowed: the agent's stop runs to its end, the HTTP server stops, the Redis clients
+    close, and the run ends cancelled."""
+    entered = asyncio.Event()
+    finished: list[Agent] = []
+
+    async def slow_stop(agent: Agent, deregister: bool | None) -> None:
+        entered.set()
+        await asyncio.sleep(0.3)
+        await Agent.stop(agent, deregister)
+        finished.append(agent)
+
+    made: list[Agent] = []
+    agent_class = recording_agent(made, slow_stop)
+    async with running_cli(rig, redis_own, agent_class, made) as (main, port):
+        main.cancel()
+        async with asyncio.timeout(10.0):
+            await entered.wait()
+        main.cancel()  # cancelled again, while the agent stops
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(30.0):
+                await main
+        assert main.cancelled()
+        agent = made[0]
+    problems = await cli_left_open(port, redis_own)
+    if finished != [agent]:
+        problems.append("the agent's stop was cut short")
+    if not agent.ctx.closed:
+        problems.append("the agent's ZMQ context is not destroyed")
+    assert problems == [], "left by the cancelled shutdown:\n" + "\n".join(problems)

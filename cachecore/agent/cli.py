@@ -22,11 +22,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from cachecore.agent.agent import Agent
+from cachecore.agent.agent import STOP_STEP_S, Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.agent.settings import AgentSettings, StopRegistration
 from cachecore.argtypes import (
@@ -40,6 +41,7 @@ from cachecore.argtypes import settings_error as shared_settings_error
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.listen import ListenError, listen_advice
 from cachecore.logs import configure_logging
+from cachecore.tasks import Step, cancel_and_wait, run_steps, run_to_end
 from cachecore.urls import url_host
 
 if TYPE_CHECKING:  # imported when run: `kvgate agent --help` stays fast
@@ -267,14 +269,18 @@ async def _main(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     freezer = (
-        asyncio.create_task(_gc_freezer(gc_freeze_interval_s)) if gc_freeze_interval_s > 0 else None
+        asyncio.create_task(_gc_freezer(gc_freeze_interval_s), name="gc-freezer")
+        if gc_freeze_interval_s > 0
+        else None
     )
     # release the registration only after a start: one that failed to listen never
     # registered, and its deregistration (a Redis call) was a "deregistration failed"
     # warning for nothing
     started = False
     host = url_host(settings.http_host)  # "::1:9400" reads as an address
-    try:
+
+    async def serve() -> int:
+        nonlocal server, started
         if settings.http_port is not None:
             try:  # the constructor listens: a port in use fails there
                 server = AgentHTTPServer([agent], settings.http_host, settings.http_port)
@@ -299,14 +305,58 @@ async def _main(
         await agent.start()
         await stop.wait()
         log.info("agent stopping", extra={"replica": settings.replica_id})
-    finally:
-        if freezer is not None:
-            freezer.cancel()
-        await agent.stop(deregister=None if started else False)
-        if server is not None:
-            await server.stop()
-        await _close(index, load_store, registry)
-    return 0
+        return 0
+
+    async def shutdown() -> None:
+        """Every step runs, in a task of its own (run_to_end): awaited in a finally one
+        after another, agent.stop failing or cancelled skipped the HTTP server's stop and
+        the Redis clients' close."""
+        steps = _shutdown_steps(freezer, agent, started, server, (index, load_store, registry))
+        # the steps' bounds are the real ones (the agent's stop bounds its own); this one
+        # keeps a step that ignores its cancellation from holding the process for ever
+        limit_s = sum(agent.stop_limit_s if b is None else b for _, _, b in steps) + STOP_STEP_S
+        work = run_steps(steps, "agent shutdown", replica=settings.replica_id)
+        await run_to_end(work, limit_s, "agent shutdown")
+
+    try:
+        rc = await serve()
+    except BaseException:
+        # what ended the run (an error, a cancellation) is what is raised; the shutdown's
+        # failures were logged by their steps
+        try:
+            await shutdown()
+        except asyncio.CancelledError:
+            log.warning("the agent's shutdown was cancelled; it ran to its end")
+        except Exception as exc:
+            log.warning(
+                "the agent's shutdown failed too",
+                extra={"replica": settings.replica_id, "error": repr(exc)},
+            )
+        raise
+    await shutdown()
+    return rc
+
+
+def _shutdown_steps(
+    freezer: asyncio.Task[None] | None,
+    agent: Agent,
+    started: bool,
+    server: AgentHTTPServer | None,
+    stores: Sequence[RedisIndex | RedisLoadStore | RedisRegistry | None],
+) -> list[Step]:
+    """The standalone agent's shutdown, in order: the GC freezer (cancelled and waited
+    for), the agent (releasing the registration only after a start; its stop bounds each
+    of its own steps: None), the HTTP server, then each Redis client."""
+    steps: list[Step] = []
+    if freezer is not None:
+        steps.append(("gc freezer", lambda: cancel_and_wait(freezer), STOP_STEP_S))
+    steps.append(("agent", lambda: agent.stop(deregister=None if started else False), None))
+    if server is not None:
+        steps.append(("http server", server.stop, STOP_STEP_S))
+    for name, store in zip(("index", "load store", "registry"), stores, strict=True):
+        if store is not None:
+            steps.append((name, store.close, STOP_STEP_S))
+    return steps
 
 
 async def _cluster_mode_problem(settings: AgentSettings) -> str | None:
