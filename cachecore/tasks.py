@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,26 @@ RUN_TO_END_CANCELS = 3
 Step = tuple[str, Callable[[], Awaitable[object]], float | None]
 """One step of a clean-up for :func:`run_steps`: its name, what it runs, its bound in seconds
 (None: none here, the step bounds itself)."""
+
+
+@runtime_checkable
+class BoundedStop(Protocol):
+    """A stop function that says how long it may take: it runs its work under
+    :func:`run_to_end` with ``stop_limit_s`` (a caller bounds its wait on it with
+    :func:`enclosing_limit_s`)."""
+
+    @property
+    def stop_limit_s(self) -> float: ...
+
+    def __call__(self) -> Awaitable[None]: ...
+
+
+def enclosing_limit_s(limit_s: float, grace_s: float = 1.0) -> float:
+    """A bound for waiting on a clean-up that runs under ``run_to_end(..., limit_s,
+    grace_s)``: the longest that holds its caller (``limit_s``, then ``grace_s`` for each of
+    its :data:`RUN_TO_END_CANCELS` cancellations), and one grace more. An outer bound any
+    shorter cut off the inner one, which names what blocked, and left its work running."""
+    return limit_s + (RUN_TO_END_CANCELS + 1) * grace_s
 
 
 async def cancel_and_wait(

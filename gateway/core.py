@@ -45,7 +45,14 @@ from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.scoring import LoadView, OnlineFit, features, hit_blocks, hit_cap_blocks
-from cachecore.tasks import cancel_and_wait, run_to_end
+from cachecore.tasks import (
+    BoundedStop,
+    Step,
+    cancel_and_wait,
+    enclosing_limit_s,
+    run_steps,
+    run_to_end,
+)
 from cachecore.tokenizer import media_uuids, scope_media_uuids, strip_media
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
@@ -109,6 +116,7 @@ SETTLE_POLL_S = 0.25
 BACKGROUND_STOP_S = 2.0
 BACKGROUND_STOP_CANCELS = 4
 # stop(): how long one close step may take before it is cancelled and the next one runs
+# (the embedded agents' step: as long as their own stop may take, _agents_stop_bound_s)
 STOP_STEP_S = 10.0
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}\Z")
 _ENGINE_ID_FIELDS = frozenset(("request_id", "rid"))
@@ -156,7 +164,9 @@ AgentHook = Callable[
 ]
 """Starts embedded cache agents for the replicas given as ``URL=EVENTS,REPLAY``, sharing the
 gateway's index (and load store) and exposing their metrics in the gateway's registry;
-returns an async stop function."""
+returns an async stop function. One that is a :class:`~cachecore.tasks.BoundedStop` (the
+embedded agents') bounds the gateway's wait on it with its ``stop_limit_s``; any other gets
+:data:`STOP_STEP_S`, as every other step of :meth:`Gateway.stop`."""
 
 
 def request_id_from(headers: Mapping[str, str]) -> str:
@@ -735,8 +745,9 @@ class Gateway:
         it cleaned up) ends its drain at once but runs every step to its end, in a task of
         its own the cancellation does not reach, then ends cancelled: cancelled in one step,
         it left those after it (the agents, the index, the stores, the client, the trace
-        file) open. A step that blocks is cancelled after :data:`STOP_STEP_S` and counts as
-        failed; the next one runs."""
+        file) open. A step that blocks is cancelled after its bound (:data:`STOP_STEP_S`;
+        the embedded agents' step, their own stop's limit) and counts as failed; the next
+        one runs."""
         self.draining = True
         cancelled: asyncio.CancelledError | None = None
         try:
@@ -749,11 +760,11 @@ class Gateway:
         except asyncio.CancelledError as exc:
             cancelled = exc  # no more draining; the steps still run
         steps = self._stop_steps(asyncio.current_task())
-        # the per-step bound is the real one; this one stops a step that ignores its
+        # the per-step bounds are the real ones; this one stops a step that ignores its
         # cancellation from holding the caller for ever
-        limit_s = STOP_STEP_S * (len(steps) + 1)
+        limit_s = sum(bound_s or 0.0 for _, _, bound_s in steps) + STOP_STEP_S
         try:
-            await run_to_end(self._run_stop_steps(steps), limit_s, "gateway stop")
+            await run_to_end(run_steps(steps, "gateway stop"), limit_s, "gateway stop")
         except Exception:
             if cancelled is None:
                 raise
@@ -761,58 +772,55 @@ class Gateway:
         if cancelled is not None:
             raise cancelled
 
-    @staticmethod
-    async def _run_stop_steps(steps: Sequence[tuple[str, Callable[[], Awaitable[None]]]]) -> None:
-        failed: Exception | None = None
-        for what, step in steps:
-            try:
-                async with asyncio.timeout(STOP_STEP_S):
-                    await step()
-            except Exception as exc:  # the other steps still run (TimeoutError: it blocked)
-                log.error("gateway stop: a step failed", exc_info=True, extra={"step": what})
-                failed = failed or exc
-        if failed is not None:
-            raise failed
-
-    def _stop_steps(
-        self, caller: asyncio.Task[Any] | None
-    ) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
-        """:meth:`stop`'s steps in order, those of what exists (each idempotent).
-        ``caller``: the task that called stop (not waited for if a background task)."""
-        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
-        steps.append(("policy poller", self.policies.stop))  # no-op if never started
+    def _stop_steps(self, caller: asyncio.Task[Any] | None) -> list[Step]:
+        """:meth:`stop`'s steps in order, those of what exists (each idempotent), each with
+        its bound. ``caller``: the task that called stop (not waited for if a background
+        task)."""
+        s = STOP_STEP_S
+        steps: list[Step] = []
+        steps.append(("policy poller", self.policies.stop, s))  # no-op if never started
         if self.discovery is not None:
-            steps.append(("discovery", self.discovery.stop))
+            steps.append(("discovery", self.discovery.stop, s))
         if self.pool is not None:
-            steps.append(("health checks", self.pool.stop))
+            steps.append(("health checks", self.pool.stop, s))
         if self.loop_lag is not None:
-            steps.append(("loop lag monitor", self.loop_lag.stop))
+            steps.append(("loop lag monitor", self.loop_lag.stop, s))
         if self._agents_stop is not None:
-            steps.append(("embedded agents", self._stop_agents))
+            steps.append(("embedded agents", self._stop_agents, self._agents_stop_bound_s()))
         if self.refresher is not None:
-            steps.append(("load refresher", self.refresher.stop))
-        steps.append(("background tasks", lambda: self._cancel_background(caller)))
+            steps.append(("load refresher", self.refresher.stop, s))
+        steps.append(("background tasks", lambda: self._cancel_background(caller), s))
         if self.index is not None:
-            steps.append(("index", self.index.close))
+            steps.append(("index", self.index.close, s))
         elif self._index_arg is not None:  # start failed before wrapping it: still ours
-            steps.append(("index", self._index_arg.close))
+            steps.append(("index", self._index_arg.close, s))
         # the gateway owns the stores it was given, as it owns its index: closed last, once
         # the refresher has dropped this gateway's counts and discovery and the agents
         # stopped (each close swallows a Redis that is gone)
         if self._load_store is not None:
-            steps.append(("load store", self._load_store.close))
+            steps.append(("load store", self._load_store.close, s))
         if self.registry is not None:
-            steps.append(("registry", self.registry.close))
-        steps.append(("key store", self.key_store.close))
+            steps.append(("registry", self.registry.close, s))
+        steps.append(("key store", self.key_store.close, s))
         if self.client is not None:
-            steps.append(("http client", self.client.aclose))
+            steps.append(("http client", self.client.aclose, s))
         if self.upstream is not None:
-            steps.append(("upstream transport", self.upstream.aclose))
+            steps.append(("upstream transport", self.upstream.aclose, s))
         if self._tracer_provider is not None:
-            steps.append(("tracer", self._shutdown_tracer))
+            steps.append(("tracer", self._shutdown_tracer, s))
         if self.trace is not None:
-            steps.append(("request trace", self.trace.close))
+            steps.append(("request trace", self.trace.close, s))
         return steps
+
+    def _agents_stop_bound_s(self) -> float:
+        """The embedded agents' step's bound, derived from their stop's own limit (with
+        run_to_end's grace past it), never shorter: at :data:`STOP_STEP_S` an agent's stop
+        still within its own limit (~52 s) was given up on and ran on past the close of the
+        index and the stores."""
+        stop = self._agents_stop
+        if isinstance(stop, BoundedStop):
+            return enclosing_limit_s(stop.stop_limit_s)
+        return STOP_STEP_S  # a hook that does not say how long its stop takes
 
     async def _stop_agents(self) -> None:
         stop, self._agents_stop = self._agents_stop, None  # once: a second stop skips them

@@ -233,7 +233,8 @@ class Agent:
         """How long :meth:`stop` may take in all. Its steps' bounds are the real ones; this
         one keeps a step that ignores its cancellation from holding the caller for ever:
         each step that waits (the tasks, each rank, the registration, the scraper), and
-        one more."""
+        one more. What waits on a stop (the embedded agents, the agent CLI's shutdown)
+        derives its own bound from this one (:func:`~cachecore.tasks.enclosing_limit_s`)."""
         waits = len(self.syncs) + 3
         return STOP_STEP_S * (waits + 1) + self.settings.scrape_timeout_s
 

@@ -41,7 +41,7 @@ from cachecore.argtypes import settings_error as shared_settings_error
 from cachecore.index.layout import DEFAULT_PREFIX, KeyLayout
 from cachecore.listen import ListenError, listen_advice
 from cachecore.logs import configure_logging
-from cachecore.tasks import Step, cancel_and_wait, run_steps, run_to_end
+from cachecore.tasks import Step, cancel_and_wait, enclosing_limit_s, run_steps, run_to_end
 from cachecore.urls import url_host
 
 if TYPE_CHECKING:  # imported when run: `kvgate agent --help` stays fast
@@ -312,9 +312,9 @@ async def _main(
         after another, agent.stop failing or cancelled skipped the HTTP server's stop and
         the Redis clients' close."""
         steps = _shutdown_steps(freezer, agent, started, server, (index, load_store, registry))
-        # the steps' bounds are the real ones (the agent's stop bounds its own); this one
-        # keeps a step that ignores its cancellation from holding the process for ever
-        limit_s = sum(agent.stop_limit_s if b is None else b for _, _, b in steps) + STOP_STEP_S
+        # the steps' bounds are the real ones; this one keeps a step that ignores its
+        # cancellation from holding the process for ever
+        limit_s = sum(b or 0.0 for _, _, b in steps) + STOP_STEP_S
         work = run_steps(steps, "agent shutdown", replica=settings.replica_id)
         await run_to_end(work, limit_s, "agent shutdown")
 
@@ -345,12 +345,15 @@ def _shutdown_steps(
     stores: Sequence[RedisIndex | RedisLoadStore | RedisRegistry | None],
 ) -> list[Step]:
     """The standalone agent's shutdown, in order: the GC freezer (cancelled and waited
-    for), the agent (releasing the registration only after a start; its stop bounds each
-    of its own steps: None), the HTTP server, then each Redis client."""
+    for), the agent (releasing the registration only after a start; bounded by its own
+    stop's limit, which bounds each of its steps), the HTTP server, then each Redis
+    client."""
     steps: list[Step] = []
     if freezer is not None:
         steps.append(("gc freezer", lambda: cancel_and_wait(freezer), STOP_STEP_S))
-    steps.append(("agent", lambda: agent.stop(deregister=None if started else False), None))
+    release = None if started else False
+    agent_s = enclosing_limit_s(agent.stop_limit_s)  # never shorter than its own
+    steps.append(("agent", lambda: agent.stop(deregister=release), agent_s))
     if server is not None:
         steps.append(("http server", server.stop, STOP_STEP_S))
     for name, store in zip(("index", "load store", "registry"), stores, strict=True):

@@ -19,25 +19,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from cachecore.agent.agent import Agent
+from cachecore.agent.agent import STOP_STEP_S, Agent
 from cachecore.agent.metrics import AgentsCollector
 from cachecore.agent.settings import AgentSettings
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import split_dp_replica_id
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore
-from cachecore.tasks import run_to_end
+from cachecore.tasks import enclosing_limit_s, run_to_end
 
 log = logging.getLogger(__name__)
-
-AGENT_STOP_S = 15.0
-"""How long one agent's stop may take (its tasks' cancellation is itself bounded, 10 s)."""
 
 
 class AgentSpec(Protocol):
@@ -61,31 +58,75 @@ class EmbeddedAgents:
     def by_replica(self) -> dict[str, Agent]:
         return {a.primary_id: a for a in self.agents}
 
+    @property
+    def stop_limit_s(self) -> float:
+        """How long :meth:`stop` may take (the limit its :func:`~cachecore.tasks.run_to_end`
+        runs the agents' stops under). Derived from the agents' own: they stop together, so
+        the longest of theirs, each :attr:`Agent.stop_limit_s <cachecore.agent.agent.Agent.
+        stop_limit_s>` with run_to_end's grace past it. A fixed bound shorter than an
+        agent's (15 s against ~52 s) gave up on a stop still within its own and left it
+        running past the context's destruction."""
+        return max((enclosing_limit_s(a.stop_limit_s) for a in self.agents), default=STOP_STEP_S)
+
     async def stop(self) -> None:
         """Stop every agent, then destroy the shared context (linger 0: a close must not
         block the loop on unsent messages). Every agent is stopped and the context
         destroyed even when one agent's stop raises (they held their sockets on the context
         and their tasks ran on); such a failure is logged and the first one raised at the
-        end. A stop that is cancelled does the same, then ends cancelled: each agent's stop
-        runs in a task of its own (:func:`~cachecore.tasks.run_to_end`, at most
-        :data:`AGENT_STOP_S`) the cancellation does not cut short, where it used to leave
-        that agent half stopped, the agents after it running and the context alive."""
+        end. A stop that is cancelled does the same, then ends cancelled: the agents' stops
+        run in a task of their own (:func:`~cachecore.tasks.run_to_end`, at most
+        :attr:`stop_limit_s`) the cancellation does not cut short, where it used to leave
+        an agent half stopped, the agents after it running and the context alive. The
+        agents stop together: one after another, a gateway's stop took the sum of their
+        bounds."""
+        try:
+            await run_to_end(self._stop_agents(), self.stop_limit_s, "embedded agents stop")
+        finally:
+            self.ctx.destroy(linger=0)
+
+    async def _stop_agents(self) -> None:
+        agents = self.agents
+        outcomes = await asyncio.gather(
+            *(a.stop(deregister=True) for a in agents), return_exceptions=True
+        )
         failed: Exception | None = None
-        cancelled: asyncio.CancelledError | None = None
-        for agent in self.agents:
-            name = agent.primary_id
-            try:
-                await run_to_end(agent.stop(deregister=True), AGENT_STOP_S, f"agent {name} stop")
-            except asyncio.CancelledError as exc:  # its stop ended all the same; the next runs
-                cancelled = cancelled or exc
-            except Exception as exc:  # the others still stop
-                log.error("embedded agent stop failed", exc_info=True, extra={"replica": name})
-                failed = failed or exc
-        self.ctx.destroy(linger=0)
-        if cancelled is not None:
-            raise cancelled
+        for agent, outcome in zip(agents, outcomes, strict=True):
+            if isinstance(outcome, BaseException):  # the others stopped all the same
+                log.error(
+                    "embedded agent stop failed",
+                    exc_info=outcome,
+                    extra={"replica": agent.primary_id},
+                )
+                if isinstance(outcome, Exception):
+                    failed = failed or outcome
         if failed is not None:
             raise failed
+
+
+class EmbeddedAgentsStop:
+    """What :func:`start_embedded_agents` returns: awaited, it unregisters the agents'
+    metrics collector and stops them (:meth:`EmbeddedAgents.stop`). ``stop_limit_s`` says
+    how long that may take (a :class:`~cachecore.tasks.BoundedStop`): the gateway's stop
+    bounds its agents' step by it, not by its own per-step bound."""
+
+    def __init__(
+        self,
+        group: EmbeddedAgents,
+        collector: AgentsCollector | None,
+        metrics_registry: CollectorRegistry | None,
+    ) -> None:
+        self.group = group
+        self._collector = collector
+        self._registry = metrics_registry
+
+    @property
+    def stop_limit_s(self) -> float:
+        return self.group.stop_limit_s
+
+    async def __call__(self) -> None:
+        if self._collector is not None and self._registry is not None:
+            self._registry.unregister(self._collector)
+        await self.group.stop()
 
 
 def embedded_agent_settings(spec: AgentSpec, **overrides: Any) -> AgentSettings:
@@ -133,11 +174,11 @@ async def start_embedded_agents(
     load_store: LoadStore | None = None,
     metrics_registry: CollectorRegistry | None = None,
     **overrides: Any,
-) -> Callable[[], Awaitable[None]]:
+) -> EmbeddedAgentsStop:
     """Start an agent per spec (returns at once; each waits for its engine on its own)
-    and return the coroutine function that stops them all. ``metrics_registry``: the
-    agents' metrics are exposed there too (the gateway's ``/metrics``), labelled by
-    replica, until they stop.
+    and return the function that stops them all (:class:`EmbeddedAgentsStop`, which says
+    how long that may take). ``metrics_registry``: the agents' metrics are exposed there
+    too (the gateway's ``/metrics``), labelled by replica, until they stop.
 
     A start that raises part way (an agent's start, the collector's registration, a
     cancellation) stops the agents it made (their tasks and sockets), unregisters the
@@ -159,13 +200,7 @@ async def start_embedded_agents(
         await _undo_start(group, collector, metrics_registry)
         raise
     log.info("embedded agents started", extra={"replicas": [a.primary_id for a in group.agents]})
-
-    async def stop() -> None:
-        if collector is not None and metrics_registry is not None:
-            metrics_registry.unregister(collector)
-        await group.stop()
-
-    return stop
+    return EmbeddedAgentsStop(group, collector, metrics_registry)
 
 
 async def _undo_start(
