@@ -129,6 +129,20 @@ async def run_to_end(
     return task.result()
 
 
+async def wait_to_end(task: asyncio.Future[T], limit_s: float, what: str) -> T:
+    """Wait until ``task`` (one told to stop: a server asked to exit) has ended, however
+    often the caller is cancelled meanwhile, then raise the caller's cancellation; past
+    ``limit_s`` ``task`` is cancelled and TimeoutError raised (:func:`run_to_end`'s rules).
+    Its result is returned, its exception raised. A wait for it under
+    ``suppress(CancelledError)`` swallowed the caller's own cancellation: the caller went on
+    as if it had never been cancelled."""
+
+    async def ended() -> T:
+        return await task  # cancelled past the limit: the cancellation reaches the task
+
+    return await run_to_end(ended(), limit_s, what)
+
+
 async def run_steps(steps: Iterable[Step], what: str, **fields: object) -> None:
     """Run every step of a clean-up in order, each within its bound, whatever an earlier one
     did: one failing skipped those after it, and what they close stayed open. A failure

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from cachecore.agent.agent import STOP_STEP_S, Agent
-from cachecore.agent.http import AgentHTTPServer
+from cachecore.agent.http import HTTP_STOP_S, AgentHTTPServer
 from cachecore.agent.settings import AgentSettings, StopRegistration
 from cachecore.argtypes import (
     log_level,
@@ -355,7 +355,7 @@ def _shutdown_steps(
     agent_s = enclosing_limit_s(agent.stop_limit_s)  # never shorter than its own
     steps.append(("agent", lambda: agent.stop(deregister=release), agent_s))
     if server is not None:
-        steps.append(("http server", server.stop, STOP_STEP_S))
+        steps.append(("http server", server.stop, enclosing_limit_s(HTTP_STOP_S)))
     for name, store in zip(("index", "load store", "registry"), stores, strict=True):
         if store is not None:
             steps.append((name, store.close, STOP_STEP_S))

@@ -4,7 +4,7 @@ and ``/health`` (JSON: status, state, last seq, mirror size, latency)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import Sequence
 
 import uvicorn
@@ -14,6 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from cachecore.agent.agent import Agent
 from cachecore.listen import bind_listeners
+from cachecore.tasks import wait_to_end
+
+log = logging.getLogger(__name__)
+
+HTTP_STOP_S = 5.0
+"""How long :meth:`AgentHTTPServer.stop` waits for uvicorn to close its connections before
+it cancels the server's task."""
 
 
 def agent_app(agents: Sequence[Agent]) -> FastAPI:
@@ -58,9 +65,23 @@ class AgentHTTPServer:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        """Tell uvicorn to exit, wait until it has (at most :data:`HTTP_STOP_S`, then its
+        task is cancelled), then close the listening sockets. A server that failed or
+        outlived the wait is logged, not raised: its sockets close all the same. A
+        cancellation of the caller does not cut the stop short and is raised after it:
+        the wait sat under ``suppress(CancelledError)``, which cut uvicorn's shutdown short
+        and swallowed the cancellation (a caller cancelled meanwhile went on as if it had
+        not been)."""
         self._server.should_exit = True
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._task, 5.0)
-        for sock in self._socks:
-            sock.close()
+        try:
+            if self._task is not None:
+                await wait_to_end(self._task, HTTP_STOP_S, "agent http server stop")
+        except Exception:
+            log.warning(
+                "the agent's HTTP server did not stop cleanly",
+                exc_info=True,
+                extra={"port": self.port},
+            )
+        finally:
+            for sock in self._socks:
+                sock.close()
