@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 import zmq
@@ -139,6 +140,16 @@ class LoopRun:
     @property
     def failing(self) -> bool:
         return self.in_a_row >= LOOP_FAILING_AFTER
+
+
+class RegistrationRelease(StrEnum):
+    """What a clean stop did with the replica's registration: the ``outcome`` field of its
+    log line (:meth:`Agent._release_registration`)."""
+
+    HANDOVER = "handover"  # kept handover_window_s for the next agent
+    DEREGISTER = "deregister"  # deleted: gateways remove the replica after their grace
+    ABSENT = "absent"  # none of this agent's was there: never written, lapsed, a successor's
+    FAILED = "failed"  # the registry call failed: it lapses after registration_ttl_s
 
 
 class Agent:
@@ -289,27 +300,56 @@ class Agent:
         heartbeat, and came back as a new replica. So while the engine answers /health the
         registration is handed over: kept ``handover_window_s`` from now, for the next
         agent's first heartbeat to overwrite. The index entries stay either way (no stop
-        touches them); the next agent loads them and replays what it missed."""
+        touches them); the next agent loads them and replays what it missed.
+
+        What happened is one log line with the ``outcome`` (:class:`RegistrationRelease`),
+        not a metric: the process, or the agent and its registry, end with this stop, so a
+        counter it moved would almost never be scraped (docs/agent.md)."""
         rid, s = self.primary_id, self.settings
         mode = StopRegistration.ALWAYS if force else s.deregister_on_stop
-        if not link.registered:  # nothing of ours to hand over; a predecessor's stays
-            await link.deregister(rid)
-            return
         serving: bool | None = None
-        if mode is StopRegistration.AUTO:
+        if link.registered and mode is StopRegistration.AUTO:
             serving = await self.scraper.healthy()  # bounded by scrape_timeout_s
-        fields = {"replica": rid, "mode": mode.value, "engine_serving": serving}
-        if mode is StopRegistration.ALWAYS or serving is False:
-            removed = await link.deregister(rid)
-            log.info("replica deregistered", extra={**fields, "removed": removed})
+        # never registered: nothing of ours to hand over (a predecessor's stays); the
+        # deregistration removes only ours, in case a heartbeat wrote it and then failed
+        hand_over = link.registered and mode is not StopRegistration.ALWAYS and serving is not False
+        fields: dict[str, Any] = {
+            "replica": rid,
+            "action": "handover" if hand_over else "deregister",
+            "mode": mode.value,
+            "engine_serving": serving,
+            "handover_window_s": s.handover_window_s,
+            "agent_id": link.agent_id,
+        }
+        try:
+            if hand_over:
+                done = await link.hand_over(rid, s.handover_window_s)
+            else:
+                done = await link.deregister(rid)
+        except Exception as exc:  # the registration lapses after its heartbeat TTL
+            log.warning(
+                "registration hand-over failed" if hand_over else "deregistration failed",
+                extra={
+                    **fields,
+                    "outcome": RegistrationRelease.FAILED.value,
+                    "registration_ttl_s": s.registration_ttl_s,
+                    "error": repr(exc),
+                },
+            )
             return
-        kept = await link.hand_over(rid, s.handover_window_s)
-        log.info(
-            "registration left for the replica's next agent"
-            if kept
-            else "registration not handed over: no longer this agent's",
-            extra={**fields, "handover_window_s": s.handover_window_s, "kept": kept},
-        )
+        if not done:  # lapsed, or a successor's registration: left alone
+            outcome, message = (
+                RegistrationRelease.ABSENT,
+                "no registration of this agent's to release",
+            )
+        elif hand_over:
+            outcome, message = (
+                RegistrationRelease.HANDOVER,
+                "registration left for the replica's next agent",
+            )
+        else:
+            outcome, message = RegistrationRelease.DEREGISTER, "replica deregistered"
+        log.info(message, extra={**fields, "outcome": outcome.value})
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until the startup catch-up is done (tests, embedded start). Not wait_for: on 3.11

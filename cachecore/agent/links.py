@@ -137,23 +137,15 @@ class RegistryLink:
         return self._registered
 
     async def deregister(self, replica: str) -> bool:
-        """Remove our registration (a successor's is left alone); whether one was removed."""
-        try:
-            return await self.store.deregister(replica, self.agent_id)
-        except Exception as exc:
-            log.warning("deregistration failed", extra={"replica": replica, "error": repr(exc)})
-            return False
+        """Remove our registration (a successor's is left alone); whether one was removed.
+        The store's failure is raised: the stop logs it with its outcome."""
+        return await self.store.deregister(replica, self.agent_id)
 
     async def hand_over(self, replica: str, window_s: float) -> bool:
         """Keep our registration ``window_s`` from now for the replica's next agent (a
-        successor's is left alone); whether ours was there to keep. A failure leaves it to
-        its heartbeat TTL, which bounds it too."""
-        try:
-            return await self.store.hand_over(
-                replica, self.agent_id, max(1, int(window_s * 1000)), _now_ms()
-            )
-        except Exception as exc:
-            log.warning(
-                "registration hand-over failed", extra={"replica": replica, "error": repr(exc)}
-            )
-            return False
+        successor's is left alone); whether ours was there to keep. The store's failure is
+        raised (the stop logs it): it leaves the registration to its heartbeat TTL, which
+        bounds it too."""
+        return await self.store.hand_over(
+            replica, self.agent_id, max(1, int(window_s * 1000)), _now_ms()
+        )
