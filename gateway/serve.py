@@ -14,7 +14,9 @@ Subprocess: :func:`start_gateway_process` runs ``python -m gateway.cli serve ...
 waits until it answers ``/health``.
 
 SIGTERM: the server stops accepting (``/health`` answers 503 and new requests get 503),
-lets in-flight requests and streams finish (up to ``drain_timeout_s``), then exits.
+lets in-flight requests and streams finish (up to ``drain_timeout_s``), stops the gateway,
+then exits. A Ctrl-C while it waits for them cuts them and still stops the gateway; one
+more exits at once (:class:`_DrainingServer`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import functools
 import importlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -198,6 +201,11 @@ def build_gateway(
     return gw
 
 
+FORCE_CUT_S = 2.0
+"""After a force-quit: how long the in-flight requests it cancelled get to end (each ends
+at its next await, a stream with its ``draining`` error event) before the gateway's stop."""
+
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn server that flips the gateway to draining the moment a stop is requested;
     with ``freeze_gc`` it freezes the start-up heap once the lifespan start-up is done.
@@ -206,7 +214,14 @@ class _DrainingServer(uvicorn.Server):
     before uvicorn's shutdown: ``/health`` answers 503 and new requests get 503
     ``draining``, so a load balancer's health checks take the gateway out of rotation while
     it still answers, instead of meeting refused connections. In-flight requests go on. A
-    second signal stops at once (uvicorn's usual path)."""
+    second signal ends the grace at once.
+
+    A SIGINT once the stop is under way (uvicorn's force-quit, Ctrl-C twice) cuts the
+    in-flight requests instead of waiting for them, but the gateway's stop still runs to
+    its end (uvicorn skips the lifespan shutdown on a force-quit: the embedded agents, the
+    index, the stores, the request trace's last records were left to the process's exit).
+    A SIGINT after that one exits at once, for an operator whose stop hangs; SIGTERM never
+    cuts the stop short."""
 
     def __init__(
         self,
@@ -241,10 +256,51 @@ class _DrainingServer(uvicorn.Server):
             # a signal handler may interrupt the loop anywhere: only the thread-safe call
             loop.call_soon_threadsafe(loop.call_later, self.drain_grace_s, self._end_grace)
             return
-        super().handle_exit(sig, frame)
+        if sig == signal.SIGINT and self.force_exit:
+            # Ctrl-C after a force-quit: the stop may take up to its bounds (a minute
+            # with embedded agents), and an operator at a terminal needs a way out
+            log.warning(
+                "interrupted again: exiting before the gateway's stop has ended",
+                extra={"signal": signal.Signals(sig).name},
+            )
+            for handler in logging.getLogger().handlers:
+                handler.flush()  # os._exit skips it
+            os._exit(128 + sig)
+        forced = sig == signal.SIGINT and self.should_exit
+        super().handle_exit(sig, frame)  # a force-quit sets force_exit: no drain wait
+        if forced and loop is not None:
+            loop.call_soon_threadsafe(self._cut_in_flight)
 
     def _end_grace(self) -> None:
         self.should_exit = True
+
+    def _cut_in_flight(self) -> None:
+        """A force-quit: cancel the requests still running, as uvicorn's drain timeout does
+        (the gateway answers each as cut by the drain), instead of leaving them running
+        under a stop that closes the client and the stores."""
+        tasks = list(self.server_state.tasks)
+        log.warning(
+            "forced to quit: cutting the requests in flight, then stopping the gateway",
+            extra={"requests": len(tasks)},
+        )
+        for task in tasks:
+            task.cancel(msg="Task cancelled, force quit")
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit and not self._lifespan_ended():
+            # uvicorn skips the lifespan shutdown on a force-quit: the gateway's stop (its
+            # steps each bounded) still runs, once the cut requests have ended
+            tasks = list(self.server_state.tasks)
+            if tasks:
+                await asyncio.wait(tasks, timeout=FORCE_CUT_S)
+            await self.lifespan.shutdown()
+
+    def _lifespan_ended(self) -> bool:
+        """Whether the lifespan's shutdown has run (or the lifespan has ended otherwise, or
+        there is none): a force-quit that came while it ran found it under way."""
+        event = getattr(self.lifespan, "shutdown_event", None)
+        return event is None or event.is_set()
 
 
 class _InLoopServer(_DrainingServer):
