@@ -326,7 +326,8 @@ class Gateway:
         self.registry = registry
         self.discovery: Discovery | None = None
         self.draining = False
-        self.strategy_override: Strategy | None = None  # e.g. kvgate serve --strategy
+        # over the policy's routing.strategy: KVGATE_STRATEGY or kvgate serve --strategy
+        self.strategy_override: Strategy | None = settings.strategy
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()

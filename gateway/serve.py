@@ -196,7 +196,8 @@ def build_gateway(
         span_exporter=span_exporter,
         registry=registry,
     )
-    gw.strategy_override = strategy
+    if strategy is not None:  # the caller's, over KVGATE_STRATEGY (which Gateway read)
+        gw.strategy_override = strategy
     gw.policies.weaken_settle_s = settings.policy_weaken_settle_s
     return gw
 
@@ -500,7 +501,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     overrides: dict[str, Any] = {}
     for name in (
         "policy", "redis_url", "api_keys_file", "admin_key", "host", "port", "seed",
-        "gateway_id", "otel_endpoint", "log_level", "trace_out", "key_prefix",
+        "gateway_id", "otel_endpoint", "log_level", "trace_out", "key_prefix", "strategy",
     ):  # fmt: skip
         value = getattr(args, name, None)
         if value is not None:

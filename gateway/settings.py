@@ -23,6 +23,7 @@ from gateway.cors import DEFAULT_METHODS as CORS_METHODS
 from gateway.cors import CorsPolicy, check_origin, check_token
 from gateway.policy_store import WEAKEN_SETTLE_S
 from gateway.replicas import AGENT_ENDPOINT_SCHEMES
+from gateway.routing import Strategy
 from policies.schema import MIN_RATE_PER_S, builtin_policy_path
 
 
@@ -143,6 +144,10 @@ class GatewaySettings(BaseSettings):
     log_level: str = "INFO"
     log_json: bool = True
     seed: int | None = None  # routing RNG seed (tests, benchmarks)
+    # the routing strategy for the life of the process, over the policy's routing.strategy
+    # (which a policy reload then does not move); None: the policy's. An explain's
+    # ?strategy= still wins for its one call. kvgate serve --strategy sets it too
+    strategy: Strategy | None = None
     # `kvgate serve`: after start-up, move the start-up heap into the GC's permanent
     # generation (gc.freeze) so full collections scan only what requests allocate
     gc_freeze: bool = True

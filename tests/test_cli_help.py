@@ -159,6 +159,17 @@ def test_every_flag_that_sets_a_setting_names_its_variable(
             monkeypatch.delenv(name)
     flags, negated = _setting_flags(command)
     assert len(flags) >= 19, flags
+    if command == "serve":
+        # every serve flag sets a setting, so every one is checked here: --strategy set
+        # none (it went to build_gateway beside the settings) and had no variable
+        import argparse
+
+        from gateway.serve import configure
+
+        parser = argparse.ArgumentParser()
+        configure(parser)
+        options = {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+        assert options - {"--help"} <= set(flags), sorted(options - {"--help"} - set(flags))
     with pytest.raises(SystemExit):
         main([command, "--help"])
     blocks = _help_blocks(capsys.readouterr().out)
