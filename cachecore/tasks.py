@@ -83,7 +83,9 @@ async def run_to_end(
 
     A cancellation of the caller while it waited is raised once ``work`` has ended (a
     failure of ``work`` is then logged, not raised). Otherwise ``work``'s result is
-    returned, or its exception raised.
+    returned, or its exception raised; ``work`` ending cancelled though neither the caller
+    nor the bound cancelled it (a task it awaits was cancelled elsewhere) raises
+    RuntimeError, never a cancellation the caller did not get.
 
     Bounded: past ``limit_s`` ``work`` is cancelled (again every ``grace_s``, at most
     :data:`RUN_TO_END_CANCELS` times; one that outlives that is logged and left running)
@@ -120,6 +122,12 @@ async def run_to_end(
         failure = TimeoutError(f"{what} did not end within {limit_s} s")
     elif not task.cancelled():
         failure = task.exception()
+    elif cancelled is None:
+        # cancelled by neither the caller nor the bound: by another task (wait_to_end's
+        # task cancelled elsewhere). A failure of the clean-up: raised as a cancellation,
+        # it reached a caller nobody cancelled, which then stopped as if it had been
+        # (run_steps skipped the steps after it; a stop said to log a failure raised it)
+        failure = RuntimeError(f"{what} ended cancelled by another task")
     if cancelled is not None:
         if failure is not None:
             log.error("a clean-up failed", exc_info=failure, extra={"what": what})
@@ -133,7 +141,8 @@ async def wait_to_end(task: asyncio.Future[T], limit_s: float, what: str) -> T:
     """Wait until ``task`` (one told to stop: a server asked to exit) has ended, however
     often the caller is cancelled meanwhile, then raise the caller's cancellation; past
     ``limit_s`` ``task`` is cancelled and TimeoutError raised (:func:`run_to_end`'s rules).
-    Its result is returned, its exception raised. A wait for it under
+    Its result is returned, its exception raised (RuntimeError if it was cancelled
+    elsewhere: the caller was not). A wait for it under
     ``suppress(CancelledError)`` swallowed the caller's own cancellation: the caller went on
     as if it had never been cancelled."""
 
