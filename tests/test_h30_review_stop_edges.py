@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
+import httpx
 import pytest
 
+from cachecore.agent import Agent
 from cachecore.agent.http import AgentHTTPServer
 from cachecore.tasks import run_steps, run_to_end, wait_to_end
+from cachecore.testing import RedisServer
+from tests.test_agent_helpers import Rig
+from tests.test_h30_agent_stop import recording_agent, running_cli
+from tests.test_h30_agent_stop import rig as rig  # a fixture
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,3 +96,34 @@ async def test_an_agent_http_server_whose_task_was_cancelled_stops_and_logs_it(
     assert [r.getMessage() for r in caplog.records] == [
         "the agent's HTTP server did not stop cleanly"
     ]
+
+
+@pytest.mark.redis
+async def test_the_agent_cli_stops_its_http_server_after_its_agent_on_sigterm(
+    rig: Rig, redis_own: RedisServer
+) -> None:
+    """A real SIGTERM with the agent's stop slowed: /health still answers while the agent
+    stops (the HTTP server is the shutdown's next step), then the server is gone."""
+    entered = asyncio.Event()
+    answered: list[int | str] = []
+    port_box: list[int] = []
+
+    async def slow_stop(agent: Agent, deregister: bool | None) -> None:
+        entered.set()
+        await asyncio.sleep(0.5)  # the probe below runs meanwhile
+        async with httpx.AsyncClient(timeout=2.0) as h:
+            try:
+                answered.append((await h.get(f"http://127.0.0.1:{port_box[0]}/health")).status_code)
+            except httpx.TransportError as exc:
+                answered.append(type(exc).__name__)
+        await Agent.stop(agent, deregister)
+
+    made: list[Agent] = []
+    async with running_cli(rig, redis_own, recording_agent(made, slow_stop), made) as (main, port):
+        port_box.append(port)
+        signal.raise_signal(signal.SIGTERM)
+        async with asyncio.timeout(30.0):
+            await entered.wait()
+            rc = await main
+    assert rc == 0
+    assert answered == [200], "the agent's HTTP server stopped before its agent"

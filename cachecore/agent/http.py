@@ -4,8 +4,9 @@ and ``/health`` (JSON: status, state, last seq, mirror size, latency)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -41,6 +42,17 @@ def agent_app(agents: Sequence[Agent]) -> FastAPI:
     return app
 
 
+class _OwnerSignalsServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the agent's owner (``kvgate agent``) handles
+    SIGTERM and SIGINT and stops this server after the agent. uvicorn's, installed while it
+    serves, stopped it at the signal itself, beside the agent's stop (``/health`` and
+    ``/metrics`` gone from the start of the stop), and re-raised the signal after."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 class AgentHTTPServer:
     """uvicorn in a task, listening from the constructor on every address ``host`` resolves
     to, as the gateway and the replica do (``port`` 0 picks a free one, the same on each).
@@ -54,7 +66,7 @@ class AgentHTTPServer:
         config = uvicorn.Config(
             agent_app(agents), log_level="warning", access_log=False, lifespan="off"
         )
-        self._server = uvicorn.Server(config)
+        self._server = _OwnerSignalsServer(config)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
