@@ -990,11 +990,10 @@ class Gateway:
                 )  # fmt: skip
             if all(r.cordoned or r.draining for r in serving):
                 # healthy perhaps, but taken out of service by an operator: say so
-                raise GatewayError(
-                    503, "every replica serving this model is cordoned or draining",
-                    code="no_replica",
-                )  # fmt: skip
-            raise GatewayError(503, "no healthy replica serves this model", code="no_replica")
+                raise self.pool.no_replica_error(
+                    "every replica serving this model is cordoned or draining"
+                )
+            raise self.pool.no_replica_error("no healthy replica serves this model")
         tpol = pol.tenant(tenant)
         priority: tuple[int | None, bool] = (None, False)
         if "priority" in body or tpol.priority.mode in _PRIORITY_SET:
@@ -1164,18 +1163,22 @@ class Gateway:
         # charged a replica, the tenant's scope tree and everyone's rounds for nothing
         router = self.router
         strat = strategy or self.strategy_override
-        with router.preview() if explain_only else contextlib.nullcontext():
-            decision = router.decide(req, cands, coeffs, strat, commit=False)
-            chosen = self.pool.get(decision.replica)
-            if chosen is None or not chosen.routable(time.monotonic()):
-                # cordoned, drained, ejected or removed during the awaits above (tokenizing,
-                # the lookup): it takes no new request (it used to get this one, routed over
-                # the replicas read before them); the chosen one alone is checked: O(1)
-                routable = {r.id for r in self.pool.candidates(model)}
-                cands = [c for c in cands if c.replica in routable]
-                if not cands:
-                    raise GatewayError(503, "no healthy replica serves this model", "no_replica")
-                decision = router.decide(req, cands, coeffs, decision.strategy, commit=False)
+        try:
+            with router.preview() if explain_only else contextlib.nullcontext():
+                decision = router.decide(req, cands, coeffs, strat, commit=False)
+                chosen = self.pool.get(decision.replica)
+                if chosen is None or not chosen.routable(time.monotonic()):
+                    # cordoned, drained, ejected or removed during the awaits above
+                    # (tokenizing, the lookup): it takes no new request (it used to get this
+                    # one, routed over the replicas read before them); the chosen one alone
+                    # is checked: O(1)
+                    routable = {r.id for r in self.pool.candidates(model)}
+                    cands = [c for c in cands if c.replica in routable]
+                    if not cands:
+                        raise self.pool.no_replica_error("no healthy replica serves this model")
+                    decision = router.decide(req, cands, coeffs, decision.strategy, commit=False)
+        except NoCandidateError as exc:  # a confined tenant's cold request: none offered
+            raise self.pool.no_replica_error(str(exc)) from None
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,
@@ -1237,25 +1240,21 @@ class Gateway:
             return bases.names[0][0]
         if not bases.names:
             if bases.unknown:
-                raise GatewayError(
-                    503,
+                raise self.pool.no_replica_error(
                     "the replicas' model lists (/v1/models) are not known yet, so this "
                     "gateway cannot tell which model serves a request without 'model'; "
                     "name the model to be served now",
-                    code="no_replica",
                     param="model",
                 )
             members = self.pool.all()
             if members and all(r.cordoned or r.draining for r in members):
                 # healthy perhaps, but taken out of service by an operator: say so
-                raise GatewayError(
-                    503,
+                raise self.pool.no_replica_error(
                     "every replica is cordoned or draining: none can serve a request "
-                    "without 'model'",
-                    code="no_replica",
+                    "without 'model'"
                 )
-            raise GatewayError(
-                503, "no healthy replica to serve a request without 'model'", code="no_replica"
+            raise self.pool.no_replica_error(
+                "no healthy replica to serve a request without 'model'"
             )
         firsts = sorted(names[0] for names in bases.names)
         shown = ", ".join(firsts[:_MODELS_NAMED])

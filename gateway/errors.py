@@ -163,18 +163,50 @@ def body_too_large(limit: int) -> GatewayError:
 _MAX_RETRY_AFTER_S = 86_400.0
 
 
+def retry_after(seconds: float) -> str:
+    """A ``Retry-After`` value for a wait of ``seconds``: whole seconds, rounded up (within a
+    millisecond), at least 1 (0 tells a client to retry at once, in a loop), at most a day.
+    A wait no clock can give (inf, NaN, a rate near zero) is a day, not an OverflowError
+    that makes the answer a 500; the settings bound the rates, this bounds every caller."""
+    wait = seconds if math.isfinite(seconds) else _MAX_RETRY_AFTER_S
+    return str(max(1, int(min(wait, _MAX_RETRY_AFTER_S) + 0.999)))
+
+
 def rate_limited(message: str, retry_after_s: float, limit: str) -> GatewayError:
     """OpenAI's 429 (code ``rate_limit_exceeded``, type ``requests`` or ``tokens``) with the
     tenant limit that ran out in ``limit``: concurrency, rate or uncached_tokens."""
-    # a wait no bucket can give (inf, NaN, a rate near zero) is a day, not an OverflowError
-    # that makes the 429 a 500; the settings bound the rates, this bounds every caller
-    wait = retry_after_s if math.isfinite(retry_after_s) else _MAX_RETRY_AFTER_S
-    secs = max(1, int(min(wait, _MAX_RETRY_AFTER_S) + 0.999))
     return GatewayError(
         429,
         message,
         code="rate_limit_exceeded",
-        headers={"Retry-After": str(secs)},
+        headers={"Retry-After": retry_after(retry_after_s)},
         type_="tokens" if limit == "uncached_tokens" else "requests",
         extra={"limit": limit},
+    )
+
+
+NO_REPLICA_RETRY_S = 1.0
+"""The ``Retry-After`` of a 503 ``no_replica`` made without a policy at hand (the engine
+tokenizer's, which no request meets); the gateway's are its health-check interval
+(``ReplicaPool.no_replica_error``), 1 s at the default 0.5 s."""
+NO_REPLICA_RETRY_MAX_S = 10.0
+"""The most a 503 ``no_replica`` asks a client to wait, whatever the health-check interval:
+a sparse check is no reason to hold clients longer (an uncordon or a registration ends it
+without a check), and the OpenAI SDKs do not retry at all past 120 s."""
+
+
+def no_replica(
+    message: str, retry_after_s: float = NO_REPLICA_RETRY_S, param: str | None = None
+) -> GatewayError:
+    """The 503 ``no_replica``: no replica can serve the request now (none healthy, every one
+    cordoned or draining, their model lists not read yet). It passes: a replica comes back
+    at a health check, an uncordon, a registration, so it says when to ask again
+    (``Retry-After``, :func:`retry_after` of ``retry_after_s``), as the gateway's other
+    retryable refusals do, where clients fell back on their own backoff."""
+    return GatewayError(
+        503,
+        message,
+        code="no_replica",
+        param=param,
+        headers={"Retry-After": retry_after(retry_after_s)},
     )

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import httpx
@@ -260,12 +260,20 @@ class UpstreamExchange(Response):
         return headers
 
     async def _send_error(
-        self, conn: ClientConnection, status: int, message: str, code: str
+        self,
+        conn: ClientConnection,
+        status: int,
+        message: str,
+        code: str,
+        extra: Mapping[str, str] | None = None,
     ) -> None:
+        """``extra``: more headers (a 503 ``no_replica``'s ``Retry-After``)."""
         self.status = status
         body = orjson.dumps(error_body(status, message, code))
         self._settled = True
         headers = [(b"content-type", _JSON), (b"x-request-id", self.d.request_id.encode())]
+        for name, value in (extra or {}).items():
+            headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
         await conn.answer(status, headers, body)
 
     # ------------------------------------------------------------------ exchange
@@ -288,7 +296,8 @@ class UpstreamExchange(Response):
                 if rep is None:  # removed meanwhile
                     if gw.reroute(d, d.replica):
                         continue
-                    await self._send_error(conn, 503, "no replica available", "no_replica")
+                    err = gw.pool.no_replica_error("no replica available")
+                    await self._send_error(conn, err.status, err.message, "no_replica", err.headers)
                     self._finish(Outcome(503, None, time.perf_counter() - t0, None, None, None))
                     return
                 payload = gw.upstream_body(d)

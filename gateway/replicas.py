@@ -33,6 +33,7 @@ from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import InvalidURLError, normalize_url
 from cachecore.tasks import cancel_and_wait
 from cachecore.urls import split_user_info
+from gateway.errors import NO_REPLICA_RETRY_MAX_S, GatewayError, no_replica
 from policies.schema import HealthPolicy
 
 AGENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://")
@@ -390,6 +391,15 @@ class ReplicaPool:
         return list(self._replicas)
 
     # ---------------------------------------------------------------- selection
+    def no_replica_error(self, message: str, param: str | None = None) -> GatewayError:
+        """The 503 ``no_replica`` (none of these replicas can serve a request now), with
+        ``Retry-After``: the health-check interval, rounded up to whole seconds (1 s at the
+        default 0.5 s), at most :data:`~gateway.errors.NO_REPLICA_RETRY_MAX_S`. Until the
+        next check the pool's view of its replicas' health cannot change, so an earlier
+        retry spends one of the client's few (the OpenAI SDKs make 2) on the same answer;
+        an uncordon or a registration may come sooner, and is met by the retry after it."""
+        return no_replica(message, min(self.policy.interval_s, NO_REPLICA_RETRY_MAX_S), param)
+
     def candidates(self, model: str, exclude: Iterable[str] = ()) -> list[Replica]:
         """Routable replicas serving ``model`` (a base model or a LoRA adapter name)."""
         now = self._clock()

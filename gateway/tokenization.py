@@ -37,7 +37,7 @@ from cachecore.tokenizer import (
     scope_media_uuids,
     with_special_tokens,
 )
-from gateway.errors import GatewayError, bad_request, engine_error_body
+from gateway.errors import GatewayError, bad_request, engine_error_body, no_replica
 from gateway.filewatch import FileVersion, file_version
 from policies.schema import ModelPool, ModelsPolicy
 
@@ -613,7 +613,8 @@ class EnginePromptTokenizer:
             raise GatewayError(
                 502, f"engine tokenization failed: {type(failure).__name__}: {failure}"
             )
-        raise GatewayError(503, "no replica available to tokenize", code="no_replica")
+        # not met by a request: prepare found a routable replica with no await since
+        raise no_replica("no replica available to tokenize")
 
     async def chat(self, body: Mapping[str, Any], salt: str) -> list[int]:
         """``salt``: the request scope's cache salt. An engine may cache what it renders
