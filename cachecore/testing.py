@@ -68,11 +68,18 @@ async def serve_asgi(
     yields its base URL (``https://`` when ``ssl_certfile`` is given) once it listens.
 
     ``config`` overrides uvicorn's settings (defaults: no lifespan, warnings only, the
-    running loop). On exit the server is told to stop and awaited: its connections close
-    and its task ends before the caller's next step.
+    running loop, at most 5 s of graceful shutdown). On exit the server is told to stop and
+    awaited: its connections close and its task ends before the caller's next step (a
+    response still in flight, as in a test that failed half way, is cut after those 5 s
+    rather than holding the stop until pytest's timeout).
     """
     port = free_port()
-    settings: dict[str, Any] = {"lifespan": "off", "log_level": "warning", "loop": "none"}
+    settings: dict[str, Any] = {
+        "lifespan": "off",
+        "log_level": "warning",
+        "loop": "none",
+        "timeout_graceful_shutdown": 5,
+    }
     settings.update(config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **settings))
     task = asyncio.ensure_future(server.serve())
