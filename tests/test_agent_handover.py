@@ -68,7 +68,7 @@ pytestmark = pytest.mark.timeout(120)
 RID = "r0"
 HEARTBEAT_S = 0.2
 REGISTRATION_TTL_S = 1.0
-WINDOW_S = 6.0  # the hand-over window
+WINDOW_S = 10.0  # the hand-over window: GAP_S plus a new agent's start, with room on a loaded CI
 DISCOVERY_S = 0.2  # the gateway's registry reads
 GRACE_S = 1.0  # the gateway's removal grace
 GAP_S = 2.0  # from the old agent's stop to the new agent's start
@@ -324,12 +324,13 @@ async def test_a_clean_stop_with_its_engine_down_still_deregisters_at_once(
         await agent.stop()
         stop_s = time.monotonic() - t0
         assert await s.registration() is None  # gone when stop returns
-        assert stop_s < 1.0, stop_s
+        assert stop_s < 3.0, stop_s  # prompt: a refused or 503 probe, then DEL
         t1 = time.monotonic()
         await until(lambda: gw.pool is not None and gw.pool.get(RID) is None, 5.0)
         removed_s = time.monotonic() - t1
         print(f"\n{kind}/{down}: stop {stop_s:.3f} s, removed by the gateway {removed_s:.2f} s")
-        assert removed_s < GRACE_S + 3 * DISCOVERY_S + 0.5
+        # the grace and a few reads (0.9-1.0 s measured), with room for a loaded machine
+        assert removed_s < GRACE_S + 5 * DISCOVERY_S + 2.0
 
 
 # ------------------------------------------------------------------- the stop's choices

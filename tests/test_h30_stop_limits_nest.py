@@ -142,7 +142,7 @@ async def test_an_agent_stop_longer_than_the_old_outer_bounds_runs_to_its_end(
         if msg == "gateway stop: a step failed":
             problems.append(f"logged: {msg} ({getattr(r, 'step', '')})")
     assert problems == [], "\n".join(problems)
-    assert SLOW_S <= took < SLOW_S + 3.0
+    assert SLOW_S <= took < SLOW_S + 8.0  # ran to its end, and did not hang
 
 
 async def test_each_outer_bound_covers_what_it_wraps_at_the_defaults() -> None:
