@@ -357,16 +357,22 @@ def create_app(gw: Gateway) -> FastAPI:
         gw.metrics.api_key_reloads.labels("ok" if result is not None else "invalid").inc()
         gw.metrics.api_keys.set(keys.file_keys)
 
-    async def stop_all() -> None:
+    async def stop_all(cancelled: bool = False) -> None:
         """The key file poller, then the gateway, even when the first raised or was
         cancelled (gw.stop runs its steps to their end under cancellation); a failure is
-        logged with its traceback, and the first one raised once both ran."""
+        logged with its traceback, and the first one raised once both ran. A stop that is
+        cancelled (``cancelled``: the lifespan was, before it) does not drain: the
+        cancellation, held until the gateway has stopped, cuts its drain as one during the
+        drain does (it waited up to the drain timeout with requests in flight)."""
         failed: BaseException | None = None
+        if cancelled:
+            gw.cut_drain()
         for what, step in (("api key poller", keys.stop), ("gateway", gw.stop)):
             try:
                 await step()
             except asyncio.CancelledError as exc:  # not a failure: raised at the end
                 failed = failed or exc
+                gw.cut_drain()
             except Exception as exc:
                 log.error("shutdown: a step failed", exc_info=True, extra={"step": what})
                 failed = failed or exc
@@ -386,7 +392,7 @@ def create_app(gw: Gateway) -> FastAPI:
             # failure of the stop after it replaced it, and the operator read the wrong
             # cause. Logged (stop_all) and noted on it instead.
             try:
-                await stop_all()
+                await stop_all(cancelled=isinstance(exc, asyncio.CancelledError))
             except asyncio.CancelledError:
                 log.warning("cancelled again while stopping the gateway after an error")
             except Exception as stop_exc:

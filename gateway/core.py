@@ -329,8 +329,11 @@ class Gateway:
         # over the policy's routing.strategy: KVGATE_STRATEGY or kvgate serve --strategy
         self.strategy_override: Strategy | None = settings.strategy
         self.in_flight = 0
+        # set while no request is in flight, and for good once the drain is cut (cut_drain):
+        # what the stop's drain waits for
         self._idle = asyncio.Event()
         self._idle.set()
+        self._drain_cut = False
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self._tracer_provider = make_provider(
             settings.otel_endpoint, settings.otel_service_name, span_exporter
@@ -748,18 +751,24 @@ class Gateway:
         it left those after it (the agents, the index, the stores, the client, the trace
         file) open. A step that blocks is cancelled after its bound (:data:`STOP_STEP_S`;
         the embedded agents' step, their own stop's limit) and counts as failed; the next
-        one runs."""
+        one runs. After :meth:`cut_drain` (a force-quit, a cancellation the caller held) it
+        does not drain at all."""
         self.draining = True
         cancelled: asyncio.CancelledError | None = None
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
-                await self._idle.wait()  # set unless a request is in flight
+                await self._idle.wait()  # set unless a request is in flight or drain cut
         except TimeoutError:
             log.warning(
                 "drain timeout: closing with requests in flight", extra={"n": self.in_flight}
             )
         except asyncio.CancelledError as exc:
             cancelled = exc  # no more draining; the steps still run
+        else:
+            if self.in_flight > 0:  # the drain was cut
+                log.warning(
+                    "drain cut: closing with requests in flight", extra={"n": self.in_flight}
+                )
         steps = self._stop_steps(asyncio.current_task())
         # the per-step bounds are the real ones; this one stops a step that ignores its
         # cancellation from holding the caller for ever
@@ -772,6 +781,16 @@ class Gateway:
             # logged by its step: the caller's cancellation is what this stop ends with
         if cancelled is not None:
             raise cancelled
+
+    def cut_drain(self) -> None:
+        """End :meth:`stop`'s wait for the requests in flight now, or skip it in a stop to
+        come: the stop goes on to its steps at once, and closes what requests still running
+        use, as at the drain timeout. For a stop that must not wait (a force-quit that has
+        cut the requests, a cancellation its caller held until the stop); new requests are
+        refused (``draining``). Call it in the event loop's thread."""
+        self.draining = True
+        self._drain_cut = True
+        self._idle.set()
 
     def _stop_steps(self, caller: asyncio.Task[Any] | None) -> list[Step]:
         """:meth:`stop`'s steps in order, those of what exists (each idempotent), each with
@@ -882,7 +901,8 @@ class Gateway:
 
     def begin(self) -> None:
         self.in_flight += 1
-        self._idle.clear()
+        if not self._drain_cut:
+            self._idle.clear()
         self.metrics.in_flight.set(self.in_flight)
 
     def end(self) -> None:

@@ -204,7 +204,8 @@ def build_gateway(
 
 FORCE_CUT_S = 2.0
 """After a force-quit: how long the in-flight requests it cancelled get to end (each ends
-at its next await, a stream with its ``draining`` error event) before the gateway's stop."""
+at its next await, a stream with its ``draining`` error event) before the gateway's stop,
+which then waits for none of them (its drain is cut)."""
 
 
 class _DrainingServer(uvicorn.Server):
@@ -220,7 +221,9 @@ class _DrainingServer(uvicorn.Server):
     A SIGINT once the stop is under way (uvicorn's force-quit, Ctrl-C twice) cuts the
     in-flight requests instead of waiting for them, but the gateway's stop still runs to
     its end (uvicorn skips the lifespan shutdown on a force-quit: the embedded agents, the
-    index, the stores, the request trace's last records were left to the process's exit).
+    index, the stores, the request trace's last records were left to the process's exit),
+    without draining again: a cut request still running after :data:`FORCE_CUT_S` made it
+    wait up to the drain timeout more.
     A SIGINT after that one exits at once, for an operator whose stop hangs; SIGTERM never
     cuts the stop short."""
 
@@ -278,7 +281,10 @@ class _DrainingServer(uvicorn.Server):
     def _cut_in_flight(self) -> None:
         """A force-quit: cancel the requests still running, as uvicorn's drain timeout does
         (the gateway answers each as cut by the drain), instead of leaving them running
-        under a stop that closes the client and the stores."""
+        under a stop that closes the client and the stores. The gateway's stop, to come or
+        under way, does not wait for them (its drain is cut): only :meth:`shutdown` gives
+        them :data:`FORCE_CUT_S` to end."""
+        self.gw.cut_drain()
         tasks = list(self.server_state.tasks)
         log.warning(
             "forced to quit: cutting the requests in flight, then stopping the gateway",
