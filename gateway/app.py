@@ -33,7 +33,7 @@ from gateway.errors import (
     unsupported_media_type,
 )
 from gateway.proxy import UpstreamExchange
-from gateway.routing import NoCandidateError, Strategy
+from gateway.routing import Strategy
 from policies.schema import TENANT_NAME, PolicyError, not_a_tenant_name
 
 log = logging.getLogger(__name__)
@@ -299,12 +299,9 @@ class Completions:
         span = gw.tracer.start_span("kvgate.request") if gw.tracer is not None else None
         try:
             d = await gw.prepare(endpoint, tenant, body, headers, rid)
-        except (GatewayError, NoCandidateError) as exc:
+        except GatewayError as err:  # the router's NoCandidateError too: prepare's 503
             gw.limiter.release(tenant)
             gw.end()
-            err = (
-                exc if isinstance(exc, GatewayError) else GatewayError(503, str(exc), "no_replica")
-            )
             m.requests.labels(endpoint, str(err.status)).inc()
             if span is not None:
                 span.set_attribute("http.status_code", err.status)
@@ -569,7 +566,8 @@ def create_app(gw: Gateway) -> FastAPI:
         }
 
     def _in_effect() -> dict[str, Any]:
-        # `kvgate serve --strategy` wins over the policy's: say so where the policy is shown
+        # `kvgate serve --strategy` or KVGATE_STRATEGY wins over the policy's: say so where
+        # the policy is shown
         over = gw.strategy_override
         return {"strategy_in_effect": (over or gw.policy.routing.strategy).value} | (
             {"strategy_override": over.value} if over is not None else {}
@@ -670,10 +668,8 @@ def create_app(gw: Gateway) -> FastAPI:
                 param="strategy",
                 code="invalid_strategy",
             ) from None
-        try:
-            d = await gw.prepare(endpoint, tenant, body, request.headers, "explain", True, strat)
-        except NoCandidateError as exc:
-            raise GatewayError(503, str(exc), code="no_replica") from None
+        # a GatewayError is the answer (the router's NoCandidateError: prepare's 503)
+        d = await gw.prepare(endpoint, tenant, body, request.headers, "explain", True, strat)
         answer: dict[str, Any] = {
             "tenant": tenant,
             # false: a typo's answer (every replica matched_blocks 0) looks like a cold

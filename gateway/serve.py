@@ -634,9 +634,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvgate serve: {problem}", file=sys.stderr)
             return 2
         try:
-            gw = build_gateway(
-                settings, strategy=Strategy(args.strategy) if args.strategy else None
-            )
+            gw = build_gateway(settings)  # --strategy is in the settings (strategy)
         except (PolicyError, ValueError, OSError) as exc:
             log.error("cannot start the gateway", extra={"error": str(exc)})
             print(f"kvgate serve: {exc}", file=sys.stderr)

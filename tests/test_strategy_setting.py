@@ -119,3 +119,31 @@ async def test_without_either_the_policy_decides(clean_env: pytest.MonkeyPatch) 
         got = (await h.get("/admin/policy", headers=st.admin_headers())).json()
         assert got["strategy_in_effect"] == "prefix_affinity"
         assert "strategy_override" not in got
+
+
+@pytest.mark.parametrize(
+    ("variable", "flag", "want"),
+    [(None, None, None), ("round_robin", None, "round_robin"), ("round_robin", "random", "random")],
+)
+def test_kvgate_serve_hands_the_setting_to_the_gateway(
+    clean_env: pytest.MonkeyPatch, variable: str | None, flag: str | None, want: str | None
+) -> None:
+    """``kvgate serve`` itself: the gateway it serves has the flag's or the variable's
+    strategy as its override (run() builds it from the settings alone; it used to pass the
+    flag to build_gateway again, redundantly)."""
+    from cachecore.testing import free_port
+    from gateway import serve
+    from gateway.cli import main
+
+    seen: list[Strategy | None] = []
+
+    def no_serving(self: serve._DrainingServer, sockets: object = None) -> None:
+        seen.append(self.gw.strategy_override)  # the gateway it would serve; not served
+
+    clean_env.setattr(serve._DrainingServer, "run", no_serving)
+    clean_env.setattr(serve, "configure_logging", lambda *args: None)  # the test's logging
+    if variable is not None:
+        clean_env.setenv("KVGATE_STRATEGY", variable)
+    argv = ["serve", "--open", "--host", "127.0.0.1", "--port", str(free_port())]
+    assert main(argv + (["--strategy", flag] if flag else [])) == 0
+    assert seen == [Strategy(want) if want else None]
