@@ -334,6 +334,9 @@ class Gateway:
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain_cut = False
+        # the event loop's time by which stop's drain ends at the latest, set by a server
+        # that began the drain itself (drain_until): one drain budget, not two
+        self._drain_deadline: float | None = None
         self.gateway_id = settings.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self._tracer_provider = make_provider(
             settings.otel_endpoint, settings.otel_service_name, span_exporter
@@ -752,11 +755,15 @@ class Gateway:
         file) open. A step that blocks is cancelled after its bound (:data:`STOP_STEP_S`;
         the embedded agents' step, their own stop's limit) and counts as failed; the next
         one runs. After :meth:`cut_drain` (a force-quit, a cancellation the caller held) it
-        does not drain at all."""
+        does not drain at all; after :meth:`drain_until` it drains no later than that."""
         self.draining = True
         cancelled: asyncio.CancelledError | None = None
+        drain_s = self.settings.drain_timeout_s
+        if self._drain_deadline is not None:  # what is left of the server's drain budget
+            left_s = self._drain_deadline - asyncio.get_running_loop().time()
+            drain_s = min(drain_s, max(0.0, left_s))
         try:
-            async with asyncio.timeout(self.settings.drain_timeout_s):
+            async with asyncio.timeout(drain_s):
                 await self._idle.wait()  # set unless a request is in flight or drain cut
         except TimeoutError:
             log.warning(
@@ -791,6 +798,15 @@ class Gateway:
         self.draining = True
         self._drain_cut = True
         self._idle.set()
+
+    def drain_until(self, deadline: float) -> None:
+        """End :meth:`stop`'s wait for the requests in flight by ``deadline`` (the event
+        loop's ``time()``) at the latest, besides its own ``drain_timeout_s``: for a server
+        that began the drain itself and has spent part of the budget waiting for them
+        (``kvgate serve``: uvicorn's wait, then the lifespan's stop; a full drain in each
+        made a stop last the drain timeout twice). Without it (an embedded gateway) the
+        stop drains for its full timeout. Call it in the event loop's thread."""
+        self._drain_deadline = deadline
 
     def _stop_steps(self, caller: asyncio.Task[Any] | None) -> list[Step]:
         """:meth:`stop`'s steps in order, those of what exists (each idempotent), each with

@@ -14,8 +14,9 @@ Subprocess: :func:`start_gateway_process` runs ``python -m gateway.cli serve ...
 waits until it answers ``/health``.
 
 SIGTERM: the server stops accepting (``/health`` answers 503 and new requests get 503),
-lets in-flight requests and streams finish (up to ``drain_timeout_s``), stops the gateway,
-then exits. A Ctrl-C while it waits for them cuts them and still stops the gateway; one
+lets in-flight requests and streams finish (up to ``drain_timeout_s``, once: the gateway's
+stop gives those it cut :data:`CUT_END_S` to end, not a drain of its own), stops the
+gateway, then exits. A Ctrl-C while it waits for them cuts them and still stops the gateway; one
 more exits at once (:class:`_DrainingServer`).
 """
 
@@ -207,6 +208,16 @@ FORCE_CUT_S = 2.0
 at its next await, a stream with its ``draining`` error event) before the gateway's stop,
 which then waits for none of them (its drain is cut)."""
 
+CUT_END_S = 2.0
+"""After uvicorn's wait for the requests in flight has run out (the drain timeout) and cut
+them: how long the gateway's stop still waits for them to end (each at its next await: its
+503 or the stream's ``draining`` error event, its trace record) before it closes what they
+use. The end of the one drain budget (:meth:`_DrainingServer.shutdown`)."""
+
+_UVICORN_CLOSE_PAUSE_S = 0.1
+"""uvicorn's ``Server.shutdown`` (0.55) sleeps this long between closing the listeners and
+its wait for the requests in flight (``timeout_graceful_shutdown``)."""
+
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn server that flips the gateway to draining the moment a stop is requested;
@@ -217,6 +228,12 @@ class _DrainingServer(uvicorn.Server):
     ``draining``, so a load balancer's health checks take the gateway out of rotation while
     it still answers, instead of meeting refused connections. In-flight requests go on. A
     second signal ends the grace at once.
+
+    The drain timeout is one budget (:meth:`shutdown`): uvicorn's wait for the requests in
+    flight spends it and cuts those still running, and the lifespan's stop after it drains
+    only what is left of it and :data:`CUT_END_S` for the cut requests to end (it drained
+    for the whole timeout again: a request slow to end after its cut made a SIGTERM stop
+    last the grace and twice the drain timeout).
 
     A SIGINT once the stop is under way (uvicorn's force-quit, Ctrl-C twice) cuts the
     in-flight requests instead of waiting for them, but the gateway's stop still runs to
@@ -294,6 +311,13 @@ class _DrainingServer(uvicorn.Server):
             task.cancel(msg="Task cancelled, force quit")
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        budget_s = self.config.timeout_graceful_shutdown
+        if budget_s is not None:
+            # one drain budget: uvicorn's wait below spends it, then cuts the requests
+            # still running and runs the lifespan's stop, whose drain gets only what is
+            # left of it and CUT_END_S (without: the drain timeout twice)
+            loop = asyncio.get_running_loop()
+            self.gw.drain_until(loop.time() + _UVICORN_CLOSE_PAUSE_S + budget_s + CUT_END_S)
         await super().shutdown(sockets)
         if self.force_exit and not self._lifespan_ended():
             # uvicorn skips the lifespan shutdown on a force-quit: the gateway's stop (its
