@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from cachecore.agent.agent import STOP_STEP_S, Agent
 from cachecore.agent.http import HTTP_STOP_S, AgentHTTPServer
-from cachecore.agent.settings import AgentSettings, StopRegistration
+from cachecore.agent.settings import AgentSettings, StopRegistration, handover_window_warning
 from cachecore.argtypes import (
     log_level,
     name_variables,
@@ -180,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    window_warning = handover_window_warning(settings)
+    if window_warning is not None and not args.no_register:  # only a registration is kept
+        log.warning(window_warning, extra={"replica": settings.replica_id})
     try:
         return asyncio.run(
             _main(

@@ -225,3 +225,24 @@ class AgentSettings(BaseSettings):
                     f"({getattr(self, refresh):g} s): the record would expire between writes"
                 )
         return self
+
+
+HANDOVER_WINDOW_WARN_RATIO = 10.0
+"""A hand-over window more than this many registration TTLs long is warned about at the
+start of ``kvgate agent``: up to a day is accepted (a slow upgrade may need minutes), but a
+typo that long keeps a stopped engine discovered (and ``kvgate index forget`` refusing it)
+for that long after a stop that handed over."""
+
+
+def handover_window_warning(settings: AgentSettings) -> str | None:
+    """The start-up WARNING for a ``handover_window_s`` far above ``registration_ttl_s``
+    (more than :data:`HANDOVER_WINDOW_WARN_RATIO` times), else None."""
+    window, ttl = settings.handover_window_s, settings.registration_ttl_s
+    if window <= HANDOVER_WINDOW_WARN_RATIO * ttl:
+        return None
+    return (
+        f"KVGATE_AGENT_HANDOVER_WINDOW_S (--handover-window) is {window:g} s, more than "
+        f"{HANDOVER_WINDOW_WARN_RATIO:g} x the registration TTL ({ttl:g} s): a stop that hands "
+        f"the registration over keeps the replica discovered, and `kvgate index forget` "
+        f"refusing it, for {window:g} s if no agent follows; give the time a restart takes"
+    )
