@@ -124,3 +124,28 @@ def _drop_configured_log_handlers() -> Iterator[None]:
         root.removeHandler(handler)
     if added:
         root.setLevel(level)
+
+
+_UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+@pytest.fixture(autouse=True)
+def _restore_uvicorn_loggers() -> Iterator[None]:
+    """A uvicorn.Config made with uvicorn's own log config (the agent's HTTP server, the
+    agent tests' EngineStub: ``log_level="warning"``) reconfigures the process-wide uvicorn
+    loggers: ``uvicorn`` gets its own handler and ``propagate = False``, ``uvicorn.error``
+    level WARNING. Every later test then missed uvicorn's records in caplog ('Waiting for
+    connections to close', 'Cancel 1 running task(s)', 'Application shutdown complete.'):
+    test_h30_forced_stop_drain and test_h30_single_drain failed after any agent test, as in
+    the full suite's order. Their level, propagation, handlers and disabled flag are put
+    back when the test ends."""
+    saved = []
+    for name in _UVICORN_LOGGERS:
+        lg = logging.getLogger(name)
+        saved.append((lg, lg.level, lg.propagate, list(lg.handlers), lg.disabled))
+    yield
+    for lg, level, propagate, handlers, disabled in saved:
+        lg.setLevel(level)
+        lg.propagate = propagate
+        lg.handlers[:] = handlers
+        lg.disabled = disabled
