@@ -122,11 +122,13 @@ async def run_to_end(
         failure = TimeoutError(f"{what} did not end within {limit_s} s")
     elif not task.cancelled():
         failure = task.exception()
-    elif cancelled is None:
-        # cancelled by neither the caller nor the bound: by another task (wait_to_end's
-        # task cancelled elsewhere). A failure of the clean-up: raised as a cancellation,
-        # it reached a caller nobody cancelled, which then stopped as if it had been
-        # (run_steps skipped the steps after it; a stop said to log a failure raised it)
+    else:
+        # cancelled by neither the caller (whose cancellations never reach the task) nor
+        # the bound: by another task (wait_to_end's task cancelled elsewhere). A failure of
+        # the clean-up: raised as a cancellation, it reached a caller nobody cancelled,
+        # which then stopped as if it had been (run_steps skipped the steps after it; a stop
+        # said to log a failure raised it). A caller cancelled meanwhile gets its own
+        # cancellation, and this is logged as any failure then is
         failure = RuntimeError(f"{what} ended cancelled by another task")
     if cancelled is not None:
         if failure is not None:

@@ -127,3 +127,26 @@ async def test_the_agent_cli_stops_its_http_server_after_its_agent_on_sigterm(
             rc = await main
     assert rc == 0
     assert answered == [200], "the agent's HTTP server stopped before its agent"
+
+
+async def test_a_cancelled_caller_still_hears_of_a_task_cancelled_elsewhere(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The caller is cancelled while it waits and the task it waits for is then cancelled
+    by a third party: the caller gets its own cancellation, and the clean-up's failure is
+    logged, as any failure is under a cancellation (cdd82a3 said so, but only a caller
+    that was not cancelled heard of it: this end was silent)."""
+    server = asyncio.ensure_future(asyncio.sleep(30))  # a server told to stop, still going
+    waiter = asyncio.ensure_future(wait_to_end(server, 5.0, "a server's stop"))
+    await asyncio.sleep(0.05)
+    waiter.cancel()  # the caller's cancellation: held until the server's task has ended
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    with caplog.at_level(logging.ERROR, logger="cachecore.tasks"):
+        server.cancel()  # by someone else
+        done, _ = await asyncio.wait([waiter], timeout=5.0)
+    assert waiter in done and waiter.cancelled()
+    failures = [r for r in caplog.records if r.getMessage() == "a clean-up failed"]
+    assert len(failures) == 1, caplog.messages
+    assert failures[0].exc_info is not None
+    assert "ended cancelled by another task" in str(failures[0].exc_info[1])
