@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +196,27 @@ def test_the_outcomes_are_the_documented_ones() -> None:
         assert f"`{outcome.value}`" in section, outcome
     for field in sorted(FIELDS | {"agent_id"}):
         assert f"`{field}`" in section, field
+
+
+async def test_never_hands_over_without_asking_the_engine_as_the_doc_says(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``never`` does not probe the engine either: its line's ``engine_serving`` is null,
+    which docs/agent.md listed only for ``always`` and an agent with nothing registered."""
+    registry = MemoryRegistry()
+    rig.settings_kw["deregister_on_stop"] = "never"
+    await rig.start(registry=registry)
+    await until(lambda: _registered(registry), 5.0)
+    rig.stub.up = False  # /health answers 503: never hands over all the same
+    line = await _stop_and_read(rig, registry, caplog)
+    assert (line.outcome, line.action, line.mode, line.engine_serving) == (  # type: ignore[attr-defined]
+        "handover", "handover", "never", None,
+    )  # fmt: skip
+    sentence = _engine_serving_doc()
+    assert "`never`" in sentence, sentence
+
+
+def _engine_serving_doc() -> str:
+    """docs/agent.md's sentence on the line's ``engine_serving`` field."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "agent.md").read_text()
+    return doc[doc.index("`engine_serving` (the probe's") :][:200]
