@@ -63,8 +63,15 @@ class AgentHTTPServer:
         self.host = host
         self._socks = bind_listeners(host, port)
         self.port = int(self._socks[0].getsockname()[1])
+        # log_config=None: uvicorn's own dictConfig would give the process-wide "uvicorn"
+        # logger a text handler and propagate=False, so its warnings bypassed the agent's
+        # JSON log lines (and every later uvicorn server's records in the same process)
         config = uvicorn.Config(
-            agent_app(agents), log_level="warning", access_log=False, lifespan="off"
+            agent_app(agents),
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
         )
         self._server = _OwnerSignalsServer(config)
         self._task: asyncio.Task[None] | None = None

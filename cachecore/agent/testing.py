@@ -189,7 +189,9 @@ class EngineStub:
                 return JSONResponse({"error": "down"}, status_code=503)
             return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(
+            app, log_config=None, log_level="warning", access_log=False, lifespan="off"
+        )
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 
