@@ -131,18 +131,25 @@ _UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
 @pytest.fixture(autouse=True)
 def _restore_uvicorn_loggers() -> Iterator[None]:
-    """A uvicorn.Config made with uvicorn's own log config (the agent's HTTP server, the
-    agent tests' EngineStub: ``log_level="warning"``) reconfigures the process-wide uvicorn
-    loggers: ``uvicorn`` gets its own handler and ``propagate = False``, ``uvicorn.error``
-    level WARNING. Every later test then missed uvicorn's records in caplog ('Waiting for
-    connections to close', 'Cancel 1 running task(s)', 'Application shutdown complete.'):
-    test_h30_forced_stop_drain and test_h30_single_drain failed after any agent test, as in
-    the full suite's order. Their level, propagation, handlers and disabled flag are put
-    back when the test ends."""
+    """Each test starts with the process-wide uvicorn loggers as a fresh process has them
+    (level NOTSET, propagating, no handlers of their own, enabled) and gets back what it
+    found when it ends. A ``uvicorn.Config`` with a ``log_level`` (the agent's HTTP server,
+    the agent tests' EngineStub: ``"warning"``) sets ``uvicorn.error`` to that level for the
+    whole process, and one made with uvicorn's own log config also gives ``uvicorn`` a
+    handler and ``propagate = False``; a later test then missed uvicorn's records in caplog
+    ('Waiting for connections to close', 'Application shutdown complete.'):
+    test_h30_forced_stop_drain and test_h30_single_drain failed in the full suite. Restoring
+    what a test found was not enough: test_agent_fuzz's module-scoped rig makes its
+    EngineStub before the first test's snapshot, so its WARNING level outlived the module
+    (reproduced: test_agent_fuzz, then either file, fails without the reset)."""
     saved = []
     for name in _UVICORN_LOGGERS:
         lg = logging.getLogger(name)
         saved.append((lg, lg.level, lg.propagate, list(lg.handlers), lg.disabled))
+        lg.setLevel(logging.NOTSET)
+        lg.propagate = True
+        lg.handlers.clear()
+        lg.disabled = False
     yield
     for lg, level, propagate, handlers, disabled in saved:
         lg.setLevel(level)

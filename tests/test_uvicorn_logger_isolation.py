@@ -4,8 +4,10 @@ server, the agent tests' EngineStub) reconfigured the process-wide uvicorn logge
 later test that read uvicorn's records through caplog ('Waiting for connections to close',
 'Cancel 1 running task(s)', 'Application shutdown complete.') missed them:
 test_h30_forced_stop_drain and test_h30_single_drain failed after any agent test, as in the
-full suite's order. conftest's autouse ``_restore_uvicorn_loggers`` puts them back. Two
-tests in file order: the second fails without the fixture."""
+full suite's order. conftest's autouse ``_restore_uvicorn_loggers`` starts each test with
+them as a fresh process has them. Two tests in file order: the second fails without the
+fixture, as it does after test_agent_fuzz (whose module-scoped rig sets the level before
+any test's snapshot) with a fixture that only restores what a test found."""
 
 from __future__ import annotations
 
