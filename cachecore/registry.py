@@ -246,15 +246,19 @@ class MemoryRegistry:
         """Store raw bytes as a registration (tests: a rogue or broken agent)."""
         self._regs[validate_replica_id(replica_id)] = (raw, expires_ms)
 
-    async def deregister(self, replica_id: str, agent_id: str) -> bool:
+    def _owned(self, replica_id: str, agent_id: str) -> tuple[bytes, int] | None:
+        """``replica_id``'s registration (raw, expiry ms) if ``agent_id`` wrote it."""
         cur = self._regs.get(replica_id)
         if cur is None:
-            return False
+            return None
         try:
             owner = Registration.from_json(cur[0]).agent_id
         except ValueError:
-            return False
-        if owner != agent_id:
+            return None
+        return cur if owner == agent_id else None
+
+    async def deregister(self, replica_id: str, agent_id: str) -> bool:
+        if self._owned(replica_id, agent_id) is None:
             return False
         del self._regs[replica_id]
         return True
@@ -262,14 +266,8 @@ class MemoryRegistry:
     async def hand_over(self, replica_id: str, agent_id: str, ttl_ms: int, now_ms: int) -> bool:
         if ttl_ms <= 0:
             raise ValueError("ttl_ms must be positive")
-        cur = self._regs.get(replica_id)
+        cur = self._owned(replica_id, agent_id)
         if cur is None or cur[1] <= now_ms:
-            return False
-        try:
-            owner = Registration.from_json(cur[0]).agent_id
-        except ValueError:
-            return False
-        if owner != agent_id:
             return False
         self._regs[replica_id] = (cur[0], now_ms + ttl_ms)
         return True
