@@ -42,9 +42,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class SlowStep:
-    """A fake for fault injection, installed over one of ``Gateway.stop``'s steps: it sets
-    ``entered``, takes ``delay_s`` (a Redis close on a slow link), then runs the real step
-    and sets ``finished``."""
+    """A fake for fault injection, installed over one step of a stop (one of
+    ``Gateway.stop``'s, ``Agent.stop``'s, an agent's scraper close): it sets ``entered``,
+    takes ``delay_s`` (a Redis close on a slow link), then runs the real step and sets
+    ``finished``. Shared by the other stop tests."""
 
     def __init__(self, real: Callable[[], Awaitable[None]], delay_s: float = 0.3) -> None:
         self.real = real

@@ -9,19 +9,20 @@ stop, the context is destroyed, and then the stop ends cancelled.
 
 Real pieces and helpers from tests/test_h29_embedded_agents_cleanup (an agent on an engine
 stub and an event source on loopback, the leak check, ``StartFault`` as ``Agent.start``).
-The slow step is a fake named as such: ``SlowClose`` replaces r0's scraper close (one of
-``Agent.stop``'s awaits) with one that takes a while, then closes."""
+The slow step is a fake named as such: ``SlowStep`` (tests/test_h29_cancelled_cleanup.py)
+replaces r0's scraper close (one of ``Agent.stop``'s awaits) with one that takes a while,
+then closes."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from cachecore.agent import Agent, start_embedded_agents
 from tests.test_agent_helpers import Rig
+from tests.test_h29_cancelled_cleanup import SlowStep
 from tests.test_h29_embedded_agents_cleanup import (
     OVERRIDES,
     StartFault,
@@ -36,25 +37,8 @@ from tests.test_h29_embedded_agents_cleanup import (
 pytestmark = pytest.mark.timeout(60)
 
 
-class SlowClose:
-    """A fake for fault injection, installed as one agent's ``scraper.close``: sets
-    ``entered``, takes ``delay_s``, then runs the real close and sets ``finished``."""
-
-    def __init__(self, real: Callable[[], Awaitable[None]], delay_s: float = 0.3) -> None:
-        self.real = real
-        self.delay_s = delay_s
-        self.entered = asyncio.Event()
-        self.finished = False
-
-    async def __call__(self) -> None:
-        self.entered.set()
-        await asyncio.sleep(self.delay_s)
-        await self.real()
-        self.finished = True
-
-
-def slow_close(agent: Agent, monkeypatch: pytest.MonkeyPatch) -> SlowClose:
-    slow = SlowClose(agent.scraper.close)
+def slow_close(agent: Agent, monkeypatch: pytest.MonkeyPatch) -> SlowStep:
+    slow = SlowStep(agent.scraper.close)
     monkeypatch.setattr(agent.scraper, "close", slow)
     return slow
 

@@ -47,25 +47,9 @@ from cachecore.registry import MemoryRegistry
 from cachecore.testing import RedisServer, free_port
 from tests.test_agent_helpers import Rig, until
 from tests.test_h28_redis_clients_closed import wait_for_clients
+from tests.test_h29_cancelled_cleanup import SlowStep
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class SlowStep:
-    """A fake for fault injection, installed over one of ``Agent.stop``'s steps: sets
-    ``entered``, takes ``delay_s``, then runs the real step and sets ``finished``."""
-
-    def __init__(self, real: Callable[[], Awaitable[None]], delay_s: float = 0.3) -> None:
-        self.real = real
-        self.delay_s = delay_s
-        self.entered = asyncio.Event()
-        self.finished = False
-
-    async def __call__(self) -> None:
-        self.entered.set()
-        await asyncio.sleep(self.delay_s)
-        await self.real()
-        self.finished = True
 
 
 class FailingStep:

@@ -12,8 +12,9 @@ drain (``Gateway.cut_drain``): the stop goes on to its steps at once, logging
 
 Real pieces: the gateway's own server in the test's loop (``_InLoopServer``, free loopback
 port, the hot path) and a real HTTP request; the lifespan through the app's own
-``lifespan_context``. Faults injected by fakes named as such: ``StubbornPrepare`` over
-``Gateway.prepare`` (the request is in flight and ignores its cut until released),
+``lifespan_context``. Faults injected by fakes named as such: ``SlowToEndPrepare`` over
+``Gateway.prepare`` (the request is in flight and ignores its cut until released, at most
+30 s; shared with test_h30_single_drain, as are ``gateway`` and ``until``),
 ``SlowKeyStop`` over the key store's ``stop`` (the moment a cancellation arrives)."""
 
 from __future__ import annotations
@@ -24,18 +25,13 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import httpx
 import pytest
-from pydantic import SecretStr
 
-from cachecore.testing import free_port
 from gateway import serve
 from gateway.app import create_app
-from gateway.core import Gateway
-from gateway.settings import GatewaySettings
-from tests.test_gateway_support import SECRET
+from tests.test_h30_single_drain import SlowToEndPrepare, gateway, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -45,48 +41,6 @@ WAITING = "Waiting for connections to close. (CTRL+C to force quit)"
 DRAIN_CUT = "drain cut: closing with requests in flight"
 
 
-def gateway() -> Gateway:
-    settings = GatewaySettings(
-        open_access=True,
-        salt_secrets=[SecretStr(SECRET)],
-        host="127.0.0.1",
-        port=free_port(),
-        drain_timeout_s=DRAIN_S,
-        drain_grace_s=0.0,
-    )
-    return serve.build_gateway(settings)
-
-
-class StubbornPrepare:
-    """A fake for fault injection over ``Gateway.prepare``: the request counts as in flight
-    (``prepare`` runs after ``Gateway.begin``) and waits; cut, it holds on until
-    ``release`` (at most 30 s), then ends as cut."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.release = asyncio.Event()
-        self.cut = False
-
-    async def __call__(self, *args: Any, **kw: Any) -> Any:
-        self.entered.set()
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            self.cut = True
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(30):
-                    await self.release.wait()
-            raise
-        raise AssertionError("the request was never cut")
-
-
-async def until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)
-
-
 async def test_a_forced_stop_does_not_wait_again_for_a_request_that_ignores_its_cut(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -94,8 +48,8 @@ async def test_a_forced_stop_does_not_wait_again_for_a_request_that_ignores_its_
     ignores its cut: the stop follows FORCE_CUT_S later, not the drain timeout later."""
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(serve, "FORCE_CUT_S", CUT_S)
-    gw = gateway()
-    stubborn = StubbornPrepare()
+    gw = gateway(DRAIN_S, grace_s=0.0)
+    stubborn = SlowToEndPrepare(end_s=30)
     gw.prepare = stubborn  # type: ignore[method-assign]
     server = serve._InLoopServer(serve.uvicorn_config(gw, loop="none"), gw)
     serving = asyncio.ensure_future(server.serve())
@@ -179,7 +133,7 @@ async def test_a_cancelled_lifespan_shutdown_does_not_drain(
     the key poller (the cancellation held until the gateway's stop has run), or while
     serving (stop_all runs after it): the gateway's stop must not drain for DRAIN_S."""
     caplog.set_level(logging.WARNING)
-    gw = gateway()
+    gw = gateway(DRAIN_S, grace_s=0.0)
     slow = SlowKeyStop(gw.key_store.stop)
     gw.key_store.stop = slow  # type: ignore[method-assign]
     app = create_app(gw)

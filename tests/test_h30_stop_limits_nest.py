@@ -11,7 +11,7 @@ Real pieces: a gateway with one embedded agent (the gateway's ``agent_hook``,
 ``start_embedded_agents``) on tests/test_agent_helpers' engine stub and event source on
 loopback. The limits are patched down so the test takes seconds, each kept in the
 proportion that matters (the slow step longer than the old outer bounds, within the
-agent's own). The slow step is a fake named as such: ``SlowClose`` replaces the agent's
+agent's own). The slow step is a fake named as such: ``SlowStep`` replaces the agent's
 scraper close (one of ``Agent.stop``'s steps) with one that takes a while, then closes."""
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from gateway.replicas import ReplicaSpec
 from gateway.serve import build_gateway
 from gateway.settings import GatewaySettings
 from tests.test_agent_helpers import Rig
+from tests.test_h29_cancelled_cleanup import SlowStep
 from tests.test_h29_embedded_agents_cleanup import OVERRIDES, Spec
 from tests.test_h29_embedded_agents_cleanup import rig as rig  # a fixture
-from tests.test_h29_embedded_stop_cancelled import SlowClose
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,7 +115,7 @@ async def test_an_agent_stop_longer_than_the_old_outer_bounds_runs_to_its_end(
         await agent.wait_ready(10.0)
         assert agent.stream is not None and agent.stream._sock is not None
         sub = agent.stream._sock
-        slow = SlowClose(agent.scraper.close, delay_s=SLOW_S)
+        slow = SlowStep(agent.scraper.close, delay_s=SLOW_S)
         monkeypatch.setattr(agent.scraper, "close", slow)
         t0 = time.monotonic()
         try:
