@@ -9,19 +9,30 @@ its end in a task of its own (every step, a failure logged and the first raised 
 end) and the context is destroyed, not terminated (``term()`` blocks the loop while a
 socket is open).
 
+Its steps are :func:`cachecore.tasks.run_steps`' (as the gateway's and the agent's stops):
+each bounded (``FLEET_STEP_S``), so a replica whose engine stop blocks is cut off and the
+others, the HTTP servers and the sockets still stop; before, one blocked step held the
+whole shutdown until its 30 s limit and was then cancelled with everything after it left
+open. A failed step is logged as ``fleet stop: a step failed`` (``step`` names the replica:
+``replica 0: event sockets``; it was ``replica stop failed`` with ``step`` and ``replica``).
+
 Real pieces: two simulated replicas (uvicorn on loopback, ZMQ publishers). Faults injected
 by fakes named as such: replica 0's engine stop takes a while (``SlowStop``), or its stop
-raises without closing its sockets (``failing_stop``)."""
+raises without closing its sockets (``failing_stop``), or its engine stop blocks until
+cancelled (``BlocksOnce``)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
 
+from cachecore.replica import fleet as fleet_module
 from cachecore.replica.fleet import Fleet, run_fleet
 from cachecore.replica.server import SimReplica
 from tests.test_gateway_support import FAST
@@ -44,6 +55,35 @@ class SlowStop:
         await asyncio.sleep(self.delay_s)
         await self.real(*args)
         self.finished = True
+
+
+class BlocksOnce:
+    """A fake for fault injection, installed as a replica's ``driver.stop``: its first call
+    blocks until cancelled (an engine whose stop hangs), later ones run the real stop (the
+    replica's own stop calls it again before it closes its event sockets)."""
+
+    def __init__(self, real: Callable[..., Awaitable[None]]) -> None:
+        self.real = real
+        self.calls = 0
+        self.cut = False
+
+    async def __call__(self, *args: Any) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cut = True
+                raise
+        await self.real(*args)
+
+
+def step_failures(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        str(getattr(r, "step", None))
+        for r in caplog.records
+        if r.getMessage() == "fleet stop: a step failed"
+    ]
 
 
 async def failing_stop() -> None:
@@ -129,11 +169,35 @@ async def test_an_owner_cancelled_again_while_the_fleet_stops_still_stops_everyt
 
 
 async def test_a_replica_whose_stop_raises_does_not_keep_the_others_open(
-    leftovers: list[Fleet], monkeypatch: pytest.MonkeyPatch
+    leftovers: list[Fleet], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.ERROR, logger="cachecore.tasks")
     with pytest.raises(RuntimeError, match="injected fault"):
         async with run_fleet(FAST, count=2) as fleet:
             leftovers.append(fleet)
             urls = fleet.urls
             monkeypatch.setattr(fleet.replicas[0], "stop", failing_stop)
     await assert_stopped(fleet.replicas, urls)
+    assert step_failures(caplog) == ["replica 0: event sockets"]
+
+
+async def test_a_replica_whose_engine_stop_blocks_is_cut_off_and_the_rest_still_stops(
+    leftovers: list[Fleet], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="cachecore.tasks")
+    # absent before run_steps bounded each step (raising=False: the reverse-applied change
+    # runs the same test, and its one 30 s bound for the whole stop cuts everything short)
+    monkeypatch.setattr(fleet_module, "FLEET_STEP_S", 0.5, raising=False)
+    with pytest.raises(TimeoutError):
+        async with run_fleet(FAST, count=2) as fleet:
+            leftovers.append(fleet)
+            urls = fleet.urls
+            blocks = BlocksOnce(fleet.replicas[0].driver.stop)
+            monkeypatch.setattr(fleet.replicas[0].driver, "stop", blocks)
+            began = time.monotonic()
+    took_s = time.monotonic() - began
+    assert blocks.cut
+    await assert_stopped(fleet.replicas, urls)
+    assert step_failures(caplog) == ["replica 0: engine"]
+    # the blocked step's 0.5 s, uvicorn's exit, the sockets: well under the old 30 s
+    assert took_s < 15.0

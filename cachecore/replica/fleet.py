@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,14 +41,16 @@ from cachecore.replica.settings import (
     ReplicaSettings,
     endpoints_for,
 )
-from cachecore.tasks import run_to_end
+from cachecore.tasks import Step, run_steps, run_to_end
 from cachecore.testing import free_ports
 from cachecore.tokenizer import HFTokenizer, TokenizerError, builtin_tokenizer
 
 logger = logging.getLogger(__name__)
 
-FLEET_STOP_S = 30.0
-"""How long :func:`run_fleet`'s shutdown may take (engines, HTTP servers, event sockets)."""
+FLEET_STEP_S = 10.0
+"""How long one step of :func:`run_fleet`'s shutdown may take (a replica's engine, the HTTP
+servers, a replica's event sockets) before it is cancelled, logged as failed, and the next
+one runs."""
 
 
 class _Server(uvicorn.Server):
@@ -200,13 +202,13 @@ async def run_fleet(
         # the error (a start-up's, the owner's cancellation) is raised; the shutdown's own
         # failure, or a cancellation during it, is logged
         try:
-            await run_to_end(_stop_fleet(fleet, tasks, listeners, ctx), FLEET_STOP_S, "fleet stop")
+            await _stop_fleet(fleet, tasks, listeners, ctx)
         except asyncio.CancelledError:
             logger.warning("the replica fleet's stop was cancelled; it ran to its end")
         except Exception:
             logger.exception("stopping the replica fleet failed")
         raise
-    await run_to_end(_stop_fleet(fleet, tasks, listeners, ctx), FLEET_STOP_S, "fleet stop")
+    await _stop_fleet(fleet, tasks, listeners, ctx)
 
 
 async def _stop_fleet(
@@ -215,44 +217,64 @@ async def _stop_fleet(
     listeners: Sequence[Sequence[socket.socket]],
     ctx: zmq.asyncio.Context,
 ) -> None:
-    """:func:`run_fleet`'s shutdown, run to its end by :func:`~cachecore.tasks.run_to_end`
-    (its owner cancelled again during it stopped it in one step: the HTTP servers served
-    on, the event sockets stayed bound, the context alive). Every step runs even when one
-    fails (logged; the first raised at the end)."""
-    failed: Exception | None = None
+    """:func:`run_fleet`'s shutdown: every step of :func:`_stop_steps` runs, each within its
+    bound, even when one fails or blocks (:func:`~cachecore.tasks.run_steps`: logged as
+    ``fleet stop: a step failed`` with ``step``, the first failure raised at the end), in a
+    task of its own run to its end (:func:`~cachecore.tasks.run_to_end`: its owner
+    cancelled again during it stopped it in one step, and the HTTP servers served on, the
+    event sockets stayed bound, the context alive)."""
+    steps = _stop_steps(fleet, tasks, listeners, ctx)
+    # the steps' bounds are the real ones; this one keeps a step that ignores its
+    # cancellation from holding the owner for ever
+    limit_s = sum(b or 0.0 for _, _, b in steps) + FLEET_STEP_S
+    await run_to_end(run_steps(steps, "fleet stop"), limit_s, "fleet stop")
 
-    def note(exc: Exception, what: str, replica: int) -> None:
-        nonlocal failed
-        logger.error("replica stop failed", exc_info=exc, extra={"step": what, "replica": replica})
-        failed = failed or exc
 
-    # end in-flight requests first (streams get an error chunk and [DONE]) so the HTTP
-    # servers have no open responses to wait for
-    for rep in fleet.replicas:
-        try:
-            await rep.driver.stop("replica shutting down")
-        except Exception as exc:
-            note(exc, "engine", rep.index)
-    for s in fleet.servers:
-        s.should_exit = True
-    if tasks:  # uvicorn's graceful timeout (2 s) bounds this; their outcomes are consumed
-        await asyncio.wait(tasks)
-        for t in tasks:
-            if not t.cancelled():
-                t.exception()
-    for rep in fleet.replicas:
-        try:
-            await rep.stop()
-        except Exception as exc:
-            note(exc, "event sockets", rep.index)
-    for socks in listeners:
-        for sock in socks:
-            sock.close()
-    # destroy, not term: term() blocks the loop until every socket is closed, for ever when
-    # a replica's stop failed before closing its own
-    ctx.destroy(linger=0)
-    if failed is not None:
-        raise failed
+def _stop_steps(
+    fleet: Fleet,
+    tasks: Sequence[asyncio.Task[None]],
+    listeners: Sequence[Sequence[socket.socket]],
+    ctx: zmq.asyncio.Context,
+) -> list[Step]:
+    """The fleet's shutdown in order, each step with its bound and named for the log's
+    ``step`` (``replica N: engine``, ``http servers``, ``replica N: event sockets``,
+    ``listeners``, ``zmq context``): every replica's engine first (in-flight requests end,
+    streams with an error chunk and [DONE], so the HTTP servers have no open responses to
+    wait for), the HTTP servers, every replica's event sockets, the listening sockets, the
+    ZMQ context."""
+
+    def engine_stop(rep: SimReplica) -> Callable[[], Awaitable[None]]:
+        return lambda: rep.driver.stop("replica shutting down")
+
+    async def stop_servers() -> None:
+        for s in fleet.servers:
+            s.should_exit = True
+        if tasks:  # uvicorn's graceful timeout (2 s) ends them; their outcomes are consumed
+            await asyncio.wait(tasks)
+            for t in tasks:
+                if not t.cancelled():
+                    t.exception()
+
+    async def close_listeners() -> None:
+        for socks in listeners:
+            for sock in socks:
+                sock.close()
+
+    async def destroy_ctx() -> None:
+        # destroy, not term: term() blocks the loop until every socket is closed, for ever
+        # when a replica's stop failed before closing its own
+        ctx.destroy(linger=0)
+
+    steps: list[Step] = [
+        (f"replica {rep.index}: engine", engine_stop(rep), FLEET_STEP_S) for rep in fleet.replicas
+    ]
+    steps.append(("http servers", stop_servers, FLEET_STEP_S))
+    steps += [
+        (f"replica {rep.index}: event sockets", rep.stop, FLEET_STEP_S) for rep in fleet.replicas
+    ]
+    steps.append(("listeners", close_listeners, None))
+    steps.append(("zmq context", destroy_ctx, None))
+    return steps
 
 
 @dataclass
