@@ -15,9 +15,10 @@ waits until it answers ``/health``.
 
 SIGTERM: the server stops accepting (``/health`` answers 503 and new requests get 503),
 lets in-flight requests and streams finish (up to ``drain_timeout_s``, once: the gateway's
-stop gives those it cut :data:`CUT_END_S` to end, not a drain of its own), stops the
-gateway, then exits. A Ctrl-C while it waits for them cuts them and still stops the gateway; one
-more exits at once (:class:`_DrainingServer`).
+stop gives those it cut :data:`CUT_END_S` to end, or ``drain_timeout_s`` where that is
+shorter, not a drain of its own), stops the gateway, then exits. A Ctrl-C while it waits
+for them cuts them and still stops the gateway; one more exits at once
+(:class:`_DrainingServer`).
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ CUT_END_S = 2.0
 """After uvicorn's wait for the requests in flight has run out (the drain timeout) and cut
 them: how long the gateway's stop still waits for them to end (each at its next await: its
 503 or the stream's ``draining`` error event, its trace record) before it closes what they
-use. The end of the one drain budget (:meth:`_DrainingServer.shutdown`)."""
+use. The end of the one drain budget (:meth:`_DrainingServer.shutdown`). The stop's drain
+is also bounded by ``drain_timeout_s`` itself (:meth:`Gateway.stop`), so with a drain
+timeout under this the cut requests get the drain timeout, not this."""
 
 _UVICORN_CLOSE_PAUSE_S = 0.1
 """uvicorn's ``Server.shutdown`` (0.55) sleeps this long between closing the listeners and
@@ -231,9 +234,10 @@ class _DrainingServer(uvicorn.Server):
 
     The drain timeout is one budget (:meth:`shutdown`): uvicorn's wait for the requests in
     flight spends it and cuts those still running, and the lifespan's stop after it drains
-    only what is left of it and :data:`CUT_END_S` for the cut requests to end (it drained
-    for the whole timeout again: a request slow to end after its cut made a SIGTERM stop
-    last the grace and twice the drain timeout).
+    only what is left of it and :data:`CUT_END_S` for the cut requests to end, never more
+    than the drain timeout (the stop's own bound). It drained for the whole timeout again:
+    a request slow to end after its cut made a SIGTERM stop last the grace and twice the
+    drain timeout.
 
     A SIGINT once the stop is under way (uvicorn's force-quit, Ctrl-C twice) cuts the
     in-flight requests instead of waiting for them, but the gateway's stop still runs to
