@@ -800,12 +800,22 @@ class Gateway:
         self._idle.set()
 
     def drain_until(self, deadline: float) -> None:
-        """End :meth:`stop`'s wait for the requests in flight by ``deadline`` (the event
-        loop's ``time()``) at the latest, besides its own ``drain_timeout_s``: for a server
-        that began the drain itself and has spent part of the budget waiting for them
-        (``kvgate serve``: uvicorn's wait, then the lifespan's stop; a full drain in each
-        made a stop last the drain timeout twice). Without it (an embedded gateway) the
-        stop drains for its full timeout. Call it in the event loop's thread."""
+        """End the wait for the requests in flight of a :meth:`stop` that begins after this
+        call by ``deadline`` (the event loop's ``time()``) at the latest, besides its own
+        ``drain_timeout_s``: for a server that began the drain itself and has spent part of
+        the budget waiting for them (``kvgate serve``: uvicorn's wait, then the lifespan's
+        stop; a full drain in each made a stop last the drain timeout twice). Without it
+        (an embedded gateway) the stop drains for its full timeout.
+
+        The contract, exactly: :meth:`stop` reads the deadline once, as its drain begins,
+        and drains for ``min(drain_timeout_s, deadline - now)`` (none once it has passed).
+        A call while a stop is already draining does not change that drain, even to an
+        earlier deadline: end a drain under way with :meth:`cut_drain`. Each call replaces
+        the deadline of the one before (the last call wins, later or earlier). ``kvgate
+        serve`` (and ``GatewayServer``, ``serve_in_loop``) call it once, as uvicorn's wait
+        begins, before the lifespan's stop: no stop is draining then, and a second SIGTERM
+        or a force-quit never calls it again (the force-quit calls :meth:`cut_drain`). Call
+        it in the event loop's thread."""
         self._drain_deadline = deadline
 
     def _stop_steps(self, caller: asyncio.Task[Any] | None) -> list[Step]:
