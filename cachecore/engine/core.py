@@ -195,9 +195,16 @@ class EngineCore:
         n_prompt = len(request.prompt_token_ids)
         if n_prompt == 0:
             raise RequestRejectedError("the prompt is empty")
-        if request.max_tokens < 1:
+        if request.pooling:
+            if n_prompt > self.max_model_len:
+                raise RequestRejectedError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {n_prompt} tokens in the input for embedding "
+                    "generation. Please reduce the length of the input."
+                )
+        elif request.max_tokens < 1:
             raise RequestRejectedError("max_tokens must be at least 1")
-        if n_prompt + request.max_tokens > self.max_model_len:
+        elif n_prompt + request.max_tokens > self.max_model_len:
             raise RequestRejectedError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {n_prompt + request.max_tokens} tokens ({n_prompt} in the "
@@ -239,7 +246,7 @@ class EngineCore:
             request_id=request.request_id,
             all_token_ids=list(ids),
             num_prompt_tokens=n_prompt,
-            max_tokens=request.max_tokens,
+            max_tokens=1 if request.pooling else request.max_tokens,
             extra_keys=extra_keys,
             fingerprint=bytes_fingerprint(prompt_bytes),
             arrival_time=now,
@@ -248,6 +255,7 @@ class EngineCore:
             lora_id=lora_id,
             prompt_bytes=prompt_bytes,
             skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+            pooling=request.pooling,
         )
         self._requests[request.request_id] = state
         self.waiting.append(state)
@@ -352,6 +360,7 @@ class EngineCore:
         n_decode = 0
         outputs: list[RequestOutput] = []
         any_finished = False
+        pooled = 0
         for req, n in scheduled:
             ids = req.all_token_ids
             n_tokens = len(ids)
@@ -365,6 +374,16 @@ class EngineCore:
             req.num_computed_tokens = c
             if c < n_tokens:
                 continue  # a prefill chunk: nothing sampled yet
+            if req.pooling:
+                # the prompt's hidden states are the answer: counted as vLLM counts a
+                # prompt, finished with no token sampled
+                self._num_prompt += req.num_prompt_tokens
+                self._num_prompt_cached += req.num_cached_tokens
+                self._finish(req)
+                any_finished = True
+                pooled += 1
+                outputs.append(req.output([], True))
+                continue
             plan = req.output_plan
             t = plan[n_out] if n_out < len(plan) else self._planned_tokens(req, n_out, 1)[0]
             ids.append(t)
@@ -382,7 +401,7 @@ class EngineCore:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         self._num_steps += 1
         self._num_prompt_computed += n_prefill
-        self._num_generated += len(outputs)
+        self._num_generated += len(outputs) - pooled
         return StepResult(
             duration_s=self.latency.step_time(n_prefill, n_decode),
             outputs=outputs,

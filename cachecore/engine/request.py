@@ -47,6 +47,10 @@ class EngineRequest:
     # vLLM's skip_reading_prefix_cache (prompt logprobs asked: cachecore.cacheread): no
     # prefix hit, and no prefix-cache query counted; the blocks are still cached
     skip_reading_prefix_cache: bool = False
+    # a pooling request (an embedding): prefill only, as vLLM v1 runs one (its max_tokens
+    # is 1 internally): it finishes at the step that computes its prompt's last token,
+    # with no output token; ``max_tokens`` is not read
+    pooling: bool = False
 
 
 @dataclass(slots=True)
@@ -97,6 +101,7 @@ class RequestState:
     # the fingerprint and kept until the prompt's full blocks are hashed
     prompt_bytes: bytes = b""
     skip_reading_prefix_cache: bool = False  # EngineRequest's
+    pooling: bool = False  # EngineRequest's
 
     @property
     def num_tokens(self) -> int:

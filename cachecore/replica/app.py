@@ -1,7 +1,8 @@
 """The HTTP face of a simulated replica: vLLM's OpenAI-compatible endpoints plus the
 SGLang/router helper endpoints and kvgate's debug/chaos endpoints.
 
-Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/models``,
+Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/embeddings``,
+``/v1/models``,
 ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
 ``/v1/completions/render``, ``/get_load``, ``/get_server_info`` (``/server_info``),
 ``/get_model_info`` (``/model_info``), ``/flush_cache`` and ``/reset_prefix_cache``,
@@ -32,6 +33,7 @@ from cachecore.replica.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     batch_usage,
     chat_chunk,
@@ -41,12 +43,15 @@ from cachecore.replica.protocol import (
     completion_prompt_ids,
     completion_prompts,
     completion_response,
+    embedding_response,
+    embedding_vector,
     error_body,
     now_s,
     sse,
     usage,
     usage_chunk,
     validate_common,
+    validate_salt,
 )
 from cachecore.replica.server import SimReplica
 from cachecore.tasks import cancel_and_wait
@@ -54,6 +59,7 @@ from cachecore.tokenizer import (
     UNLOCKED_ENCODE_CHARS,
     SegmentCache,
     TokenizerError,
+    Truncation,
     with_special_tokens,
 )
 
@@ -117,7 +123,9 @@ def create_app(replica: SimReplica) -> FastAPI:
                 f"The model `{name}` does not exist.", 404, "NotFoundError", "model"
             ) from None
 
-    def engine_id(request: Request, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    def engine_id(
+        request: Request, req: ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+    ) -> str | None:
         # vLLM's order: the X-Request-Id header, then the body's request_id, else a uuid
         return request.headers.get("x-request-id") or req.request_id
 
@@ -129,6 +137,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         lora: str | None,
         rid: str | None,
         reads_cache: bool = True,
+        pooling: bool = False,
     ) -> tuple[EngineDriver, RequestHandle]:
         driver = replica.driver
         request_id = f"{prefix}-{rid or uuid.uuid4().hex}"
@@ -136,7 +145,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             handle = driver.submit(
                 EngineRequest(
                     request_id, prompt_ids, max_tokens, cache_salt=salt, lora_name=lora,
-                    skip_reading_prefix_cache=not reads_cache,
+                    skip_reading_prefix_cache=not reads_cache, pooling=pooling,
                 )
             )  # fmt: skip
         except RequestRejectedError as exc:
@@ -421,6 +430,52 @@ def create_app(replica: SimReplica) -> FastAPI:
             return Response(status_code=499)  # nobody reads it: the client is gone
         text, last = got
         return JSONResponse(completion_response(handle.request_id, model, text, last, now_s()))
+
+    # ------------------------------------------------------------------ pooling
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(request: Request) -> Response:
+        """vLLM's embeddings endpoint (a real vLLM serves it for pooling models only): each
+        input one prefill-only engine request (``embd-<id>-<i>``) under the request's
+        cache salt, so it takes modelled prefill time, occupies the batch and shows in
+        /metrics and /get_load; the vectors are :func:`embedding_vector`'s."""
+        req = await _parse(request, EmbeddingRequest)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        dims = req.output_dimensions()
+        keep = req.truncation(replica.core.max_model_len)
+        ids = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
+                got = await encode(prompt, salt or "")
+            else:
+                got = completion_prompt_ids(prompt, tok.encode, tok.vocab_size, "input")
+            text = isinstance(prompt, str)
+            if text and req.add_special_tokens:
+                got = with_special_tokens(tok, got)
+            if keep is not None:  # the last k tokens, a text's special tokens kept
+                got = Truncation(keep, True).text(got, tok.special_affixes if text else ((), ()))
+            ids.append(got)
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        handles: list[tuple[EngineDriver, RequestHandle]] = []
+        try:
+            for i, prompt_ids in enumerate(ids):
+                handles.append(submit("embd", prompt_ids, 1, salt, lora, f"{rid}-{i}", True, True))
+        except APIError:
+            for driver, handle in handles:  # refused as a whole, as vLLM validates first
+                driver.abort(handle.request_id)
+            raise
+        work = asyncio.gather(*(collect(driver, handle) for driver, handle in handles))
+        got_all = await gather_unless_gone(request, work)
+        if got_all is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        vectors = [embedding_vector(p, dims) for p in ids]
+        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
+        model = req.model or replica.model
+        return _json_bytes(
+            embedding_response(
+                f"embd-{rid}", model, vectors, n_prompt, req.encoding_format, now_s()
+            )
+        )
 
     # ------------------------------------------------------------------ tokenization
     # token-id answers are serialized by orjson: FastAPI's encoder walks every id in Python

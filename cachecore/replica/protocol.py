@@ -4,12 +4,17 @@ flavour): request parsing that ignores unknown fields, OpenAI error objects, usa
 
 from __future__ import annotations
 
+import array
+import base64
 import time
 from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Annotated, Any, Literal, cast
 
+import numpy as np
+import numpy.typing as npt
 import orjson
+import xxhash
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -232,6 +237,116 @@ class TokenizeRequest(_ChatRendering):
         return salt if isinstance(salt, str) and salt else ""
 
 
+EMBEDDING_DIM = 256
+"""The simulated model's embedding size: ``dimensions`` may ask for fewer (its leading
+components, renormalised, as a matryoshka model answers), never more."""
+
+
+class EmbeddingRequest(BaseModel):
+    """vLLM's ``EmbeddingCompletionRequest``, its types read in pydantic's lax mode as
+    vLLM's: a value of another type is a 400 naming the field."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: list[int] | list[list[int]] | str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
+    add_special_tokens: bool = True
+    priority: _INT64 = 0  # read, not acted on (the engine schedules first come, first served)
+    request_id: str | None = None
+    normalize: bool | None = None
+    cache_salt: Any = None  # validated by hand, as the generation requests' (vLLM's message)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One engine request per element of a batch (a list of strings or of token
+        arrays), as vLLM runs them; a string or a token array alone is one. Empty: a 400."""
+        inp = self.input
+        if isinstance(inp, str) or (inp and isinstance(inp[0], int)):
+            return [inp]
+        if not inp:
+            raise APIError("input must not be empty", param="input")
+        return list(cast(list[str] | list[list[int]], inp))
+
+    def truncation(self, max_model_len: int) -> int | None:
+        """How many tokens of each input the engine keeps (None: all; -1: the model's
+        context), refused past the context as vLLM refuses it."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep > max_model_len:
+            raise APIError(
+                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                f"({max_model_len}). Please, select a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
+        if keep == -1:
+            return max_model_len
+        if keep < 1:
+            raise APIError("The decoder prompt cannot be empty", param="truncate_prompt_tokens")
+        return keep
+
+    def output_dimensions(self) -> int:
+        """The size of each embedding: ``dimensions`` up to :data:`EMBEDDING_DIM`."""
+        d = self.dimensions
+        if d is None:
+            return EMBEDDING_DIM
+        if d < 1:
+            raise APIError("dimensions must be greater than 0", param="dimensions")
+        if d > EMBEDDING_DIM:
+            raise APIError(
+                f"dimensions ({d}) must be at most the model's embedding size, {EMBEDDING_DIM}",
+                param="dimensions",
+            )
+        return d
+
+
+def embedding_vector(ids: Sequence[int], dimensions: int) -> npt.NDArray[np.float32]:
+    """A deterministic unit vector for a prompt's token ids: a normal draw seeded by the
+    ids' xxh3 digest, its first ``dimensions`` components renormalised (the same prompt
+    gives the same vector, in every size a prefix of the full one's direction)."""
+    seed = xxhash.xxh3_64_intdigest(array.array("I", ids).tobytes())
+    full = np.random.default_rng(seed).standard_normal(EMBEDDING_DIM)
+    part = full[:dimensions]
+    norm = float(np.linalg.norm(part))
+    return (part / (norm or 1.0)).astype(np.float32)
+
+
+def embedding_response(
+    request_id: str,
+    model: str,
+    vectors: Sequence[npt.NDArray[np.float32]],
+    prompt_tokens: int,
+    encoding_format: str,
+    created: int,
+) -> dict[str, Any]:
+    """vLLM's ``EmbeddingResponse``: ``data[i].embedding`` a list of floats, or with
+    ``base64`` the little-endian float32 bytes in base64 (what the openai SDK decodes);
+    usage counts the prompts (no output, no cache report)."""
+    data = []
+    for i, v in enumerate(vectors):
+        emb: Any
+        if encoding_format == "base64":
+            emb = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+        else:
+            emb = v.tolist()
+        data.append({"index": i, "object": "embedding", "embedding": emb})
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": created,
+        "model": model,
+        "data": data,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -251,7 +366,11 @@ def validate_common(req: _GenerationRequest) -> str | None:
     """Checks shared by both generation endpoints; returns the cache salt."""
     if req.n not in (None, 1):
         raise APIError("the simulated replica only supports n=1", param="n")
-    salt = req.cache_salt
+    return validate_salt(req.cache_salt)
+
+
+def validate_salt(salt: Any) -> str | None:
+    """A request's ``cache_salt`` as vLLM checks it: absent, or a non-empty string."""
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise APIError(
             "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
@@ -381,12 +500,14 @@ def completion_prompts(prompt: Any) -> list[Any]:
     return [prompt]
 
 
-def completion_prompt_ids(prompt: Any, encode: Any, vocab_size: int) -> list[int]:
+def completion_prompt_ids(
+    prompt: Any, encode: Any, vocab_size: int, param: str = "prompt"
+) -> list[int]:
     """One prompt of a /v1/completions request (:func:`completion_prompts`): a string or a
-    list of token ids."""
+    list of token ids. ``param``: the field it came from (an embedding's ``input``)."""
     if isinstance(prompt, str):
         if not prompt:
-            raise APIError("prompt must not be empty", param="prompt")
+            raise APIError(f"{param} must not be empty", param=param)
         ids: list[int] = encode(prompt)
         return ids
     # type() per element, then min/max, all in C: a per-token Python check was a tenth of
@@ -394,9 +515,9 @@ def completion_prompt_ids(prompt: Any, encode: Any, vocab_size: int) -> list[int
     kinds = set(map(type, prompt)) if isinstance(prompt, list) and prompt else None
     if kinds is not None and kinds <= {int, bool}:
         if bool in kinds or min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise APIError(f"token ids must be in [0, {vocab_size})", param="prompt")
+            raise APIError(f"token ids must be in [0, {vocab_size})", param=param)
         return list(prompt)
-    raise APIError("prompt must be a string or a list of token ids", param="prompt")
+    raise APIError(f"{param} must be a string or a list of token ids", param=param)
 
 
 def batch_usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
