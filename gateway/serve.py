@@ -405,12 +405,23 @@ class GatewayServer:
             time.sleep(0.02)
         return self
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop as a SIGTERM does (drain, then the gateway's stop) and wait for the server's
+        thread to end: until it does by default (the stop bounds itself: docs/gateway.md,
+        "how a stop runs"), at most ``timeout_s`` if given, then :class:`TimeoutError`
+        while the thread still runs (a later ``stop()`` waits again). Before, the wait was
+        a fixed 30 s that returned in silence with the thread still stopping: shorter than
+        a stop at the defaults may take (drain 30 s + up to 2 s for cut requests + its
+        steps), so a caller went on beside a gateway still draining and holding its port."""
         self.gateway.draining = True
         self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(f"the gateway's server thread is still stopping after {timeout_s} s")
+        self._thread = None
 
     def __enter__(self) -> GatewayServer:
         return self.start()
