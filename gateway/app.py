@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import KeyCheckError, KeyFileError, KeyLookupRefused, KeyReload, check_admin
-from gateway.core import Gateway, request_id_from
+from gateway.core import ENDPOINT_PATHS, Gateway, request_id_from
 from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import (
     GatewayError,
@@ -213,14 +213,12 @@ Refusal = tuple[GatewayError, str]
 
 
 class Completions:
-    """The two completion endpoints, independent of the HTTP server that carries them:
-    :func:`create_app`'s FastAPI routes and the gateway's own protocol
+    """The proxied endpoints (the two completion endpoints, and those routed by load:
+    embeddings, /tokenize, /detokenize, D28), independent of the HTTP server that carries
+    them: :func:`create_app`'s FastAPI routes and the gateway's own protocol
     (:mod:`gateway.hotpath`) both call :meth:`handle`."""
 
-    ENDPOINTS: ClassVar[dict[str, str]] = {
-        "/v1/chat/completions": "chat",
-        "/v1/completions": "completion",
-    }
+    ENDPOINTS: ClassVar[dict[str, str]] = {path: name for name, path in ENDPOINT_PATHS.items()}
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
@@ -444,13 +442,16 @@ def create_app(gw: Gateway) -> FastAPI:
         err, rid = out
         return err.response(rid)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await completion(request, "chat")
+    def proxied(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
+        # the endpoint closed over, not a parameter: FastAPI reads a handler's parameters
+        # from the request (a default one from the query string)
+        async def route(request: Request) -> Response:
+            return await completion(request, endpoint)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await completion(request, "completion")
+        return route
+
+    for path, endpoint in Completions.ENDPOINTS.items():
+        app.add_api_route(path, proxied(endpoint), methods=["POST"], name=endpoint)
 
     app.state.completions = completions_core
 

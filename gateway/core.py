@@ -44,7 +44,14 @@ from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, S
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
-from cachecore.scoring import LoadView, OnlineFit, features, hit_blocks, hit_cap_blocks
+from cachecore.scoring import (
+    Coefficients,
+    LoadView,
+    OnlineFit,
+    features,
+    hit_blocks,
+    hit_cap_blocks,
+)
 from cachecore.tasks import (
     BoundedStop,
     Step,
@@ -92,6 +99,7 @@ from gateway.tokenization import (
     check_alignment,
     completion_batch_size,
     completion_prompt,
+    pooling_truncation,
     request_truncation,
     stream_requested,
     usage_requested,
@@ -154,6 +162,23 @@ _PRIORITY = TypeAdapter(int)
 """A client's ``priority`` read as vLLM's request model reads it (pydantic, lax int)."""
 _PRIORITY_SET = frozenset(("fixed", "clamp"))
 """Tenant priority modes that may write the field into a request that has none."""
+ENDPOINT_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
+"""Each proxied endpoint's name (metrics, traces) and the engine path it goes to."""
+LOAD_ROUTED = frozenset(("embeddings", "tokenize", "detokenize"))
+"""Endpoints routed by load alone, with no block keys, lookup, pending entries, claim check
+or fit sample (D28): an embedding's prompt is computed whole and its usage reports no cached
+tokens (pooling engines often run without prefix caching); /tokenize and /detokenize
+compute nothing."""
+_UNSALTED = frozenset(("detokenize",))
+"""Endpoints sent with no ``cache_salt`` (a client's removed): token ids to text touch no
+cache of the engine's. /tokenize keeps the scope's, as the gateway's own tokenize calls:
+the simulated replica's tokenization cache is scoped by it (security.md)."""
 _REWRITTEN_FIELDS = frozenset(("cache_salt", *_ENGINE_ID_FIELDS, *_OPERATOR_FIELDS))
 """Client fields upstream_body replaces or removes: a body with none of them (and no report
 mode) goes upstream as its own bytes with the salt appended."""
@@ -187,7 +212,7 @@ class Dispatch:
 
     request_id: str
     tenant: str
-    endpoint: str  # "chat" | "completion"
+    endpoint: str  # a key of ENDPOINT_PATHS
     path: str
     body: dict[str, Any]
     stream: bool
@@ -236,6 +261,9 @@ class Dispatch:
     # false when the request named no model and the gateway filled it in: the client's
     # bytes lack it, so they do not go upstream as they are (an engine may require it)
     model_given: bool = True
+    # false: no cache_salt goes upstream (a client's removed): an endpoint that touches no
+    # cache (_UNSALTED)
+    salted: bool = True
 
     @property
     def replica(self) -> str:
@@ -1007,55 +1035,27 @@ class Gateway:
         strategy: Strategy | None = None,
     ) -> Dispatch:
         """Everything before the upstream call. Raises :class:`GatewayError`."""
+        if endpoint in LOAD_ROUTED:
+            return await self._prepare_by_load(endpoint, tenant, body, headers, request_id)
         assert self.pool is not None and self.tokenizers is not None and self.index is not None
         st = self.stages
         pol = self.policy
         t0 = time.perf_counter_ns()
-        model = body.get("model")
-        model_given = model is not None and model != ""
-        if not model_given:
-            # absent, null or "": vLLM serves it with its first served model (its request
-            # models' model is optional), so the fleet's one base model serves it here. Set
-            # before anything reads it: the pool, scope and sensitive.models go by it
-            model = body["model"] = self._default_model()
-        elif not isinstance(model, str):
-            raise bad_request("'model' must be a string", "model")
+        model, model_given = self._request_model(body)
         stream = stream_requested(body)
         wants_usage = usage_requested(body)  # a 400 before any tokenizing or routing
         if endpoint == "chat" and not isinstance(body.get("messages"), list):
             raise bad_request("'messages' is required and must be an array", "messages")
         if endpoint == "completion" and "prompt" not in body:
             raise bad_request("'prompt' is required", "prompt")
-        reps = self.pool.candidates(model)
-        if not reps:
-            serving = [r for r in self.pool.all() if r.serves(model)]
-            if not serving:
-                raise GatewayError(
-                    404, f"The model `{model}` does not exist.", code="model_not_found",
-                    param="model",
-                )  # fmt: skip
-            if all(r.cordoned or r.draining for r in serving):
-                # healthy perhaps, but taken out of service by an operator: say so
-                raise self.pool.no_replica_error(
-                    "every replica serving this model is cordoned or draining"
-                )
-            raise self.pool.no_replica_error("no healthy replica serves this model")
+        reps = self._routable(model)
         tpol = pol.tenant(tenant)
         priority: tuple[int | None, bool] = (None, False)
         if "priority" in body or tpol.priority.mode in _PRIORITY_SET:
             priority = _priority_rewrite(tpol.priority, body)  # a 400 before any work
         base_model, lora = self.pool.base_model(model, reps)
         scope, session = self.resolve_scope(tenant, tpol, headers, body, model, base_model)
-        same = self.pool.same_meaning(model, lora, base_model, reps)
-        if len(same) < len(reps):
-            if model not in self._ambiguous_models:
-                self._ambiguous_models.add(model)
-                log.error(
-                    "one model name, two models: a base model on some replicas, an adapter "
-                    "on others; routing to the base model's replicas only",
-                    extra={"model": model, "excluded": [r.id for r in reps if r not in same]},
-                )
-            reps = same
+        reps = self._one_meaning(model, lora, base_model, reps)
         mpool = pol.models.pool(base_model)
         bs = mpool.block_size
         # an engine that tokenizes must serve the requested model (an adapter too)
@@ -1173,23 +1173,9 @@ class Gateway:
         st.add("lookup", time.perf_counter_ns() - t0)
 
         t0 = time.perf_counter_ns()
-        caps = {r.id: r.capacity or mpool.max_num_seqs for r in reps}
-        grace_ms = pol.routing.overdue_grace_ms
-        grace_s = None if grace_ms is None else grace_ms / 1000.0
         coeffs = self.fit.coefficients()
-        loads = self.load.views(ids, caps, time.monotonic(), grace_s, coeffs)
-        best_salt: dict[str, int] = {}
-        cands: list[Candidate] = []
-        for r in reps:
-            m, si = _best_match(r.id, matches)
-            best_salt[r.id] = si
-            cands.append(Candidate(r.id, loads[r.id], m, self.quarantine.is_quarantined(r.id)))
-        cold = None
-        k_cold = tpol.limits.cold_replica_count
-        if k_cold is not None and k_cold < len(ids):
-            # a stable per-tenant subset: the replicas ranked by rendezvous hashing
-            ranked = sorted(ids, key=lambda rid: rendezvous_weight(tenant, rid))
-            cold = frozenset(ranked[-k_cold:])
+        cands, best_salt = self._candidates(reps, mpool.max_num_seqs, coeffs, matches)
+        cold = _cold_replicas(tenant, tpol, ids)
         if session is None and keys and keys[0]:
             session_for_hash: str | None = f"{tenant}/{keys[0][0].hex()}"
         else:
@@ -1204,34 +1190,16 @@ class Gateway:
             scope_key=scope.routing_key(),  # its tie rounds and draws (D26)
             hit_drop_blocks=mpool.hit_drop_blocks,
         )
-        # decided without moving the router (cursor, tie rounds, trees), committed once the
-        # request will be sent: one decided again below or refused by the tenant's budget
-        # charged a replica, the tenant's scope tree and everyone's rounds for nothing
-        router = self.router
-        strat = strategy or self.strategy_override
-        try:
-            with router.preview() if explain_only else contextlib.nullcontext():
-                decision = router.decide(req, cands, coeffs, strat, commit=False)
-                chosen = self.pool.get(decision.replica)
-                if chosen is None or not chosen.routable(time.monotonic()):
-                    # cordoned, drained, ejected or removed during the awaits above
-                    # (tokenizing, the lookup): it takes no new request (it used to get this
-                    # one, routed over the replicas read before them); the chosen one alone
-                    # is checked: O(1)
-                    routable = {r.id for r in self.pool.candidates(model)}
-                    cands = [c for c in cands if c.replica in routable]
-                    if not cands:
-                        raise self.pool.no_replica_error("no healthy replica serves this model")
-                    decision = router.decide(req, cands, coeffs, decision.strategy, commit=False)
-        except NoCandidateError as exc:  # a confined tenant's cold request: none offered
-            raise self.pool.no_replica_error(str(exc)) from None
+        decision, cands = self._decide(
+            req, cands, coeffs, strategy or self.strategy_override, model, explain_only
+        )
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,
             upstream_id=f"{request_id}-{random_hex(8)}",
             tenant=tenant,
             endpoint=endpoint,
-            path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
+            path=ENDPOINT_PATHS[endpoint],
             body=body,
             stream=stream,
             client_wants_usage=wants_usage,
@@ -1257,17 +1225,237 @@ class Gateway:
         )
         if explain_only:
             return d
-        uncached = max(0, n_prompt - decision.predicted_cached_tokens)
-        rej = self.limiter.charge_uncached(tenant, tpol.limits, uncached, time.monotonic())
-        if rej is not None:
-            self.metrics.rate_limited.labels(tenant, rej.limit).inc()
-            raise rate_limited(rej.message, rej.retry_after_s, rej.limit)
-        d.charged_uncached = uncached
-        router.commit(decision)  # no await since decide: no other decision in between
-        self.metrics.decisions.labels(decision.strategy.value, decision.reason).inc()
+        self._admit(d, tpol)
         # the exchange counts it and writes its pending entries (on_dispatch) right after
         # the upstream write, in the same loop tick: before any other request's lookup
         return d
+
+    async def _prepare_by_load(
+        self,
+        endpoint: str,
+        tenant: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        request_id: str,
+    ) -> Dispatch:
+        """:meth:`prepare` for the endpoints routed by load alone (:data:`LOAD_ROUTED`,
+        D28): the same model resolution, scope, candidates, cold confinement, routing
+        (the router's load-only path, the scope's own tie rounds), budget and dispatch,
+        with no keys, lookup or prediction. An embeddings request is sized as a completion
+        batch is (its ``input`` has a completion prompt's shapes; at most
+        ``KVGATE_MAX_PROMPT_BATCH`` inputs) and charged whole to the uncached-token
+        budget; /tokenize and /detokenize are sized 0 (they count as requests in the load
+        view, with no prefill)."""
+        assert self.pool is not None and self.tokenizers is not None
+        st = self.stages
+        pol = self.policy
+        t0 = time.perf_counter_ns()
+        model, model_given = self._request_model(body)
+        embed = endpoint == "embeddings"
+        if embed:
+            if "input" not in body:
+                chat = " (this gateway does not route the chat form, 'messages')"
+                raise bad_request(
+                    f"'input' is required{chat if 'messages' in body else ''}", "input"
+                )
+            n_batch = completion_batch_size(body, "input")
+            if n_batch > self.settings.max_prompt_batch:
+                raise bad_request(
+                    f"'input' holds {n_batch} inputs, more than this gateway takes in one "
+                    f"request ({self.settings.max_prompt_batch}): send them in smaller batches",
+                    "input",
+                )
+        reps = self._routable(model)
+        tpol = pol.tenant(tenant)
+        priority: tuple[int | None, bool] = (None, False)
+        if embed and ("priority" in body or tpol.priority.mode in _PRIORITY_SET):
+            # vLLM's pooling requests take a scheduling priority; tokenize calls do not
+            priority = _priority_rewrite(tpol.priority, body)
+        base_model, lora = self.pool.base_model(model, reps)
+        scope, _ = self.resolve_scope(tenant, tpol, headers, body, model, base_model)
+        reps = self._one_meaning(model, lora, base_model, reps)
+        mpool = pol.models.pool(base_model)
+        st.add("parse", time.perf_counter_ns() - t0)
+        n_prompt = 0
+        if embed:
+            t0 = time.perf_counter_ns()
+            trunc = pooling_truncation(body, lambda: _context_len(reps, model, base_model))
+            off = self.settings.tokenize_offload_chars
+            tokenizer = self.tokenizers.for_pool(model, mpool)
+            if isinstance(tokenizer, LocalPromptTokenizer):
+                cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
+                lengths = await tokenizer.prompt_lengths(body, cs, off, trunc, "input")
+            else:  # sized by the built-in tokenizer, not asked of the engine (as a batch)
+                salt = self.minter.salt(scope)
+                lengths = await tokenizer.prompt_lengths(body, salt, off, field="input")
+                if trunc is not None:
+                    lengths = [min(n, trunc.keep) for n in lengths]
+            n_prompt = sum(lengths)
+            st.add("tokenize", time.perf_counter_ns() - t0)
+        t0 = time.perf_counter_ns()
+        salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)
+        coeffs = self.fit.coefficients()
+        cands, _ = self._candidates(reps, mpool.max_num_seqs, coeffs, [])
+        cold = _cold_replicas(tenant, tpol, [r.id for r in reps])
+        req = RouteRequest(
+            prompt_tokens=n_prompt,
+            block_size=mpool.block_size,
+            load_only=True,
+            unkeyed=True,
+            cold_replicas=cold,
+            scope_key=scope.routing_key(),
+        )
+        decision, cands = self._decide(req, cands, coeffs, self.strategy_override, model)
+        st.add("score", time.perf_counter_ns() - t0)
+        d = Dispatch(
+            request_id=request_id,
+            upstream_id=f"{request_id}-{random_hex(8)}",
+            tenant=tenant,
+            endpoint=endpoint,
+            path=ENDPOINT_PATHS[endpoint],
+            body=body,
+            stream=False,
+            client_wants_usage=False,
+            model=model,
+            model_given=model_given,
+            prompt_tokens=n_prompt,
+            block_size=mpool.block_size,
+            scope=scope,
+            salts=salts,
+            keys=[],
+            matches=[],
+            index_source="none",
+            candidates=cands,
+            decision=decision,
+            unkeyed=True,
+            cold_replicas=cold,
+            priority=priority[0],
+            drop_priority=priority[1],
+            salted=endpoint not in _UNSALTED,
+        )
+        self._admit(d, tpol)
+        return d
+
+    def _request_model(self, body: dict[str, Any]) -> tuple[str, bool]:
+        """The model a request names, and whether it named one. Absent, null or "": vLLM
+        serves it with its first served model (its request models' ``model`` is
+        optional), so the fleet's one base model serves it here (:meth:`_default_model`),
+        written into the body before anything reads it: the pool, scope and
+        sensitive.models go by it."""
+        model = body.get("model")
+        if model is None or model == "":
+            model = body["model"] = self._default_model()
+            return model, False
+        if not isinstance(model, str):
+            raise bad_request("'model' must be a string", "model")
+        return model, True
+
+    def _routable(self, model: str) -> list[Replica]:
+        """The routable replicas serving ``model``: a 404 ``model_not_found`` when none of
+        the gateway's replicas serves it, a 503 ``no_replica`` when none of those is
+        routable (saying when every one is cordoned or draining)."""
+        assert self.pool is not None
+        reps = self.pool.candidates(model)
+        if reps:
+            return reps
+        serving = [r for r in self.pool.all() if r.serves(model)]
+        if not serving:
+            raise GatewayError(
+                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+            )
+        if all(r.cordoned or r.draining for r in serving):
+            # healthy perhaps, but taken out of service by an operator: say so
+            raise self.pool.no_replica_error(
+                "every replica serving this model is cordoned or draining"
+            )
+        raise self.pool.no_replica_error("no healthy replica serves this model")
+
+    def _one_meaning(
+        self, model: str, lora: str | None, base_model: str, reps: list[Replica]
+    ) -> list[Replica]:
+        """``reps`` less those where ``model`` names something else (a base model on some
+        replicas, an adapter on others: routed to the base model's, logged once)."""
+        assert self.pool is not None
+        same = self.pool.same_meaning(model, lora, base_model, reps)
+        if len(same) < len(reps):
+            if model not in self._ambiguous_models:
+                self._ambiguous_models.add(model)
+                log.error(
+                    "one model name, two models: a base model on some replicas, an adapter "
+                    "on others; routing to the base model's replicas only",
+                    extra={"model": model, "excluded": [r.id for r in reps if r not in same]},
+                )
+            return same
+        return reps
+
+    def _candidates(
+        self,
+        reps: Sequence[Replica],
+        max_num_seqs: int,
+        coeffs: Coefficients,
+        matches: Sequence[Mapping[str, PrefixMatch]],
+    ) -> tuple[list[Candidate], dict[str, int]]:
+        """Each replica with its load view, its best match over the live salts (none
+        without ``matches``) and whether it is quarantined; and the salt index of each
+        replica's best match."""
+        caps = {r.id: r.capacity or max_num_seqs for r in reps}
+        grace_ms = self.policy.routing.overdue_grace_ms
+        grace_s = None if grace_ms is None else grace_ms / 1000.0
+        loads = self.load.views(list(caps), caps, time.monotonic(), grace_s, coeffs)
+        best_salt: dict[str, int] = {}
+        cands: list[Candidate] = []
+        for r in reps:
+            m, si = _best_match(r.id, matches)
+            best_salt[r.id] = si
+            cands.append(Candidate(r.id, loads[r.id], m, self.quarantine.is_quarantined(r.id)))
+        return cands, best_salt
+
+    def _decide(
+        self,
+        req: RouteRequest,
+        cands: list[Candidate],
+        coeffs: Coefficients,
+        strategy: Strategy | None,
+        model: str,
+        explain_only: bool = False,
+    ) -> tuple[Decision, list[Candidate]]:
+        """The routing decision (and the candidates it was made over), decided without
+        moving the router (cursor, tie rounds, trees): :meth:`_admit` commits it once the
+        request will be sent; one decided again below or refused by the tenant's budget
+        charged a replica, the tenant's scope tree and everyone's rounds for nothing."""
+        assert self.pool is not None
+        router = self.router
+        try:
+            with router.preview() if explain_only else contextlib.nullcontext():
+                decision = router.decide(req, cands, coeffs, strategy, commit=False)
+                chosen = self.pool.get(decision.replica)
+                if chosen is None or not chosen.routable(time.monotonic()):
+                    # cordoned, drained, ejected or removed during the awaits before
+                    # (tokenizing, the lookup): it takes no new request (it used to get this
+                    # one, routed over the replicas read before them); the chosen one alone
+                    # is checked: O(1)
+                    routable = {r.id for r in self.pool.candidates(model)}
+                    cands = [c for c in cands if c.replica in routable]
+                    if not cands:
+                        raise self.pool.no_replica_error("no healthy replica serves this model")
+                    decision = router.decide(req, cands, coeffs, decision.strategy, commit=False)
+        except NoCandidateError as exc:  # a confined tenant's cold request: none offered
+            raise self.pool.no_replica_error(str(exc)) from None
+        return decision, cands
+
+    def _admit(self, d: Dispatch, tpol: TenantPolicy) -> None:
+        """Charge the request's predicted uncached tokens to its tenant's budget (a 429
+        when it is spent) and commit its decision. No await since the decision: no other
+        decision in between."""
+        decision = d.decision
+        uncached = max(0, d.prompt_tokens - decision.predicted_cached_tokens)
+        rej = self.limiter.charge_uncached(d.tenant, tpol.limits, uncached, time.monotonic())
+        if rej is not None:
+            self.metrics.rate_limited.labels(d.tenant, rej.limit).inc()
+            raise rate_limited(rej.message, rej.retry_after_s, rej.limit)
+        d.charged_uncached = uncached
+        self.router.commit(decision)
+        self.metrics.decisions.labels(decision.strategy.value, decision.reason).inc()
 
     # ------------------------------------------------------------------ dispatch
     def _default_model(self) -> str:
@@ -1312,8 +1500,9 @@ class Gateway:
         )
 
     def upstream_body(self, d: Dispatch) -> bytes:
-        """The body sent upstream: the client's fields, our cache_salt, usage requested."""
-        salt = d.salts[d.salt_index]
+        """The body sent upstream: the client's fields, our cache_salt (none for an
+        unsalted endpoint), usage requested."""
+        salt = d.salts[d.salt_index] if d.salted else None
         raw = d.raw_body
         xargs = d.body.get("vllm_xargs")
         report_mode = isinstance(xargs, dict) and _REPORT_MODE in xargs
@@ -1331,9 +1520,14 @@ class Gateway:
             end = raw.rstrip()
             if end.endswith(b"}"):
                 tail = b"}" if d.priority is None else b',"priority":%d}' % d.priority
+                if salt is None:
+                    return end[:-1] + tail
                 return b"".join((end[:-1], b',"cache_salt":', orjson.dumps(salt), tail))
         body = dict(d.body)
-        body["cache_salt"] = salt  # replaces any client-supplied salt
+        if salt is not None:
+            body["cache_salt"] = salt  # replaces any client-supplied salt
+        else:
+            body.pop("cache_salt", None)  # no client salt reaches an engine
         if d.priority is not None:
             body["priority"] = d.priority
         elif d.drop_priority:
@@ -1542,6 +1736,7 @@ class Gateway:
             {
                 "ts": time.time(),
                 "request_id": d.request_id,
+                "endpoint": d.endpoint,
                 "replica": d.replica,
                 "tenant": d.tenant,
                 "status": out.status,
@@ -1850,6 +2045,17 @@ def _priority_rewrite(rule: PriorityPolicy, body: Mapping[str, Any]) -> tuple[in
     if present and type(body["priority"]) is int and body["priority"] == want:
         return None, False  # already what the rule gives: the client's bytes stay
     return want, False
+
+
+def _cold_replicas(tenant: str, tpol: TenantPolicy, ids: Sequence[str]) -> frozenset[str] | None:
+    """The replicas a tenant under ``limits.cold_replica_count: k`` has its cold requests
+    confined to: a stable per-tenant subset, the k ranked highest by rendezvous hashing;
+    None when it is not confined (or k covers every replica)."""
+    k_cold = tpol.limits.cold_replica_count
+    if k_cold is None or k_cold >= len(ids):
+        return None
+    ranked = sorted(ids, key=lambda rid: rendezvous_weight(tenant, rid))
+    return frozenset(ranked[-k_cold:])
 
 
 def _base_models(rep: Replica) -> list[str]:

@@ -1,7 +1,8 @@
 """The completion endpoints served by the gateway's own HTTP/1.1 code, inside uvicorn.
 
-``kvgate serve`` runs uvicorn's httptools protocol with one change: a ``POST`` to
-``/v1/chat/completions`` or ``/v1/completions`` does not become an ASGI request. Its
+``kvgate serve`` runs uvicorn's httptools protocol with one change: a ``POST`` to a
+proxied endpoint (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/tokenize``, ``/detokenize``: ``Completions.ENDPOINTS``) does not become an ASGI request. Its
 headers go into a :class:`HotCycle`, which reads the body, calls
 :meth:`gateway.app.Completions.handle` and writes the answer's bytes to the socket itself.
 Everything else (models, health, metrics, admin, lifespan) stays on FastAPI through ASGI.

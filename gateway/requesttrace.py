@@ -2,7 +2,8 @@
 format of :mod:`cachecore.traceanalysis` (``kvgate trace analyze`` reads it beside the
 agents' cache-event traces)::
 
-    {"ts": 1712.5, "request_id": "...", "replica": "r0", "tenant": "acme", "status": 200,
+    {"ts": 1712.5, "request_id": "...", "endpoint": "chat", "replica": "r0", "tenant": "acme",
+     "status": 200,
      "prompt_tokens": 2048, "cached_tokens": 2032, "predicted_cached_tokens": 2032,
      "ttft_s": 0.041, "e2e_s": 0.120, "strategy": "expected_latency",
      "reason": "cache_hit", "kv_usage": 0.62, "queued_tokens": 1024}

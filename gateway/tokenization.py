@@ -61,13 +61,15 @@ def _token_ids(value: Any) -> array.array[int] | None:
 
 
 def completion_prompts(
-    body: Mapping[str, Any],
+    body: Mapping[str, Any], field: str = "prompt"
 ) -> list[tuple[str | list[int], array.array[int] | None]]:
     """Every prompt of a completion request, each with (for token ids only) the same ids
     packed as uint32: one for a string or a token array, each element of a batch (a list
     of strings or a list of token arrays, as vLLM's request model takes them; vLLM runs
-    one engine request per element). Anything else is a 400, as the engine would answer."""
-    prompt = body.get("prompt")
+    one engine request per element). Anything else is a 400, as the engine would answer.
+    ``field``: where the prompts are (an embeddings request's ``input``, of the same
+    shapes), named in the 400."""
+    prompt = body.get(field)
     if isinstance(prompt, str):
         return [(prompt, None)]
     packed = _token_ids(prompt)
@@ -84,13 +86,13 @@ def completion_prompts(
             out.append((p, packed))
         else:
             return out
-    raise bad_request("'prompt' must be a string, a token array, or a non-empty batch", "prompt")
+    raise bad_request(f"'{field}' must be a string, a token array, or a non-empty batch", field)
 
 
-def completion_batch_size(body: Mapping[str, Any]) -> int:
+def completion_batch_size(body: Mapping[str, Any], field: str = "prompt") -> int:
     """How many prompts a completion request carries (a batch: a list of strings or of
     token arrays), read without checking them (:func:`completion_prompts` does)."""
-    prompt = body.get("prompt")
+    prompt = body.get(field)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         return len(prompt)
     return 1
@@ -280,6 +282,22 @@ def usage_requested(body: Mapping[str, Any]) -> bool:
     return _lax_flag(opts["include_usage"], "stream_options.include_usage")
 
 
+def pooling_truncation(
+    body: Mapping[str, Any], max_model_len: Callable[[], int | None]
+) -> Truncation | None:
+    """An embeddings request's ``truncate_prompt_tokens`` (vLLM's pooling requests: each
+    input's last k tokens; ``-1``: the model's context, no output reserved), a 400 for what
+    vLLM refuses. None: the whole input (also for ``-1`` when no replica's card gives the
+    context: then sized whole, an overestimate)."""
+    limit = truncate_prompt_tokens(body)
+    if limit is None:
+        return None
+    if limit == -1:
+        context = max_model_len()
+        return None if context is None else Truncation(context)
+    return Truncation(limit)
+
+
 def _lax_flag(value: Any, param: str) -> bool:
     """A request flag as vLLM's pydantic model reads it: null or absent is false, a lax
     bool otherwise; anything else is a 400 naming ``param``."""
@@ -299,7 +317,7 @@ class PromptTokenizer(Protocol):
     async def completion(self, body: Mapping[str, Any], salt: str) -> list[int]: ...
 
     async def prompt_lengths(
-        self, body: Mapping[str, Any], salt: str, offload_chars: int = ...
+        self, body: Mapping[str, Any], salt: str, offload_chars: int = ..., *, field: str = ...
     ) -> list[int]: ...
 
 
@@ -399,15 +417,18 @@ class LocalPromptTokenizer:
         scope: str | None = "",
         offload_chars: int = OFFLOAD_CHARS,
         trunc: Truncation | None = None,
+        field: str = "prompt",
     ) -> list[int]:
         """The tokens the engine runs for each prompt of a completion request (a batch:
-        one engine request each): token arrays counted, text tokenized as one prompt is.
+        one engine request each; ``field``: an embeddings request's ``input``, whose
+        shapes and ``add_special_tokens`` are a completion's): token arrays counted, text
+        tokenized as one prompt is.
         Texts longer together than ``offload_chars`` are tokenized in one worker thread,
         as one long text is: 100,000 short prompts (1.1 MB) BPE'd one by one on the loop
         stalled it 426 ms, each under the bound alone (review V1). The thread runs the
         stateless tokenizer, not the segment cache (not thread-safe; a batch is unkeyed,
         so its texts are worth no cache slot)."""
-        prompts = completion_prompts(body)
+        prompts = completion_prompts(body, field)
         add_special_tokens(body, True)  # a 400 before any work
         texts = [p for p, _ in prompts if isinstance(p, str)]
         if sum(map(len, texts)) > offload_chars:
@@ -650,7 +671,11 @@ class EnginePromptTokenizer:
         return await self._post("/tokenize", payload)
 
     async def prompt_lengths(
-        self, body: Mapping[str, Any], salt: str, offload_chars: int = OFFLOAD_CHARS
+        self,
+        body: Mapping[str, Any],
+        salt: str,
+        offload_chars: int = OFFLOAD_CHARS,
+        field: str = "prompt",
     ) -> list[int]:
         """Each prompt's tokens of a completion request (a batch), before any truncation:
         token arrays counted, texts sized by the local ``sizer`` (the built-in tokenizer),
@@ -659,7 +684,7 @@ class EnginePromptTokenizer:
         review V4); a batch is routed by load, and only its budget charge and in-flight load
         read this size, so an estimate serves (docs/gateway.md says which)."""
         sizer = self._sizer() if self._sizer is not None else _builtin_sizer()
-        return await sizer.prompt_lengths(body, None, offload_chars)
+        return await sizer.prompt_lengths(body, None, offload_chars, None, field)
 
 
 def _builtin_sizer() -> LocalPromptTokenizer:
