@@ -328,3 +328,18 @@ async def test_the_asgi_routes_serve_them_too() -> None:
             assert r.status_code == 405
         for ep in ("embeddings", "tokenize", "detokenize", "completion"):
             assert _count(st.gw.metrics.requests, endpoint=ep, status="200") == 1, ep
+
+
+async def test_an_engine_tokenized_pool_sizes_embeddings_locally() -> None:
+    """Under ``engine_tokenize`` an embeddings input is sized by the built-in tokenizer (as
+    a completion batch), not asked of the engine, and charged by that size."""
+    policy = (
+        "models: {default: {tokenizer: engine_tokenize}}\n"
+        "default_tenant:\n  limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 1000}"
+    )
+    async with stack(count=1, policy=policy) as st:
+        c = st.client()
+        got = await c.embeddings.create(model=st.model, input=[words(300, 1), words(600, 2)])
+        assert got.usage.prompt_tokens == 900
+        with pytest.raises(openai.RateLimitError):
+            await c.embeddings.create(model=st.model, input=words(300, 3))
