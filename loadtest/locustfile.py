@@ -9,7 +9,9 @@ Environment:
     KVGATE_LOCUST_STREAM    1 (default) to stream and record TTFT, 0 for plain JSON
 
 Each user class is one traffic shape; pick some with Locust's class selection (``locust ...
-SharedSystemPromptChat ShortUnique``) or run them all. Each request is one row of Locust's
+SharedSystemPromptChat ShortUnique``) or run them all (``EmbedSharedDocs`` needs a
+replica serving ``/v1/embeddings`` for ``KVGATE_LOCUST_MODEL``: a pooling model on vLLM, or
+the simulated replica). Each request is one row of Locust's
 statistics, named after its class, timed to its last byte (a streamed request's whole
 stream, not just its response head, which is where Locust's own clock stops).
 
@@ -320,6 +322,39 @@ class ShortUnique(OpenAIUser):
         n = random.randint(32, 256)
         prompt = self.text().block(f"loc-su-{next(self._ids)}-{random.random()}", n)
         self.send({"prompt": prompt, "max_tokens": 24}, chat=False, tenant=self.tenant)
+
+
+class EmbedSharedDocs(OpenAIUser):
+    """RAG ingestion and retrieval: ``/v1/embeddings`` of a batch of Zipf-popular shared
+    document chunks and one unique query (routed by load alone, D28; not streamed, so no
+    TTFT row). A response is a failure unless it is a list with one embedding per input,
+    in order."""
+
+    @task
+    def embed(self) -> None:
+        chunks = sorted({min(int(random.paretovariate(1.2)) - 1, 49) for _ in range(3)})
+        inputs = [self.text().block(f"loc-chunk-{c}", 256) for c in chunks]
+        inputs.append(self.text().block(f"loc-eq-{next(self._ids)}-{random.random()}", 32))
+        with self.client.post(
+            "/v1/embeddings",
+            json={"model": MODEL, "input": inputs},
+            headers=self.headers(self.tenant),
+            name=type(self).__name__,
+            catch_response=True,
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(_failure(resp))
+                return
+            try:
+                data = resp.json()["data"]
+                ok = [d["index"] for d in data] == list(range(len(inputs))) and all(
+                    isinstance(d["embedding"], list) and d["embedding"] for d in data
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                resp.failure(f"not an embeddings list: {type(exc).__name__}")
+                return
+            if not ok:
+                resp.failure(f"{len(data)} embeddings for {len(inputs)} inputs, or out of order")
 
 
 events.request.add_listener(_log_ttft)  # type: ignore[no-untyped-call]

@@ -155,3 +155,26 @@ async def test_stream_false_sends_plain_json_and_a_bad_value_is_refused(tmp_path
     assert "streamed requests: TTFT" not in text
     code, text = outputs["maybe"]
     assert code == 1 and "KVGATE_LOCUST_STREAM must be 1 or 0" in text, text[-2000:]
+
+
+async def test_embeddings_user_class_through_the_gateway(tmp_path: Path) -> None:
+    """EmbedSharedDocs against a real gateway and simulated replicas: every request a
+    checked embeddings list (a failure counts in Locust's row), none failed."""
+    prefix = tmp_path / "emb"
+    async with stack(count=2) as st:
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "locust"),
+            "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "4s",
+            "--host", st.url, "--csv", str(prefix), "--only-summary", "EmbedSharedDocs",
+            env={"KVGATE_LOCUST_MODEL": st.model, "PATH": str(Path(sys.executable).parent)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    text = out.decode()
+    assert proc.returncode == 0, text[-2000:]
+    found = re.findall(r"^POST\s+(\w+)\s+(\d+)\s+(\d+)\(", text, re.M)
+    rows = {name: (int(n), int(f)) for name, n, f in found}
+    assert set(rows) == {"EmbedSharedDocs"}, text[-2000:]
+    requests, failures = rows["EmbedSharedDocs"]
+    assert requests > 0 and failures == 0, text[-2000:]
