@@ -175,6 +175,9 @@ LOAD_ROUTED = frozenset(("embeddings", "tokenize", "detokenize"))
 or fit sample (D28): an embedding's prompt is computed whole and its usage reports no cached
 tokens (pooling engines often run without prefix caching); /tokenize and /detokenize
 compute nothing."""
+_FRONTEND_ONLY = frozenset(("tokenize", "detokenize"))
+"""Endpoints a vLLM server answers in its API server, without its engine core: their answer
+is no evidence of the engine's progress (D17), which a wedged engine's server gives at once."""
 _UNSALTED = frozenset(("detokenize",))
 """Endpoints sent with no ``cache_salt`` (a client's removed): token ids to text touch no
 cache of the engine's. /tokenize keeps the scope's, as the gateway's own tokenize calls:
@@ -1598,10 +1601,11 @@ class Gateway:
         the prefill, and a queue emptied at the headers hides every prefill still waiting
         from expected_latency (it then sees only running requests). ``progressed``: the
         engine computed it (not an error answer), so no stall of the replica's engine
-        began before now (D17)."""
+        began before now (D17); never for /tokenize and /detokenize, which the server
+        answers without its engine (:data:`_FRONTEND_ONLY`)."""
         if d.ticket is not None:
             self.inflight.first_token(d.ticket)
-        if progressed:
+        if progressed and d.endpoint not in _FRONTEND_ONLY:
             self.inflight.progressed(d.replica, time.monotonic())
 
     def reroute(self, d: Dispatch, failed: str) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -343,3 +345,21 @@ async def test_an_engine_tokenized_pool_sizes_embeddings_locally() -> None:
         assert got.usage.prompt_tokens == 900
         with pytest.raises(openai.RateLimitError):
             await c.embeddings.create(model=st.model, input=words(300, 3))
+
+
+async def test_a_tokenize_answer_is_no_evidence_of_engine_progress() -> None:
+    """vLLM answers /tokenize and /detokenize in its API server, without the engine core:
+    a wedged engine answers them at once. Taken as progress, each one reset the replica's
+    last progress (D17), so a client that counts tokens beside its requests hid the
+    engine's stall from the charge (``min(stalled, since progress) - grace`` stayed under
+    0). An embedding is computed by the engine: its answer is progress."""
+    async with stack(count=1) as st, st.http() as h:
+        rid = st.replica_id(0)
+        r = await h.post("/tokenize", json={"model": st.model, "prompt": words(12, 1)})
+        assert r.status_code == 200, r.text
+        r = await h.post("/detokenize", json={"model": st.model, "tokens": r.json()["tokens"]})
+        assert r.status_code == 200, r.text
+        assert st.gw.inflight.since_progress_s(rid, time.monotonic()) == math.inf
+        r = await h.post("/v1/embeddings", json={"model": st.model, "input": words(12, 1)})
+        assert r.status_code == 200, r.text
+        assert st.gw.inflight.since_progress_s(rid, time.monotonic()) < 5.0
