@@ -1039,7 +1039,9 @@ class Gateway:
     ) -> Dispatch:
         """Everything before the upstream call. Raises :class:`GatewayError`."""
         if endpoint in LOAD_ROUTED:
-            return await self._prepare_by_load(endpoint, tenant, body, headers, request_id)
+            return await self._prepare_by_load(
+                endpoint, tenant, body, headers, request_id, explain_only, strategy
+            )
         assert self.pool is not None and self.tokenizers is not None and self.index is not None
         st = self.stages
         pol = self.policy
@@ -1240,6 +1242,8 @@ class Gateway:
         body: dict[str, Any],
         headers: Mapping[str, str],
         request_id: str,
+        explain_only: bool = False,
+        strategy: Strategy | None = None,
     ) -> Dispatch:
         """:meth:`prepare` for the endpoints routed by load alone (:data:`LOAD_ROUTED`,
         D28): the same model resolution, scope, candidates, cold confinement, routing
@@ -1308,7 +1312,9 @@ class Gateway:
             cold_replicas=cold,
             scope_key=scope.routing_key(),
         )
-        decision, cands = self._decide(req, cands, coeffs, self.strategy_override, model)
+        decision, cands = self._decide(
+            req, cands, coeffs, strategy or self.strategy_override, model, explain_only
+        )
         st.add("score", time.perf_counter_ns() - t0)
         d = Dispatch(
             request_id=request_id,
@@ -1336,6 +1342,8 @@ class Gateway:
             drop_priority=priority[1],
             salted=endpoint not in _UNSALTED,
         )
+        if explain_only:  # decided, not committed or charged (as prepare's)
+            return d
         self._admit(d, tpol)
         return d
 

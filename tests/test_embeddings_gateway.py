@@ -363,3 +363,20 @@ async def test_a_tokenize_answer_is_no_evidence_of_engine_progress() -> None:
         r = await h.post("/v1/embeddings", json={"model": st.model, "input": words(12, 1)})
         assert r.status_code == 200, r.text
         assert st.gw.inflight.since_progress_s(rid, time.monotonic()) < 5.0
+
+
+async def test_an_explain_only_prepare_of_an_embedding_charges_and_moves_nothing() -> None:
+    """``Gateway.prepare(..., explain_only=True)`` decides without committing or charging
+    (the explain API's and the benchmarks' call); for the load-routed endpoints it went on
+    to charge the budget and commit the decision (its tie round), as for a request sent."""
+    policy = "default_tenant:\n  limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 1000}"
+    async with stack(count=2, policy=policy) as st:
+        body = {"model": st.model, "input": words(900, 1)}
+        for _ in range(3):  # charged, the second would be a 429
+            d = await st.gw.prepare("embeddings", "anonymous", dict(body), {}, "x", True)
+            assert d.decision.effects is not None and not d.decision.effects.done
+            assert d.charged_uncached == 0
+        assert st.gw.router.tie_round(d.scope.routing_key()) == frozenset()
+        d = await st.gw.prepare("embeddings", "anonymous", dict(body), {}, "rid")  # a real one
+        assert d.charged_uncached == 900 and d.decision.effects is not None
+        assert d.decision.effects.done
