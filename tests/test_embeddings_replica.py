@@ -169,3 +169,31 @@ async def test_each_input_is_an_engine_request_seen_in_the_load_and_the_metrics(
         r = await h.post("/v1/embeddings", json={"input": [[1] * 40000], "model": model})
         assert r.status_code == 400
         assert "input for embedding generation" in r.json()["error"]["message"]
+
+
+async def test_a_client_that_leaves_aborts_its_inputs_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that hangs up before its embeddings are computed: each input's engine
+    request is aborted and the endpoint ends as a 499 with nothing to answer. A cancelled
+    asyncio.gather is not ``cancelled()`` (it holds a CancelledError as its exception), so
+    the endpoint raised it: uvicorn's 'Exception in ASGI application' traceback per
+    departed client (completion batches shared the helper)."""
+    async with run_fleet(FAST, count=1) as fleet:
+        url = fleet.endpoints[0].url
+        async with httpx.AsyncClient(base_url=url, timeout=30) as h:
+            await h.post("/debug/pause", json={"seconds": 2.0})
+            body = {"input": [words(30, 1), words(30, 2)]}
+            with pytest.raises(httpx.TimeoutException):
+                async with httpx.AsyncClient(base_url=url, timeout=0.3) as short:
+                    await short.post("/v1/embeddings", json=body)
+            load: dict[str, int] = {}
+            for _ in range(40):  # bounded: 40 x 25 ms, within the pause
+                load = (await h.get("/get_load")).json()[0]
+                if not load["num_reqs"]:
+                    break
+                await asyncio.sleep(0.025)
+            assert load["num_reqs"] == 0, load
+            await asyncio.sleep(0.1)  # the endpoint's own end
+    said = [r.getMessage() for r in caplog.records if r.levelno >= 40]
+    assert not [m for m in said if "Exception in ASGI application" in m], said

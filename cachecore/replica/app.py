@@ -299,13 +299,16 @@ def create_app(replica: SimReplica) -> FastAPI:
         """``work`` (a batch's collects), abandoned if the client hangs up first: each
         collect's finally aborts its engine request. None then."""
         gone = asyncio.ensure_future(until_disconnect(request))
+        abandoned = False
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not work.done():
+                abandoned = True
                 await cancel_and_wait(work)
             await cancel_and_wait(gone)
-        if work.cancelled():
+        # a cancelled gather is not cancelled(): it holds a CancelledError as its exception
+        if abandoned or work.cancelled():
             return None
         return work.result()
 
