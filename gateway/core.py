@@ -1707,9 +1707,15 @@ class Gateway:
             m.ttft.labels(rid).observe(out.ttft_s)
         m.e2e.labels(rid).observe(out.e2e_s)
         if self.pool is not None:
-            if out.status < 500 and out.status != 499 and out.error is None:
-                # a client that left says nothing of the replica (it must not clear the
-                # first-byte timeouts counted towards a wedged engine's ejection)
+            if (
+                out.status < 500
+                and out.status != 499
+                and out.error is None
+                and d.endpoint not in _FRONTEND_ONLY
+            ):
+                # a client that left says nothing of the replica, nor does an answer its
+                # API server gives without the engine (/tokenize): neither may clear the
+                # first-byte timeouts counted towards a wedged engine's ejection
                 self.pool.record_success(rid)
             elif out.error is not None and out.error != "connect":
                 self.pool.record_failure(rid)  # connect failures were counted at the time

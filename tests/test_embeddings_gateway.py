@@ -365,6 +365,28 @@ async def test_a_tokenize_answer_is_no_evidence_of_engine_progress() -> None:
         assert st.gw.inflight.since_progress_s(rid, time.monotonic()) < 5.0
 
 
+async def test_a_tokenize_answer_does_not_clear_a_wedged_engines_failures() -> None:
+    """First-byte timeouts of a wedged engine count towards its ejection; a request the
+    replica answers counts as a success and clears them. /tokenize and /detokenize are
+    answered by vLLM's API server without the engine core, so a client counting tokens
+    beside its requests cleared the count after each timeout and the wedged engine was
+    never ejected. An embedding, computed by the engine, still clears it."""
+    async with stack(count=1) as st, st.http() as h:
+        rid = st.replica_id(0)
+        assert st.gw.pool is not None
+        rep = st.gw.pool.get(rid)
+        assert rep is not None
+        rep.consecutive_failures = 1  # one first-byte timeout counted (below eject_after)
+        r = await h.post("/tokenize", json={"model": st.model, "prompt": words(12, 1)})
+        assert r.status_code == 200, r.text
+        r = await h.post("/detokenize", json={"model": st.model, "tokens": r.json()["tokens"]})
+        assert r.status_code == 200, r.text
+        assert rep.consecutive_failures == 1
+        r = await h.post("/v1/embeddings", json={"model": st.model, "input": words(12, 1)})
+        assert r.status_code == 200, r.text
+        assert rep.consecutive_failures == 0
+
+
 async def test_an_explain_only_prepare_of_an_embedding_charges_and_moves_nothing() -> None:
     """``Gateway.prepare(..., explain_only=True)`` decides without committing or charging
     (the explain API's and the benchmarks' call); for the load-routed endpoints it went on
