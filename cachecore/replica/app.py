@@ -2,7 +2,8 @@
 SGLang/router helper endpoints and kvgate's debug/chaos endpoints.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/embeddings``,
-``/v1/models``,
+``/pooling``, ``/classify``, ``/score`` (``/v1/score``), ``/rerank`` (``/v1/rerank``,
+``/v2/rerank``), ``/v1/models``,
 ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
 ``/v1/completions/render``, ``/get_load``, ``/get_server_info`` (``/server_info``),
 ``/get_model_info`` (``/model_info``), ``/flush_cache`` and ``/reset_prefix_cache``,
@@ -17,7 +18,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import orjson
 from fastapi import FastAPI, Request
@@ -28,16 +29,24 @@ from pydantic import BaseModel, ValidationError
 from cachecore.engine import EngineRequest, RequestOutput, RequestRejectedError
 from cachecore.replica.driver import EngineDriver, EngineStoppedError, RequestHandle
 from cachecore.replica.protocol import (
+    CLASSIFY_LABELS,
+    EMBEDDING_DIM,
     SSE_DONE,
     APIError,
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    PoolingInputRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     batch_usage,
     chat_chunk,
     chat_response,
+    class_probs,
     completion_batch_response,
     completion_chunk,
     completion_prompt_ids,
@@ -45,8 +54,11 @@ from cachecore.replica.protocol import (
     completion_response,
     embedding_response,
     embedding_vector,
+    encode_floats,
     error_body,
     now_s,
+    pair_score,
+    pooling_usage,
     sse,
     usage,
     usage_chunk,
@@ -124,7 +136,12 @@ def create_app(replica: SimReplica) -> FastAPI:
             ) from None
 
     def engine_id(
-        request: Request, req: ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+        request: Request,
+        req: ChatCompletionRequest
+        | CompletionRequest
+        | PoolingInputRequest
+        | ScoreRequest
+        | RerankRequest,
     ) -> str | None:
         # vLLM's order: the X-Request-Id header, then the body's request_id, else a uuid
         return request.headers.get("x-request-id") or req.request_id
@@ -435,40 +452,91 @@ def create_app(replica: SimReplica) -> FastAPI:
         return JSONResponse(completion_response(handle.request_id, model, text, last, now_s()))
 
     # ------------------------------------------------------------------ pooling
-    @app.post("/v1/embeddings", response_model=None)
-    async def embeddings(request: Request) -> Response:
-        """vLLM's embeddings endpoint (a real vLLM serves it for pooling models only): each
-        input one prefill-only engine request (``embd-<id>-<i>``) under the request's
-        cache salt, so it takes modelled prefill time, occupies the batch and shows in
-        /metrics and /get_load; the vectors are :func:`embedding_vector`'s."""
-        req = await _parse(request, EmbeddingRequest)
-        lora = check_model(req.model)
-        salt = validate_salt(req.cache_salt)
-        dims = req.output_dimensions()
+    # vLLM serves these for pooling models only (each model its own tasks: embed, classify,
+    # score); the simulated model answers them all. Each prompt (an input, or a pair of
+    # texts) is one prefill-only engine request under the request's cache salt, so it
+    # takes modelled prefill time, occupies the batch and shows in /metrics and /get_load.
+    def truncated(ids: list[int], keep: int | None, text: bool) -> list[int]:
+        # the last k tokens, a text's special tokens kept
+        if keep is None:
+            return ids
+        return Truncation(keep, True).text(ids, tok.special_affixes if text else ((), ()))
+
+    async def input_ids(req: PoolingInputRequest, salt: str | None) -> list[list[int]]:
+        """The ids of each prompt of a pooling request over inputs: each input (a text
+        with the tokenizer's special tokens when asked, token ids as they are), or the chat
+        form's messages rendered with the chat template, as one prompt."""
+        prompts = req.prompts()  # a 400 when neither form is given
         keep = req.truncation(replica.core.max_model_len)
+        special = req.special_tokens()
+        if req.chat:
+            try:
+                rendered = tok.apply_chat_template(
+                    req.messages or [], req.add_generation_prompt, req.chat_options()
+                )
+            except TokenizerError as exc:
+                raise APIError(str(exc), param="messages") from exc
+            got = await encode(rendered, salt or "")
+            if special:
+                got = with_special_tokens(tok, got)
+            return [truncated(got, keep, True)]
         ids = []
-        for prompt in req.prompts():
+        for prompt in prompts:
             if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
                 got = await encode(prompt, salt or "")
             else:
                 got = completion_prompt_ids(prompt, tok.encode, tok.vocab_size, "input")
             text = isinstance(prompt, str)
-            if text and req.add_special_tokens:
+            if text and special:
                 got = with_special_tokens(tok, got)
-            if keep is not None:  # the last k tokens, a text's special tokens kept
-                got = Truncation(keep, True).text(got, tok.special_affixes if text else ((), ()))
-            ids.append(got)
-        rid = engine_id(request, req) or uuid.uuid4().hex
+            ids.append(truncated(got, keep, text))
+        return ids
+
+    async def pair_ids(req: ScoreRequest | RerankRequest, salt: str | None) -> list[list[int]]:
+        """The ids of each pair: both texts' tokens as one prompt, with the tokenizer's
+        special tokens around it (a cross-encoder's pair); a text shared by many pairs (a
+        rerank's query) tokenized once."""
+        pairs = req.pairs()  # a 400 for vLLM's refusals
+        keep = req.truncation(replica.core.max_model_len)
+        seen: dict[str, list[int]] = {}
+        for text in {t for pair in pairs for t in pair}:
+            seen[text] = await encode(text, salt or "")
+        return [
+            truncated(with_special_tokens(tok, seen[a] + seen[b]), keep, True) for a, b in pairs
+        ]
+
+    async def run_pooled(
+        request: Request,
+        prefix: str,
+        rid: str,
+        ids: list[list[int]],
+        salt: str | None,
+        lora: str | None,
+    ) -> list[tuple[str, RequestOutput]] | None:
+        """Each prompt one prefill-only engine request (``<prefix>-<rid>-<i>``), refused as
+        a whole (vLLM validates first); None when the client left first (each aborted)."""
         handles: list[tuple[EngineDriver, RequestHandle]] = []
         try:
             for i, prompt_ids in enumerate(ids):
-                handles.append(submit("embd", prompt_ids, 1, salt, lora, f"{rid}-{i}", True, True))
+                handles.append(submit(prefix, prompt_ids, 1, salt, lora, f"{rid}-{i}", True, True))
         except APIError:
-            for driver, handle in handles:  # refused as a whole, as vLLM validates first
+            for driver, handle in handles:
                 driver.abort(handle.request_id)
             raise
         work = asyncio.gather(*(collect(driver, handle) for driver, handle in handles))
-        got_all = await gather_unless_gone(request, work)
+        return await gather_unless_gone(request, work)
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(request: Request) -> Response:
+        """vLLM's embeddings endpoint, either form (``input`` or ``messages``); the vectors
+        are :func:`embedding_vector`'s."""
+        req = await _parse(request, EmbeddingRequest)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        dims = req.output_dimensions()
+        ids = await input_ids(req, salt)
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        got_all = await run_pooled(request, "embd", rid, ids, salt, lora)
         if got_all is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
         vectors = [embedding_vector(p, dims) for p in ids]
@@ -479,6 +547,119 @@ def create_app(replica: SimReplica) -> FastAPI:
                 f"embd-{rid}", model, vectors, n_prompt, req.encoding_format, now_s()
             )
         )
+
+    @app.post("/pooling", response_model=None)
+    async def pooling(request: Request) -> Response:
+        """vLLM's /pooling: each input's pooled hidden state (the full-size
+        :func:`embedding_vector`), ``data[i].data``."""
+        req = await _parse(request, PoolingRequest)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        ids = await input_ids(req, salt)
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        got_all = await run_pooled(request, "pool", rid, ids, salt, lora)
+        if got_all is None:
+            return Response(status_code=499)
+        data = [
+            {
+                "index": i,
+                "object": "pooling",
+                "data": encode_floats(embedding_vector(p, EMBEDDING_DIM), req.encoding_format),
+            }
+            for i, p in enumerate(ids)
+        ]
+        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
+        return _json_bytes(
+            {
+                "id": f"pool-{rid}", "object": "list", "created": now_s(),
+                "model": req.model or replica.model, "data": data,
+                "usage": pooling_usage(n_prompt),
+            }
+        )  # fmt: skip
+
+    @app.post("/classify", response_model=None)
+    async def classify(request: Request) -> Response:
+        """vLLM's /classify: each input's probabilities over :data:`CLASSIFY_LABELS` and
+        its most probable label."""
+        req = await _parse(request, ClassificationRequest)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        ids = await input_ids(req, salt)
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        got_all = await run_pooled(request, "classify", rid, ids, salt, lora)
+        if got_all is None:
+            return Response(status_code=499)
+        data = []
+        for i, p in enumerate(ids):
+            probs = class_probs(p)
+            label = CLASSIFY_LABELS[max(range(len(probs)), key=probs.__getitem__)]
+            data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
+        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
+        return _json_bytes(
+            {
+                "id": f"classify-{rid}", "object": "list", "created": now_s(),
+                "model": req.model or replica.model, "data": data,
+                "usage": pooling_usage(n_prompt),
+            }
+        )  # fmt: skip
+
+    async def score(request: Request) -> Response:
+        """vLLM's /score (and /v1/score): each pair's :func:`pair_score`."""
+        req = await _parse(request, ScoreRequest)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        ids = await pair_ids(req, salt)
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        got_all = await run_pooled(request, "score", rid, ids, salt, lora)
+        if got_all is None:
+            return Response(status_code=499)
+        data = [{"index": i, "object": "score", "score": pair_score(p)} for i, p in enumerate(ids)]
+        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
+        return _json_bytes(
+            {
+                "id": f"score-{rid}", "object": "list", "created": now_s(),
+                "model": req.model or replica.model, "data": data,
+                "usage": pooling_usage(n_prompt),
+            }
+        )  # fmt: skip
+
+    async def rerank(request: Request) -> Response:
+        """vLLM's /rerank (and /v1/rerank, /v2/rerank): the documents by the score of the
+        query paired with each, best first, the first ``top_n`` (0: all)."""
+        req = await _parse(request, RerankRequest)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        ids = await pair_ids(req, salt)
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        got_all = await run_pooled(request, "rerank", rid, ids, salt, lora)
+        if got_all is None:
+            return Response(status_code=499)
+        results = sorted(
+            (
+                {
+                    "index": i,
+                    "document": {"text": req.documents[i]},
+                    "relevance_score": pair_score(p),
+                }
+                for i, p in enumerate(ids)
+            ),
+            key=lambda r: -cast(float, r["relevance_score"]),
+        )
+        if 0 < req.top_n < len(results):
+            results = results[: req.top_n]
+        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
+        return _json_bytes(
+            {
+                "id": f"rerank-{rid}", "model": req.model or replica.model,
+                "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt},
+                "results": results,
+            }
+        )  # fmt: skip
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, score, methods=["POST"], response_model=None)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"], response_model=None)
 
     # ------------------------------------------------------------------ tokenization
     # token-id answers are serialized by orjson: FastAPI's encoder walks every id in Python

@@ -242,32 +242,17 @@ EMBEDDING_DIM = 256
 components, renormalised, as a matryoshka model answers), never more."""
 
 
-class EmbeddingRequest(BaseModel):
-    """vLLM's ``EmbeddingCompletionRequest``, its types read in pydantic's lax mode as
-    vLLM's: a value of another type is a 400 naming the field."""
+class _PoolingBase(BaseModel):
+    """The fields every vLLM pooling request shares, its types read in pydantic's lax mode
+    as vLLM's: a value of another type is a 400 naming the field."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    input: list[int] | list[list[int]] | str | list[str]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
-    add_special_tokens: bool = True
     priority: _INT64 = 0  # read, not acted on (the engine schedules first come, first served)
     request_id: str | None = None
-    normalize: bool | None = None
     cache_salt: Any = None  # validated by hand, as the generation requests' (vLLM's message)
-
-    def prompts(self) -> list[str | list[int]]:
-        """One engine request per element of a batch (a list of strings or of token
-        arrays), as vLLM runs them; a string or a token array alone is one. Empty: a 400."""
-        inp = self.input
-        if isinstance(inp, str) or (inp and isinstance(inp[0], int)):
-            return [inp]
-        if not inp:
-            raise APIError("input must not be empty", param="input")
-        return list(cast(list[str] | list[list[int]], inp))
 
     def truncation(self, max_model_len: int) -> int | None:
         """How many tokens of each input the engine keeps (None: all; -1: the model's
@@ -287,6 +272,53 @@ class EmbeddingRequest(BaseModel):
             raise APIError("The decoder prompt cannot be empty", param="truncate_prompt_tokens")
         return keep
 
+
+class PoolingInputRequest(_PoolingBase, _ChatRendering):
+    """vLLM's pooling requests over one input each (embeddings, /pooling, /classify), in
+    either of vLLM's two forms: the completion form (``input``: a string, token ids or a
+    batch of either) or the chat form (``messages``, rendered with the chat template; with
+    both, ``input`` wins, as vLLM's union tries the completion form first)."""
+
+    input: list[int] | list[list[int]] | str | list[str] | None = None
+    messages: list[Any] | None = None
+    # the chat form's: no generation prompt (nothing is generated), and the template writes
+    # the special tokens; the completion form adds them by default
+    add_generation_prompt: bool = False
+    add_special_tokens: bool | None = None
+    chat_template: str | None = None  # read; the replica renders with its own template
+
+    @property
+    def chat(self) -> bool:
+        return self.input is None and self.messages is not None
+
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return not self.chat
+
+    def prompts(self) -> list[str | list[int]]:
+        """One engine request per element of a batch (a list of strings or of token
+        arrays), as vLLM runs them; a string or a token array alone is one. Empty: a 400.
+        The chat form is one prompt, rendered by the caller."""
+        inp = self.input
+        if inp is None:
+            if self.messages is None:
+                raise APIError("Field required: 'input' (or 'messages')", param="input")
+            return []
+        if isinstance(inp, str) or (inp and isinstance(inp[0], int)):
+            return [inp]
+        if not inp:
+            raise APIError("input must not be empty", param="input")
+        return list(cast(list[str] | list[list[int]], inp))
+
+
+class EmbeddingRequest(PoolingInputRequest):
+    """vLLM's ``EmbeddingCompletionRequest`` and ``EmbeddingChatRequest``."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
+
     def output_dimensions(self) -> int:
         """The size of each embedding: ``dimensions`` up to :data:`EMBEDDING_DIM`."""
         d = self.dimensions
@@ -300,6 +332,93 @@ class EmbeddingRequest(BaseModel):
                 param="dimensions",
             )
         return d
+
+
+class PoolingRequest(PoolingInputRequest):
+    """vLLM's ``/pooling`` request (``PoolingCompletionRequest`` / ``PoolingChatRequest``):
+    the model's pooled hidden state per input."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class ClassificationRequest(PoolingInputRequest):
+    """vLLM's ``/classify`` request (``ClassificationCompletionRequest`` / ``...Chat...``)."""
+
+    use_activation: bool | None = None  # read; the probabilities are always a softmax
+
+
+class ScoreRequest(_PoolingBase):
+    """vLLM's ``/score`` request: ``text_1`` against ``text_2``, 1:1, 1:N or N:N; each
+    pair one engine request of both texts' tokens (a cross-encoder's pair prompt)."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        a = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        b = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if not a:
+            raise APIError("At least one text element must be given", param="text_1")
+        if not b:
+            raise APIError("At least one text element must be given", param="text_2")
+        if len(a) == 1:
+            return [(a[0], t) for t in b]
+        if len(a) != len(b):
+            raise APIError("Input lengths must be either 1:1, 1:N or N:N", param="text_2")
+        return list(zip(a, b, strict=True))
+
+
+class RerankRequest(_PoolingBase):
+    """vLLM's ``/rerank`` request (``/v1/rerank``, ``/v2/rerank``): the query paired with
+    each document; ``top_n`` the best n (0 or absent: all). vLLM reads no
+    ``return_documents``: each result holds its document."""
+
+    query: str
+    documents: list[str]
+    top_n: Annotated[int, Field(ge=0)] = 0
+
+    def pairs(self) -> list[tuple[str, str]]:
+        if not self.documents:
+            raise APIError("At least one document must be given", param="documents")
+        return [(self.query, d) for d in self.documents]
+
+
+CLASSIFY_LABELS = ("negative", "neutral", "positive")
+"""The simulated classifier's labels (its ``id2label``)."""
+
+
+def pooling_usage(prompt_tokens: int) -> dict[str, Any]:
+    """A pooling answer's usage: the prompts only (no output, no cache report)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
+
+
+def _ids_digest(ids: Sequence[int]) -> int:
+    return xxhash.xxh3_64_intdigest(array.array("I", ids).tobytes())
+
+
+def pair_score(ids: Sequence[int]) -> float:
+    """A deterministic relevance score in [0, 1) for a pair prompt's token ids."""
+    return _ids_digest(ids) / 2.0**64
+
+
+def class_probs(ids: Sequence[int]) -> list[float]:
+    """A deterministic softmax over :data:`CLASSIFY_LABELS` for a prompt's token ids."""
+    logits = np.random.default_rng(_ids_digest(ids)).standard_normal(len(CLASSIFY_LABELS))
+    e = np.exp(logits - logits.max())
+    return [float(p) for p in e / e.sum()]
+
+
+def encode_floats(v: npt.NDArray[np.float32], encoding_format: str) -> Any:
+    """A vector as a list of floats, or with ``base64`` its little-endian float32 bytes in
+    base64 (what the openai SDK decodes)."""
+    if encoding_format == "base64":
+        return base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
+    return v.tolist()
 
 
 def embedding_vector(ids: Sequence[int], dimensions: int) -> npt.NDArray[np.float32]:
@@ -324,26 +443,17 @@ def embedding_response(
     """vLLM's ``EmbeddingResponse``: ``data[i].embedding`` a list of floats, or with
     ``base64`` the little-endian float32 bytes in base64 (what the openai SDK decodes);
     usage counts the prompts (no output, no cache report)."""
-    data = []
-    for i, v in enumerate(vectors):
-        emb: Any
-        if encoding_format == "base64":
-            emb = base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
-        else:
-            emb = v.tolist()
-        data.append({"index": i, "object": "embedding", "embedding": emb})
+    data = [
+        {"index": i, "object": "embedding", "embedding": encode_floats(v, encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
     return {
         "id": request_id,
         "object": "list",
         "created": created,
         "model": model,
         "data": data,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-        },
+        "usage": pooling_usage(prompt_tokens),
     }
 
 
