@@ -214,9 +214,9 @@ Refusal = tuple[GatewayError, str]
 
 class Completions:
     """The proxied endpoints (the two completion endpoints, and those routed by load:
-    embeddings, /tokenize, /detokenize, D28), independent of the HTTP server that carries
-    them: :func:`create_app`'s FastAPI routes and the gateway's own protocol
-    (:mod:`gateway.hotpath`) both call :meth:`handle`."""
+    embeddings, /tokenize, /detokenize, D28; /pooling, /classify, /score, /rerank, D29),
+    independent of the HTTP server that carries them: :func:`create_app`'s FastAPI routes
+    and the gateway's own protocol (:mod:`gateway.hotpath`) both call :meth:`handle`."""
 
     ENDPOINTS: ClassVar[dict[str, str]] = {path: name for name, path in ENDPOINT_PATHS.items()}
 

@@ -99,6 +99,7 @@ from gateway.tokenization import (
     check_alignment,
     completion_batch_size,
     completion_prompt,
+    pooling_pairs,
     pooling_truncation,
     request_truncation,
     stream_requested,
@@ -168,13 +169,29 @@ ENDPOINT_PATHS = {
     "embeddings": "/v1/embeddings",
     "tokenize": "/tokenize",
     "detokenize": "/detokenize",
+    # vLLM's other pooling endpoints (D29); each path its own name, sent to the path the
+    # client named (a vLLM server serves every alias)
+    "pooling": "/pooling",
+    "classify": "/classify",
+    "score": "/score",
+    "score_v1": "/v1/score",
+    "rerank": "/rerank",
+    "rerank_v1": "/v1/rerank",
+    "rerank_v2": "/v2/rerank",
 }
 """Each proxied endpoint's name (metrics, traces) and the engine path it goes to."""
-LOAD_ROUTED = frozenset(("embeddings", "tokenize", "detokenize"))
+_INPUT_POOLING = frozenset(("embeddings", "pooling", "classify"))
+"""Pooling endpoints over inputs: ``input`` (a completion prompt's shapes, a batch) or the
+chat form's ``messages`` (D29)."""
+_PAIR_POOLING = frozenset(("score", "score_v1", "rerank", "rerank_v1", "rerank_v2"))
+"""Pooling endpoints over text pairs (``text_1``/``text_2``, or ``query`` with each of
+``documents``): each pair one engine request of both texts (D29)."""
+_RERANK = frozenset(("rerank", "rerank_v1", "rerank_v2"))
+LOAD_ROUTED = frozenset(("tokenize", "detokenize", *_INPUT_POOLING, *_PAIR_POOLING))
 """Endpoints routed by load alone, with no block keys, lookup, pending entries, claim check
-or fit sample (D28): an embedding's prompt is computed whole and its usage reports no cached
-tokens (pooling engines often run without prefix caching); /tokenize and /detokenize
-compute nothing."""
+or fit sample (D28, D29): a pooling request's prompt is computed whole and its usage reports
+no cached tokens (pooling engines often run without prefix caching); /tokenize and
+/detokenize compute nothing."""
 _FRONTEND_ONLY = frozenset(("tokenize", "detokenize"))
 """Endpoints a vLLM server answers in its API server, without its engine core: their answer
 is no evidence of the engine's progress (D17), which a wedged engine's server gives at once."""
@@ -1248,34 +1265,49 @@ class Gateway:
         """:meth:`prepare` for the endpoints routed by load alone (:data:`LOAD_ROUTED`,
         D28): the same model resolution, scope, candidates, cold confinement, routing
         (the router's load-only path, the scope's own tie rounds), budget and dispatch,
-        with no keys, lookup or prediction. An embeddings request is sized as a completion
-        batch is (its ``input`` has a completion prompt's shapes; at most
-        ``KVGATE_MAX_PROMPT_BATCH`` inputs) and charged whole to the uncached-token
-        budget; /tokenize and /detokenize are sized 0 (they count as requests in the load
-        view, with no prefill)."""
+        with no keys, lookup or prediction. A pooling request is charged whole to the
+        uncached-token budget, sized by its prompts (at most ``KVGATE_MAX_PROMPT_BATCH``):
+        an ``input`` as a completion batch is (a completion prompt's shapes), the chat
+        form's ``messages`` rendered as a chat is (D29), each pair of /score or /rerank both
+        texts' tokens (D29); /tokenize and /detokenize are sized 0 (they count as requests
+        in the load view, with no prefill)."""
         assert self.pool is not None and self.tokenizers is not None
         st = self.stages
         pol = self.policy
         t0 = time.perf_counter_ns()
         model, model_given = self._request_model(body)
-        embed = endpoint == "embeddings"
-        if embed:
-            if "input" not in body:
-                chat = " (this gateway does not route the chat form, 'messages')"
-                raise bad_request(
-                    f"'input' is required{chat if 'messages' in body else ''}", "input"
-                )
-            n_batch = completion_batch_size(body, "input")
-            if n_batch > self.settings.max_prompt_batch:
+        pooled = endpoint in _INPUT_POOLING or endpoint in _PAIR_POOLING
+        cap = self.settings.max_prompt_batch
+        chat = False
+        pairs: list[tuple[str, str]] | None = None
+        if endpoint in _INPUT_POOLING:
+            # vLLM's two forms: with both, the input (its union tries that form first)
+            chat = "input" not in body and "messages" in body
+            if chat and not isinstance(body["messages"], list):
+                raise bad_request("'messages' must be an array", "messages")
+            if not chat and "input" not in body:
+                raise bad_request("'input' is required (or the chat form's 'messages')", "input")
+            n_batch = 1 if chat else completion_batch_size(body, "input")
+            if n_batch > cap:
                 raise bad_request(
                     f"'input' holds {n_batch} inputs, more than this gateway takes in one "
-                    f"request ({self.settings.max_prompt_batch}): send them in smaller batches",
+                    f"request ({cap}): send them in smaller batches",
                     "input",
+                )
+        elif endpoint in _PAIR_POOLING:
+            rerank = endpoint in _RERANK
+            pairs = pooling_pairs(body, rerank)  # a 400 naming the field
+            if len(pairs) > cap:  # each pair an engine request, as a batch's prompt
+                field = "documents" if rerank else "text_2"
+                raise bad_request(
+                    f"'{field}' makes {len(pairs)} pairs, more than this gateway takes in one "
+                    f"request ({cap}): send them in smaller batches",
+                    field,
                 )
         reps = self._routable(model)
         tpol = pol.tenant(tenant)
         priority: tuple[int | None, bool] = (None, False)
-        if embed and ("priority" in body or tpol.priority.mode in _PRIORITY_SET):
+        if pooled and ("priority" in body or tpol.priority.mode in _PRIORITY_SET):
             # vLLM's pooling requests take a scheduling priority; tokenize calls do not
             priority = _priority_rewrite(tpol.priority, body)
         base_model, lora = self.pool.base_model(model, reps)
@@ -1284,13 +1316,33 @@ class Gateway:
         mpool = pol.models.pool(base_model)
         st.add("parse", time.perf_counter_ns() - t0)
         n_prompt = 0
-        if embed:
+        if pooled:
             t0 = time.perf_counter_ns()
             trunc = pooling_truncation(body, lambda: _context_len(reps, model, base_model))
             off = self.settings.tokenize_offload_chars
             tokenizer = self.tokenizers.for_pool(model, mpool)
-            if isinstance(tokenizer, LocalPromptTokenizer):
-                cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
+            local = isinstance(tokenizer, LocalPromptTokenizer)
+            cs = None if scope.kind is ScopeKind.REQUEST or not local else scope.canonical()
+            # an engine-tokenized pool's chat form and pairs are sized by the built-in
+            # tokenizer, not asked of the engine: an estimate, as its batches are
+            sizer = tokenizer if isinstance(tokenizer, LocalPromptTokenizer) else None
+            if sizer is None and (chat or pairs is not None):
+                sizer = self.tokenizers.sizer()
+            if chat:
+                assert sizer is not None
+                # rendered as a chat is for sizing, with the chat form's defaults (no
+                # generation prompt; no special tokens, chat's); media parts as a chat's
+                text_only, media_parts = strip_media(body["messages"])
+                chat_body = {
+                    **body, "messages": text_only,
+                    "add_generation_prompt": body.get("add_generation_prompt", False),
+                }  # fmt: skip
+                ids = await sizer.chat(chat_body, cs, off, trunc)
+                lengths = [len(ids) + media_parts * mpool.media_part_tokens]
+            elif pairs is not None:
+                assert sizer is not None
+                lengths = await sizer.pair_lengths(pairs, cs, off, trunc)
+            elif isinstance(tokenizer, LocalPromptTokenizer):
                 lengths = await tokenizer.prompt_lengths(body, cs, off, trunc, "input")
             else:  # sized by the built-in tokenizer, not asked of the engine (as a batch)
                 salt = self.minter.salt(scope)

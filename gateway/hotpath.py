@@ -2,9 +2,10 @@
 
 ``kvgate serve`` runs uvicorn's httptools protocol with one change: a ``POST`` to a
 proxied endpoint (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
-``/tokenize``, ``/detokenize``: ``Completions.ENDPOINTS``) does not become an ASGI request. Its
-headers go into a :class:`HotCycle`, which reads the body, calls
-:meth:`gateway.app.Completions.handle` and writes the answer's bytes to the socket itself.
+``/tokenize``, ``/detokenize``, vLLM's other pooling endpoints: ``Completions.ENDPOINTS``)
+does not become an ASGI request. Its headers go into a :class:`HotCycle`, which reads the
+body, calls :meth:`gateway.app.Completions.handle` and writes the answer's bytes to the
+socket itself.
 Everything else (models, health, metrics, admin, lifespan) stays on FastAPI through ASGI.
 Why: building the ASGI scope, the receive/send message dicts, the starlette request, the
 cycle's header checks and a disconnect-watcher task cost ~30% of a bare proxy's CPU per

@@ -298,6 +298,35 @@ def pooling_truncation(
     return Truncation(limit)
 
 
+def pooling_pairs(body: Mapping[str, Any], rerank: bool) -> list[tuple[str, str]]:
+    """The text pairs of a /score request (``text_1`` against ``text_2``: 1:1, 1:N or N:N,
+    as vLLM pairs them) or a /rerank request (``query`` with each of ``documents``): each
+    pair one engine request of both texts. Anything else is a 400 naming the field, as the
+    engine would answer (their multimodal forms too: the gateway cannot size them)."""
+    if rerank:
+        query, docs = body.get("query"), body.get("documents")
+        if not isinstance(query, str):
+            raise bad_request("'query' must be a string", "query")
+        if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
+            raise bad_request("'documents' must be a non-empty array of strings", "documents")
+        return [(query, d) for d in docs]
+    sides: list[list[str]] = []
+    for name in ("text_1", "text_2"):
+        value = body.get(name)
+        if isinstance(value, str):
+            sides.append([value])
+        elif isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+            sides.append(value)
+        else:
+            raise bad_request(f"'{name}' must be a string or a non-empty array of strings", name)
+    first, second = sides
+    if len(first) == 1:
+        return [(first[0], t) for t in second]
+    if len(first) != len(second):
+        raise bad_request("Input lengths must be either 1:1, 1:N or N:N", "text_2")
+    return list(zip(first, second, strict=True))
+
+
 def _lax_flag(value: Any, param: str) -> bool:
     """A request flag as vLLM's pydantic model reads it: null or absent is false, a lax
     bool otherwise; anything else is a 400 naming ``param``."""
@@ -445,6 +474,35 @@ class LocalPromptTokenizer:
             else:
                 lengths.append(len(self._special(next(counted), body, True, trunc)))
         return lengths
+
+    async def pair_lengths(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        scope: str | None = "",
+        offload_chars: int = OFFLOAD_CHARS,
+        trunc: Truncation | None = None,
+    ) -> list[int]:
+        """The tokens the engine runs for each pair of a /score or /rerank request
+        (:func:`pooling_pairs`): both texts' tokens with the tokenizer's special tokens
+        around them (a cross-encoder's pair), at most ``trunc.keep``. A text shared by
+        many pairs (a rerank's query) is tokenized once; texts longer together than
+        ``offload_chars`` in one worker thread, as :meth:`prompt_lengths`'."""
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        if sum(map(len, texts)) > offload_chars:
+            encode = self.tok.encode
+            counted = await asyncio.to_thread(lambda: [len(encode(t)) for t in texts])
+        else:
+            counted = [
+                len(await self.segments.encode_async(t, scope, offload_chars)) for t in texts
+            ]
+        size = dict(zip(texts, counted, strict=True))
+        prefix, suffix = self.tok.special_affixes
+        extra = len(prefix) + len(suffix)
+        keep = None if trunc is None else trunc.keep
+        return [
+            size[a] + size[b] + extra if keep is None else min(size[a] + size[b] + extra, keep)
+            for a, b in pairs
+        ]
 
 
 def _response_ids(payload: Any) -> list[int] | None:
