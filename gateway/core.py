@@ -1393,6 +1393,9 @@ class Gateway:
             priority=priority[0],
             drop_priority=priority[1],
             salted=endpoint not in _UNSALTED,
+            # the chat form's media uuids name items in vLLM's unsalted multimodal caches:
+            # scoped as a chat's, whichever form the engine runs (both may be given)
+            media_uuids=endpoint in _INPUT_POOLING and media_uuids(body.get("messages")),
         )
         if explain_only:  # decided, not committed or charged (as prepare's)
             return d

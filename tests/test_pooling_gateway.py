@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from cachecore.keys import Scope, ScopeKind
@@ -240,3 +241,28 @@ async def test_an_engine_tokenized_pool_sizes_chats_and_pairs_locally() -> None:
             assert r.status_code == 200, r.text
             d = await st.gw.prepare(_NAMES[path], "anonymous", dict(body), {}, "x", True)
             assert d.prompt_tokens == r.json()["usage"]["prompt_tokens"], path
+
+
+async def test_the_chat_forms_media_uuids_go_scoped() -> None:
+    """vLLM renders a pooling request's ``messages`` as a chat's, and takes a content
+    part's ``uuid`` as the item's name in its multimodal caches, which no cache_salt
+    scopes (security.md): sent raw, a tenant's chat embedding naming another's uuid read
+    the other's image. Scoped as a chat's on every endpoint over inputs, on the raw-bytes
+    path too, and with an ``input`` beside the messages (vLLM may run either form)."""
+    uid = "their-image-0001"
+    msgs = [
+        {"role": "user", "content": [
+            {"type": "text", "text": "describe"},
+            {"type": "image_url", "image_url": None, "uuid": uid},
+        ]},
+    ]  # fmt: skip
+    async with stack(count=1) as st:
+        for ep in ("embeddings", "pooling", "classify"):
+            for extra in ({}, {"input": "describe"}):
+                body = {"model": st.model, "messages": msgs, **extra}
+                d = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
+                d.raw_body = orjson.dumps(body)  # the hot path's: the client's bytes
+                sent = orjson.loads(st.gw.upstream_body(d))
+                got = sent["messages"][0]["content"][1]["uuid"]
+                assert got != uid and got.startswith("kvg1:"), (ep, extra, got)
+                assert sent["cache_salt"] == d.salts[0], ep
