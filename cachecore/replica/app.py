@@ -3,7 +3,7 @@ SGLang/router helper endpoints and kvgate's debug/chaos endpoints.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/embeddings``,
 ``/pooling``, ``/classify``, ``/score`` (``/v1/score``), ``/rerank`` (``/v1/rerank``,
-``/v2/rerank``), ``/v1/models``,
+``/v2/rerank``), ``/v1/responses`` (and ``GET /v1/responses/{id}``), ``/v1/models``,
 ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
 ``/v1/completions/render``, ``/get_load``, ``/get_server_info`` (``/server_info``),
 ``/get_model_info`` (``/model_info``), ``/flush_cache`` and ``/reset_prefix_cache``,
@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar, cast
 
 import orjson
@@ -26,7 +26,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from cachecore.engine import EngineRequest, RequestOutput, RequestRejectedError
+from cachecore.engine import (
+    DEFAULT_MAX_TOKENS,
+    EngineRequest,
+    RequestOutput,
+    RequestRejectedError,
+)
 from cachecore.replica.driver import EngineDriver, EngineStoppedError, RequestHandle
 from cachecore.replica.protocol import (
     CLASSIFY_LABELS,
@@ -65,7 +70,18 @@ from cachecore.replica.protocol import (
     validate_common,
     validate_salt,
 )
+from cachecore.replica.responses import (
+    EventSequence,
+    ResponsesRequest,
+    StoredResponse,
+    message_item,
+    not_found,
+    response_id,
+    response_object,
+    sse_event,
+)
 from cachecore.replica.server import SimReplica
+from cachecore.responses import ResponsesInputError, request_messages
 from cachecore.tasks import cancel_and_wait
 from cachecore.tokenizer import (
     UNLOCKED_ENCODE_CHARS,
@@ -450,6 +466,95 @@ def create_app(replica: SimReplica) -> FastAPI:
             return Response(status_code=499)  # nobody reads it: the client is gone
         text, last = got
         return JSONResponse(completion_response(handle.request_id, model, text, last, now_s()))
+
+    # ------------------------------------------------------------------ responses
+    # vLLM's Responses API for text (D30): the conversation (instructions, a stored
+    # previous response's messages and output, the input) rendered with the chat template
+    # and run as a chat completion is, so prefix caching, KV events and metrics see it
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        max_tokens = req.max_tokens()
+        prior: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            prev = replica.responses.get(req.previous_response_id)
+            if prev is None:
+                raise not_found(req.previous_response_id)
+            prior = prev.conversation
+        try:
+            messages = request_messages(req.instructions, prior, req.input)
+        except ResponsesInputError as exc:
+            raise APIError(str(exc), param=exc.param) from exc
+        try:
+            text = tok.apply_chat_template(messages, True)
+        except TokenizerError as exc:
+            raise APIError(str(exc), param="input") from exc
+        ids = await encode(text, salt or "")
+        rid = response_id(req)
+        model = req.model or replica.model
+        driver, handle = submit(
+            "resp", ids, max_tokens or DEFAULT_MAX_TOKENS, salt, lora, rid.removeprefix("resp_")
+        )
+        created = now_s()
+
+        def stored(final: dict[str, Any], out: str) -> None:
+            if req.store:
+                said = {"role": "assistant", "content": out}
+                replica.responses.put(rid, StoredResponse(final, [*messages, said]))
+
+        if req.stream:
+            return StreamingResponse(
+                response_events(driver, handle, rid, req, model, created, stored),
+                media_type="text/event-stream",
+            )
+        got = await collect_unless_gone(request, driver, handle)
+        if got is None:
+            return Response(status_code=499)
+        out, last = got
+        item = message_item(f"msg_{uuid.uuid4().hex}", out, "completed")
+        final = response_object(rid, req, model, created, [item], last)
+        stored(final, out)
+        return _json_bytes(final)
+
+    async def response_events(
+        driver: EngineDriver,
+        handle: RequestHandle,
+        rid: str,
+        req: ResponsesRequest,
+        model: str,
+        created: int,
+        stored: Callable[[dict[str, Any], str], None],
+    ) -> AsyncIterator[bytes]:
+        seq = EventSequence(rid, req, model, created)
+        texts: list[str] = []
+        last: RequestOutput | None = None
+        try:
+            for event in seq.opening():
+                yield sse_event(event)
+            async for out in handle.outputs():
+                last = out
+                piece = replica.token_text(out.new_token_ids)
+                texts.append(piece)
+                yield sse_event(seq.delta(piece))
+            text = "".join(texts)
+            item = message_item(seq.item_id, text, "completed")
+            final = response_object(rid, req, model, created, [item], last)
+            stored(final, text)
+            for event in seq.closing(text, final):
+                yield sse_event(event)
+        except EngineStoppedError as exc:
+            yield sse_event({"type": "error", "code": "503", "message": str(exc), "param": None})
+        finally:
+            driver.abort(handle.request_id)
+
+    @app.get("/v1/responses/{rid}", response_model=None)
+    async def retrieve_response(rid: str) -> Response:
+        got = replica.responses.get(rid)
+        if got is None:
+            raise not_found(rid)
+        return _json_bytes(got.response)
 
     # ------------------------------------------------------------------ pooling
     # vLLM serves these for pooling models only (each model its own tasks: embed, classify,

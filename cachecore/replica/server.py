@@ -13,6 +13,7 @@ from cachecore.engine import EngineCore
 from cachecore.replica.driver import EngineDriver
 from cachecore.replica.events import KVEventPublisher
 from cachecore.replica.metrics import ReplicaMetrics
+from cachecore.replica.responses import ResponseStore
 from cachecore.replica.settings import (
     ReplicaEndpoints,
     ReplicaPorts,
@@ -88,6 +89,9 @@ class SimReplica:
 
     def _build_engine(self) -> None:
         self.start_time = time.time()
+        # the Responses API's store lives in the engine process's memory (vLLM's): a
+        # restart loses it
+        self.responses = ResponseStore(self.settings.responses_store_max)
         self.core = EngineCore(self.settings.engine_config(), self.output_vocab)
         self.metrics = ReplicaMetrics(self.model, lambda: self.core, self.start_time)
         self.driver = EngineDriver(

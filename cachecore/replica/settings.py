@@ -66,6 +66,9 @@ class ReplicaSettings(BaseSettings):
     # behave as vLLM with EAGLE/EAGLE3/MTP speculative decoding: every prefix-cache hit
     # loses its last matched block (the gateway's models.<pool>.hit_drop_blocks: 1)
     drop_last_hit_block: bool = False
+    # the Responses API's stored responses per replica, least recently used evicted past
+    # it (D30; vLLM keeps its store in memory, unbounded)
+    responses_store_max: Annotated[int, Field(ge=1)] = 1000
 
     @field_validator("host")
     @classmethod

@@ -1,0 +1,191 @@
+"""The simulated replica's Responses API (``POST /v1/responses``, ``GET
+/v1/responses/{id}``) for text, as vLLM serves it (D30, docs/engine.md): the request model,
+the bounded per-replica store of responses (vLLM keeps its own in memory, with
+``VLLM_ENABLE_RESPONSES_API_STORE=1``; lost on a restart), and the response object and
+streamed events."""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict
+
+from cachecore.engine import RequestOutput
+from cachecore.replica.protocol import APIError
+
+
+class ResponsesRequest(BaseModel):
+    """vLLM's ``ResponsesRequest``, the fields the simulated engine acts on (others are
+    ignored, as unknown fields are)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    cache_salt: Any = None  # validated by hand, as the other requests' (vLLM's message)
+    # vLLM's: the engine request's id and the response's (resp_ + a uuid when absent)
+    request_id: str | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+
+    def max_tokens(self) -> int | None:
+        value = self.max_output_tokens
+        if value is not None and value < 1:
+            raise APIError(
+                f"max_output_tokens must be at least 1, got {value}.", param="max_output_tokens"
+            )
+        return value
+
+
+def response_id(req: ResponsesRequest) -> str:
+    return req.request_id or f"resp_{uuid.uuid4().hex}"
+
+
+def not_found(rid: str) -> APIError:
+    """vLLM's answer for an id its store does not hold (a previous or retrieved one)."""
+    return APIError(
+        f"Response with id '{rid}' not found.", 404, "invalid_request_error", "response_id"
+    )
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    # the conversation a follow-up continues: the request's messages and its output
+    conversation: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """One replica's stored responses, least recently used evicted past ``cap``."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, rid: str) -> StoredResponse | None:
+        got = self._items.get(rid)
+        if got is not None:
+            self._items.move_to_end(rid)
+        return got
+
+    def put(self, rid: str, stored: StoredResponse) -> None:
+        self._items[rid] = stored
+        self._items.move_to_end(rid)
+        while len(self._items) > self.cap:
+            self._items.popitem(last=False)
+
+
+def usage(last: RequestOutput | None) -> dict[str, Any] | None:
+    if last is None:
+        return None
+    return {
+        "input_tokens": last.num_prompt_tokens,
+        "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
+        "output_tokens": last.num_output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+    }
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [output_text(text)]
+    return {
+        "id": item_id, "type": "message", "role": "assistant", "status": status,
+        "content": content,
+    }  # fmt: skip
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
+
+
+def response_object(
+    rid: str,
+    req: ResponsesRequest,
+    model: str,
+    created: int,
+    output: list[dict[str, Any]],
+    last: RequestOutput | None,
+) -> dict[str, Any]:
+    """The response object; ``last`` None: still in progress (the stream's first events)."""
+    status, incomplete = "in_progress", None
+    if last is not None:
+        length = last.finish_reason is not None and last.finish_reason.value == "length"
+        status = "incomplete" if length else "completed"
+        incomplete = {"reason": "max_output_tokens"} if length else None
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status,
+        "background": False, "error": None, "incomplete_details": incomplete,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata, "model": model, "output": output,
+        "parallel_tool_calls": True, "previous_response_id": req.previous_response_id,
+        "reasoning": None, "service_tier": "auto", "store": bool(req.store),
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+        "top_logprobs": 0, "top_p": req.top_p if req.top_p is not None else 1.0,
+        "truncation": "disabled", "usage": usage(last), "user": req.user,
+    }  # fmt: skip
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    """One event as vLLM writes it: ``event: <type>`` then its data (no ``[DONE]`` at the
+    end of the stream: ``response.completed`` ends it)."""
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+class EventSequence:
+    """The stream's events in the Responses API's order, numbered."""
+
+    def __init__(self, rid: str, req: ResponsesRequest, model: str, created: int) -> None:
+        self.rid, self.req, self.model, self.created = rid, req, model, created
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self._seq = 0
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def opening(self) -> Iterator[dict[str, Any]]:
+        pending = response_object(self.rid, self.req, self.model, self.created, [], None)
+        yield self._event("response.created", response=pending)
+        yield self._event("response.in_progress", response=pending)
+        yield self._event(
+            "response.output_item.added", output_index=0,
+            item=message_item(self.item_id, None, "in_progress"),
+        )  # fmt: skip
+        yield self._event(
+            "response.content_part.added", item_id=self.item_id, output_index=0,
+            content_index=0, part=output_text(""),
+        )  # fmt: skip
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self._event(
+            "response.output_text.delta", item_id=self.item_id, output_index=0,
+            content_index=0, delta=text, logprobs=[],
+        )  # fmt: skip
+
+    def closing(self, text: str, final: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        yield self._event("response.output_text.done", **at, text=text, logprobs=[])
+        yield self._event("response.content_part.done", **at, part=output_text(text))
+        yield self._event(
+            "response.output_item.done", output_index=0,
+            item=message_item(self.item_id, text, "completed"),
+        )  # fmt: skip
+        yield self._event("response.completed", response=final)

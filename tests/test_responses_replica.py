@@ -1,0 +1,206 @@
+"""The simulated replica's Responses API (D30): ``POST /v1/responses`` plain and streamed
+as vLLM serves it for text, ``GET /v1/responses/{id}``, a chain through
+``previous_response_id`` run through the engine's prefix cache, vLLM's refusals, and the
+bounded per-replica store (lost on a restart)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from cachecore.replica.fleet import run_fleet
+from cachecore.replica.settings import ReplicaSettings
+from tests.test_gateway_support import FAST, words
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@asynccontextmanager
+async def replica(
+    settings: ReplicaSettings = FAST,
+) -> AsyncIterator[tuple[httpx.AsyncClient, openai.AsyncOpenAI, str]]:
+    async with (
+        run_fleet(settings, count=1) as fleet,
+        httpx.AsyncClient(base_url=fleet.endpoints[0].url, timeout=30) as h,
+        openai.AsyncOpenAI(base_url=fleet.endpoints[0].url + "/v1", api_key="x") as sdk,
+    ):
+        yield h, sdk, fleet.endpoints[0].model
+
+
+async def test_the_sdk_creates_and_retrieves_a_response() -> None:
+    async with replica() as (_, sdk, model):
+        r = await sdk.responses.create(
+            model=model, input=words(40, 1), instructions=words(10, 2), max_output_tokens=5
+        )
+        assert r.id.startswith("resp_") and r.object == "response"
+        assert (r.model, r.previous_response_id) == (model, None)
+        # the simulated engine runs to max_output_tokens: vLLM's "incomplete" for that
+        assert r.status == "incomplete" and r.incomplete_details is not None
+        assert r.incomplete_details.reason == "max_output_tokens"
+        (item,) = r.output
+        assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
+        (part,) = item.content
+        assert part.type == "output_text" and part.text and part.annotations == []
+        assert r.output_text == part.text
+        assert r.usage is not None
+        # instructions (system) + input (user) through the chat template; 5 tokens out
+        assert r.usage.input_tokens > 50 and r.usage.output_tokens == 5
+        assert r.usage.total_tokens == r.usage.input_tokens + 5
+        assert r.usage.input_tokens_details.cached_tokens == 0
+        got = await sdk.responses.retrieve(r.id)
+        assert got.id == r.id and got.output_text == r.output_text
+        # vLLM's request_id is the response's id
+        mine = await sdk.responses.create(
+            model=model, input="hi", max_output_tokens=2, extra_body={"request_id": "resp_mine"}
+        )
+        assert mine.id == "resp_mine"
+
+
+async def test_a_streamed_response_is_the_responses_events_in_order() -> None:
+    async with replica() as (h, sdk, model):
+        body = {"model": model, "input": words(30, 3), "max_output_tokens": 4, "stream": True}
+        async with h.stream("POST", "/v1/responses", json=body) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            raw = (await resp.aread()).decode()
+        events = []
+        for block in raw.strip().split("\n\n"):
+            head, data = block.split("\n", 1)
+            assert head.startswith("event: ") and data.startswith("data: ")
+            event = orjson.loads(data[6:])
+            assert event["type"] == head[7:]
+            events.append(event)
+        kinds = [e["type"] for e in events]
+        assert kinds == [
+            "response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added", *["response.output_text.delta"] * 4,
+            "response.output_text.done", "response.content_part.done",
+            "response.output_item.done", "response.completed",
+        ]  # fmt: skip
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert "[DONE]" not in raw  # vLLM ends the stream with response.completed
+        final = events[-1]["response"]
+        assert events[0]["response"]["status"] == "in_progress"
+        assert events[0]["response"]["id"] == final["id"]
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert final["output"][0]["content"][0]["text"] == text == events[-4]["text"]
+        assert final["usage"]["output_tokens"] == 4
+        # the SDK reads the same stream; the stored one is retrievable
+        stream = await sdk.responses.create(
+            model=model, input=words(30, 4), max_output_tokens=3, stream=True
+        )
+        seen = [event async for event in stream]
+        assert seen[-1].type == "response.completed"
+        done = seen[-1].response
+        assert (await sdk.responses.retrieve(done.id)).output_text == done.output_text
+
+
+async def test_a_chain_continues_the_stored_conversation_from_the_prefix_cache() -> None:
+    async with replica() as (h, sdk, model):
+        first = await sdk.responses.create(
+            model=model, input=words(80, 5), instructions=words(20, 6), max_output_tokens=8
+        )
+        second = await sdk.responses.create(
+            model=model, input=words(30, 7), previous_response_id=first.id, max_output_tokens=8
+        )
+        third = await sdk.responses.create(
+            model=model,
+            input=[{"role": "user", "content": [{"type": "input_text", "text": words(30, 8)}]}],
+            previous_response_id=second.id,
+            max_output_tokens=8,
+        )
+        assert second.previous_response_id == first.id
+        ins = [r.usage.input_tokens for r in (first, second, third) if r.usage]
+        cached = [
+            r.usage.input_tokens_details.cached_tokens for r in (first, second, third) if r.usage
+        ]
+        # each turn's prompt holds the previous one's (its input, then its output)
+        assert ins[0] < ins[1] < ins[2]
+        assert ins[1] > ins[0] + first.usage.output_tokens + 30  # type: ignore[union-attr]
+        # and reads the previous turn's prompt blocks from the prefix cache
+        assert cached[0] == 0 < cached[1] < cached[2]
+        assert cached[1] >= (ins[0] // 16 - 1) * 16
+        # the engine saw the same: prefix-cache queries and hits in /metrics
+        text = (await h.get("/metrics")).text
+        hits = [ln for ln in text.splitlines() if ln.startswith("vllm:prefix_cache_hits_total")]
+        assert hits and float(hits[0].rsplit(" ", 1)[1]) >= cached[1] + cached[2]
+        # store=false: answered, not kept (neither retrievable nor continued)
+        loose = await sdk.responses.create(model=model, input="x", max_output_tokens=2, store=False)
+        assert loose.store is False
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.retrieve(loose.id)
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.create(model=model, input="y", previous_response_id=loose.id)
+
+
+async def test_vllms_refusals() -> None:
+    async with replica() as (h, _, model):
+        cases = [
+            ({"model": model}, 400, "input"),
+            ({"model": model, "input": 3}, 400, "input"),
+            ({"model": model, "input": []}, 400, "input"),
+            ({"model": model, "input": [{"type": "function_call_output", "output": "x"}]}, 400,
+             "input"),
+            ({"model": model, "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+             400, "input"),
+            ({"model": model, "input": [{"role": "robot", "content": "x"}]}, 400, "input"),
+            ({"model": model, "input": "x", "instructions": 5}, 400, "instructions"),
+            ({"model": model, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
+            ({"model": model, "input": "x", "temperature": "hot"}, 400, "temperature"),
+            ({"model": model, "input": "x", "cache_salt": ""}, 400, "cache_salt"),
+            ({"model": "nope", "input": "x"}, 404, "model"),
+            ({"model": model, "input": "x", "previous_response_id": "resp_nope"}, 404,
+             "response_id"),
+        ]  # fmt: skip
+        for body, status, param in cases:
+            r = await h.post("/v1/responses", json=body)
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param, (body, err)
+        r = await h.post(
+            "/v1/responses", json={"model": model, "input": "x", "previous_response_id": "resp_q"}
+        )
+        assert r.json()["error"]["message"] == "Response with id 'resp_q' not found."
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        r = await h.get("/v1/responses/resp_gone")
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "Response with id 'resp_gone' not found."
+
+
+async def test_the_store_is_bounded_and_per_engine_process() -> None:
+    async with replica(FAST.model_copy(update={"responses_store_max": 2})) as (h, sdk, model):
+        ids = [
+            (await sdk.responses.create(model=model, input=str(i), max_output_tokens=2)).id
+            for i in range(3)
+        ]
+        with pytest.raises(openai.NotFoundError):  # the least recently used went first
+            await sdk.responses.retrieve(ids[0])
+        await sdk.responses.retrieve(ids[1])  # now the most recently used
+        await sdk.responses.create(model=model, input="3", max_output_tokens=2)
+        await sdk.responses.retrieve(ids[1])
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.retrieve(ids[2])
+        # a restarted engine has lost them all (vLLM's store is in its process's memory)
+        assert (await h.post("/debug/restart")).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.retrieve(ids[1])
+
+
+async def test_the_cache_salt_scopes_a_responses_prompt() -> None:
+    async with replica() as (h, sdk, model):
+        for salt in ("salt-a", "salt-b"):
+            await sdk.responses.create(
+                model=model, input=words(40, 9), max_output_tokens=2,
+                extra_body={"cache_salt": salt},
+            )  # fmt: skip
+        blocks = (await h.get("/debug/blocks")).json()["blocks"]
+        roots = [b["extra_keys"] for b in blocks if b["parent_block_hash"] is None]
+        assert sorted(k for keys in roots if keys for k in keys if k.startswith("salt")) == [
+            "salt-a",
+            "salt-b",
+        ]
