@@ -1278,16 +1278,21 @@ class Gateway:
         model, model_given = self._request_model(body)
         pooled = endpoint in _INPUT_POOLING or endpoint in _PAIR_POOLING
         cap = self.settings.max_prompt_batch
-        chat = False
+        chat = has_input = False
         pairs: list[tuple[str, str]] | None = None
         if endpoint in _INPUT_POOLING:
-            # vLLM's two forms: with both, the input (its union tries that form first)
-            chat = "input" not in body and "messages" in body
+            # vLLM's two forms, a union: with both, pydantic's smart union runs the form
+            # with more of its own fields set (a chat-only field such as
+            # add_generation_prompt makes it the messages), so both are sized and the
+            # larger charged; messages that are no array beside an input fail the chat
+            # form, so the input runs
+            has_input = "input" in body
+            chat = "messages" in body and (not has_input or isinstance(body["messages"], list))
             if chat and not isinstance(body["messages"], list):
                 raise bad_request("'messages' must be an array", "messages")
-            if not chat and "input" not in body:
+            if not chat and not has_input:
                 raise bad_request("'input' is required (or the chat form's 'messages')", "input")
-            n_batch = 1 if chat else completion_batch_size(body, "input")
+            n_batch = completion_batch_size(body, "input") if has_input else 1
             if n_batch > cap:
                 raise bad_request(
                     f"'input' holds {n_batch} inputs, more than this gateway takes in one "
@@ -1328,6 +1333,7 @@ class Gateway:
             sizer = tokenizer if isinstance(tokenizer, LocalPromptTokenizer) else None
             if sizer is None and (chat or pairs is not None):
                 sizer = self.tokenizers.sizer()
+            lengths: list[int] = []
             if chat:
                 assert sizer is not None
                 # rendered as a chat is for sizing, with the chat form's defaults (no
@@ -1339,16 +1345,19 @@ class Gateway:
                 }  # fmt: skip
                 ids = await sizer.chat(chat_body, cs, off, trunc)
                 lengths = [len(ids) + media_parts * mpool.media_part_tokens]
-            elif pairs is not None:
+            if pairs is not None:
                 assert sizer is not None
                 lengths = await sizer.pair_lengths(pairs, cs, off, trunc)
-            elif isinstance(tokenizer, LocalPromptTokenizer):
-                lengths = await tokenizer.prompt_lengths(body, cs, off, trunc, "input")
-            else:  # sized by the built-in tokenizer, not asked of the engine (as a batch)
-                salt = self.minter.salt(scope)
-                lengths = await tokenizer.prompt_lengths(body, salt, off, field="input")
-                if trunc is not None:
-                    lengths = [min(n, trunc.keep) for n in lengths]
+            elif has_input:
+                if isinstance(tokenizer, LocalPromptTokenizer):
+                    inputs = await tokenizer.prompt_lengths(body, cs, off, trunc, "input")
+                else:  # the built-in tokenizer's size, not asked of the engine (a batch's)
+                    salt = self.minter.salt(scope)
+                    inputs = await tokenizer.prompt_lengths(body, salt, off, field="input")
+                    if trunc is not None:
+                        inputs = [min(n, trunc.keep) for n in inputs]
+                if sum(inputs) >= sum(lengths):  # beside messages: the larger form
+                    lengths = inputs
             n_prompt = sum(lengths)
             st.add("tokenize", time.perf_counter_ns() - t0)
         t0 = time.perf_counter_ns()

@@ -266,3 +266,30 @@ async def test_the_chat_forms_media_uuids_go_scoped() -> None:
                 got = sent["messages"][0]["content"][1]["uuid"]
                 assert got != uid and got.startswith("kvg1:"), (ep, extra, got)
                 assert sent["cache_salt"] == d.salts[0], ep
+
+
+async def test_an_input_beside_messages_is_charged_as_the_larger_form() -> None:
+    """With both ``input`` and ``messages`` vLLM's request union does not always run the
+    input: pydantic's smart union picks the form with more of its own fields set, so a
+    chat-only field (``add_generation_prompt``, ``chat_template_kwargs``...) makes it run
+    the messages. Sized by the input alone, a one-word input beside a 900-word
+    conversation was charged one token; now the larger of the two forms is charged."""
+    policy = "default_tenant:\n  limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 1000}"
+    msgs = [{"role": "user", "content": words(900, 1)}]
+    async with stack(count=1, policy=policy) as st, st.http() as h:
+        for ep in ("embeddings", "pooling", "classify"):
+            alone = await st.gw.prepare(ep, "anonymous", {"messages": msgs}, {}, "x", True)
+            body = {"input": "hi", "messages": msgs, "add_generation_prompt": False}
+            both = await st.gw.prepare(ep, "anonymous", body, {}, "x", True)
+            assert both.prompt_tokens == alone.prompt_tokens > 900, ep
+            big = {"input": [words(300, 2), words(400, 3)], "messages": msgs}
+            d = await st.gw.prepare(ep, "anonymous", big, {}, "x", True)
+            assert d.prompt_tokens == alone.prompt_tokens, ep
+            bigger = {"input": [words(600, 2), words(400, 3)], "messages": msgs}
+            d = await st.gw.prepare(ep, "anonymous", bigger, {}, "x", True)
+            assert d.prompt_tokens > alone.prompt_tokens, ep
+        body = {"input": "hi", "messages": msgs, "add_generation_prompt": False}
+        r = await h.post("/v1/embeddings", json=body)
+        assert r.status_code == 200, r.text
+        r = await h.post("/classify", json={"input": words(100, 2)})
+        assert r.status_code == 429, r.text  # the 900-word conversation was charged
