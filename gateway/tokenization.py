@@ -298,11 +298,18 @@ def pooling_truncation(
     return Truncation(limit)
 
 
+_OTHER_SCORE_FORMS = ("queries", "documents", "items", "data_1", "data_2")
+"""Fields of vLLM's other /score request forms (``queries``/``documents``,
+``queries``/``items``, ``data_1``/``data_2``): its request union tries them before
+``text_1``/``text_2``."""
+
+
 def pooling_pairs(body: Mapping[str, Any], rerank: bool) -> list[tuple[str, str]]:
     """The text pairs of a /score request (``text_1`` against ``text_2``: 1:1, 1:N or N:N,
     as vLLM pairs them) or a /rerank request (``query`` with each of ``documents``): each
     pair one engine request of both texts. Anything else is a 400 naming the field, as the
-    engine would answer (their multimodal forms too: the gateway cannot size them)."""
+    engine would answer (their multimodal forms too: the gateway cannot size them), and so
+    is a field of vLLM's other /score forms (:data:`_OTHER_SCORE_FORMS`)."""
     if rerank:
         query, docs = body.get("query"), body.get("documents")
         if not isinstance(query, str):
@@ -310,6 +317,15 @@ def pooling_pairs(body: Mapping[str, Any], rerank: bool) -> list[tuple[str, str]
         if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
             raise bad_request("'documents' must be a non-empty array of strings", "documents")
         return [(query, d) for d in docs]
+    for name in _OTHER_SCORE_FORMS:
+        # vLLM's union runs such a form before the text pairs (the first member with as
+        # many fields set): sizing the text pairs would charge the wrong work
+        if name in body:
+            raise bad_request(
+                f"'{name}' belongs to a /score request form this gateway does not read: "
+                "send 'text_1' and 'text_2' only",
+                name,
+            )
     sides: list[list[str]] = []
     for name in ("text_1", "text_2"):
         value = body.get(name)

@@ -293,3 +293,26 @@ async def test_an_input_beside_messages_is_charged_as_the_larger_form() -> None:
         assert r.status_code == 200, r.text
         r = await h.post("/classify", json={"input": words(100, 2)})
         assert r.status_code == 429, r.text  # the 900-word conversation was charged
+
+
+async def test_scores_other_request_forms_are_refused_not_sized_as_text_pairs() -> None:
+    """vLLM's /score request is a union of forms (``queries``/``documents``,
+    ``queries``/``items``, ``data_1``/``data_2``, ``text_1``/``text_2``), and its smart
+    union runs the first of those with as many fields set: with ``text_1``/``text_2``
+    beside ``queries``/``documents`` it scores the queries against the documents. The
+    gateway read the text pairs alone, so a one-pair body carrying a thousand documents
+    was charged one pair's tokens. It reads the text form only: any other form's field is
+    a 400 naming it, before routing."""
+    async with stack(count=1) as st, st.http() as h:
+        docs = [words(300, i) for i in range(3)]
+        for extra in (
+            {"queries": "q", "documents": docs},
+            {"queries": "q", "items": docs},
+            {"data_1": "q", "data_2": docs},
+        ):
+            for path in ("/score", "/v1/score"):
+                for text in ({"text_1": "a", "text_2": "b"}, {}):
+                    r = await h.post(path, json={**text, **extra})
+                    assert r.status_code == 400, (path, extra, r.text)
+                    assert r.json()["error"]["param"] == next(iter(extra)), r.text
+        assert _count(st.gw.metrics.decisions) == 0
