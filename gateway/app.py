@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import KeyCheckError, KeyFileError, KeyLookupRefused, KeyReload, check_admin
-from gateway.core import ENDPOINT_PATHS, Gateway, request_id_from
+from gateway.core import ENDPOINT_PATHS, RESPONSE_GET, Gateway, request_id_from
 from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import (
     GatewayError,
@@ -232,6 +232,7 @@ class Completions:
         read_body: Callable[[int], Awaitable[bytes]],
         client: str | None = None,
         gone: Callable[[], bool] | None = None,
+        response_id: str | None = None,
     ) -> UpstreamExchange | Refusal:
         """Authenticate, parse, admit and route one request. Returns the exchange to run
         (which owns the admission from then on) or the error to answer with.
@@ -239,9 +240,10 @@ class Completions:
         ``client``: the peer's address, whose budget an unknown API key's lookup spends.
         ``gone``: whether the client has left, for a server that cancels the request's
         task when it does (the hot path): such a cancellation counts 499 in
-        kvgate_requests, any other (the drain timeout's cut) 503."""
+        kvgate_requests, any other (the drain timeout's cut) 503. ``response_id``: ``GET
+        /v1/responses/{id}``'s id (endpoint :data:`~gateway.core.RESPONSE_GET`; no body)."""
         try:
-            return await self._handle(endpoint, headers, read_body, client)
+            return await self._handle(endpoint, headers, read_body, client, response_id)
         except asyncio.CancelledError:
             if gone is not None:  # else who cut it is unknown: not counted
                 self.gw.metrics.requests.labels(endpoint, "499" if gone() else "503").inc()
@@ -253,6 +255,7 @@ class Completions:
         headers: Mapping[str, str],
         read_body: Callable[[int], Awaitable[bytes]],
         client: str | None,
+        response_id: str | None = None,
     ) -> UpstreamExchange | Refusal:
         gw = self.gw
         t_start = time.perf_counter()
@@ -270,15 +273,18 @@ class Completions:
         if tenant is None:
             m.requests.labels(endpoint, "401").inc()
             return invalid_api_key(), rid
-        if not json_content_type(headers.get("content-type")):
+        if response_id is None and not json_content_type(headers.get("content-type")):
             # before the body, as vLLM (its check runs whatever the body holds)
             m.requests.labels(endpoint, "400").inc()
             return unsupported_media_type(), rid
         try:
-            raw = await read_body(gw.settings.max_body_bytes)
-            c0 = time.perf_counter_ns()
-            body = parse_json_object(raw)
-            gw.stages.add("parse", time.perf_counter_ns() - c0)
+            if response_id is not None:  # a retrieval: the id is all there is to read
+                raw, body = b"", {"response_id": response_id}
+            else:
+                raw = await read_body(gw.settings.max_body_bytes)
+                c0 = time.perf_counter_ns()
+                body = parse_json_object(raw)
+                gw.stages.add("parse", time.perf_counter_ns() - c0)
         except GatewayError as exc:
             m.requests.labels(endpoint, str(exc.status)).inc()
             return exc, rid
@@ -426,13 +432,16 @@ def create_app(gw: Gateway) -> FastAPI:
 
     completions_core = Completions(gw)
 
-    async def completion(request: Request, endpoint: str) -> Response:
+    async def completion(
+        request: Request, endpoint: str, response_id: str | None = None
+    ) -> Response:
         try:
             out = await completions_core.handle(
                 endpoint,
                 request.headers,
                 lambda limit: read_body(request, limit),
                 _peer(request),
+                response_id=response_id,
             )
         except Exception:
             log.exception("unhandled error on the completion path")
@@ -452,6 +461,13 @@ def create_app(gw: Gateway) -> FastAPI:
 
     for path, endpoint in Completions.ENDPOINTS.items():
         app.add_api_route(path, proxied(endpoint), methods=["POST"], name=endpoint)
+
+    async def retrieve_response(request: Request, rid: str) -> Response:
+        # the Responses API's retrieval (D30): sent to the replica the sealed id names, on
+        # both servers through this route (the hot path takes POSTs only)
+        return await completion(request, RESPONSE_GET, rid)
+
+    app.add_api_route("/v1/responses/{rid}", retrieve_response, methods=["GET"], name=RESPONSE_GET)
 
     app.state.completions = completions_core
 

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -44,6 +45,7 @@ from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, S
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
+from cachecore.responses import ResponsesInputError, request_messages
 from cachecore.scoring import (
     Coefficients,
     LoadView,
@@ -79,6 +81,7 @@ from gateway.quarantine import (
 )
 from gateway.replicas import Replica, ReplicaPool, ReplicaSpec
 from gateway.requesttrace import RequestTrace
+from gateway.responses import ResponseIds
 from gateway.routing import (
     Candidate,
     Decision,
@@ -178,8 +181,15 @@ ENDPOINT_PATHS = {
     "rerank": "/rerank",
     "rerank_v1": "/v1/rerank",
     "rerank_v2": "/v2/rerank",
+    # the Responses API (D30): a first turn keyed and routed as a chat, a follow-up
+    # (previous_response_id) sent to the replica that stored the previous response
+    "responses": "/v1/responses",
 }
 """Each proxied endpoint's name (metrics, traces) and the engine path it goes to."""
+RESPONSE_GET = "response_get"
+"""``GET /v1/responses/{id}``'s endpoint name: not a POST of :data:`ENDPOINT_PATHS` (its
+path carries the id); sent to the replica the sealed id names (D30)."""
+_RESPONSES_PATH = "/v1/responses"
 _INPUT_POOLING = frozenset(("embeddings", "pooling", "classify"))
 """Pooling endpoints over inputs: ``input`` (a completion prompt's shapes, a batch) or the
 chat form's ``messages`` (D29)."""
@@ -192,7 +202,7 @@ LOAD_ROUTED = frozenset(("tokenize", "detokenize", *_INPUT_POOLING, *_PAIR_POOLI
 or fit sample (D28, D29): a pooling request's prompt is computed whole and its usage reports
 no cached tokens (pooling engines often run without prefix caching); /tokenize and
 /detokenize compute nothing."""
-_FRONTEND_ONLY = frozenset(("tokenize", "detokenize"))
+_FRONTEND_ONLY = frozenset(("tokenize", "detokenize", RESPONSE_GET))
 """Endpoints a vLLM server answers in its API server, without its engine core: their answer
 is no evidence of the engine's progress (D17), which a wedged engine's server gives at once."""
 _UNSALTED = frozenset(("detokenize",))
@@ -284,6 +294,12 @@ class Dispatch:
     # false: no cache_salt goes upstream (a client's removed): an endpoint that touches no
     # cache (_UNSALTED)
     salted: bool = True
+    # the Responses API (D30): the engine's id for this response (the body's request_id,
+    # vLLM's response id); the previous response's engine id and the sealed id the client
+    # named it by (a follow-up, pinned to its replica); GET /v1/responses/{id}'s method
+    response_id: str | None = None
+    previous: tuple[str, str] | None = None
+    method: bytes = b"POST"
 
     @property
     def replica(self) -> str:
@@ -345,6 +361,9 @@ class Gateway:
             self.minter = SaltMinter(secrets)
         except KeyMaterialError as exc:  # the library's words, with the setting they are about
             raise KeyMaterialError(f"KVGATE_SALT_SECRETS: {exc}") from None
+        # sealed response ids (D30): the same secrets, so every gateway sharing them opens
+        # them, and a rotation keeps old ids valid while the old secret is listed
+        self.response_ids = ResponseIds(secrets)
         if settings.debug_unsafe_shared_scope:
             log.warning(
                 "KVGATE_DEBUG_UNSAFE_SHARED_SCOPE is on: ALL TENANTS SHARE ONE CACHE SCOPE "
@@ -1059,15 +1078,25 @@ class Gateway:
             return await self._prepare_by_load(
                 endpoint, tenant, body, headers, request_id, explain_only, strategy
             )
+        responses = endpoint == "responses"
+        if endpoint == RESPONSE_GET or (responses and body.get("previous_response_id") is not None):
+            return await self._prepare_pinned(
+                endpoint, tenant, body, headers, request_id, explain_only
+            )
         assert self.pool is not None and self.tokenizers is not None and self.index is not None
         st = self.stages
         pol = self.policy
         t0 = time.perf_counter_ns()
         model, model_given = self._request_model(body)
         stream = stream_requested(body)
-        wants_usage = usage_requested(body)  # a 400 before any tokenizing or routing
+        # a Responses stream carries its usage in response.completed, which goes to the
+        # client whatever: it is read there, never asked for
+        wants_usage = responses or usage_requested(body)  # a 400 before any work
         if endpoint == "chat" and not isinstance(body.get("messages"), list):
             raise bad_request("'messages' is required and must be an array", "messages")
+        # a Responses request's prompt is a chat's (its instructions and input as the
+        # engine renders them): keyed, sized and routed as that chat
+        src = _responses_chat(body, model) if responses else body
         if endpoint == "completion" and "prompt" not in body:
             raise bad_request("'prompt' is required", "prompt")
         reps = self._routable(model)
@@ -1089,13 +1118,13 @@ class Gateway:
         # cachecore.cacheread) is routed by load and judged by nothing, as a media request:
         # a hit buys it nothing, its cached_tokens of 0 is no verdict on the replica's
         # claims, and the budget charges its whole prompt, which the engine computes
-        chat = endpoint == "chat"
-        unkeyed = not body_reads_prefix_cache(body, chat)
+        chat = endpoint == "chat" or responses
+        unkeyed = not body_reads_prefix_cache(src, chat)
         # truncate_prompt_tokens: the engine runs only the prompt's last (or first) k
         # tokens, so those are keyed, sized and charged; -1 (the model's context) when no
         # replica's card gives its max_model_len: routed by load, charged whole
         trunc, trunc_known = request_truncation(
-            body, chat, lambda: _context_len(reps, model, base_model)
+            src, chat, lambda: _context_len(reps, model, base_model)
         )
         unkeyed = unkeyed or not trunc_known
         # a batch of prompts (/v1/completions): vLLM runs one engine request per prompt.
@@ -1120,10 +1149,10 @@ class Gateway:
             if chat:
                 # images, audio: vLLM keys their blocks with the items' hashes, which we
                 # cannot; such a request is sized by its text and routed by load alone
-                text_only, media_parts = strip_media(body.get("messages"))
+                text_only, media_parts = strip_media(src.get("messages"))
                 unkeyed = unkeyed or media_parts > 0
                 media_tokens = media_parts * mpool.media_part_tokens
-                chat_body = {**body, "messages": text_only} if media_parts else body
+                chat_body = {**src, "messages": text_only} if media_parts else src
                 tokens = await tokenizer.chat(chat_body, cs, off, trunc)
                 packed: Sequence[int] = tokens
             elif batch:
@@ -1145,12 +1174,12 @@ class Gateway:
                 tokens = []
             else:
                 tokens = await (
-                    tokenizer.chat(body, salt) if chat else tokenizer.completion(body, salt)
+                    tokenizer.chat(src, salt) if chat else tokenizer.completion(body, salt)
                 )
             if trunc is not None and len(tokens) > trunc.keep:
                 # exact for token ids and text without special tokens; the engine's
                 # tokenizer keeps a BOS it added, which the gateway cannot place: sized
-                if add_special_tokens(body, not chat) and (
+                if add_special_tokens(src, not chat) and (
                     chat or isinstance(completion_prompt(body), str)
                 ):
                     unkeyed = True
@@ -1244,6 +1273,7 @@ class Gateway:
             priority=priority[0],
             drop_priority=priority[1],
             hit_drop_blocks=mpool.hit_drop_blocks,
+            response_id=f"resp_{random_hex(16)}" if responses else None,
         )
         if explain_only:
             return d
@@ -1411,6 +1441,145 @@ class Gateway:
         self._admit(d, tpol)
         return d
 
+    async def _prepare_pinned(
+        self,
+        endpoint: str,
+        tenant: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        request_id: str,
+        explain_only: bool = False,
+    ) -> Dispatch:
+        """:meth:`prepare` for a request bound to one replica by a sealed response id (D30):
+        a Responses follow-up (``previous_response_id``) or ``GET /v1/responses/{id}``
+        (its id in ``body["response_id"]``, put there by :class:`~gateway.app.Completions`).
+        The engine that stored the response holds its conversation and its KV, so it goes
+        there and nowhere else: no other candidate, no retry elsewhere. An id that does not
+        open under the tenant (another tenant's, tampered, unknown) and one whose replica
+        has left the pool are the engine's 404; a replica out of service (cordoned,
+        draining, ejected, unhealthy) a 503 ``no_replica`` with ``Retry-After``: its store
+        may still hold the response when it is back. A follow-up is routed by load alone
+        (its prompt's history is the engine's, unseen here), sized and charged as its own
+        instructions and input."""
+        assert self.pool is not None and self.tokenizers is not None
+        pol = self.policy
+        t0 = time.perf_counter_ns()
+        tpol = pol.tenant(tenant)
+        follow_up = endpoint == "responses"
+        sealed = body.get("previous_response_id") if follow_up else body.get("response_id")
+        rep = None
+        if follow_up:
+            model, model_given = self._request_model(body)
+            stream_requested(body)  # a 400 before any work
+            base_model, _ = self.pool.base_model(model, self._routable(model))
+        else:
+            # a retrieval names no model: its replica's serves it (opened below)
+            model_given, model = True, ""
+            base_model = ""
+        scope, _ = self.resolve_scope(tenant, tpol, headers, body, model, base_model or None)
+        if follow_up and scope.kind is ScopeKind.REQUEST:
+            # a per-request scope promises the engine keeps nothing of the request for a
+            # later one: its responses are not stored (upstream_body), nor continued;
+            # refused whatever the id, so the refusal says nothing about it
+            raise bad_request(
+                "a request-scoped (sensitive) request cannot continue a stored response: "
+                "send the conversation in 'input' instead",
+                "previous_response_id",
+            )
+        opened = self.response_ids.open(tenant, sealed)
+        if opened is not None:
+            rep = self.pool.get(opened[0])
+        if opened is None or rep is None:
+            # not this tenant's, or its replica (and the engine's store with it) is gone
+            raise _response_not_found(sealed)
+        if not follow_up:
+            base_model = model = next(iter(_base_models(rep)), "")
+        if not rep.routable(time.monotonic()):
+            raise self.pool.no_replica_error(
+                "the replica holding this response is out of service; it is served by that "
+                "replica alone",
+                "previous_response_id" if follow_up else None,
+            )
+        mpool = pol.models.pool(base_model)
+        n_prompt = 0
+        priority: tuple[int | None, bool] = (None, False)
+        if follow_up:
+            if "priority" in body or tpol.priority.mode in _PRIORITY_SET:
+                priority = _priority_rewrite(tpol.priority, body)
+            tokenizer = self.tokenizers.for_pool(model, mpool)
+            sizer = tokenizer if isinstance(tokenizer, LocalPromptTokenizer) else None
+            sizer = sizer or self.tokenizers.sizer()
+            cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
+            view = _responses_chat(body, model)
+            text_only, media_parts = strip_media(view["messages"])
+            ids = await sizer.chat(
+                {**view, "messages": text_only}, cs, self.settings.tokenize_offload_chars
+            )
+            n_prompt = len(ids) + media_parts * mpool.media_part_tokens
+        self.stages.add("parse", time.perf_counter_ns() - t0)
+        salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)
+        coeffs = self.fit.coefficients()
+        cands, _ = self._candidates([rep], mpool.max_num_seqs, coeffs, [])
+        req = RouteRequest(
+            prompt_tokens=n_prompt,
+            block_size=mpool.block_size,
+            load_only=True,
+            unkeyed=True,
+            scope_key=scope.routing_key(),
+        )
+        decision, cands = self._decide(req, cands, coeffs, None, model, explain_only)
+        assert opened is not None
+        engine_id = opened[1]
+        d = Dispatch(
+            request_id=request_id,
+            upstream_id=f"{request_id}-{random_hex(8)}",
+            tenant=tenant,
+            endpoint=endpoint,
+            path=_RESPONSES_PATH if follow_up else f"{_RESPONSES_PATH}/{quote(engine_id, safe='')}",
+            body=body,
+            stream=follow_up and stream_requested(body),
+            client_wants_usage=follow_up,
+            model=model,
+            model_given=model_given,
+            prompt_tokens=n_prompt,
+            block_size=mpool.block_size,
+            scope=scope,
+            salts=salts,
+            keys=[],
+            matches=[],
+            index_source="none",
+            candidates=cands,
+            decision=decision,
+            unkeyed=True,
+            priority=priority[0],
+            drop_priority=priority[1],
+            salted=follow_up,
+            response_id=f"resp_{random_hex(16)}" if follow_up else engine_id,
+            previous=(engine_id, str(sealed)) if follow_up else None,
+            method=b"POST" if follow_up else b"GET",
+        )
+        if explain_only:
+            return d
+        self._admit(d, tpol)
+        return d
+
+    def answer_rewrites(self, d: Dispatch) -> list[tuple[bytes, bytes]]:
+        """The engine's response ids in an answer, each with what the client sees in its
+        place (D30): this response's engine id -> its sealed id (sealed for the replica
+        that answered: a first turn may have been retried elsewhere); a follow-up's
+        previous engine id -> the sealed id the client sent. Plain byte replacements:
+        the gateway made each engine id up (random), so none occurs by chance."""
+        if d.response_id is None:
+            return []
+        if d.endpoint == RESPONSE_GET:
+            sealed = str(d.body.get("response_id"))
+        else:
+            sealed = self.response_ids.seal(d.tenant, d.replica, d.response_id)
+        out = [(d.response_id.encode(), sealed.encode())]
+        if d.previous is not None:
+            out.append((d.previous[0].encode(), d.previous[1].encode()))
+        return out
+
     def _request_model(self, body: dict[str, Any]) -> tuple[str, bool]:
         """The model a request names, and whether it named one. Absent, null or "": vLLM
         serves it with its first served model (its request models' ``model`` is
@@ -1577,6 +1746,10 @@ class Gateway:
     def upstream_body(self, d: Dispatch) -> bytes:
         """The body sent upstream: the client's fields, our cache_salt (none for an
         unsalted endpoint), usage requested."""
+        if d.method != b"POST":
+            return b""
+        if d.endpoint == "responses":
+            return self._responses_body(d)
         salt = d.salts[d.salt_index] if d.salted else None
         raw = d.raw_body
         xargs = d.body.get("vllm_xargs")
@@ -1630,6 +1803,27 @@ class Gateway:
                 opts.pop("continuous_usage_stats", None)
             opts["include_usage"] = True
             body["stream_options"] = opts
+        return orjson.dumps(body)
+
+    def _responses_body(self, d: Dispatch) -> bytes:
+        """A Responses request as sent (D30): the scope's salt, the engine's ids (its own
+        response id, made up here; the previous response's, opened from the sealed id),
+        the tenant's priority rule, operator fields removed; not stored under a
+        per-request scope (its promise: nothing of it kept for a later request)."""
+        body = dict(d.body)
+        body["cache_salt"] = d.salts[d.salt_index]
+        body["request_id"] = d.response_id
+        body.pop("rid", None)
+        if d.previous is not None:
+            body["previous_response_id"] = d.previous[0]
+        if d.scope.kind is ScopeKind.REQUEST:
+            body["store"] = False
+        if d.priority is not None:
+            body["priority"] = d.priority
+        elif d.drop_priority:
+            del body["priority"]
+        for name in _OPERATOR_FIELDS.intersection(body):
+            del body[name]
         return orjson.dumps(body)
 
     def on_dispatch(self, d: Dispatch) -> None:
@@ -2127,6 +2321,30 @@ def _priority_rewrite(rule: PriorityPolicy, body: Mapping[str, Any]) -> tuple[in
     if present and type(body["priority"]) is int and body["priority"] == want:
         return None, False  # already what the rule gives: the client's bytes stay
     return want, False
+
+
+def _responses_chat(body: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """A Responses request's instructions and input as the chat the engine renders (no
+    previous response's conversation: a follow-up's is the engine's), a 400 naming the
+    field it refuses."""
+    try:
+        messages = request_messages(body.get("instructions"), [], body.get("input"))
+    except ResponsesInputError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    return {"model": model, "messages": messages}
+
+
+def _response_not_found(sealed: object) -> GatewayError:
+    """The engine's own 404 for a response it does not hold (vLLM's words), so an id of
+    another tenant, a forged one and a lost one read alike."""
+    shown = sealed if isinstance(sealed, str) else ""
+    return GatewayError(
+        404,
+        f"Response with id '{shown[:200]}' not found.",
+        code="response_not_found",
+        param="response_id",
+        type_="invalid_request_error",
+    )
 
 
 def _cold_replicas(tenant: str, tpol: TenantPolicy, ids: Sequence[str]) -> frozenset[str] | None:

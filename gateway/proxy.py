@@ -41,6 +41,8 @@ from gateway.upstream import MalformedResponseError, UpstreamResponse
 log = logging.getLogger(__name__)
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
+# a Responses stream ends with its terminal event, not [DONE] (vLLM sends none)
+_RESPONSE_END = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"')
 _EVENT_SEP = re.compile(rb"\r?\n\r?\n")
 _RETRYABLE = (
     httpx.ConnectError,
@@ -86,12 +88,17 @@ class Usage:
         self.completion: int | None = None
 
     def read(self, usage: Any) -> None:
+        """A completion's usage, or a Responses object's (``input_tokens``,
+        ``input_tokens_details.cached_tokens``, ``output_tokens``: D30)."""
         if not isinstance(usage, dict):
             return
         p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        if p is None and "input_tokens" in usage:
+            p, c = usage.get("input_tokens"), usage.get("output_tokens")
+            details = usage.get("input_tokens_details")
         self.prompt = p if isinstance(p, int) else self.prompt
         self.completion = c if isinstance(c, int) else self.completion
-        details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.cached = details["cached_tokens"]
         elif self.prompt is not None and self.cached is None:
@@ -307,7 +314,7 @@ class UpstreamExchange(Response):
                 gw.stages.add("proxy", time.perf_counter_ns() - c0)
                 try:
                     resp = await gw.upstream.post(
-                        rep.url, d.path, sent, payload, timeouts, self._dispatched
+                        rep.url, d.path, sent, payload, timeouts, self._dispatched, d.method
                     )
                     break
                 except _RETRYABLE as exc:
@@ -455,6 +462,7 @@ class UpstreamExchange(Response):
                 "upstream_error", "protocol",
             )  # fmt: skip
             return
+        raw = _rewritten(raw, self.gw.answer_rewrites(self.d))  # D30: no engine id shown
         try:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -502,7 +510,9 @@ class UpstreamExchange(Response):
                 "upstream_error", "protocol",
             )  # fmt: skip
             return
-        usage.read(parsed.get("usage"))
+        if self.d.method == b"POST":  # a retrieval's usage is an earlier request's
+            usage.read(parsed.get("usage"))
+        raw = _rewritten(raw, self.gw.answer_rewrites(self.d))
         self.status = 200
         headers = self._resp_headers(_JSON)
         spent = time.perf_counter_ns() - c0  # the write below is the server's, not ours
@@ -526,6 +536,8 @@ class UpstreamExchange(Response):
         buf = b""
         error: str | None = None
         saw_done = False
+        rewrites = self.gw.answer_rewrites(d)
+        responses = d.response_id is not None
         try:
             async for chunk in resp.aiter_raw():
                 if ttft is None:
@@ -539,6 +551,9 @@ class UpstreamExchange(Response):
                 if _USAGE.search(ready) is not None or b"[DONE]" in ready:
                     ready, done = filter_events(ready, usage, d.client_wants_usage)
                     saw_done = saw_done or done
+                if responses:
+                    saw_done = saw_done or _RESPONSE_END.search(ready) is not None
+                    ready = _rewritten(ready, rewrites)
                 if ready:
                     await conn.stream(ready)
         except httpx.HTTPError as exc:
@@ -546,6 +561,9 @@ class UpstreamExchange(Response):
         if buf.strip() and error is None:
             tail, done = filter_events(buf, usage, d.client_wants_usage)
             saw_done = saw_done or done
+            if responses:
+                saw_done = saw_done or _RESPONSE_END.search(tail) is not None
+                tail = _rewritten(tail, rewrites)
             if tail:
                 await conn.stream(tail)
         if error is not None or not saw_done:
@@ -581,7 +599,7 @@ def filter_events(data: bytes, usage: Usage, keep_usage: bool) -> tuple[bytes, b
     for event in _EVENT_SEP.split(data):
         if not event.strip():
             continue
-        payload = event[5:].lstrip() if event.startswith(b"data:") else event
+        payload = _event_data(event)
         if payload.strip() == b"[DONE]":
             done = True
         elif _USAGE.search(payload) is not None:
@@ -590,11 +608,31 @@ def filter_events(data: bytes, usage: Usage, keep_usage: bool) -> tuple[bytes, b
             except orjson.JSONDecodeError:
                 obj = None
             if isinstance(obj, dict):
-                usage.read(obj.get("usage"))
+                found = obj.get("usage")
+                inner = obj.get("response")
+                if found is None and isinstance(inner, dict):  # a Responses event's
+                    found = inner.get("usage")
+                usage.read(found)
                 if not keep_usage and not obj.get("choices"):
                     continue
         out.append(event + b"\n\n")
     return b"".join(out), done
+
+
+def _event_data(event: bytes) -> bytes:
+    """An SSE event's data: after ``data:``, past an ``event:`` line (a Responses
+    stream's events name their type, D30)."""
+    if event.startswith(b"event:"):
+        at = event.find(b"data:")
+        return event[at + 5 :].lstrip() if at >= 0 else b""
+    return event[5:].lstrip() if event.startswith(b"data:") else event
+
+
+def _rewritten(data: bytes, rewrites: list[tuple[bytes, bytes]]) -> bytes:
+    """``data`` with each engine response id replaced by the client's (D30)."""
+    for engine, client in rewrites:
+        data = data.replace(engine, client)
+    return data
 
 
 def _event_end(buf: bytes) -> int:

@@ -12,6 +12,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 
 from cachecore.replica.fleet import run_fleet
 from cachecore.replica.settings import ReplicaSettings
@@ -43,8 +44,10 @@ async def test_the_sdk_creates_and_retrieves_a_response() -> None:
         assert r.status == "incomplete" and r.incomplete_details is not None
         assert r.incomplete_details.reason == "max_output_tokens"
         (item,) = r.output
+        assert isinstance(item, ResponseOutputMessage)
         assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
         (part,) = item.content
+        assert isinstance(part, ResponseOutputText)
         assert part.type == "output_text" and part.text and part.annotations == []
         assert r.output_text == part.text
         assert r.usage is not None
@@ -131,7 +134,7 @@ async def test_a_chain_continues_the_stored_conversation_from_the_prefix_cache()
         assert hits and float(hits[0].rsplit(" ", 1)[1]) >= cached[1] + cached[2]
         # store=false: answered, not kept (neither retrievable nor continued)
         loose = await sdk.responses.create(model=model, input="x", max_output_tokens=2, store=False)
-        assert loose.store is False
+        assert loose.to_dict()["store"] is False
         with pytest.raises(openai.NotFoundError):
             await sdk.responses.retrieve(loose.id)
         with pytest.raises(openai.NotFoundError):

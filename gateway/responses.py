@@ -1,0 +1,96 @@
+"""Sealed response ids: the Responses API's affinity without a gateway-side table (D30).
+
+An engine stores a response (and, in its prefix cache, the conversation's KV) in its own
+memory, so a follow-up naming it (``previous_response_id``) or a retrieval must reach the
+replica that produced it. The gateway answers the client with a *sealed* id in place of the
+engine's: the replica's id and the engine's response id, encrypted and authenticated under
+a key derived from the salt secrets, bound to the tenant. Every gateway of a deployment
+that shares the secrets opens it; a tenant cannot forge one, redirect one to another
+replica, or open another tenant's (the tag does not verify under its own tenant: the same
+404 as an unknown id).
+
+The construction is a deterministic authenticated encryption (SIV, from HMAC-SHA256
+alone): ``tag = HMAC(k_mac, tenant || plaintext)[:16]``, the plaintext XORed with an
+HMAC-SHA256 keystream under ``k_enc`` seeded by the tag. Each engine id is random and
+used once, so determinism shows nothing. The replica's id is encrypted rather than only
+signed: it is the operator's name or internal URL of a replica, which an operator that
+turns ``KVGATE_EXPOSE_REPLICA`` off has chosen not to show tenants.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+SEALED_PREFIX = "resp_kvg1"
+"""A sealed id's start (``resp_`` as every Responses id; ``kvg1`` its format)."""
+_INFO = b"kvgate/response-id/v1/"
+_TAG = 16
+_MAX_SEALED = 1024  # longer than any id this gateway makes: refused without work
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return hmac.new(key, data, hashlib.sha256).digest()
+
+
+class ResponseIds:
+    """Seals and opens response ids under the salt secrets (``KVGATE_SALT_SECRETS``):
+    sealed under the primary, opened under any live one, so ids made before a rotation
+    stay valid while the old secret is listed (as the salts do)."""
+
+    def __init__(self, secrets: Sequence[bytes]) -> None:
+        self._keys = [(_mac(s, _INFO + b"mac"), _mac(s, _INFO + b"enc")) for s in secrets]
+
+    def seal(self, tenant: str, replica: str, engine_id: str) -> str:
+        rep = replica.encode()
+        plain = len(rep).to_bytes(2, "big") + rep + engine_id.encode()
+        k_mac, k_enc = self._keys[0]
+        tag = _mac(k_mac, _bound(tenant) + plain)[:_TAG]
+        sealed = tag + _xor(plain, k_enc, tag)
+        return SEALED_PREFIX + base64.urlsafe_b64encode(sealed).rstrip(b"=").decode()
+
+    def open(self, tenant: str, sealed: object) -> tuple[str, str] | None:
+        """The (replica, engine response id) of an id this gateway sealed for ``tenant``;
+        None for anything else (another tenant's, tampered, not sealed, not a string)."""
+        if (
+            not isinstance(sealed, str)
+            or not sealed.startswith(SEALED_PREFIX)
+            or len(sealed) > _MAX_SEALED
+        ):
+            return None
+        text = sealed[len(SEALED_PREFIX) :]
+        try:
+            raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        except (binascii.Error, ValueError):
+            return None
+        if len(raw) < _TAG + 2:
+            return None
+        tag, body = raw[:_TAG], raw[_TAG:]
+        bound = _bound(tenant)
+        for k_mac, k_enc in self._keys:
+            plain = _xor(body, k_enc, tag)
+            if hmac.compare_digest(_mac(k_mac, bound + plain)[:_TAG], tag):
+                n = int.from_bytes(plain[:2], "big")
+                try:
+                    return plain[2 : 2 + n].decode(), plain[2 + n :].decode()
+                except UnicodeDecodeError:  # authentic, so never: only ours are sealed
+                    return None
+        return None
+
+
+def _bound(tenant: str) -> bytes:
+    # length-prefixed: no (tenant, plaintext) pair reads as another
+    t = tenant.encode()
+    return len(t).to_bytes(4, "big") + t
+
+
+def _xor(data: bytes, key: bytes, tag: bytes) -> bytes:
+    stream = bytearray()
+    counter = 0
+    while len(stream) < len(data):
+        stream += _mac(key, tag + counter.to_bytes(4, "big"))
+        counter += 1
+    return bytes(a ^ b for a, b in zip(data, stream, strict=False))

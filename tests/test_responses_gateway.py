@@ -1,0 +1,349 @@
+"""The Responses API through the gateway (D30), end to end: real simulated replicas and a
+real gateway on free loopback ports. A first turn is keyed and routed as its chat; a
+follow-up (``previous_response_id``) and a retrieval go to the replica that stored the
+response, named by a sealed id the gateway hands out in the engine's id's place (the
+replica and the engine's id, encrypted and bound to the tenant under the salt secrets)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from pydantic import SecretStr
+
+from cachecore.keys import Scope, ScopeKind
+from cachecore.testing import free_port
+from gateway.app import create_app
+from gateway.auth import hash_key
+from gateway.responses import SEALED_PREFIX, ResponseIds
+from gateway.serve import build_gateway, serve_in_loop
+from gateway.settings import GatewaySettings
+from tests.test_gateway_support import SECRET, kill_replica, stack, words
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _count(metric: Any, **labels: str) -> float:
+    total = 0.0
+    for fam in metric.collect():
+        for smp in fam.samples:
+            if smp.name.endswith("_total") and all(
+                smp.labels.get(k) == v for k, v in labels.items()
+            ):
+                total += smp.value
+    return total
+
+
+def _keys(tmp_path: Path, tenants: str) -> Path:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        + "".join(f"  - {{sha256: {hash_key('sk-' + t)}, tenant: {t}}}\n" for t in tenants)
+    )
+    return keys
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    out = []
+    for block in raw.decode().strip().split("\n\n"):
+        data = block.split("data: ", 1)[1]
+        out.append(orjson.loads(data))
+    return out
+
+
+def _engine_ids(raw: bytes) -> set[str]:
+    """Every engine response id (``resp_`` but not sealed) in an answer."""
+    found = set()
+    for part in raw.split(b'"resp_')[1:]:
+        rid = "resp_" + part.split(b'"', 1)[0].decode()
+        if not rid.startswith(SEALED_PREFIX):
+            found.add(rid)
+    return found
+
+
+async def test_the_sdk_creates_streams_and_retrieves_through_the_gateway() -> None:
+    async with stack(count=2) as st, st.http() as h:
+        c = st.client()
+        r = await c.responses.create(
+            model=st.model, input=words(40, 1), instructions=words(8, 2), max_output_tokens=4
+        )
+        assert r.id.startswith(SEALED_PREFIX) and r.object == "response"
+        assert r.output_text and r.usage is not None and r.usage.output_tokens == 4
+        got = await c.responses.retrieve(r.id)
+        assert (got.id, got.output_text) == (r.id, r.output_text)
+        # streamed: every event that carries the response carries the sealed id
+        stream = await c.responses.create(
+            model=st.model, input=words(30, 3), max_output_tokens=3, stream=True
+        )
+        seen = [e async for e in stream]
+        assert [e.type for e in seen][:2] == ["response.created", "response.in_progress"]
+        assert seen[-1].type == "response.completed"
+        ids = {e.response.id for e in seen if hasattr(e, "response")}
+        assert len(ids) == 1 and next(iter(ids)).startswith(SEALED_PREFIX)
+        done = seen[-1].response
+        assert (await c.responses.retrieve(done.id)).output_text == done.output_text
+        # raw: no engine id anywhere, in a JSON answer, a stream or a retrieval
+        body = {"model": st.model, "input": words(20, 4), "max_output_tokens": 2}
+        plain = await h.post("/v1/responses", json=body)
+        assert plain.status_code == 200 and not _engine_ids(plain.content)
+        async with h.stream("POST", "/v1/responses", json={**body, "stream": True}) as resp:
+            raw = await resp.aread()
+        events = _events(raw)
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert not _engine_ids(raw) and raw.count(SEALED_PREFIX.encode()) == 3
+        back = await h.get(f"/v1/responses/{plain.json()['id']}")
+        assert back.status_code == 200 and not _engine_ids(back.content)
+        assert back.headers["x-kvgate-replica"] == plain.headers["x-kvgate-replica"]
+        assert _count(st.gw.metrics.requests, endpoint="responses", status="200") == 4
+        assert _count(st.gw.metrics.requests, endpoint="response_get", status="200") == 3
+
+
+async def test_a_chain_stays_on_its_replica_with_growing_cached_tokens() -> None:
+    async with stack(count=2) as st, st.http() as h:
+        for chain in range(3):  # bounded: three chains, three turns each
+            prev = None
+            used, cached = [], []
+            for turn in range(3):
+                body: dict[str, Any] = {
+                    "model": st.model,
+                    "input": words(60 if turn == 0 else 25, 10 * chain + turn),
+                    "max_output_tokens": 6,
+                }
+                if turn == 0:
+                    body["instructions"] = words(20, 99)
+                else:
+                    body["previous_response_id"] = prev
+                r = await h.post("/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                got = r.json()
+                assert got["previous_response_id"] == prev  # the client's sealed id back
+                prev = got["id"]
+                used.append(r.headers["x-kvgate-replica"])
+                cached.append(got["usage"]["input_tokens_details"]["cached_tokens"])
+            # only the replica that stored the previous response could answer (another's
+            # store would not hold it): every turn on one replica, reading more cache
+            assert len(set(used)) == 1, used
+            assert cached[1] > 0 and cached[2] > cached[1], cached
+        # a follow-up is routed by that replica alone: no prediction, no pending entries
+        assert "x-kvgate-predicted-cached-tokens" not in r.headers
+        assert _count(st.gw.metrics.decisions, reason="unkeyed_load") == 6
+
+
+async def test_another_tenants_or_a_forged_id_is_a_404(tmp_path: Path) -> None:
+    async with stack(count=2, api_keys_file=_keys(tmp_path, "ab")) as st, st.http() as h:
+        a, b = st.client(api_key="sk-a"), st.client(api_key="sk-b")
+        mine = await a.responses.create(model=st.model, input=words(30, 1), max_output_tokens=2)
+        text = mine.id[len(SEALED_PREFIX) :]
+        flipped = text[:-3] + ("A" if text[-3] != "A" else "B") + text[-2:]
+        forged = [mine.id, SEALED_PREFIX + flipped, "resp_nope", SEALED_PREFIX + "x" * 40]
+        bodies = []
+        for i, rid in enumerate(forged):
+            who = "sk-b" if i == 0 else "sk-a"
+            auth = {"authorization": f"Bearer {who}"}
+            for method, url, body in (
+                ("GET", f"/v1/responses/{rid}", None),
+                ("POST", "/v1/responses",
+                 {"model": st.model, "input": "x", "previous_response_id": rid}),
+            ):  # fmt: skip
+                r = await h.request(method, url, json=body, headers=auth)
+                assert r.status_code == 404, (rid, r.text)
+                err = r.json()["error"]
+                bodies.append(orjson.dumps({**err, "message": err["message"].replace(rid, "ID")}))
+        # one answer whatever the id was: nothing tells another tenant's id from none
+        assert len(set(bodies)) == 1, bodies
+        assert orjson.loads(bodies[0])["message"] == "Response with id 'ID' not found."
+        with pytest.raises(openai.NotFoundError):
+            await b.responses.retrieve(mine.id)
+        # the owner goes on
+        assert (await a.responses.retrieve(mine.id)).output_text == mine.output_text
+        more = await a.responses.create(
+            model=st.model, input="more", previous_response_id=mine.id, max_output_tokens=2
+        )
+        assert more.previous_response_id == mine.id
+        # the engines never saw the refused ones
+        assert _count(st.gw.metrics.requests, endpoint="responses", status="404") == 4
+
+
+async def test_the_affinity_replica_out_of_service_or_gone(tmp_path: Path) -> None:
+    async with stack(count=2) as st, st.http() as h:
+        c = st.client()
+        first = await c.responses.create(model=st.model, input=words(30, 5), max_output_tokens=2)
+        home = await h.get(f"/v1/responses/{first.id}")
+        rid = home.headers["x-kvgate-replica"]
+        idx = [st.replica_id(0), st.replica_id(1)].index(rid)
+        follow = {"model": st.model, "input": "next", "previous_response_id": first.id}
+        # cordoned: 503 no_replica with Retry-After, never served elsewhere
+        r = await h.post(f"/admin/replicas/{rid}/cordon", headers=st.admin_headers())
+        assert r.status_code == 200
+        for method, url, body in (
+            ("POST", "/v1/responses", follow),
+            ("GET", f"/v1/responses/{first.id}", None),
+        ):
+            r = await h.request(method, url, json=body)
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            assert r.json()["error"]["code"] == "no_replica"
+        # a first turn still goes to the other replica
+        r = await h.post("/v1/responses", json={"model": st.model, "input": "fresh"})
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] != rid
+        await h.post(f"/admin/replicas/{rid}/uncordon", headers=st.admin_headers())
+        r = await h.post("/v1/responses", json={**follow, "max_output_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == rid, r.text
+        # killed: the connection fails and the request is not retried elsewhere (502)
+        await kill_replica(st.fleet, idx)
+        r = await h.post("/v1/responses", json=follow)
+        assert r.status_code in (502, 503), r.text
+        assert r.json()["error"]["code"] in ("upstream_unreachable", "no_replica")
+        assert "x-kvgate-replica" not in r.headers or r.headers["x-kvgate-replica"] == rid
+        # removed from the pool: its store is gone with it, the engine's 404
+        assert st.gw.pool is not None
+        st.gw.pool.remove(rid)
+        r = await h.post("/v1/responses", json=follow)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "response_id", r.text
+
+
+async def test_a_first_turn_is_keyed_as_its_chat_with_pending_entries() -> None:
+    async with stack(count=2) as st, st.http() as h:
+        assert st.gw.index is not None
+        pending: list[object] = []
+        real = st.gw.index.add_pending
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            pending.append(args)
+            return real(*args, **kw)
+
+        st.gw.index.add_pending = spy  # type: ignore[method-assign]
+        system, question = words(64, 7), words(40, 8)
+        body = {"model": st.model, "instructions": system, "input": question}
+        r = await h.post("/v1/responses", json={**body, "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert len(pending) == 1  # the prompt's blocks, pending on the chosen replica
+        first = r.headers["x-kvgate-replica"]
+        assert int(r.headers["x-kvgate-predicted-cached-tokens"]) == 0
+        # the same prompt as a chat: the same keys, so the prediction is the cached prefix
+        chat = {
+            "model": st.model, "max_tokens": 2,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}],
+        }  # fmt: skip
+        r = await h.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first
+        predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+        assert predicted > 0
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= predicted
+        # and a Responses turn after it reads the engine's cached_tokens (input_tokens_details)
+        before = _count(st.gw.metrics.actual_cached)
+        r = await h.post("/v1/responses", json={**body, "max_output_tokens": 2})
+        assert r.headers["x-kvgate-replica"] == first
+        assert int(r.headers["x-kvgate-predicted-cached-tokens"]) == predicted
+        cached = r.json()["usage"]["input_tokens_details"]["cached_tokens"]
+        assert cached >= predicted
+        assert _count(st.gw.metrics.actual_cached) - before == cached
+        assert _count(st.gw.metrics.decisions, reason="unkeyed_load") == 0
+        # a malformed input is the gateway's 400 naming it, before routing
+        for bad in ({"input": 3}, {"input": [{"type": "function_call_output"}]}, {}):
+            r = await h.post("/v1/responses", json={"model": st.model, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
+async def test_each_tenant_salted_and_a_request_scope_cannot_chain(tmp_path: Path) -> None:
+    policy = "tenants:\n  s: {sensitive: {default: request}}\n"
+    keys = _keys(tmp_path, "abs")
+    async with stack(count=1, policy=policy, api_keys_file=keys) as st, st.http() as h:
+        prompt = words(48, 11)
+        for t in ("a", "b"):
+            r = await h.post(
+                "/v1/responses",
+                json={"model": st.model, "input": prompt, "cache_salt": "mine",
+                      "max_output_tokens": 2},
+                headers={"authorization": f"Bearer sk-{t}"},
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+        async with httpx.AsyncClient(base_url=st.fleet.endpoints[0].url) as direct:
+            blocks = (await direct.get("/debug/blocks")).json()["blocks"]
+        roots = {k for b in blocks if b["parent_block_hash"] is None for k in b["extra_keys"] or []}
+        want = {st.gw.minter.salt(Scope(ScopeKind.TENANT, t)) for t in "ab"}
+        assert want <= roots and "mine" not in roots
+        # the per-request scope: answered, not stored, and no chain from it
+        s = {"authorization": "Bearer sk-s"}
+        r = await h.post("/v1/responses", json={"model": st.model, "input": prompt}, headers=s)
+        assert r.status_code == 200 and r.json()["store"] is False, r.text
+        rid = r.json()["id"]
+        assert rid.startswith(SEALED_PREFIX)
+        assert (await h.get(f"/v1/responses/{rid}", headers=s)).status_code == 404
+        a = {"authorization": "Bearer sk-a"}
+        theirs = await h.post("/v1/responses", json={"model": st.model, "input": "q"}, headers=a)
+        for prev in (rid, theirs.json()["id"], "resp_nope"):
+            r = await h.post(
+                "/v1/responses",
+                json={"model": st.model, "input": "x", "previous_response_id": prev},
+                headers=s,
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_sealed_ids_bind_the_tenant_hide_the_replica_and_survive_a_rotation() -> None:
+    old, new = b"o" * 32, b"n" * 32
+    sealed = ResponseIds([old]).seal("acme", "http://10.0.0.7:8000", "resp_abc")
+    assert ResponseIds([old]).open("acme", sealed) == ("http://10.0.0.7:8000", "resp_abc")
+    assert ResponseIds([old]).open("other", sealed) is None  # another tenant's: nothing
+    # rotated: the old secret still listed second opens it; once dropped, it does not
+    assert ResponseIds([new, old]).open("acme", sealed) == ("http://10.0.0.7:8000", "resp_abc")
+    assert ResponseIds([new]).open("acme", sealed) is None
+    fresh = ResponseIds([new, old]).seal("acme", "r1", "resp_x")
+    assert ResponseIds([new]).open("acme", fresh) == ("r1", "resp_x")  # under the primary
+    # the replica's id and the engine's do not show in the id
+    raw = base64.urlsafe_b64decode(sealed[len(SEALED_PREFIX) :] + "==")
+    assert b"10.0.0.7" not in raw and b"abc" not in raw and "10.0.0.7" not in sealed
+    # every bit is authenticated: any one flipped is refused
+    body = bytearray(raw)
+    for i in range(len(body)):
+        body[i] ^= 1
+        bad = SEALED_PREFIX + base64.urlsafe_b64encode(bytes(body)).rstrip(b"=").decode()
+        assert ResponseIds([old]).open("acme", bad) is None
+        body[i] ^= 1
+    for junk in (None, 5, "", "resp_", SEALED_PREFIX, SEALED_PREFIX + "!!", "x" * 5000):
+        assert ResponseIds([old]).open("acme", junk) is None
+
+
+async def test_the_asgi_routes_serve_responses_as_the_hot_path() -> None:
+    async with stack(count=1) as st:
+        transport = httpx.ASGITransport(app=create_app(st.gw))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as asgi:
+            body = {"model": st.model, "input": words(20, 1), "max_output_tokens": 2}
+            r = await asgi.post("/v1/responses", json=body)
+            assert r.status_code == 200 and r.json()["id"].startswith(SEALED_PREFIX), r.text
+            rid = r.json()["id"]
+            r = await asgi.get(f"/v1/responses/{rid}")
+            assert r.status_code == 200 and r.json()["id"] == rid
+            r = await asgi.post("/v1/responses", json={**body, "previous_response_id": rid})
+            assert r.status_code == 200 and r.json()["previous_response_id"] == rid, r.text
+            r = await asgi.post("/v1/responses", json={**body, "stream": True})
+            assert r.status_code == 200 and not _engine_ids(r.content)
+            assert _events(r.content)[-1]["type"] == "response.completed"
+            assert (await asgi.get("/v1/responses/resp_nope")).status_code == 404
+
+
+async def test_a_rotation_keeps_ids_valid_across_gateways(tmp_path: Path) -> None:
+    """A second gateway sharing the secrets (the old one listed second) opens the first's
+    ids: the affinity lives in the id, not in a gateway's memory."""
+    async with stack(count=2) as st, st.http() as h:
+        r = await h.post("/v1/responses", json={"model": st.model, "input": words(30, 2)})
+        rid = r.json()["id"]
+        specs = [e.url for e in st.fleet.endpoints]
+        for secrets, status in ((["z" * 32, SECRET], 200), (["z" * 32], 404)):
+            gs = GatewaySettings(
+                replicas=specs, port=free_port(), open_access=True, seed=7,
+                salt_secrets=[SecretStr(s) for s in secrets],
+            )  # fmt: skip
+            async with (
+                serve_in_loop(build_gateway(gs)) as url,
+                httpx.AsyncClient(base_url=url) as h2,
+            ):
+                got = await h2.get(f"/v1/responses/{rid}")
+                assert got.status_code == status, got.text
