@@ -61,6 +61,7 @@ _SETTINGS_FLAGS = {
     "lora": "lora",
     "tokenizer_dir": "tokenizer_dir",
     "data_parallel_size": "data_parallel_size",
+    "responses_store_max": "responses_store_max",
 }
 
 
@@ -95,6 +96,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     a("--events-topic", help="ZMQ topic (default kv-events)")
     a("--replay-buffer-steps", type=int, help="batches kept for replay (default 10000)")
+    a(
+        "--responses-store-max",
+        type=positive_int,
+        help="stored Responses API responses per replica, least recently used evicted (1000)",
+    )
     a("--legacy-replay-reply", action="store_true", help="reply [b'', seq, payload] on replay")
     a("--no-events", action="store_true", help="do not publish KV events")
     a("--lora", action="append", metavar="NAME", help="serve a LoRA adapter name (repeatable)")
