@@ -66,6 +66,12 @@ class ResponseIds:
             raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
         except (binascii.Error, ValueError):
             return None
+        # one spelling per id: the decoder drops characters outside its alphabet (a quote,
+        # which the answer's byte rewrite would then copy into the JSON), takes + and / and
+        # ignores a last character's spare bits; anything but the encoding seal() makes is
+        # another id
+        if base64.urlsafe_b64encode(raw).rstrip(b"=") != text.encode():
+            return None
         if len(raw) < _TAG + 2:
             return None
         tag, body = raw[:_TAG], raw[_TAG:]

@@ -347,3 +347,37 @@ async def test_a_rotation_keeps_ids_valid_across_gateways(tmp_path: Path) -> Non
             ):
                 got = await h2.get(f"/v1/responses/{rid}")
                 assert got.status_code == status, got.text
+
+
+def test_a_sealed_id_opens_under_its_one_encoding_only() -> None:
+    # review of D30: base64's lenient decoder dropped characters outside its alphabet,
+    # took the standard alphabet's + and / and ignored a last character's spare bits, so
+    # one sealed id had many spellings, each opening to the same response
+    ids = ResponseIds([b"k" * 32])
+    for n in range(40, 46):  # each length mod 3: a last character with spare bits or none
+        sealed = ids.seal("acme", "r1", "resp_" + "a" * n)
+        assert ids.open("acme", sealed) == ("r1", "resp_" + "a" * n)
+        text = sealed[len(SEALED_PREFIX) :]
+        variants = [SEALED_PREFIX + text[:10] + c + text[10:] for c in ('"', "\\", ".", " ", "\n")]
+        variants.append(sealed + "==")
+        variants.append(SEALED_PREFIX + text.replace("-", "+").replace("_", "/"))
+        alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+        variants += [sealed[:-1] + c for c in alphabet if c != sealed[-1]]
+        for other in variants:
+            if other != sealed:
+                assert ids.open("acme", other) is None, (other, sealed)
+
+
+async def test_a_respelled_sealed_id_is_a_404_and_never_reaches_the_answer() -> None:
+    # the client's id is copied into the engine's answer as bytes: a spelling carrying a
+    # quote (which the lenient decoder dropped) opened, and broke the JSON answer
+    async with stack(count=1) as st, st.http() as h:
+        body = {"model": st.model, "input": words(20, 1), "max_output_tokens": 2}
+        r = await h.post("/v1/responses", json=body)
+        rid = r.json()["id"]
+        bad = rid[:12] + '",{' + rid[12:]
+        r = await h.post("/v1/responses", json={**body, "previous_response_id": bad})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "response_not_found"
+        r = await h.get("/v1/responses/" + rid[:12] + "%22" + rid[12:])
+        assert r.status_code == 404, r.text
