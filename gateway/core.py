@@ -1985,6 +1985,19 @@ class Gateway:
         if d.charged_uncached and refused:
             self.limiter.refund_uncached(d.tenant, d.charged_uncached, time.monotonic())
             d.charged_uncached = 0.0
+        if (
+            d.previous is not None
+            and out.status == 200
+            and out.prompt_tokens is not None
+            and out.cached_tokens is not None
+        ):
+            # a follow-up was charged its own instructions and input; its prompt holds the
+            # stored conversation too, which the engine prefills again when it is not
+            # cached (other instructions go first, an evicted prefix): the rest as reported
+            extra = out.prompt_tokens - out.cached_tokens - d.charged_uncached
+            if extra > 0:
+                self.limiter.debit_uncached(d.tenant, extra, time.monotonic())
+                d.charged_uncached += extra
         if self.trace is not None:
             self._trace(d, out)
         if out.cached_tokens is None or out.status != 200 or d.unkeyed:

@@ -116,6 +116,14 @@ class TenantLimiter:
             )
         return None
 
+    def debit_uncached(self, tenant: str, tokens: float, now: float) -> None:
+        """Take, after the request ran and into debt if need be (repaid by the refill),
+        prefill its engine reports beyond what :meth:`charge_uncached` took: a Responses
+        follow-up's stored conversation is the engine's, unseen before it runs (D30)."""
+        st = self._tenants.get(tenant)
+        if st is not None and st.tokens is not None and tokens > 0:
+            st.tokens.charge(tokens, now)
+
     def refund_uncached(self, tenant: str, tokens: float, now: float) -> None:
         """Give back what :meth:`charge_uncached` took for a request no engine computed
         (refused by the engine, or no replica reachable): the budget limits prefill work,

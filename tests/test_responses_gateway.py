@@ -381,3 +381,37 @@ async def test_a_respelled_sealed_id_is_a_404_and_never_reaches_the_answer() -> 
         assert r.json()["error"]["code"] == "response_not_found"
         r = await h.get("/v1/responses/" + rid[:12] + "%22" + rid[12:])
         assert r.status_code == 404, r.text
+
+
+async def test_a_follow_up_is_charged_the_prefill_its_engine_reports() -> None:
+    # review of D30: a follow-up is charged, before it runs, its own instructions and input
+    # (the history is the engine's, unseen here); new instructions go first in vLLM's
+    # prompt, so each follow-up with other instructions made the engine prefill the whole
+    # stored conversation again, charged a few tokens: a 1,000-token budget bought ~3,000
+    policy = "default_tenant:\n  limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 1000}"
+    async with stack(count=1, policy=policy) as st, st.http() as h:
+        body = {"model": st.model, "input": words(300, 1), "max_output_tokens": 2}
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        prev = r.json()["id"]
+        computed, statuses = 0, []
+        for i in range(8):  # bounded: eight follow-ups, each other instructions
+            r = await h.post(
+                "/v1/responses",
+                json={
+                    "model": st.model,
+                    "input": "x",
+                    "instructions": words(3, 50 + i),
+                    "previous_response_id": prev,
+                    "max_output_tokens": 2,
+                },
+            )
+            statuses.append(r.status_code)
+            if r.status_code != 200:
+                break
+            u = r.json()["usage"]
+            computed += u["input_tokens"] - u["input_tokens_details"]["cached_tokens"]
+        # the engine's prefill past the first turn is charged: the budget runs out
+        assert statuses[-1] == 429, (statuses, computed)
+        assert r.json()["error"]["limit"] == "uncached_tokens"
+        assert computed < 1000 + 400, computed
