@@ -1563,11 +1563,14 @@ class Gateway:
         self._admit(d, tpol)
         return d
 
-    def answer_rewrites(self, d: Dispatch) -> list[tuple[bytes, bytes]]:
+    def answer_rewrites(
+        self, d: Dispatch, answer: Mapping[str, Any] | None = None
+    ) -> list[tuple[bytes, bytes]]:
         """The engine's response ids in an answer, each with what the client sees in its
         place (D30): this response's engine id -> its sealed id (sealed for the replica
         that answered: a first turn may have been retried elsewhere); a follow-up's
-        previous engine id -> the sealed id the client sent. Plain byte replacements:
+        previous engine id -> the sealed id the client sent; a retrieved follow-up's previous
+        engine id (read in ``answer``) -> its sealed id. Plain byte replacements:
         the gateway made each engine id up (random), so none occurs by chance."""
         if d.response_id is None:
             return []
@@ -1578,6 +1581,17 @@ class Gateway:
         out = [(d.response_id.encode(), sealed.encode())]
         if d.previous is not None:
             out.append((d.previous[0].encode(), d.previous[1].encode()))
+        prev = answer.get("previous_response_id") if answer is not None else None
+        if (
+            d.endpoint == RESPONSE_GET
+            and isinstance(prev, str)
+            and prev[:5] == "resp_"
+            and len(prev) > 5
+        ):
+            # a retrieved follow-up names its previous response by the engine's id, which
+            # the same replica stored: sealed as the client was given it (the seal is
+            # deterministic; under today's primary secret)
+            out.append((prev.encode(), self.response_ids.seal(d.tenant, d.replica, prev).encode()))
         return out
 
     def _request_model(self, body: dict[str, Any]) -> tuple[str, bool]:

@@ -512,7 +512,7 @@ class UpstreamExchange(Response):
             return
         if self.d.method == b"POST":  # a retrieval's usage is an earlier request's
             usage.read(parsed.get("usage"))
-        raw = _rewritten(raw, self.gw.answer_rewrites(self.d))
+        raw = _rewritten(raw, self.gw.answer_rewrites(self.d, parsed))
         self.status = 200
         headers = self._resp_headers(_JSON)
         spent = time.perf_counter_ns() - c0  # the write below is the server's, not ours

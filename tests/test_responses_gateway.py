@@ -415,3 +415,17 @@ async def test_a_follow_up_is_charged_the_prefill_its_engine_reports() -> None:
         assert statuses[-1] == 429, (statuses, computed)
         assert r.json()["error"]["limit"] == "uncached_tokens"
         assert computed < 1000 + 400, computed
+
+
+async def test_a_retrieved_follow_up_names_its_previous_response_by_the_sealed_id() -> None:
+    # review of D30: a retrieval rewrote the retrieved id alone, so a follow-up's stored
+    # previous_response_id came back as the engine's own id
+    async with stack(count=1) as st, st.http() as h:
+        body = {"model": st.model, "input": words(20, 1), "max_output_tokens": 2}
+        first = (await h.post("/v1/responses", json=body)).json()["id"]
+        r = await h.post("/v1/responses", json={**body, "previous_response_id": first})
+        second = r.json()["id"]
+        r = await h.get(f"/v1/responses/{second}")
+        assert r.status_code == 200, r.text
+        assert not _engine_ids(r.content), r.text
+        assert r.json()["previous_response_id"] == first
