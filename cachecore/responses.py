@@ -79,3 +79,52 @@ def request_messages(
         raise ResponsesInputError("'instructions' must be a string", "instructions")
     head = [{"role": "system", "content": instructions}] if instructions else []
     return [*head, *prior, *input_messages(value)]
+
+
+def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]] | None, bool]:
+    """A Responses request's ``tools`` as vLLM renders them (non-Harmony models): each
+    ``{type: "function", name, description, parameters, strict}`` in the chat-completions
+    shape ``{type: "function", function: {name, description, parameters, ...}}`` (vLLM's
+    ``convert_tool_responses_to_completions_format``: the tool less its ``type``, as a
+    ``FunctionDefinition``), passed to the chat template as a chat completion's ``tools``.
+
+    Returns ``(tools, exact)``: ``exact`` False when the rendering is not one this reader
+    can reproduce: a tool of another type (vLLM's built-ins ``web_search``,
+    ``file_search``, ``mcp``, ``code_interpreter``; ``custom``, ``namespace``: rendered,
+    if at all, by rules that vary by vLLM version and model), or ``tool_choice: "none"``
+    with tools (vLLM drops the tools from the prompt in some releases, keeps them in
+    others). A malformed ``tools`` is refused, naming it."""
+    if tools is None:
+        return None, True
+    if not isinstance(tools, list):
+        raise ResponsesInputError("'tools' must be an array", "tools")
+    out: list[dict[str, Any]] = []
+    exact = True
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ResponsesInputError(f"'tools[{i}]' must be a tool object", "tools")
+        kind = tool.get("type")
+        if not isinstance(kind, str) or not kind:
+            raise ResponsesInputError(f"'tools[{i}].type' must be a string", "tools")
+        if kind != "function":
+            exact = False
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise ResponsesInputError(f"'tools[{i}].name' must be a non-empty string", "tools")
+        desc, params = tool.get("description"), tool.get("parameters")
+        if desc is not None and not isinstance(desc, str):
+            raise ResponsesInputError(f"'tools[{i}].description' must be a string", "tools")
+        if params is not None and not isinstance(params, dict):
+            raise ResponsesInputError(f"'tools[{i}].parameters' must be an object", "tools")
+        strict = tool.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ResponsesInputError(f"'tools[{i}].strict' must be a boolean", "tools")
+        # FunctionDefinition's fields first (None when absent, as its model_dump gives
+        # them), then the tool's other fields (strict) as its extra fields
+        fn: dict[str, Any] = {"name": name, "description": desc, "parameters": params}
+        fn.update((k, v) for k, v in tool.items() if k not in fn and k != "type")
+        out.append({"type": "function", "function": fn})
+    if out and tool_choice == "none":
+        exact = False
+    return out or None, exact

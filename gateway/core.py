@@ -45,7 +45,7 @@ from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, S
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
-from cachecore.responses import ResponsesInputError, request_messages
+from cachecore.responses import ResponsesInputError, chat_tools, request_messages
 from cachecore.scoring import (
     Coefficients,
     LoadView,
@@ -1095,8 +1095,9 @@ class Gateway:
         if endpoint == "chat" and not isinstance(body.get("messages"), list):
             raise bad_request("'messages' is required and must be an array", "messages")
         # a Responses request's prompt is a chat's (its instructions and input as the
-        # engine renders them): keyed, sized and routed as that chat
-        src = _responses_chat(body, model) if responses else body
+        # engine renders them, function tools included): keyed, sized and routed as that
+        # chat; tools the gateway cannot render (built-ins) route it by load, unkeyed
+        src, tools_exact = _responses_chat(body, model) if responses else (body, True)
         if endpoint == "completion" and "prompt" not in body:
             raise bad_request("'prompt' is required", "prompt")
         reps = self._routable(model)
@@ -1119,7 +1120,7 @@ class Gateway:
         # a hit buys it nothing, its cached_tokens of 0 is no verdict on the replica's
         # claims, and the budget charges its whole prompt, which the engine computes
         chat = endpoint == "chat" or responses
-        unkeyed = not body_reads_prefix_cache(src, chat)
+        unkeyed = not body_reads_prefix_cache(src, chat) or not tools_exact
         # truncate_prompt_tokens: the engine runs only the prompt's last (or first) k
         # tokens, so those are keyed, sized and charged; -1 (the model's context) when no
         # replica's card gives its max_model_len: routed by load, charged whole
@@ -1510,7 +1511,7 @@ class Gateway:
             sizer = tokenizer if isinstance(tokenizer, LocalPromptTokenizer) else None
             sizer = sizer or self.tokenizers.sizer()
             cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
-            view = _responses_chat(body, model)
+            view, _ = _responses_chat(body, model)
             text_only, media_parts = strip_media(view["messages"])
             ids = await sizer.chat(
                 {**view, "messages": text_only}, cs, self.settings.tokenize_offload_chars
@@ -2350,15 +2351,20 @@ def _priority_rewrite(rule: PriorityPolicy, body: Mapping[str, Any]) -> tuple[in
     return want, False
 
 
-def _responses_chat(body: Mapping[str, Any], model: str) -> dict[str, Any]:
-    """A Responses request's instructions and input as the chat the engine renders (no
-    previous response's conversation: a follow-up's is the engine's), a 400 naming the
-    field it refuses."""
+def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any], bool]:
+    """A Responses request's instructions, input and function tools as the chat the
+    engine renders (no previous response's conversation: a follow-up's is the engine's),
+    a 400 naming the field it refuses; and whether that chat is the engine's prompt
+    exactly (False: tools the gateway cannot render, so no keys; see chat_tools)."""
     try:
         messages = request_messages(body.get("instructions"), [], body.get("input"))
+        tools, exact = chat_tools(body.get("tools"), body.get("tool_choice"))
     except ResponsesInputError as exc:
         raise bad_request(str(exc), exc.param) from None
-    return {"model": model, "messages": messages}
+    chat: dict[str, Any] = {"model": model, "messages": messages}
+    if tools:
+        chat["tools"] = tools
+    return chat, exact
 
 
 def _response_not_found(sealed: object) -> GatewayError:

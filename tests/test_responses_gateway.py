@@ -23,7 +23,8 @@ from gateway.auth import hash_key
 from gateway.responses import SEALED_PREFIX, ResponseIds
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
-from tests.test_gateway_support import SECRET, kill_replica, stack, words
+from tests.test_gateway_support import FAST, SECRET, kill_replica, stack, words
+from tests.test_responses_replica import tools_model
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -429,3 +430,92 @@ async def test_a_retrieved_follow_up_names_its_previous_response_by_the_sealed_i
         assert r.status_code == 200, r.text
         assert not _engine_ids(r.content), r.text
         assert r.json()["previous_response_id"] == first
+
+
+_TOOL = {
+    "type": "function", "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "strict": True,
+}  # fmt: skip
+
+
+async def test_a_first_turn_with_function_tools_is_keyed_as_its_chat_with_those_tools(
+    tmp_path: Path,
+) -> None:
+    # vLLM renders a Responses request's function tools into the prompt, converted to the
+    # chat-completions shape: the gateway keys and sizes them so, and the engine agrees
+    # (both on a tokenizer whose chat template renders tools)
+    model = tools_model(tmp_path)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = FAST.model_copy(update={"tokenizer_dir": str(model)})
+    async with stack(count=2, replica=replica, policy=policy) as st, st.http() as h:
+        system, question = words(64, 11), words(40, 12)
+        body = {
+            "model": st.model, "instructions": system, "input": question, "tools": [_TOOL],
+            "max_output_tokens": 2,
+        }  # fmt: skip
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        first = r.headers["x-kvgate-replica"]
+        # the second turn: predicted from the first's keys, and the engine has them
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first
+        predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+        assert predicted > 0
+        usage = r.json()["usage"]
+        assert usage["input_tokens_details"]["cached_tokens"] >= predicted
+        # the equivalent chat completion, its tools converted as vLLM does: the same
+        # keys (the same prediction) and the same prompt tokens on the engine
+        fn = {k: v for k, v in _TOOL.items() if k != "type"}
+        chat = {
+            "model": st.model, "max_tokens": 2,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}],
+            "tools": [{"type": "function", "function": fn}],
+        }  # fmt: skip
+        r = await h.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first
+        assert int(r.headers["x-kvgate-predicted-cached-tokens"]) == predicted
+        assert r.json()["usage"]["prompt_tokens"] == usage["input_tokens"]
+        # no claim failed against the honest replica; every request keyed
+        m = st.gw.metrics
+        for bad in ("false", "tampered"):
+            assert _count(m.claim_checks, outcome=bad) == 0
+        assert _count(m.decisions, reason="unkeyed_load") == 0
+
+
+async def test_built_in_tools_route_unkeyed_and_malformed_tools_are_a_400() -> None:
+    async with stack(count=2) as st, st.http() as h:
+        assert st.gw.index is not None
+        pending: list[object] = []
+        real = st.gw.index.add_pending
+
+        def spy(*args: Any, **kw: Any) -> Any:
+            pending.append(args)
+            return real(*args, **kw)
+
+        st.gw.index.add_pending = spy  # type: ignore[method-assign]
+        base = {"model": st.model, "input": words(60, 13), "max_output_tokens": 2}
+        # a built-in tool (whose prompt the gateway cannot reproduce), or tool_choice
+        # "none" (vLLM releases differ on whether the tools render): by load, no keys
+        for extra in (
+            {"tools": [_TOOL, {"type": "web_search"}]},
+            {"tools": [{"type": "mcp", "server_label": "x"}]},
+            {"tools": [_TOOL], "tool_choice": "none"},
+        ):
+            before = _count(st.gw.metrics.decisions, reason="unkeyed_load")
+            r = await h.post("/v1/responses", json={**base, **extra})
+            assert r.status_code == 200, r.text
+            assert int(r.headers.get("x-kvgate-predicted-cached-tokens", "0")) == 0
+            assert _count(st.gw.metrics.decisions, reason="unkeyed_load") == before + 1
+        assert pending == []
+        for bad in (
+            {"tools": {"type": "function"}},
+            {"tools": ["get_weather"]},
+            {"tools": [{"name": "f"}]},
+            {"tools": [{"type": "function"}]},
+            {"tools": [{"type": "function", "name": "f", "parameters": "x"}]},
+            {"tools": [{"type": "function", "name": "f", "description": 3}]},
+        ):
+            r = await h.post("/v1/responses", json={**base, **bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

@@ -5,8 +5,10 @@ bounded per-replica store (lost on a restart)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,9 +18,28 @@ from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 
 from cachecore.replica.fleet import run_fleet
 from cachecore.replica.settings import ReplicaSettings
+from cachecore.tokenizer import export_builtin
 from tests.test_gateway_support import FAST, words
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def tools_model(directory: Path) -> Path:
+    """The built-in tokenizer as an HF model directory whose chat template renders the
+    request's tools (as a tool-calling model's does: each as JSON before the chat)."""
+    export_builtin(directory)
+    head = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+        "{% endif %}"
+    )
+    jinja = directory / "chat_template.jinja"
+    template = head + jinja.read_text()
+    jinja.write_text(template)
+    cfg = directory / "tokenizer_config.json"
+    config = json.loads(cfg.read_text())
+    config["chat_template"] = template
+    cfg.write_text(json.dumps(config))
+    return directory
 
 
 @asynccontextmanager
@@ -207,3 +228,28 @@ async def test_the_cache_salt_scopes_a_responses_prompt() -> None:
             "salt-a",
             "salt-b",
         ]
+
+
+async def test_function_tools_render_as_the_chat_with_converted_tools(tmp_path: Path) -> None:
+    tool = {
+        "type": "function", "name": "lookup", "description": "Look it up.",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    }  # fmt: skip
+    fn = {k: v for k, v in tool.items() if k != "type"}
+    settings = FAST.model_copy(update={"tokenizer_dir": str(tools_model(tmp_path))})
+    async with replica(settings) as (h, _, _):
+        plain = await h.post("/v1/responses", json={"input": "hello there", "max_output_tokens": 1})
+        with_tools = await h.post(
+            "/v1/responses", json={"input": "hello there", "tools": [tool], "max_output_tokens": 1}
+        )
+        chat = await h.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1,
+                  "tools": [{"type": "function", "function": fn}]},
+        )  # fmt: skip
+        assert plain.status_code == with_tools.status_code == chat.status_code == 200
+        n = with_tools.json()["usage"]["input_tokens"]
+        assert n > plain.json()["usage"]["input_tokens"]
+        assert n == chat.json()["usage"]["prompt_tokens"]
+        bad = await h.post("/v1/responses", json={"input": "x", "tools": [{"type": "function"}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"

@@ -81,10 +81,11 @@ from cachecore.replica.responses import (
     sse_event,
 )
 from cachecore.replica.server import SimReplica
-from cachecore.responses import ResponsesInputError, request_messages
+from cachecore.responses import ResponsesInputError, chat_tools, request_messages
 from cachecore.tasks import cancel_and_wait
 from cachecore.tokenizer import (
     UNLOCKED_ENCODE_CHARS,
+    ChatOptions,
     SegmentCache,
     TokenizerError,
     Truncation,
@@ -485,10 +486,13 @@ def create_app(replica: SimReplica) -> FastAPI:
             prior = prev.conversation
         try:
             messages = request_messages(req.instructions, prior, req.input)
+            # vLLM's current rule: the function tools render whatever tool_choice says
+            # (its --exclude-tools-when-tool-choice-none is off); other types do not
+            tools, _ = chat_tools(req.tools)
         except ResponsesInputError as exc:
             raise APIError(str(exc), param=exc.param) from exc
         try:
-            text = tok.apply_chat_template(messages, True)
+            text = tok.apply_chat_template(messages, True, ChatOptions(tools) if tools else None)
         except TokenizerError as exc:
             raise APIError(str(exc), param="input") from exc
         ids = await encode(text, salt or "")

@@ -33,6 +33,9 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = False
     store: bool | None = True
     previous_response_id: str | None = None
+    # function tools render into the prompt (cachecore.responses.chat_tools); read by hand
+    tools: Any = None
+    tool_choice: Any = None
     cache_salt: Any = None  # validated by hand, as the other requests' (vLLM's message)
     # vLLM's: the engine request's id and the response's (resp_ + a uuid when absent)
     request_id: str | None = None
