@@ -1079,6 +1079,15 @@ class Gateway:
                 endpoint, tenant, body, headers, request_id, explain_only, strategy
             )
         responses = endpoint == "responses"
+        if responses and body.get("background") not in (None, False):
+            # vLLM answers a background request at once (queued) and computes on: the
+            # in-flight count and load view would end while the engine works, and its
+            # cancel and polling are not routed (D30): refused, before any work
+            raise bad_request(
+                "'background' responses are not served by this gateway: send the request "
+                "without it (stream it for early output)",
+                "background",
+            )
         if endpoint == RESPONSE_GET or (responses and body.get("previous_response_id") is not None):
             return await self._prepare_pinned(
                 endpoint, tenant, body, headers, request_id, explain_only

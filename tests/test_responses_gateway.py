@@ -519,3 +519,20 @@ async def test_built_in_tools_route_unkeyed_and_malformed_tools_are_a_400() -> N
         ):
             r = await h.post("/v1/responses", json={**base, **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+async def test_a_background_response_is_a_400_naming_it() -> None:
+    # vLLM answers background: true at once and computes on, so the gateway's in-flight
+    # accounting would end while the engine works: refused, first turn and follow-up alike
+    async with stack(count=1) as st, st.http() as h:
+        base = {"model": st.model, "input": words(10, 14), "max_output_tokens": 2}
+        for extra in (
+            {"background": True},
+            {"background": True, "stream": True},
+            {"background": "yes"},
+            {"background": True, "previous_response_id": SEALED_PREFIX + "AAAA"},
+        ):
+            r = await h.post("/v1/responses", json={**base, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+        r = await h.post("/v1/responses", json={**base, "background": False})
+        assert r.status_code == 200, r.text
