@@ -24,10 +24,11 @@ import redis
 import uvicorn
 
 PATIENT_TIMEOUT_S = 5.0
-"""Socket timeout for Redis clients in correctness tests. The stores' defaults (0.25-1 s)
-are for a serving hot path that must fail fast; a loaded CI machine can stall a loopback
-reply that long (seen once: a cluster node's reply to the property test), which is not
-what those tests check."""
+"""Socket and connect timeout for Redis clients in correctness tests. The stores' defaults
+(0.25-1 s, connect 0.5 s) are for a serving hot path that must fail fast; a loaded CI
+machine can stall a loopback reply or connect that long (seen: a cluster node's reply to
+the property test; a connect in the memory/Redis property test, thirty-first session's
+CI), which is not what those tests check."""
 
 
 def free_port() -> int:

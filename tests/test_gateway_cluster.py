@@ -150,7 +150,11 @@ async def test_cluster_index_packs_commands_in_c_with_its_connection_limit(
     cluster_url: str, redis_cluster: RedisClusterServers
 ) -> None:
     idx = RedisIndex.from_url(
-        cluster_url, cluster=True, max_connections=7, socket_timeout_s=PATIENT_TIMEOUT_S
+        cluster_url,
+        cluster=True,
+        max_connections=7,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
     )
     try:
         await idx.lookup([b"k" * 16], ["r0", "r1", "r2"], 0)  # loads the slot map
@@ -297,7 +301,12 @@ async def test_gateway_routes_a_repeated_prefix_from_agents_writes_on_the_cluste
     ids = [rids[0] for rids in per_shard.values()][:2]  # two replicas, on two shards
     with redis.RedisCluster.from_url(cluster_url) as admin:  # as an operator adds a key
         admin.hset("kvg:apikeys", hash_key(API_KEY), "acme")
-    probe = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
+    probe = RedisIndex.from_url(
+        cluster_url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     registry = RedisRegistry.from_url(cluster_url, cluster=True)
     loads = RedisLoadStore.from_url(cluster_url, cluster=True)
     try:

@@ -129,7 +129,12 @@ async def _run(redis_url: str, ops: list[tuple[Any, ...]]) -> LogDriver:
     admin = aioredis.Redis.from_url(redis_url)
     await admin.flushdb()
     await admin.aclose()
-    red = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, removal_log=LOG)
+    red = RedisIndex.from_url(
+        redis_url,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+        removal_log=LOG,
+    )
     mem = MemoryIndex(removal_log=LOG)
     try:
         d = LogDriver([mem, red])

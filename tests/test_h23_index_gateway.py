@@ -30,7 +30,9 @@ async def test_read_your_writes_gives_no_match_to_a_replica_the_index_says_is_no
     pending length anyway, so the gateway kept predicting hits there (and steering the
     prefix's requests to an engine its agent cannot reach) for the pending TTL. A replica
     no agent has reported (unknown) is still routed by the gateway's own decisions."""
-    primary = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
+    primary = RedisIndex.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     gi = GatewayIndex(primary, GatewayMetrics(), MemoryIndex())
     try:
         for r in ("up", "down"):

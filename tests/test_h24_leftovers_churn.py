@@ -89,7 +89,9 @@ async def _fleet(primary: RedisIndex | MemoryIndex, local: MemoryIndex | None) -
 
 @pytest.fixture
 async def fleet(redis_url: str) -> AsyncIterator[Fleet]:
-    primary = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
+    primary = RedisIndex.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     f = await _fleet(primary, MemoryIndex())
     yield f
     await f.index.close()
@@ -234,7 +236,9 @@ async def test_a_gateway_with_discovery_forgets_its_churned_replicas(redis_url: 
             salt_secrets=[SecretStr("x" * 32)], open_access=True, replica_allowlist=[url]
         ),
         parse_policy_text(""),
-        index=RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S),
+        index=RedisIndex.from_url(
+            redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+        ),
         registry=registry,
     )
     await gw.start()

@@ -40,7 +40,9 @@ def make_index(kind: str, request: pytest.FixtureRequest, **bounds: Any) -> Pref
     if kind == "memory":
         return MemoryIndex(**bounds)
     url = request.getfixturevalue("redis_url")
-    return RedisIndex.from_url(url, socket_timeout_s=PATIENT_TIMEOUT_S, **bounds)
+    return RedisIndex.from_url(
+        url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S, **bounds
+    )
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -218,6 +220,7 @@ async def test_remove_pending_runs_under_the_gateway_acl(redis_url: str) -> None
         u: RedisIndex.from_url(
             redis_url.replace("redis://", f"redis://{u}:pw-{u}@"),
             socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
         )
         for u in users
     }
@@ -384,7 +387,9 @@ async def _commandstats(client: aioredis.Redis) -> dict[str, int]:
 
 
 async def test_redis_lookup_is_one_round_trip(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = RedisIndex.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     admin = aioredis.Redis.from_url(redis_url)
     try:
         replicas = [f"r{i}" for i in range(16)]
@@ -413,7 +418,9 @@ async def test_redis_lookup_is_one_round_trip(redis_url: str) -> None:
 
 
 async def test_redis_reloads_scripts_after_flush(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = RedisIndex.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     admin = aioredis.Redis.from_url(redis_url)
     try:
         await live(idx, "a")
@@ -432,7 +439,12 @@ async def test_redis_reloads_scripts_after_flush(redis_url: str) -> None:
 
 
 async def test_redis_split_writes_are_pipelined(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url, max_write_fields=7, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = RedisIndex.from_url(
+        redis_url,
+        max_write_fields=7,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     try:
         blocks = dict.fromkeys(KEYS[:40], G)
         mirror: dict[int, bytes | None] = {i: b"m" * 20 for i in range(30)}
@@ -451,7 +463,9 @@ async def test_redis_split_writes_are_pipelined(redis_url: str) -> None:
 
 
 async def test_redis_clear_unlinks_old_epoch_and_sweeper(redis_url: str) -> None:
-    idx = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = RedisIndex.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     admin = aioredis.Redis.from_url(redis_url)
     lay = KeyLayout()
     try:
@@ -522,7 +536,12 @@ async def test_memory_instance_id_is_stable() -> None:
 async def test_remove_pending_on_a_cluster(cluster_url: str) -> None:
     """The undo's keys (pending anchor, meta, pending zset) share the replica's hash tag:
     one slot, as the add's, so it runs on a cluster too."""
-    idx = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = RedisIndex.from_url(
+        cluster_url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     try:
         for rid in ("a", "b", "c"):
             await idx.set_state(rid, ReplicaState.LIVE, 0)

@@ -107,7 +107,12 @@ def interleaved(shards: dict[int, list[str]]) -> list[str]:
 
 @pytest.fixture
 async def cluster_index(cluster_url: str) -> AsyncIterator[RedisIndex]:
-    idx = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
+    idx = RedisIndex.from_url(
+        cluster_url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     assert idx.is_cluster
     yield idx
     await idx.close()
@@ -267,7 +272,11 @@ async def test_writes_keep_each_replica_in_its_slot(
     clears: each call's keys in one slot (APPLY_LUA and the others lack allow-cross-slot-keys,
     so Redis itself refuses any other key), and every key on the node owning its slot."""
     red = RedisIndex.from_url(
-        cluster_url, cluster=True, max_write_fields=7, socket_timeout_s=PATIENT_TIMEOUT_S
+        cluster_url,
+        cluster=True,
+        max_write_fields=7,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
     )
     try:
         rs = interleaved(shards)
@@ -405,7 +414,12 @@ async def test_load_records_round_trip_on_cluster(
 async def test_a_fresh_clients_first_call_is_a_lookup(cluster_url: str, ghosts: list[str]) -> None:
     """A gateway's first command may be a lookup or a load snapshot: the per-shard grouping
     must load the slot map itself (it raised a bare KeyError before any other command)."""
-    red = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
+    red = RedisIndex.from_url(
+        cluster_url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     load = RedisLoadStore(RedisCluster.from_url(cluster_url))
     try:
         res = await red.lookup(A, ghosts, 0)
@@ -440,9 +454,13 @@ async def test_acl_users_on_cluster(
             url.format("agent-c", users["agent-c"][0]),
             cluster=True,
             socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
         )
         gateway = RedisIndex.from_url(
-            url.format("gw-c", users["gw-c"][0]), cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S
+            url.format("gw-c", users["gw-c"][0]),
+            cluster=True,
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
         )
         try:
             epoch = await agent.clear_replica(own, ReplicaState.LIVE, 1)
@@ -478,7 +496,12 @@ async def test_acl_users_on_cluster(
 
 async def _drive(cluster: RedisClusterServers, ops: list[tuple[Any, ...]]) -> Driver:
     cluster.on_every_node("FLUSHALL")
-    red = RedisIndex.from_url(cluster.url, cluster=True, socket_timeout_s=PATIENT_TIMEOUT_S)
+    red = RedisIndex.from_url(
+        cluster.url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     mem = MemoryIndex()
     try:
         d = Driver([mem, red])

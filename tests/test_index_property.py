@@ -341,7 +341,9 @@ async def _run(redis_url: str, ops: list[tuple[Any, ...]]) -> Driver:
     admin = aioredis.Redis.from_url(redis_url)
     await admin.flushdb()
     await admin.aclose()
-    red = RedisIndex.from_url(redis_url, socket_timeout_s=PATIENT_TIMEOUT_S)
+    red = RedisIndex.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     mem = MemoryIndex()
     try:
         d = Driver([mem, red])
