@@ -635,6 +635,24 @@ def create_app(replica: SimReplica) -> FastAPI:
         work = asyncio.gather(*(collect(driver, handle) for driver, handle in handles))
         return await gather_unless_gone(request, work)
 
+    def pooled_list(
+        kind: str,
+        rid: str,
+        model: str | None,
+        data: list[dict[str, Any]],
+        got_all: list[tuple[str, RequestOutput]],
+    ) -> Response:
+        """vLLM's ``object: list`` answer of /pooling, /classify and /score: ``data`` and
+        the usage of the prompts the engine computed."""
+        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
+        return _json_bytes(
+            {
+                "id": f"{kind}-{rid}", "object": "list", "created": now_s(),
+                "model": model or replica.model, "data": data,
+                "usage": pooling_usage(n_prompt),
+            }
+        )  # fmt: skip
+
     @app.post("/v1/embeddings", response_model=None)
     async def embeddings(request: Request) -> Response:
         """vLLM's embeddings endpoint, either form (``input`` or ``messages``); the vectors
@@ -677,14 +695,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             }
             for i, p in enumerate(ids)
         ]
-        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
-        return _json_bytes(
-            {
-                "id": f"pool-{rid}", "object": "list", "created": now_s(),
-                "model": req.model or replica.model, "data": data,
-                "usage": pooling_usage(n_prompt),
-            }
-        )  # fmt: skip
+        return pooled_list("pool", rid, req.model, data, got_all)
 
     @app.post("/classify", response_model=None)
     async def classify(request: Request) -> Response:
@@ -703,14 +714,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             probs = class_probs(p)
             label = CLASSIFY_LABELS[max(range(len(probs)), key=probs.__getitem__)]
             data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
-        return _json_bytes(
-            {
-                "id": f"classify-{rid}", "object": "list", "created": now_s(),
-                "model": req.model or replica.model, "data": data,
-                "usage": pooling_usage(n_prompt),
-            }
-        )  # fmt: skip
+        return pooled_list("classify", rid, req.model, data, got_all)
 
     async def score(request: Request) -> Response:
         """vLLM's /score (and /v1/score): each pair's :func:`pair_score`."""
@@ -723,14 +727,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         if got_all is None:
             return Response(status_code=499)
         data = [{"index": i, "object": "score", "score": pair_score(p)} for i, p in enumerate(ids)]
-        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
-        return _json_bytes(
-            {
-                "id": f"score-{rid}", "object": "list", "created": now_s(),
-                "model": req.model or replica.model, "data": data,
-                "usage": pooling_usage(n_prompt),
-            }
-        )  # fmt: skip
+        return pooled_list("score", rid, req.model, data, got_all)
 
     async def rerank(request: Request) -> Response:
         """vLLM's /rerank (and /v1/rerank, /v2/rerank): the documents by the score of the
