@@ -609,10 +609,23 @@ class RedisLoadStore:
 
     @classmethod
     def from_url(
-        cls, url: str, layout: KeyLayout | None = None, *, cluster: bool = False, **kwargs: Any
+        cls,
+        url: str,
+        layout: KeyLayout | None = None,
+        *,
+        cluster: bool = False,
+        socket_timeout_s: float = 0.5,
+        connect_timeout_s: float = 0.5,
+        **kwargs: Any,
     ) -> RedisLoadStore:
-        """Connect to ``redis://...``, or with ``cluster`` to the Redis Cluster it seeds."""
-        client = redis_client(url, cluster=cluster, socket_timeout_s=0.5, connect_timeout_s=0.5)
+        """Connect to ``redis://...``, or with ``cluster`` to the Redis Cluster it seeds;
+        the timeouts are a serving hot path's (fail fast), a correctness test's patient."""
+        client = redis_client(
+            url,
+            cluster=cluster,
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+        )
         return cls(client, layout, **kwargs)
 
     @property

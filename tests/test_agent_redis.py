@@ -23,7 +23,7 @@ from cachecore.index.layout import KeyLayout, acl_setuser_args, agent_acl_rules
 from cachecore.index.redis import RedisIndex
 from cachecore.loadstate import RedisLoadStore
 from cachecore.registry import RedisRegistry
-from cachecore.testing import RedisServer, free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer, free_port
 from tests.test_agent_helpers import BS, Rig, counter_total, until
 
 pytestmark = pytest.mark.redis
@@ -173,7 +173,12 @@ async def test_agent_works_with_its_own_acl_user(redis_url: str) -> None:
     admin.execute_command(*acl_setuser_args("agent-r0", password, agent_acl_rules("r0", layout)))  # type: ignore[no-untyped-call]
     port = redis_url.split(":")[-1].split("/")[0]
     url = f"redis://agent-r0:{password}@127.0.0.1:{port}/0"
-    index, load = _index(url), RedisLoadStore.from_url(url, layout)
+    index, load = (
+        _index(url),
+        RedisLoadStore.from_url(
+            url, layout, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+        ),
+    )
     registry = RedisRegistry.from_url(url, layout)
     r = Rig(index)
     try:

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from cachecore.loadstate import EngineLoad, MemoryLoadStore, RedisLoadStore
-from cachecore.testing import RedisClusterServers
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisClusterServers
 from tests.test_index_cluster import pick_per_shard
 
 pytestmark = pytest.mark.timeout(30)
@@ -36,8 +36,12 @@ def wall_ms() -> int:
 @pytest.fixture
 async def stores(redis_url: str) -> AsyncIterator[tuple[RedisLoadStore, RedisLoadStore]]:
     """An agent's and a gateway's stores on one Redis (production defaults)."""
-    agent = RedisLoadStore.from_url(redis_url)
-    gateway = RedisLoadStore.from_url(redis_url)
+    agent = RedisLoadStore.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
+    gateway = RedisLoadStore.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     yield agent, gateway
     await agent.close()
     await gateway.close()
@@ -76,9 +80,21 @@ async def test_a_dead_agent_ahead_of_the_gateway_is_not_kept_alive(
 async def test_a_gateways_liveness_is_judged_on_one_clock(redis_url: str, skew: int) -> None:
     """Gateway A's counts as gateway B reads them: alive while A heartbeats (A 10 s behind
     B: ignored at once, its liveness 5 s), gone once A stops (A ahead: counted 10 s on)."""
-    a = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=5_000)
-    short = RedisLoadStore.from_url(redis_url, gateway_ttl_ms=300)
-    b = RedisLoadStore.from_url(redis_url)
+    a = RedisLoadStore.from_url(
+        redis_url,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+        gateway_ttl_ms=5_000,
+    )
+    short = RedisLoadStore.from_url(
+        redis_url,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+        gateway_ttl_ms=300,
+    )
+    b = RedisLoadStore.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     rid = f"gwskew{skew}"
     try:
         await a.add_inflight("gw-a", rid, 3, 300, wall_ms() + skew)
@@ -96,7 +112,12 @@ async def test_a_gateways_liveness_is_judged_on_one_clock(redis_url: str, skew: 
 async def test_the_callers_clock_mode_answers_as_the_memory_store(redis_url: str) -> None:
     """``clock="caller"``: the callers' ``now_ms`` is the clock, as in the memory store (one
     process, one clock), so simulated time stays deterministic; no skew is measured."""
-    red = RedisLoadStore.from_url(redis_url, clock="caller")
+    red = RedisLoadStore.from_url(
+        redis_url,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+        clock="caller",
+    )
     mem = MemoryLoadStore()
     try:
         for s in (red, mem):

@@ -19,6 +19,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.lifecycle import IndexWrite, Tier
 from cachecore.loadstate import EngineLoad, RedisLoadStore
 from cachecore.registry import RedisRegistry
+from cachecore.testing import PATIENT_TIMEOUT_S
 from gateway.quarantine import LogAnswer, judge_floor
 from tests.test_gateway_support import stack
 from tests.test_registry import reg
@@ -115,8 +116,14 @@ async def test_a_broken_load_record_costs_its_own_replica_only(
     """The shared load snapshot, one script call for every replica, read as the gateway."""
     await _user(admin, "agent-wt", agent_acl_rules("rogue"))
     await _user(admin, "gw-wt", gateway_acl_rules())
-    agents = RedisLoadStore.from_url(redis_url)
-    gateway = RedisLoadStore.from_url(_as(redis_url, "gw-wt"))
+    agents = RedisLoadStore.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
+    gateway = RedisLoadStore.from_url(
+        _as(redis_url, "gw-wt"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     raw = aioredis.Redis.from_url(_as(redis_url, "agent-wt"))
     try:
         for rid in ("good", "rogue"):

@@ -20,7 +20,7 @@ from cachecore.loadstate import (
     new_gateway_id,
     validate_gateway_id,
 )
-from cachecore.testing import free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, free_port
 
 TTL = 1000
 
@@ -28,7 +28,13 @@ TTL = 1000
 def caller_clock(url: str) -> RedisLoadStore:
     """Simulated time: the callers' now_ms is the clock, as in the memory store (the
     production clock, Redis's, is tested in test_h25_load_clock)."""
-    return RedisLoadStore.from_url(url, gateway_ttl_ms=TTL, clock="caller")
+    return RedisLoadStore.from_url(
+        url,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+        gateway_ttl_ms=TTL,
+        clock="caller",
+    )
 
 
 @pytest.fixture(params=["memory", "redis"])
