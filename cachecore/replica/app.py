@@ -18,7 +18,8 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
 
 import orjson
 from fastapi import FastAPI, Request
@@ -132,6 +133,25 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(said, param=param or None)
 
 
+P = TypeVar("P", bound=PoolingInputRequest | ScoreRequest | RerankRequest)
+
+
+class _ClientGone(Exception):
+    """A pooling request whose client hung up before its answer (each engine request
+    aborted): answered 499, which nobody reads."""
+
+
+@dataclass(frozen=True)
+class _Pooled(Generic[P]):
+    """A pooling request the engine ran: the request, its engine id, each prompt's ids,
+    and the prompt tokens the engine counted (its usage)."""
+
+    req: P
+    rid: str
+    ids: list[list[int]]
+    n_prompt: int
+
+
 def _json_bytes(data: dict[str, Any]) -> Response:
     return Response(orjson.dumps(data), media_type="application/json")
 
@@ -143,6 +163,10 @@ def create_app(replica: SimReplica) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(_: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client is gone
 
     def check_model(name: str | None) -> str | None:
         try:
@@ -635,21 +659,34 @@ def create_app(replica: SimReplica) -> FastAPI:
         work = asyncio.gather(*(collect(driver, handle) for driver, handle in handles))
         return await gather_unless_gone(request, work)
 
-    def pooled_list(
-        kind: str,
-        rid: str,
-        model: str | None,
-        data: list[dict[str, Any]],
-        got_all: list[tuple[str, RequestOutput]],
-    ) -> Response:
+    async def pooled(request: Request, model: type[P], prefix: str) -> _Pooled[P]:
+        """What every pooling endpoint does before it shapes its answer, in vLLM's order:
+        the body parsed (its 400s), the model (404), the salt, the endpoint's own field
+        checks, each prompt's ids (an input's, or a pair's), one engine request each
+        (:func:`run_pooled`). A client that left first is :class:`_ClientGone` (a 499,
+        each engine request aborted)."""
+        req = await _parse(request, model)
+        lora = check_model(req.model)
+        salt = validate_salt(req.cache_salt)
+        req.check_fields()
+        if isinstance(req, PoolingInputRequest):
+            ids = await input_ids(req, salt)
+        else:
+            ids = await pair_ids(req, salt)
+        rid = engine_id(request, req) or uuid.uuid4().hex
+        got_all = await run_pooled(request, prefix, rid, ids, salt, lora)
+        if got_all is None:
+            raise _ClientGone
+        return _Pooled(req, rid, ids, sum(last.num_prompt_tokens for _, last in got_all))
+
+    def pooled_list(kind: str, got: _Pooled[Any], data: list[dict[str, Any]]) -> Response:
         """vLLM's ``object: list`` answer of /pooling, /classify and /score: ``data`` and
         the usage of the prompts the engine computed."""
-        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
         return _json_bytes(
             {
-                "id": f"{kind}-{rid}", "object": "list", "created": now_s(),
-                "model": model or replica.model, "data": data,
-                "usage": pooling_usage(n_prompt),
+                "id": f"{kind}-{got.rid}", "object": "list", "created": now_s(),
+                "model": got.req.model or replica.model, "data": data,
+                "usage": pooling_usage(got.n_prompt),
             }
         )  # fmt: skip
 
@@ -657,21 +694,17 @@ def create_app(replica: SimReplica) -> FastAPI:
     async def embeddings(request: Request) -> Response:
         """vLLM's embeddings endpoint, either form (``input`` or ``messages``); the vectors
         are :func:`embedding_vector`'s."""
-        req = await _parse(request, EmbeddingRequest)
-        lora = check_model(req.model)
-        salt = validate_salt(req.cache_salt)
-        dims = req.output_dimensions()
-        ids = await input_ids(req, salt)
-        rid = engine_id(request, req) or uuid.uuid4().hex
-        got_all = await run_pooled(request, "embd", rid, ids, salt, lora)
-        if got_all is None:
-            return Response(status_code=499)  # nobody reads it: the client is gone
-        vectors = [embedding_vector(p, dims) for p in ids]
-        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
-        model = req.model or replica.model
+        got = await pooled(request, EmbeddingRequest, "embd")
+        req = got.req
+        vectors = [embedding_vector(p, req.output_dimensions()) for p in got.ids]
         return _json_bytes(
             embedding_response(
-                f"embd-{rid}", model, vectors, n_prompt, req.encoding_format, now_s()
+                f"embd-{got.rid}",
+                req.model or replica.model,
+                vectors,
+                got.n_prompt,
+                req.encoding_format,
+                now_s(),
             )
         )
 
@@ -679,67 +712,42 @@ def create_app(replica: SimReplica) -> FastAPI:
     async def pooling(request: Request) -> Response:
         """vLLM's /pooling: each input's pooled hidden state (the full-size
         :func:`embedding_vector`), ``data[i].data``."""
-        req = await _parse(request, PoolingRequest)
-        lora = check_model(req.model)
-        salt = validate_salt(req.cache_salt)
-        ids = await input_ids(req, salt)
-        rid = engine_id(request, req) or uuid.uuid4().hex
-        got_all = await run_pooled(request, "pool", rid, ids, salt, lora)
-        if got_all is None:
-            return Response(status_code=499)
+        got = await pooled(request, PoolingRequest, "pool")
         data = [
             {
                 "index": i,
                 "object": "pooling",
-                "data": encode_floats(embedding_vector(p, EMBEDDING_DIM), req.encoding_format),
+                "data": encode_floats(embedding_vector(p, EMBEDDING_DIM), got.req.encoding_format),
             }
-            for i, p in enumerate(ids)
+            for i, p in enumerate(got.ids)
         ]
-        return pooled_list("pool", rid, req.model, data, got_all)
+        return pooled_list("pool", got, data)
 
     @app.post("/classify", response_model=None)
     async def classify(request: Request) -> Response:
         """vLLM's /classify: each input's probabilities over :data:`CLASSIFY_LABELS` and
         its most probable label."""
-        req = await _parse(request, ClassificationRequest)
-        lora = check_model(req.model)
-        salt = validate_salt(req.cache_salt)
-        ids = await input_ids(req, salt)
-        rid = engine_id(request, req) or uuid.uuid4().hex
-        got_all = await run_pooled(request, "classify", rid, ids, salt, lora)
-        if got_all is None:
-            return Response(status_code=499)
+        got = await pooled(request, ClassificationRequest, "classify")
         data = []
-        for i, p in enumerate(ids):
+        for i, p in enumerate(got.ids):
             probs = class_probs(p)
             label = CLASSIFY_LABELS[max(range(len(probs)), key=probs.__getitem__)]
             data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-        return pooled_list("classify", rid, req.model, data, got_all)
+        return pooled_list("classify", got, data)
 
     async def score(request: Request) -> Response:
         """vLLM's /score (and /v1/score): each pair's :func:`pair_score`."""
-        req = await _parse(request, ScoreRequest)
-        lora = check_model(req.model)
-        salt = validate_salt(req.cache_salt)
-        ids = await pair_ids(req, salt)
-        rid = engine_id(request, req) or uuid.uuid4().hex
-        got_all = await run_pooled(request, "score", rid, ids, salt, lora)
-        if got_all is None:
-            return Response(status_code=499)
-        data = [{"index": i, "object": "score", "score": pair_score(p)} for i, p in enumerate(ids)]
-        return pooled_list("score", rid, req.model, data, got_all)
+        got = await pooled(request, ScoreRequest, "score")
+        data = [
+            {"index": i, "object": "score", "score": pair_score(p)} for i, p in enumerate(got.ids)
+        ]
+        return pooled_list("score", got, data)
 
     async def rerank(request: Request) -> Response:
         """vLLM's /rerank (and /v1/rerank, /v2/rerank): the documents by the score of the
         query paired with each, best first, the first ``top_n`` (0: all)."""
-        req = await _parse(request, RerankRequest)
-        lora = check_model(req.model)
-        salt = validate_salt(req.cache_salt)
-        ids = await pair_ids(req, salt)
-        rid = engine_id(request, req) or uuid.uuid4().hex
-        got_all = await run_pooled(request, "rerank", rid, ids, salt, lora)
-        if got_all is None:
-            return Response(status_code=499)
+        got = await pooled(request, RerankRequest, "rerank")
+        req = got.req
         results = sorted(
             (
                 {
@@ -747,16 +755,16 @@ def create_app(replica: SimReplica) -> FastAPI:
                     "document": {"text": req.documents[i]},
                     "relevance_score": pair_score(p),
                 }
-                for i, p in enumerate(ids)
+                for i, p in enumerate(got.ids)
             ),
             key=lambda r: -cast(float, r["relevance_score"]),
         )
         if 0 < req.top_n < len(results):
             results = results[: req.top_n]
-        n_prompt = sum(last.num_prompt_tokens for _, last in got_all)
+        n_prompt = got.n_prompt
         return _json_bytes(
             {
-                "id": f"rerank-{rid}", "model": req.model or replica.model,
+                "id": f"rerank-{got.rid}", "model": req.model or replica.model,
                 "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt},
                 "results": results,
             }

@@ -254,6 +254,9 @@ class _PoolingBase(BaseModel):
     request_id: str | None = None
     cache_salt: Any = None  # validated by hand, as the generation requests' (vLLM's message)
 
+    def check_fields(self) -> None:
+        """The endpoint's own refusals that vLLM makes before it reads the prompts."""
+
     def truncation(self, max_model_len: int) -> int | None:
         """How many tokens of each input the engine keeps (None: all; -1: the model's
         context), refused past the context as vLLM refuses it."""
@@ -318,6 +321,9 @@ class EmbeddingRequest(PoolingInputRequest):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None
+
+    def check_fields(self) -> None:
+        self.output_dimensions()
 
     def output_dimensions(self) -> int:
         """The size of each embedding: ``dimensions`` up to :data:`EMBEDDING_DIM`."""
