@@ -298,6 +298,8 @@ def pooling_truncation(
     return Truncation(limit)
 
 
+_TOP_N = TypeAdapter(Annotated[int, Field(ge=0)])
+
 _OTHER_SCORE_FORMS = ("queries", "documents", "items", "data_1", "data_2")
 """Fields of vLLM's other /score request forms (``queries``/``documents``,
 ``queries``/``items``, ``data_1``/``data_2``): its request union tries them before
@@ -311,6 +313,13 @@ def pooling_pairs(body: Mapping[str, Any], rerank: bool) -> list[tuple[str, str]
     engine would answer (their multimodal forms too: the gateway cannot size them), and so
     is a field of vLLM's other /score forms (:data:`_OTHER_SCORE_FORMS`)."""
     if rerank:
+        if "top_n" in body:
+            try:  # vLLM's RerankRequest.top_n: Field(default=0, ge=0), read laxly
+                _TOP_N.validate_python(body["top_n"])
+            except ValidationError:
+                raise bad_request(
+                    "'top_n' must be an integer >= 0 (0: every document)", "top_n"
+                ) from None
         query, docs = body.get("query"), body.get("documents")
         if not isinstance(query, str):
             raise bad_request("'query' must be a string", "query")
