@@ -1,16 +1,34 @@
-"""The Responses API's text input as chat messages, read the same way by the simulated
-replica (which renders them) and the gateway (which keys and sizes them) (D30).
+"""The Responses API's input as chat messages, read the same way by the simulated replica
+(which renders them) and the gateway (which keys and sizes them) (D30, D31).
 
 vLLM builds a Responses request's prompt as a chat: ``instructions`` as a system message,
 then a stored previous response's conversation, then ``input`` (a string is one user
-message; a list holds message items ``{role, content}`` whose content is a string or
-parts of type ``input_text`` / ``output_text``). Only text messages are read here: other
-item types (function calls and their outputs, reasoning) and media parts are refused,
-naming ``input``.
+message; a list holds items). The items are read as vLLM's ``construct_input_messages`` /
+``construct_chat_messages_with_tool_call`` (``vllm/entrypoints/openai/responses/utils.py``,
+formerly ``vllm/entrypoints/responses_utils.py``) turns them into chat messages for
+non-Harmony models:
+
+- a message ``{role, content}`` (content a string or ``input_text`` / ``output_text``
+  parts): a user, system or developer one as that message (parts joined by newlines, as
+  vLLM's chat parser joins them); an assistant one as an assistant message of its *first*
+  part's text;
+- ``function_call`` ``{call_id, name, arguments}``: an assistant message with
+  ``tool_calls: [{id: call_id, function: {name, arguments}, type: "function"}]``;
+- ``function_call_output`` ``{call_id, output}``: ``{role: "tool", content: output,
+  tool_call_id: call_id}``;
+- ``reasoning``: an assistant message with ``reasoning`` (its first content part's text,
+  else its first summary part's, else empty).
+
+An assistant item right after an assistant message read from the same ``input`` joins it
+where that message lacks its part: a function call adds to its ``tool_calls`` (so
+parallel calls, and a text answer followed by its calls, are one message), an assistant
+text fills a missing ``content``, reasoning a missing ``reasoning``. Other item types,
+media parts, encrypted reasoning and namespaced calls are refused, naming ``input``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 _ROLES = frozenset(("user", "system", "developer", "assistant"))
@@ -26,33 +44,113 @@ class ResponsesInputError(ValueError):
 
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
-    """``input`` as chat messages with string contents (parts joined by newlines, as
-    vLLM's chat parser joins a message's text parts)."""
+    """``input`` as chat messages with string contents, assistant items grouped as vLLM
+    groups them (see the module's docstring)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise ResponsesInputError("'input' must be a string or a non-empty array of messages")
-    out = []
+        raise ResponsesInputError("'input' must be a string or a non-empty array of items")
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         if not isinstance(item, dict):
-            raise ResponsesInputError(f"'input[{i}]' must be a message object")
-        if item.get("type", "message") != "message":
+            raise ResponsesInputError(f"'input[{i}]' must be an item object")
+        kind = item.get("type", "message")
+        # vLLM joins an assistant item to the message before it only within this input,
+        # never to the previous response's conversation
+        prev = out[-1] if out and out[-1]["role"] == "assistant" else None
+        if kind == "function_call":
+            call = _function_call(item, i)
+            if prev is not None:
+                prev.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise ResponsesInputError(f"'input[{i}].call_id' must be a string")
+            if not isinstance(output, str):
+                raise ResponsesInputError(
+                    f"'input[{i}].output' must be a string (an array of parts is not served here)"
+                )
+            out.append({"role": "tool", "content": output, "tool_call_id": call_id})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, i)
+            if prev is not None and prev.get("reasoning") is None:
+                prev["reasoning"] = text
+            else:
+                out.append({"role": "assistant", "reasoning": text})
+        elif kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise ResponsesInputError(
+                    f"'input[{i}].role' must be one of {', '.join(sorted(_ROLES))}"
+                )
+            texts = _content_texts(item.get("content"), i)
+            if role != "assistant":
+                out.append({"role": role, "content": "\n".join(t for t in texts if t)})
+                continue
+            text = texts[0] if texts else ""  # vLLM reads an assistant's first part only
+            if prev is not None and prev.get("content") is None:
+                prev["content"] = text
+            else:
+                out.append({"role": "assistant", "content": text})
+        else:
             raise ResponsesInputError(
-                f"'input[{i}]': item type {item.get('type')!r} is not served here (text "
-                "messages only)"
+                f"'input[{i}]': item type {kind!r} is not served here (messages, "
+                "function_call, function_call_output and reasoning items only)"
             )
-        role = item.get("role")
-        if role not in _ROLES:
-            raise ResponsesInputError(
-                f"'input[{i}].role' must be one of {', '.join(sorted(_ROLES))}"
-            )
-        out.append({"role": role, "content": _content_text(item.get("content"), i)})
     return out
 
 
-def _content_text(content: Any, i: int) -> str:
+def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
+    """A ``function_call`` item as a chat tool call (vLLM's pydantic model requires the
+    three strings)."""
+    for field in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(field), str):
+            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
+    if item.get("namespace") is not None:
+        # vLLM flattens a namespace into the name by a rule that varies by release
+        raise ResponsesInputError(
+            f"'input[{i}].namespace': namespaced function calls are not served here"
+        )
+    if item["arguments"]:
+        # vLLM parses them to an object before its chat template sees them (an empty
+        # string is {}), so text that is no JSON fails there: here, naming the item
+        try:
+            json.loads(item["arguments"])
+        except ValueError:
+            raise ResponsesInputError(f"'input[{i}].arguments' is not valid JSON") from None
+    fn = {"name": item["name"], "arguments": item["arguments"]}
+    return {"id": item["call_id"], "function": fn, "type": "function"}
+
+
+def _reasoning_text(item: dict[str, Any], i: int) -> str:
+    if item.get("encrypted_content") is not None:
+        # vLLM refuses it ("Encrypted content is not supported") or ignores it, by how
+        # pydantic resolved the item: refused here, as the gateway cannot tell which
+        raise ResponsesInputError(
+            f"'input[{i}].encrypted_content': encrypted reasoning is not served here"
+        )
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+        ):
+            raise ResponsesInputError(
+                f"'input[{i}].{field}' must be an array of parts with a string 'text'"
+            )
+        if parts:
+            text: str = parts[0]["text"]
+            return text
+    return ""
+
+
+def _content_texts(content: Any, i: int) -> list[str]:
+    """A message's text parts' texts, in order (a string content is one)."""
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise ResponsesInputError(f"'input[{i}].content' must be a string or an array of parts")
     texts = []
@@ -65,9 +163,8 @@ def _content_text(content: Any, i: int) -> str:
         text = part.get("text")
         if not isinstance(text, str):
             raise ResponsesInputError(f"'input[{i}].content': a text part needs its 'text'")
-        if text:
-            texts.append(text)
-    return "\n".join(texts)
+        texts.append(text)
+    return texts
 
 
 def request_messages(

@@ -536,3 +536,89 @@ async def test_a_background_response_is_a_400_naming_it() -> None:
             assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
         r = await h.post("/v1/responses", json={**base, "background": False})
         assert r.status_code == 200, r.text
+
+
+async def _engine_requests(st: Any) -> float:
+    """Requests the replicas' engines have finished, from their /metrics."""
+    total = 0.0
+    async with httpx.AsyncClient(timeout=10) as c:
+        for e in st.fleet.endpoints:
+            text = (await c.get(e.url + "/metrics")).text
+            for line in text.splitlines():
+                if line.startswith("vllm:request_success_total"):
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Path) -> None:
+    # D31: function_call / function_call_output items, stateless (store false, the whole
+    # history in input) or after a stored turn (previous_response_id), on a model whose
+    # template renders tool calls and tool messages: the gateway keys the loop as the engine
+    # renders it (its prediction is the engine's cached_tokens), a follow-up carrying a
+    # call's output reaches the storing replica, and a malformed item is its 400
+    model = tools_model(tmp_path, tool_loop=True)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = FAST.model_copy(update={"tokenizer_dir": str(model)})
+    async with stack(count=2, replica=replica, policy=policy) as st, st.http() as h:
+        call = {
+            "type": "function_call", "id": "fc_1", "call_id": "call_1",
+            "name": "get_weather", "arguments": '{"city": "Oslo"}', "status": "completed",
+        }  # fmt: skip
+        out = {"type": "function_call_output", "call_id": "call_1", "output": words(40, 23)}
+        said = {
+            "type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+            "content": [{"type": "output_text", "text": words(6, 24), "annotations": []}],
+        }  # fmt: skip
+        history: list[Any] = [{"role": "user", "content": words(40, 22)}, said, call, out]
+        base = {
+            "model": st.model, "instructions": words(64, 21), "tools": [_TOOL],
+            "max_output_tokens": 2, "store": False,
+        }  # fmt: skip
+        r = await h.post("/v1/responses", json={**base, "input": history})
+        assert r.status_code == 200, r.text
+        first = r.headers["x-kvgate-replica"]
+        # the loop's next turn (the answer, a second call and its output after the same
+        # history) and a repeat of it: predicted exactly as the engine has it cached
+        text = r.json()["output"][0]["content"][0]["text"]
+        answer = {**said, "content": [{"type": "output_text", "text": text}]}
+        call2 = {**call, "id": "fc_2", "call_id": "call_2", "arguments": '{"city": "Bergen"}'}
+        out2 = {**out, "call_id": "call_2", "output": words(40, 25)}
+        history += [answer, call2, out2]
+        for _ in range(2):
+            r = await h.post("/v1/responses", json={**base, "input": history})
+            assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, r.text
+            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+            assert predicted > 0
+            assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
+        m = st.gw.metrics
+        assert _count(m.decisions, reason="unkeyed_load") == 0
+        for bad in ("false", "tampered"):
+            assert _count(m.claim_checks, outcome=bad) == 0
+        # a stored turn, then the follow-up carrying its call's output: on that replica,
+        # reading the stored conversation from its cache
+        stored = await h.post("/v1/responses", json={**base, "store": True, "input": words(50, 26)})
+        assert stored.status_code == 200, stored.text
+        follow = await h.post(
+            "/v1/responses",
+            json={"model": st.model, "tools": [_TOOL], "max_output_tokens": 2,
+                  "previous_response_id": stored.json()["id"], "input": [call, out]},
+        )  # fmt: skip
+        assert follow.status_code == 200, follow.text
+        assert follow.headers["x-kvgate-replica"] == stored.headers["x-kvgate-replica"]
+        assert follow.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        # malformed items: the gateway's 400 naming input, no routing, no engine request
+        decided, ran = _count(m.decisions), await _engine_requests(st)
+        for item in (
+            {**call, "call_id": None},
+            {**call, "arguments": {"city": "Oslo"}},
+            {**call, "arguments": "{city"},
+            {**out, "output": 7},
+            {"type": "function_call_output", "output": "x"},
+        ):
+            for extra in ({}, {"previous_response_id": follow.json()["id"]}):
+                body = {**base, **extra, "input": [*history[:1], item]}
+                r = await h.post("/v1/responses", json=body)
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "input", r.text
+        assert _count(m.decisions) == decided
+        assert await _engine_requests(st) == ran

@@ -24,16 +24,31 @@ from tests.test_gateway_support import FAST, words
 pytestmark = pytest.mark.timeout(60)
 
 
-def tools_model(directory: Path) -> Path:
+# a tool-calling model's turn parts (D31): an assistant's reasoning and tool calls (the
+# arguments as the parsed object) and a tool message's call id, rendered into the prompt
+_TOOL_LOOP = (
+    "{%- for message in messages -%}\n<|im_start|>{{ message['role'] }}\n"
+    "{% if message.reasoning_content is defined %}<think>{{ message.reasoning_content }}"
+    "</think>{% endif %}{{ message['content'] }}"
+    "{% for c in message.tool_calls or [] %}<call>{{ c.id }} {{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% if message.tool_call_id is defined %}<for>{{ message.tool_call_id }}</for>{% endif %}"
+    "<|im_end|>\n{% endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n<|im_start|>assistant\n{% endif -%}\n"
+)
+
+
+def tools_model(directory: Path, tool_loop: bool = False) -> Path:
     """The built-in tokenizer as an HF model directory whose chat template renders the
-    request's tools (as a tool-calling model's does: each as JSON before the chat)."""
+    request's tools (as a tool-calling model's does: each as JSON before the chat), and
+    with ``tool_loop`` the turns' reasoning, tool calls and tool call ids too."""
     export_builtin(directory)
     head = (
         "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
         "{% endif %}"
     )
     jinja = directory / "chat_template.jinja"
-    template = head + jinja.read_text()
+    template = head + (_TOOL_LOOP if tool_loop else jinja.read_text())
     jinja.write_text(template)
     cfg = directory / "tokenizer_config.json"
     config = json.loads(cfg.read_text())
@@ -253,3 +268,75 @@ async def test_function_tools_render_as_the_chat_with_converted_tools(tmp_path: 
         assert n == chat.json()["usage"]["prompt_tokens"]
         bad = await h.post("/v1/responses", json={"input": "x", "tools": [{"type": "function"}]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+
+
+LOOKUP = {
+    "type": "function", "name": "lookup", "description": "Look it up.",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+}  # fmt: skip
+
+
+async def test_a_tool_loop_renders_as_its_chat_and_a_follow_up_carries_the_output(
+    tmp_path: Path,
+) -> None:
+    # D31: function_call and function_call_output items render as vLLM's chat messages (an
+    # assistant's tool_calls, a tool message), and a stored turn's follow-up carrying a
+    # call's output continues its conversation from the prefix cache
+    fn = {k: v for k, v in LOOKUP.items() if k != "type"}
+    settings = FAST.model_copy(update={"tokenizer_dir": str(tools_model(tmp_path, True))})
+    call = {"type": "function_call", "call_id": "call_9", "name": "lookup", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "call_9", "output": words(30, 31)}
+    question = words(40, 30)
+    async with replica(settings) as (h, _, model):
+        body = {
+            "model": model, "instructions": "Be brief.", "tools": [LOOKUP],
+            "input": [{"role": "user", "content": question}, call, out],
+            "max_output_tokens": 3,
+        }  # fmt: skip
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        said = r.json()["output"][0]["content"][0]["text"]
+        chat_messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": question},
+            {"role": "assistant", "tool_calls": [
+                {"id": "call_9", "type": "function",
+                 "function": {"name": "lookup", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_9", "content": out["output"]},
+        ]  # fmt: skip
+        chat = await h.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": chat_messages, "max_tokens": 1,
+                  "tools": [{"type": "function", "function": fn}]},
+        )  # fmt: skip
+        first = r.json()["usage"]["input_tokens"]
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == first
+        # the follow-up: its stored conversation, the answer, then the second call's output
+        call2 = {**call, "call_id": "call_10"}
+        out2 = {**out, "call_id": "call_10", "output": words(20, 32)}
+        follow = await h.post(
+            "/v1/responses",
+            json={"model": model, "tools": [LOOKUP], "previous_response_id": r.json()["id"],
+                  "input": [call2, out2], "max_output_tokens": 2},
+        )  # fmt: skip
+        assert follow.status_code == 200, follow.text
+        usage = follow.json()["usage"]
+        assert usage["input_tokens_details"]["cached_tokens"] > 0
+        chat_messages += [
+            {"role": "assistant", "content": said},
+            {"role": "assistant", "tool_calls": [
+                {"id": "call_10", "type": "function",
+                 "function": {"name": "lookup", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_10", "content": out2["output"]},
+        ]  # fmt: skip
+        chat = await h.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": chat_messages, "max_tokens": 1,
+                  "tools": [{"type": "function", "function": fn}]},
+        )  # fmt: skip
+        assert chat.json()["usage"]["prompt_tokens"] == usage["input_tokens"]
+        # a malformed item: vLLM's 400 naming input
+        bad = await h.post(
+            "/v1/responses", json={"model": model, "input": [{**call, "arguments": {}}]}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input", bad.text
