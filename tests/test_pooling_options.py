@@ -35,3 +35,44 @@ async def test_a_negative_or_malformed_top_n_is_the_gateways_400_before_any_work
             want = 3 if top_n in (0, 10) else 2
             assert len(r.json()["results"]) == want, top_n
         assert counter_total(st.gw.metrics.decisions) == 5
+
+
+async def test_with_both_input_and_messages_the_replica_runs_what_vllm_runs() -> None:
+    """vLLM's embeddings, /pooling and /classify requests are unions of a completion form
+    (``input``) and a chat form (``messages``), and pydantic's smart union runs the member
+    with the most fields set, the keys of each message counting for the chat form: with
+    both, the messages run, unless they are empty with no chat-only field set (a tie: the
+    first member, the input) or are not chat messages (the chat form fails). The simulated
+    replica ran the input whenever one was given. The gateway charges the larger form."""
+    msgs = [{"role": "system", "content": words(40, 1)}, {"role": "user", "content": "hi"}]
+    async with stack(count=1) as st, st.http() as h:
+        replica = st.fleet.endpoints[0].url
+        for path in ("/v1/embeddings", "/pooling", "/classify"):
+            chat = (await h.post(f"{replica}{path}", json={"messages": msgs})).json()
+            text = (await h.post(f"{replica}{path}", json={"input": "a b"})).json()
+            assert chat["usage"]["prompt_tokens"] > 40 and text["usage"]["prompt_tokens"] == 2
+            cases = [
+                ({"input": "a b", "messages": msgs}, chat),
+                ({"input": [1, 2], "messages": msgs, "add_generation_prompt": False}, chat),
+                ({"input": "a b", "messages": []}, text),
+                ({"input": "a b", "messages": [{"content": "no role"}]}, text),
+            ]
+            for body, want in cases:
+                r = await h.post(f"{replica}{path}", json=body)
+                assert r.status_code == 200, (path, body, r.text)
+                assert r.json()["data"] == want["data"], (path, body)
+                assert r.json()["usage"] == want["usage"], (path, body)
+            # an empty conversation with a chat-only field set: the chat form runs, and the
+            # simulated template refuses an empty conversation
+            r = await h.post(
+                f"{replica}{path}",
+                json={"input": "a b", "messages": [], "add_generation_prompt": True},
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            # through the gateway: the engine's answer, charged at least what it ran
+            body = {"input": "a b", "messages": msgs}
+            r = await h.post(path, json=body)
+            assert r.status_code == 200 and r.json()["data"] == chat["data"], r.text
+            ep = {"/v1/embeddings": "embeddings"}.get(path, path[1:])
+            d = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
+            assert d.prompt_tokens >= chat["usage"]["prompt_tokens"]

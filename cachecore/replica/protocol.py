@@ -276,11 +276,18 @@ class _PoolingBase(BaseModel):
         return keep
 
 
+_CHAT_ONLY_FIELDS = frozenset(
+    ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
+)
+"""Fields vLLM's pooling chat form declares and its completion form does not (vLLM 0.33's
+``ChatRequestOptionsMixin``; its ``media_io_kwargs`` is not read here)."""
+
+
 class PoolingInputRequest(_PoolingBase, _ChatRendering):
     """vLLM's pooling requests over one input each (embeddings, /pooling, /classify), in
     either of vLLM's two forms: the completion form (``input``: a string, token ids or a
-    batch of either) or the chat form (``messages``, rendered with the chat template; with
-    both, ``input`` wins, as vLLM's union tries the completion form first)."""
+    batch of either) or the chat form (``messages``, rendered with the chat template). With
+    both, the form vLLM's union runs (:attr:`chat`)."""
 
     input: list[int] | list[list[int]] | str | list[str] | None = None
     messages: list[Any] | None = None
@@ -292,7 +299,21 @@ class PoolingInputRequest(_PoolingBase, _ChatRendering):
 
     @property
     def chat(self) -> bool:
-        return self.input is None and self.messages is not None
+        """Whether the chat form runs. vLLM's request is a union of the two forms, and
+        pydantic's smart union runs the member with the most fields set, counting the
+        fields of nested typed dicts: each message's own keys count for the chat form, so
+        with both given the messages run whenever they are chat messages (objects with a
+        string ``role``), unless there are none and no chat-only field is set (a tie: the
+        completion form, the union's first member). Messages that are not chat messages
+        fail the chat form: the input runs."""
+        msgs = self.messages
+        if msgs is None:
+            return False
+        if self.input is None:
+            return True
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+            return False
+        return bool(msgs) or bool(self.model_fields_set & _CHAT_ONLY_FIELDS)
 
     def special_tokens(self) -> bool:
         if self.add_special_tokens is not None:
@@ -303,11 +324,11 @@ class PoolingInputRequest(_PoolingBase, _ChatRendering):
         """One engine request per element of a batch (a list of strings or of token
         arrays), as vLLM runs them; a string or a token array alone is one. Empty: a 400.
         The chat form is one prompt, rendered by the caller."""
+        if self.chat:
+            return []
         inp = self.input
         if inp is None:
-            if self.messages is None:
-                raise APIError("Field required: 'input' (or 'messages')", param="input")
-            return []
+            raise APIError("Field required: 'input' (or 'messages')", param="input")
         if isinstance(inp, str) or (inp and isinstance(inp[0], int)):
             return [inp]
         if not inp:
