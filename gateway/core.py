@@ -1465,8 +1465,9 @@ class Gateway:
         (its id in ``body["response_id"]``, put there by :class:`~gateway.app.Completions`).
         The engine that stored the response holds its conversation and its KV, so it goes
         there and nowhere else: no other candidate, no retry elsewhere. An id that does not
-        open under the tenant (another tenant's, tampered, unknown) and one whose replica
-        has left the pool are the engine's 404; a replica out of service (cordoned,
+        open under the tenant and scope (another tenant's, another session's, tampered,
+        unknown) and one whose replica has left the pool (also while this request waited:
+        :meth:`replica_gone`) are the engine's 404; a replica out of service (cordoned,
         draining, ejected, unhealthy) a 503 ``no_replica`` with ``Retry-After``: its store
         may still hold the response when it is back. A follow-up is routed by load alone
         (its prompt's history is the engine's, unseen here), sized and charged as its own
@@ -1477,7 +1478,6 @@ class Gateway:
         tpol = pol.tenant(tenant)
         follow_up = endpoint == "responses"
         sealed = body.get("previous_response_id") if follow_up else body.get("response_id")
-        rep = None
         if follow_up:
             model, model_given = self._request_model(body)
             stream_requested(body)  # a 400 before any work
@@ -1486,7 +1486,7 @@ class Gateway:
             # a retrieval names no model: its replica's serves it (opened below)
             model_given, model = True, ""
             base_model = ""
-        scope, _ = self.resolve_scope(tenant, tpol, headers, body, model, base_model or None)
+        scope, session = self.resolve_scope(tenant, tpol, headers, body, model, base_model or None)
         if follow_up and scope.kind is ScopeKind.REQUEST:
             # a per-request scope promises the engine keeps nothing of the request for a
             # later one: its responses are not stored (upstream_body), nor continued;
@@ -1496,20 +1496,20 @@ class Gateway:
                 "send the conversation in 'input' instead",
                 "previous_response_id",
             )
-        opened = self.response_ids.open(tenant, sealed)
-        if opened is not None:
-            rep = self.pool.get(opened[0])
-        if opened is None or rep is None:
-            # not this tenant's, or its replica (and the engine's store with it) is gone
+        opened = self.response_ids.open(tenant, scope, sealed)
+        if opened is None and not follow_up and session and scope.kind is not ScopeKind.SESSION:
+            # a retrieval names no model, so a scope that a model's sensitivity (or the POST's
+            # header) made the session's resolves as shared here: the session it names is
+            # tried too (its id admits a request to that session's cache anyway). A
+            # follow-up is opened in its own scope alone: a chain does not leave its scope.
+            scope = Scope(ScopeKind.SESSION, session)
+            opened = self.response_ids.open(tenant, scope, sealed)
+        if opened is None:
+            # not this tenant's or this scope's, tampered, forged, unknown
             raise _response_not_found(sealed)
+        rep = self._pinned_replica(opened[0], sealed, follow_up)
         if not follow_up:
             base_model = model = next(iter(_base_models(rep)), "")
-        if not rep.routable(time.monotonic()):
-            raise self.pool.no_replica_error(
-                "the replica holding this response is out of service; it is served by that "
-                "replica alone",
-                "previous_response_id" if follow_up else None,
-            )
         mpool = pol.models.pool(base_model)
         n_prompt = 0
         priority: tuple[int | None, bool] = (None, False)
@@ -1526,6 +1526,9 @@ class Gateway:
                 {**view, "messages": text_only}, cs, self.settings.tokenize_offload_chars
             )
             n_prompt = len(ids) + media_parts * mpool.media_part_tokens
+            # removed or taken out of service while it was tokenized: the answers above
+            # (no await from here to the decision)
+            rep = self._pinned_replica(opened[0], sealed, follow_up)
         self.stages.add("parse", time.perf_counter_ns() - t0)
         salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)
         coeffs = self.fit.coefficients()
@@ -1538,7 +1541,6 @@ class Gateway:
             scope_key=scope.routing_key(),
         )
         decision, cands = self._decide(req, cands, coeffs, None, model, explain_only)
-        assert opened is not None
         engine_id = opened[1]
         d = Dispatch(
             request_id=request_id,
@@ -1573,6 +1575,32 @@ class Gateway:
         self._admit(d, tpol)
         return d
 
+    def _pinned_replica(self, replica_id: str, sealed: object, follow_up: bool) -> Replica:
+        """The replica a sealed id names, for a request pinned to it (D30): gone from the
+        pool, the engine's 404 (its store went with it); out of service, a 503."""
+        assert self.pool is not None
+        rep = self.pool.get(replica_id)
+        if rep is None:
+            raise _response_not_found(sealed)
+        if not rep.routable(time.monotonic()):
+            raise self.pool.no_replica_error(
+                "the replica holding this response is out of service; it is served by that "
+                "replica alone",
+                "previous_response_id" if follow_up else None,
+            )
+        return rep
+
+    def replica_gone(self, d: Dispatch) -> GatewayError:
+        """The answer to a request whose replica left the pool after it was routed, no
+        other taking it: for one pinned by a sealed id (D30) the 404 :meth:`prepare` gives
+        (the engine's store went with the replica), else the 503 ``no_replica``."""
+        assert self.pool is not None
+        if d.endpoint == RESPONSE_GET:
+            return _response_not_found(d.body.get("response_id"))
+        if d.previous is not None:
+            return _response_not_found(d.previous[1])
+        return self.pool.no_replica_error("no replica available")
+
     def answer_rewrites(
         self, d: Dispatch, answer: Mapping[str, Any] | None = None
     ) -> list[tuple[bytes, bytes]]:
@@ -1587,7 +1615,7 @@ class Gateway:
         if d.endpoint == RESPONSE_GET:
             sealed = str(d.body.get("response_id"))
         else:
-            sealed = self.response_ids.seal(d.tenant, d.replica, d.response_id)
+            sealed = self.response_ids.seal(d.tenant, d.scope, d.replica, d.response_id)
         out = [(d.response_id.encode(), sealed.encode())]
         if d.previous is not None:
             out.append((d.previous[0].encode(), d.previous[1].encode()))
@@ -1601,7 +1629,8 @@ class Gateway:
             # a retrieved follow-up names its previous response by the engine's id, which
             # the same replica stored: sealed as the client was given it (the seal is
             # deterministic; under today's primary secret)
-            out.append((prev.encode(), self.response_ids.seal(d.tenant, d.replica, prev).encode()))
+            resealed = self.response_ids.seal(d.tenant, d.scope, d.replica, prev)
+            out.append((prev.encode(), resealed.encode()))
         return out
 
     def _request_model(self, body: dict[str, Any]) -> tuple[str, bool]:

@@ -34,7 +34,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.core import Dispatch, Gateway, Outcome
-from gateway.errors import engine_error_body, error_body, sse_error_event
+from gateway.errors import GatewayError, engine_error_body, error_body, sse_error_event
 from gateway.settings import GatewaySettings
 from gateway.upstream import MalformedResponseError, UpstreamResponse
 
@@ -283,6 +283,12 @@ class UpstreamExchange(Response):
             headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
         await conn.answer(status, headers, body)
 
+    async def _send_refusal(self, conn: ClientConnection, err: GatewayError) -> None:
+        """``err`` answered as :meth:`prepare`'s refusals are (its param and type too)."""
+        self.status = err.status
+        self._settled = True
+        await conn.answer(err.status, err.header_pairs(self.d.request_id), orjson.dumps(err.body()))
+
     # ------------------------------------------------------------------ exchange
     async def _run(self, conn: ClientConnection) -> None:
         gw, d = self.gw, self.d
@@ -303,9 +309,11 @@ class UpstreamExchange(Response):
                 if rep is None:  # removed meanwhile
                     if gw.reroute(d, d.replica):
                         continue
-                    err = gw.pool.no_replica_error("no replica available")
-                    await self._send_error(conn, err.status, err.message, "no_replica", err.headers)
-                    self._finish(Outcome(503, None, time.perf_counter() - t0, None, None, None))
+                    err = gw.replica_gone(d)
+                    await self._send_refusal(conn, err)
+                    self._finish(
+                        Outcome(err.status, None, time.perf_counter() - t0, None, None, None)
+                    )
                     return
                 payload = gw.upstream_body(d)
                 sent = headers

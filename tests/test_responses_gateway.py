@@ -288,16 +288,23 @@ async def test_each_tenant_salted_and_a_request_scope_cannot_chain(tmp_path: Pat
             assert r.json()["error"]["param"] == "previous_response_id"
 
 
+_ACME = Scope(ScopeKind.TENANT, "acme")  # a shared scope: the id binds the tenant alone
+_OTHER = Scope(ScopeKind.TENANT, "other")
+
+
 def test_sealed_ids_bind_the_tenant_hide_the_replica_and_survive_a_rotation() -> None:
     old, new = b"o" * 32, b"n" * 32
-    sealed = ResponseIds([old]).seal("acme", "http://10.0.0.7:8000", "resp_abc")
-    assert ResponseIds([old]).open("acme", sealed) == ("http://10.0.0.7:8000", "resp_abc")
-    assert ResponseIds([old]).open("other", sealed) is None  # another tenant's: nothing
+    sealed = ResponseIds([old]).seal("acme", _ACME, "http://10.0.0.7:8000", "resp_abc")
+    assert ResponseIds([old]).open("acme", _ACME, sealed) == ("http://10.0.0.7:8000", "resp_abc")
+    assert ResponseIds([old]).open("other", _OTHER, sealed) is None  # another tenant's
     # rotated: the old secret still listed second opens it; once dropped, it does not
-    assert ResponseIds([new, old]).open("acme", sealed) == ("http://10.0.0.7:8000", "resp_abc")
-    assert ResponseIds([new]).open("acme", sealed) is None
-    fresh = ResponseIds([new, old]).seal("acme", "r1", "resp_x")
-    assert ResponseIds([new]).open("acme", fresh) == ("r1", "resp_x")  # under the primary
+    assert ResponseIds([new, old]).open("acme", _ACME, sealed) == (
+        "http://10.0.0.7:8000",
+        "resp_abc",
+    )
+    assert ResponseIds([new]).open("acme", _ACME, sealed) is None
+    fresh = ResponseIds([new, old]).seal("acme", _ACME, "r1", "resp_x")
+    assert ResponseIds([new]).open("acme", _ACME, fresh) == ("r1", "resp_x")  # the primary
     # the replica's id and the engine's do not show in the id
     raw = base64.urlsafe_b64decode(sealed[len(SEALED_PREFIX) :] + "==")
     assert b"10.0.0.7" not in raw and b"abc" not in raw and "10.0.0.7" not in sealed
@@ -306,10 +313,10 @@ def test_sealed_ids_bind_the_tenant_hide_the_replica_and_survive_a_rotation() ->
     for i in range(len(body)):
         body[i] ^= 1
         bad = SEALED_PREFIX + base64.urlsafe_b64encode(bytes(body)).rstrip(b"=").decode()
-        assert ResponseIds([old]).open("acme", bad) is None
+        assert ResponseIds([old]).open("acme", _ACME, bad) is None
         body[i] ^= 1
     for junk in (None, 5, "", "resp_", SEALED_PREFIX, SEALED_PREFIX + "!!", "x" * 5000):
-        assert ResponseIds([old]).open("acme", junk) is None
+        assert ResponseIds([old]).open("acme", _ACME, junk) is None
 
 
 async def test_the_asgi_routes_serve_responses_as_the_hot_path() -> None:
@@ -356,8 +363,8 @@ def test_a_sealed_id_opens_under_its_one_encoding_only() -> None:
     # one sealed id had many spellings, each opening to the same response
     ids = ResponseIds([b"k" * 32])
     for n in range(40, 46):  # each length mod 3: a last character with spare bits or none
-        sealed = ids.seal("acme", "r1", "resp_" + "a" * n)
-        assert ids.open("acme", sealed) == ("r1", "resp_" + "a" * n)
+        sealed = ids.seal("acme", _ACME, "r1", "resp_" + "a" * n)
+        assert ids.open("acme", _ACME, sealed) == ("r1", "resp_" + "a" * n)
         text = sealed[len(SEALED_PREFIX) :]
         variants = [SEALED_PREFIX + text[:10] + c + text[10:] for c in ('"', "\\", ".", " ", "\n")]
         variants.append(sealed + "==")
@@ -366,7 +373,7 @@ def test_a_sealed_id_opens_under_its_one_encoding_only() -> None:
         variants += [sealed[:-1] + c for c in alphabet if c != sealed[-1]]
         for other in variants:
             if other != sealed:
-                assert ids.open("acme", other) is None, (other, sealed)
+                assert ids.open("acme", _ACME, other) is None, (other, sealed)
 
 
 async def test_a_respelled_sealed_id_is_a_404_and_never_reaches_the_answer() -> None:
@@ -622,3 +629,184 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
                 assert r.json()["error"]["param"] == "input", r.text
         assert _count(m.decisions) == decided
         assert await _engine_requests(st) == ran
+
+
+def test_a_sealed_id_binds_an_isolating_scope_and_shared_ids_open_as_before() -> None:
+    # review of D30: an id bound to the tenant alone opened in every session of it
+    ids = ResponseIds([b"o" * 32])
+    one = Scope(ScopeKind.SESSION, "acme/one")
+    sealed = ids.seal("acme", one, "r1", "resp_abc")
+    assert ids.open("acme", one, sealed) == ("r1", "resp_abc")
+    for elsewhere in (
+        Scope(ScopeKind.SESSION, "acme/two"),  # another session of the tenant
+        Scope(ScopeKind.REQUEST, "acme/one"),  # the same name, another kind
+        _ACME,  # the tenant's shared scope
+        Scope(ScopeKind.GROUP, "g"),
+    ):
+        assert ids.open("acme", elsewhere, sealed) is None, elsewhere
+    assert ids.open("other", Scope(ScopeKind.SESSION, "acme/one"), sealed) is None
+    # an id sealed before scopes were bound (this very string, from the code before the
+    # change): a shared scope binds the same bytes, so it still opens, and is sealed alike
+    before = "resp_kvg1rJFziJTbZ7oj54fX-LyOYgx6LD31isqk8XIqgA"
+    assert ids.seal("acme", _ACME, "r1", "resp_abc") == before
+    for shared in (_ACME, Scope(ScopeKind.GROUP, "g")):  # a trust group shares no content
+        assert ids.open("acme", shared, before) == ("r1", "resp_abc")
+    # ...but not in a session: one made there before the change is a 404 in it now
+    assert ids.open("acme", one, before) is None
+    # rotation as for any id: the old secret listed second still opens a session's
+    rotated = ResponseIds([b"n" * 32, b"o" * 32])
+    assert rotated.open("acme", one, sealed) == ("r1", "resp_abc")
+    assert rotated.open("acme", Scope(ScopeKind.SESSION, "acme/two"), sealed) is None
+
+
+def _upstream_calls(gw: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths the gateway sends upstream from now on (a spy on its upstream client)."""
+    calls: list[str] = []
+    post = gw.upstream.post
+
+    async def spy(url: str, path: str, *args: Any, **kw: Any) -> Any:
+        calls.append(path)
+        return await post(url, path, *args, **kw)
+
+    monkeypatch.setattr(gw.upstream, "post", spy)
+    return calls
+
+
+async def test_another_session_of_the_tenant_gets_the_404_and_shared_ids_still_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # s: every request in its session's scope; m: its requests to the model (all of them
+    # here) in their session's; a: shared (the default)
+    policy = (
+        "tenants:\n"
+        "  s: {sensitive: {default: session}}\n"
+        f"  m: {{sensitive: {{models: [{FAST.model}]}}}}\n"
+    )
+    keys = _keys(tmp_path, "asm")
+    async with stack(count=2, policy=policy, api_keys_file=keys) as st, st.http() as h:
+
+        def who(tenant: str, session: str | None = None) -> dict[str, str]:
+            out = {"authorization": f"Bearer sk-{tenant}"}
+            return out | ({"x-kvgate-session": session} if session else {})
+
+        body = {"model": st.model, "input": words(30, 1), "max_output_tokens": 2}
+        r = await h.post("/v1/responses", json=body, headers=who("s", "one"))
+        assert r.status_code == 200, r.text
+        mine = r.json()["id"]
+        calls = _upstream_calls(st.gw, monkeypatch)
+
+        def shown(resp: httpx.Response, rid: str) -> bytes:
+            err = resp.json()["error"]
+            return orjson.dumps({**err, "message": err["message"].replace(rid, "ID")})
+
+        follow = {**body, "input": "more", "previous_response_id": mine}
+        seen = set()
+        for headers in (who("s", "two"), who("s", "ONE"), who("a", "one")):
+            for r in (
+                await h.post("/v1/responses", json=follow, headers=headers),
+                await h.get(f"/v1/responses/{mine}", headers=headers),
+            ):
+                assert r.status_code == 404, r.text
+                seen.add(shown(r, mine))
+        forged = SEALED_PREFIX + "A" * 40
+        r = await h.get(f"/v1/responses/{forged}", headers=who("s", "two"))
+        seen.add(shown(r, forged))
+        # one answer, the same as a forged id's, and the engines never asked
+        assert len(seen) == 1, seen
+        assert calls == []
+        # no session at all: the tenant's scope is then per request, which cannot chain
+        r = await h.post("/v1/responses", json=follow, headers=who("s"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+        # the session that made it continues and retrieves it
+        r = await h.post("/v1/responses", json=follow, headers=who("s", "one"))
+        assert r.status_code == 200 and r.json()["previous_response_id"] == mine, r.text
+        second = r.json()["id"]
+        r = await h.get(f"/v1/responses/{second}", headers=who("s", "one"))
+        assert r.status_code == 200 and r.json()["previous_response_id"] == mine, r.text
+        assert len(calls) == 2
+        # a tenant whose scope is shared: a session header only steers stickiness (its
+        # sessions share the tenant's cache, so nothing isolates them), and its ids are bound
+        # to the tenant alone, as every id was before scopes were bound: another session of
+        # it, or none, continues the chain
+        r = await h.post("/v1/responses", json=body, headers=who("a", "one"))
+        shared = r.json()["id"]
+        for headers in (who("a", "two"), who("a")):
+            r = await h.post(
+                "/v1/responses", json={**follow, "previous_response_id": shared}, headers=headers
+            )
+            assert r.status_code == 200, r.text
+            assert (await h.get(f"/v1/responses/{shared}", headers=headers)).status_code == 200
+        # a model's sensitivity: a retrieval names no model, so its session is tried too;
+        # another session's, or none, is the 404
+        r = await h.post("/v1/responses", json=body, headers=who("m", "one"))
+        sens = r.json()["id"]
+        r = await h.get(f"/v1/responses/{sens}", headers=who("m", "one"))
+        assert r.status_code == 200 and r.json()["id"] == sens, r.text
+        for headers in (who("m", "two"), who("m")):
+            r = await h.get(f"/v1/responses/{sens}", headers=headers)
+            assert r.status_code == 404 and shown(r, sens) in seen, r.text
+        r = await h.post(
+            "/v1/responses", json={**follow, "previous_response_id": sens}, headers=who("m", "one")
+        )
+        assert r.status_code == 200, r.text
+
+
+async def test_a_replica_removed_after_routing_is_the_404_of_a_removed_replica(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # review of D30: a replica removed between the routing and the send answered a pinned
+    # request 503 no_replica, where a removed replica's chains are a 404. Removed here at
+    # two points, deterministically: while a follow-up is tokenized (inside prepare), and
+    # after prepare returned, before the exchange sends
+    from gateway.tokenization import LocalPromptTokenizer
+
+    async with stack(count=1) as st, st.http() as h:
+        pool = st.gw.pool
+        assert pool is not None
+        body = {"model": st.model, "input": words(30, 1), "max_output_tokens": 2}
+        r = await h.post("/v1/responses", json=body)
+        rid = r.json()["id"]
+        spec = pool.all()[0].spec
+        follow = {**body, "input": "more", "previous_response_id": rid}
+        r = await h.post("/v1/responses", json={**follow, "previous_response_id": "resp_no"})
+        unknown = r.json()["error"]
+        assert r.status_code == 404
+
+        def same_404(resp: httpx.Response, sent: str) -> None:
+            assert resp.status_code == 404, resp.text
+            err = resp.json()["error"]
+            assert {**err, "message": err["message"].replace(sent, "resp_no")} == unknown
+
+        calls = _upstream_calls(st.gw, monkeypatch)
+        chat = LocalPromptTokenizer.chat
+
+        async def removed_while_tokenized(self: Any, *args: Any, **kw: Any) -> Any:
+            pool.remove(spec.id)
+            return await chat(self, *args, **kw)
+
+        monkeypatch.setattr(LocalPromptTokenizer, "chat", removed_while_tokenized)
+        same_404(await h.post("/v1/responses", json=follow), rid)
+        monkeypatch.setattr(LocalPromptTokenizer, "chat", chat)
+        pool.add(spec)
+
+        prepare = st.gw.prepare
+
+        async def removed_after_routing(*args: Any, **kw: Any) -> Any:
+            d = await prepare(*args, **kw)
+            pool.remove(d.replica)
+            return d
+
+        monkeypatch.setattr(st.gw, "prepare", removed_after_routing)
+        same_404(await h.post("/v1/responses", json=follow), rid)
+        pool.add(spec)
+        same_404(await h.get(f"/v1/responses/{rid}"), rid)
+        pool.add(spec)
+        # a request not pinned has no store to lose: still the 503 no_replica
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica", r.text
+        pool.add(spec)
+        assert calls == []  # none of them reached the engine
+        monkeypatch.setattr(st.gw, "prepare", prepare)
+        r = await h.post("/v1/responses", json=follow)
+        assert r.status_code == 200, r.text  # back: the chain goes on
+        assert _count(st.gw.metrics.requests, endpoint="responses", status="404") == 3
