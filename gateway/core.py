@@ -102,6 +102,8 @@ from gateway.tokenization import (
     check_alignment,
     completion_batch_size,
     completion_prompt,
+    pair_texts,
+    pooling_padding,
     pooling_pairs,
     pooling_truncation,
     request_truncation,
@@ -1349,6 +1351,9 @@ class Gateway:
                     f"request ({cap}): send them in smaller batches",
                     field,
                 )
+        # vLLM pads each engine request to the context: sized so below (a 400 before routing
+        # for a value it refuses)
+        padded = pooled and pooling_padding(body)
         reps = self._routable(model)
         tpol = pol.tenant(tenant)
         priority: tuple[int | None, bool] = (None, False)
@@ -1364,6 +1369,19 @@ class Gateway:
         if pooled:
             t0 = time.perf_counter_ns()
             trunc = pooling_truncation(body, lambda: _context_len(reps, model, base_model))
+            pad = _context_len(reps, model, base_model) if padded else None
+            if padded and pad is None:
+                raise bad_request(
+                    "'padding': 'max_length' makes the engine compute each prompt padded to "
+                    "the model's context, which the replicas' /v1/models cards do not give "
+                    "(or disagree on): this gateway cannot size it",
+                    "padding",
+                )
+
+            def size(ns: list[int]) -> int:
+                # padded, each engine request runs the whole context (a longer one is refused)
+                return sum(ns) if pad is None else sum(max(n, pad) for n in ns)
+
             off = self.settings.tokenize_offload_chars
             tokenizer = self.tokenizers.for_pool(model, mpool)
             local = isinstance(tokenizer, LocalPromptTokenizer)
@@ -1385,9 +1403,15 @@ class Gateway:
                 }  # fmt: skip
                 ids = await sizer.chat(chat_body, cs, off, trunc)
                 lengths = [len(ids) + media_parts * mpool.media_part_tokens]
+            n_prompt = size(lengths)
             if pairs is not None:
                 assert sizer is not None
-                lengths = await sizer.pair_lengths(pairs, cs, off, trunc)
+                n_prompt = size(await sizer.pair_lengths(pairs, cs, off, trunc))
+                if pad is not None:
+                    # an embedding model's score pads each text, a cross-encoder each pair
+                    n_prompt = max(
+                        n_prompt, pad * pair_texts(body, endpoint in _RERANK, len(pairs))
+                    )
             elif has_input:
                 if isinstance(tokenizer, LocalPromptTokenizer):
                     inputs = await tokenizer.prompt_lengths(body, cs, off, trunc, "input")
@@ -1396,9 +1420,7 @@ class Gateway:
                     inputs = await tokenizer.prompt_lengths(body, salt, off, field="input")
                     if trunc is not None:
                         inputs = [min(n, trunc.keep) for n in inputs]
-                if sum(inputs) >= sum(lengths):  # beside messages: the larger form
-                    lengths = inputs
-            n_prompt = sum(lengths)
+                n_prompt = max(n_prompt, size(inputs))  # beside messages: the larger form
             st.add("tokenize", time.perf_counter_ns() - t0)
         t0 = time.perf_counter_ns()
         salts = [self.minter.salt(scope)] if scope.ephemeral else self.minter.salts(scope)

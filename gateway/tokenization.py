@@ -300,6 +300,28 @@ def pooling_truncation(
 
 _TOP_N = TypeAdapter(Annotated[int, Field(ge=0)])
 
+
+def pooling_padding(body: Mapping[str, Any]) -> bool:
+    """Whether a pooling request pads its prompts to the model's context: vLLM's
+    ``padding`` (``Literal["max_length", "do_not_pad"] | None``; "max_length" pads each
+    engine request, after truncation, to the context, all of which the engine computes).
+    Anything else is a 400 naming it, as the engine would answer."""
+    value = body.get("padding")
+    if value is None or value == "do_not_pad":
+        return False
+    if value == "max_length":
+        return True
+    raise bad_request("'padding' must be 'max_length' or 'do_not_pad'", "padding")
+
+
+def pair_texts(body: Mapping[str, Any], rerank: bool, n_pairs: int) -> int:
+    """How many texts a /score or /rerank request holds (its query or ``text_1`` side and
+    one per pair): what an embedding model's score runs, one engine request per text,
+    where a cross-encoder runs one per pair. Read after :func:`pooling_pairs`."""
+    first = None if rerank else body.get("text_1")
+    return n_pairs + (len(first) if isinstance(first, list) else 1)
+
+
 _OTHER_SCORE_FORMS = ("queries", "documents", "items", "data_1", "data_2")
 """Fields of vLLM's other /score request forms (``queries``/``documents``,
 ``queries``/``items``, ``data_1``/``data_2``): its request union tries them before

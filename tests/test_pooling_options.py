@@ -7,10 +7,16 @@ request padded to the model's context by ``TokenizeParams.with_kwargs`` /
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from cachecore.replica.settings import ReplicaSettings
 from tests.test_agent_helpers import counter_total
 from tests.test_gateway_support import stack, words
+
+CONTEXT = 256
+SMALL = ReplicaSettings(time_scale=0.05, max_model_len=CONTEXT)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -76,3 +82,50 @@ async def test_with_both_input_and_messages_the_replica_runs_what_vllm_runs() ->
             ep = {"/v1/embeddings": "embeddings"}.get(path, path[1:])
             d = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
             assert d.prompt_tokens >= chat["usage"]["prompt_tokens"]
+
+
+async def test_padding_to_max_length_is_charged_as_the_padded_prompts_the_engine_runs() -> None:
+    """``padding: "max_length"`` (vLLM's pooling requests, every endpoint) pads each engine
+    request to the model's context, all of which the engine computes: a one-word input cost
+    the budget two tokens and the engine a whole context. Now each engine request is charged
+    the context the replicas' cards give (a pair: the larger of a cross-encoder's one per
+    pair and an embedding model's one per text); with no card's context it is a 400 naming
+    ``padding``, as is a value vLLM refuses; ``do_not_pad`` pads nothing."""
+    pad = {"padding": "max_length"}
+    bodies: dict[str, tuple[str, dict[str, Any], int, int]] = {
+        "embeddings": ("/v1/embeddings", {"input": ["a", "b c"]}, 2, 2),
+        "pooling": ("/pooling", {"input": "a"}, 1, 1),
+        "classify": ("/classify", {"messages": [{"role": "user", "content": "hi"}]}, 1, 1),
+        "score": ("/score", {"text_1": "q", "text_2": ["a", "b"]}, 2, 3),
+        "score_v1": ("/v1/score", {"text_1": ["q", "r"], "text_2": ["a", "b"]}, 2, 4),
+        "rerank_v2": ("/v2/rerank", {"query": "q", "documents": ["a", "b", "c"]}, 3, 4),
+    }
+    async with stack(count=1, replica=SMALL) as st, st.http() as h:
+        for ep, (path, body, engine_runs, charged) in bodies.items():
+            r = await h.post(path, json={**body, **pad})
+            assert r.status_code == 200, (path, r.text)
+            assert r.json()["usage"]["prompt_tokens"] == engine_runs * CONTEXT, path
+            d = await st.gw.prepare(ep, "anonymous", {**body, **pad}, {}, "x", True)
+            assert d.prompt_tokens == charged * CONTEXT, ep
+            plain = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
+            off = await st.gw.prepare(
+                ep, "anonymous", {**body, "padding": "do_not_pad"}, {}, "x", True
+            )
+            assert off.prompt_tokens == plain.prompt_tokens < CONTEXT, ep
+        routed = counter_total(st.gw.metrics.decisions)
+        for bad in ("longest", True, 1, "MAX_LENGTH"):
+            r = await h.post("/pooling", json={"input": "a", "padding": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "padding", r.text
+        assert st.gw.pool is not None
+        for rep in st.gw.pool.all():
+            for card in rep.cards.values():
+                card.pop("max_model_len", None)
+        r = await h.post("/classify", json={"input": "a", **pad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "padding", r.text
+        assert counter_total(st.gw.metrics.decisions) == routed  # refused before routing
+    policy = "default_tenant:\n  limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 400}"
+    async with stack(count=1, replica=SMALL, policy=policy) as st, st.http() as h:
+        r = await h.post("/v1/embeddings", json={"input": "a", **pad})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == CONTEXT, r.text
+        r = await h.post("/v1/embeddings", json={"input": "a", **pad})
+        assert r.status_code == 429 and r.json()["error"]["limit"] == "uncached_tokens", r.text

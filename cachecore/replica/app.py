@@ -673,6 +673,9 @@ def create_app(replica: SimReplica) -> FastAPI:
             ids = await input_ids(req, salt)
         else:
             ids = await pair_ids(req, salt)
+        pad = req.padded_len(replica.core.max_model_len)
+        if pad is not None:  # the tokenizer's pad token (its EOS), after any truncation
+            ids = [p + [tok.eos_token_id] * (pad - len(p)) for p in ids]
         rid = engine_id(request, req) or uuid.uuid4().hex
         got_all = await run_pooled(request, prefix, rid, ids, salt, lora)
         if got_all is None:

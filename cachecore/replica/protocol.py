@@ -250,12 +250,19 @@ class _PoolingBase(BaseModel):
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=2**63 - 1)] | None = None
+    # vLLM's (TokenizeParams.with_kwargs): "max_length" pads each prompt, after its
+    # truncation, with the pad token to the model's context, all of which the engine runs
+    padding: Literal["max_length", "do_not_pad"] | None = None
     priority: _INT64 = 0  # read, not acted on (the engine schedules first come, first served)
     request_id: str | None = None
     cache_salt: Any = None  # validated by hand, as the generation requests' (vLLM's message)
 
     def check_fields(self) -> None:
         """The endpoint's own refusals that vLLM makes before it reads the prompts."""
+
+    def padded_len(self, max_model_len: int) -> int | None:
+        """The length ``padding`` pads each prompt to (None: none)."""
+        return max_model_len if self.padding == "max_length" else None
 
     def truncation(self, max_model_len: int) -> int | None:
         """How many tokens of each input the engine keeps (None: all; -1: the model's
