@@ -10,8 +10,9 @@ non-Harmony models:
 
 - a message ``{role, content}`` (content a string or ``input_text`` / ``output_text``
   parts): a user, system or developer one as that message (parts joined by newlines, as
-  vLLM's chat parser joins them); an assistant one as an assistant message of its *first*
-  part's text;
+  vLLM's chat parser joins them), with its string ``name`` and a developer's ``tools``
+  (vLLM passes the item to its chat parser whole, which keeps both for the template); an
+  assistant one as an assistant message of its *first* part's text (no name);
 - ``function_call`` ``{call_id, name, arguments}``: an assistant message with
   ``tool_calls: [{id: call_id, function: {name, arguments}, type: "function"}]``;
 - ``function_call_output`` ``{call_id, output}``: ``{role: "tool", content: output,
@@ -87,7 +88,15 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 )
             texts = _content_texts(item.get("content"), i)
             if role != "assistant":
-                out.append({"role": role, "content": "\n".join(t for t in texts if t)})
+                msg: dict[str, Any] = {"role": role, "content": "\n".join(t for t in texts if t)}
+                # vLLM hands this item to its chat parser whole (its request model allows
+                # extra fields, the items too), which keeps a string name and a
+                # developer's tools for the template: rendered, they are prompt to size
+                if isinstance(item.get("name"), str):
+                    msg["name"] = item["name"]
+                if role == "developer" and item.get("tools") is not None:
+                    msg["tools"] = item["tools"]
+                out.append(msg)
                 continue
             text = texts[0] if texts else ""  # vLLM reads an assistant's first part only
             if prev is not None and prev.get("content") is None:
