@@ -54,7 +54,7 @@ from cachecore.registry import (
 )
 from cachecore.replica.fleet import Fleet, run_fleet
 from cachecore.replica.settings import ReplicaEndpoints
-from cachecore.testing import RedisServer, free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer, free_port
 from gateway.core import Gateway
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
@@ -149,10 +149,10 @@ async def stack(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[Stac
     async with run_fleet(replica_settings(num_blocks=1024), count=1) as fleet:
         if kind == "redis":
             server: RedisServer = request.getfixturevalue("redis_own")
-            s = Stack(
-                kind, fleet, server.url, RedisIndex.from_url(server.url, socket_timeout_s=5.0),
-                RedisRegistry.from_url(server.url), None,
-            )  # fmt: skip
+            index = RedisIndex.from_url(
+                server.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+            )
+            s = Stack(kind, fleet, server.url, index, RedisRegistry.from_url(server.url), None)
         else:
             s = Stack(kind, fleet, None, MemoryIndex(), MemoryRegistry(), MemoryLoadStore())
         try:
@@ -438,7 +438,9 @@ async def test_forget_says_why_a_handed_over_replica_is_still_registered(
     stop while its engine served is named as such, with the two ways out."""
     from tests.test_h24_index_cli import L, cli, kvgate_in_thread
 
-    index = RedisIndex.from_url(redis_url, L, socket_timeout_s=5.0)
+    index = RedisIndex.from_url(
+        redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     registry = RedisRegistry.from_url(redis_url, L)
     r = Rig(index, handover_window_s=WINDOW_S)
     try:

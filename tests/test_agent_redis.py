@@ -34,7 +34,12 @@ def toks(start: int, n_blocks: int) -> list[int]:
 
 
 def _index(url: str) -> RedisIndex:
-    return RedisIndex.from_url(url, KeyLayout("kvgt"), socket_timeout_s=2.0)
+    return RedisIndex.from_url(
+        url,
+        KeyLayout("kvgt"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
 
 
 @pytest.fixture

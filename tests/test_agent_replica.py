@@ -23,7 +23,7 @@ from cachecore.keys import BlockKey
 from cachecore.kvevents import Encoding
 from cachecore.replica.fleet import Fleet, run_fleet
 from cachecore.replica.settings import ReplicaEndpoints, ReplicaSettings
-from cachecore.testing import RedisServer
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from tests.test_agent_helpers import counter_total, salt, until
 
 BLOCK = 16
@@ -154,7 +154,12 @@ async def test_exact_index_through_eviction_and_every_fault(
     fleet1: Fleet, redis_own: RedisServer
 ) -> None:
     ep = fleet1.endpoints[0]
-    index = RedisIndex.from_url(redis_own.url, KeyLayout("kvgacc"), socket_timeout_s=2.0)
+    index = RedisIndex.from_url(
+        redis_own.url,
+        KeyLayout("kvgacc"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     wl = Workload()
     agent = Agent(agent_settings(ep), index)
     try:

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from cachecore.index.redis import redis_client
 from cachecore.replica.settings import ReplicaSettings
-from cachecore.testing import RedisServer
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from gateway.auth import (
     KeyFileError,
     KeyReload,
@@ -285,7 +285,9 @@ async def test_a_key_that_cannot_be_checked_gets_503_not_401(redis_own: RedisSer
     mid-test: a key Redis confirmed works within KVGATE_API_KEYS_STALE_S, then gets a
     retryable 503 (a 401 would tell the client its valid key is wrong); so does a key Redis
     never answered for."""
-    seed = redis_client(redis_own.url, socket_timeout_s=1.0, connect_timeout_s=1.0)
+    seed = redis_client(
+        redis_own.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     await seed.hset("kvg:apikeys", mapping={hash_key("sk-r"): "acme"})
     await seed.aclose()
     async with (

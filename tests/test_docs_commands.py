@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachecore.agent.metrics import AgentMetrics
 from cachecore.agent.settings import AgentSettings
 from cachecore.replica.settings import ReplicaSettings
+from cachecore.testing import PATIENT_TIMEOUT_S
 from gateway.cli import SUBCOMMANDS
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
@@ -498,8 +499,14 @@ async def test_the_runbooks_acl_commands_make_working_agent_and_gateway_users() 
         agent_user = next(u for u, (_, rest) in users.items() if rest)  # it names its replica
         replica = users[agent_user][1][0]
         gateway_user = next(u for u in users if u != agent_user)
-        agent = RedisIndex.from_url(url(agent_user))
-        gateway = RedisIndex.from_url(url(gateway_user))
+        agent = RedisIndex.from_url(
+            url(agent_user), socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+        )
+        gateway = RedisIndex.from_url(
+            url(gateway_user),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
         key = b"k" * 16
         try:
             epoch = await agent.clear_replica(replica, ReplicaState.LIVE, 1)

@@ -236,12 +236,18 @@ async def test_the_gateway_reads_the_agents_key_namespace(redis_url: str) -> Non
     with pytest.raises(ValueError, match="invalid key prefix"):
         GatewaySettings(key_prefix="no spaces")
     layout = KeyLayout("team-a")
-    agent_index = RedisIndex.from_url(redis_url, layout)
+    agent_index = RedisIndex.from_url(
+        redis_url, layout, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     agent_reg = RedisRegistry.from_url(redis_url, layout)
     plain = redis.Redis.from_url(redis_url)
     gw = build_gateway(
         GatewaySettings(
-            redis_url=redis_url, key_prefix="team-a", api_keys_redis=True, discover=True
+            redis_url=redis_url,
+            key_prefix="team-a",
+            api_keys_redis=True,
+            api_keys_redis_timeout_s=PATIENT_TIMEOUT_S,
+            discover=True,
         )
     )
     try:
@@ -308,7 +314,12 @@ async def test_gateway_routes_a_repeated_prefix_from_agents_writes_on_the_cluste
         connect_timeout_s=PATIENT_TIMEOUT_S,
     )
     registry = RedisRegistry.from_url(cluster_url, cluster=True)
-    loads = RedisLoadStore.from_url(cluster_url, cluster=True)
+    loads = RedisLoadStore.from_url(
+        cluster_url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     try:
         async with (
             run_fleet(FAST, count=2) as fleet,
@@ -332,8 +343,9 @@ async def test_gateway_routes_a_repeated_prefix_from_agents_writes_on_the_cluste
             specs = [f"{rid}={ep.url}" for rid, ep in zip(ids, fleet.endpoints, strict=True)]
             settings = GatewaySettings(
                 replicas=specs, redis_url=cluster_url, redis_cluster=True,
-                api_keys_redis=True, discover=True, port=free_port(),
-                salt_secrets=[SecretStr(SECRET)], admin_key=SecretStr(ADMIN), seed=7,
+                api_keys_redis=True, api_keys_redis_timeout_s=PATIENT_TIMEOUT_S, discover=True,
+                port=free_port(), salt_secrets=[SecretStr(SECRET)], admin_key=SecretStr(ADMIN),
+                seed=7,
             )  # fmt: skip
             # what is tested is that the cluster answers, not the 5 ms lookup budget: a
             # loaded CI machine may let one cluster lookup overrun it (seen once)

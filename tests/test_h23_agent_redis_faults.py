@@ -7,7 +7,7 @@ import pytest
 
 from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex
-from cachecore.testing import RedisServer
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from tests.test_agent_helpers import BS, Rig, until
 
 
@@ -16,7 +16,12 @@ def toks(start: int, n_blocks: int) -> list[int]:
 
 
 def _index(url: str) -> RedisIndex:
-    return RedisIndex.from_url(url, KeyLayout("kvgt"), socket_timeout_s=2.0)
+    return RedisIndex.from_url(
+        url,
+        KeyLayout("kvgt"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
 
 
 @pytest.mark.redis

@@ -30,7 +30,7 @@ from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import IndexWrite, Tier
 from cachecore.loadstate import EngineLoad, RedisLoadStore
 from cachecore.registry import RedisRegistry, Registration
-from cachecore.testing import RedisClusterServers
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisClusterServers
 from gateway import index_cli
 from gateway.cli import main
 from tests.test_agent_helpers import BS, Rig, until
@@ -100,7 +100,9 @@ async def fleet(redis_url: str) -> AsyncIterator[tuple[RedisIndex, str]]:
     * ``gone``: its agent left an hour ago (no registration), 3 stored entries, a removal
       log, an in-flight record and the pending zset of its old epoch;
     * ``ghost``: no meta at all, only an orphaned block hash of epoch 3 (a meta lost)."""
-    index = RedisIndex.from_url(redis_url, L, socket_timeout_s=5.0)
+    index = RedisIndex.from_url(
+        redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     registry = RedisRegistry(index.client, L)
     load = RedisLoadStore(index.client, L, clock="caller")  # writes of the past: old now_ms
     now = now_ms()
@@ -359,7 +361,9 @@ def toks(start: int, n_blocks: int) -> list[int]:
 
 @pytest.fixture
 async def agent_rig(redis_url: str) -> AsyncIterator[tuple[Rig, RedisRegistry, str]]:
-    index = RedisIndex.from_url(redis_url, L, socket_timeout_s=5.0)
+    index = RedisIndex.from_url(
+        redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     registry = RedisRegistry.from_url(redis_url, L)
     r = Rig(index)
     yield r, registry, redis_url
@@ -502,7 +506,13 @@ async def test_stats_and_forget_on_redis_cluster(
 
     per_shard = pick_per_shard(redis_cluster, [f"c{i}" for i in range(64)], 2)
     rids = sorted(rid for pair in per_shard.values() for rid in pair)
-    index = RedisIndex.from_url(cluster_url, L, cluster=True, socket_timeout_s=5.0)
+    index = RedisIndex.from_url(
+        cluster_url,
+        L,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     admin = RedisCluster.from_url(cluster_url)
     try:
         old = now_ms() - HOUR_MS

@@ -15,6 +15,7 @@ import pytest
 from cachecore.index.base import ReplicaState
 from cachecore.index.redis import RedisIndex
 from cachecore.loadstate import RedisLoadStore
+from cachecore.testing import PATIENT_TIMEOUT_S
 from tests.test_h24_index_cli import HOUR_MS, KEYS, L, cli, kvgate_in_thread, now_ms, replica_keys
 
 pytestmark = pytest.mark.redis
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.redis
 async def static(redis_url: str) -> AsyncIterator[tuple[RedisIndex, RedisLoadStore, str]]:
     """``static-a``: no agent, routed to just now (a pending entry, a gateway's in-flight
     record); ``gone``: an agent's replica left two hours ago, its gateways' entries too."""
-    index = RedisIndex.from_url(redis_url, L, socket_timeout_s=5.0)
+    index = RedisIndex.from_url(
+        redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     load = RedisLoadStore(index.client, L, clock="caller")  # writes of the past: old now_ms
     now = now_ms()
     await index.add_pending("static-a", KEYS[:2], 60_000, now)

@@ -22,10 +22,10 @@ from cachecore.index.base import ReplicaState
 from cachecore.index.layout import KeyLayout, agent_acl_rules, gateway_acl_rules
 from cachecore.index.redis import EntryCounts, RedisIndex, evicts_any_key
 from cachecore.lifecycle import IndexWrite, Tier
-from cachecore.testing import RedisServer
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from tests.test_agent_helpers import BS, Rig
 from tests.test_gateway_support import stack
-from tests.test_rogue_removal_floor import _as, _user, admin  # noqa: F401
+from tests.test_rogue_removal_floor import _as, _index_as, _user, admin  # noqa: F401
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 L = KeyLayout("kvgt")
@@ -52,7 +52,14 @@ async def test_an_evicting_redis_is_warned_of_and_its_losses_rewritten(
     b: hash is evicted (was: index holds 0 of 400 blocks; agent status 'ok'; no warning).
     Now an ERROR and the gauge at start, and the next index check rewrites the entries."""
     caplog.set_level(logging.INFO)
-    rig = Rig(RedisIndex.from_url(lru_server.url, L, socket_timeout_s=2.0))
+    rig = Rig(
+        RedisIndex.from_url(
+            lru_server.url,
+            L,
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
+    )
     try:
         agent = await rig.start()
         assert _evicting_errors(caplog), "no start-up ERROR about allkeys-lru"
@@ -104,7 +111,11 @@ async def test_entries_lost_under_a_kept_meta_are_rewritten(
     right), the b: hash or part of it, or mirror records, gone. The meta-only check saw
     nothing; the counts do, and the next check rewrites the replica from the mirror."""
     caplog.set_level(logging.ERROR)
-    rig = Rig(RedisIndex.from_url(redis_url, L))
+    rig = Rig(
+        RedisIndex.from_url(
+            redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+        )
+    )
     raw = aioredis.Redis.from_url(redis_url)
     try:
         agent = await rig.start()
@@ -141,7 +152,7 @@ async def test_entries_lost_under_a_kept_meta_are_rewritten(
 async def test_the_policy_is_read_and_judged(redis_url: str) -> None:
     """noeviction and volatile-* keep the index's keys (no TTL); allkeys-* do not. Read
     from INFO memory; where INFO lacks it, CONFIG GET (as an admin may)."""
-    index = RedisIndex.from_url(redis_url)
+    index = _index_as(redis_url)
     admin_client = aioredis.Redis.from_url(redis_url)
     try:
         for policy, bad in [
@@ -182,8 +193,8 @@ async def test_kvgates_acl_users_read_the_policy_and_the_counts(
     passwords too), so an ACL user whose INFO lacks the policy reads it as unknown."""
     await _user(admin, "agent-ev", agent_acl_rules("ev"))
     await _user(admin, "gw-ev", gateway_acl_rules())
-    agent = RedisIndex.from_url(_as(redis_url, "agent-ev"))
-    gateway = RedisIndex.from_url(_as(redis_url, "gw-ev"))
+    agent = _index_as(redis_url, "agent-ev")
+    gateway = _index_as(redis_url, "gw-ev")
     try:
         await admin.config_set("maxmemory-policy", "allkeys-lru")
         assert await agent.eviction_policies() == {"": "allkeys-lru"}
@@ -223,7 +234,11 @@ async def test_a_noeviction_redis_warns_of_nothing(
     caplog.set_level(logging.WARNING)
     async with stack(count=1, redis_url=redis_url) as st:
         assert st.gw.metrics.index_evicting._value.get() == 0
-    rig = Rig(RedisIndex.from_url(redis_url, L))
+    rig = Rig(
+        RedisIndex.from_url(
+            redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+        )
+    )
     try:
         agent = await rig.start()
         for i in range(3):
@@ -240,7 +255,12 @@ async def test_a_noeviction_redis_warns_of_nothing(
 
 @pytest.fixture
 async def cluster_index(cluster_url: str) -> AsyncIterator[RedisIndex]:
-    idx = RedisIndex.from_url(cluster_url, cluster=True, socket_timeout_s=5.0)
+    idx = RedisIndex.from_url(
+        cluster_url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     yield idx
     await idx.close()
 

@@ -27,6 +27,7 @@ import pytest
 from cachecore.index.base import ReplicaState
 from cachecore.index.redis import RedisIndex
 from cachecore.loadstate import RedisLoadStore
+from cachecore.testing import PATIENT_TIMEOUT_S
 from gateway import index_cli
 from tests.test_h24_index_cli import (
     HOUR_MS,
@@ -47,7 +48,9 @@ async def fleet(redis_url: str) -> AsyncIterator[tuple[RedisIndex, str]]:
     """``static``: no agent, routed to just now (a pending entry, an in-flight record);
     ``quiet``: no agent, its gateways' entries lapsed 30 minutes ago; ``stopped``: an
     agent's replica whose agent stopped a minute ago (no registration, meta updated)."""
-    index = RedisIndex.from_url(redis_url, L, socket_timeout_s=5.0)
+    index = RedisIndex.from_url(
+        redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     load = RedisLoadStore(index.client, L, gateway_ttl_ms=60_000)
     now = now_ms()
     await index.add_pending("static", KEYS[:2], 60_000, now)

@@ -24,10 +24,11 @@ from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey
 from cachecore.lifecycle import IndexWrite, Tier
+from cachecore.testing import PATIENT_TIMEOUT_S
 from gateway.quarantine import LogAnswer, judge_floor, judge_removal
 from tests.test_gateway_faults import checked, prompt_keys
 from tests.test_gateway_support import stack, words
-from tests.test_rogue_removal_floor import _as, _user, admin  # noqa: F401
+from tests.test_rogue_removal_floor import _as, _index_as, _user, admin  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 G = int(Tier.GPU)
@@ -40,7 +41,11 @@ async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
     if request.param == "memory":
         idx = MemoryIndex()
     else:
-        idx = RedisIndex.from_url(request.getfixturevalue("redis_url"))
+        idx = RedisIndex.from_url(
+            request.getfixturevalue("redis_url"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     try:
         yield idx
     finally:
@@ -128,13 +133,20 @@ async def test_a_rogue_agent_that_clears_at_will_is_still_quarantined(
         "index: {lookup_timeout_ms: 1000}"  # a busy host's slow first lookup routes by load
     )
     await _user(admin, "gw-rf", gateway_acl_rules())
-    gw_index = cast(_SeesLookups, _SeesLookups.from_url(_as(redis_url, "gw-rf")))  # cls(...)
+    gw_index = cast(
+        _SeesLookups,
+        _SeesLookups.from_url(
+            _as(redis_url, "gw-rf"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        ),
+    )  # cls(...)
     async with stack(count=2, policy=policy, build={"index": gw_index}) as st:
         gw, c = st.gw, st.client()
         liar, other = st.replica_id(0), st.replica_id(1)
         await _user(admin, "agent-rf", agent_acl_rules(liar))
-        rogue = RedisIndex.from_url(_as(redis_url, "agent-rf"))
-        honest = RedisIndex.from_url(redis_url)
+        rogue = _index_as(redis_url, "agent-rf")
+        honest = _index_as(redis_url)
         try:
             epoch = await rogue.clear_replica(liar, ReplicaState.LIVE, _now())
             await honest.clear_replica(other, ReplicaState.LIVE, _now())

@@ -16,7 +16,7 @@ import pytest
 from cachecore.index.layout import KeyLayout
 from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex, cluster_mode_problem
-from cachecore.testing import RedisClusterServers, RedisServer, free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisClusterServers, RedisServer, free_port
 from gateway.indexing import GatewayIndex
 from gateway.metrics import GatewayMetrics
 
@@ -71,7 +71,13 @@ def test_kvgate_agent_refuses_in_one_line(redis_url: str) -> None:
 async def test_the_gateways_fallback_names_the_switch_at_error(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    primary = RedisIndex.from_url(redis_url.rsplit("/", 1)[0] + "/0", KeyLayout(), cluster=True)
+    primary = RedisIndex.from_url(
+        redis_url.rsplit("/", 1)[0] + "/0",
+        KeyLayout(),
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     index = GatewayIndex(primary, GatewayMetrics(), MemoryIndex())
     caplog.set_level(logging.WARNING, logger="gateway.indexing")
     try:

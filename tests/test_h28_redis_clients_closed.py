@@ -13,7 +13,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from cachecore.testing import RedisServer
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from gateway.auth import KeyStore, hash_key
 from tests.test_gateway_support import stack
 
@@ -47,7 +47,14 @@ async def test_a_stopped_gateway_leaves_no_redis_connection(redis_own: RedisServ
     with redis.Redis.from_url(url) as r:
         r.hset("kvg:apikeys", hash_key(KEY), "acme")
     async with (
-        stack(count=1, redis_url=url, api_keys_redis=True, open_access=False, discover=True) as st,
+        stack(
+            count=1,
+            redis_url=url,
+            api_keys_redis=True,
+            open_access=False,
+            discover=True,
+            api_keys_redis_timeout_s=PATIENT_TIMEOUT_S,
+        ) as st,
         st.http() as h,
     ):
         gw = st.gw  # held past the stop: its clients are not garbage collected

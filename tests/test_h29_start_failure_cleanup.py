@@ -32,7 +32,7 @@ from pydantic import SecretStr
 from cachecore.index.layout import KeyLayout
 from cachecore.index.redis import RedisIndex
 from cachecore.loadstate import RedisLoadStore
-from cachecore.testing import RedisServer, free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer, free_port
 from gateway.app import create_app
 from gateway.auth import KeyReload, KeyStore
 from gateway.core import Gateway
@@ -119,6 +119,7 @@ def settings(redis: str, replicas: Sequence[str], tmp_path: Path, **kw: Any) -> 
         redis_url=redis,
         discover=True,
         api_keys_redis=True,
+        api_keys_redis_timeout_s=PATIENT_TIMEOUT_S,
         open_access=False,
         trace_out=tmp_path / "trace.jsonl",
         drain_timeout_s=LONG_DRAIN_S,
@@ -240,8 +241,12 @@ async def test_a_start_failing_before_the_index_closes_what_it_was_given_at_once
     and key store it was given are closed all the same, without a drain wait."""
     url = redis_own.url
     bad = _truncated(tmp_path / "bad")
-    index = RedisIndex.from_url(url, KeyLayout())
-    load_store = RedisLoadStore.from_url(url, KeyLayout())
+    index = RedisIndex.from_url(
+        url, KeyLayout(), socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
+    load_store = RedisLoadStore.from_url(
+        url, KeyLayout(), socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     async with engine() as e:
         gw = build_gateway(
             settings(url, [e.url], tmp_path),

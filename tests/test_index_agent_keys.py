@@ -15,7 +15,6 @@ import redis.asyncio as aioredis
 
 from cachecore.index.base import RemovalFloor, ReplicaMeta, ReplicaState
 from cachecore.index.layout import agent_acl_rules, gateway_acl_rules
-from cachecore.index.redis import RedisIndex
 from cachecore.lifecycle import IndexWrite, Tier
 from cachecore.loadstate import EngineLoad, RedisLoadStore
 from cachecore.registry import RedisRegistry
@@ -23,7 +22,7 @@ from cachecore.testing import PATIENT_TIMEOUT_S
 from gateway.quarantine import LogAnswer, judge_floor
 from tests.test_gateway_support import stack
 from tests.test_registry import reg
-from tests.test_rogue_removal_floor import LAYOUT, _as, _user, admin  # noqa: F401
+from tests.test_rogue_removal_floor import LAYOUT, _as, _index_as, _user, admin  # noqa: F401
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 G = int(Tier.GPU)
@@ -36,8 +35,8 @@ async def test_a_wrong_typed_key_costs_its_own_replica_only(
 ) -> None:
     await _user(admin, "agent-wt", agent_acl_rules("rogue"))
     await _user(admin, "gw-wt", gateway_acl_rules())
-    honest = RedisIndex.from_url(redis_url)
-    gateway = RedisIndex.from_url(_as(redis_url, "gw-wt"))
+    honest = _index_as(redis_url)
+    gateway = _index_as(redis_url, "gw-wt")
     raw = aioredis.Redis.from_url(_as(redis_url, "agent-wt"))
     seen: list[str] = []
     gateway.on_unreadable = seen.append
@@ -81,7 +80,7 @@ async def test_meta_reads_a_field_that_is_no_number_as_absent(
     names it (the replica's own agent still rebuilds: test_agent_redis's corrupt meta)."""
     await _user(admin, "agent-wt", agent_acl_rules("odd"))
     await _user(admin, "gw-wt", gateway_acl_rules())
-    gateway = RedisIndex.from_url(_as(redis_url, "gw-wt"))
+    gateway = _index_as(redis_url, "gw-wt")
     raw = aioredis.Redis.from_url(_as(redis_url, "agent-wt"))
     try:
         await raw.hset(
@@ -159,8 +158,8 @@ async def test_the_gateway_counts_a_replica_it_could_not_read(
     """kvgate_index_unreadable{replica}: the operator sees which agent broke its keys, while
     the gateway keeps routing from the shared index (no fallback)."""
     await _user(admin, "gw-wt", gateway_acl_rules())
-    gw_index = RedisIndex.from_url(_as(redis_url, "gw-wt"))
-    honest = RedisIndex.from_url(redis_url)
+    gw_index = _index_as(redis_url, "gw-wt")
+    honest = _index_as(redis_url)
     async with stack(count=2, build={"index": gw_index}) as st:
         rogue, good = st.replica_id(0), st.replica_id(1)
         try:

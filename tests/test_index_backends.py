@@ -511,7 +511,9 @@ async def test_redis_unreachable_raises_index_error() -> None:
 
 
 async def test_redis_restart_is_detected_and_survived(redis_own: RedisServer) -> None:
-    idx = RedisIndex.from_url(redis_own.url)
+    idx = RedisIndex.from_url(
+        redis_own.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     try:
         await live(idx, "a")
         await idx.apply("a", 0, IndexWrite({KEYS[0]: G}), 0)

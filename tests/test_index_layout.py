@@ -29,6 +29,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.lifecycle import IndexWrite
 from cachecore.loadstate import EngineLoad, RedisLoadStore
 from cachecore.registry import RedisRegistry, Registration
+from cachecore.testing import PATIENT_TIMEOUT_S
 
 pytestmark = pytest.mark.redis
 L = KeyLayout()
@@ -144,8 +145,16 @@ def _user_url(redis_url: str, user: str, password: str) -> str:
 async def test_agent_acl_own_replica_only(admin: aioredis.Redis, redis_url: str) -> None:
     await _command(admin, *acl_setuser_args("agent-a", "pw-agent-a-1", agent_acl_rules("a")))
     await _command(admin, *acl_setuser_args("gw", "pw-gateway-1", gateway_acl_rules()))
-    agent = RedisIndex.from_url(_user_url(redis_url, "agent-a", "pw-agent-a-1"))
-    gateway = RedisIndex.from_url(_user_url(redis_url, "gw", "pw-gateway-1"))
+    agent = RedisIndex.from_url(
+        _user_url(redis_url, "agent-a", "pw-agent-a-1"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
+    gateway = RedisIndex.from_url(
+        _user_url(redis_url, "gw", "pw-gateway-1"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     raw_agent = aioredis.Redis.from_url(_user_url(redis_url, "agent-a", "pw-agent-a-1"))
     key = b"k" * 16
     try:
@@ -198,7 +207,12 @@ async def test_agent_acl_own_replica_only(admin: aioredis.Redis, redis_url: str)
             await gateway.clear_replica("a", ReplicaState.COLD, 7)
         assert await agent.replica_blocks("a") == {key: 1}
         # removals: the agent logs them (rm:<epoch>, trimmed), the gateway reads the log
-        small = RedisIndex.from_url(_user_url(redis_url, "agent-a", "pw-agent-a-1"), removal_log=1)
+        small = RedisIndex.from_url(
+            _user_url(redis_url, "agent-a", "pw-agent-a-1"),
+            removal_log=1,
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
         try:
             other = b"o" * 16
             await small.apply("a", epoch, IndexWrite({other: 1}), 8)

@@ -20,6 +20,7 @@ from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKeyer
 from cachecore.lifecycle import ALL_TIERS, IndexWrite, Tier, chain_values
+from cachecore.testing import PATIENT_TIMEOUT_S
 
 pytestmark = pytest.mark.redis
 
@@ -88,7 +89,11 @@ def _expected(case: Case, n: int) -> PrefixMatch:
 
 def _index(backend: str, request: pytest.FixtureRequest) -> PrefixIndex:
     if backend == "redis":
-        return RedisIndex.from_url(request.getfixturevalue("redis_url"))
+        return RedisIndex.from_url(
+            request.getfixturevalue("redis_url"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     return MemoryIndex()
 
 
@@ -125,7 +130,11 @@ async def test_redis_and_memory_agree_on_arbitrary_data(request: pytest.FixtureR
     rng = random.Random(7)
     n = 24
     keys = BlockKeyer(2).keys(list(range(2 * n)), "kvg1:any", "m")
-    red = RedisIndex.from_url(request.getfixturevalue("redis_url"))
+    red = RedisIndex.from_url(
+        request.getfixturevalue("redis_url"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     mem = MemoryIndex()
     try:
         rids = [f"x{i}" for i in range(64)]

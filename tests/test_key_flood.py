@@ -19,7 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 
 import gateway.auth
 from cachecore.index.redis import RedisClient, redis_client
-from cachecore.testing import RedisServer
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from gateway.auth import (
     KeyLookupRefused,
     KeyLookupRefusedGlobal,
@@ -39,7 +39,9 @@ ADDRESS = "203.0.113.7"
 def live_redis(url: str) -> RedisClient:
     """A client of a running Redis whose lookups are not the point: timeouts a busy host's
     stall never reaches (a 0.25 s one failed 5fe0a2f's bulk test closed; these had 1 s)."""
-    return redis_client(url, socket_timeout_s=5.0, connect_timeout_s=5.0)
+    return redis_client(
+        url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
 
 
 @pytest.fixture
@@ -48,12 +50,8 @@ def patient_key_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
     Hundreds of lookups at once in one event loop wait in its backlog on a busy host: the
     flood through the gateway got a 503 under two CPU hogs (1 run in 6). The tests of many
     lookups at once count budgets and refusals, not shedding: 10 s (the gateways they start
-    also ask Redis with PATIENT_REDIS_S, not the 1 s default)."""
+    also ask Redis with PATIENT_TIMEOUT_S, not the 1 s default)."""
     monkeypatch.setattr(gateway.auth, "_SLOT_WAIT_S", 10.0)
-
-
-# the key store's Redis timeout for the gateways started here (KVGATE_API_KEYS_REDIS_TIMEOUT_S)
-PATIENT_REDIS_S = 5.0
 
 
 async def hget_calls(client: Redis | RedisCluster) -> int:
@@ -301,8 +299,8 @@ async def test_over_the_lookup_cap_unknown_keys_get_503_and_confirmed_keys_stand
     third unknown key waits 1 s for a slot, then gets KeyLookupsBusy (a 503), however many
     addresses send them; a key Redis confirmed within the stale bound is answered from that
     answer at once, never queued behind them."""
-    client = redis_client(redis_own.url, socket_timeout_s=5.0, connect_timeout_s=1.0)
-    admin = redis_client(redis_own.url, socket_timeout_s=5.0, connect_timeout_s=1.0)
+    client = live_redis(redis_own.url)  # its 5 s socket timeout outlasts the 2.5 s pause
+    admin = live_redis(redis_own.url)
     try:
         await client.hset("kvg:apikeys", mapping={hash_key("sk-valid"): "acme"})
         store = KeyStore(redis=client, cache_ttl_s=0.05, stale_s=60.0, lookups_max=2)
@@ -351,7 +349,7 @@ async def test_a_made_up_key_flood_through_the_gateway(
                 api_keys_miss_rate=0.5,
                 api_keys_miss_burst=10,
                 api_keys_lookups_max=4,
-                api_keys_redis_timeout_s=PATIENT_REDIS_S,
+                api_keys_redis_timeout_s=PATIENT_TIMEOUT_S,
             ) as st,
             st.http() as h,
         ):
@@ -411,7 +409,7 @@ async def test_the_global_budget_through_the_gateway(
                 api_keys_miss_burst=1000,
                 api_keys_miss_rate_global=0.001,
                 api_keys_miss_burst_global=3,
-                api_keys_redis_timeout_s=PATIENT_REDIS_S,
+                api_keys_redis_timeout_s=PATIENT_TIMEOUT_S,
             ) as st,
             st.http() as h,
         ):

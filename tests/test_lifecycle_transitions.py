@@ -31,6 +31,7 @@ from cachecore.lifecycle import (
     Tier,
     transition,
 )
+from cachecore.testing import PATIENT_TIMEOUT_S
 
 S, E = BlockState, BlockEvent
 R = "eng@dp0"
@@ -155,7 +156,11 @@ async def index(request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
     if request.param == "memory":
         idx = MemoryIndex()
     else:
-        idx = RedisIndex.from_url(request.getfixturevalue("redis_url"))
+        idx = RedisIndex.from_url(
+            request.getfixturevalue("redis_url"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     yield idx
     await idx.close()
 
@@ -210,7 +215,11 @@ async def test_evicted_and_stored_again_in_one_batch_reaches_the_removal_log(
     if kind == "memory":
         idx = MemoryIndex()
     else:
-        idx = RedisIndex.from_url(request.getfixturevalue("redis_url"))
+        idx = RedisIndex.from_url(
+            request.getfixturevalue("redis_url"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     try:
         h = Harness(idx)
         await h.start()

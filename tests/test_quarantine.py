@@ -21,6 +21,7 @@ from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex
 from cachecore.keys import BlockKey
 from cachecore.lifecycle import IndexWrite, Tier
+from cachecore.testing import PATIENT_TIMEOUT_S
 from gateway.quarantine import (
     ClaimCheck,
     LogAnswer,
@@ -228,7 +229,12 @@ async def test_an_honest_floor_under_churn_is_never_past_the_agents_write(
     if kind == "memory":
         idx = MemoryIndex(removal_log=64)
     else:
-        idx = RedisIndex.from_url(request.getfixturevalue("redis_url"), removal_log=64)
+        idx = RedisIndex.from_url(
+            request.getfixturevalue("redis_url"),
+            removal_log=64,
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     try:
         assert await idx.removal_floor("nobody") == RemovalFloor(-1, 0)
         epoch = await idx.clear_replica("a", ReplicaState.LIVE, _now())
@@ -295,7 +301,9 @@ async def test_an_honest_agent_under_heavy_churn_is_not_quarantined(redis_url: s
     check, each claim evicted and stored again by its request: every check is shown an
     eviction, none is unverifiable (max_unverifiable = 1 would quarantine at the first)."""
     async with stack(count=2, policy=STRICT % 1, redis_url=redis_url) as st:
-        agent = RedisIndex.from_url(redis_url)
+        agent = RedisIndex.from_url(
+            redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+        )
         try:
             # cleared a second before the first lookup: a clear is its log's floor, and a
             # lookup within clock_skew_ms of it cannot be told from one before it (R5)
@@ -320,7 +328,12 @@ async def test_an_honest_log_too_short_for_its_churn_is_unverifiable_not_tampere
     KVGATE_AGENT_REMOVAL_LOG), and a check between them moves the window on."""
     async with stack(count=2, policy=STRICT % 2, redis_url=redis_url) as st:
         rep = st.replica_id(0)
-        agent = RedisIndex.from_url(redis_url, removal_log=64)
+        agent = RedisIndex.from_url(
+            redis_url,
+            removal_log=64,
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
         try:
             epoch = await agent.clear_replica(rep, ReplicaState.LIVE, _now() - 1_000)  # as above
             await agent.clear_replica(st.replica_id(1), ReplicaState.LIVE, _now() - 1_000)

@@ -23,6 +23,7 @@ from cachecore.index.layout import (
 )
 from cachecore.index.redis import RedisIndex
 from cachecore.lifecycle import IndexWrite, Tier
+from cachecore.testing import PATIENT_TIMEOUT_S
 from gateway.quarantine import LogAnswer, judge_floor
 from tests.test_gateway_faults import checked, prompt_keys
 from tests.test_gateway_support import stack, words
@@ -49,6 +50,14 @@ def _as(redis_url: str, user: str) -> str:
     return redis_url.replace("redis://", f"redis://{user}:pw-{user}-1@")
 
 
+def _index_as(redis_url: str, user: str | None = None) -> RedisIndex:
+    """The index as ACL user ``user`` (None: the default user), with patient timeouts."""
+    url = redis_url if user is None else _as(redis_url, user)
+    return RedisIndex.from_url(
+        url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
+
+
 async def _user(admin: aioredis.Redis, user: str, rules: list[str]) -> None:
     await admin.execute_command(*acl_setuser_args(user, f"pw-{user}-1", rules))  # type: ignore[no-untyped-call]
 
@@ -64,8 +73,8 @@ async def test_a_raised_floor_is_read_back_and_judged(
     read the floor it rests on, and a floor past the agent's own latest write is tampered."""
     for user, rules in zip(USERS, (agent_acl_rules("rf"), gateway_acl_rules()), strict=True):
         await _user(admin, user, rules)
-    agent = RedisIndex.from_url(_as(redis_url, "agent-rf"))
-    gateway = RedisIndex.from_url(_as(redis_url, "gw-rf"))
+    agent = _index_as(redis_url, "agent-rf")
+    gateway = _index_as(redis_url, "gw-rf")
     raw_agent = aioredis.Redis.from_url(_as(redis_url, "agent-rf"))
     key = b"r" * 16
     meta = LAYOUT.meta("rf")
@@ -132,14 +141,14 @@ async def _rogue_is_quarantined(
     ``cover``s the lie with what its ACL lets it write (its meta, its removal log); the
     gateway reads the index as its own ACL user."""
     await _user(admin, "gw-rf", gateway_acl_rules())
-    gw_index = RedisIndex.from_url(_as(redis_url, "gw-rf"))
+    gw_index = _index_as(redis_url, "gw-rf")
     async with stack(count=2, policy=POLICY, build={"index": gw_index}) as st:
         gw, c = st.gw, st.client()
         liar, other = st.replica_id(0), st.replica_id(1)
         await _user(admin, "agent-rf", agent_acl_rules(liar))
-        rogue = RedisIndex.from_url(_as(redis_url, "agent-rf"))
+        rogue = _index_as(redis_url, "agent-rf")
         rogue_raw = aioredis.Redis.from_url(_as(redis_url, "agent-rf"))
-        honest = RedisIndex.from_url(redis_url)
+        honest = _index_as(redis_url)
         try:
             # cleared a second ago: a clear is its log's floor (R5), and one within
             # clock_skew_ms of a lookup leaves it "cannot tell"
