@@ -207,6 +207,12 @@ no cached tokens (pooling engines often run without prefix caching); /tokenize a
 _FRONTEND_ONLY = frozenset(("tokenize", "detokenize", RESPONSE_GET))
 """Endpoints a vLLM server answers in its API server, without its engine core: their answer
 is no evidence of the engine's progress (D17), which a wedged engine's server gives at once."""
+UNSENT = "unsent"
+"""``Outcome.error`` of an exchange that sent its request nowhere: its replica left the pool
+after routing and no other took it (nothing reached an engine, as after a connect failure)."""
+_NO_ENGINE = frozenset(("connect", UNSENT))
+"""``Outcome.error`` values of a request no engine received: no failure of a replica's
+(a connect failure was counted at the time), and no work, so its charge is given back."""
 _UNSALTED = frozenset(("detokenize",))
 """Endpoints sent with no ``cache_salt`` (a client's removed): token ids to text touch no
 cache of the engine's. /tokenize keeps the scope's, as the gateway's own tokenize calls:
@@ -2050,14 +2056,17 @@ class Gateway:
                 # API server gives without the engine (/tokenize): neither may clear the
                 # first-byte timeouts counted towards a wedged engine's ejection
                 self.pool.record_success(rid)
-            elif out.error is not None and out.error != "connect":
-                self.pool.record_failure(rid)  # connect failures were counted at the time
+            elif out.error is not None and out.error not in _NO_ENGINE:
+                self.pool.record_failure(rid)
         # no engine computed it: an engine's 4xx is a refusal before any prefill
-        # (validation, length, unknown model, 429), and a connect failure reached none
-        refused = (400 <= out.status < 500 and out.status != 499) or out.error == "connect"
+        # (validation, length, unknown model, 429), and a connect failure or a replica gone
+        # before the send reached none
+        refused = (400 <= out.status < 500 and out.status != 499) or out.error in _NO_ENGINE
         if d.pending is not None:
             self._settle_pending(d, refused)
-        if d.charged_uncached and refused:
+        # ...unless an earlier attempt's replica took the request and broke the exchange
+        # (a drop): it may have computed it, and died of it
+        if d.charged_uncached and refused and not d.drops:
             self.limiter.refund_uncached(d.tenant, d.charged_uncached, time.monotonic())
             d.charged_uncached = 0.0
         if (

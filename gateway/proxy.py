@@ -33,7 +33,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.core import Dispatch, Gateway, Outcome
+from gateway.core import UNSENT, Dispatch, Gateway, Outcome
 from gateway.errors import GatewayError, engine_error_body, error_body, sse_error_event
 from gateway.settings import GatewaySettings
 from gateway.upstream import MalformedResponseError, UpstreamResponse
@@ -311,9 +311,8 @@ class UpstreamExchange(Response):
                         continue
                     err = gw.replica_gone(d)
                     await self._send_refusal(conn, err)
-                    self._finish(
-                        Outcome(err.status, None, time.perf_counter() - t0, None, None, None)
-                    )
+                    e2e = time.perf_counter() - t0
+                    self._finish(Outcome(err.status, None, e2e, None, None, None, UNSENT))
                     return
                 payload = gw.upstream_body(d)
                 sent = headers

@@ -299,6 +299,43 @@ async def test_a_request_the_engine_refuses_gives_back_its_uncached_token_charge
             await c.completions.create(model=st.model, prompt=words(900, 3101), max_tokens=1)
 
 
+async def test_a_request_no_replica_took_after_routing_gives_back_its_charge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica removed between the routing and the send, no other taking the request:
+    the 503 ``no_replica``, no engine reached, so the charge is given back as after a
+    connect failure (it was kept: the tenant's next request was a 429), and nothing stays
+    counted in flight."""
+    policy = "default_tenant:\n  limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 1000}"
+    async with stack(count=1, policy=policy) as st, st.http() as h:
+        gw, pool = st.gw, st.gw.pool
+        assert pool is not None
+        spec = pool.all()[0].spec
+        prepare = gw.prepare
+
+        async def removed_after_routing(*args: Any, **kw: Any) -> Any:
+            d = await prepare(*args, **kw)
+            pool.remove(d.replica)
+            return d
+
+        monkeypatch.setattr(gw, "prepare", removed_after_routing)
+        for seed in (3200, 3201):
+            body = {"model": st.model, "prompt": words(900, seed), "max_tokens": 1}
+            r = await h.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica", r.text
+            pool.add(spec)
+        monkeypatch.setattr(gw, "prepare", prepare)
+        assert all(q == 0 and n == 0 and run == 0 for q, n, run in gw.inflight.total().values())
+        assert pool.all()[0].in_flight == 0
+        # the budget is whole: 900 uncached tokens pass (without the refund: a 429)
+        body = {"model": st.model, "prompt": words(900, 3202), "max_tokens": 1}
+        r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        body = {"model": st.model, "prompt": words(900, 3203), "max_tokens": 1}
+        r = await h.post("/v1/completions", json=body)  # and what was computed spends it
+        assert r.status_code == 429 and r.json()["error"]["limit"] == "uncached_tokens", r.text
+
+
 async def test_lora_requests_go_only_to_replicas_with_the_adapter() -> None:
     with_lora = ReplicaSettings(time_scale=0.05, lora=["adapter-x"])
     async with run_fleet(with_lora, count=1) as fa, run_fleet(FAST, count=2) as fb:

@@ -140,3 +140,28 @@ async def test_refused_connections_do_not_spend_the_drop_budget() -> None:
                     }
                     r = await h.post("/v1/completions", json=body)
                     assert r.status_code == 200, r.text
+
+
+async def test_a_dropped_request_keeps_its_uncached_token_charge() -> None:
+    """A replica that took the request and closed the connection unanswered may have
+    computed it (and died of it): the 502's charge is kept, where a request no replica
+    could be connected to gets its charge back. It was given back (the drop ends as a
+    connect failure), so a tenant's poison requests cost its budget nothing."""
+    async with dying_engine() as a:
+        gs = GatewaySettings(
+            replicas=[a["url"]],
+            port=free_port(),
+            open_access=True,
+            salt_secrets=[SecretStr(SECRET)],
+            drop_retries=0,
+        )
+        limits = "limits: {uncached_tokens_per_s: 1, uncached_tokens_burst: 1000}"
+        gw = build_gateway(gs, policy=parse_policy_text(f"default_tenant:\n  {limits}"))
+        async with serve_in_loop(gw) as url, httpx.AsyncClient(base_url=url, timeout=30.0) as h:
+            body = {"model": "m", "prompt": words(900, 5), "max_tokens": 1}
+            r = await h.post("/v1/completions", json=body)
+            assert r.status_code == 502 and a["posts"] == 1, r.text
+            r = await h.post("/v1/completions", json={**body, "prompt": words(900, 6)})
+            assert r.status_code == 429, r.text  # refunded, it was sent (and dropped) again
+            assert r.json()["error"]["limit"] == "uncached_tokens"
+            assert a["posts"] == 1
