@@ -23,21 +23,10 @@ from cachecore.keys import Scope, ScopeKind
 from cachecore.traceanalysis import analyze_requests
 from gateway.app import create_app
 from gateway.auth import hash_key
-from tests.test_gateway_support import Stack, kill_replica, stack, words
+from tests.test_agent_helpers import counter_total
+from tests.test_gateway_support import Stack, kill_replica, record_pending, stack, words
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _count(metric: Any, **labels: str) -> float:
-    """A counter's value summed over the samples matching ``labels``."""
-    total = 0.0
-    for fam in metric.collect():
-        for smp in fam.samples:
-            if smp.name.endswith("_total") and all(
-                smp.labels.get(k) == v for k, v in labels.items()
-            ):
-                total += smp.value
-    return total
 
 
 async def _direct(st: Stack, body: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +77,7 @@ async def test_the_openai_sdk_gets_embeddings_through_the_gateway() -> None:
         assert np.allclose(raw, want[1], atol=1e-6)
         assert r.headers["x-kvgate-replica"] in {st.replica_id(0), st.replica_id(1)}
         assert "x-kvgate-predicted-cached-tokens" not in r.headers  # no prediction: by load
-        assert _count(st.gw.metrics.requests, endpoint="embeddings", status="200") == 5
+        assert counter_total(st.gw.metrics.requests, endpoint="embeddings", status="200") == 5
 
 
 async def test_tokenize_then_detokenize_through_the_gateway(tmp_path: Path) -> None:
@@ -109,7 +98,7 @@ async def test_tokenize_then_detokenize_through_the_gateway(tmp_path: Path) -> N
         r = await h.post("/detokenize", json={"model": st.model, "tokens": [10**7]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
         for ep in ("tokenize", "detokenize"):
-            assert _count(st.gw.metrics.requests, endpoint=ep, status="200") >= 1
+            assert counter_total(st.gw.metrics.requests, endpoint=ep, status="200") >= 1
         r = await h.post("/v1/embeddings", json={"input": text})
         assert r.status_code == 200, r.text
     # the request trace: a record per routed request, naming its endpoint, no prediction
@@ -233,15 +222,7 @@ async def test_routed_by_load_over_both_replicas_and_counted_in_flight() -> None
     """No keys, lookup or pending entries: the router's load-only path, its tie rounds
     spreading requests over both replicas; a request in flight counts on its replica."""
     async with stack(count=2) as st, st.http() as h:
-        assert st.gw.index is not None
-        pending: list[object] = []
-        real = st.gw.index.add_pending
-
-        def spy(*args: Any, **kw: Any) -> Any:
-            pending.append(args)
-            return real(*args, **kw)
-
-        st.gw.index.add_pending = spy  # type: ignore[method-assign]
+        pending = record_pending(st.gw)
         used = []
         for i in range(8):
             body = {"model": st.model, "input": words(48, 100 + i)}
@@ -251,7 +232,7 @@ async def test_routed_by_load_over_both_replicas_and_counted_in_flight() -> None
             used.append(r.headers["x-kvgate-replica"])
         assert set(used) == {st.replica_id(0), st.replica_id(1)}, used
         assert pending == []
-        assert _count(st.gw.metrics.decisions, reason="unkeyed_load") == 8
+        assert counter_total(st.gw.metrics.decisions, reason="unkeyed_load") == 8
         # in flight: the engine paused, the request counts on its replica until it ends
         for ep in st.fleet.endpoints:
             await h.post(f"{ep.url}/debug/pause", json={"seconds": 1.0})
@@ -284,7 +265,7 @@ async def test_a_dead_replica_is_retried_elsewhere() -> None:
             assert r.status_code == 200, r.text
             served.append(r.headers["x-kvgate-replica"])
         assert set(served) == {st.replica_id(1)}, served
-        assert _count(st.gw.metrics.retries) >= 1
+        assert counter_total(st.gw.metrics.retries) >= 1
         r = await h.post("/tokenize", json={"model": st.model, "prompt": "a b"})
         assert r.status_code == 200 and r.headers["x-kvgate-replica"] == st.replica_id(1)
 
@@ -330,7 +311,7 @@ async def test_the_asgi_routes_serve_them_too() -> None:
             r = await asgi.get("/v1/embeddings")
             assert r.status_code == 405
         for ep in ("embeddings", "tokenize", "detokenize", "completion"):
-            assert _count(st.gw.metrics.requests, endpoint=ep, status="200") == 1, ep
+            assert counter_total(st.gw.metrics.requests, endpoint=ep, status="200") == 1, ep
 
 
 async def test_an_engine_tokenized_pool_sizes_embeddings_locally() -> None:

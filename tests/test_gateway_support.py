@@ -94,6 +94,21 @@ async def stack(
             yield Stack(fleet, gw, url)
 
 
+def record_pending(gw: Gateway) -> list[tuple[Any, ...]]:
+    """Each call of ``gw``'s index ``add_pending`` from now on (its positional arguments),
+    passed on to the index: whether a request wrote pending entries, and for which keys."""
+    assert gw.index is not None
+    calls: list[tuple[Any, ...]] = []
+    real = gw.index.add_pending
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        calls.append(args)
+        return real(*args, **kw)
+
+    gw.index.add_pending = spy  # type: ignore[method-assign]
+    return calls
+
+
 async def kill_replica(fleet: Fleet, i: int, timeout_s: float = 5.0) -> None:
     """Crash replica ``i``: stop listening and abort its open connections (like SIGKILL)."""
     server = fleet.servers[i]

@@ -16,8 +16,9 @@ import pytest
 from cachecore.keys import Scope, ScopeKind
 from gateway.app import create_app
 from gateway.auth import hash_key
-from tests.test_embeddings_gateway import _count, _first_block_salts
-from tests.test_gateway_support import Stack, stack, words
+from tests.test_agent_helpers import counter_total
+from tests.test_embeddings_gateway import _first_block_salts
+from tests.test_gateway_support import Stack, record_pending, stack, words
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -74,7 +75,7 @@ async def test_each_endpoint_answers_through_the_gateway_as_the_engine() -> None
             assert "x-kvgate-predicted-cached-tokens" not in r.headers  # routed by load
             d = await st.gw.prepare(_NAMES[path], "anonymous", dict(body), {}, "x", True)
             assert d.prompt_tokens == got["usage"]["prompt_tokens"] > 0, path
-            assert _count(st.gw.metrics.requests, endpoint=_NAMES[path], status="200") == 1
+            assert counter_total(st.gw.metrics.requests, endpoint=_NAMES[path], status="200") == 1
         # the shapes: score 1:N and N:N, rerank best first and top_n
         score = (await h.post("/score", json=_bodies(st.model)["/score"])).json()
         assert [(x["index"], x["object"]) for x in score["data"]] == [
@@ -176,22 +177,15 @@ async def test_the_batch_cap_and_malformed_bodies_are_400s_naming_the_field() ->
             assert r.status_code == 400, (path, body, r.text)
             assert r.json()["error"]["param"] == param, (path, body, r.text)
         # refused before routing: nothing reached the replica
-        assert _count(st.gw.metrics.decisions) == len(ok)
+        assert counter_total(st.gw.metrics.decisions) == len(ok)
 
 
 async def test_routed_by_load_over_both_replicas_as_engine_work() -> None:
     """No keys, lookup or pending entries: the load-only path's tie rounds spread them;
     each answer is engine progress and clears a failure count, as an embedding's."""
     async with stack(count=2) as st, st.http() as h:
-        assert st.gw.index is not None and st.gw.pool is not None
-        pending: list[object] = []
-        real = st.gw.index.add_pending
-
-        def spy(*args: Any, **kw: Any) -> Any:
-            pending.append(args)
-            return real(*args, **kw)
-
-        st.gw.index.add_pending = spy  # type: ignore[method-assign]
+        assert st.gw.pool is not None
+        pending = record_pending(st.gw)
         paths = list(_bodies(st.model))
         used = []
         for i in range(8):
@@ -201,7 +195,7 @@ async def test_routed_by_load_over_both_replicas_as_engine_work() -> None:
             used.append(r.headers["x-kvgate-replica"])
         assert set(used) == {st.replica_id(0), st.replica_id(1)}, used
         assert pending == []
-        assert _count(st.gw.metrics.decisions, reason="unkeyed_load") == 8
+        assert counter_total(st.gw.metrics.decisions, reason="unkeyed_load") == 8
         for path in ("/score", "/v2/rerank", "/classify"):
             for each in st.gw.pool.all():
                 each.consecutive_failures = 1
@@ -227,7 +221,7 @@ async def test_the_asgi_routes_serve_them_as_the_hot_path() -> None:
                 r = await asgi.post(path, json={"model": st.model})
                 assert r.status_code == 400, (path, r.text)
         for path in _bodies(st.model):
-            assert _count(st.gw.metrics.requests, endpoint=_NAMES[path], status="200") == 2
+            assert counter_total(st.gw.metrics.requests, endpoint=_NAMES[path], status="200") == 2
 
 
 async def test_an_engine_tokenized_pool_sizes_chats_and_pairs_locally() -> None:
@@ -315,4 +309,4 @@ async def test_scores_other_request_forms_are_refused_not_sized_as_text_pairs() 
                     r = await h.post(path, json={**text, **extra})
                     assert r.status_code == 400, (path, extra, r.text)
                     assert r.json()["error"]["param"] == next(iter(extra)), r.text
-        assert _count(st.gw.metrics.decisions) == 0
+        assert counter_total(st.gw.metrics.decisions) == 0

@@ -23,21 +23,11 @@ from gateway.auth import hash_key
 from gateway.responses import SEALED_PREFIX, ResponseIds
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
-from tests.test_gateway_support import FAST, SECRET, kill_replica, stack, words
+from tests.test_agent_helpers import counter_total as _count
+from tests.test_gateway_support import FAST, SECRET, kill_replica, record_pending, stack, words
 from tests.test_responses_replica import tools_model
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _count(metric: Any, **labels: str) -> float:
-    total = 0.0
-    for fam in metric.collect():
-        for smp in fam.samples:
-            if smp.name.endswith("_total") and all(
-                smp.labels.get(k) == v for k, v in labels.items()
-            ):
-                total += smp.value
-    return total
 
 
 def _keys(tmp_path: Path, tenants: str) -> Path:
@@ -209,15 +199,7 @@ async def test_the_affinity_replica_out_of_service_or_gone(tmp_path: Path) -> No
 
 async def test_a_first_turn_is_keyed_as_its_chat_with_pending_entries() -> None:
     async with stack(count=2) as st, st.http() as h:
-        assert st.gw.index is not None
-        pending: list[object] = []
-        real = st.gw.index.add_pending
-
-        def spy(*args: Any, **kw: Any) -> Any:
-            pending.append(args)
-            return real(*args, **kw)
-
-        st.gw.index.add_pending = spy  # type: ignore[method-assign]
+        pending = record_pending(st.gw)
         system, question = words(64, 7), words(40, 8)
         body = {"model": st.model, "instructions": system, "input": question}
         r = await h.post("/v1/responses", json={**body, "max_output_tokens": 2})
@@ -493,15 +475,7 @@ async def test_a_first_turn_with_function_tools_is_keyed_as_its_chat_with_those_
 
 async def test_built_in_tools_route_unkeyed_and_malformed_tools_are_a_400() -> None:
     async with stack(count=2) as st, st.http() as h:
-        assert st.gw.index is not None
-        pending: list[object] = []
-        real = st.gw.index.add_pending
-
-        def spy(*args: Any, **kw: Any) -> Any:
-            pending.append(args)
-            return real(*args, **kw)
-
-        st.gw.index.add_pending = spy  # type: ignore[method-assign]
+        pending = record_pending(st.gw)
         base = {"model": st.model, "input": words(60, 13), "max_output_tokens": 2}
         # a built-in tool (whose prompt the gateway cannot reproduce), or tool_choice
         # "none" (vLLM releases differ on whether the tools render): by load, no keys
