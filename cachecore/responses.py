@@ -2,11 +2,12 @@
 (which renders them) and the gateway (which keys and sizes them) (D30, D31).
 
 vLLM builds a Responses request's prompt as a chat: ``instructions`` as a system message,
-then a stored previous response's conversation, then ``input`` (a string is one user
-message; a list holds items). The items are read as vLLM's ``construct_input_messages`` /
-``construct_chat_messages_with_tool_call`` (``vllm/entrypoints/openai/responses/utils.py``,
-formerly ``vllm/entrypoints/responses_utils.py``) turns them into chat messages for
-non-Harmony models:
+then a stored previous response's conversation (its system messages dropped) and output,
+then ``input`` (a string is one user message; a list holds items). The items are read as
+vLLM's ``construct_input_messages`` / ``construct_chat_messages_with_tool_call``
+(``vllm/entrypoints/openai/responses/utils.py``, formerly
+``vllm/entrypoints/responses_utils.py``) turns them into chat messages for non-Harmony
+models:
 
 - a message ``{role, content}`` (content a string or ``input_text`` / ``output_text``
   parts): a user, system or developer one as that message (parts joined by newlines, as
@@ -177,14 +178,29 @@ def _content_texts(content: Any, i: int) -> list[str]:
 
 
 def request_messages(
-    instructions: Any, prior: list[dict[str, Any]], value: Any
+    instructions: Any,
+    prior: list[dict[str, Any]],
+    value: Any,
+    prior_output: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """A request's whole conversation, in vLLM's order: its instructions (a system
-    message), the previous response's conversation (``prior``), its input."""
+    """A request's whole conversation as vLLM's ``construct_input_messages`` builds it:
+    its instructions (a system message); the messages the previous response was rendered
+    from (``prior``, vLLM's ``msg_store``) less their system messages, as instructions do
+    not carry over from one response to the next (vLLM 0.33 and main: a follow-up that
+    omits them runs without any); the previous response's ``output`` (``prior_output``):
+    each part of each message item its own assistant message, other items (reasoning,
+    function calls) left out; then its input."""
     if instructions is not None and not isinstance(instructions, str):
         raise ResponsesInputError("'instructions' must be a string", "instructions")
     head = [{"role": "system", "content": instructions}] if instructions else []
-    return [*head, *prior, *input_messages(value)]
+    history = [m for m in prior if m.get("role") != "system"]
+    said = [
+        {"role": "assistant", "content": part.get("text")}
+        for item in prior_output or ()
+        if item.get("type") == "message"
+        for part in item.get("content") or ()
+    ]
+    return [*head, *history, *said, *input_messages(value)]
 
 
 def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]] | None, bool]:

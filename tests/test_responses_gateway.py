@@ -100,14 +100,14 @@ async def test_a_chain_stays_on_its_replica_with_growing_cached_tokens() -> None
             prev = None
             used, cached = [], []
             for turn in range(3):
+                # the instructions on every turn: vLLM does not carry a stored turn's over
                 body: dict[str, Any] = {
                     "model": st.model,
+                    "instructions": words(20, 99),
                     "input": words(60 if turn == 0 else 25, 10 * chain + turn),
                     "max_output_tokens": 6,
                 }
-                if turn == 0:
-                    body["instructions"] = words(20, 99)
-                else:
+                if turn > 0:
                     body["previous_response_id"] = prev
                 r = await h.post("/v1/responses", json=body)
                 assert r.status_code == 200, r.text

@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -17,7 +18,9 @@ import pytest
 from openai.types.responses import ResponseOutputMessage, ResponseOutputText
 
 from cachecore.replica.fleet import run_fleet
+from cachecore.replica.responses import output_text
 from cachecore.replica.settings import ReplicaSettings
+from cachecore.responses import request_messages
 from cachecore.tokenizer import export_builtin
 from tests.test_gateway_support import FAST, words
 
@@ -141,15 +144,20 @@ async def test_a_streamed_response_is_the_responses_events_in_order() -> None:
 
 async def test_a_chain_continues_the_stored_conversation_from_the_prefix_cache() -> None:
     async with replica() as (h, sdk, model):
+        # the instructions sent on every turn: they do not carry over (vLLM drops the
+        # stored conversation's system messages), so each turn leads with them again
+        system = words(20, 6)
         first = await sdk.responses.create(
-            model=model, input=words(80, 5), instructions=words(20, 6), max_output_tokens=8
+            model=model, input=words(80, 5), instructions=system, max_output_tokens=8
         )
         second = await sdk.responses.create(
-            model=model, input=words(30, 7), previous_response_id=first.id, max_output_tokens=8
-        )
+            model=model, input=words(30, 7), instructions=system,
+            previous_response_id=first.id, max_output_tokens=8,
+        )  # fmt: skip
         third = await sdk.responses.create(
             model=model,
             input=[{"role": "user", "content": [{"type": "input_text", "text": words(30, 8)}]}],
+            instructions=system,
             previous_response_id=second.id,
             max_output_tokens=8,
         )
@@ -175,6 +183,96 @@ async def test_a_chain_continues_the_stored_conversation_from_the_prefix_cache()
             await sdk.responses.retrieve(loose.id)
         with pytest.raises(openai.NotFoundError):
             await sdk.responses.create(model=model, input="y", previous_response_id=loose.id)
+
+
+def test_a_follow_up_is_built_as_vllms_construct_input_messages() -> None:
+    # vLLM (0.33 and main, responses/utils.py construct_input_messages): the request's
+    # instructions, the stored messages less every system one (turn 1's instructions and a
+    # system input item alike: instructions do not carry over), each part of each output
+    # message as its own assistant message (reasoning and calls left out), the input
+    stored = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "An input item."},
+        {"role": "developer", "content": "Kept."},
+        {"role": "user", "content": "q"},
+    ]
+    output: list[dict[str, Any]] = [
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [output_text("a"), output_text("b")]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+    ]  # fmt: skip
+    history = [
+        {"role": "developer", "content": "Kept."},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
+    got = request_messages("Be brief.", stored, "next", output)
+    assert got == [
+        {"role": "system", "content": "Be brief."},
+        *history,
+        {"role": "user", "content": "next"},
+    ]
+    assert request_messages(None, stored, "next", output) == [
+        *history,
+        {"role": "user", "content": "next"},
+    ]
+    assert stored[0] == {"role": "system", "content": "Be brief."}  # read, not changed
+
+
+async def test_a_follow_up_renders_as_vllm_and_reuses_turn_ones_prefix() -> None:
+    # vLLM's rule for the prompt of a follow-up: the same instructions on every turn make
+    # turn 2's prompt extend turn 1's, so the engine reads instructions and turn 1's input
+    # from its cache (the earlier rendering kept the stored system message too, after the
+    # new one: instructions sent twice, and only their blocks matched); a follow-up
+    # without instructions runs with none, sharing no prefix with the stored turn
+    system, first_in, second_in, third_in = words(20, 40), words(80, 41), words(30, 42), "ok"
+    async with replica() as (h, _, model):
+
+        async def turn(body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+            r = await h.post("/v1/responses", json={"model": model, "max_output_tokens": 6, **body})
+            assert r.status_code == 200, r.text
+            got: dict[str, Any] = r.json()
+            return got, got["output"][0]["content"][0]["text"]
+
+        async def chat(messages: list[dict[str, Any]]) -> dict[str, Any]:
+            r = await h.post(
+                "/v1/chat/completions",
+                json={"model": model, "messages": messages, "max_tokens": 1},
+            )
+            assert r.status_code == 200, r.text
+            usage: dict[str, Any] = r.json()["usage"]
+            return usage
+
+        one, said1 = await turn({"instructions": system, "input": first_in})
+        two, said2 = await turn(
+            {"instructions": system, "input": second_in, "previous_response_id": one["id"]}
+        )
+        prompt1, prompt2 = one["usage"]["input_tokens"], two["usage"]["input_tokens"]
+        # every full block of turn 1's prompt (its instructions and input) read from cache
+        assert two["usage"]["input_tokens_details"]["cached_tokens"] >= prompt1 // 16 * 16
+        expected = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": first_in},
+            {"role": "assistant", "content": said1},
+            {"role": "user", "content": second_in},
+        ]
+        # the chat completion of those messages is turn 2's prompt, token for token: the
+        # same size, and every full block of it cached by turn 2
+        same = await chat(expected)
+        assert same["prompt_tokens"] == prompt2
+        assert same["prompt_tokens_details"]["cached_tokens"] >= (prompt2 - 1) // 16 * 16
+        # without instructions: turn 2's stored messages less the system one, no head
+        three, _ = await turn({"input": third_in, "previous_response_id": two["id"]})
+        assert three["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        bare = await chat(
+            [*expected[1:], {"role": "assistant", "content": said2},
+             {"role": "user", "content": third_in}]
+        )  # fmt: skip
+        assert bare["prompt_tokens"] == three["usage"]["input_tokens"]
+        assert bare["prompt_tokens_details"]["cached_tokens"] > 0  # turn 3's own blocks
 
 
 async def test_vllms_refusals() -> None:
@@ -311,13 +409,15 @@ async def test_a_tool_loop_renders_as_its_chat_and_a_follow_up_carries_the_outpu
         )  # fmt: skip
         first = r.json()["usage"]["input_tokens"]
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == first
-        # the follow-up: its stored conversation, the answer, then the second call's output
+        # the follow-up: its instructions again (the stored ones do not carry over), the
+        # stored conversation, the answer, then the second call's output
         call2 = {**call, "call_id": "call_10"}
         out2 = {**out, "call_id": "call_10", "output": words(20, 32)}
         follow = await h.post(
             "/v1/responses",
-            json={"model": model, "tools": [LOOKUP], "previous_response_id": r.json()["id"],
-                  "input": [call2, out2], "max_output_tokens": 2},
+            json={"model": model, "instructions": "Be brief.", "tools": [LOOKUP],
+                  "previous_response_id": r.json()["id"], "input": [call2, out2],
+                  "max_output_tokens": 2},
         )  # fmt: skip
         assert follow.status_code == 200, follow.text
         usage = follow.json()["usage"]

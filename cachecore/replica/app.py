@@ -494,7 +494,8 @@ def create_app(replica: SimReplica) -> FastAPI:
 
     # ------------------------------------------------------------------ responses
     # vLLM's Responses API for text (D30): the conversation (instructions, a stored
-    # previous response's messages and output, the input) rendered with the chat template
+    # previous response's messages less their system ones and its output, the input,
+    # cachecore.responses.request_messages) rendered with the chat template
     # and run as a chat completion is, so prefix caching, KV events and metrics see it
     @app.post("/v1/responses", response_model=None)
     async def responses(request: Request) -> Response:
@@ -503,13 +504,14 @@ def create_app(replica: SimReplica) -> FastAPI:
         salt = validate_salt(req.cache_salt)
         max_tokens = req.max_tokens()
         prior: list[dict[str, Any]] = []
+        prior_output: list[dict[str, Any]] | None = None
         if req.previous_response_id is not None:
             prev = replica.responses.get(req.previous_response_id)
             if prev is None:
                 raise not_found(req.previous_response_id)
-            prior = prev.conversation
+            prior, prior_output = prev.messages, prev.response["output"]
         try:
-            messages = request_messages(req.instructions, prior, req.input)
+            messages = request_messages(req.instructions, prior, req.input, prior_output)
             # vLLM's current rule: the function tools render whatever tool_choice says
             # (its --exclude-tools-when-tool-choice-none is off); other types do not
             tools, _ = chat_tools(req.tools)
@@ -527,10 +529,11 @@ def create_app(replica: SimReplica) -> FastAPI:
         )
         created = now_s()
 
-        def stored(final: dict[str, Any], out: str) -> None:
+        def stored(final: dict[str, Any]) -> None:
+            # vLLM keeps the messages this prompt was rendered from and the response, whose
+            # output a follow-up appends (request_messages)
             if req.store:
-                said = {"role": "assistant", "content": out}
-                replica.responses.put(rid, StoredResponse(final, [*messages, said]))
+                replica.responses.put(rid, StoredResponse(final, messages))
 
         if req.stream:
             return StreamingResponse(
@@ -543,7 +546,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         out, last = got
         item = message_item(f"msg_{uuid.uuid4().hex}", out, "completed")
         final = response_object(rid, req, model, created, [item], last)
-        stored(final, out)
+        stored(final)
         return _json_bytes(final)
 
     async def response_events(
@@ -553,7 +556,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         req: ResponsesRequest,
         model: str,
         created: int,
-        stored: Callable[[dict[str, Any], str], None],
+        stored: Callable[[dict[str, Any]], None],
     ) -> AsyncIterator[bytes]:
         seq = EventSequence(rid, req, model, created)
         texts: list[str] = []
@@ -569,7 +572,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             text = "".join(texts)
             item = message_item(seq.item_id, text, "completed")
             final = response_object(rid, req, model, created, [item], last)
-            stored(final, text)
+            stored(final)
             for event in seq.closing(text, final):
                 yield sse_event(event)
         except EngineStoppedError as exc:

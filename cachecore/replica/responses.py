@@ -65,8 +65,9 @@ def not_found(rid: str) -> APIError:
 @dataclass(slots=True)
 class StoredResponse:
     response: dict[str, Any]
-    # the conversation a follow-up continues: the request's messages and its output
-    conversation: list[dict[str, Any]]
+    # the messages the request was rendered from (vLLM's msg_store): a follow-up continues
+    # them, less their system messages, then the response's output
+    messages: list[dict[str, Any]]
 
 
 class ResponseStore:
