@@ -1412,12 +1412,12 @@ class Gateway:
             n_prompt = size(lengths)
             if pairs is not None:
                 assert sizer is not None
-                n_prompt = size(await sizer.pair_lengths(pairs, cs, off, trunc))
-                if pad is not None:
-                    # an embedding model's score pads each text, a cross-encoder each pair
-                    n_prompt = max(
-                        n_prompt, pad * pair_texts(body, endpoint in _RERANK, len(pairs))
-                    )
+                texts = pair_texts(body, endpoint in _RERANK, pairs)
+                per_pair, per_text = await sizer.pair_lengths(pairs, texts, cs, off, trunc)
+                # a cross-encoder runs one prompt per pair, an embedding model one per text
+                # (each with its special tokens, truncated and padded alone): which this
+                # model is the gateway cannot tell, so the larger is charged
+                n_prompt = max(size(per_pair), size(per_text))
             elif has_input:
                 if isinstance(tokenizer, LocalPromptTokenizer):
                     inputs = await tokenizer.prompt_lengths(body, cs, off, trunc, "input")

@@ -314,12 +314,17 @@ def pooling_padding(body: Mapping[str, Any]) -> bool:
     raise bad_request("'padding' must be 'max_length' or 'do_not_pad'", "padding")
 
 
-def pair_texts(body: Mapping[str, Any], rerank: bool, n_pairs: int) -> int:
-    """How many texts a /score or /rerank request holds (its query or ``text_1`` side and
-    one per pair): what an embedding model's score runs, one engine request per text,
-    where a cross-encoder runs one per pair. Read after :func:`pooling_pairs`."""
+def pair_texts(
+    body: Mapping[str, Any], rerank: bool, pairs: Sequence[tuple[str, str]]
+) -> list[str]:
+    """The texts of a /score or /rerank request as an embedding model's score runs them
+    (vLLM's ``BiEncoderIOProcessor``: the ``text_1`` side, or the query, then each pair's
+    second text, each one engine request), where a cross-encoder runs one per pair. A
+    1:N request's one first text runs once, N:N's each. Read after :func:`pooling_pairs`."""
     first = None if rerank else body.get("text_1")
-    return n_pairs + (len(first) if isinstance(first, list) else 1)
+    if isinstance(first, list) and len(first) > 1:  # N:N
+        return [a for a, _ in pairs] + [b for _, b in pairs]
+    return [pairs[0][0], *(b for _, b in pairs)]
 
 
 _OTHER_SCORE_FORMS = ("queries", "documents", "items", "data_1", "data_2")
@@ -525,31 +530,38 @@ class LocalPromptTokenizer:
     async def pair_lengths(
         self,
         pairs: Sequence[tuple[str, str]],
+        texts: Sequence[str],
         scope: str | None = "",
         offload_chars: int = OFFLOAD_CHARS,
         trunc: Truncation | None = None,
-    ) -> list[int]:
-        """The tokens the engine runs for each pair of a /score or /rerank request
-        (:func:`pooling_pairs`): both texts' tokens with the tokenizer's special tokens
-        around them (a cross-encoder's pair), at most ``trunc.keep``. A text shared by
-        many pairs (a rerank's query) is tokenized once; texts longer together than
-        ``offload_chars`` in one worker thread, as :meth:`prompt_lengths`'."""
-        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        if sum(map(len, texts)) > offload_chars:
+    ) -> tuple[list[int], list[int]]:
+        """The tokens the engine runs for a /score or /rerank request, both ways a model
+        scores: for each pair (:func:`pooling_pairs`) both texts' tokens with the
+        tokenizer's special tokens around them (a cross-encoder's pair), and for each of
+        ``texts`` (:func:`pair_texts`) its tokens with them (an embedding model's, each text
+        its own prompt); each at most ``trunc.keep``. Each distinct text is tokenized once;
+        texts longer together than ``offload_chars`` in one worker thread, as
+        :meth:`prompt_lengths`'."""
+        distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
+        if sum(map(len, distinct)) > offload_chars:
             encode = self.tok.encode
-            counted = await asyncio.to_thread(lambda: [len(encode(t)) for t in texts])
+            counted = await asyncio.to_thread(lambda: [len(encode(t)) for t in distinct])
         else:
             counted = [
-                len(await self.segments.encode_async(t, scope, offload_chars)) for t in texts
+                len(await self.segments.encode_async(t, scope, offload_chars)) for t in distinct
             ]
-        size = dict(zip(texts, counted, strict=True))
+        size = dict(zip(distinct, counted, strict=True))
         prefix, suffix = self.tok.special_affixes
         extra = len(prefix) + len(suffix)
         keep = None if trunc is None else trunc.keep
-        return [
-            size[a] + size[b] + extra if keep is None else min(size[a] + size[b] + extra, keep)
-            for a, b in pairs
-        ]
+
+        def kept(n: int) -> int:  # truncation keeps the special tokens: min(n, k) all the same
+            return n if keep is None else min(n, keep)
+
+        return (
+            [kept(size[a] + size[b] + extra) for a, b in pairs],
+            [kept(size[t] + extra) for t in texts],
+        )
 
 
 def _response_ids(payload: Any) -> list[int] | None:

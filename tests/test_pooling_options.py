@@ -7,6 +7,7 @@ request padded to the model's context by ``TokenizeParams.with_kwargs`` /
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from cachecore.replica.settings import ReplicaSettings
 from tests.test_agent_helpers import counter_total
 from tests.test_gateway_support import stack, words
+from tests.test_special_tokens import bos_model
 
 CONTEXT = 256
 SMALL = ReplicaSettings(time_scale=0.05, max_model_len=CONTEXT)
@@ -129,3 +131,43 @@ async def test_padding_to_max_length_is_charged_as_the_padded_prompts_the_engine
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == CONTEXT, r.text
         r = await h.post("/v1/embeddings", json={"input": "a", **pad})
         assert r.status_code == 429 and r.json()["error"]["limit"] == "uncached_tokens", r.text
+
+
+async def test_a_score_is_charged_as_cross_encoder_pairs_or_embedded_texts_the_larger(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.33 scores with an embedding model (``BiEncoderIOProcessor``) by embedding
+    each text as its own engine request, its special tokens added and truncated alone; a
+    cross-encoder runs one prompt per pair. The gateway charged the pair: with
+    ``truncate_prompt_tokens`` k, min(a + b, k) for up to min(a, k) + min(b, k) computed,
+    and an N:N score one special token per pair short behind a BOS tokenizer. It cannot
+    tell the model type: the larger of the two is charged."""
+    t = {"truncate_prompt_tokens": 10}
+    a, b, c, d = (words(30, i) for i in range(4))
+    cases: dict[str, tuple[str, dict[str, Any], int]] = {
+        # cross: one pair of 10; embedding: two texts of 10
+        "1:1": ("score", {"text_1": a, "text_2": b, **t}, 20),
+        "N:N": ("score", {"text_1": [a, b], "text_2": [c, d], **t}, 40),
+        "1:N list": ("score", {"text_1": [a], "text_2": [b, c], **t}, 30),
+        "rerank": ("rerank", {"query": a, "documents": [b, c], **t}, 30),
+        # untruncated 1:N: the cross-encoder's pairs repeat the query, the larger
+        "1:N": ("score", {"text_1": words(20, 5), "text_2": [words(5, i) for i in range(3)]}, 75),
+    }
+    async with stack(count=1, replica=SMALL) as st, st.http() as h:
+        for name, (ep, body, charged) in cases.items():
+            got = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
+            assert got.prompt_tokens == charged, (name, got.prompt_tokens)
+            r = await h.post(f"/{ep}", json=body)  # the simulated cross-encoder: within it
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] <= charged, name
+    # behind a tokenizer that adds a BOS to each sequence, N:N untruncated: a pair is
+    # BOS a b (11 tokens), the embedding model's texts BOS a and BOS b (12)
+    model = str(bos_model(tmp_path))
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = ReplicaSettings(time_scale=0.05, tokenizer_dir=model)
+    async with stack(count=1, replica=replica, policy=policy) as st, st.http() as h:
+        body = {"text_1": [words(5, 1), words(5, 2)], "text_2": [words(5, 3), words(5, 4)]}
+        r = await h.post("/score", json=body)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 22, r.text
+        got = await st.gw.prepare("score", "anonymous", dict(body), {}, "x", True)
+        assert got.prompt_tokens == 24
