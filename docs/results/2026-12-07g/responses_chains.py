@@ -183,14 +183,16 @@ async def run_kvgate(
     tmp: Path,
     text: TextSource,
     http: httpx.AsyncClient,
+    name: str = "kvgate:expected_latency",
 ) -> Run:
-    run = Run("kvgate:expected_latency")
+    run = Run(name)
+    strategy = name.split(":", 1)[1]
     ts = args.time_scale
     keys = {"default": "chains-default-" + secrets.token_hex(6)}
     keys_path = tmp / "keys.yaml"
     write_api_keys(keys_path, keys)
     policy = tmp / "policy.yaml"
-    policy.write_text(scaled_policy("expected_latency", ts, get_profile(args.profile).max_num_seqs))
+    policy.write_text(scaled_policy(strategy, ts, get_profile(args.profile).max_num_seqs))
     admin = "chains-admin-" + secrets.token_hex(8)
     topic = {"KVGATE_AGENT_TOPIC": EVENTS_TOPIC}
     with gateway(fleet, free_port(), policy, keys_path, admin, extra_env=topic) as base:
@@ -297,7 +299,7 @@ async def main_async(args: argparse.Namespace, fleet: FleetProcess, tmp: Path) -
             print(f"  {name} ...", flush=True)
             try:
                 if name.startswith("kvgate"):
-                    run = await run_kvgate(args, fleet, tmp, text, http)
+                    run = await run_kvgate(args, fleet, tmp, text, http, name)
                 else:
                     run = await run_peer(name, args, fleet, tmp, text, http, peers, tokenizer_dir)
             except Exception as exc:  # one system's failure must not lose the others
