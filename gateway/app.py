@@ -351,6 +351,11 @@ class Completions:
         return exchange
 
 
+_EXPLAINED = (*ENDPOINT_PATHS, RESPONSE_GET)
+"""The endpoints ``/admin/route/explain`` explains: every one the gateway routes, by its
+name in :data:`~gateway.core.ENDPOINT_PATHS` (``GET /v1/responses/{id}``: ``response_get``)."""
+
+
 def create_app(gw: Gateway) -> FastAPI:
     keys = gw.key_store
 
@@ -650,10 +655,21 @@ def create_app(gw: Gateway) -> FastAPI:
         endpoint = request.query_params.get("endpoint") or (
             "chat" if "messages" in body else "completion"
         )
-        if endpoint not in ("chat", "completion"):
+        if endpoint not in _EXPLAINED:
             raise bad_request(
-                "endpoint must be chat or completion", param="endpoint", code="invalid_endpoint"
+                f"endpoint must be one of {', '.join(_EXPLAINED)}",
+                param="endpoint",
+                code="invalid_endpoint",
             )
+        if endpoint == RESPONSE_GET:
+            # a retrieval's body is its id alone (the real request's, read off its path)
+            rid = body.get("response_id")
+            if not isinstance(rid, str) or not rid:
+                raise bad_request(
+                    'a response_get explain needs the body {"response_id": <the id>}',
+                    param="response_id",
+                )
+            body = {"response_id": rid}
         tenant = request.query_params.get("tenant") or request.headers.get("x-kvgate-tenant")
         if tenant and not TENANT_NAME.match(tenant):
             # no API key can carry it: explained, it would read as a cold tenant's routing
@@ -685,8 +701,13 @@ def create_app(gw: Gateway) -> FastAPI:
                 param="strategy",
                 code="invalid_strategy",
             ) from None
-        # a GatewayError is the answer (the router's NoCandidateError: prepare's 503)
+        # a GatewayError is the answer (the router's NoCandidateError: prepare's 503; a
+        # sealed id that does not open under this tenant and scope: the real request's 404).
+        # Explain-only: decided under the router's preview, nothing charged, committed,
+        # made pending or sent (an engine-tokenized pool's tokens are asked of a replica's
+        # /tokenize, as the real request's are)
         d = await gw.prepare(endpoint, tenant, body, request.headers, "explain", True, strat)
+        why = d.load_only_why()
         answer: dict[str, Any] = {
             "tenant": tenant,
             # false: a typo's answer (every replica matched_blocks 0) looks like a cold
@@ -704,7 +725,17 @@ def create_app(gw: Gateway) -> FastAPI:
             # and an engine stall's (D17), and the stall as the replica's agent last saw it
             "overdue_ms": {c.replica: round(c.load.overdue_ms, 3) for c in d.candidates},
             "stalled_ms": {c.replica: _stalled_ms(c.replica) for c in d.candidates},
+            "endpoint": endpoint,
+            # what admitting it would charge the tenant's uncached-token budget
+            "charge_uncached_tokens": d.uncached_tokens,
+            "load_only": None if why is None else {"why": why[0], "detail": why[1]},
+            "pinned": None,
         }
+        if why is not None and why[0] == "pinned":
+            # the replica the sealed id names (opened under this tenant and scope), and
+            # the engine's id for the response there
+            engine_id = d.previous[0] if d.previous is not None else d.response_id
+            answer["pinned"] = {"replica": d.replica, "engine_response_id": engine_id}
         if known is False:
             answer["note"] = (
                 f"no API key of the key file maps to tenant {tenant!r} and the policy names no "

@@ -317,6 +317,40 @@ class Dispatch:
     def ephemeral(self) -> bool:
         return self.scope.ephemeral
 
+    @property
+    def uncached_tokens(self) -> int:
+        """Its prompt tokens its decision does not predict cached: what admitting it
+        charges its tenant's uncached-token budget and counts as its replica's prefill."""
+        return max(0, self.prompt_tokens - self.decision.predicted_cached_tokens)
+
+    def load_only_why(self) -> tuple[str, str] | None:
+        """Why its decision is by load alone, with no block keys or lookup (a code and a
+        sentence, for ``/admin/route/explain``); None for a keyed one. In the router's
+        order: an unkeyed request in a sensitive scope is ``unkeyed_*`` there too."""
+        if self.previous is not None or self.endpoint == RESPONSE_GET:
+            return "pinned", (
+                "sent to the replica that stored the response its sealed id names, and "
+                "nowhere else (D30): scored by that replica's load alone"
+            )
+        if self.endpoint in LOAD_ROUTED:
+            return "endpoint", (
+                "an endpoint routed by load alone (D28, D29): a pooling request's prompts "
+                "are computed whole, with no prefix-cache hit to predict, and charged whole; "
+                "/tokenize and /detokenize compute nothing (sized 0)"
+            )
+        if self.unkeyed:
+            return "unkeyed", (
+                "the engine reads no prefix cache the gateway can key for this request "
+                "(media parts, prompt logprobs, a prompt batch, a truncation to a context "
+                "no replica's card gives, built-in tools): charged whole"
+            )
+        if self.scope.ephemeral:
+            return "sensitive", (
+                "a sensitive scope (a session's or a request's): never looked up nor "
+                "indexed; sticky per session among the replicas of about the lowest cost"
+            )
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -1773,7 +1807,7 @@ class Gateway:
         when it is spent) and commit its decision. No await since the decision: no other
         decision in between."""
         decision = d.decision
-        uncached = max(0, d.prompt_tokens - decision.predicted_cached_tokens)
+        uncached = d.uncached_tokens
         rej = self.limiter.charge_uncached(d.tenant, tpol.limits, uncached, time.monotonic())
         if rej is not None:
             self.metrics.rate_limited.labels(d.tenant, rej.limit).inc()
@@ -1914,7 +1948,7 @@ class Gateway:
         assert self.index is not None
         cand = next(c for c in d.candidates if c.replica == d.replica)
         d.load_at_dispatch = cand.load
-        uncached = max(0, d.prompt_tokens - d.decision.predicted_cached_tokens)
+        uncached = d.uncached_tokens
         ttft_s = max(0.001, d.decision.chosen.ttft_ms / 1000.0)
         # a stream's first token is watched (D16): later than predicted by more than the
         # policy's grace, it makes its replica overdue (the grace is read at each decision)

@@ -54,11 +54,11 @@ async def test_the_admin_apis_refusals_carry_the_gateways_codes() -> None:
         assert r.status_code == 400 and err["code"] == "invalid_strategy", r.text
         assert err["param"] == "strategy" and "expected_latency" in err["message"]
         r = await h.post(
-            "/admin/route/explain", params={"endpoint": "embeddings"}, json=body, headers=adm
+            "/admin/route/explain", params={"endpoint": "embedding"}, json=body, headers=adm
         )
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "invalid_endpoint", r.text
-        assert err["param"] == "endpoint"
+        assert err["param"] == "endpoint" and "embeddings" in err["message"]
         rid = st.gw.replicas_state()[0]["id"]
         r = await h.post(f"/admin/replicas/{rid}/explode", headers=adm)
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_operation", r.text
