@@ -20,7 +20,8 @@ Contract (the parts of :class:`httpx.AsyncBaseTransport` the gateway uses):
   ``httpx.ConnectTimeout``; the server closing before any response byte ->
   ``httpx.RemoteProtocolError`` (retried once on a fresh connection if the closed one was a
   reused keep-alive connection: the classic idle-close race; the retry keeps the request's
-  slot, so it never queues behind later arrivals); closing mid-body ->
+  slot, so it never queues behind later arrivals; a retry that cannot connect raises it too:
+  the server may have read the request and died of it); closing mid-body ->
   ``httpx.ReadError``; no byte within the read timeout -> ``httpx.ReadTimeout``; a malformed
   response, or one cut inside its head -> :class:`MalformedResponseError` (the replica
   answered: never resent, and not one of the connect-type errors the proxy retries
@@ -337,7 +338,16 @@ class LeanTransport(httpx.AsyncBaseTransport):
         conn = self._take_idle(key)
         for attempt in (0, 1):
             if attempt:  # the slot is still this request's: no new place in the line
-                conn = await self._connect(key, connect_s, loop)
+                try:
+                    conn = await self._connect(key, connect_s, loop)
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    # the closed connection may have carried the request to a server that
+                    # died of it (a close and a dead port are what a crash looks like): a
+                    # drop to the caller, not a request never sent (the refused connect
+                    # kept as the cause, for the ejection)
+                    raise httpx.RemoteProtocolError(
+                        f"replica closed the connection unanswered, then: {exc}"
+                    ) from (exc.__cause__ or exc)
             elif conn is None:
                 if dispatched is not None:  # connecting yields: record the dispatch first
                     dispatched()
