@@ -9,23 +9,29 @@ vLLM's ``construct_input_messages`` / ``construct_chat_messages_with_tool_call``
 ``vllm/entrypoints/responses_utils.py``) turns them into chat messages for non-Harmony
 models:
 
-- a message ``{role, content}`` (content a string or ``input_text`` / ``output_text``
-  parts): a user, system or developer one as that message (parts joined by newlines, as
-  vLLM's chat parser joins them), with its string ``name`` and a developer's ``tools``
-  (vLLM passes the item to its chat parser whole, which keeps both for the template); an
-  assistant one as an assistant message of its *first* part's text (no name);
-- ``function_call`` ``{call_id, name, arguments}``: an assistant message with
-  ``tool_calls: [{id: call_id, function: {name, arguments}, type: "function"}]``;
+- a message ``{role, content}`` (content a string or parts): a user, system or developer
+  one (``input_text`` parts only: vLLM's request model refuses others) as that message
+  (parts joined by newlines, as vLLM's chat parser joins them), with its string ``name``
+  and a developer's ``tools`` (vLLM passes the item to its chat parser whole, which keeps
+  both for the template); an assistant one (all ``output_text`` parts, with its ``type``
+  or an ``id``; or all ``input_text`` parts) as an assistant message of its *first*
+  part's text (no name);
+- ``function_call`` ``{call_id, name, arguments[, namespace]}``: an assistant message
+  with ``tool_calls: [{id: call_id, function: {name, arguments}, type: "function"}]``, a
+  non-empty namespace flattened into the name as ``<namespace>__<name>``;
 - ``function_call_output`` ``{call_id, output}``: ``{role: "tool", content: output,
-  tool_call_id: call_id}``;
+  tool_call_id: call_id}`` (an array of ``input_text`` parts: their non-empty texts
+  joined by newlines, as the chat parser joins a tool message's parts);
 - ``reasoning``: an assistant message with ``reasoning`` (its first content part's text,
-  else its first summary part's, else empty).
+  else its first summary part's, else empty); an empty ``encrypted_content`` is absent.
 
 An assistant item right after an assistant message read from the same ``input`` joins it
 where that message lacks its part: a function call adds to its ``tool_calls`` (so
 parallel calls, and a text answer followed by its calls, are one message), an assistant
 text fills a missing ``content``, reasoning a missing ``reasoning``. Other item types,
-media parts, encrypted reasoning and namespaced calls are refused, naming ``input``.
+media parts, encrypted reasoning and what vLLM's request model refuses are refused,
+naming ``input``. A last message or reasoning item ``in_progress`` or ``incomplete`` is
+continued (:func:`chat_fields`).
 """
 
 from __future__ import annotations
@@ -33,8 +39,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cachecore.tokenizer import REASONING_EFFORTS
+
 _ROLES = frozenset(("user", "system", "developer", "assistant"))
-_TEXT_PARTS = frozenset(("input_text", "output_text", "text"))
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_STATUSES = ("in_progress", "completed", "incomplete")
+_PARTIAL = ("in_progress", "incomplete")
 
 
 class ResponsesInputError(ValueError):
@@ -71,9 +81,10 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             if not isinstance(call_id, str):
                 raise ResponsesInputError(f"'input[{i}].call_id' must be a string")
             if not isinstance(output, str):
-                raise ResponsesInputError(
-                    f"'input[{i}].output' must be a string (an array of parts is not served here)"
-                )
+                # vLLM hands the parts to its chat parser as the tool message's content,
+                # which joins their texts as a message's (empty ones dropped)
+                texts = _parts_texts(output, i, "output", ("input_text",))
+                output = "\n".join(t for t in texts if t)
             out.append({"role": "tool", "content": output, "tool_call_id": call_id})
         elif kind == "reasoning":
             text = _reasoning_text(item, i)
@@ -87,8 +98,9 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 raise ResponsesInputError(
                     f"'input[{i}].role' must be one of {', '.join(sorted(_ROLES))}"
                 )
-            texts = _content_texts(item.get("content"), i)
             if role != "assistant":
+                kinds = _TEXT_PARTS if _referenced(item) else ("input_text",)
+                texts = _content_texts(item, i, kinds)
                 msg: dict[str, Any] = {"role": role, "content": "\n".join(t for t in texts if t)}
                 # vLLM hands this item to its chat parser whole (its request model allows
                 # extra fields, the items too), which keeps a string name and a
@@ -99,11 +111,14 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                     msg["tools"] = item["tools"]
                 out.append(msg)
                 continue
-            text = texts[0] if texts else ""  # vLLM reads an assistant's first part only
-            if prev is not None and prev.get("content") is None:
-                prev["content"] = text
+            said = _assistant_text(item, i)
+            if said is None:
+                # no parts and no type: vLLM passes the item on as a message of its own
+                out.append({"role": "assistant", "content": ""})
+            elif prev is not None and prev.get("content") is None:
+                prev["content"] = said
             else:
-                out.append({"role": "assistant", "content": text})
+                out.append({"role": "assistant", "content": said})
         else:
             raise ResponsesInputError(
                 f"'input[{i}]': item type {kind!r} is not served here (messages, "
@@ -118,61 +133,122 @@ def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     for field in ("call_id", "name", "arguments"):
         if not isinstance(item.get(field), str):
             raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
-    if item.get("namespace") is not None:
-        # vLLM flattens a namespace into the name by a rule that varies by release
-        raise ResponsesInputError(
-            f"'input[{i}].namespace': namespaced function calls are not served here"
-        )
+    name, namespace = item["name"], item.get("namespace")
+    if namespace is not None and not isinstance(namespace, str):
+        raise ResponsesInputError(f"'input[{i}].namespace' must be a string")
+    if namespace:
+        # vLLM's flat_namespace_tool_name (0.33): the name its tools' namespaces render as
+        name = f"{namespace}__{name}"
     if item["arguments"]:
         # vLLM parses them to an object before its chat template sees them (an empty
-        # string is {}), so text that is no JSON fails there: here, naming the item
+        # string is {}); text that is no JSON it renders as {} (0.33), which kvgate's chat
+        # path refuses: refused here, naming the item (a difference left open, D31)
         try:
             json.loads(item["arguments"])
         except ValueError:
             raise ResponsesInputError(f"'input[{i}].arguments' is not valid JSON") from None
-    fn = {"name": item["name"], "arguments": item["arguments"]}
+    fn = {"name": name, "arguments": item["arguments"]}
     return {"id": item["call_id"], "function": fn, "type": "function"}
 
 
 def _reasoning_text(item: dict[str, Any], i: int) -> str:
-    if item.get("encrypted_content") is not None:
-        # vLLM refuses it ("Encrypted content is not supported") or ignores it, by how
-        # pydantic resolved the item: refused here, as the gateway cannot tell which
+    """A reasoning item's text as vLLM reads its ``ResponseReasoningItem`` (an item that
+    does not validate as one is refused there, by its request model or as an unsupported
+    item: here, naming the field)."""
+    if "id" in item and not isinstance(item["id"], str):
+        raise ResponsesInputError(f"'input[{i}].id' must be a string")  # absent: vLLM adds one
+    status = item.get("status")
+    if status is not None and status not in _STATUSES:
+        raise ResponsesInputError(f"'input[{i}].status' must be one of {', '.join(_STATUSES)}")
+    secret = item.get("encrypted_content")
+    if secret is not None and not isinstance(secret, str):
+        raise ResponsesInputError(f"'input[{i}].encrypted_content' must be a string")
+    if secret:
+        # vLLM: "Encrypted content is not supported." (an empty one is read as absent)
         raise ResponsesInputError(
             f"'input[{i}].encrypted_content': encrypted reasoning is not served here"
         )
-    for field in ("content", "summary"):
-        parts = item.get(field)
-        if parts is None:
-            continue
-        if not isinstance(parts, list) or not all(
-            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
-        ):
+    if not isinstance(item.get("summary"), list):
+        raise ResponsesInputError(f"'input[{i}].summary' must be an array of parts")
+    summary = _parts_texts(item["summary"], i, "summary", ("summary_text",))
+    content = item.get("content")
+    texts = [] if content is None else _parts_texts(content, i, "content", ("reasoning_text",))
+    return (texts or summary or [""])[0]
+
+
+def _assistant_text(item: dict[str, Any], i: int) -> str | None:
+    """An assistant message item's text as vLLM reads it: a string content whole, else its
+    first part's. Its parts all ``output_text`` (vLLM's ``ResponseOutputMessage``, which
+    its request model builds from an item with its ``type``) or all ``input_text`` (an
+    easy input message); other mixes are refused by vLLM's request model, unless it
+    takes the item as a reference (:func:`_referenced`). None: no parts and no ``type``,
+    which vLLM passes on as a message of its own (with its ``type``, vLLM fails on the
+    missing first part)."""
+    content = item.get("content")
+    referenced = _referenced(item)
+    texts = _content_texts(item, i, _TEXT_PARTS if referenced else ("output_text", "input_text"))
+    if isinstance(content, str):
+        return content
+    typed = "type" in item
+    if not content:
+        if typed:
+            raise ResponsesInputError(f"'input[{i}].content': an assistant message needs a part")
+        return None
+    if referenced:
+        return texts[0]
+    kinds = {part["type"] for part in content}
+    if len(kinds) > 1:
+        raise ResponsesInputError(
+            f"'input[{i}].content': an assistant message's parts are all output_text or "
+            "all input_text"
+        )
+    if kinds == {"output_text"}:
+        # vLLM gives a typed item its id and status when absent; given, they must fit
+        if not typed or not isinstance(item.get("id", ""), str):
             raise ResponsesInputError(
-                f"'input[{i}].{field}' must be an array of parts with a string 'text'"
+                f"'input[{i}].id': an assistant message of output_text parts needs its "
+                "'type' (and a string 'id', if any) or a string 'id'"
             )
-        if parts:
-            text: str = parts[0]["text"]
-            return text
-    return ""
+        if "status" in item and item["status"] not in _STATUSES:
+            raise ResponsesInputError(f"'input[{i}].status' must be one of {', '.join(_STATUSES)}")
+    return texts[0]
 
 
-def _content_texts(content: Any, i: int) -> list[str]:
-    """A message's text parts' texts, in order (a string content is one)."""
+def _referenced(item: dict[str, Any]) -> bool:
+    """Whether vLLM's request model takes the item as an item reference (``{id[, type:
+    "item_reference"]}``, its extra fields allowed): an untyped item with a string ``id``
+    validates so whatever else it holds, and vLLM's reader then reads it by its role
+    (its text parts of any kind, as the chat parser reads them)."""
+    return "type" not in item and isinstance(item.get("id"), str)
+
+
+def _content_texts(item: dict[str, Any], i: int, kinds: tuple[str, ...]) -> list[str]:
+    """A message item's texts, in order: a string content is one, else its parts'."""
+    content = item.get("content")
     if isinstance(content, str):
         return [content]
     if not isinstance(content, list):
         raise ResponsesInputError(f"'input[{i}].content' must be a string or an array of parts")
+    return _parts_texts(content, i, "content", kinds)
+
+
+def _parts_texts(parts: Any, i: int, field: str, kinds: tuple[str, ...]) -> list[str]:
+    """The texts of an item's array of parts, in order, each part of one of ``kinds``
+    with a string ``text`` (vLLM's request model refuses other text parts there; media
+    parts are not served here)."""
+    if not isinstance(parts, list):
+        raise ResponsesInputError(f"'input[{i}].{field}' must be an array of parts")
     texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
             raise ResponsesInputError(
-                f"'input[{i}].content': part {kind!r} is not served here (text parts only)"
+                f"'input[{i}].{field}': part {kind!r} is not served here ({', '.join(kinds)} "
+                "parts only)"
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise ResponsesInputError(f"'input[{i}].content': a text part needs its 'text'")
+            raise ResponsesInputError(f"'input[{i}].{field}': a {kind} part needs its 'text'")
         texts.append(text)
     return texts
 
@@ -201,6 +277,48 @@ def request_messages(
         for part in item.get("content") or ()
     ]
     return [*head, *history, *said, *input_messages(value)]
+
+
+def continues_final_message(value: Any) -> bool:
+    """Whether vLLM continues the input's last message instead of starting a new turn
+    (its ``should_continue_final_message``): the last item a message (of any role) or
+    reasoning item whose ``status`` is ``in_progress`` or ``incomplete``."""
+    if not isinstance(value, list) or not value or not isinstance(value[-1], dict):
+        return False
+    last = value[-1]
+    return (
+        last.get("type", "message") in ("message", "reasoning") and last.get("status") in _PARTIAL
+    )
+
+
+def chat_fields(value: Any, reasoning: Any, template_kwargs: Any) -> dict[str, Any]:
+    """The chat completion fields besides messages and tools that render a Responses
+    request's prompt as vLLM's ``ResponsesRequest.build_chat_params`` renders it, read by
+    the chat path as a chat completion's (``cachecore.tokenizer.ChatOptions.from_body``):
+    ``add_generation_prompt`` and ``continue_final_message`` (a partial final message,
+    :func:`continues_final_message`, is continued: no generation prompt, the chat cut
+    after its content), ``reasoning_effort`` (``reasoning.effort``, when given) and the
+    request's ``chat_template_kwargs``. A malformed one is refused, naming it."""
+    cont = continues_final_message(value)
+    fields: dict[str, Any] = {"add_generation_prompt": not cont, "continue_final_message": cont}
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise ResponsesInputError("'reasoning' must be an object", "reasoning")
+        effort = reasoning.get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise ResponsesInputError(
+                f"'reasoning.effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                "reasoning.effort",
+            )
+        if effort is not None:
+            fields["reasoning_effort"] = effort
+    if template_kwargs is not None:
+        if not isinstance(template_kwargs, dict):
+            raise ResponsesInputError(
+                "'chat_template_kwargs' must be an object", "chat_template_kwargs"
+            )
+        fields["chat_template_kwargs"] = template_kwargs
+    return fields
 
 
 def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]] | None, bool]:

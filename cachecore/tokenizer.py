@@ -382,10 +382,13 @@ class ChatOptions:
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> ChatOptions | None:
-        """The options of a chat request body; None when it sets none (the common case)."""
+        """The options of a chat request body; None when it sets none (the common case).
+        A chat completion's ``reasoning_effort`` joins the template variables as vLLM
+        passes it (:func:`effort_template_kwargs`)."""
         tools, docs = body.get("tools"), body.get("documents")
         cont, kwargs = body.get("continue_final_message"), body.get("chat_template_kwargs")
-        if tools is None and docs is None and not cont and not kwargs:
+        effort = body.get("reasoning_effort")
+        if tools is None and docs is None and not cont and not kwargs and effort is None:
             return None
         if tools is not None and not isinstance(tools, list):
             raise TokenizerError("'tools' must be an array")
@@ -393,7 +396,34 @@ class ChatOptions:
             raise TokenizerError("'documents' must be an array")
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise TokenizerError("'chat_template_kwargs' must be an object")
-        return cls(tools, docs, bool(cont), kwargs)
+        return cls(tools, docs, bool(cont), effort_template_kwargs(kwargs, effort))
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""vLLM's ``ReasoningEffort`` (a chat completion's ``reasoning_effort``; a Responses
+request's ``reasoning.effort`` takes the same values)."""
+
+
+def effort_template_kwargs(
+    kwargs: Mapping[str, Any] | None, effort: Any
+) -> Mapping[str, Any] | None:
+    """The template variables of a request with a reasoning effort, as vLLM's
+    ``build_chat_params`` (chat completions and Responses alike) merges them: the
+    request's ``chat_template_kwargs``, then ``reasoning_effort`` (the request's wins),
+    and ``enable_thinking: effort != "none"`` unless the request's kwargs set it (so a
+    template that gates thinking on it thinks when asked to). A template that reads
+    neither renders as without them. vLLM's ``--reasoning-effort-map`` (a server flag the
+    gateway cannot see) is not applied."""
+    if effort is None:
+        return kwargs
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TokenizerError("'chat_template_kwargs' must be an object")
+    if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
+        raise TokenizerError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}")
+    merged = {**(kwargs or {}), "reasoning_effort": effort}
+    if kwargs is None or "enable_thinking" not in kwargs:
+        merged["enable_thinking"] = effort != "none"
+    return merged
 
 
 def _tojson(
@@ -610,15 +640,16 @@ SPECIAL_TOKEN_KEYS = (
 
 
 def _cut_after_final_message(text: str, final: str) -> str:
-    """transformers' ``continue_final_message``: the rendered chat up to the end of the
-    final message's content (its trailing whitespace kept only if rendered as given)."""
+    """transformers' ``continue_final_message``, rule for rule: the rendered chat up to
+    the end of the final message's content, its trailing whitespace kept only when the
+    content is rendered exactly as given (leading whitespace included); an empty content
+    (a reasoning-only assistant turn) cuts nothing, the whole chat rendered."""
     stripped = final.strip()
-    if not stripped or stripped not in text:
+    if stripped not in text:
         raise TokenizerError("continue_final_message: the final message is not in the chat")
     at = text.rindex(stripped)
-    lead = final.lstrip()
-    if text[at : at + len(lead)] == lead:
-        return text[: at + len(lead)]
+    if text[at : at + len(final.lstrip())] == final:
+        return text[: at + len(final.lstrip())]
     return text[: at + len(stripped)]
 
 

@@ -45,7 +45,7 @@ from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, S
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
-from cachecore.responses import ResponsesInputError, chat_tools, request_messages
+from cachecore.responses import ResponsesInputError, chat_fields, chat_tools, request_messages
 from cachecore.scoring import (
     Coefficients,
     LoadView,
@@ -2457,14 +2457,19 @@ def _priority_rewrite(rule: PriorityPolicy, body: Mapping[str, Any]) -> tuple[in
 def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any], bool]:
     """A Responses request's instructions, input and function tools as the chat the
     engine renders (no previous response's conversation: a follow-up's is the engine's),
-    a 400 naming the field it refuses; and whether that chat is the engine's prompt
-    exactly (False: tools the gateway cannot render, so no keys; see chat_tools)."""
+    with its rendering fields as a chat completion's (a partial final message continued,
+    its reasoning effort and template kwargs: chat_fields), a 400 naming the field it
+    refuses; and whether that chat is the engine's prompt exactly (False: tools the
+    gateway cannot render, so no keys; see chat_tools)."""
     try:
         messages = request_messages(body.get("instructions"), [], body.get("input"))
         tools, exact = chat_tools(body.get("tools"), body.get("tool_choice"))
+        fields = chat_fields(
+            body.get("input"), body.get("reasoning"), body.get("chat_template_kwargs")
+        )
     except ResponsesInputError as exc:
         raise bad_request(str(exc), exc.param) from None
-    chat: dict[str, Any] = {"model": model, "messages": messages}
+    chat: dict[str, Any] = {"model": model, "messages": messages, **fields}
     if tools:
         chat["tools"] = tools
     return chat, exact

@@ -34,6 +34,7 @@ from cachecore.tokenizer import (
     TokenizerError,
     Truncation,
     builtin_tokenizer,
+    effort_template_kwargs,
     scope_media_uuids,
     with_special_tokens,
 )
@@ -772,6 +773,16 @@ class EnginePromptTokenizer:
             # the rendering (tools, documents, template kwargs, ...) renders as it will
             return await self._post("/v1/chat/completions/render", {**body, "cache_salt": salt})
         payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
+        if body.get("reasoning_effort") is not None:
+            # /tokenize takes no reasoning_effort: its template variables, as the chat
+            # completion passes them (a 400 for a value the engine would refuse)
+            try:
+                kwargs = effort_template_kwargs(
+                    body.get("chat_template_kwargs"), body["reasoning_effort"]
+                )
+            except TokenizerError as exc:  # names its field first
+                raise bad_request(str(exc), str(exc).split("'")[1]) from None
+            payload["chat_template_kwargs"] = kwargs
         payload["cache_salt"] = salt  # vLLM's /tokenize ignores it (no cache to scope)
         return await self._post("/tokenize", payload)
 

@@ -893,6 +893,29 @@ async def test_engine_tokenizer_sends_the_scope_salt_and_the_rendering_fields() 
     assert prompt == {"model": "m", "prompt": "hello", "cache_salt": "s2"}
 
 
+async def test_engine_tokenize_takes_a_reasoning_effort_as_its_template_variables() -> None:
+    """vLLM's /tokenize has no reasoning_effort: the gateway sends it as the chat
+    completion passes it to the template (with enable_thinking), so a template reading it
+    is tokenized as the engine will render it (review of D31)."""
+    seen: list[dict[str, object]] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        seen.append(orjson.loads(request.content))
+        return httpx.Response(200, json={"tokens": [1]})
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        tok = EnginePromptTokenizer("tokenize", client, lambda tried: "http://engine")
+        await tok.chat({**chat, "reasoning_effort": "low", "chat_template_kwargs": {"x": 1}}, "s")
+        with pytest.raises(GatewayError) as exc:
+            await tok.chat({**chat, "reasoning_effort": "extreme"}, "s")
+    assert exc.value.param == "reasoning_effort"
+    assert seen == [
+        {**chat, "cache_salt": "s",
+         "chat_template_kwargs": {"x": 1, "reasoning_effort": "low", "enable_thinking": True}}
+    ]  # fmt: skip
+
+
 # ---------------------------------------------------------------- shared load refresh
 
 

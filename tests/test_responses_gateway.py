@@ -25,7 +25,7 @@ from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from tests.test_agent_helpers import counter_total as _count
 from tests.test_gateway_support import FAST, SECRET, kill_replica, record_pending, stack, words
-from tests.test_responses_replica import tools_model
+from tests.test_responses_replica import template_model, tools_model
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -595,6 +595,9 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
             {**call, "arguments": "{city"},
             {**out, "output": 7},
             {"type": "function_call_output", "output": "x"},
+            # what vLLM's request model refuses (review of D31)
+            {"role": "user", "content": [{"type": "output_text", "text": "x"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "x"}]},
         ):
             for extra in ({}, {"previous_response_id": follow.json()["id"]}):
                 body = {**base, **extra, "input": [*history[:1], item]}
@@ -603,6 +606,99 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
                 assert r.json()["error"]["param"] == "input", r.text
         assert _count(m.decisions) == decided
         assert await _engine_requests(st) == ran
+
+
+async def test_a_partial_final_message_is_continued_as_the_engine_continues_it() -> None:
+    # review of D31: vLLM continues an input whose last message or reasoning item is
+    # in_progress or incomplete (no generation prompt, the chat cut after its content):
+    # the replica renders the chat completion that continues it, and the gateway keys
+    # that prompt (its prediction is the engine's cached_tokens, and the chat's)
+    async with stack(count=2) as st, st.http() as h:
+        system, question, partial = words(64, 31), words(40, 32), words(30, 33)
+        said = {
+            "type": "message", "role": "assistant", "status": "incomplete",
+            "content": [{"type": "output_text", "text": partial}],
+        }  # fmt: skip
+        body = {
+            "model": st.model, "instructions": system, "max_output_tokens": 2,
+            "store": False, "input": [{"role": "user", "content": question}, said],
+        }  # fmt: skip
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        first = r.headers["x-kvgate-replica"]
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, r.text
+        predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+        usage = r.json()["usage"]
+        assert predicted > 0 and usage["input_tokens_details"]["cached_tokens"] == predicted
+        chat = {
+            "model": st.model, "max_tokens": 2, "add_generation_prompt": False,
+            "continue_final_message": True,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question},
+                         {"role": "assistant", "content": partial}],
+        }  # fmt: skip
+        r = await h.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, r.text
+        assert r.json()["usage"]["prompt_tokens"] == usage["input_tokens"]
+        assert int(r.headers["x-kvgate-predicted-cached-tokens"]) == predicted
+        assert _count(st.gw.metrics.decisions, reason="unkeyed_load") == 0
+        # an item vLLM's request model refuses: the same 400 from the replica itself
+        bad = {**body, "input": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+        async with httpx.AsyncClient(base_url=st.fleet.endpoints[0].url, timeout=10) as c:
+            r = await c.post("/v1/responses", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
+async def test_a_reasoning_effort_is_keyed_and_rendered_as_the_chat_completions(
+    tmp_path: Path,
+) -> None:
+    # review of D31: vLLM passes reasoning.effort to the chat template as a chat
+    # completion's reasoning_effort (with enable_thinking): on a template that renders
+    # them first, the gateway keys what the engine renders, and another effort is
+    # another prompt from its first token
+    head = (
+        "{% if reasoning_effort is defined %}<effort {{ reasoning_effort }}>{% endif %}"
+        "{% if enable_thinking is defined %}<think {{ enable_thinking }}>{% endif %}\n"
+    )
+    model = template_model(tmp_path, head)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = FAST.model_copy(update={"tokenizer_dir": str(model)})
+    async with stack(count=2, replica=replica, policy=policy) as st, st.http() as h:
+        system, question = words(64, 34), words(40, 35)
+        base: dict[str, Any] = {"model": st.model, "instructions": system, "input": question}
+        base["max_output_tokens"] = 2
+        high = {**base, "reasoning": {"effort": "high"}}
+        r = await h.post("/v1/responses", json=base)
+        assert r.status_code == 200, r.text
+        plain = r.json()["usage"]["input_tokens"]
+        r = await h.post("/v1/responses", json=high)
+        assert r.status_code == 200, r.text
+        first = r.headers["x-kvgate-replica"]
+        assert r.json()["usage"]["input_tokens"] > plain  # the template rendered them
+        r = await h.post("/v1/responses", json=high)
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, r.text
+        predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+        usage = r.json()["usage"]
+        assert predicted > 0 and usage["input_tokens_details"]["cached_tokens"] == predicted
+        chat = {
+            "model": st.model, "max_tokens": 2, "reasoning_effort": "high",
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}],
+        }  # fmt: skip
+        r = await h.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, r.text
+        assert r.json()["usage"]["prompt_tokens"] == usage["input_tokens"]
+        assert int(r.headers["x-kvgate-predicted-cached-tokens"]) == predicted
+        r = await h.post("/v1/responses", json={**base, "reasoning": {"effort": "none"}})
+        assert r.status_code == 200, r.text
+        assert int(r.headers.get("x-kvgate-predicted-cached-tokens", "0")) == 0
+        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        # an effort vLLM refuses: the gateway's 400 naming it, before routing
+        decided = _count(st.gw.metrics.decisions)
+        r = await h.post("/v1/responses", json={**base, "reasoning": {"effort": "extreme"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort"
+        assert _count(st.gw.metrics.decisions) == decided
 
 
 def test_a_sealed_id_binds_an_isolating_scope_and_shared_ids_open_as_before() -> None:

@@ -10,8 +10,19 @@ from typing import Any
 
 import pytest
 
-from cachecore.responses import ResponsesInputError, input_messages, request_messages
-from cachecore.tokenizer import HFTokenizer, normalize_messages
+from cachecore.responses import (
+    ResponsesInputError,
+    chat_fields,
+    continues_final_message,
+    input_messages,
+    request_messages,
+)
+from cachecore.tokenizer import (
+    ChatOptions,
+    HFTokenizer,
+    effort_template_kwargs,
+    normalize_messages,
+)
 from tests.test_responses_replica import tools_model
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"q":1}'}
@@ -25,6 +36,7 @@ THOUGHT = {
     "type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "short"}],
     "content": [{"type": "reasoning_text", "text": "long"}],
 }  # fmt: skip
+USER_PARTS = [{"type": "input_text", "text": "y"}]
 
 
 def _tc(call: dict[str, Any]) -> dict[str, Any]:
@@ -74,10 +86,115 @@ def test_assistant_and_reasoning_text_as_vllm_takes_it() -> None:
     assert input_messages([two]) == [{"role": "assistant", "content": "a"}]  # first part
     user = {"role": "user", "content": [{"type": "input_text", "text": t} for t in ("a", "b")]}
     assert input_messages([user]) == [{"role": "user", "content": "a\nb"}]  # joined
-    summary_only = {"type": "reasoning", "id": "rs", "summary": [{"text": "s", "type": "x"}]}
+    summary_only = {
+        "type": "reasoning",
+        "id": "rs",
+        "summary": [{"text": "s", "type": "summary_text"}],
+    }
     assert input_messages([summary_only]) == [{"role": "assistant", "reasoning": "s"}]
     empty = {"type": "reasoning", "id": "rs", "summary": []}
     assert input_messages([empty]) == [{"role": "assistant", "reasoning": ""}]
+
+
+def test_inputs_vllm_serves_are_read_as_it_reads_them() -> None:
+    """Review of D31: items vLLM 0.33 serves that were a 400 here, and the shapes its
+    request model takes (checked against it: pydantic 2.14, openai 3.63)."""
+    # a tool's output as parts: the tool message of their texts, empty ones dropped
+    parts = [{"type": "input_text", "text": t} for t in ("a", "", "b")]
+    assert input_messages([{**OUT, "output": parts}]) == [
+        {"role": "tool", "content": "a\nb", "tool_call_id": "call_1"}
+    ]
+    assert input_messages([{**OUT, "output": []}])[0]["content"] == ""
+    # an empty encrypted_content is absent (vLLM tests it for truth)
+    for secret in ("", None):
+        got = input_messages([{**THOUGHT, "encrypted_content": secret}])
+        assert got == [{"role": "assistant", "reasoning": "long"}]
+    # a namespaced call: vLLM's flat_namespace_tool_name; an empty namespace is none
+    assert input_messages([{**CALL, "namespace": "crm"}])[0]["tool_calls"][0]["function"] == {
+        "name": "crm__lookup", "arguments": '{"q":1}'
+    }  # fmt: skip
+    for plain in ("", None):
+        assert input_messages([{**CALL, "namespace": plain}]) == [
+            {"role": "assistant", "tool_calls": [_tc(CALL)]}
+        ]
+    # vLLM's request model fills a reasoning item's id, a typed assistant message's id
+    # and status; an untyped one of output_text parts needs its id
+    bare = {k: v for k, v in THOUGHT.items() if k != "id"}
+    assert input_messages([bare]) == [{"role": "assistant", "reasoning": "long"}]
+    typed = {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "hi"}]}  # fmt: skip
+    untyped = {k: v for k, v in SAID.items() if k not in ("type", "status")}
+    easy = {"role": "assistant", "content": [{"type": "input_text", "text": "hi"}]}
+    for item in (typed, untyped, easy):
+        assert input_messages([item])[0]["content"] in ("hi", "Let me look.")
+    # an untyped item with a string id is an item reference to vLLM's request model, so
+    # it takes any text parts, read by the item's role
+    ref = {"role": "user", "id": "u", "content": [{"type": "output_text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}  # fmt: skip
+    assert input_messages([ref]) == [{"role": "user", "content": "a\nb"}]
+    said = {"role": "assistant", "id": "a", "content": [*USER_PARTS, *SAID["content"]]}
+    assert input_messages([said]) == [{"role": "assistant", "content": "y"}]
+    # an untyped assistant item with no parts: its own message, never joined
+    assert input_messages([CALL, {"role": "assistant", "content": []}]) == [
+        {"role": "assistant", "tool_calls": [_tc(CALL)]},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+def test_a_partial_final_message_is_continued_as_vllm_continues_it() -> None:
+    # vLLM's should_continue_final_message: the last item a message (any role) or
+    # reasoning item in_progress or incomplete
+    for status in ("in_progress", "incomplete"):
+        for last in ({**SAID, "status": status}, {**THOUGHT, "status": status},
+                     {"role": "user", "content": "q", "status": status}):  # fmt: skip
+            assert continues_final_message([{"role": "user", "content": "q"}, last])
+            fields = chat_fields([last], None, None)
+            assert fields == {"add_generation_prompt": False, "continue_final_message": True}
+    partial = {**SAID, "status": "incomplete"}
+    for value in (
+        "q",
+        [partial, SAID],  # not the last item
+        [{**CALL, "status": "incomplete"}],  # a call is never continued
+        [{**OUT, "status": "in_progress"}],
+        [{**SAID, "status": "completed"}],
+    ):
+        assert not continues_final_message(value)
+    assert chat_fields("q", None, None) == {
+        "add_generation_prompt": True, "continue_final_message": False
+    }  # fmt: skip
+
+
+def test_reasoning_effort_and_template_kwargs_render_as_a_chat_completion_s() -> None:
+    fields = chat_fields("q", {"effort": "high", "summary": "auto"}, {"x": 1})
+    assert fields == {
+        "add_generation_prompt": True, "continue_final_message": False,
+        "reasoning_effort": "high", "chat_template_kwargs": {"x": 1},
+    }  # fmt: skip
+    assert "reasoning_effort" not in chat_fields("q", {"effort": None}, None)
+    for reasoning, param in (
+        ({"effort": "extreme"}, "reasoning.effort"),
+        ("high", "reasoning"),
+    ):
+        with pytest.raises(ResponsesInputError) as exc:
+            chat_fields("q", reasoning, None)
+        assert exc.value.param == param
+    with pytest.raises(ResponsesInputError) as exc:
+        chat_fields("q", None, ["x"])
+    assert exc.value.param == "chat_template_kwargs"
+    # the chat path's options: vLLM's build_chat_params merge (the request's effort over
+    # the kwargs'; enable_thinking unless the kwargs set it)
+    opts = ChatOptions.from_body(fields)
+    assert opts is not None and opts.template_kwargs == {
+        "x": 1, "reasoning_effort": "high", "enable_thinking": True
+    }  # fmt: skip
+    own = {"enable_thinking": False, "reasoning_effort": "low"}
+    assert effort_template_kwargs(own, "none") == {
+        "enable_thinking": False, "reasoning_effort": "none"
+    }  # fmt: skip
+    assert effort_template_kwargs(None, "none") == {
+        "reasoning_effort": "none", "enable_thinking": False
+    }  # fmt: skip
+    assert effort_template_kwargs({"reasoning_effort": "low"}, None) == {"reasoning_effort": "low"}
 
 
 def test_the_first_input_item_never_joins_the_previous_conversation() -> None:
@@ -111,13 +228,31 @@ def test_the_chat_path_reads_the_messages_as_a_chat_completion_s(tmp_path: Path)
         ({**CALL, "name": None}, "name"),
         ({**CALL, "arguments": {"q": 1}}, "arguments"),
         ({**CALL, "arguments": "{q: 1"}, "arguments"),
-        ({**CALL, "namespace": "ns"}, "namespace"),
+        ({**CALL, "namespace": 7}, "namespace"),
         ({"type": "function_call_output", "output": "x"}, "call_id"),
         ({**OUT, "output": None}, "output"),
-        ({**OUT, "output": [{"type": "input_text", "text": "x"}]}, "output"),
+        ({**OUT, "output": [{"type": "output_text", "text": "x"}]}, "output_text"),
+        ({**OUT, "output": [{"type": "input_image", "image_url": "u"}]}, "input_image"),
+        ({**OUT, "output": [{"type": "input_text"}]}, "output"),
         ({**THOUGHT, "encrypted_content": "gAAA"}, "encrypted_content"),
+        ({**THOUGHT, "encrypted_content": 7}, "encrypted_content"),
         ({**THOUGHT, "content": "long"}, "content"),
         ({**THOUGHT, "content": None, "summary": [{"type": "summary_text"}]}, "summary"),
+        # what vLLM's request model refuses (or its reader fails on): refused here too
+        ({**THOUGHT, "summary": [{"type": "x", "text": "s"}]}, "summary"),
+        ({**THOUGHT, "content": [{"type": "output_text", "text": "t"}]}, "content"),
+        ({"type": "reasoning", "id": "rs"}, "summary"),
+        ({**THOUGHT, "id": None}, "id"),
+        ({**THOUGHT, "status": "done"}, "status"),
+        ({"role": "user", "content": [{"type": "output_text", "text": "x"}]}, "output_text"),
+        ({"role": "user", "content": [{"type": "text", "text": "x"}]}, "'text'"),
+        ({"role": "system", "content": [{"type": "output_text", "text": "x"}]}, "output_text"),
+        ({"role": "assistant", "content": [{"type": "output_text", "text": "x"}]}, "id"),
+        ({**SAID, "type": "message", "content": [{"type": "text", "text": "x"}]}, "'text'"),
+        ({**SAID, "content": [*SAID["content"], *USER_PARTS]}, "all output_text"),
+        ({**SAID, "content": []}, "needs a part"),
+        ({**SAID, "status": None}, "status"),
+        ({**SAID, "id": 7}, "id"),
         ({"type": "item_reference", "id": "x"}, "item_reference"),
         ({"type": "web_search_call", "id": "x"}, "web_search_call"),
         ({"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}, "input_image"),

@@ -45,13 +45,19 @@ def tools_model(directory: Path, tool_loop: bool = False) -> Path:
     """The built-in tokenizer as an HF model directory whose chat template renders the
     request's tools (as a tool-calling model's does: each as JSON before the chat), and
     with ``tool_loop`` the turns' reasoning, tool calls and tool call ids too."""
-    export_builtin(directory)
     head = (
         "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
         "{% endif %}"
     )
+    return template_model(directory, head, _TOOL_LOOP if tool_loop else None)
+
+
+def template_model(directory: Path, head: str, body: str | None = None) -> Path:
+    """The built-in tokenizer as an HF model directory whose chat template is ``head``
+    then ``body`` (default: the built-in template)."""
+    export_builtin(directory)
     jinja = directory / "chat_template.jinja"
-    template = head + (_TOOL_LOOP if tool_loop else jinja.read_text())
+    template = head + (jinja.read_text() if body is None else body)
     jinja.write_text(template)
     cfg = directory / "tokenizer_config.json"
     config = json.loads(cfg.read_text())

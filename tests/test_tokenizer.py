@@ -141,6 +141,22 @@ def test_a_repository_chat_template_renders_as_transformers_renders_it(tmp_path:
         tok.apply_chat_template(bad)
 
 
+def test_continue_final_message_cuts_as_transformers_does(tmp_path: Path) -> None:
+    """transformers' rule, which vLLM renders with: an empty final message (a
+    reasoning-only assistant turn, a continued Responses reasoning item) cuts nothing, and
+    a content with leading whitespace loses its trailing whitespace (transformers compares
+    the rendered text with the whole content). Both were kvgate's own: a 400, and the
+    trailing whitespace kept."""
+    tok = HFTokenizer.from_dir(hf_style_dir(tmp_path))
+    cont = ChatOptions(continue_final_message=True)
+    q = {"role": "user", "content": "q"}
+    empty = [q, {"role": "assistant", "content": ""}]
+    assert tok.apply_chat_template(empty, False, cont) == tok.apply_chat_template(empty, False)
+    lead = [q, {"role": "assistant", "content": " hi  "}]
+    assert tok.apply_chat_template(lead, False).count(" hi  ") == 1
+    assert tok.apply_chat_template(lead, False, cont).endswith("assistant\n hi")
+
+
 def test_chat_options_come_from_the_request_body() -> None:
     assert ChatOptions.from_body({"messages": []}) is None  # the common case: nothing extra
     got = ChatOptions.from_body(

@@ -82,7 +82,12 @@ from cachecore.replica.responses import (
     sse_event,
 )
 from cachecore.replica.server import SimReplica
-from cachecore.responses import ResponsesInputError, chat_tools, request_messages
+from cachecore.responses import (
+    ResponsesInputError,
+    chat_fields,
+    chat_tools,
+    request_messages,
+)
 from cachecore.tasks import cancel_and_wait
 from cachecore.tokenizer import (
     UNLOCKED_ENCODE_CHARS,
@@ -515,10 +520,14 @@ def create_app(replica: SimReplica) -> FastAPI:
             # vLLM's current rule: the function tools render whatever tool_choice says
             # (its --exclude-tools-when-tool-choice-none is off); other types do not
             tools, _ = chat_tools(req.tools)
+            # a partial final message continued, the reasoning effort and template
+            # kwargs: rendered as the gateway keys them, through the chat path
+            fields = chat_fields(req.input, req.reasoning, req.chat_template_kwargs)
         except ResponsesInputError as exc:
             raise APIError(str(exc), param=exc.param) from exc
         try:
-            text = tok.apply_chat_template(messages, True, ChatOptions(tools) if tools else None)
+            opts = ChatOptions.from_body({**fields, "tools": tools})
+            text = tok.apply_chat_template(messages, fields["add_generation_prompt"], opts)
         except TokenizerError as exc:
             raise APIError(str(exc), param="input") from exc
         ids = await encode(text, salt or "")

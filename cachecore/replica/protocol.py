@@ -16,11 +16,11 @@ import numpy.typing as npt
 import orjson
 import xxhash
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from cachecore.cacheread import reads_prefix_cache
 from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
-from cachecore.tokenizer import ChatOptions, Truncation
+from cachecore.tokenizer import REASONING_EFFORTS, ChatOptions, Truncation, effort_template_kwargs
 
 
 class APIError(Exception):
@@ -180,8 +180,16 @@ class _ChatRendering(BaseModel):
         )
 
 
+def _effort(value: str) -> str:
+    if value not in REASONING_EFFORTS:
+        raise ValueError(f"must be one of {', '.join(REASONING_EFFORTS)}")
+    return value
+
+
 class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     messages: list[Any] = Field(default_factory=list)
+    # vLLM's: a template variable (with enable_thinking) for templates that read it
+    reasoning_effort: Annotated[str, AfterValidator(_effort)] | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's: the chat template writes the BOS
@@ -191,6 +199,10 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
+
+    def chat_options(self) -> ChatOptions:
+        kwargs = effort_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+        return ChatOptions(self.tools, self.documents, self.continue_final_message, kwargs)
 
     def max_output_tokens(self) -> int:
         value = self.max_completion_tokens

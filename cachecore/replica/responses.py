@@ -36,6 +36,9 @@ class ResponsesRequest(BaseModel):
     # function tools render into the prompt (cachecore.responses.chat_tools); read by hand
     tools: Any = None
     tool_choice: Any = None
+    # the prompt's rendering besides messages and tools (cachecore.responses.chat_fields)
+    reasoning: Any = None
+    chat_template_kwargs: Any = None
     cache_salt: Any = None  # validated by hand, as the other requests' (vLLM's message)
     # vLLM's: the engine request's id and the response's (resp_ + a uuid when absent)
     request_id: str | None = None
