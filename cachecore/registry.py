@@ -328,11 +328,24 @@ class RedisRegistry:
 
     @classmethod
     def from_url(
-        cls, url: str, layout: KeyLayout | None = None, *, cluster: bool = False
+        cls,
+        url: str,
+        layout: KeyLayout | None = None,
+        *,
+        cluster: bool = False,
+        socket_timeout_s: float = 1.0,
+        connect_timeout_s: float = 1.0,
     ) -> RedisRegistry:
         """Connect to ``redis://...``, or with ``cluster`` to the Redis Cluster it seeds
-        (``discover`` then scans every primary: redis-py's cluster ``scan_iter`` does)."""
-        client = redis_client(url, cluster=cluster, socket_timeout_s=1.0, connect_timeout_s=1.0)
+        (``discover`` then scans every primary: redis-py's cluster ``scan_iter`` does). The
+        timeouts bound one heartbeat or discovery poll (each is retried at the next one);
+        a correctness test's are patient."""
+        client = redis_client(
+            url,
+            cluster=cluster,
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+        )
         return cls(client, layout)
 
     async def register(self, reg: Registration, ttl_ms: int, now_ms: int) -> None:

@@ -56,7 +56,12 @@ from cachecore.argtypes import (
 from cachecore.argtypes import unknown_settings as shared_unknown_settings
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import KeyLayout
-from cachecore.index.redis import RedisIndex, cluster_mode_problem, redis_client
+from cachecore.index.redis import (
+    RedisIndex,
+    cluster_mode_problem,
+    redis_client,
+    redis_timeouts,
+)
 from cachecore.listen import LISTEN_BACKLOG, ListenError, bind_listeners, listen_advice
 from cachecore.loadstate import LoadStore, MemoryLoadStore, RedisLoadStore
 from cachecore.logs import configure_logging
@@ -172,13 +177,16 @@ def build_gateway(
         raise ValueError(
             "no API keys configured: pass --api-keys FILE, --api-keys-redis, or --open"
         )
+    timeouts = redis_timeouts(settings.redis_timeout_s)  # none set: each store's own
     if index is None and url:
         with _naming_redis_url():
-            index = RedisIndex.from_url(url, layout, cluster=cluster)
+            index = RedisIndex.from_url(url, layout, cluster=cluster, **timeouts)
     if load_store is None:
         with _naming_redis_url():
             load_store = (
-                RedisLoadStore.from_url(url, layout, cluster=cluster) if url else MemoryLoadStore()
+                RedisLoadStore.from_url(url, layout, cluster=cluster, **timeouts)
+                if url
+                else MemoryLoadStore()
             )
     registry = None
     if settings.discover:
@@ -186,7 +194,7 @@ def build_gateway(
             raise ValueError("--discover needs --redis (agents register there)")
         from cachecore.registry import RedisRegistry
 
-        registry = RedisRegistry.from_url(url, layout, cluster=cluster)
+        registry = RedisRegistry.from_url(url, layout, cluster=cluster, **timeouts)
     gw = Gateway(
         settings,
         policy,

@@ -55,6 +55,13 @@ class GatewaySettings(BaseSettings):
     # redis_url is a seed node of a Redis Cluster: the index, load store, registry and API
     # key hash all go through a cluster client (which discovers the other nodes)
     redis_cluster: bool = False
+    # connect and read timeout of the index, load store and discovery clients on
+    # redis_url; None: theirs (index 0.25 s to read, 0.5 s to connect; load store 0.5 s;
+    # discovery 1 s). None of them holds up a request: lookups are cut at the policy's
+    # index.lookup_timeout_ms, pending writes and load refreshes run beside them (the API
+    # key client, which requests do wait on, has api_keys_redis_timeout_s). Finite: with
+    # inf a write on a partitioned Redis held its connection for ever
+    redis_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     # the Redis key namespace: the agents' KVGATE_AGENT_KEY_PREFIX (the API key hash too,
     # <prefix>:apikeys); gateways and agents of one deployment share it
     key_prefix: str = Field(default=DEFAULT_PREFIX, min_length=1)

@@ -62,6 +62,7 @@ _FIELDS = {
     "replay": "replay",
     "redis": "redis",
     "redis_cluster": "redis_cluster",
+    "redis_timeout": "redis_timeout_s",
     "topic": "topic",
     "model": "model",
     "block_size": "block_size",
@@ -92,6 +93,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-cluster", action="store_true", default=None,  # None: the environment's
         help="--redis is a seed node of a Redis Cluster (env KVGATE_AGENT_REDIS_CLUSTER)",
+    )  # fmt: skip
+    p.add_argument(
+        "--redis-timeout", type=float,
+        help="connect and read timeout of the agent's Redis clients, s (unset: index "
+        "writes 2 s, connect 1 s; load records 0.5 s; registration 1 s)",
     )  # fmt: skip
     p.add_argument(
         "--key-prefix",
@@ -201,7 +207,7 @@ def redis_stores(
 ) -> tuple[RedisIndex, RedisLoadStore, RedisRegistry | None]:
     """The standalone agent's index, load store and (with ``register``) registry on
     ``settings.redis``, a Redis Cluster's seed node with ``settings.redis_cluster``."""
-    from cachecore.index.redis import RedisIndex
+    from cachecore.index.redis import RedisIndex, RedisTimeouts, redis_timeouts
     from cachecore.loadstate import RedisLoadStore
     from cachecore.registry import RedisRegistry
 
@@ -220,16 +226,19 @@ def redis_stores(
             extra={"replica": settings.replica_id},
         )
     # writes are large and rare compared with gateway lookups: a longer timeout than theirs
+    index_timeouts: RedisTimeouts = {"socket_timeout_s": 2.0, "connect_timeout_s": 1.0}
+    timeouts = redis_timeouts(settings.redis_timeout_s)  # the operator's, over those
     index = RedisIndex.from_url(
         url,
         layout,
         cluster=cluster,
-        socket_timeout_s=2.0,
-        connect_timeout_s=1.0,
         removal_log=settings.removal_log,
+        **(timeouts or index_timeouts),
     )
-    load_store = RedisLoadStore.from_url(url, layout, cluster=cluster)
-    registry = RedisRegistry.from_url(url, layout, cluster=cluster) if register else None
+    load_store = RedisLoadStore.from_url(url, layout, cluster=cluster, **timeouts)
+    registry = (
+        RedisRegistry.from_url(url, layout, cluster=cluster, **timeouts) if register else None
+    )
     return index, load_store, registry
 
 

@@ -93,6 +93,11 @@ class AgentSettings(BaseSettings):
     redis: str | None = None
     # the redis URL is a seed node of a Redis Cluster (the agent discovers the others)
     redis_cluster: bool = False
+    # connect and read timeout of the agent's index, load and registration clients; None:
+    # theirs (index writes 2 s to read, 1 s to connect; load records 0.5 s; registration
+    # 1 s). Each failed write is retried (the index's within index_retry_max_s, load and
+    # heartbeat at their next interval)
+    redis_timeout_s: float | None = Field(default=None, gt=0)
     model: str | None = Field(default=None, description="override /v1/models")
     block_size: int | None = Field(default=None, gt=0, description="override cache_config_info")
     data_parallel_rank: int | None = Field(default=None, ge=0)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import is_not, not_
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -574,6 +574,22 @@ def check_redis_url(url: str) -> str:
     parse_url(url)  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
     _check_database(url)
     return url
+
+
+class RedisTimeouts(TypedDict, total=False):
+    """The timeout arguments of the stores' ``from_url`` (index, load store, registry)."""
+
+    socket_timeout_s: float
+    connect_timeout_s: float
+
+
+def redis_timeouts(timeout_s: float | None) -> RedisTimeouts:
+    """``from_url`` arguments for an operator's Redis timeout (``KVGATE_REDIS_TIMEOUT_S``,
+    ``KVGATE_AGENT_REDIS_TIMEOUT_S``): ``timeout_s`` to connect and to read, or with None
+    none, each store keeping its own defaults."""
+    if timeout_s is None:
+        return {}
+    return {"socket_timeout_s": timeout_s, "connect_timeout_s": timeout_s}
 
 
 def redis_client(
