@@ -106,6 +106,7 @@ class Stack:
             "registration_ttl_s": REGISTRATION_TTL_S,
             "handover_window_s": WINDOW_S,
             "redis": self.redis_url,
+            "redis_timeout_s": PATIENT_TIMEOUT_S,  # its own clients' (with redis_url)
         }
         return agent_settings(self.ep, RID, **{**base, **kw})
 
@@ -152,7 +153,10 @@ async def stack(kind: str, request: pytest.FixtureRequest) -> AsyncIterator[Stac
             index = RedisIndex.from_url(
                 server.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
             )
-            s = Stack(kind, fleet, server.url, index, RedisRegistry.from_url(server.url), None)
+            registry = RedisRegistry.from_url(
+                server.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+            )
+            s = Stack(kind, fleet, server.url, index, registry, None)
         else:
             s = Stack(kind, fleet, None, MemoryIndex(), MemoryRegistry(), MemoryLoadStore())
         try:
@@ -171,7 +175,13 @@ async def discovering_gateway(s: Stack) -> AsyncIterator[tuple[Gateway, httpx.As
     policy = parse_policy_text("")
     if s.redis_url is not None:  # the production shape: kvgate serve --redis --discover
         gw = build_gateway(
-            GatewaySettings(redis_url=s.redis_url, discover=True, **settings), policy=policy
+            GatewaySettings(
+                redis_url=s.redis_url,
+                redis_timeout_s=PATIENT_TIMEOUT_S,
+                discover=True,
+                **settings,
+            ),
+            policy=policy,
         )
     else:
         gw = Gateway(
@@ -341,7 +351,11 @@ async def rig(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Rig, Regist
     """The agent rig (engine stub, event source) with a registry in memory or on Redis."""
     registry: RegistryStore
     if request.param == "redis":
-        registry = RedisRegistry.from_url(request.getfixturevalue("redis_url"))
+        registry = RedisRegistry.from_url(
+            request.getfixturevalue("redis_url"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     else:
         registry = MemoryRegistry()
     r = Rig(MemoryIndex(), registration_ttl_s=REGISTRATION_TTL_S, handover_window_s=WINDOW_S)
@@ -441,7 +455,9 @@ async def test_forget_says_why_a_handed_over_replica_is_still_registered(
     index = RedisIndex.from_url(
         redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
     )
-    registry = RedisRegistry.from_url(redis_url, L)
+    registry = RedisRegistry.from_url(
+        redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     r = Rig(index, handover_window_s=WINDOW_S)
     try:
         await r.start(registry=registry)
@@ -474,7 +490,11 @@ def _registration(agent_id: str) -> Registration:
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[RegistryStore]:
     s: RegistryStore
     if request.param == "redis":
-        s = RedisRegistry.from_url(request.getfixturevalue("redis_url"))
+        s = RedisRegistry.from_url(
+            request.getfixturevalue("redis_url"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     else:
         s = MemoryRegistry()
     yield s
@@ -510,7 +530,11 @@ async def test_an_agents_acl_lets_it_hand_over_its_own_registration_only(redis_u
     layout = KeyLayout()
     args = acl_setuser_args("agent-h", "pw-agent-h-9", agent_acl_rules(RID, layout))
     await admin.execute_command(*args)  # type: ignore[no-untyped-call]
-    agent = RedisRegistry.from_url(redis_url.replace("redis://", "redis://agent-h:pw-agent-h-9@"))
+    agent = RedisRegistry.from_url(
+        redis_url.replace("redis://", "redis://agent-h:pw-agent-h-9@"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     try:
         await agent.register(_registration("a1"), 1_000, 0)
         assert await agent.hand_over(RID, "a1", 20_000, 0)

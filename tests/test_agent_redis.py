@@ -184,7 +184,9 @@ async def test_agent_works_with_its_own_acl_user(redis_url: str) -> None:
             url, layout, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
         ),
     )
-    registry = RedisRegistry.from_url(url, layout)
+    registry = RedisRegistry.from_url(
+        url, layout, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     r = Rig(index)
     try:
         await r.start(load_store=load, registry=registry)
@@ -217,6 +219,7 @@ async def test_cli_agent_process_end_to_end(redis_url: str, tmp_path: Path) -> N
         "--replica-id", "r0", "--engine-url", r.stub.url,
         "--events", r.events_ep, "--replay", str(r.replay_ep),
         "--redis", redis_url, "--key-prefix", "kvgt",
+        "--redis-timeout", str(PATIENT_TIMEOUT_S),
         "--http-port", str(http_port), "--scrape-interval", "0.1",
         "--heartbeat-interval", "0.2", "--log-level", "WARNING", "--handover-window", "3",
     ]  # fmt: skip
@@ -254,7 +257,12 @@ async def test_cli_agent_process_end_to_end(redis_url: str, tmp_path: Path) -> N
                     await until(indexed, 2.0)
                     break
             await until(indexed, 10.0)
-            registry = RedisRegistry.from_url(redis_url, KeyLayout("kvgt"))
+            registry = RedisRegistry.from_url(
+                redis_url,
+                KeyLayout("kvgt"),
+                socket_timeout_s=PATIENT_TIMEOUT_S,
+                connect_timeout_s=PATIENT_TIMEOUT_S,
+            )
 
             async def registered() -> bool:
                 return bool(await registry.discover(int(time.time() * 1000), ["r0"]))

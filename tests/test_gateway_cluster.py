@@ -239,12 +239,15 @@ async def test_the_gateway_reads_the_agents_key_namespace(redis_url: str) -> Non
     agent_index = RedisIndex.from_url(
         redis_url, layout, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
     )
-    agent_reg = RedisRegistry.from_url(redis_url, layout)
+    agent_reg = RedisRegistry.from_url(
+        redis_url, layout, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     plain = redis.Redis.from_url(redis_url)
     gw = build_gateway(
         GatewaySettings(
             redis_url=redis_url,
             key_prefix="team-a",
+            redis_timeout_s=PATIENT_TIMEOUT_S,
             api_keys_redis=True,
             api_keys_redis_timeout_s=PATIENT_TIMEOUT_S,
             discover=True,
@@ -286,6 +289,7 @@ async def cluster_agents(fleet: Fleet, ids: list[str], url: str) -> AsyncIterato
                 replica_id=rid, engine_url=ep.url, events=ep.events_endpoint,
                 replay=ep.replay_endpoint, topic="kv-events", redis=url, redis_cluster=True,
                 scrape_interval_s=0.1, heartbeat_interval_s=0.2,
+                redis_timeout_s=PATIENT_TIMEOUT_S,
             )  # fmt: skip
             index, load, registry = redis_stores(settings)
             stores += [index, load, registry]
@@ -313,7 +317,12 @@ async def test_gateway_routes_a_repeated_prefix_from_agents_writes_on_the_cluste
         socket_timeout_s=PATIENT_TIMEOUT_S,
         connect_timeout_s=PATIENT_TIMEOUT_S,
     )
-    registry = RedisRegistry.from_url(cluster_url, cluster=True)
+    registry = RedisRegistry.from_url(
+        cluster_url,
+        cluster=True,
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     loads = RedisLoadStore.from_url(
         cluster_url,
         cluster=True,
@@ -343,7 +352,8 @@ async def test_gateway_routes_a_repeated_prefix_from_agents_writes_on_the_cluste
             specs = [f"{rid}={ep.url}" for rid, ep in zip(ids, fleet.endpoints, strict=True)]
             settings = GatewaySettings(
                 replicas=specs, redis_url=cluster_url, redis_cluster=True,
-                api_keys_redis=True, api_keys_redis_timeout_s=PATIENT_TIMEOUT_S, discover=True,
+                redis_timeout_s=PATIENT_TIMEOUT_S, api_keys_redis=True,
+                api_keys_redis_timeout_s=PATIENT_TIMEOUT_S, discover=True,
                 port=free_port(), salt_secrets=[SecretStr(SECRET)], admin_key=SecretStr(ADMIN),
                 seed=7,
             )  # fmt: skip

@@ -19,7 +19,7 @@ from pydantic import SecretStr
 
 from cachecore.replica.fleet import Fleet, run_fleet
 from cachecore.replica.settings import ReplicaSettings
-from cachecore.testing import free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, free_port
 from cachecore.tokenizer import builtin_tokenizer
 from gateway.core import Gateway
 from gateway.serve import build_gateway, serve_in_loop
@@ -78,6 +78,8 @@ async def stack(
             for e in fleet.endpoints
         ]
         settings.setdefault("open_access", "api_keys_file" not in settings)
+        if settings.get("redis_url"):  # a test's redis-server: not the serving defaults
+            settings.setdefault("redis_timeout_s", PATIENT_TIMEOUT_S)
         if policy_file is not None:
             settings.update(policy=policy_file, policy_poll_s=0.05)
         gs = GatewaySettings(

@@ -364,7 +364,9 @@ async def agent_rig(redis_url: str) -> AsyncIterator[tuple[Rig, RedisRegistry, s
     index = RedisIndex.from_url(
         redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
     )
-    registry = RedisRegistry.from_url(redis_url, L)
+    registry = RedisRegistry.from_url(
+        redis_url, L, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     r = Rig(index)
     yield r, registry, redis_url
     await r.close()

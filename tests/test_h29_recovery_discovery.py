@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from cachecore.registry import RedisRegistry, Registration, ReplicaAllowlist
-from cachecore.testing import RedisServer
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from gateway.discovery import Discovery
 from gateway.replicas import ReplicaPool
 from policies.schema import HealthPolicy
@@ -33,7 +33,9 @@ def _reg(rid: str, url: str) -> Registration:
 async def test_an_outage_longer_than_the_grace_then_an_empty_redis_empties_no_pool(
     redis_own: RedisServer,
 ) -> None:
-    registry = RedisRegistry.from_url(redis_own.url)
+    registry = RedisRegistry.from_url(
+        redis_own.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     try:
         async with httpx.AsyncClient() as client:
             changes: list[tuple[str, bool]] = []
@@ -82,7 +84,9 @@ async def test_a_replica_gone_before_the_outage_is_still_removed_on_time(
     """Failed reads renew only what the last successful read had: a replica whose agent
     left before the outage keeps its clock, so a Redis that fails every other read cannot
     keep a departed replica for ever."""
-    registry = RedisRegistry.from_url(redis_own.url)
+    registry = RedisRegistry.from_url(
+        redis_own.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     try:
         async with httpx.AsyncClient() as client:
             pool = ReplicaPool(client, HealthPolicy())

@@ -117,6 +117,7 @@ def settings(redis: str, replicas: Sequence[str], tmp_path: Path, **kw: Any) -> 
         salt_secrets=[SecretStr("s" * 32)],
         seed=7,
         redis_url=redis,
+        redis_timeout_s=PATIENT_TIMEOUT_S,
         discover=True,
         api_keys_redis=True,
         api_keys_redis_timeout_s=PATIENT_TIMEOUT_S,

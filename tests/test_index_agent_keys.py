@@ -183,8 +183,14 @@ async def test_a_wrong_typed_registration_costs_its_own_replica_only(
     made a hash (its ACL allows DEL and HSET there) failed it for every replica."""
     await _user(admin, "agent-wt", agent_acl_rules("rogue"))
     await _user(admin, "gw-wt", gateway_acl_rules())
-    agents = RedisRegistry.from_url(redis_url)
-    gateway = RedisRegistry.from_url(_as(redis_url, "gw-wt"))
+    agents = RedisRegistry.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
+    gateway = RedisRegistry.from_url(
+        _as(redis_url, "gw-wt"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     raw = aioredis.Redis.from_url(_as(redis_url, "agent-wt"))
     try:
         good, rogue = reg("good"), reg("rogue", "http://10.0.0.2:8000")

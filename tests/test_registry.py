@@ -21,6 +21,7 @@ from cachecore.registry import (
     ReplicaAllowlist,
     normalize_url,
 )
+from cachecore.testing import PATIENT_TIMEOUT_S
 
 
 def reg(
@@ -46,7 +47,11 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[RegistryStore]:
     if request.param == "memory":
         s = MemoryRegistry()
     else:
-        s = RedisRegistry.from_url(request.getfixturevalue("redis_url"))
+        s = RedisRegistry.from_url(
+            request.getfixturevalue("redis_url"),
+            socket_timeout_s=PATIENT_TIMEOUT_S,
+            connect_timeout_s=PATIENT_TIMEOUT_S,
+        )
     yield s
     await s.close()
 
@@ -73,7 +78,9 @@ async def test_memory_registration_expires_by_caller_clock() -> None:
 
 
 async def test_redis_registration_expires_by_redis_ttl(redis_url: str) -> None:
-    s = RedisRegistry.from_url(redis_url)
+    s = RedisRegistry.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     try:
         await s.register(reg("a"), 150, 0)
         assert len(await s.discover(0)) == 1
@@ -84,7 +91,9 @@ async def test_redis_registration_expires_by_redis_ttl(redis_url: str) -> None:
 
 
 async def test_malformed_registrations_are_skipped_and_counted(redis_url: str) -> None:
-    s = RedisRegistry.from_url(redis_url)
+    s = RedisRegistry.from_url(
+        redis_url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
     admin = aioredis.Redis.from_url(redis_url)
     lay = KeyLayout()
     try:
@@ -202,7 +211,11 @@ async def test_rogue_agent_can_only_register_itself(redis_url: str) -> None:
     admin = aioredis.Redis.from_url(redis_url)
     args = acl_setuser_args("agent-a", "pw-agent-a-9", agent_acl_rules("a"))
     await admin.execute_command(*args)  # type: ignore[no-untyped-call]
-    agent = RedisRegistry.from_url(redis_url.replace("redis://", "redis://agent-a:pw-agent-a-9@"))
+    agent = RedisRegistry.from_url(
+        redis_url.replace("redis://", "redis://agent-a:pw-agent-a-9@"),
+        socket_timeout_s=PATIENT_TIMEOUT_S,
+        connect_timeout_s=PATIENT_TIMEOUT_S,
+    )
     gateway = RedisRegistry(admin)
     try:
         await agent.register(reg("a", "http://203.0.113.66:8000"), 10_000, 0)
