@@ -36,7 +36,6 @@ continued (:func:`chat_fields`).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from cachecore.tokenizer import REASONING_EFFORTS
@@ -139,14 +138,8 @@ def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     if namespace:
         # vLLM's flat_namespace_tool_name (0.33): the name its tools' namespaces render as
         name = f"{namespace}__{name}"
-    if item["arguments"]:
-        # vLLM parses them to an object before its chat template sees them (an empty
-        # string is {}); text that is no JSON it renders as {} (0.33), which kvgate's chat
-        # path refuses: refused here, naming the item (a difference left open, D31)
-        try:
-            json.loads(item["arguments"])
-        except ValueError:
-            raise ResponsesInputError(f"'input[{i}].arguments' is not valid JSON") from None
+    # the string as is: the chat reader makes the object the template sees, as vLLM's
+    # chat parser does (text that is no JSON object rendered as {}, D31)
     fn = {"name": name, "arguments": item["arguments"]}
     return {"id": item["call_id"], "function": fn, "type": "function"}
 

@@ -314,7 +314,7 @@ def message_text(content: Any) -> str:
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Validate an OpenAI ``messages`` array and return it as vLLM hands it to a
     string-content chat template: ``role`` and text ``content``, plus an assistant's
-    ``tool_calls`` (arguments parsed from JSON, an empty list dropped) and ``reasoning``,
+    ``tool_calls`` (arguments as an object, an empty list dropped) and ``reasoning``,
     a tool's ``tool_call_id``, a developer's ``tools``, and any string ``name``."""
     if not isinstance(messages, list) or not messages:
         raise TokenizerError("'messages' must be a non-empty array")
@@ -346,8 +346,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _tool_calls(calls: Any, i: int) -> list[Any]:
-    """An assistant's tool calls with JSON-string arguments parsed, as chat templates
-    (and vLLM, before it renders) expect them; absent or empty arguments become {}."""
+    """An assistant's tool calls with their arguments as the object chat templates (and
+    vLLM, before it renders) expect (:func:`_tool_call_arguments`)."""
     if not isinstance(calls, list):
         raise TokenizerError(f"messages[{i}].tool_calls must be an array")
     out: list[Any] = []
@@ -355,16 +355,7 @@ def _tool_calls(calls: Any, i: int) -> list[Any]:
         if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
             raise TokenizerError(f"messages[{i}].tool_calls entries need a 'function' object")
         fn = dict(call["function"])
-        args = fn.get("arguments")
-        if not args:
-            fn["arguments"] = {}
-        elif not isinstance(args, dict | list):
-            try:
-                fn["arguments"] = json.loads(args)
-            except (TypeError, ValueError):
-                raise TokenizerError(
-                    f"messages[{i}].tool_calls: arguments are not valid JSON"
-                ) from None
+        fn["arguments"] = _tool_call_arguments(fn.get("arguments"), i)
         out.append({**call, "function": fn})
     return out
 
@@ -372,6 +363,23 @@ def _tool_calls(calls: Any, i: int) -> list[Any]:
 @dataclass(frozen=True, slots=True)
 class ChatOptions:
     """The request fields besides the messages that change a rendered chat, as vLLM
+def _tool_call_arguments(args: Any, i: int) -> dict[str, Any]:
+    """A tool call's ``arguments`` string as vLLM 0.33 hands it to the template: the JSON
+    object it holds, else ``{}`` (empty, not JSON, or JSON that is no object, ``null``
+    included: vLLM coerces these, with a warning, so a malformed call in a conversation's
+    history does not fail its every later turn). Not a string (absent, null, an object) is
+    refused, as vLLM's request model refuses it (``function.arguments`` is a string)."""
+    if not isinstance(args, str):
+        raise TokenizerError(f"messages[{i}].tool_calls: function.arguments must be a string")
+    if not args:
+        return {}
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
     passes them to the template: tool and document definitions, a final assistant message
     to continue instead of a new turn, and extra template variables."""
 

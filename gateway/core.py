@@ -288,6 +288,8 @@ class Dispatch:
     # duplicate id; the refusal would tell one tenant that another's is running)
     upstream_id: str = ""
     charged_uncached: float = 0.0  # what the tenant's uncached-token budget was charged
+    # of that, what an attempt a replica dropped may have computed: never given back
+    kept_uncached: float = 0.0
     pending: PendingWrite | None = None  # this attempt's pending entries, while in flight
     # the tenant's priority rule: the value the engine gets in place of the client's, or
     # the client's removed (policies.schema.PriorityPolicy)
@@ -1989,8 +1991,12 @@ class Gateway:
         if progressed and d.endpoint not in _FRONTEND_ONLY:
             self.inflight.progressed(d.replica, time.monotonic())
 
-    def reroute(self, d: Dispatch, failed: str) -> bool:
-        """After a connection failure before the first byte: pick another replica."""
+    def reroute(self, d: Dispatch, failed: str, dropped: bool = False) -> bool:
+        """After a connection failure before the first byte: pick another replica.
+        ``dropped``: the failed replica took the request and closed unanswered, so it may
+        have computed it (its charge is kept whatever follows)."""
+        if dropped:
+            d.kept_uncached = d.charged_uncached
         self.on_release(d)
         self._settle_pending(d, refused=True)  # the failed replica never got the request
         self._retract_growth(d, failed)
@@ -2034,9 +2040,26 @@ class Gateway:
         self.router.commit(decision)
         d.decision = decision
         _, d.salt_index = _best_match(d.replica, d.matches)
+        self._recharge(d)
         d.attempts += 1
         self.metrics.retries.inc()
         return True
+
+    def _recharge(self, d: Dispatch) -> None:
+        """A rerouted request's charge becomes its new replica's predicted uncached
+        tokens, or what a dropped attempt keeps if more: the failed replica's prediction
+        counted the prefix it held, which the new one may lack and compute whole. A
+        shortfall is debited into debt, never refused (the request was admitted; a retry
+        refused for budget would fail it after the replica's fault); an excess given back
+        (the failed replica never got the request). ``charged_uncached`` stays what was
+        taken, so a refund gives back exactly that."""
+        target = max(float(d.uncached_tokens), d.kept_uncached)
+        diff, now = target - d.charged_uncached, time.monotonic()
+        if diff > 0:
+            self.limiter.debit_uncached(d.tenant, diff, now)
+        elif diff < 0:
+            self.limiter.refund_uncached(d.tenant, -diff, now)
+        d.charged_uncached = target
 
     def _retract_growth(self, d: Dispatch, failed: str) -> None:
         """The failed attempt's replica never got the prompt: take back what its committed
@@ -2098,11 +2121,12 @@ class Gateway:
         refused = (400 <= out.status < 500 and out.status != 499) or out.error in _NO_ENGINE
         if d.pending is not None:
             self._settle_pending(d, refused)
-        # ...unless an earlier attempt's replica took the request and broke the exchange
-        # (a drop): it may have computed it, and died of it
-        if d.charged_uncached and refused and not d.drops:
-            self.limiter.refund_uncached(d.tenant, d.charged_uncached, time.monotonic())
-            d.charged_uncached = 0.0
+        # ...but what an earlier attempt's replica took and broke the exchange of (a drop)
+        # keeps: it may have computed the request, and died of it
+        if refused and d.charged_uncached > d.kept_uncached:
+            back = d.charged_uncached - d.kept_uncached
+            self.limiter.refund_uncached(d.tenant, back, time.monotonic())
+            d.charged_uncached = d.kept_uncached
         if (
             d.previous is not None
             and out.status == 200

@@ -117,9 +117,10 @@ class TenantLimiter:
         return None
 
     def debit_uncached(self, tenant: str, tokens: float, now: float) -> None:
-        """Take, after the request ran and into debt if need be (repaid by the refill),
-        prefill its engine reports beyond what :meth:`charge_uncached` took: a Responses
-        follow-up's stored conversation is the engine's, unseen before it runs (D30)."""
+        """Take, after the request was admitted and into debt if need be (repaid by the
+        refill), prefill beyond what :meth:`charge_uncached` took: a Responses follow-up's
+        stored conversation, which its engine reports after it runs (D30), or a rerouted
+        request's prefix its new replica lacks."""
         st = self._tenants.get(tenant)
         if st is not None and st.tokens is not None and tokens > 0:
             st.tokens.charge(tokens, now)

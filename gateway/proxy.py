@@ -331,14 +331,15 @@ class UpstreamExchange(Response):
                     busy = isinstance(exc, httpx.PoolTimeout)
                     if not busy:
                         gw.pool.record_failure(failed, definitive=_refused(exc))
-                    if isinstance(exc, _SENT):
+                    dropped = isinstance(exc, _SENT)
+                    if dropped:
                         d.drops += 1  # (an idle keep-alive close is resent by upstream)
                     gw.metrics.upstream_errors.labels(failed, "pool" if busy else "connect").inc()
                     log.warning(
                         "upstream failed before the first byte",
                         extra={"replica": failed, "request_id": d.request_id, "error": repr(exc)},
                     )
-                    if gw.reroute(d, failed):
+                    if gw.reroute(d, failed, dropped):
                         continue
                     if busy:
                         status, code = 503, "upstream_busy"

@@ -592,7 +592,6 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
         for item in (
             {**call, "call_id": None},
             {**call, "arguments": {"city": "Oslo"}},
-            {**call, "arguments": "{city"},
             {**out, "output": 7},
             {"type": "function_call_output", "output": "x"},
             # what vLLM's request model refuses (review of D31)
@@ -605,6 +604,60 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
                 assert r.status_code == 400, r.text
                 assert r.json()["error"]["param"] == "input", r.text
         assert _count(m.decisions) == decided
+        assert await _engine_requests(st) == ran
+
+
+async def test_tool_call_arguments_no_json_object_are_served_as_the_engine_renders_them(
+    tmp_path: Path,
+) -> None:
+    # vLLM 0.33 renders a tool call's arguments that are no JSON object as {} (chat
+    # completions and function_call items alike), where kvgate answered 400: served, keyed
+    # as the replica renders them (a repeat's prediction is the engine's cached_tokens,
+    # and "{}" renders the same prompt); arguments not a string vLLM refuses: a 400
+    model = tools_model(tmp_path, tool_loop=True)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = FAST.model_copy(update={"tokenizer_dir": str(model)})
+    async with stack(count=2, replica=replica, policy=policy) as st, st.http() as h:
+
+        def chat(arguments: Any) -> dict[str, Any]:
+            fn = {"name": "get_weather", "arguments": arguments}
+            return {
+                "model": st.model, "max_tokens": 2,
+                "messages": [
+                    {"role": "system", "content": words(64, 41)},
+                    {"role": "user", "content": words(40, 42)},
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"id": "call_1", "type": "function", "function": fn}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": words(40, 43)},
+                ],
+            }  # fmt: skip
+
+        seen = []
+        for arguments in ("{city", "{city", "{}", "[1]"):
+            r = await h.post("/v1/chat/completions", json=chat(arguments))
+            assert r.status_code == 200, r.text
+            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
+            seen.append((r.headers["x-kvgate-replica"], predicted))
+        assert seen[0][1] == 0 and seen[1][1] > 0 and seen[1:] == [seen[1]] * 3, seen
+        # the Responses path: the same rule, the same prompt (a function_call item)
+        call = {"type": "function_call", "call_id": "call_1", "name": "get_weather"}
+        out = {"type": "function_call_output", "call_id": "call_1", "output": words(40, 45)}
+        body = {"model": st.model, "max_output_tokens": 2, "store": False,
+                "instructions": words(64, 44)}  # fmt: skip
+        for arguments in ("not json", "not json", "7"):
+            items = [{"role": "user", "content": words(40, 46)}, {**call, "arguments": arguments}]
+            r = await h.post("/v1/responses", json={**body, "input": [*items, out]})
+            assert r.status_code == 200, r.text
+            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+            assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
+        assert predicted > 0
+        # not a string: vLLM's request model refuses it; the gateway's 400 naming messages
+        ran = await _engine_requests(st)
+        for bad in (None, {"city": "Oslo"}):
+            r = await h.post("/v1/chat/completions", json=chat(bad))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "messages", r.text
         assert await _engine_requests(st) == ran
 
 

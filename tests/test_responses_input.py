@@ -220,6 +220,20 @@ def test_the_chat_path_reads_the_messages_as_a_chat_completion_s(tmp_path: Path)
     assert '<call>call_1 lookup {"q": 1}</call>' in text and "42<for>call_1</for>" in text
 
 
+@pytest.mark.parametrize("arguments", ["{q: 1", "[1]", "7", "null", ""])
+def test_a_call_s_arguments_no_json_object_render_as_an_empty_object(
+    tmp_path: Path, arguments: str
+) -> None:
+    # vLLM 0.33 renders a function_call's arguments that are no JSON object as {}, as
+    # its chat completions do (one rule, the chat reader's); kvgate answered 400 (D31)
+    call = {**CALL, "arguments": arguments}
+    msgs = input_messages([{"role": "user", "content": "q"}, call, OUT])
+    assert msgs[1] == {"role": "assistant", "tool_calls": [_tc(call)]}
+    assert normalize_messages(msgs)[1]["tool_calls"][0]["function"]["arguments"] == {}
+    tok = HFTokenizer.from_dir(tools_model(tmp_path, tool_loop=True))
+    assert "<call>call_1 lookup {}</call>" in tok.apply_chat_template(msgs)
+
+
 @pytest.mark.parametrize(
     ("item", "names"),
     [
@@ -227,7 +241,6 @@ def test_the_chat_path_reads_the_messages_as_a_chat_completion_s(tmp_path: Path)
         ({**CALL, "call_id": 7}, "call_id"),
         ({**CALL, "name": None}, "name"),
         ({**CALL, "arguments": {"q": 1}}, "arguments"),
-        ({**CALL, "arguments": "{q: 1"}, "arguments"),
         ({**CALL, "namespace": 7}, "namespace"),
         ({"type": "function_call_output", "output": "x"}, "call_id"),
         ({**OUT, "output": None}, "output"),

@@ -21,6 +21,7 @@ from cachecore.tokenizer import (
     HFTokenizer,
     TokenizerError,
     builtin_tokenizer,
+    normalize_messages,
 )
 
 
@@ -135,10 +136,49 @@ def test_a_repository_chat_template_renders_as_transformers_renders_it(tmp_path:
     with pytest.raises(TokenizerError, match="system only first"):  # raise_exception
         tok.apply_chat_template([{"role": "user", "content": "a"},
                                  {"role": "system", "content": "late"}])  # fmt: skip
-    with pytest.raises(TokenizerError, match="not valid JSON"):
-        bad = [{"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]  # fmt: skip
-        tok.apply_chat_template(bad)
+    # arguments that are no JSON object render as {} (vLLM 0.33), not a 400
+    bad = [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]  # fmt: skip
+    assert '<call name="f" city=""/>' in tok.apply_chat_template(bad)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "parsed"),
+    [
+        ('{"city": "Paris", "n": [1]}', {"city": "Paris", "n": [1]}),
+        ("", {}),
+        ("{oops", {}),  # no JSON
+        ('{"a": 1', {}),  # cut off mid-stream
+        ("[1, 2]", {}),  # JSON, but no object
+        ("42", {}),
+        ("true", {}),
+        ('"text"', {}),
+        ("null", {}),
+        ("{}", {}),
+    ],
+)
+def test_tool_call_arguments_are_the_object_vllm_renders(arguments: str, parsed: Any) -> None:
+    # vLLM 0.33 (_postprocess_messages): the JSON object a string holds, else {} (a
+    # malformed call in the history must not fail every later turn); kvgate answered 400
+    calls: list[dict[str, Any]] = [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    ]
+    msgs = [{"role": "assistant", "content": "", "tool_calls": calls}]
+    got = normalize_messages(msgs)[0]["tool_calls"]
+    assert got == [{"id": "c", "type": "function", "function": {"name": "f", "arguments": parsed}}]
+    assert calls[0]["function"]["arguments"] == arguments  # the request is left as it came
+
+
+@pytest.mark.parametrize("arguments", [None, {"city": "Paris"}, ["x"], 7, True, "absent"])
+def test_tool_call_arguments_not_a_string_are_refused(arguments: Any) -> None:
+    # vLLM's request model (function.arguments: str) refuses these before rendering
+    fn: dict[str, Any] = {"name": "f"}
+    if arguments != "absent":
+        fn["arguments"] = arguments
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": fn}]}]  # fmt: skip
+    with pytest.raises(TokenizerError, match=r"messages\[1\].*function.arguments must be a string"):
+        normalize_messages(msgs)
 
 
 def test_continue_final_message_cuts_as_transformers_does(tmp_path: Path) -> None:
