@@ -123,6 +123,9 @@ class Tokenizer(Protocol):
     @property
     def special_affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
+    @property
+    def pair_special_tokens(self) -> int: ...
+
 
 # content part types whose text vLLM renders, and the field that holds it
 TEXT_PART_FIELDS = {
@@ -566,6 +569,14 @@ class HFTokenizer:
             extra={"tokenizer": self.name},
         )
         return (), ()
+
+    @cached_property
+    def pair_special_tokens(self) -> int:
+        """How many special tokens the post-processor's pair template adds to a text pair
+        (``tokenizer(text, text_pair=...)``, as vLLM 0.33's cross-encoder scoring tokenizes
+        one: BERT's ``[CLS] a [SEP] b [SEP]`` 3, RoBERTa's ``<s> a </s></s> b </s>`` 4),
+        what transformers' ``num_special_tokens_to_add(pair=True)`` answers."""
+        return int(self._tok.num_special_tokens_to_add(True))
 
     @property
     def vocab_size(self) -> int:

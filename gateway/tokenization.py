@@ -537,12 +537,13 @@ class LocalPromptTokenizer:
         trunc: Truncation | None = None,
     ) -> tuple[list[int], list[int]]:
         """The tokens the engine runs for a /score or /rerank request, both ways a model
-        scores: for each pair (:func:`pooling_pairs`) both texts' tokens with the
-        tokenizer's special tokens around them (a cross-encoder's pair), and for each of
-        ``texts`` (:func:`pair_texts`) its tokens with them (an embedding model's, each text
-        its own prompt); each at most ``trunc.keep``. Each distinct text is tokenized once;
-        texts longer together than ``offload_chars`` in one worker thread, as
-        :meth:`prompt_lengths`'."""
+        scores: for each pair (:func:`pooling_pairs`) both texts' tokens with the special
+        tokens of the tokenizer's pair template (a cross-encoder's ``text_pair``), or of its
+        one-sequence template if more (an LLM reranker without ``use_sep_token`` runs the
+        texts joined as one), and for each of ``texts`` (:func:`pair_texts`) its tokens
+        with the one-sequence template's (an embedding model's, each text its own prompt);
+        each at most ``trunc.keep``. Each distinct text is tokenized once; texts longer
+        together than ``offload_chars`` in one worker thread, as :meth:`prompt_lengths`'."""
         distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
         if sum(map(len, distinct)) > offload_chars:
             encode = self.tok.encode
@@ -554,13 +555,14 @@ class LocalPromptTokenizer:
         size = dict(zip(distinct, counted, strict=True))
         prefix, suffix = self.tok.special_affixes
         extra = len(prefix) + len(suffix)
+        pair_extra = max(extra, self.tok.pair_special_tokens)
         keep = None if trunc is None else trunc.keep
 
         def kept(n: int) -> int:  # truncation keeps the special tokens: min(n, k) all the same
             return n if keep is None else min(n, keep)
 
         return (
-            [kept(size[a] + size[b] + extra) for a, b in pairs],
+            [kept(size[a] + size[b] + pair_extra) for a, b in pairs],
             [kept(size[t] + extra) for t in texts],
         )
 

@@ -7,12 +7,14 @@ request padded to the model's context by ``TokenizeParams.with_kwargs`` /
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cachecore.replica.settings import ReplicaSettings
+from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
 from tests.test_agent_helpers import counter_total
 from tests.test_gateway_support import stack, words
 from tests.test_special_tokens import bos_model
@@ -171,3 +173,45 @@ async def test_a_score_is_charged_as_cross_encoder_pairs_or_embedded_texts_the_l
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 22, r.text
         got = await st.gw.prepare("score", "anonymous", dict(body), {}, "x", True)
         assert got.prompt_tokens == 24
+
+
+def roberta_pairs_model(directory: Path) -> Path:
+    """The built-in tokenizer as an HF model directory with RoBERTa's templates (``<s>``
+    and ``</s>`` both the built-in's id 0 here): one sequence ``<s> A </s>`` (2 special
+    tokens), a pair ``<s> A </s></s> B </s>`` (4)."""
+    bos_model(directory)
+    tj = directory / "tokenizer.json"
+    data = json.loads(tj.read_text())
+    s = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    a, b = ({"Sequence": {"id": x, "type_id": 0}} for x in "AB")
+    data["post_processor"] |= {"single": [s, a, s], "pair": [s, a, s, s, b, s]}
+    tj.write_text(json.dumps(data))
+    return directory
+
+
+async def test_a_cross_encoder_pair_is_charged_its_pair_templates_special_tokens(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.33's cross-encoder scoring tokenizes each pair as ``tokenizer(text_1,
+    text_pair=text_2)`` (``scoring/io_processor.py``), which adds the pair template's
+    special tokens: RoBERTa's 4 where one sequence gets 2. The gateway added one
+    sequence's, 2 tokens short per pair (a 1:N score of three pairs charged 81 for 87)."""
+    model = roberta_pairs_model(tmp_path)
+    tok = HFTokenizer.from_dir(model)
+    assert tok.special_affixes == ((0,), (0,)) and tok.pair_special_tokens == 4
+    q, doc = words(20, 5), words(5, 0)
+    paired = tok._tok.encode(q, doc, add_special_tokens=True).ids  # what vLLM runs
+    assert len(paired) == len(tok.encode(q)) + len(tok.encode(doc)) + 4
+    assert builtin_tokenizer().pair_special_tokens == 0
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = ReplicaSettings(time_scale=0.05, tokenizer_dir=str(model))
+    docs = [words(5, i) for i in range(3)]
+    cases = {
+        # pairs 3 x (20 + 5 + 4); embedded texts 22 + 3 x 7 = 43
+        "score": {"text_1": q, "text_2": docs},
+        "rerank": {"query": q, "documents": docs},
+    }
+    async with stack(count=1, replica=replica, policy=policy) as st:
+        for ep, body in cases.items():
+            got = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
+            assert got.prompt_tokens == 87, (ep, got.prompt_tokens)
