@@ -363,9 +363,6 @@ def _tool_calls(calls: Any, i: int) -> list[Any]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class ChatOptions:
-    """The request fields besides the messages that change a rendered chat, as vLLM
 def _tool_call_arguments(args: Any, i: int) -> dict[str, Any]:
     """A tool call's ``arguments`` string as vLLM 0.33 hands it to the template: the JSON
     object it holds, else ``{}`` (empty, not JSON, or JSON that is no object, ``null``
@@ -383,6 +380,9 @@ def _tool_call_arguments(args: Any, i: int) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """The request fields besides the messages that change a rendered chat, as vLLM
     passes them to the template: tool and document definitions, a final assistant message
     to continue instead of a new turn, and extra template variables."""
 
