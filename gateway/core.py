@@ -1443,6 +1443,9 @@ class Gateway:
                     **body, "messages": text_only,
                     "add_generation_prompt": body.get("add_generation_prompt", False),
                 }  # fmt: skip
+                # vLLM's pooling requests have no reasoning_effort (an extra field, not
+                # read): rendered without it, where a chat completion's joins the template
+                chat_body.pop("reasoning_effort", None)
                 ids = await sizer.chat(chat_body, cs, off, trunc)
                 lengths = [len(ids) + media_parts * mpool.media_part_tokens]
             n_prompt = size(lengths)
