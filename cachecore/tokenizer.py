@@ -47,6 +47,7 @@ UNLOCKED_ENCODE_CHARS = 4096
 
 # texts the segment cache checks itself on (and the gateway's start-up alignment check)
 PROBE_PROMPT = "kvgate alignment probe: the quick brown fox jumps over 13 lazy dogs."
+PROBE_PAIR = "a second text, as a cross-encoder's document."
 PROBE_CHAT: list[dict[str, str]] = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": "kvgate alignment probe: say hello."},
@@ -58,6 +59,15 @@ def with_special_tokens(tok: Tokenizer, ids: list[int]) -> list[int]:
     ``add_special_tokens``: the tokenizer's :attr:`~Tokenizer.special_affixes` around it."""
     prefix, suffix = tok.special_affixes
     return [*prefix, *ids, *suffix] if prefix or suffix else ids
+
+
+def with_pair_special_tokens(tok: Tokenizer, first: list[int], second: list[int]) -> list[int]:
+    """Two texts' ids (each its :meth:`Tokenizer.encode`) as the engine tokenizes the pair
+    with ``add_special_tokens`` (``tokenizer(text_1, text_pair=text_2)``, vLLM 0.33's
+    cross-encoder prompt): the pair template's :attr:`~Tokenizer.pair_affixes` before,
+    between and after them."""
+    before, between, after = tok.pair_affixes
+    return [*before, *first, *between, *second, *after]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +132,9 @@ class Tokenizer(Protocol):
 
     @property
     def special_affixes(self) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
+
+    @property
+    def pair_affixes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]: ...
 
     @property
     def pair_special_tokens(self) -> int: ...
@@ -571,12 +584,31 @@ class HFTokenizer:
         return (), ()
 
     @cached_property
+    def pair_affixes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """The ids the post-processor's pair template puts before, between and after a
+        text pair (``tokenizer(text, text_pair=...)``, as vLLM 0.33's cross-encoder scoring
+        tokenizes one: BERT's ``[CLS] a [SEP] b [SEP]``, RoBERTa's and XLM-R's ``<s> a
+        </s></s> b </s>``; none for the built-in tokenizer), read off a probe pair's
+        encoding by its sequence ids. :func:`with_pair_special_tokens` lays a pair out
+        with them, and :attr:`pair_special_tokens` counts them: one reading for the
+        replica's prompt and the gateway's charge."""
+        enc = self._tok.encode(PROBE_PROMPT, PROBE_PAIR, add_special_tokens=True)
+        parts: tuple[list[int], list[int], list[int]] = ([], [], [])
+        slot = 0  # 0 before the first text, 1 after it, 2 after the second
+        for tid, seq in zip(enc.ids, enc.sequence_ids, strict=True):
+            if seq is None:
+                parts[slot].append(tid)
+            else:
+                slot = max(slot, seq + 1)
+        return tuple(parts[0]), tuple(parts[1]), tuple(parts[2])
+
+    @cached_property
     def pair_special_tokens(self) -> int:
         """How many special tokens the post-processor's pair template adds to a text pair
-        (``tokenizer(text, text_pair=...)``, as vLLM 0.33's cross-encoder scoring tokenizes
-        one: BERT's ``[CLS] a [SEP] b [SEP]`` 3, RoBERTa's ``<s> a </s></s> b </s>`` 4),
-        what transformers' ``num_special_tokens_to_add(pair=True)`` answers."""
-        return int(self._tok.num_special_tokens_to_add(True))
+        (:attr:`pair_affixes`: BERT's 3, RoBERTa's 4), what transformers'
+        ``num_special_tokens_to_add(pair=True)`` answers (vLLM's
+        ``get_num_special_tokens_for_pair``)."""
+        return sum(map(len, self.pair_affixes))
 
     @property
     def vocab_size(self) -> int:

@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 
 from cachecore.replica.settings import ReplicaSettings
-from cachecore.tokenizer import HFTokenizer, builtin_tokenizer
+from cachecore.tokenizer import (
+    PROBE_PROMPT,
+    HFTokenizer,
+    builtin_tokenizer,
+    with_pair_special_tokens,
+)
 from tests.test_agent_helpers import counter_total
 from tests.test_gateway_support import stack, words
 from tests.test_special_tokens import bos_model
@@ -215,3 +220,62 @@ async def test_a_cross_encoder_pair_is_charged_its_pair_templates_special_tokens
         for ep, body in cases.items():
             got = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
             assert got.prompt_tokens == 87, (ep, got.prompt_tokens)
+
+
+def _bert_pairs_model(directory: Path) -> Path:
+    """The built-in tokenizer as an HF model directory with BERT's templates, ``[CLS]``
+    and ``[SEP]`` distinct ids (the built-in's ``<|im_start|>`` and ``<|im_end|>``): one
+    sequence ``[CLS] A [SEP]``, a pair ``[CLS] A [SEP] B [SEP]``."""
+    roberta_pairs_model(directory)
+    tj = directory / "tokenizer.json"
+    data = json.loads(tj.read_text())
+    cls, sep = ({"SpecialToken": {"id": x, "type_id": 0}} for x in ("[CLS]", "[SEP]"))
+    a, b = ({"Sequence": {"id": x, "type_id": 0}} for x in "AB")
+    data["post_processor"] |= {
+        "single": [cls, a, sep],
+        "pair": [cls, a, sep, b, sep],
+        "special_tokens": {
+            "[CLS]": {"id": "[CLS]", "ids": [1], "tokens": ["<|im_start|>"]},
+            "[SEP]": {"id": "[SEP]", "ids": [2], "tokens": ["<|im_end|>"]},
+        },
+    }
+    tj.write_text(json.dumps(data))
+    return directory
+
+
+@pytest.mark.parametrize("layout", ["roberta", "bert"])
+def test_a_pair_is_laid_out_as_the_tokenizers_pair_template(tmp_path: Path, layout: str) -> None:
+    """The replica's pair prompt is the ids vLLM 0.33's ``tokenizer(text_1,
+    text_pair=text_2)`` gives (``get_score_prompt``): the pair template's special tokens
+    before, between and after the texts, in its order."""
+    make = roberta_pairs_model if layout == "roberta" else _bert_pairs_model
+    tok = HFTokenizer.from_dir(make(tmp_path))
+    want = {"roberta": ((0,), (0, 0), (0,)), "bert": ((1,), (2,), (2,))}[layout]
+    assert tok.pair_affixes == want and tok.pair_special_tokens == sum(map(len, want))
+    for q, doc in ((words(20, 5), words(5, 0)), ("a", "b"), (PROBE_PROMPT, "")):
+        paired = tok._tok.encode(q, doc, add_special_tokens=True).ids  # what vLLM runs
+        assert with_pair_special_tokens(tok, tok.encode(q), tok.encode(doc)) == paired
+    assert builtin_tokenizer().pair_affixes == ((), (), ())
+
+
+async def test_the_replica_runs_a_pair_as_the_gateway_charges_it(tmp_path: Path) -> None:
+    """The simulated cross-encoder ran a pair with one sequence's special tokens around
+    both texts (RoBERTa's ``<s> a b </s>``, 2), where vLLM 0.33 and the gateway's charge
+    have the pair template's (``<s> a </s></s> b </s>``, 4): its reported usage was 2
+    tokens per pair below the charge (81 for 87). Now the two agree."""
+    model = roberta_pairs_model(tmp_path)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = ReplicaSettings(time_scale=0.05, tokenizer_dir=str(model))
+    q, docs = words(20, 5), [words(5, i) for i in range(3)]
+    cases: dict[str, dict[str, Any]] = {
+        "score": {"text_1": q, "text_2": docs},
+        "rerank": {"query": q, "documents": docs},
+        "score N:N": {"text_1": docs, "text_2": [q] * 3},
+    }
+    async with stack(count=1, replica=replica, policy=policy) as st, st.http() as h:
+        for name, body in cases.items():
+            ep = name.split()[0]
+            got = await st.gw.prepare(ep, "anonymous", dict(body), {}, "x", True)
+            r = await h.post(f"/{ep}", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens"] == got.prompt_tokens == 87, name

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
@@ -95,6 +95,7 @@ from cachecore.tokenizer import (
     SegmentCache,
     TokenizerError,
     Truncation,
+    with_pair_special_tokens,
     with_special_tokens,
 )
 
@@ -601,11 +602,13 @@ def create_app(replica: SimReplica) -> FastAPI:
     # score); the simulated model answers them all. Each prompt (an input, or a pair of
     # texts) is one prefill-only engine request under the request's cache salt, so it
     # takes modelled prefill time, occupies the batch and shows in /metrics and /get_load.
-    def truncated(ids: list[int], keep: int | None, text: bool) -> list[int]:
-        # the last k tokens, a text's special tokens kept
+    def truncated(
+        ids: list[int], keep: int | None, affixes: tuple[Sequence[int], Sequence[int]]
+    ) -> list[int]:
+        # the last k tokens, the special tokens added around a text (or a pair) kept
         if keep is None:
             return ids
-        return Truncation(keep, True).text(ids, tok.special_affixes if text else ((), ()))
+        return Truncation(keep, True).text(ids, affixes)
 
     async def input_ids(req: PoolingInputRequest, salt: str | None) -> list[list[int]]:
         """The ids of each prompt of a pooling request over inputs: each input (a text
@@ -624,7 +627,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             got = await encode(rendered, salt or "")
             if special:
                 got = with_special_tokens(tok, got)
-            return [truncated(got, keep, True)]
+            return [truncated(got, keep, tok.special_affixes)]
         ids = []
         for prompt in prompts:
             if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
@@ -634,20 +637,23 @@ def create_app(replica: SimReplica) -> FastAPI:
             text = isinstance(prompt, str)
             if text and special:
                 got = with_special_tokens(tok, got)
-            ids.append(truncated(got, keep, text))
+            ids.append(truncated(got, keep, tok.special_affixes if text else ((), ())))
         return ids
 
     async def pair_ids(req: ScoreRequest | RerankRequest, salt: str | None) -> list[list[int]]:
-        """The ids of each pair: both texts' tokens as one prompt, with the tokenizer's
-        special tokens around it (a cross-encoder's pair); a text shared by many pairs (a
-        rerank's query) tokenized once."""
+        """The ids of each pair: both texts' tokens as one prompt laid out by the
+        tokenizer's pair template (vLLM 0.33's cross-encoder ``tokenizer(text_1,
+        text_pair=text_2)``: RoBERTa's ``<s> a </s></s> b </s>``); a text shared by many
+        pairs (a rerank's query) tokenized once."""
         pairs = req.pairs()  # a 400 for vLLM's refusals
         keep = req.truncation(replica.core.max_model_len)
         seen: dict[str, list[int]] = {}
         for text in {t for pair in pairs for t in pair}:
             seen[text] = await encode(text, salt or "")
+        before, _, after = tok.pair_affixes
         return [
-            truncated(with_special_tokens(tok, seen[a] + seen[b]), keep, True) for a, b in pairs
+            truncated(with_pair_special_tokens(tok, seen[a], seen[b]), keep, (before, after))
+            for a, b in pairs
         ]
 
     async def run_pooled(
