@@ -49,3 +49,56 @@ async def test_a_pooling_chat_form_is_sized_without_a_reasoning_effort(tmp_path:
                 assert r.json()["usage"]["prompt_tokens"] == runs, (path, effort)
                 d = await st.gw.prepare(ep, "anonymous", body, {}, "x", True)
                 assert d.prompt_tokens == runs, (path, effort, d.prompt_tokens)
+
+
+async def test_chat_completions_with_an_effort_or_a_continued_message_are_keyed_as_rendered(
+    tmp_path: Path,
+) -> None:
+    """96849fa's effort merge and its new continue cut reach chat completions too: each
+    shape below, sent twice, is predicted exactly the replica's cached tokens on the
+    repeat (the gateway keys the prompt the engine renders), and an override of
+    ``enable_thinking`` or of a kwarg's ``reasoning_effort`` is another prompt from its
+    first token (nothing cached, nothing predicted)."""
+    model = template_model(tmp_path, _HEAD)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = FAST.model_copy(update={"tokenizer_dir": str(model)})
+    system, question = words(64, 41), words(40, 42)
+    base = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    shapes: dict[str, dict[str, Any]] = {
+        "effort": {"reasoning_effort": "low"},
+        "effort, thinking off": {
+            "reasoning_effort": "low",
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        "kwarg effort, field wins": {
+            "reasoning_effort": "medium",
+            "chat_template_kwargs": {"reasoning_effort": "max"},
+        },
+        "kwarg effort alone": {"chat_template_kwargs": {"reasoning_effort": "max"}},
+        "continued, spaced": {
+            **cont,
+            "messages": [*base, {"role": "assistant", "content": "  " + words(20, 43) + "  "}],
+        },
+        "continued, empty": {**cont, "messages": [*base, {"role": "assistant", "content": ""}]},
+    }
+    async with stack(count=2, replica=replica, policy=policy) as st, st.http() as h:
+        # each of these renders a head line none before it did
+        firsts = {name for name in shapes if "effort" in name}
+        for name, extra in shapes.items():
+            body = {"model": st.model, "max_tokens": 2, "messages": base, **extra}
+            r = await h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, (name, r.text)
+            first = r.headers["x-kvgate-replica"]
+            # a new head (another effort line) is a new prompt from its first token
+            predicted = int(r.headers.get("x-kvgate-predicted-cached-tokens", "0"))
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert predicted == cached, (name, predicted, cached)
+            if name in firsts:
+                assert cached == 0, name
+            r = await h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, name
+            usage = r.json()["usage"]
+            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert predicted > 0 and predicted == cached, (name, predicted, cached)
