@@ -19,14 +19,20 @@ models:
 - ``function_call`` ``{call_id, name, arguments[, namespace]}``: an assistant message
   with ``tool_calls: [{id: call_id, function: {name, arguments}, type: "function"}]``, a
   non-empty namespace flattened into the name as ``<namespace>__<name>``;
-- ``function_call_output`` ``{call_id, output}``: ``{role: "tool", content: output,
-  tool_call_id: call_id}`` (an array of ``input_text`` parts: their non-empty texts
-  joined by newlines, as the chat parser joins a tool message's parts);
+- ``custom_tool_call`` ``{call_id, name, input}``: as a function call whose arguments are
+  vLLM's ``encode_custom_tool_input``, ``json.dumps({"input": input},
+  ensure_ascii=False)`` (its ``namespace`` not read);
+- ``function_call_output`` and ``custom_tool_call_output`` ``{call_id, output}``:
+  ``{role: "tool", content: output, tool_call_id: call_id}`` (an array of ``input_text``
+  parts: their non-empty texts joined by newlines, as the chat parser joins a tool
+  message's parts; a custom one's array is spent by that first rendering,
+  :func:`stored_messages`);
 - ``reasoning``: an assistant message with ``reasoning`` (its first content part's text,
   else its first summary part's, else empty); an empty ``encrypted_content`` is absent.
 
 An assistant item right after an assistant message read from the same ``input`` joins it
-where that message lacks its part: a function call adds to its ``tool_calls`` (so
+where that message lacks its part: a function or custom tool call adds to its
+``tool_calls`` (so
 parallel calls, and a text answer followed by its calls, are one message), an assistant
 text fills a missing ``content``, reasoning a missing ``reasoning``. Other item types,
 media parts, encrypted reasoning and what vLLM's request model refuses are refused,
@@ -36,6 +42,7 @@ continued (:func:`chat_fields`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from cachecore.tokenizer import REASONING_EFFORTS
@@ -44,6 +51,9 @@ _ROLES = frozenset(("user", "system", "developer", "assistant"))
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _STATUSES = ("in_progress", "completed", "incomplete")
 _PARTIAL = ("in_progress", "incomplete")
+# vLLM's CUSTOM_TOOL_INPUT_KEY: a custom tool's free-form input as its function shim's one
+# string parameter
+CUSTOM_TOOL_INPUT_KEY = "input"
 
 
 class ResponsesInputError(ValueError):
@@ -57,11 +67,35 @@ class ResponsesInputError(ValueError):
 def input_messages(value: Any) -> list[dict[str, Any]]:
     """``input`` as chat messages with string contents, assistant items grouped as vLLM
     groups them (see the module's docstring)."""
+    return _read_input(value)[0]
+
+
+def stored_messages(messages: list[dict[str, Any]], value: Any) -> list[dict[str, Any]]:
+    """The conversation vLLM keeps for a follow-up (its ``msg_store``): ``messages``, the
+    ones a response's prompt was rendered from (:func:`request_messages`, ``value`` its
+    input), except a ``custom_tool_call_output`` item's array ``output``. vLLM's request
+    model holds that one as the lazy iterator pydantic makes of the SDK's ``Iterable``
+    (a function call output's is a list), which the first rendering consumes: the stored
+    tool message renders with no content (``""``) in every follow-up."""
+    read, spent = _read_input(value)
+    if not spent:
+        return messages
+    start = len(messages) - len(read)
+    out = list(messages)
+    for j in spent:
+        out[start + j] = {**out[start + j], "content": ""}
+    return out
+
+
+def _read_input(value: Any) -> tuple[list[dict[str, Any]], list[int]]:
+    """:func:`input_messages`, and the indices of the messages whose content vLLM reads
+    from a one-shot iterator (:func:`stored_messages`)."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "user", "content": value}], []
     if not isinstance(value, list) or not value:
         raise ResponsesInputError("'input' must be a string or a non-empty array of items")
     out: list[dict[str, Any]] = []
+    spent: list[int] = []
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise ResponsesInputError(f"'input[{i}]' must be an item object")
@@ -69,21 +103,25 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         # vLLM joins an assistant item to the message before it only within this input,
         # never to the previous response's conversation
         prev = out[-1] if out and out[-1]["role"] == "assistant" else None
-        if kind == "function_call":
-            call = _function_call(item, i)
+        if kind in ("function_call", "custom_tool_call"):
+            call = _function_call(item, i) if kind == "function_call" else _custom_call(item, i)
             if prev is not None:
                 prev.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise ResponsesInputError(f"'input[{i}].call_id' must be a string")
+            if kind == "custom_tool_call_output" and not isinstance(item.get("id", ""), str):
+                raise ResponsesInputError(f"'input[{i}].id' must be a string")
             if not isinstance(output, str):
                 # vLLM hands the parts to its chat parser as the tool message's content,
                 # which joins their texts as a message's (empty ones dropped)
                 texts = _parts_texts(output, i, "output", ("input_text",))
                 output = "\n".join(t for t in texts if t)
+                if kind == "custom_tool_call_output":
+                    spent.append(len(out))
             out.append({"role": "tool", "content": output, "tool_call_id": call_id})
         elif kind == "reasoning":
             text = _reasoning_text(item, i)
@@ -121,9 +159,10 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         else:
             raise ResponsesInputError(
                 f"'input[{i}]': item type {kind!r} is not served here (messages, "
-                "function_call, function_call_output and reasoning items only)"
+                "function_call, function_call_output, custom_tool_call, "
+                "custom_tool_call_output and reasoning items only)"
             )
-    return out
+    return out, spent
 
 
 def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
@@ -141,6 +180,23 @@ def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     # the string as is: the chat reader makes the object the template sees, as vLLM's
     # chat parser does (text that is no JSON object rendered as {}, D31)
     fn = {"name": name, "arguments": item["arguments"]}
+    return {"id": item["call_id"], "function": fn, "type": "function"}
+
+
+def _custom_call(item: dict[str, Any], i: int) -> dict[str, Any]:
+    """A ``custom_tool_call`` item as vLLM 0.33 renders it: a function tool call whose
+    arguments carry the free-form input as ``{"input": ...}`` (``encode_custom_tool_input``,
+    the single-string function a ``custom`` tool is shown as, :func:`chat_tools`). Its
+    request model requires the three strings; an ``id`` or ``namespace`` given is a
+    string or null (the namespace is not rendered)."""
+    for field in ("call_id", "name", "input"):
+        if not isinstance(item.get(field), str):
+            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
+    for field in ("id", "namespace"):
+        if item.get(field) is not None and not isinstance(item[field], str):
+            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
+    arguments = json.dumps({CUSTOM_TOOL_INPUT_KEY: item["input"]}, ensure_ascii=False)
+    fn = {"name": item["name"], "arguments": arguments}
     return {"id": item["call_id"], "function": fn, "type": "function"}
 
 
@@ -315,18 +371,27 @@ def chat_fields(value: Any, reasoning: Any, template_kwargs: Any) -> dict[str, A
 
 
 def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]] | None, bool]:
-    """A Responses request's ``tools`` as vLLM renders them (non-Harmony models): each
-    ``{type: "function", name, description, parameters, strict}`` in the chat-completions
-    shape ``{type: "function", function: {name, description, parameters, ...}}`` (vLLM's
-    ``convert_tool_responses_to_completions_format``: the tool less its ``type``, as a
-    ``FunctionDefinition``), passed to the chat template as a chat completion's ``tools``.
+    """A Responses request's ``tools`` as vLLM 0.33 renders them (non-Harmony models: its
+    ``construct_tool_dicts`` over ``get_function_tools``), in request order, each in the
+    chat-completions shape ``{type: "function", function: {name, description, parameters
+    [, strict][, defer_loading]}}`` (vLLM's ``FunctionDefinition`` dump: ``strict`` and
+    ``defer_loading`` only when set, a tool's other fields dropped), passed to the chat
+    template as a chat completion's ``tools``:
+
+    - a ``function`` tool ``{name, description, parameters, strict, defer_loading}``;
+    - a ``custom`` tool as the single-string function vLLM shows it as
+      (``custom_tool_as_function_dict``): its name and description, parameters one
+      required string ``input``; its ``defer_loading`` and ``format`` not rendered (a
+      grammar ``format`` is vLLM's 400 naming ``tools``).
 
     Returns ``(tools, exact)``: ``exact`` False when the rendering is not one this reader
     can reproduce: a tool of another type (vLLM's built-ins ``web_search``,
-    ``file_search``, ``mcp``, ``code_interpreter``; ``custom``, ``namespace``: rendered,
-    if at all, by rules that vary by vLLM version and model), or ``tool_choice: "none"``
-    with tools (vLLM drops the tools from the prompt in some releases, keeps them in
-    others). A malformed ``tools`` is refused, naming it."""
+    ``file_search``, ``mcp``, ``code_interpreter``, not rendered for the model;
+    ``namespace``, whose function tools vLLM 0.33 renders flattened as
+    ``<namespace>__<name>``, not reproduced here), or ``tool_choice: "none"`` with
+    tools (vLLM drops the tools from the prompt under a server flag,
+    ``--exclude-tools-when-tool-choice-none``, the gateway cannot see). A malformed
+    ``tools`` is refused, naming it."""
     if tools is None:
         return None, True
     if not isinstance(tools, list):
@@ -339,25 +404,62 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
         kind = tool.get("type")
         if not isinstance(kind, str) or not kind:
             raise ResponsesInputError(f"'tools[{i}].type' must be a string", "tools")
-        if kind != "function":
+        if kind not in ("function", "custom"):
             exact = False
             continue
-        name = tool.get("name")
+        name, desc = tool.get("name"), tool.get("description")
         if not isinstance(name, str) or not name:
             raise ResponsesInputError(f"'tools[{i}].name' must be a non-empty string", "tools")
-        desc, params = tool.get("description"), tool.get("parameters")
         if desc is not None and not isinstance(desc, str):
             raise ResponsesInputError(f"'tools[{i}].description' must be a string", "tools")
-        if params is not None and not isinstance(params, dict):
-            raise ResponsesInputError(f"'tools[{i}].parameters' must be an object", "tools")
-        strict = tool.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise ResponsesInputError(f"'tools[{i}].strict' must be a boolean", "tools")
-        # FunctionDefinition's fields first (None when absent, as its model_dump gives
-        # them), then the tool's other fields (strict) as its extra fields
-        fn: dict[str, Any] = {"name": name, "description": desc, "parameters": params}
-        fn.update((k, v) for k, v in tool.items() if k not in fn and k != "type")
+        for flag in ("strict", "defer_loading"):
+            if tool.get(flag) is not None and not isinstance(tool[flag], bool):
+                raise ResponsesInputError(f"'tools[{i}].{flag}' must be a boolean", "tools")
+        if kind == "custom":
+            _check_custom_format(tool.get("format"), i)
+            fn = {"name": name, "description": desc, "parameters": _custom_tool_parameters()}
+        else:
+            params = tool.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise ResponsesInputError(f"'tools[{i}].parameters' must be an object", "tools")
+            fn = {"name": name, "description": desc, "parameters": params}
+            # FunctionDefinition's serializer: these two only when set, nothing else
+            fn.update((k, tool[k]) for k in ("strict", "defer_loading") if tool.get(k) is not None)
         out.append({"type": "function", "function": fn})
     if out and tool_choice == "none":
         exact = False
     return out or None, exact
+
+
+def _custom_tool_parameters() -> dict[str, Any]:
+    """vLLM 0.33's ``custom_tool_parameters``: the schema of the one-string function a
+    ``custom`` tool is shown to the model as (a fresh dict: the caller's to keep)."""
+    return {
+        "type": "object",
+        "properties": {
+            CUSTOM_TOOL_INPUT_KEY: {
+                "type": "string",
+                "description": "The freeform text payload for this tool.",
+            }
+        },
+        "required": [CUSTOM_TOOL_INPUT_KEY],
+        "additionalProperties": False,
+    }
+
+
+def _check_custom_format(fmt: Any, i: int) -> None:
+    """A custom tool's ``format`` as vLLM's request model takes it: absent, ``{type:
+    "text"}``, or a grammar, which vLLM refuses (free-form text custom tools only)."""
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "grammar":
+        raise ResponsesInputError(
+            f"'tools[{i}].format': custom tools with a grammar format are not supported; "
+            "only free-form text custom tools are accepted",
+            "tools",
+        )
+    if kind != "text":
+        raise ResponsesInputError(
+            f'\'tools[{i}].format\' must be {{"type": "text"}} or a grammar', "tools"
+        )

@@ -17,7 +17,9 @@ import pytest
 from pydantic import SecretStr
 
 from cachecore.keys import Scope, ScopeKind
+from cachecore.responses import chat_tools, input_messages
 from cachecore.testing import free_port
+from cachecore.tokenizer import ChatOptions, HFTokenizer
 from gateway.app import create_app
 from gateway.auth import hash_key
 from gateway.responses import SEALED_PREFIX, ResponseIds
@@ -605,6 +607,58 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
                 assert r.json()["error"]["param"] == "input", r.text
         assert _count(m.decisions) == decided
         assert await _engine_requests(st) == ran
+
+
+async def test_a_custom_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Path) -> None:
+    # review H162 of D31: vLLM 0.33 renders custom_tool_call items as function calls
+    # ({"input": ...} arguments), their outputs as tool messages and custom tools as a
+    # one-string function; kvgate refused the items (400 naming input) and routed custom
+    # tools unkeyed. Served, keyed as the replica renders them: a repeat's prediction is
+    # the engine's cached_tokens. A follow-up renders a custom output's parts empty, as
+    # vLLM's stored conversation holds them (a spent iterator).
+    model = tools_model(tmp_path, tool_loop=True)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = FAST.model_copy(update={"tokenizer_dir": str(model)})
+    tool = {"type": "custom", "name": "shell", "description": "Runs a command."}
+    call = {"type": "custom_tool_call", "call_id": "call_1", "name": "shell",
+            "input": words(12, 31)}  # fmt: skip
+    out = {"type": "custom_tool_call_output", "call_id": "call_1", "output": words(40, 32)}
+    async with stack(count=2, replica=replica, policy=policy) as st, st.http() as h:
+        items: list[Any] = [{"role": "user", "content": words(40, 34)}, call, out]
+        base = {
+            "model": st.model, "instructions": words(64, 33), "tools": [tool, _TOOL],
+            "max_output_tokens": 2, "store": False, "input": items,
+        }  # fmt: skip
+        seen = []
+        for _ in range(2):
+            r = await h.post("/v1/responses", json=base)
+            assert r.status_code == 200, r.text
+            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+            assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
+            seen.append((r.headers["x-kvgate-replica"], predicted))
+        assert seen[1][0] == seen[0][0] and seen[1][1] > 0, seen
+        m = st.gw.metrics
+        assert _count(m.decisions, reason="unkeyed_load") == 0
+        for bad in ("false", "tampered"):
+            assert _count(m.claim_checks, outcome=bad) == 0
+        # a stored turn whose custom output came as parts, then a follow-up: its prompt
+        # has that tool message empty (the usage is the one of that rendering)
+        parts = [{"type": "input_text", "text": words(40, 35)}]
+        first = {**base, "store": True, "input": [*items[:2], {**out, "output": parts}]}
+        r = await h.post("/v1/responses", json=first)
+        assert r.status_code == 200, r.text
+        follow = {"model": st.model, "max_output_tokens": 2, "tools": [tool, _TOOL],
+                  "previous_response_id": r.json()["id"], "input": words(8, 36)}  # fmt: skip
+        f = await h.post("/v1/responses", json=follow)
+        assert f.status_code == 200, f.text
+        tok = HFTokenizer.from_dir(model)
+        tools, _ = chat_tools([tool, _TOOL])
+        spent = [*input_messages(first["input"])[:-1], {**input_messages([out])[0], "content": ""}]
+        said = [{"role": "assistant", "content": p["text"]}
+                for item in r.json()["output"] for p in item["content"]]  # fmt: skip
+        msgs = [*spent, *said, {"role": "user", "content": follow["input"]}]
+        rendered = tok.encode_chat(msgs, True, ChatOptions(tools=tools))
+        assert f.json()["usage"]["input_tokens"] == len(rendered)
 
 
 async def test_tool_call_arguments_no_json_object_are_served_as_the_engine_renders_them(

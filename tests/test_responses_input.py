@@ -13,9 +13,11 @@ import pytest
 from cachecore.responses import (
     ResponsesInputError,
     chat_fields,
+    chat_tools,
     continues_final_message,
     input_messages,
     request_messages,
+    stored_messages,
 )
 from cachecore.tokenizer import (
     ChatOptions,
@@ -37,6 +39,8 @@ THOUGHT = {
     "content": [{"type": "reasoning_text", "text": "long"}],
 }  # fmt: skip
 USER_PARTS = [{"type": "input_text", "text": "y"}]
+CUSTOM = {"type": "custom_tool_call", "call_id": "call_3", "name": "shell", "input": "ls -l é"}
+CUSTOM_OUT = {"type": "custom_tool_call_output", "call_id": "call_3", "output": "a.txt"}
 
 
 def _tc(call: dict[str, Any]) -> dict[str, Any]:
@@ -234,6 +238,98 @@ def test_a_call_s_arguments_no_json_object_render_as_an_empty_object(
     assert "<call>call_1 lookup {}</call>" in tok.apply_chat_template(msgs)
 
 
+def test_custom_tool_calls_and_outputs_read_as_vllm_renders_them(tmp_path: Path) -> None:
+    """Review H162 of D31: vLLM 0.33 renders a custom_tool_call as a function tool call
+    whose arguments are ``encode_custom_tool_input`` (``{"input": ...}``, non-ASCII as
+    is) and a custom_tool_call_output as a function call output's tool message; kvgate
+    refused both naming input."""
+    shim = {"id": "call_3", "type": "function",
+            "function": {"name": "shell", "arguments": '{"input": "ls -l é"}'}}  # fmt: skip
+    got = input_messages([{"role": "user", "content": "q"}, SAID, CALL, CUSTOM, CUSTOM_OUT])
+    assert got == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [_tc(CALL), shim]},
+        {"role": "tool", "content": "a.txt", "tool_call_id": "call_3"},
+    ]
+    # an empty input, a namespace (not rendered), an id or a null one: the same call
+    for extra in ({"namespace": "ops"}, {"namespace": None, "id": None}, {"id": "ctc_1"}):
+        assert input_messages([{**CUSTOM, **extra}]) == [
+            {"role": "assistant", "tool_calls": [shim]}
+        ]
+    empty = input_messages([{**CUSTOM, "input": ""}])[0]["tool_calls"][0]["function"]
+    assert empty["arguments"] == '{"input": ""}'
+    parts = [{"type": "input_text", "text": t} for t in ("a", "", "b")]
+    assert input_messages([{**CUSTOM_OUT, "output": parts}]) == [
+        {"role": "tool", "content": "a\nb", "tool_call_id": "call_3"}
+    ]
+    # the chat template sees the arguments as the object {"input": ...}
+    tok = HFTokenizer.from_dir(tools_model(tmp_path, tool_loop=True))
+    text = tok.apply_chat_template(got)
+    assert '<call>call_3 shell {"input": "ls -l é"}</call>' in text
+    assert "a.txt<for>call_3</for>" in text
+
+
+def test_a_custom_outputs_parts_are_spent_for_the_follow_up() -> None:
+    """vLLM's request model holds a custom_tool_call_output's array output as a one-shot
+    iterator (the SDK types it Iterable), which its first rendering consumes: the stored
+    conversation renders that tool message empty in a follow-up. A string output, and a
+    function call output's parts (a list), are kept."""
+    parts = [{"type": "input_text", "text": "a"}]
+    value = [CALL, {**OUT, "output": parts}, CUSTOM, {**CUSTOM_OUT, "output": parts},
+             CUSTOM, CUSTOM_OUT]  # fmt: skip
+    messages = request_messages("sys", [{"role": "user", "content": "q"}], value)
+    kept = stored_messages(messages, value)
+    assert [m.get("content") for m in messages if m["role"] == "tool"] == ["a", "a", "a.txt"]
+    assert [m.get("content") for m in kept if m["role"] == "tool"] == ["a", "", "a.txt"]
+    assert kept[:5] == messages[:5] and messages[5]["content"] == "a"  # the rendered ones kept
+    assert stored_messages(messages[:3], "q") == messages[:3]
+
+
+def test_function_and_custom_tools_render_as_vllms_function_definitions() -> None:
+    """vLLM 0.33 shows a custom tool as a one-string function (``custom_tool_as_function_
+    dict``) and dumps every tool as its ``FunctionDefinition``: name, description,
+    parameters, then strict and defer_loading only when set; other fields dropped."""
+    custom = {"type": "custom", "name": "shell", "description": "Run it.",
+              "format": {"type": "text"}, "defer_loading": True}  # fmt: skip
+    fn = {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": None,
+          "allowed_callers": ["direct"], "defer_loading": False, "output_schema": {}}  # fmt: skip
+    tools, exact = chat_tools([custom, fn, {"type": "custom", "name": "raw"}])
+    params = {
+        "type": "object",
+        "properties": {
+            "input": {"type": "string", "description": "The freeform text payload for this tool."}
+        },
+        "required": ["input"],
+        "additionalProperties": False,
+    }
+    assert exact and tools == [
+        {"type": "function",
+         "function": {"name": "shell", "description": "Run it.", "parameters": params}},
+        {"type": "function",
+         "function": {"name": "f", "description": None, "parameters": {"type": "object"},
+                      "defer_loading": False}},
+        {"type": "function",
+         "function": {"name": "raw", "description": None, "parameters": params}},
+    ]  # fmt: skip
+    assert list(tools[1]["function"]) == ["name", "description", "parameters", "defer_loading"]
+    strict = chat_tools([{**fn, "strict": True}])[0]
+    assert strict is not None and list(strict[0]["function"])[3] == "strict"
+    # a namespace tool (vLLM flattens it) is still not reproduced: unkeyed
+    assert chat_tools([custom, {"type": "namespace", "name": "n", "tools": []}])[1] is False
+    # what vLLM refuses: a grammar format (free-form text only), a malformed one
+    for bad in (
+        {"type": "grammar", "syntax": "lark", "definition": "start: /x/"},
+        {"type": "regex"},
+        "text",
+    ):
+        with pytest.raises(ResponsesInputError) as exc:
+            chat_tools([{**custom, "format": bad}])
+        assert exc.value.param == "tools"
+    for tool in ({**custom, "name": 7}, {**custom, "description": 1}, {**fn, "strict": "yes"}):
+        with pytest.raises(ResponsesInputError):
+            chat_tools([tool])
+
+
 @pytest.mark.parametrize(
     ("item", "names"),
     [
@@ -266,6 +362,15 @@ def test_a_call_s_arguments_no_json_object_render_as_an_empty_object(
         ({**SAID, "content": []}, "needs a part"),
         ({**SAID, "status": None}, "status"),
         ({**SAID, "id": 7}, "id"),
+        ({**CUSTOM, "input": None}, "input"),
+        ({**CUSTOM, "call_id": 3}, "call_id"),
+        ({k: v for k, v in CUSTOM.items() if k != "name"}, "name"),
+        ({**CUSTOM, "id": 7}, "id"),
+        ({**CUSTOM, "namespace": 5}, "namespace"),
+        ({**CUSTOM_OUT, "call_id": None}, "call_id"),
+        ({**CUSTOM_OUT, "output": None}, "output"),
+        ({**CUSTOM_OUT, "id": None}, "id"),
+        ({**CUSTOM_OUT, "output": [{"type": "input_image", "image_url": "u"}]}, "input_image"),
         ({"type": "item_reference", "id": "x"}, "item_reference"),
         ({"type": "web_search_call", "id": "x"}, "web_search_call"),
         ({"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}, "input_image"),

@@ -87,6 +87,7 @@ from cachecore.responses import (
     chat_fields,
     chat_tools,
     request_messages,
+    stored_messages,
 )
 from cachecore.tasks import cancel_and_wait
 from cachecore.tokenizer import (
@@ -540,10 +541,12 @@ def create_app(replica: SimReplica) -> FastAPI:
         created = now_s()
 
         def stored(final: dict[str, Any]) -> None:
-            # vLLM keeps the messages this prompt was rendered from and the response, whose
+            # vLLM keeps the messages this prompt was rendered from (a custom tool output's
+            # parts spent by this rendering: stored_messages) and the response, whose
             # output a follow-up appends (request_messages)
             if req.store:
-                replica.responses.put(rid, StoredResponse(final, messages))
+                kept = stored_messages(messages, req.input)
+                replica.responses.put(rid, StoredResponse(final, kept))
 
         if req.stream:
             return StreamingResponse(
