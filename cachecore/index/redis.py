@@ -32,7 +32,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import is_not, not_
@@ -549,6 +549,78 @@ def c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     return type(f"CPacked{cls.__name__}", (cls,), {"pack_command": pack_command})
 
 
+def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``cls`` (a redis-py asyncio connection class) whose connect attempt, once begun, runs
+    to its end in a task of its own, whatever becomes of the command that began it. redis-py
+    connects lazily, inside the first command that takes the connection, and a
+    cancellation of that command dropped the connect half made (``connect_check_health``
+    disconnects on BaseException; a cut TCP connect closes its socket). The gateway cuts
+    its lookups at ``index.lookup_timeout_ms`` (5 ms): where a connect and its handshake
+    (TCP, AUTH/HELLO, CLIENT SETINFO, SELECT) took longer, each lookup began one and threw
+    it away, and after a Redis restart or a dropped connection the lookups fell back for
+    as long as nothing but lookups used the client (20 in 20 on a 20 ms handshake, a new
+    connection each). Now the cut command still gives up at its cut, and its connect
+    attempt goes on, bounded by the client's connect and read timeouts, leaving the
+    connection in its pool connected. While it runs, the connection reads as not connected
+    to every task but its own, so a command that takes it meanwhile waits for that same
+    connect instead of writing into its handshake; a disconnect (the client's close)
+    cancels it. A command cut while waiting for its reply still drops its connection
+    (redis-py cannot tell where the reply would end); the next connect is shielded."""
+
+    def running(conn: Any) -> asyncio.Task[None] | None:
+        """``conn``'s connect in flight in another task than the caller's, or None."""
+        task: asyncio.Task[None] | None = conn._kvgate_connect
+        if task is None or task.done():
+            return None
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # no running loop: a finaliser
+            current = None
+        return None if task is current else task
+
+    def retrieved(task: asyncio.Task[None]) -> None:
+        if not task.cancelled():
+            task.exception()  # its command may have given up on it long ago
+
+    class Shielded(cls):  # type: ignore[valid-type,misc]  # a class made at run time
+        _kvgate_connect: asyncio.Task[None] | None = None
+
+        @property
+        def is_connected(self) -> bool:
+            return running(self) is None and bool(super().is_connected)
+
+        # one attempt (TCP and handshake), not connect()'s retries: a retry's back-off
+        # would keep a Redis that is back unused by the lookups waiting on it
+        async def connect_check_health(
+            self, check_health: bool = True, retry_socket_connect: bool = True
+        ) -> None:
+            parent = super().connect_check_health
+            await self._kvgate_shielded(lambda: parent(check_health, retry_socket_connect))
+
+        async def _kvgate_shielded(self, start: Callable[[], Awaitable[None]]) -> None:
+            task = self._kvgate_connect
+            if task is not None and not task.done():
+                if task is asyncio.current_task():  # redis-py's own nested call
+                    await start()
+                    return
+            elif super().is_connected:  # the common case: one attribute read more
+                return
+            else:
+                task = self._kvgate_connect = asyncio.ensure_future(start())
+                task.add_done_callback(retrieved)
+            await asyncio.shield(task)
+
+        async def disconnect(self, *args: Any, **kwargs: Any) -> None:
+            task = running(self)
+            if task is not None:  # its own clean-up closes what it opened
+                task.cancel()
+                await asyncio.wait([task])
+            await super().disconnect(*args, **kwargs)
+
+    Shielded.__name__ = Shielded.__qualname__ = f"Shielded{cls.__name__}"
+    return Shielded
+
+
 # Unbounded, as redis-py's standalone pool is by default. RedisCluster's own default (100
 # per node) raises MaxConnectionsError, not waits, on a burst the standalone pool absorbs.
 _UNBOUNDED_CONNECTIONS = 2**31
@@ -600,13 +672,15 @@ def redis_client(
     connect_timeout_s: float,
     max_connections: int | None = None,
     c_pack: bool = False,
+    shield_connects: bool = False,
 ) -> RedisClient:
     """A standalone client of ``url``, or with ``cluster`` a Redis Cluster client seeded by
     it, with the same options either way: timeouts, ``max_connections`` (on Cluster a limit
     per node, each node having its own pool; ``None``: unbounded) and, with ``c_pack``,
-    hiredis command packing (:func:`c_packing`). A URL that Cluster refuses (a database
-    other than 0, a unix socket) raises ValueError here, at start-up, rather than at the
-    first command (the client connects lazily)."""
+    hiredis command packing (:func:`c_packing`), with ``shield_connects`` connects that
+    outlive their commands' cancellation (:func:`shielded_connects`). A URL that Cluster
+    refuses (a database other than 0, a unix socket) raises ValueError here, at start-up,
+    rather than at the first command (the client connects lazily)."""
     _check_database(url)
     limit = _UNBOUNDED_CONNECTIONS if max_connections is None else max_connections
     if not cluster:
@@ -617,9 +691,8 @@ def redis_client(
             socket_connect_timeout=connect_timeout_s,
             max_connections=limit,
         )
-        if c_pack:
-            pool = client.connection_pool
-            pool.connection_class = c_packing(pool.connection_class)
+        pool = client.connection_pool
+        pool.connection_class = _connection_class(pool.connection_class, c_pack, shield_connects)
         return client
     try:
         cluster_client = RedisCluster.from_url(
@@ -631,17 +704,28 @@ def redis_client(
         )
     except RedisClusterException as exc:
         raise ValueError(f"redis_cluster is on, but: {exc}") from None
-    if c_pack:
+    if c_pack or shield_connects:
         # RedisCluster takes no connection_class: it creates every node (those it discovers
         # later too) from its shared connection_kwargs, which nothing has used yet (the
         # client connects lazily). Safe to pack in C: ClusterNode sends commands and
         # pipelines through Connection.pack_command / pack_commands, as standalone does,
-        # and routing reads the arguments before packing, never the packed bytes.
+        # and routing reads the arguments before packing, never the packed bytes. Its
+        # nodes connect in send_packed_command (connect_check_health), which is shielded.
         conn_kwargs = cluster_client.connection_kwargs
-        conn_kwargs["connection_class"] = c_packing(conn_kwargs["connection_class"])
+        conn_kwargs["connection_class"] = _connection_class(
+            conn_kwargs["connection_class"], c_pack, shield_connects
+        )
         for node in cluster_client.nodes_manager.startup_nodes.values():
             node.connection_class = conn_kwargs["connection_class"]
     return cluster_client
+
+
+def _connection_class(
+    cls: type[AbstractConnection], c_pack: bool, shield_connects: bool
+) -> type[AbstractConnection]:
+    if shield_connects:
+        cls = shielded_connects(cls)
+    return c_packing(cls) if c_pack else cls
 
 
 # what redis-py's Cluster client raises when a node refuses CLUSTER SLOTS: a standalone
@@ -984,6 +1068,7 @@ class RedisIndex:
             connect_timeout_s=connect_timeout_s,
             max_connections=max_connections,
             c_pack=True,
+            shield_connects=True,  # lookups are cut (index.lookup_timeout_ms)
         )
         return cls(client, layout, **kwargs)
 
