@@ -111,7 +111,9 @@ async def chains(
     async def one(i: int) -> None:
         async with sem:
             run.chains_tried += 1
-            instructions = text.block(f"responses-chains-group-{i // args.group_size}", 1000)
+            groups = max(1, args.chains // args.group_size)
+            group = i % groups if args.interleave else i // args.group_size
+            instructions = text.block(f"responses-chains-group-{group}", 1000)
             prev: str | None = None
             for t in range(1, TURNS + 1):
                 turn_text = text.once(f"responses-chains-{i}-turn-{t}", 60)
@@ -323,6 +325,11 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--chains", type=int, default=24)
     p.add_argument("--group-size", type=int, default=4, help="chains sharing one instructions text")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="chain i in group i %% groups (not i // group-size): chains run together belong to different groups",
+    )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-output-tokens", type=int, default=16)
     p.add_argument("--request-timeout", type=float, default=30.0)
