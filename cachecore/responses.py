@@ -165,6 +165,12 @@ def _read_input(value: Any) -> tuple[list[dict[str, Any]], list[int]]:
     return out, spent
 
 
+def flat_namespace_name(namespace: str, name: str) -> str:
+    """vLLM 0.33's ``flat_namespace_tool_name``: the one name a function inside a
+    ``namespace`` tool is shown to the model (and called) by."""
+    return f"{namespace}__{name}"
+
+
 def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     """A ``function_call`` item as a chat tool call (vLLM's pydantic model requires the
     three strings)."""
@@ -175,8 +181,7 @@ def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     if namespace is not None and not isinstance(namespace, str):
         raise ResponsesInputError(f"'input[{i}].namespace' must be a string")
     if namespace:
-        # vLLM's flat_namespace_tool_name (0.33): the name its tools' namespaces render as
-        name = f"{namespace}__{name}"
+        name = flat_namespace_name(namespace, name)
     # the string as is: the chat reader makes the object the template sees, as vLLM's
     # chat parser does (text that is no JSON object rendered as {}, D31)
     fn = {"name": name, "arguments": item["arguments"]}
@@ -382,16 +387,20 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
     - a ``custom`` tool as the single-string function vLLM shows it as
       (``custom_tool_as_function_dict``): its name and description, parameters one
       required string ``input``; its ``defer_loading`` and ``format`` not rendered (a
-      grammar ``format`` is vLLM's 400 naming ``tools``).
+      grammar ``format`` is vLLM's 400 naming ``tools``);
+    - a ``namespace`` tool ``{name, description, tools}`` as its function tools, in their
+      order at its place, each named ``<namespace>__<name>`` (:func:`flat_namespace_name`)
+      and otherwise rendered as a top-level function tool; its custom tools and its own
+      description are not rendered (:func:`_namespace_functions`).
 
     Returns ``(tools, exact)``: ``exact`` False when the rendering is not one this reader
     can reproduce: a tool of another type (vLLM's built-ins ``web_search``,
-    ``file_search``, ``mcp``, ``code_interpreter``, not rendered for the model;
-    ``namespace``, whose function tools vLLM 0.33 renders flattened as
-    ``<namespace>__<name>``, not reproduced here), or ``tool_choice: "none"`` with
-    tools (vLLM drops the tools from the prompt under a server flag,
-    ``--exclude-tools-when-tool-choice-none``, the gateway cannot see). A malformed
-    ``tools`` is refused, naming it."""
+    ``file_search``, ``mcp``, ``code_interpreter``, not rendered for the model), or
+    ``tool_choice: "none"`` with tools (vLLM drops the tools from the prompt under a
+    server flag, ``--exclude-tools-when-tool-choice-none``, the gateway cannot see). A
+    named ``tool_choice`` renders nothing (vLLM resolves a namespaced function's local
+    name to its flat one for its grammar, not for the prompt). A malformed ``tools`` is
+    refused, naming it."""
     if tools is None:
         return None, True
     if not isinstance(tools, list):
@@ -399,36 +408,101 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
     out: list[dict[str, Any]] = []
     exact = True
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise ResponsesInputError(f"'tools[{i}]' must be a tool object", "tools")
-        kind = tool.get("type")
-        if not isinstance(kind, str) or not kind:
-            raise ResponsesInputError(f"'tools[{i}].type' must be a string", "tools")
+        where = f"tools[{i}]"
+        kind = _tool_kind(tool, where)
+        if kind == "namespace":
+            out.extend(_namespace_functions(tool, where))
+            continue
         if kind not in ("function", "custom"):
             exact = False
             continue
-        name, desc = tool.get("name"), tool.get("description")
+        name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise ResponsesInputError(f"'tools[{i}].name' must be a non-empty string", "tools")
-        if desc is not None and not isinstance(desc, str):
-            raise ResponsesInputError(f"'tools[{i}].description' must be a string", "tools")
-        for flag in ("strict", "defer_loading"):
-            if tool.get(flag) is not None and not isinstance(tool[flag], bool):
-                raise ResponsesInputError(f"'tools[{i}].{flag}' must be a boolean", "tools")
+            raise ResponsesInputError(f"'{where}.name' must be a non-empty string", "tools")
         if kind == "custom":
-            _check_custom_format(tool.get("format"), i)
-            fn = {"name": name, "description": desc, "parameters": _custom_tool_parameters()}
+            _check_tool_fields(tool, where)
+            _check_custom_format(tool.get("format"), where)
+            fn = {
+                "name": name,
+                "description": tool.get("description"),
+                "parameters": _custom_tool_parameters(),
+            }
         else:
-            params = tool.get("parameters")
-            if params is not None and not isinstance(params, dict):
-                raise ResponsesInputError(f"'tools[{i}].parameters' must be an object", "tools")
-            fn = {"name": name, "description": desc, "parameters": params}
-            # FunctionDefinition's serializer: these two only when set, nothing else
-            fn.update((k, tool[k]) for k in ("strict", "defer_loading") if tool.get(k) is not None)
+            fn = _function_definition(tool, where, name)
         out.append({"type": "function", "function": fn})
     if out and tool_choice == "none":
         exact = False
     return out or None, exact
+
+
+def _tool_kind(tool: Any, where: str) -> str:
+    if not isinstance(tool, dict):
+        raise ResponsesInputError(f"'{where}' must be a tool object", "tools")
+    kind = tool.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise ResponsesInputError(f"'{where}.type' must be a string", "tools")
+    return kind
+
+
+def _check_tool_fields(tool: dict[str, Any], where: str) -> None:
+    """The fields a function or custom tool shares, as vLLM's request model types them."""
+    if tool.get("description") is not None and not isinstance(tool["description"], str):
+        raise ResponsesInputError(f"'{where}.description' must be a string", "tools")
+    for flag in ("strict", "defer_loading"):
+        if tool.get(flag) is not None and not isinstance(tool[flag], bool):
+            raise ResponsesInputError(f"'{where}.{flag}' must be a boolean", "tools")
+
+
+def _function_definition(tool: dict[str, Any], where: str, name: str) -> dict[str, Any]:
+    """A function tool as vLLM's ``FunctionDefinition`` dumps it, under ``name``."""
+    _check_tool_fields(tool, where)
+    params = tool.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ResponsesInputError(f"'{where}.parameters' must be an object", "tools")
+    fn = {"name": name, "description": tool.get("description"), "parameters": params}
+    # FunctionDefinition's serializer: these two only when set, nothing else
+    fn.update((k, tool[k]) for k in ("strict", "defer_loading") if tool.get(k) is not None)
+    return fn
+
+
+def _namespace_functions(tool: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """A ``namespace`` tool's function tools as vLLM 0.33 renders them
+    (``get_function_tools``): each a ``FunctionTool`` named ``<namespace>__<name>`` with
+    its other fields, so dumped as a top-level function is; its ``custom`` tools are not
+    rendered (not even as the one-string function), nor its description. Refused, naming
+    ``tools``, as vLLM's request model (the SDK's ``NamespaceTool``) refuses them: a
+    ``name`` or ``description`` not a string (both required; an empty name is served, the
+    flat name then ``__<name>``), ``tools`` not an array, an inner tool neither
+    ``function`` nor ``custom``, an inner name not a string, a custom one's malformed
+    ``format`` (a well-formed grammar is served here: vLLM's grammar check reads top-level
+    tools only); and, as vLLM's rendering refuses it (a ``ValueError``, its 400), a
+    function's ``parameters`` that is not an object (the SDK types it any value inside a
+    namespace)."""
+    namespace, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(namespace, str):
+        raise ResponsesInputError(f"'{where}.name' must be a string", "tools")
+    if not isinstance(tool.get("description"), str):
+        raise ResponsesInputError(f"'{where}.description' must be a string", "tools")
+    if not isinstance(inner, list):
+        raise ResponsesInputError(f"'{where}.tools' must be an array", "tools")
+    out: list[dict[str, Any]] = []
+    for j, sub in enumerate(inner):
+        at = f"{where}.tools[{j}]"
+        kind = _tool_kind(sub, at)
+        if kind not in ("function", "custom"):
+            raise ResponsesInputError(
+                f"'{at}.type' must be 'function' or 'custom' in a namespace", "tools"
+            )
+        name = sub.get("name")
+        if not isinstance(name, str):
+            raise ResponsesInputError(f"'{at}.name' must be a string", "tools")
+        if kind == "custom":
+            _check_tool_fields(sub, at)
+            _check_custom_format(sub.get("format"), at, grammar_served=True)
+            continue
+        fn = _function_definition(sub, at, flat_namespace_name(namespace, name))
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def _custom_tool_parameters() -> dict[str, Any]:
@@ -447,19 +521,25 @@ def _custom_tool_parameters() -> dict[str, Any]:
     }
 
 
-def _check_custom_format(fmt: Any, i: int) -> None:
+def _check_custom_format(fmt: Any, where: str, grammar_served: bool = False) -> None:
     """A custom tool's ``format`` as vLLM's request model takes it: absent, ``{type:
-    "text"}``, or a grammar, which vLLM refuses (free-form text custom tools only)."""
+    "text"}``, or a grammar ``{definition, syntax: lark | regex}``, which vLLM refuses in a
+    top-level tool (free-form text custom tools only) and serves inside a namespace."""
     if fmt is None:
         return
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "grammar":
+    if kind == "grammar" and not grammar_served:
         raise ResponsesInputError(
-            f"'tools[{i}].format': custom tools with a grammar format are not supported; "
+            f"'{where}.format': custom tools with a grammar format are not supported; "
             "only free-form text custom tools are accepted",
             "tools",
         )
-    if kind != "text":
+    grammar = (
+        kind == "grammar"
+        and isinstance(fmt.get("definition"), str)
+        and fmt.get("syntax") in ("lark", "regex")
+    )
+    if kind != "text" and not grammar:
         raise ResponsesInputError(
-            f'\'tools[{i}].format\' must be {{"type": "text"}} or a grammar', "tools"
+            f'\'{where}.format\' must be {{"type": "text"}} or a grammar', "tools"
         )

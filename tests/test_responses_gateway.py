@@ -661,6 +661,55 @@ async def test_a_custom_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
         assert f.json()["usage"]["input_tokens"] == len(rendered)
 
 
+async def test_a_namespace_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Path) -> None:
+    # vLLM 0.33 renders a namespace tool's function tools in its place, named
+    # <namespace>__<name> (get_function_tools; its custom tools not rendered); kvgate
+    # routed such a request unkeyed. Keyed as the replica renders it: a repeat's
+    # prediction is the engine's cached_tokens, and the prompt has the flattened tools.
+    model = tools_model(tmp_path, tool_loop=True)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = FAST.model_copy(update={"tokenizer_dir": str(model)})
+    params = {"type": "object", "properties": {"q": {"type": "string"}}}
+    crm = {"type": "namespace", "name": "crm", "description": "The CRM.", "tools": [
+        {"type": "function", "name": "lookup", "description": words(12, 51),
+         "parameters": params, "strict": True},
+        {"type": "custom", "name": "note"},
+    ]}  # fmt: skip
+    call = {"type": "function_call", "call_id": "call_1", "namespace": "crm",
+            "name": "lookup", "arguments": '{"q": "acme"}'}  # fmt: skip
+    out = {"type": "function_call_output", "call_id": "call_1", "output": words(40, 52)}
+    async with stack(count=2, replica=replica, policy=policy) as st, st.http() as h:
+        body = {
+            "model": st.model, "instructions": words(64, 53), "tools": [crm, _TOOL],
+            "max_output_tokens": 2, "store": False,
+            "input": [{"role": "user", "content": words(40, 54)}, call, out],
+        }  # fmt: skip
+        seen = []
+        for _ in range(2):
+            r = await h.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+            assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
+            seen.append((r.headers["x-kvgate-replica"], predicted))
+        assert seen[1][0] == seen[0][0] and seen[1][1] > 0, seen
+        m = st.gw.metrics
+        assert _count(m.decisions, reason="unkeyed_load") == 0
+        for bad in ("false", "tampered"):
+            assert _count(m.claim_checks, outcome=bad) == 0
+        # the engine's prompt: the flattened function before the top-level one
+        flat = {"name": "crm__lookup", "description": words(12, 51), "parameters": params,
+                "strict": True}  # fmt: skip
+        shown = [{"type": "function", "function": flat}, *(chat_tools([_TOOL])[0] or [])]
+        msgs = [{"role": "system", "content": body["instructions"]}, *input_messages(body["input"])]
+        tok = HFTokenizer.from_dir(model)
+        rendered = tok.encode_chat(msgs, True, ChatOptions(tools=shown))
+        assert r.json()["usage"]["input_tokens"] == len(rendered)
+        # what vLLM's request model refuses: a 400 naming tools, before routing
+        undescribed = {k: v for k, v in crm.items() if k != "description"}
+        r = await h.post("/v1/responses", json={**body, "tools": [undescribed]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
 async def test_tool_call_arguments_no_json_object_are_served_as_the_engine_renders_them(
     tmp_path: Path,
 ) -> None:

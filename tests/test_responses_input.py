@@ -314,8 +314,6 @@ def test_function_and_custom_tools_render_as_vllms_function_definitions() -> Non
     assert list(tools[1]["function"]) == ["name", "description", "parameters", "defer_loading"]
     strict = chat_tools([{**fn, "strict": True}])[0]
     assert strict is not None and list(strict[0]["function"])[3] == "strict"
-    # a namespace tool (vLLM flattens it) is still not reproduced: unkeyed
-    assert chat_tools([custom, {"type": "namespace", "name": "n", "tools": []}])[1] is False
     # what vLLM refuses: a grammar format (free-form text only), a malformed one
     for bad in (
         {"type": "grammar", "syntax": "lark", "definition": "start: /x/"},
@@ -328,6 +326,54 @@ def test_function_and_custom_tools_render_as_vllms_function_definitions() -> Non
     for tool in ({**custom, "name": 7}, {**custom, "description": 1}, {**fn, "strict": "yes"}):
         with pytest.raises(ResponsesInputError):
             chat_tools([tool])
+
+
+def test_namespace_tools_render_flattened_as_vllm_renders_them() -> None:
+    """vLLM 0.33 (``get_function_tools``) shows a namespace tool's function tools in its
+    place, each named ``<namespace>__<name>`` and dumped as a top-level function is; its
+    custom tools and description are not rendered. Exact, so keyed (it was unkeyed)."""
+    fn = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    lookup = {"type": "function", "name": "lookup", "description": "Find one.",
+              "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+              "strict": True, "defer_loading": False, "allowed_callers": ["direct"],
+              "async": True, "output_schema": {}}  # fmt: skip
+    grammar = {"type": "grammar", "syntax": "lark", "definition": "start: /x/"}
+    crm = {"type": "namespace", "name": "crm", "description": "The CRM.",
+           "tools": [lookup, {"type": "custom", "name": "note", "format": grammar},
+                     {"type": "function", "name": "list"}]}  # fmt: skip
+    tools, exact = chat_tools([fn, crm, {"type": "custom", "name": "raw"}])
+    assert exact and tools is not None
+    assert [t["function"]["name"] for t in tools] == ["f", "crm__lookup", "crm__list", "raw"]
+    assert tools[1] == {"type": "function", "function": {
+        "name": "crm__lookup", "description": "Find one.", "parameters": lookup["parameters"],
+        "strict": True, "defer_loading": False}}  # fmt: skip
+    assert tools[2]["function"] == {"name": "crm__list", "description": None, "parameters": None}
+    # an empty namespace is rendered as the flat name says; one of custom tools renders none
+    only_custom = {**crm, "name": "", "tools": [{"type": "custom", "name": "note"}]}
+    assert chat_tools([only_custom]) == (None, True)
+    flat = chat_tools([{**crm, "name": ""}])[0]
+    assert flat is not None and flat[0]["function"]["name"] == "__lookup"
+    # a named tool_choice renders nothing; "none" with tools stays unkeyed (a server flag)
+    choice = {"type": "function", "name": "lookup"}
+    assert chat_tools([crm], choice) == chat_tools([crm])
+    assert chat_tools([crm], "none")[1] is False
+    # what vLLM refuses, naming tools: its request model's NamespaceTool, and parameters
+    # that are no object (its rendering's ValueError)
+    for bad in (
+        {k: v for k, v in crm.items() if k != "description"},
+        {**crm, "description": None},
+        {**crm, "name": 3},
+        {**crm, "tools": None},
+        {**crm, "tools": [{"type": "web_search"}]},
+        {**crm, "tools": ["lookup"]},
+        {**crm, "tools": [{"type": "function", "name": None}]},
+        {**crm, "tools": [{**lookup, "parameters": [1]}]},
+        {**crm, "tools": [{**lookup, "strict": 1}]},
+        {**crm, "tools": [{"type": "custom", "name": "n", "format": {"type": "grammar"}}]},
+    ):
+        with pytest.raises(ResponsesInputError) as exc:
+            chat_tools([bad])
+        assert exc.value.param == "tools" and "tools[0]" in str(exc.value), bad
 
 
 @pytest.mark.parametrize(
