@@ -11,8 +11,10 @@ Environment:
 Each user class is one traffic shape; pick some with Locust's class selection (``locust ...
 SharedSystemPromptChat ShortUnique``) or run them all (``EmbedSharedDocs`` needs a
 replica serving ``/v1/embeddings`` for ``KVGATE_LOCUST_MODEL``: a pooling model on vLLM, or
-the simulated replica). Each request is one row of Locust's
-statistics, named after its class, timed to its last byte (a streamed request's whole
+the simulated replica; ``ResponsesAgentChain`` one serving ``/v1/responses`` with its store:
+vLLM with ``VLLM_ENABLE_RESPONSES_API_STORE=1``, or the simulated replica). Each request is
+one row of Locust's statistics, named after its class (``ResponsesAgentChain``'s first
+turns and follow-ups apart), timed to its last byte (a streamed request's whole
 stream, not just its response head, which is where Locust's own clock stops).
 
 Streamed requests' TTFT (to the first content chunk) and engine-reported cached prompt
@@ -355,6 +357,98 @@ class EmbedSharedDocs(OpenAIUser):
                 return
             if not ok:
                 resp.failure(f"{len(data)} embeddings for {len(inputs)} inputs, or out of order")
+
+
+class ResponsesAgentChain(OpenAIUser):
+    """An agent running its tools itself on the Responses API (D30, D31), one turn per task:
+    turn 1 sends shared instructions (one of a few ~1,000-token agent prompts) with a
+    ``function`` tool and a question; each follow-up names the last response's id as
+    ``previous_response_id`` and sends the tool's call and its output (the simulated
+    replica emits no calls, so the client makes the ``function_call`` as its loop would
+    have received it) and a user message; a chain ends after ``FOLLOW_UPS`` follow-ups or
+    at its first failure. Not streamed, so no TTFT row. Rows ``... turn 1`` and ``...
+    follow-up``; a response is a failure unless it is a 200 with an ``output`` message and
+    its ``id``, and a follow-up's 404 (what a router without affinity gives: the replica it
+    reached never stored the previous response) is a failure saying so."""
+
+    AGENTS = 3  # agent prompts shared across users
+    FOLLOW_UPS = 3
+
+    @staticmethod
+    def tool() -> dict[str, Any]:
+        return {
+            "type": "function",
+            "name": "search_docs",
+            "description": "Search the product documentation and return the best passages.",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "top_k": {"type": "integer"}},
+                "required": ["query"],
+            },
+        }
+
+    def on_start(self) -> None:
+        self.chain = ""
+        self.agent = 0
+        self.prev: str | None = None
+        self.turns = 0
+
+    @task
+    def turn(self) -> None:
+        if self.prev is None:
+            n = next(self._ids)
+            self.chain, self.agent, self.turns = f"loc-rc-{n}", n % self.AGENTS, 0
+            items: Any = self.text().once(f"{self.chain}-q", 64)
+        else:
+            call_id = f"call_{self.chain}_{self.turns}"
+            args = json.dumps({"query": self.text().once(f"{self.chain}-a{self.turns}", 8)})
+            items = [
+                {"type": "function_call", "call_id": call_id, "name": "search_docs",
+                 "arguments": args},
+                {"type": "function_call_output", "call_id": call_id,
+                 "output": self.text().once(f"{self.chain}-o{self.turns}", 160)},
+                {"role": "user", "content": self.text().once(f"{self.chain}-u{self.turns}", 32)},
+            ]  # fmt: skip
+        body: dict[str, Any] = {
+            "model": MODEL,
+            # sent every turn: vLLM does not carry a stored turn's instructions or tools over
+            "instructions": self.text().block(f"loc-agent-{self.agent}", 1000),
+            "tools": [self.tool()],
+            "input": items,
+            "max_output_tokens": 32,
+            "store": True,
+        }
+        follow_up = self.prev is not None
+        if follow_up:
+            body["previous_response_id"] = self.prev
+        self.prev = None  # set again only by a good answer: a failure ends the chain
+        name = f"{type(self).__name__} {'follow-up' if follow_up else 'turn 1'}"
+        with self.client.post(
+            "/v1/responses",
+            json=body,
+            headers=self.headers(self.tenant),
+            name=name,
+            catch_response=True,
+        ) as resp:
+            if follow_up and resp.status_code == 404:
+                resp.failure("follow-up 404: previous response not on the replica reached")
+                return
+            if resp.status_code != 200:
+                resp.failure(_failure(resp))
+                return
+            try:
+                got = resp.json()
+                rid, output = got["id"], got["output"]
+                ok = isinstance(rid, str) and bool(rid)
+                ok = ok and any(item.get("type") == "message" for item in output)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                resp.failure(f"not a response object: {type(exc).__name__}")
+                return
+            if not ok:
+                resp.failure("no id or no output message")
+                return
+        self.turns += 1
+        self.prev = rid if self.turns <= self.FOLLOW_UPS else None
 
 
 events.request.add_listener(_log_ttft)  # type: ignore[no-untyped-call]

@@ -178,3 +178,104 @@ async def test_embeddings_user_class_through_the_gateway(tmp_path: Path) -> None
     assert set(rows) == {"EmbedSharedDocs"}, text[-2000:]
     requests, failures = rows["EmbedSharedDocs"]
     assert requests > 0 and failures == 0, text[-2000:]
+
+
+def _rows(text: str) -> dict[str, tuple[int, int]]:
+    """Locust's printed summary, final (its CSV is rewritten each second): per request
+    name "POST <name> <requests> <failures>(...)"."""
+    found = re.findall(r"^POST\s+(\S+(?: \S+)*?)\s+(\d+)\s+(\d+)\(", text, re.M)
+    return {name: (int(n), int(f)) for name, n, f in found}
+
+
+async def test_responses_agent_chains_through_the_gateway(tmp_path: Path) -> None:
+    """ResponsesAgentChain against a real gateway and simulated replicas: first turns and
+    follow-ups (previous_response_id with a client-run tool call's output) in rows of their
+    own, in the printed summary and the CSV, and none failed (a follow-up that reached a
+    replica without its previous response would be a 404: the gateway pins it)."""
+    prefix = tmp_path / "resp"
+    async with stack(count=2) as st:
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "locust"),
+            "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "6s",
+            "--host", st.url, "--csv", str(prefix), "--only-summary", "ResponsesAgentChain",
+            env={"KVGATE_LOCUST_MODEL": st.model, "PATH": str(Path(sys.executable).parent)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    text = out.decode()
+    assert proc.returncode == 0, text[-2000:]
+    rows = _rows(text)
+    first, follow = "ResponsesAgentChain turn 1", "ResponsesAgentChain follow-up"
+    assert set(rows) == {first, follow}, text[-2000:]
+    assert rows[first][0] > 0 and rows[follow][0] > 0, text[-2000:]
+    assert rows[first][1] == rows[follow][1] == 0, text[-2000:]
+    assert _csv_names(prefix) == {first, follow, "Aggregated"}
+
+
+def _csv_names(prefix: Path) -> set[str]:
+    stats_csv = Path(f"{prefix}_stats.csv").read_text().splitlines()
+    return {r["Name"] for r in csv.DictReader(stats_csv)}
+
+
+_NO_AFFINITY = """
+import itertools, sys, uuid
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+FIRST = itertools.cycle(["ok", "no_message"])
+
+async def endpoint(request):
+    body = await request.json()
+    if body.get("previous_response_id"):  # a router without affinity: another replica
+        err = {"message": "Response not found", "type": "invalid_request_error",
+               "param": "response_id", "code": "response_not_found"}
+        return JSONResponse({"error": err}, status_code=404)
+    item = {"type": "message", "role": "assistant", "content": []}
+    output = [item] if next(FIRST) == "ok" else []
+    return JSONResponse({"id": "resp_" + uuid.uuid4().hex, "output": output})
+
+app = Starlette(routes=[Route("/v1/responses", endpoint, methods=["POST"])])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="critical")
+"""
+
+
+async def test_a_responses_follow_up_404_is_a_failure_named_so(tmp_path: Path) -> None:
+    """A server whose follow-ups all answer 404 (what a router without affinity gives) and
+    every other first turn a 200 without an output message: each such request a failure
+    of its own row, saying why, and the chain starts over."""
+    from cachecore.testing import free_port, wait_for_port
+
+    script = tmp_path / "no_affinity.py"
+    script.write_text(_NO_AFFINITY)
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_for_port, port, 15.0)
+        proc = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "locust"),
+            "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "4s",
+            "--host", f"http://127.0.0.1:{port}", "--only-summary", "ResponsesAgentChain",
+            env={"PATH": str(Path(sys.executable).parent)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), timeout=10)
+    text = out.decode()
+    assert proc.returncode == 1, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    rows = _rows(text)
+    turns, bad_turns = rows["ResponsesAgentChain turn 1"]
+    follows, bad_follows = rows["ResponsesAgentChain follow-up"]
+    assert follows > 0 and bad_follows == follows, text[-2000:]
+    assert turns >= 2 and 0 < bad_turns < turns, text[-2000:]
+    assert "follow-up 404: previous response not on the replica reached" in text, text[-2000:]
+    assert "no id or no output message" in text, text[-2000:]
