@@ -44,6 +44,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from cachecore.index.base import (
@@ -608,7 +609,16 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
             else:
                 task = self._kvgate_connect = asyncio.ensure_future(start())
                 task.add_done_callback(retrieved)
-            await asyncio.shield(task)
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task.cancelled() and current is not None and not current.cancelling():
+                    # a disconnect (the client's close) ended the attempt, not this
+                    # command's cancellation: a lost connection to it, which the index's
+                    # callers catch (a CancelledError would escape their fallback)
+                    raise RedisConnectionError("connection closed while connecting") from None
+                raise
 
         async def disconnect(self, *args: Any, **kwargs: Any) -> None:
             task = running(self)

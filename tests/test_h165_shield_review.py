@@ -1,0 +1,70 @@
+"""Review H165 of the shielded connects (ac4a306, :func:`cachecore.index.redis.shielded_connects`).
+
+Through the loopback proxy of test_h161 that holds a connection's handshake until the test
+lets it through (no timing): a command waiting for another's connect attempt was raised
+CancelledError, though nothing cancelled it, when a disconnect (the client's close) ended
+that attempt."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from cachecore.index.memory import MemoryIndex
+from cachecore.index.redis import RedisIndex
+from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
+from gateway.indexing import GatewayIndex
+from gateway.metrics import GatewayMetrics
+from tests.test_h161_shielded_connect import (
+    CUT_S,
+    KEYS,
+    NOW,
+    HoldingProxy,
+    redis_with_password,  # noqa: F401  # a fixture
+)
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
+
+
+async def _index(proxy: HoldingProxy) -> GatewayIndex:
+    primary = RedisIndex.from_url(
+        proxy.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
+    )
+    return GatewayIndex(primary, GatewayMetrics(), MemoryIndex())
+
+
+@pytest.fixture
+async def held(redis_with_password: RedisServer) -> AsyncIterator[HoldingProxy]:  # noqa: F811
+    proxy = await HoldingProxy(redis_with_password.port).start()
+    try:
+        yield proxy
+    finally:
+        proxy.release()
+        await proxy.close()
+
+
+async def test_a_lookup_waiting_for_a_connect_that_a_disconnect_ends_falls_back(
+    held: HoldingProxy,
+) -> None:
+    """The second lookup waits for the first's connect (held); the pool is disconnected
+    meanwhile (as the client's close does), which ends that attempt. The waiting lookup was
+    not cancelled: it must fail as a lost connection (and fall back), not raise
+    CancelledError out of the index, which no ``except Exception`` catches."""
+    index = await _index(held)
+    try:
+        first = await index.lookup(KEYS, ["r0"], NOW, CUT_S)
+        assert (first.source, held.accepted) == ("local", 1)
+        waiting = asyncio.ensure_future(index.lookup(KEYS, ["r0"], NOW, PATIENT_TIMEOUT_S))
+        for _ in range(100):  # bounded: it takes the pooled connection, no I/O
+            await asyncio.sleep(0)
+        assert not waiting.done() and held.accepted == 1  # waiting for the same attempt
+        primary = index.primary
+        assert isinstance(primary, RedisIndex) and isinstance(primary.client, Redis)
+        await primary.client.connection_pool.disconnect()
+        got = await asyncio.wait_for(waiting, PATIENT_TIMEOUT_S)
+        assert (got.source, index.fallbacks) == ("local", 2)
+    finally:
+        await index.close()
