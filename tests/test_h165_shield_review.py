@@ -1,9 +1,10 @@
 """Review H165 of the shielded connects (ac4a306, :func:`cachecore.index.redis.shielded_connects`).
 
-Through the loopback proxy of test_h161 that holds a connection's handshake until the test
-lets it through (no timing): a command waiting for another's connect attempt was raised
-CancelledError, though nothing cancelled it, when a disconnect (the client's close) ended
-that attempt."""
+Two ways the shield changed what a command sees, each through the loopback proxy of
+test_h161 that holds a connection's handshake until the test lets it through (no timing):
+a command waiting for another's connect attempt was raised CancelledError, though nothing
+cancelled it, when a disconnect (the client's close) ended that attempt; and the pool handed
+the lookups the connection whose attempt was stuck, before the connected one beside it."""
 
 from __future__ import annotations
 
@@ -27,6 +28,15 @@ from tests.test_h161_shielded_connect import (
 )
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
+
+
+class HoldingSecond(HoldingProxy):
+    """Holds only the second connection's handshake: one slow connect among fast ones."""
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        super()._accept(reader, writer)
+        if self.accepted != 2:
+            self._gates[-1].set()
 
 
 async def _index(proxy: HoldingProxy) -> GatewayIndex:
@@ -68,3 +78,27 @@ async def test_a_lookup_waiting_for_a_connect_that_a_disconnect_ends_falls_back(
         assert (got.source, index.fallbacks) == ("local", 2)
     finally:
         await index.close()
+
+
+async def test_a_stuck_connect_does_not_keep_the_lookups_from_a_connected_connection(
+    redis_with_password: RedisServer,  # noqa: F811
+) -> None:
+    """Two lookups at once open two connections; the second's handshake is stuck (held
+    for good), the first's is served. The lookups after them must take the connected one:
+    the pool handing out the most recently released connection first gave every later
+    lookup the stuck attempt to wait on, so each fell back until that attempt timed out
+    (up to the client's connect + read timeouts), beside an idle connected connection."""
+    proxy = await HoldingSecond(redis_with_password.port).start()
+    index = await _index(proxy)
+    try:
+        cut = PATIENT_TIMEOUT_S / 4  # the first lookup's connect must get through it
+        got = await asyncio.gather(*(index.lookup(KEYS, ["r0"], NOW, cut) for _ in range(2)))
+        assert sorted(g.source for g in got) == ["local", "primary"]
+        assert proxy.accepted == 2
+        after = [(await index.lookup(KEYS, ["r0"], NOW, cut)).source for _ in range(3)]
+        assert after == ["primary"] * 3
+        assert proxy.accepted == 2  # no new connection: the connected one served them
+    finally:
+        proxy.release()
+        await index.close()
+        await proxy.close()

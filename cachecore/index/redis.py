@@ -570,9 +570,9 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
 
     def running(conn: Any) -> asyncio.Task[None] | None:
         """``conn``'s connect in flight in another task than the caller's, or None."""
-        task: asyncio.Task[None] | None = conn._kvgate_connect
-        if task is None or task.done():
+        if not _connecting(conn):
             return None
+        task: asyncio.Task[None] = conn._kvgate_connect
         try:
             current = asyncio.current_task()
         except RuntimeError:  # no running loop: a finaliser
@@ -629,6 +629,29 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
 
     Shielded.__name__ = Shielded.__qualname__ = f"Shielded{cls.__name__}"
     return Shielded
+
+
+def _connecting(conn: AbstractConnection) -> bool:
+    """Whether ``conn``'s shielded connect attempt (:func:`shielded_connects`) runs."""
+    task: asyncio.Task[None] | None = getattr(conn, "_kvgate_connect", None)
+    return task is not None and not task.done()
+
+
+class _ConnectedFirstPool(aioredis.ConnectionPool):
+    """The standalone pool of shielded connections: it hands out an idle connection whose
+    connect attempt still runs only when every idle one's does. redis-py's pool takes the
+    one released last, and a cut command releases its connection mid-connect, so one stuck
+    connect (a lost SYN, a stalled handshake) was handed to each next lookup to wait on,
+    and cut, until it timed out, while a connected connection sat idle beside it."""
+
+    def get_available_connection(self) -> AbstractConnection:
+        idle = self._available_connections
+        if idle and _connecting(idle[-1]):
+            ready = next((i for i in reversed(range(len(idle))) if not _connecting(idle[i])), None)
+            if ready is not None:
+                idle.append(idle.pop(ready))
+        conn: AbstractConnection = super().get_available_connection()  # type: ignore[no-untyped-call]
+        return conn
 
 
 # Unbounded, as redis-py's standalone pool is by default. RedisCluster's own default (100
@@ -694,16 +717,16 @@ def redis_client(
     _check_database(url)
     limit = _UNBOUNDED_CONNECTIONS if max_connections is None else max_connections
     if not cluster:
-        client = aioredis.Redis.from_url(
+        pool_class = _ConnectedFirstPool if shield_connects else aioredis.ConnectionPool
+        pool = pool_class.from_url(
             url,
             decode_responses=False,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
             max_connections=limit,
         )
-        pool = client.connection_pool
         pool.connection_class = _connection_class(pool.connection_class, c_pack, shield_connects)
-        return client
+        return aioredis.Redis.from_pool(pool)  # as Redis.from_url: the client owns its pool
     try:
         cluster_client = RedisCluster.from_url(
             url,
