@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 from openai import AsyncOpenAI
@@ -128,3 +128,68 @@ async def kill_replica(fleet: Fleet, i: int, timeout_s: float = 5.0) -> None:
                 return
         await asyncio.sleep(0.02)
     raise TimeoutError("replica did not stop listening")
+
+
+class LoopbackProxy:
+    """A loopback TCP proxy to ``upstream_port`` (a test's redis-server) relaying each
+    connection both ways; a subclass delays or drops chunks in :meth:`pass_on`. Connections
+    are numbered from 0 in the order accepted (:attr:`accepted` counts them)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.accepted = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> Self:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def pass_on(self, conn: int, from_client: bool, src: asyncio.StreamReader) -> bool:
+        """Called before each chunk read from ``src`` (the client's side where
+        ``from_client``) of connection ``conn`` is passed on: False drops it and stops that
+        direction."""
+        return True
+
+    def on_client_closed(self, conn: int) -> None:
+        """The client closed connection ``conn`` (seen once its chunks are passed on)."""
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn, self.accepted = self.accepted, self.accepted + 1
+        task = asyncio.get_running_loop().create_task(self._relay(conn, reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _relay(
+        self, conn: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers += [writer, up_writer]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            from_client = src is reader
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    if not await self.pass_on(conn, from_client, src):
+                        break
+                    dst.write(data)
+                    await dst.drain()
+            if from_client:
+                self.on_client_closed(conn)
+            dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        for writer in self._writers:
+            writer.transport.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()

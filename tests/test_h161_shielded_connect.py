@@ -24,6 +24,7 @@ from cachecore.keys import BlockKeyer
 from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from gateway.indexing import GatewayIndex
 from gateway.metrics import GatewayMetrics
+from tests.test_gateway_support import LoopbackProxy
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -33,29 +34,20 @@ PASSWORD = "h161-secret"  # AUTH in the handshake: a command sent into it reads 
 CUT_S = 0.05  # the lookup's cut; the held handshake overruns any cut
 
 
-class HoldingProxy:
+class HoldingProxy(LoopbackProxy):
     """A loopback TCP proxy to ``upstream_port`` that holds each new connection's first
     client bytes (its handshake) until :meth:`release`, and records when the client closed
     each connection (seen once the connection is released)."""
 
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.accepted = 0
+    def __init__(self, upstream_port: int, password: str = PASSWORD) -> None:
+        super().__init__(upstream_port)
+        self.password = password
         self.client_closed: list[asyncio.Event] = []
         self._gates: list[asyncio.Event] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> HoldingProxy:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
 
     @property
     def url(self) -> str:
-        return f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def release(self) -> None:
         """Let the connections accepted so far through; later ones are held again."""
@@ -63,48 +55,17 @@ class HoldingProxy:
             gate.set()
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.accepted += 1
-        gate, closed = asyncio.Event(), asyncio.Event()
-        self._gates.append(gate)
-        self.client_closed.append(closed)
-        task = asyncio.get_running_loop().create_task(self._relay(reader, writer, gate, closed))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._gates.append(asyncio.Event())
+        self.client_closed.append(asyncio.Event())
+        super()._accept(reader, writer)
 
-    async def _relay(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        gate: asyncio.Event,
-        closed: asyncio.Event,
-    ) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self._writers += [writer, up_writer]
+    async def pass_on(self, conn: int, from_client: bool, src: asyncio.StreamReader) -> bool:
+        if from_client:  # set once released: only the handshake waits
+            await self._gates[conn].wait()
+        return True
 
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, held: bool) -> None:
-            with contextlib.suppress(ConnectionError):
-                while data := await src.read(65536):
-                    if held:
-                        await gate.wait()
-                        held = False
-                    dst.write(data)
-                    await dst.drain()
-            if src is reader:
-                closed.set()
-            dst.close()
-
-        await asyncio.gather(pump(reader, up_writer, True), pump(up_reader, writer, False))
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
-        for writer in self._writers:
-            writer.transport.abort()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+    def on_client_closed(self, conn: int) -> None:
+        self.client_closed[conn].set()
 
 
 @pytest.fixture

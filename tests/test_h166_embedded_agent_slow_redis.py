@@ -30,7 +30,7 @@ from cachecore.index.redis import RedisIndex
 from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from tests.test_agent_helpers import counter_total, salt, until
 from tests.test_agent_replica import TOPIC, send_all
-from tests.test_gateway_support import stack
+from tests.test_gateway_support import LoopbackProxy, stack
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -40,7 +40,7 @@ DELAY_S = 0.3  # over the gateway index client's 0.25 s read timeout
 CONVERGE_BOUND_S = 2.0 + 5.0 + 8.0  # plus the replicas going idle, a loaded host
 
 
-class DelayingProxy:
+class DelayingProxy(LoopbackProxy):
     """A loopback TCP proxy to ``upstream_port`` that, while :attr:`slow`, holds each chunk
     :data:`DELAY_S` before passing it on: with ``hold="replies"`` Redis's replies (the
     command ran, its answer is late: a slow link, a loaded host), with ``hold="commands"``
@@ -48,62 +48,25 @@ class DelayingProxy:
     command never ran)."""
 
     def __init__(self, upstream_port: int, hold: str) -> None:
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self.hold = hold
         self.slow = False
         self.delayed = 0  # chunks held
         self.dropped = 0  # commands never passed on
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> DelayingProxy:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.get_running_loop().create_task(self._relay(reader, writer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self._writers += [writer, up_writer]
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, held: bool) -> None:
-            with contextlib.suppress(ConnectionError):
-                while data := await src.read(65536):
-                    if held and self.slow:
-                        self.delayed += 1
-                        await asyncio.sleep(DELAY_S)
-                        if src is reader and reader.at_eof():  # the client gave up
-                            self.dropped += 1
-                            break
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(
-            pump(reader, up_writer, self.hold == "commands"),
-            pump(up_reader, writer, self.hold == "replies"),
-        )
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
-        for writer in self._writers:
-            writer.transport.abort()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+    async def pass_on(self, conn: int, from_client: bool, src: asyncio.StreamReader) -> bool:
+        if not self.slow or from_client != (self.hold == "commands"):
+            return True
+        self.delayed += 1
+        await asyncio.sleep(DELAY_S)
+        if from_client and src.at_eof():  # the client gave up
+            self.dropped += 1
+            return False
+        return True
 
 
 @pytest.fixture
