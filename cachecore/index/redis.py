@@ -1092,8 +1092,11 @@ class RedisIndex:
         **kwargs: Any,
     ) -> RedisIndex:
         """Connect to ``redis://[user:password@]host:port/db`` (or a cluster seed node).
-        The short socket timeout bounds how long a lookup can stall a request before the
-        gateway degrades to load-only routing."""
+        In the gateway no lookup waits on these timeouts: ``GatewayIndex.lookup`` cuts each
+        at the policy's ``index.lookup_timeout_ms``. They bound the rest: connects (which go
+        on past a lookup's cut), the gateway's pending writes, and the writes of the agents
+        embedded in the gateway, which share this client. ``KVGATE_REDIS_TIMEOUT_S`` sets
+        both."""
         client = redis_client(
             url,
             cluster=cluster,
