@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -24,6 +25,7 @@ from cachecore.keys import BlockKeyer
 from cachecore.testing import PATIENT_TIMEOUT_S, RedisServer
 from gateway.indexing import GatewayIndex
 from gateway.metrics import GatewayMetrics
+from tests.test_agent_helpers import counter_total, until
 from tests.test_gateway_support import LoopbackProxy
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
@@ -75,8 +77,10 @@ def redis_with_password() -> Iterator[RedisServer]:
 
 
 @contextlib.asynccontextmanager
-async def held_index(srv: RedisServer) -> AsyncIterator[tuple[HoldingProxy, GatewayIndex]]:
-    proxy = await HoldingProxy(srv.port).start()
+async def held_index(
+    srv: RedisServer, password: str = PASSWORD
+) -> AsyncIterator[tuple[HoldingProxy, GatewayIndex]]:
+    proxy = await HoldingProxy(srv.port, password).start()
     # the gateway's own client (RedisIndex.from_url), patient timeouts: only the cut cuts
     primary = RedisIndex.from_url(
         proxy.url, socket_timeout_s=PATIENT_TIMEOUT_S, connect_timeout_s=PATIENT_TIMEOUT_S
@@ -155,3 +159,54 @@ async def test_a_command_sent_on_a_connection_still_connecting_waits_for_its_han
         await conn.disconnect()
         await index.close()
         await proxy.close()
+
+
+async def test_a_handshake_that_fails_after_its_lookups_cut_is_logged_once_per_window(
+    redis_with_password: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wrong password seen only after the lookup's cut: the lookups read as timeouts
+    (``reason="timeout"``) and no command is left to see AUTH's error, so the client logs
+    it, type and message (never the password), at most once per window."""
+    caplog.set_level(logging.WARNING, logger="cachecore.index.redis")
+
+    def warnings() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "cachecore.index.redis"]
+
+    async def fails_after_the_cut(conn: int) -> None:
+        got = await index.lookup(KEYS, ["r0"], NOW, CUT_S)
+        assert (got.source, proxy.accepted) == ("local", conn + 1)
+        proxy.release()  # AUTH with the wrong password goes through, refused
+        await asyncio.wait_for(proxy.client_closed[conn].wait(), PATIENT_TIMEOUT_S)
+        await asyncio.sleep(0)  # the attempt's done-callbacks run
+
+    async with held_index(redis_with_password, "wrong-password") as (proxy, index):
+        await fails_after_the_cut(0)
+        await until(lambda: bool(warnings()), PATIENT_TIMEOUT_S)
+        [record] = warnings()
+        assert record.levelno == logging.WARNING
+        assert getattr(record, "error", None) == "AuthenticationError"
+        assert "wrong-password" not in record.getMessage() + str(record.__dict__)
+        await fails_after_the_cut(1)  # the same client's next attempt fails alike
+        await asyncio.sleep(0.05)
+        assert len(warnings()) == 1  # within the window: not logged again
+        assert counter_total(index.metrics.index_fallbacks, reason="timeout") == 2
+
+
+async def test_a_failed_connect_a_lookup_waited_for_is_the_lookups_to_report(
+    redis_with_password: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A command that waits for the attempt gets its error (the gateway logs the lookup's
+    failure): the client does not log it again."""
+    caplog.set_level(logging.WARNING, logger="cachecore.index.redis")
+    async with held_index(redis_with_password, "wrong-password") as (proxy, index):
+        lookup = asyncio.ensure_future(index.lookup(KEYS, ["r0"], NOW, PATIENT_TIMEOUT_S))
+        await until(lambda: proxy.accepted == 1, PATIENT_TIMEOUT_S)
+        proxy.release()
+        got = await lookup
+        assert (got.source, counter_total(index.metrics.index_fallbacks, reason="error")) == (
+            "local",
+            1,
+        )
+        await asyncio.wait_for(proxy.client_closed[0].wait(), PATIENT_TIMEOUT_S)
+        await asyncio.sleep(0.05)
+        assert [r for r in caplog.records if r.name == "cachecore.index.redis"] == []

@@ -550,6 +550,10 @@ def c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     return type(f"CPacked{cls.__name__}", (cls,), {"pack_command": pack_command})
 
 
+# how often a client logs the connect failures no command saw (:func:`shielded_connects`)
+CONNECT_WARNING_INTERVAL_S = 60.0
+
+
 def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     """``cls`` (a redis-py asyncio connection class) whose connect attempt, once begun, runs
     to its end in a task of its own, whatever becomes of the command that began it. redis-py
@@ -566,7 +570,9 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
     to every task but its own, so a command that takes it meanwhile waits for that same
     connect instead of writing into its handshake; a disconnect (the client's close)
     cancels it. A command cut while waiting for its reply still drops its connection
-    (redis-py cannot tell where the reply would end); the next connect is shielded."""
+    (redis-py cannot tell where the reply would end); the next connect is shielded. An
+    attempt that fails with no command waiting for it is logged (WARNING, at most once per
+    :data:`CONNECT_WARNING_INTERVAL_S` per client): its lookups read only as timeouts."""
 
     def running(conn: Any) -> asyncio.Task[None] | None:
         """``conn``'s connect in flight in another task than the caller's, or None."""
@@ -579,12 +585,30 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
             current = None
         return None if task is current else task
 
-    def retrieved(task: asyncio.Task[None]) -> None:
-        if not task.cancelled():
-            task.exception()  # its command may have given up on it long ago
+    # per client (a class per client): when a failed connect was last logged
+    warned_at = -math.inf
+
+    def retrieved(conn: Any, task: asyncio.Task[None]) -> None:
+        """Log the attempt's error where no command waits for it: the commands that began
+        it were cut (a lookup's 5 ms), so a handshake that fails after the cut (a wrong
+        password, a TLS error) read only as lookup timeouts, its cause never seen. Type and
+        message only: redis-py's messages name the host, never the password."""
+        nonlocal warned_at
+        if task.cancelled() or conn._kvgate_waiting:
+            return
+        exc = task.exception()
+        now = time.monotonic()
+        if exc is None or now - warned_at < CONNECT_WARNING_INTERVAL_S:
+            return
+        warned_at = now
+        log.warning(
+            "redis connect failed after the commands that began it gave up",
+            extra={"error": type(exc).__name__, "detail": str(exc)},
+        )
 
     class Shielded(cls):  # type: ignore[valid-type,misc]  # a class made at run time
         _kvgate_connect: asyncio.Task[None] | None = None
+        _kvgate_waiting = 0  # commands awaiting the attempt
 
         @property
         def is_connected(self) -> bool:
@@ -608,7 +632,8 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
                 return
             else:
                 task = self._kvgate_connect = asyncio.ensure_future(start())
-                task.add_done_callback(retrieved)
+                task.add_done_callback(lambda done: retrieved(self, done))
+            self._kvgate_waiting += 1
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -619,6 +644,8 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
                     # callers catch (a CancelledError would escape their fallback)
                     raise RedisConnectionError("connection closed while connecting") from None
                 raise
+            finally:
+                self._kvgate_waiting -= 1
 
         async def disconnect(self, *args: Any, **kwargs: Any) -> None:
             task = running(self)
