@@ -15,9 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.auth import hash_key
 from gateway.core import ENDPOINT_PATHS, Gateway
-from tests.test_gateway_support import Stack, stack, words
+from tests.test_gateway_support import Stack, keys_file, stack, words
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -207,21 +206,12 @@ async def test_a_first_turn_is_explained_as_its_chat() -> None:
         )
 
 
-def _keys(tmp_path: Path, tenants: str) -> Path:
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(
-        "keys:\n"
-        + "".join(f"  - {{sha256: {hash_key('sk-' + t)}, tenant: {t}}}\n" for t in tenants)
-    )
-    return keys
-
-
 async def test_a_follow_up_is_explained_as_pinned_and_an_id_that_does_not_open_is_the_404(
     tmp_path: Path,
 ) -> None:
     policy = "tenants:\n  s: {sensitive: {default: session}}\n"
     async with (
-        stack(count=2, policy=policy, api_keys_file=_keys(tmp_path, "abs")) as st,
+        stack(count=2, policy=policy, api_keys_file=keys_file(tmp_path, "abs")) as st,
         st.http() as h,
     ):
         a = {"authorization": "Bearer sk-a"}

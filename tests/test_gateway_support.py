@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import random
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ from pydantic import SecretStr
 
 from cachecore.replica.fleet import Fleet, run_fleet
 from cachecore.replica.settings import ReplicaSettings
-from cachecore.testing import PATIENT_TIMEOUT_S, free_port
+from cachecore.testing import PATIENT_TIMEOUT_S, free_port, wait_for_port
 from cachecore.tokenizer import builtin_tokenizer
+from gateway.auth import hash_key
 from gateway.core import Gateway
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
@@ -193,3 +195,32 @@ class LoopbackProxy:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def script_server(tmp_path: Path, script: str, *args: str) -> AsyncIterator[str]:
+    """``script`` (a Python server taking its port, then ``args``) run on a free loopback
+    port while the block runs: its URL."""
+    path = tmp_path / "server.py"
+    path.write_text(script)
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, str(path), str(port), *args,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_for_port, port, 15.0)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        await asyncio.wait_for(server.wait(), timeout=10)
+
+
+def keys_file(tmp_path: Path, tenants: str) -> Path:
+    """An API keys file: key ``sk-<t>`` for tenant ``<t>``, one per letter of ``tenants``."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n"
+        + "".join(f"  - {{sha256: {hash_key('sk-' + t)}, tenant: {t}}}\n" for t in tenants)
+    )
+    return keys

@@ -22,10 +22,10 @@ from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from policies.schema import parse_policy_text
 from tests.test_gateway_support import SECRET, words
+from tests.test_h24_query_of_death import MODELS, read_request
 
 pytestmark = pytest.mark.timeout(60)
 
-MODELS = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
 POISON = b"poison"
 
 
@@ -50,13 +50,7 @@ async def warm_then_dying_engine() -> AsyncIterator[dict[str, Any]]:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             for _ in range(200):  # bounded: a test sends a few dozen requests
-                head = await reader.readuntil(b"\r\n\r\n")
-                n = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        n = int(line.split(b":", 1)[1])
-                body = await reader.readexactly(n) if n else b""
-                path = head.split(b" ", 2)[1]
+                path, body = await read_request(reader)
                 if path == b"/v1/completions":
                     if POISON in body:
                         state["poisoned"] += 1

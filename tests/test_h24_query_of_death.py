@@ -26,6 +26,17 @@ pytestmark = pytest.mark.timeout(60)
 MODELS = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
 
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 request read whole (a Content-Length body, if any): its path and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            n = int(line.split(b":", 1)[1])
+    body = await reader.readexactly(n) if n else b""
+    return head.split(b" ", 2)[1], body
+
+
 @contextlib.asynccontextmanager
 async def dying_engine() -> AsyncIterator[dict[str, Any]]:
     """A loopback engine that answers /health and /v1/models and, like an engine that
@@ -37,17 +48,10 @@ async def dying_engine() -> AsyncIterator[dict[str, Any]]:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             for _ in range(100):  # bounded: a test sends a handful of requests
-                head = await reader.readuntil(b"\r\n\r\n")
-                n = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        n = int(line.split(b":", 1)[1])
-                if n:
-                    await reader.readexactly(n)
-                if head.startswith(b"POST /v1/completions"):
+                path, _ = await read_request(reader)
+                if path == b"/v1/completions":
                     state["posts"] += 1
                     return  # closed unanswered (finally)
-                path = head.split(b" ", 2)[1]
                 body = MODELS if path == b"/v1/models" else b"{}"
                 status = b"200 OK" if path in (b"/health", b"/v1/models") else b"404 Not Found"
                 writer.write(b"HTTP/1.1 %s\r\ncontent-length: %d\r\n\r\n" % (status, len(body)))

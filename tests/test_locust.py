@@ -11,28 +11,37 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_gateway_support import stack
+from tests.test_gateway_support import script_server, stack
 
 pytestmark = pytest.mark.timeout(120)
 
 LOCUSTFILE = Path(__file__).resolve().parent.parent / "loadtest" / "locustfile.py"
 
 
+async def _locust(
+    host: str, *args: str, env: dict[str, str] | None = None
+) -> tuple[int | None, str]:
+    """A headless run of the locustfile against ``host``, summary only; ``args``: users,
+    rate, time, CSV prefix, then the user classes. Its exit code and output."""
+    bin_dir = str(Path(sys.executable).parent)
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(bin_dir) / "locust"), "-f", str(LOCUSTFILE), "--headless", "--host", host,
+        "--only-summary", *args,
+        env={"PATH": bin_dir, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    return proc.returncode, out.decode()
+
+
 async def test_headless_run_counts_each_request_once_and_reports_ttft(tmp_path: Path) -> None:
     prefix = tmp_path / "run"
     async with stack(count=2) as st:
-        proc = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).parent / "locust"),
-            "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "6s",
-            "--host", st.url, "--csv", str(prefix), "--only-summary",
-            "SharedSystemPromptChat", "ShortUnique",
-            env={"KVGATE_LOCUST_MODEL": st.model, "PATH": str(Path(sys.executable).parent)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        code, text = await _locust(
+            st.url, "-u", "3", "-r", "3", "-t", "6s", "--csv", str(prefix),
+            "SharedSystemPromptChat", "ShortUnique", env={"KVGATE_LOCUST_MODEL": st.model},
         )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
-    text = out.decode()
-    assert proc.returncode == 0, text[-2000:]
+    assert code == 0, text[-2000:]
     check_outputs(text, prefix)
 
 
@@ -86,31 +95,9 @@ async def test_a_broken_stream_is_a_failed_request(tmp_path: Path) -> None:
     """A stream that ended without `data: [DONE]` (cut short) counted as a success; one cut
     mid-way (ChunkedEncodingError) or carrying a chunk that is no JSON raised out of the
     task: Locust logged a traceback apart and the request was in neither count."""
-    from cachecore.testing import free_port, wait_for_port
-
-    script = tmp_path / "broken.py"
-    script.write_text(_BROKEN_STREAMS)
-    port = free_port()
-    server = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), str(port), "no_done,not_json,cut",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        await asyncio.to_thread(wait_for_port, port, 15.0)
-        proc = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).parent / "locust"),
-            "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "3s",
-            "--host", f"http://127.0.0.1:{port}", "--only-summary", "ShortUnique",
-            env={"PATH": str(Path(sys.executable).parent)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
-    finally:
-        server.terminate()
-        await asyncio.wait_for(server.wait(), timeout=10)
-    text = out.decode()
-    assert proc.returncode == 1, text[-2000:]
+    async with script_server(tmp_path, _BROKEN_STREAMS, "no_done,not_json,cut") as url:
+        code, text = await _locust(url, "-u", "3", "-r", "3", "-t", "3s", "ShortUnique")
+    assert code == 1, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
     requests, failures = re.findall(r"^POST\s+ShortUnique\s+(\d+)\s+(\d+)\(", text, re.M)[0]
     assert int(requests) >= 3 and failures == requests, text[-2000:]
@@ -122,32 +109,13 @@ async def test_stream_false_sends_plain_json_and_a_bad_value_is_refused(tmp_path
     """KVGATE_LOCUST_STREAM=false streamed (anything but "0" did), so a user turning
     streaming off measured streams; a value that is no flag is refused before any user
     starts. The server's streams all end without [DONE]: a run that streamed would fail."""
-    from cachecore.testing import free_port, wait_for_port
-
-    script = tmp_path / "broken.py"
-    script.write_text(_BROKEN_STREAMS)
-    port = free_port()
-    server = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), str(port), "no_done",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
     outputs: dict[str, tuple[int | None, str]] = {}
-    try:
-        await asyncio.to_thread(wait_for_port, port, 15.0)
+    async with script_server(tmp_path, _BROKEN_STREAMS, "no_done") as url:
         for value in ("false", "maybe"):
-            proc = await asyncio.create_subprocess_exec(
-                str(Path(sys.executable).parent / "locust"),
-                "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "2s",
-                "--host", f"http://127.0.0.1:{port}", "--only-summary", "ShortUnique",
-                env={"PATH": str(Path(sys.executable).parent), "KVGATE_LOCUST_STREAM": value},
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
+            outputs[value] = await _locust(
+                url, "-u", "2", "-r", "2", "-t", "2s", "ShortUnique",
+                env={"KVGATE_LOCUST_STREAM": value},
             )  # fmt: skip
-            out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
-            outputs[value] = (proc.returncode, out.decode())
-    finally:
-        server.terminate()
-        await asyncio.wait_for(server.wait(), timeout=10)
     code, text = outputs["false"]
     assert code == 0, text[-2000:]
     requests, failures = re.findall(r"^POST\s+ShortUnique\s+(\d+)\s+(\d+)\(", text, re.M)[0]
@@ -162,17 +130,11 @@ async def test_embeddings_user_class_through_the_gateway(tmp_path: Path) -> None
     checked embeddings list (a failure counts in Locust's row), none failed."""
     prefix = tmp_path / "emb"
     async with stack(count=2) as st:
-        proc = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).parent / "locust"),
-            "-f", str(LOCUSTFILE), "--headless", "-u", "2", "-r", "2", "-t", "4s",
-            "--host", st.url, "--csv", str(prefix), "--only-summary", "EmbedSharedDocs",
-            env={"KVGATE_LOCUST_MODEL": st.model, "PATH": str(Path(sys.executable).parent)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        code, text = await _locust(
+            st.url, "-u", "2", "-r", "2", "-t", "4s", "--csv", str(prefix), "EmbedSharedDocs",
+            env={"KVGATE_LOCUST_MODEL": st.model},
         )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
-    text = out.decode()
-    assert proc.returncode == 0, text[-2000:]
+    assert code == 0, text[-2000:]
     found = re.findall(r"^POST\s+(\w+)\s+(\d+)\s+(\d+)\(", text, re.M)
     rows = {name: (int(n), int(f)) for name, n, f in found}
     assert set(rows) == {"EmbedSharedDocs"}, text[-2000:]
@@ -194,17 +156,11 @@ async def test_responses_agent_chains_through_the_gateway(tmp_path: Path) -> Non
     replica without its previous response would be a 404: the gateway pins it)."""
     prefix = tmp_path / "resp"
     async with stack(count=2) as st:
-        proc = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).parent / "locust"),
-            "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "6s",
-            "--host", st.url, "--csv", str(prefix), "--only-summary", "ResponsesAgentChain",
-            env={"KVGATE_LOCUST_MODEL": st.model, "PATH": str(Path(sys.executable).parent)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        code, text = await _locust(
+            st.url, "-u", "3", "-r", "3", "-t", "6s", "--csv", str(prefix),
+            "ResponsesAgentChain", env={"KVGATE_LOCUST_MODEL": st.model},
         )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
-    text = out.decode()
-    assert proc.returncode == 0, text[-2000:]
+    assert code == 0, text[-2000:]
     rows = _rows(text)
     first, follow = "ResponsesAgentChain turn 1", "ResponsesAgentChain follow-up"
     assert set(rows) == {first, follow}, text[-2000:]
@@ -246,31 +202,9 @@ async def test_a_responses_follow_up_404_is_a_failure_named_so(tmp_path: Path) -
     """A server whose follow-ups all answer 404 (what a router without affinity gives) and
     every other first turn a 200 without an output message: each such request a failure
     of its own row, saying why, and the chain starts over."""
-    from cachecore.testing import free_port, wait_for_port
-
-    script = tmp_path / "no_affinity.py"
-    script.write_text(_NO_AFFINITY)
-    port = free_port()
-    server = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), str(port),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        await asyncio.to_thread(wait_for_port, port, 15.0)
-        proc = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).parent / "locust"),
-            "-f", str(LOCUSTFILE), "--headless", "-u", "3", "-r", "3", "-t", "4s",
-            "--host", f"http://127.0.0.1:{port}", "--only-summary", "ResponsesAgentChain",
-            env={"PATH": str(Path(sys.executable).parent)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
-    finally:
-        server.terminate()
-        await asyncio.wait_for(server.wait(), timeout=10)
-    text = out.decode()
-    assert proc.returncode == 1, text[-2000:]
+    async with script_server(tmp_path, _NO_AFFINITY) as url:
+        code, text = await _locust(url, "-u", "3", "-r", "3", "-t", "4s", "ResponsesAgentChain")
+    assert code == 1, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
     rows = _rows(text)
     turns, bad_turns = rows["ResponsesAgentChain turn 1"]

@@ -4,16 +4,14 @@ replay (which lost every result of the run) nor a success."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from cachecore.testing import free_port, wait_for_port
 from loadtest.replay import replay
 from loadtest.workloads import WorkItem, Workload
+from tests.test_gateway_support import script_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,19 +53,8 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="critical")
 
 @pytest.fixture
 async def bad_server(tmp_path: Path) -> AsyncIterator[str]:
-    script = tmp_path / "server.py"
-    script.write_text(_SERVER)
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), str(port),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        await asyncio.to_thread(wait_for_port, port, 15.0)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), timeout=10)
+    async with script_server(tmp_path, _SERVER) as url:
+        yield url
 
 
 @pytest.mark.parametrize(

@@ -21,24 +21,22 @@ from cachecore.responses import chat_tools, input_messages
 from cachecore.testing import free_port
 from cachecore.tokenizer import ChatOptions, HFTokenizer
 from gateway.app import create_app
-from gateway.auth import hash_key
 from gateway.responses import SEALED_PREFIX, ResponseIds
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from tests.test_agent_helpers import counter_total as _count
-from tests.test_gateway_support import FAST, SECRET, kill_replica, record_pending, stack, words
+from tests.test_gateway_support import (
+    FAST,
+    SECRET,
+    keys_file,
+    kill_replica,
+    record_pending,
+    stack,
+    words,
+)
 from tests.test_responses_replica import template_model, tools_model
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _keys(tmp_path: Path, tenants: str) -> Path:
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(
-        "keys:\n"
-        + "".join(f"  - {{sha256: {hash_key('sk-' + t)}, tenant: {t}}}\n" for t in tenants)
-    )
-    return keys
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:
@@ -128,7 +126,7 @@ async def test_a_chain_stays_on_its_replica_with_growing_cached_tokens() -> None
 
 
 async def test_another_tenants_or_a_forged_id_is_a_404(tmp_path: Path) -> None:
-    async with stack(count=2, api_keys_file=_keys(tmp_path, "ab")) as st, st.http() as h:
+    async with stack(count=2, api_keys_file=keys_file(tmp_path, "ab")) as st, st.http() as h:
         a, b = st.client(api_key="sk-a"), st.client(api_key="sk-b")
         mine = await a.responses.create(model=st.model, input=words(30, 1), max_output_tokens=2)
         text = mine.id[len(SEALED_PREFIX) :]
@@ -237,7 +235,7 @@ async def test_a_first_turn_is_keyed_as_its_chat_with_pending_entries() -> None:
 
 async def test_each_tenant_salted_and_a_request_scope_cannot_chain(tmp_path: Path) -> None:
     policy = "tenants:\n  s: {sensitive: {default: request}}\n"
-    keys = _keys(tmp_path, "abs")
+    keys = keys_file(tmp_path, "abs")
     async with stack(count=1, policy=policy, api_keys_file=keys) as st, st.http() as h:
         prompt = words(48, 11)
         for t in ("a", "b"):
@@ -469,10 +467,7 @@ async def test_a_first_turn_with_function_tools_is_keyed_as_its_chat_with_those_
         assert int(r.headers["x-kvgate-predicted-cached-tokens"]) == predicted
         assert r.json()["usage"]["prompt_tokens"] == usage["input_tokens"]
         # no claim failed against the honest replica; every request keyed
-        m = st.gw.metrics
-        for bad in ("false", "tampered"):
-            assert _count(m.claim_checks, outcome=bad) == 0
-        assert _count(m.decisions, reason="unkeyed_load") == 0
+        _every_request_keyed_no_claim_failed(st)
 
 
 async def test_built_in_tools_route_unkeyed_and_malformed_tools_are_a_400() -> None:
@@ -519,6 +514,27 @@ async def test_a_background_response_is_a_400_naming_it() -> None:
             assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
         r = await h.post("/v1/responses", json={**base, "background": False})
         assert r.status_code == 200, r.text
+
+
+async def _repeated_on_one_replica(h: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+    """``body`` sent twice: the repeat is served by the same replica, predicted (above 0)
+    exactly as the engine has it cached. The repeat's response."""
+    seen = []
+    for _ in range(2):
+        r = await h.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
+        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
+        seen.append((r.headers["x-kvgate-replica"], predicted))
+    assert seen[1][0] == seen[0][0] and seen[1][1] > 0, seen
+    return r
+
+
+def _every_request_keyed_no_claim_failed(st: Any) -> None:
+    m = st.gw.metrics
+    assert _count(m.decisions, reason="unkeyed_load") == 0
+    for bad in ("false", "tampered"):
+        assert _count(m.claim_checks, outcome=bad) == 0
 
 
 async def _engine_requests(st: Any) -> float:
@@ -573,10 +589,7 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
             predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
             assert predicted > 0
             assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
-        m = st.gw.metrics
-        assert _count(m.decisions, reason="unkeyed_load") == 0
-        for bad in ("false", "tampered"):
-            assert _count(m.claim_checks, outcome=bad) == 0
+        _every_request_keyed_no_claim_failed(st)
         # a stored turn, then the follow-up carrying its call's output: on that replica,
         # reading the stored conversation from its cache
         stored = await h.post("/v1/responses", json={**base, "store": True, "input": words(50, 26)})
@@ -590,7 +603,7 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
         assert follow.headers["x-kvgate-replica"] == stored.headers["x-kvgate-replica"]
         assert follow.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
         # malformed items: the gateway's 400 naming input, no routing, no engine request
-        decided, ran = _count(m.decisions), await _engine_requests(st)
+        decided, ran = _count(st.gw.metrics.decisions), await _engine_requests(st)
         for item in (
             {**call, "call_id": None},
             {**call, "arguments": {"city": "Oslo"}},
@@ -605,7 +618,7 @@ async def test_a_client_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
                 r = await h.post("/v1/responses", json=body)
                 assert r.status_code == 400, r.text
                 assert r.json()["error"]["param"] == "input", r.text
-        assert _count(m.decisions) == decided
+        assert _count(st.gw.metrics.decisions) == decided
         assert await _engine_requests(st) == ran
 
 
@@ -629,18 +642,8 @@ async def test_a_custom_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path: Pa
             "model": st.model, "instructions": words(64, 33), "tools": [tool, _TOOL],
             "max_output_tokens": 2, "store": False, "input": items,
         }  # fmt: skip
-        seen = []
-        for _ in range(2):
-            r = await h.post("/v1/responses", json=base)
-            assert r.status_code == 200, r.text
-            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
-            assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
-            seen.append((r.headers["x-kvgate-replica"], predicted))
-        assert seen[1][0] == seen[0][0] and seen[1][1] > 0, seen
-        m = st.gw.metrics
-        assert _count(m.decisions, reason="unkeyed_load") == 0
-        for bad in ("false", "tampered"):
-            assert _count(m.claim_checks, outcome=bad) == 0
+        r = await _repeated_on_one_replica(h, base)
+        _every_request_keyed_no_claim_failed(st)
         # a stored turn whose custom output came as parts, then a follow-up: its prompt
         # has that tool message empty (the usage is the one of that rendering)
         parts = [{"type": "input_text", "text": words(40, 35)}]
@@ -684,18 +687,8 @@ async def test_a_namespace_tool_loop_is_keyed_as_the_engine_renders_it(tmp_path:
             "max_output_tokens": 2, "store": False,
             "input": [{"role": "user", "content": words(40, 54)}, call, out],
         }  # fmt: skip
-        seen = []
-        for _ in range(2):
-            r = await h.post("/v1/responses", json=body)
-            assert r.status_code == 200, r.text
-            predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
-            assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == predicted
-            seen.append((r.headers["x-kvgate-replica"], predicted))
-        assert seen[1][0] == seen[0][0] and seen[1][1] > 0, seen
-        m = st.gw.metrics
-        assert _count(m.decisions, reason="unkeyed_load") == 0
-        for bad in ("false", "tampered"):
-            assert _count(m.claim_checks, outcome=bad) == 0
+        r = await _repeated_on_one_replica(h, body)
+        _every_request_keyed_no_claim_failed(st)
         # the engine's prompt: the flattened function before the top-level one
         flat = {"name": "crm__lookup", "description": words(12, 51), "parameters": params,
                 "strict": True}  # fmt: skip
@@ -779,14 +772,9 @@ async def test_a_partial_final_message_is_continued_as_the_engine_continues_it()
             "model": st.model, "instructions": system, "max_output_tokens": 2,
             "store": False, "input": [{"role": "user", "content": question}, said],
         }  # fmt: skip
-        r = await h.post("/v1/responses", json=body)
-        assert r.status_code == 200, r.text
-        first = r.headers["x-kvgate-replica"]
-        r = await h.post("/v1/responses", json=body)
-        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, r.text
+        r = await _repeated_on_one_replica(h, body)
+        first, usage = r.headers["x-kvgate-replica"], r.json()["usage"]
         predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
-        usage = r.json()["usage"]
-        assert predicted > 0 and usage["input_tokens_details"]["cached_tokens"] == predicted
         chat = {
             "model": st.model, "max_tokens": 2, "add_generation_prompt": False,
             "continue_final_message": True,
@@ -828,15 +816,10 @@ async def test_a_reasoning_effort_is_keyed_and_rendered_as_the_chat_completions(
         r = await h.post("/v1/responses", json=base)
         assert r.status_code == 200, r.text
         plain = r.json()["usage"]["input_tokens"]
-        r = await h.post("/v1/responses", json=high)
-        assert r.status_code == 200, r.text
-        first = r.headers["x-kvgate-replica"]
-        assert r.json()["usage"]["input_tokens"] > plain  # the template rendered them
-        r = await h.post("/v1/responses", json=high)
-        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == first, r.text
+        r = await _repeated_on_one_replica(h, high)
+        first, usage = r.headers["x-kvgate-replica"], r.json()["usage"]
         predicted = int(r.headers["x-kvgate-predicted-cached-tokens"])
-        usage = r.json()["usage"]
-        assert predicted > 0 and usage["input_tokens_details"]["cached_tokens"] == predicted
+        assert usage["input_tokens"] > plain  # the template rendered them
         chat = {
             "model": st.model, "max_tokens": 2, "reasoning_effort": "high",
             "messages": [{"role": "system", "content": system},
@@ -908,7 +891,7 @@ async def test_another_session_of_the_tenant_gets_the_404_and_shared_ids_still_w
         "  s: {sensitive: {default: session}}\n"
         f"  m: {{sensitive: {{models: [{FAST.model}]}}}}\n"
     )
-    keys = _keys(tmp_path, "asm")
+    keys = keys_file(tmp_path, "asm")
     async with stack(count=2, policy=policy, api_keys_file=keys) as st, st.http() as h:
 
         def who(tenant: str, session: str | None = None) -> dict[str, str]:

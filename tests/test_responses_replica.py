@@ -391,7 +391,29 @@ async def test_a_tool_loop_renders_as_its_chat_and_a_follow_up_carries_the_outpu
     call = {"type": "function_call", "call_id": "call_9", "name": "lookup", "arguments": "{}"}
     out = {"type": "function_call_output", "call_id": "call_9", "output": words(30, 31)}
     question = words(40, 30)
+
+    def called(call_id: str, output: str) -> list[dict[str, Any]]:
+        """A lookup call and its output as chat messages."""
+        fn_call = {"name": "lookup", "arguments": "{}"}
+        return [
+            {"role": "assistant",
+             "tool_calls": [{"id": call_id, "type": "function", "function": fn_call}]},
+            {"role": "tool", "tool_call_id": call_id, "content": output},
+        ]  # fmt: skip
+
     async with replica(settings) as (h, _, model):
+
+        async def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+            """The prompt tokens of ``messages`` as a chat completion."""
+            chat = await h.post(
+                "/v1/chat/completions",
+                json={"model": model, "messages": messages, "max_tokens": 1,
+                      "tools": [{"type": "function", "function": fn}]},
+            )  # fmt: skip
+            assert chat.status_code == 200, chat.text
+            tokens: int = chat.json()["usage"]["prompt_tokens"]
+            return tokens
+
         body = {
             "model": model, "instructions": "Be brief.", "tools": [LOOKUP],
             "input": [{"role": "user", "content": question}, call, out],
@@ -403,18 +425,9 @@ async def test_a_tool_loop_renders_as_its_chat_and_a_follow_up_carries_the_outpu
         chat_messages = [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": question},
-            {"role": "assistant", "tool_calls": [
-                {"id": "call_9", "type": "function",
-                 "function": {"name": "lookup", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "call_9", "content": out["output"]},
-        ]  # fmt: skip
-        chat = await h.post(
-            "/v1/chat/completions",
-            json={"model": model, "messages": chat_messages, "max_tokens": 1,
-                  "tools": [{"type": "function", "function": fn}]},
-        )  # fmt: skip
-        first = r.json()["usage"]["input_tokens"]
-        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == first
+            *called("call_9", out["output"]),
+        ]
+        assert await chat_prompt_tokens(chat_messages) == r.json()["usage"]["input_tokens"]
         # the follow-up: its instructions again (the stored ones do not carry over), the
         # stored conversation, the answer, then the second call's output
         call2 = {**call, "call_id": "call_10"}
@@ -430,17 +443,9 @@ async def test_a_tool_loop_renders_as_its_chat_and_a_follow_up_carries_the_outpu
         assert usage["input_tokens_details"]["cached_tokens"] > 0
         chat_messages += [
             {"role": "assistant", "content": said},
-            {"role": "assistant", "tool_calls": [
-                {"id": "call_10", "type": "function",
-                 "function": {"name": "lookup", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "call_10", "content": out2["output"]},
-        ]  # fmt: skip
-        chat = await h.post(
-            "/v1/chat/completions",
-            json={"model": model, "messages": chat_messages, "max_tokens": 1,
-                  "tools": [{"type": "function", "function": fn}]},
-        )  # fmt: skip
-        assert chat.json()["usage"]["prompt_tokens"] == usage["input_tokens"]
+            *called("call_10", out2["output"]),
+        ]
+        assert await chat_prompt_tokens(chat_messages) == usage["input_tokens"]
         # a malformed item: vLLM's 400 naming input
         bad = await h.post(
             "/v1/responses", json={"model": model, "input": [{**call, "arguments": {}}]}
