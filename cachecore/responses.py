@@ -399,8 +399,12 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
     ``tool_choice: "none"`` with tools (vLLM drops the tools from the prompt under a
     server flag, ``--exclude-tools-when-tool-choice-none``, the gateway cannot see). A
     named ``tool_choice`` renders nothing (vLLM resolves a namespaced function's local
-    name to its flat one for its grammar, not for the prompt). A malformed ``tools`` is
-    refused, naming it."""
+    name to its flat one for its grammar, not for the prompt), but one vLLM refuses is
+    refused first (:func:`_check_tool_choice`). A malformed ``tools`` is refused, naming
+    it. ``strict`` and ``defer_loading`` are read as pydantic's lax booleans
+    (:func:`_lax_bool`) and rendered as the booleans vLLM's models make of them."""
+    if tools is None or isinstance(tools, list):
+        _check_tool_choice(tools or [], tool_choice)
     if tools is None:
         return None, True
     if not isinstance(tools, list):
@@ -417,8 +421,8 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
             exact = False
             continue
         name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise ResponsesInputError(f"'{where}.name' must be a non-empty string", "tools")
+        if not isinstance(name, str):  # an empty one is served, as vLLM's models take it
+            raise ResponsesInputError(f"'{where}.name' must be a string", "tools")
         if kind == "custom":
             _check_tool_fields(tool, where)
             _check_custom_format(tool.get("format"), where)
@@ -444,13 +448,89 @@ def _tool_kind(tool: Any, where: str) -> str:
     return kind
 
 
+def _check_tool_choice(tools: list[Any], choice: Any) -> None:
+    """The ``tool_choice`` vLLM 0.33's ``check_tool_usage`` refuses (a 400 naming
+    ``tool_choice``, before its request model reads any other field): ``"required"``
+    with no tools; a named choice (``{type: "function" | "custom", name}``) with no
+    tools, with no name, or naming no tool. A name matches a tool's (a top-level tool of
+    any type, or a namespaced function by its flat ``<namespace>__<name>``), else a
+    namespaced tool's local name in exactly one namespace (in several: ambiguous).
+    vLLM skips the check when a namespace has no string ``name`` or no ``tools`` array
+    (refused as ``tools`` later); the type is not matched, only the name."""
+    message = "Tool choice 'function' not found in 'tools' parameter."
+    if not tools:
+        if choice == "required":
+            message = "Tool choice 'required' must be specified with 'tools' parameter."
+        elif not _named_choice(choice):
+            return
+        raise ResponsesInputError(message, "tool_choice")
+    if not _named_choice(choice):
+        return
+    name = choice.get("name")
+    if not name or not isinstance(name, str):
+        raise ResponsesInputError(message, "tool_choice")
+    exact: set[str] = set()
+    local: dict[str, list[str]] = {}
+    for tool in tools:
+        if not isinstance(tool, dict):
+            continue  # no name (refused as tools later)
+        if tool.get("type") != "namespace":
+            if isinstance(tool.get("name"), str):
+                exact.add(tool["name"])
+            continue
+        namespace, inner = tool.get("name"), tool.get("tools")
+        if not isinstance(namespace, str) or not isinstance(inner, list):
+            return
+        for sub in inner:
+            sub_name = sub.get("name") if isinstance(sub, dict) else None
+            if isinstance(sub_name, str):
+                flat = flat_namespace_name(namespace, sub_name)
+                exact.add(flat)
+                local.setdefault(sub_name, []).append(flat)
+    found = local.get(name, [])
+    if name in exact or len(found) == 1:
+        return
+    if found:
+        raise ResponsesInputError(
+            f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
+            f"({', '.join(found)}). Select it by its full '<namespace>__<name>' name.",
+            "tool_choice",
+        )
+    raise ResponsesInputError(message, "tool_choice")
+
+
+def _named_choice(choice: Any) -> bool:
+    return isinstance(choice, dict) and choice.get("type") in ("function", "custom")
+
+
+# pydantic's lax booleans (vLLM validates JSON-decoded bodies in python mode): these
+# strings, any case, and the numbers 0 and 1
+_LAX_TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
+_LAX_FALSE = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def _lax_bool(value: Any, where: str) -> bool | None:
+    """An optional boolean field as vLLM's pydantic models read it (lax mode): ``true``
+    / ``false``, the numbers 0 and 1 (``1.0`` too), or one of pydantic's strings in any
+    case (``"yes"``, ``"on"``, ``"t"``, ``"0"``...); anything else refused, naming
+    ``tools``. The boolean is what vLLM renders."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _LAX_TRUE | _LAX_FALSE:
+        return value.lower() in _LAX_TRUE
+    raise ResponsesInputError(f"'{where}' must be a boolean", "tools")
+
+
 def _check_tool_fields(tool: dict[str, Any], where: str) -> None:
-    """The fields a function or custom tool shares, as vLLM's request model types them."""
+    """The fields a function or custom tool shares, as vLLM's request model types them
+    (a function's ``strict`` read with its rendering; a custom tool has none, so a
+    ``strict`` there is an extra field the SDK's ``CustomTool`` keeps unread, whatever
+    its value)."""
     if tool.get("description") is not None and not isinstance(tool["description"], str):
         raise ResponsesInputError(f"'{where}.description' must be a string", "tools")
-    for flag in ("strict", "defer_loading"):
-        if tool.get(flag) is not None and not isinstance(tool[flag], bool):
-            raise ResponsesInputError(f"'{where}.{flag}' must be a boolean", "tools")
+    _lax_bool(tool.get("defer_loading"), f"{where}.defer_loading")
 
 
 def _function_definition(tool: dict[str, Any], where: str, name: str) -> dict[str, Any]:
@@ -460,8 +540,12 @@ def _function_definition(tool: dict[str, Any], where: str, name: str) -> dict[st
     if params is not None and not isinstance(params, dict):
         raise ResponsesInputError(f"'{where}.parameters' must be an object", "tools")
     fn = {"name": name, "description": tool.get("description"), "parameters": params}
-    # FunctionDefinition's serializer: these two only when set, nothing else
-    fn.update((k, tool[k]) for k in ("strict", "defer_loading") if tool.get(k) is not None)
+    # FunctionDefinition's serializer: these two only when set (as the booleans pydantic
+    # made of them), nothing else
+    for flag in ("strict", "defer_loading"):
+        value = _lax_bool(tool.get(flag), f"{where}.{flag}")
+        if value is not None:
+            fn[flag] = value
     return fn
 
 

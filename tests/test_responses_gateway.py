@@ -499,6 +499,40 @@ async def test_built_in_tools_route_unkeyed_and_malformed_tools_are_a_400() -> N
             assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
+async def test_a_tool_choice_naming_no_tool_is_a_400_and_lax_tool_flags_are_served() -> None:
+    # vLLM 0.33's check_tool_usage refuses a named tool_choice naming no tool (or a local
+    # name ambiguous across namespaces), and "required" without tools: the gateway's 400
+    # naming tool_choice, before any engine request. Its models take "yes" / 1 for a
+    # tool's strict and an empty tool name: served and keyed, as vLLM serves them.
+    async with stack(count=1) as st, st.http() as h:
+        base = {"model": st.model, "input": words(20, 15), "max_output_tokens": 2}
+        ns = {"type": "namespace", "name": "a", "description": "",
+              "tools": [{"type": "function", "name": "f"}]}  # fmt: skip
+        ran = await _engine_requests(st)
+        extra: dict[str, Any]
+        for extra in (
+            {"tools": [_TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+            {"tool_choice": {"type": "custom", "name": "get_weather"}},
+            {"tool_choice": "required"},
+            {"tools": [ns, {**ns, "name": "b"}], "tool_choice": {"type": "function", "name": "f"}},
+        ):
+            r = await h.post("/v1/responses", json={**base, **extra})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "tool_choice" and "Tool choice" in err["message"], err
+        assert await _engine_requests(st) == ran
+        lax = {"type": "function", "name": "", "parameters": {"type": "object"}, "strict": "yes"}
+        for extra in (
+            {"tools": [lax, _TOOL], "tool_choice": {"type": "function", "name": "get_weather"}},
+            {"tools": [ns, {**ns, "name": "b"}], "tool_choice": {"type": "function",
+                                                                  "name": "b__f"}},
+        ):  # fmt: skip
+            before = _count(st.gw.metrics.decisions, reason="unkeyed_load")
+            r = await h.post("/v1/responses", json={**base, **extra})
+            assert r.status_code == 200, r.text
+            assert _count(st.gw.metrics.decisions, reason="unkeyed_load") == before
+
+
 async def test_a_background_response_is_a_400_naming_it() -> None:
     # vLLM answers background: true at once and computes on, so the gateway's in-flight
     # accounting would end while the engine works: refused, first turn and follow-up alike

@@ -323,7 +323,7 @@ def test_function_and_custom_tools_render_as_vllms_function_definitions() -> Non
         with pytest.raises(ResponsesInputError) as exc:
             chat_tools([{**custom, "format": bad}])
         assert exc.value.param == "tools"
-    for tool in ({**custom, "name": 7}, {**custom, "description": 1}, {**fn, "strict": "yes"}):
+    for tool in ({**custom, "name": 7}, {**custom, "description": 1}, {**fn, "strict": "maybe"}):
         with pytest.raises(ResponsesInputError):
             chat_tools([tool])
 
@@ -368,12 +368,99 @@ def test_namespace_tools_render_flattened_as_vllm_renders_them() -> None:
         {**crm, "tools": ["lookup"]},
         {**crm, "tools": [{"type": "function", "name": None}]},
         {**crm, "tools": [{**lookup, "parameters": [1]}]},
-        {**crm, "tools": [{**lookup, "strict": 1}]},
+        {**crm, "tools": [{**lookup, "strict": 2}]},
         {**crm, "tools": [{"type": "custom", "name": "n", "format": {"type": "grammar"}}]},
     ):
         with pytest.raises(ResponsesInputError) as exc:
             chat_tools([bad])
         assert exc.value.param == "tools" and "tools[0]" in str(exc.value), bad
+
+
+def test_tool_flags_and_names_are_read_as_vllms_models_read_them() -> None:
+    """vLLM's request model reads ``strict`` / ``defer_loading`` as pydantic's lax
+    booleans and renders the boolean (``FunctionDefinition``'s dump); it takes an empty
+    function or custom tool name; a custom tool's ``strict`` is an extra field it keeps
+    unread, whatever its value."""
+    fn = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    lax = [(True, True), ("yes", True), ("YES", True), ("on", True), ("t", True), ("y", True),
+           ("1", True), (1, True), (1.0, True), ("True", True), (False, False), ("no", False),
+           ("Off", False), ("f", False), ("n", False), ("0", False), (0, False),
+           ("false", False), (0.0, False)]  # fmt: skip
+    for value, want in lax:
+        for flag in ("strict", "defer_loading"):
+            tools, _ = chat_tools([{**fn, flag: value}])
+            assert tools is not None and tools[0]["function"][flag] is want, (flag, value)
+            custom = {"type": "custom", "name": "c", "defer_loading": value}
+            inner = {"type": "namespace", "name": "ns", "description": "",
+                     "tools": [{**fn, flag: value}, custom]}  # fmt: skip
+            tools, _ = chat_tools([inner])
+            assert tools is not None and tools[0]["function"][flag] is want, (flag, value)
+    bad_values: list[Any] = ["maybe", "", " yes", "1.0", 2, 1.5, -1, [], {}]
+    for value in bad_values:
+        tool: dict[str, Any]
+        for tool in ({**fn, "strict": value}, {**fn, "defer_loading": value},
+                     {"type": "custom", "name": "c", "defer_loading": value}):  # fmt: skip
+            with pytest.raises(ResponsesInputError) as exc:
+                chat_tools([tool])
+            assert exc.value.param == "tools", (tool, value)
+    # empty names served (rendered as given); a custom tool's strict neither read nor shown
+    tools, _ = chat_tools([{**fn, "name": ""}, {"type": "custom", "name": "", "strict": "x"}])
+    assert tools is not None and [t["function"]["name"] for t in tools] == ["", ""]
+    assert "strict" not in tools[1]["function"]
+    for value in (True, [1], {"a": 1}, 7):
+        assert chat_tools([{"type": "custom", "name": "c", "strict": value}])[0] is not None
+    for bad in ({**fn, "name": None}, {"type": "custom", "name": 3}, {"type": "custom"}):
+        with pytest.raises(ResponsesInputError):
+            chat_tools([bad])
+
+
+def test_a_named_tool_choice_naming_no_tool_is_refused_as_vllm_refuses_it() -> None:
+    """vLLM 0.33's ``check_tool_usage``: a named ``tool_choice`` (type function or
+    custom) needs tools and a name that is one tool's, or a namespaced local name in one
+    namespace only; ``"required"`` needs tools. Each a 400 naming ``tool_choice``."""
+    fn = {"type": "function", "name": "f"}
+    ns = {"type": "namespace", "name": "crm", "description": "", "tools": [
+        {"type": "function", "name": "lookup"}, {"type": "custom", "name": "note"}]}  # fmt: skip
+    other = {**ns, "name": "erp"}
+    missing = "Tool choice 'function' not found in 'tools' parameter."
+    refused = [
+        (None, {"type": "function", "name": "f"}, missing),
+        ([], {"type": "custom", "name": "f"}, missing),
+        (None, "required", "Tool choice 'required' must be specified with 'tools' parameter."),
+        ([], "required", "Tool choice 'required' must be specified with 'tools' parameter."),
+        ([fn], {"type": "function", "name": "g"}, missing),
+        ([fn], {"type": "function"}, missing),
+        ([fn], {"type": "function", "name": ""}, missing),
+        ([fn], {"type": "function", "name": 5}, missing),
+        ([fn, ns], {"type": "function", "name": "crm"}, missing),
+        ([ns, other], {"type": "function", "name": "lookup"},
+         "Tool choice 'lookup' is ambiguous: it is defined in more than one namespace "
+         "(crm__lookup, erp__lookup). Select it by its full '<namespace>__<name>' name."),
+        # checked before the tools themselves are (vLLM's before-validator runs first)
+        ([{"type": "custom", "name": "c", "format": "bad"}], {"type": "function", "name": "x"},
+         missing),
+    ]  # fmt: skip
+    for tools, choice, message in refused:
+        with pytest.raises(ResponsesInputError) as exc:
+            chat_tools(tools, choice)
+        assert (exc.value.param, str(exc.value)) == ("tool_choice", message), (tools, choice)
+    served = [
+        (None, "auto"), (None, "none"), ([], "none"), ([fn], "required"),
+        ([fn], {"type": "function", "name": "f"}), ([fn], {"type": "custom", "name": "f"}),
+        ([ns], {"type": "function", "name": "lookup"}),
+        ([ns], {"type": "function", "name": "crm__lookup"}),
+        ([ns], {"type": "custom", "name": "note"}),
+        ([ns, other], {"type": "function", "name": "erp__lookup"}),
+        ([{"type": "web_search", "name": "w"}], {"type": "function", "name": "w"}),
+        ([fn], {"type": "allowed_tools", "mode": "auto", "tools": []}),
+        ([fn], {"type": "web_search_preview"}),
+    ]  # fmt: skip
+    for tools, choice in served:
+        chat_tools(tools, choice)
+    # a namespace vLLM's check cannot read skips it (refused as tools instead)
+    with pytest.raises(ResponsesInputError) as exc:
+        chat_tools([{**ns, "tools": None}], {"type": "function", "name": "nothing"})
+    assert exc.value.param == "tools"
 
 
 @pytest.mark.parametrize(

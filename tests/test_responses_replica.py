@@ -296,6 +296,11 @@ async def test_vllms_refusals() -> None:
             ({"model": model, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
             ({"model": model, "input": "x", "temperature": "hot"}, 400, "temperature"),
             ({"model": model, "input": "x", "cache_salt": ""}, 400, "cache_salt"),
+            # vLLM's check_tool_usage: a named tool_choice naming no tool, "required"
+            # without tools
+            ({"model": model, "input": "x", "tools": [{"type": "function", "name": "f"}],
+              "tool_choice": {"type": "function", "name": "g"}}, 400, "tool_choice"),
+            ({"model": model, "input": "x", "tool_choice": "required"}, 400, "tool_choice"),
             ({"model": "nope", "input": "x"}, 404, "model"),
             ({"model": model, "input": "x", "previous_response_id": "resp_nope"}, 404,
              "response_id"),

@@ -520,8 +520,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         try:
             messages = request_messages(req.instructions, prior, req.input, prior_output)
             # vLLM's current rule: the function tools render whatever tool_choice says
-            # (its --exclude-tools-when-tool-choice-none is off); other types do not
-            tools, _ = chat_tools(req.tools)
+            # (its --exclude-tools-when-tool-choice-none is off); other types do not. A
+            # tool_choice vLLM refuses (naming no tool, say) is refused there
+            tools, _ = chat_tools(req.tools, req.tool_choice)
             # a partial final message continued, the reasoning effort and template
             # kwargs: rendered as the gateway keys them, through the chat path
             fields = chat_fields(req.input, req.reasoning, req.chat_template_kwargs)
