@@ -70,6 +70,30 @@ def with_pair_special_tokens(tok: Tokenizer, first: list[int], second: list[int]
     return [*before, *first, *between, *second, *after]
 
 
+def truncated_pair(tok: Tokenizer, first: list[int], second: list[int], keep: int) -> list[int]:
+    """A text pair (each text's :meth:`Tokenizer.encode`) as vLLM 0.33 tokenizes it under
+    ``truncate_prompt_tokens`` ``keep`` (``get_score_prompt``: ``tokenizer(text_1,
+    text_pair=text_2, truncation=True, max_length=keep)``): HF tokenizers'
+    ``longest_first`` strategy fits the two texts into ``keep`` less the pair template's
+    special tokens, shortening the longer text down to the shorter's length, then both to
+    half each (the second text the odd token when they tie, the longer one else); each
+    text loses its last tokens (vLLM loads a pooling model's tokenizer with
+    ``truncation_side="right"``), the special tokens kept. With ``keep`` below them the
+    tokenizer cuts nothing, and vLLM's token truncation keeps the pair's first ``keep``
+    ids. Its length is the gateway's ``min(size, keep)`` either way."""
+    budget = keep - tok.pair_special_tokens
+    n1, n2 = len(first), len(second)
+    if budget < 0:
+        return with_pair_special_tokens(tok, first, second)[:keep]
+    if n1 + n2 > budget:
+        short, long_ = min(n1, n2), max(n1, n2)
+        long_ = short if short > budget else max(short, budget - short)
+        if short + long_ > budget:
+            short, long_ = budget // 2, budget // 2 + budget % 2
+        n1, n2 = (long_, short) if n1 > n2 else (short, long_)
+    return with_pair_special_tokens(tok, first[:n1], second[:n2])
+
+
 @dataclass(frozen=True, slots=True)
 class Truncation:
     """What of a prompt the engine keeps: its last ``keep`` tokens (``left``, vLLM's

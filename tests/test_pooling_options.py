@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizerModel
 
+from cachecore.replica.protocol import pair_score
 from cachecore.replica.settings import ReplicaSettings
 from cachecore.tokenizer import (
     PROBE_PROMPT,
     HFTokenizer,
     builtin_tokenizer,
+    truncated_pair,
     with_pair_special_tokens,
 )
 from tests.test_agent_helpers import counter_total
@@ -279,3 +282,61 @@ async def test_the_replica_runs_a_pair_as_the_gateway_charges_it(tmp_path: Path)
             r = await h.post(f"/{ep}", json=body)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["prompt_tokens"] == got.prompt_tokens == 87, name
+
+
+def _hf_pair_truncation(model: Path, first: str, second: str, keep: int) -> list[int]:
+    """What vLLM 0.33 runs for a pair under ``truncate_prompt_tokens`` ``keep``: the HF
+    tokenizer's ``longest_first`` truncation from the right (a pooling model's tokenizer),
+    then its token truncation, which keeps the first ``keep`` ids when the tokenizer could
+    not cut that far (``keep`` below the pair's special tokens)."""
+    hf = HFTokenizerModel.from_file(str(model / "tokenizer.json"))
+    hf.enable_truncation(keep, strategy="longest_first", direction="right")
+    return hf.encode(first, second, add_special_tokens=True).ids[:keep]
+
+
+@pytest.mark.parametrize("layout", ["roberta", "bert"])
+def test_a_truncated_pair_is_laid_out_as_the_tokenizers_longest_first(
+    tmp_path: Path, layout: str
+) -> None:
+    """vLLM 0.33's ``get_score_prompt`` tokenizes a pair with ``truncation=True``: HF's
+    ``longest_first``, which shortens the longer text first, each text from its end, the
+    special tokens kept. The replica kept the pair's last tokens: the same count, other
+    ids (another prefix for the replica's cache). ``truncated_pair`` is the tokenizer's."""
+    make = roberta_pairs_model if layout == "roberta" else _bert_pairs_model
+    model = make(tmp_path)
+    tok = HFTokenizer.from_dir(model)
+    texts = [words(n, n) for n in (0, 1, 3, 7, 12)]
+    for a in texts:
+        for b in texts:
+            ids_a, ids_b = tok.encode(a), tok.encode(b)
+            for keep in range(1, len(ids_a) + len(ids_b) + 7):
+                got = truncated_pair(tok, ids_a, ids_b, keep)
+                assert got == _hf_pair_truncation(model, a, b, keep), (a, b, keep)
+                assert len(got) == min(len(ids_a) + len(ids_b) + tok.pair_special_tokens, keep)
+
+
+async def test_the_replica_scores_a_truncated_pair_as_the_engine_tokenizes_it(
+    tmp_path: Path,
+) -> None:
+    """The replica runs a truncated pair as vLLM's tokenizer lays it out (its score is a
+    digest of the ids it ran), a rerank's and a score's alike."""
+    model = _bert_pairs_model(tmp_path)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = ReplicaSettings(time_scale=0.05, tokenizer_dir=str(model))
+    q, docs = words(12, 5), [words(4, 1), words(30, 2)]
+    keep = 20
+    ran = [_hf_pair_truncation(model, q, d, keep) for d in docs]
+    want = [pair_score(ids) for ids in ran]
+    async with stack(count=1, replica=replica, policy=policy) as st, st.http() as h:
+        body = {"text_1": q, "text_2": docs, "truncate_prompt_tokens": keep}
+        r = await h.post("/score", json=body)
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == want
+        assert r.json()["usage"]["prompt_tokens"] == sum(map(len, ran))
+        assert len(ran[1]) == keep  # the long document's pair truncated
+        body = {"query": q, "documents": docs, "truncate_prompt_tokens": keep}
+        r = await h.post("/rerank", json=body)
+        assert r.status_code == 200, r.text
+        assert {d["index"]: d["relevance_score"] for d in r.json()["results"]} == dict(
+            enumerate(want)
+        )

@@ -96,6 +96,7 @@ from cachecore.tokenizer import (
     SegmentCache,
     TokenizerError,
     Truncation,
+    truncated_pair,
     with_pair_special_tokens,
     with_special_tokens,
 )
@@ -609,7 +610,7 @@ def create_app(replica: SimReplica) -> FastAPI:
     def truncated(
         ids: list[int], keep: int | None, affixes: tuple[Sequence[int], Sequence[int]]
     ) -> list[int]:
-        # the last k tokens, the special tokens added around a text (or a pair) kept
+        # the last k tokens, the special tokens added around a text kept (a pair: truncated_pair)
         if keep is None:
             return ids
         return Truncation(keep, True).text(ids, affixes)
@@ -654,11 +655,10 @@ def create_app(replica: SimReplica) -> FastAPI:
         seen: dict[str, list[int]] = {}
         for text in {t for pair in pairs for t in pair}:
             seen[text] = await encode(text, salt or "")
-        before, _, after = tok.pair_affixes
-        return [
-            truncated(with_pair_special_tokens(tok, seen[a], seen[b]), keep, (before, after))
-            for a, b in pairs
-        ]
+        if keep is None:
+            return [with_pair_special_tokens(tok, seen[a], seen[b]) for a, b in pairs]
+        # truncated as vLLM's tokenizer truncates a pair: the longer text first
+        return [truncated_pair(tok, seen[a], seen[b], keep) for a, b in pairs]
 
     async def run_pooled(
         request: Request,
