@@ -340,3 +340,51 @@ async def test_the_replica_scores_a_truncated_pair_as_the_engine_tokenizes_it(
         assert {d["index"]: d["relevance_score"] for d in r.json()["results"]} == dict(
             enumerate(want)
         )
+
+
+async def test_a_truncated_pooling_prompt_keeps_what_vllms_pooling_tokenizer_keeps(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.33 truncates a pooling prompt with its tokenizer, which it loads for a
+    pooling model with ``truncation_side="right"``: an input's *first* k tokens, the
+    special tokens added around a text kept; with a request's ``truncation_side`` it
+    slices the whole prompt from that side (special tokens included), a pair too. The
+    replica kept the last tokens and read no ``truncation_side``. Each truncated request
+    embeds (scores) as the untruncated ids vLLM runs."""
+    model = _bert_pairs_model(tmp_path)
+    hf = HFTokenizerModel.from_file(str(model / "tokenizer.json"))
+    replica = ReplicaSettings(time_scale=0.05, tokenizer_dir=str(model))
+    text, keep = words(12, 7), 6
+    whole = hf.encode(text).ids
+    hf.enable_truncation(keep, direction="right")
+    first = hf.encode(text).ids  # [CLS] ... [SEP]: the tokenizer keeps its special tokens
+    assert first[-1] == whole[-1] and first[:-1] == whole[: keep - 1]
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    cases: list[tuple[dict[str, Any], list[int]]] = [
+        ({"input": text}, first),
+        ({"input": text, "truncation_side": "right"}, whole[:keep]),
+        ({"input": text, "truncation_side": "left"}, whole[-keep:]),
+        ({"input": ids}, ids[:keep]),
+        ({"input": ids, "truncation_side": "left"}, ids[-keep:]),
+    ]
+    async with stack(count=1, replica=replica) as st, st.http() as h:
+
+        async def embedding(body: dict[str, Any]) -> Any:
+            r = await h.post("/v1/embeddings", json={"model": st.model, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["data"][0]["embedding"]
+
+        for body, want in cases:
+            got = await embedding({**body, "truncate_prompt_tokens": keep})
+            assert got == await embedding({"input": want}), body
+        # a pair with a truncation_side: the whole pair sliced from that side
+        q, doc = words(5, 1), words(9, 2)
+        hf.no_truncation()
+        paired_ids = hf.encode(q, doc).ids
+        for side, want in (("left", paired_ids[-keep:]), ("right", paired_ids[:keep])):
+            body = {"text_1": q, "text_2": doc, "truncate_prompt_tokens": keep}
+            r = await h.post("/score", json={**body, "truncation_side": side})
+            assert r.status_code == 200, r.text
+            assert r.json()["data"][0]["score"] == pair_score(want), side
+        r = await h.post("/v1/embeddings", json={"input": "a", "truncation_side": "up"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side"

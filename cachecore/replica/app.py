@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
@@ -95,9 +95,6 @@ from cachecore.tokenizer import (
     ChatOptions,
     SegmentCache,
     TokenizerError,
-    Truncation,
-    truncated_pair,
-    with_pair_special_tokens,
     with_special_tokens,
 )
 
@@ -607,14 +604,6 @@ def create_app(replica: SimReplica) -> FastAPI:
     # score); the simulated model answers them all. Each prompt (an input, or a pair of
     # texts) is one prefill-only engine request under the request's cache salt, so it
     # takes modelled prefill time, occupies the batch and shows in /metrics and /get_load.
-    def truncated(
-        ids: list[int], keep: int | None, affixes: tuple[Sequence[int], Sequence[int]]
-    ) -> list[int]:
-        # the last k tokens, the special tokens added around a text kept (a pair: truncated_pair)
-        if keep is None:
-            return ids
-        return Truncation(keep, True).text(ids, affixes)
-
     async def input_ids(req: PoolingInputRequest, salt: str | None) -> list[list[int]]:
         """The ids of each prompt of a pooling request over inputs: each input (a text
         with the tokenizer's special tokens when asked, token ids as they are), or the chat
@@ -632,7 +621,8 @@ def create_app(replica: SimReplica) -> FastAPI:
             got = await encode(rendered, salt or "")
             if special:
                 got = with_special_tokens(tok, got)
-            return [truncated(got, keep, tok.special_affixes)]
+            # the template's own text is no special token the tokenizer added
+            return [req.truncate(got, keep, tok.special_affixes if special else ((), ()))]
         ids = []
         for prompt in prompts:
             if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:
@@ -642,7 +632,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             text = isinstance(prompt, str)
             if text and special:
                 got = with_special_tokens(tok, got)
-            ids.append(truncated(got, keep, tok.special_affixes if text else ((), ())))
+            ids.append(req.truncate(got, keep, tok.special_affixes if text else ((), ())))
         return ids
 
     async def pair_ids(req: ScoreRequest | RerankRequest, salt: str | None) -> list[list[int]]:
@@ -655,10 +645,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         seen: dict[str, list[int]] = {}
         for text in {t for pair in pairs for t in pair}:
             seen[text] = await encode(text, salt or "")
-        if keep is None:
-            return [with_pair_special_tokens(tok, seen[a], seen[b]) for a, b in pairs]
-        # truncated as vLLM's tokenizer truncates a pair: the longer text first
-        return [truncated_pair(tok, seen[a], seen[b], keep) for a, b in pairs]
+        return [req.truncate_pair(tok, seen[a], seen[b], keep) for a, b in pairs]
 
     async def run_pooled(
         request: Request,

@@ -20,7 +20,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from cachecore.cacheread import reads_prefix_cache
 from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
-from cachecore.tokenizer import REASONING_EFFORTS, ChatOptions, Truncation, effort_template_kwargs
+from cachecore.tokenizer import (
+    REASONING_EFFORTS,
+    ChatOptions,
+    Tokenizer,
+    Truncation,
+    effort_template_kwargs,
+    truncated_pair,
+    with_pair_special_tokens,
+)
 
 
 class APIError(Exception):
@@ -265,6 +273,7 @@ class _PoolingBase(BaseModel):
     # vLLM's (TokenizeParams.with_kwargs): "max_length" pads each prompt, after its
     # truncation, with the pad token to the model's context, all of which the engine runs
     padding: Literal["max_length", "do_not_pad"] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     priority: _INT64 = 0  # read, not acted on (the engine schedules first come, first served)
     request_id: str | None = None
     cache_salt: Any = None  # validated by hand, as the generation requests' (vLLM's message)
@@ -293,6 +302,33 @@ class _PoolingBase(BaseModel):
         if keep < 1:
             raise APIError("The decoder prompt cannot be empty", param="truncate_prompt_tokens")
         return keep
+
+    def truncate(
+        self, ids: list[int], keep: int | None, affixes: tuple[Sequence[int], Sequence[int]]
+    ) -> list[int]:
+        """A prompt's ids as vLLM 0.33 truncates a pooling prompt to ``keep``: with no
+        ``truncation_side``, its tokenizer does, which for a pooling model truncates from
+        the right (its first tokens kept, and the special tokens added around a text,
+        ``affixes``; none for token ids or a chat's template text); with one, vLLM skips
+        the tokenizer's truncation and slices the whole prompt from that side, special
+        tokens included. A pair: :meth:`truncate_pair`."""
+        if keep is None:
+            return ids
+        if self.truncation_side is None:
+            return Truncation(keep, False).text(ids, affixes)
+        return ids[Truncation(keep, self.truncation_side == "left").kept(len(ids))]
+
+    def truncate_pair(
+        self, tok: Tokenizer, first: list[int], second: list[int], keep: int | None
+    ) -> list[int]:
+        """A text pair (each text's ids) laid out by the tokenizer's pair template and
+        truncated to ``keep`` as vLLM 0.33 does: with no ``truncation_side`` by its
+        tokenizer (:func:`~cachecore.tokenizer.truncated_pair`, the longer text first),
+        with one by its slice of the whole pair (:meth:`truncate`)."""
+        paired = with_pair_special_tokens(tok, first, second)
+        if keep is None or self.truncation_side is not None:
+            return self.truncate(paired, keep, ((), ()))
+        return truncated_pair(tok, first, second, keep)
 
 
 _CHAT_ONLY_FIELDS = frozenset(
