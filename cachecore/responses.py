@@ -400,11 +400,10 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
     server flag, ``--exclude-tools-when-tool-choice-none``, the gateway cannot see). A
     named ``tool_choice`` renders nothing (vLLM resolves a namespaced function's local
     name to its flat one for its grammar, not for the prompt), but one vLLM refuses is
-    refused first (:func:`_check_tool_choice`). A malformed ``tools`` is refused, naming
+    refused first (:func:`check_tool_usage`). A malformed ``tools`` is refused, naming
     it. ``strict`` and ``defer_loading`` are read as pydantic's lax booleans
     (:func:`_lax_bool`) and rendered as the booleans vLLM's models make of them."""
-    if tools is None or isinstance(tools, list):
-        _check_tool_choice(tools or [], tool_choice)
+    check_tool_usage(tools, tool_choice)
     if tools is None:
         return None, True
     if not isinstance(tools, list):
@@ -448,7 +447,20 @@ def _tool_kind(tool: Any, where: str) -> str:
     return kind
 
 
-def _check_tool_choice(tools: list[Any], choice: Any) -> None:
+def check_tool_usage(tools: Any, choice: Any) -> None:
+    """vLLM 0.33's first two checks of a Responses request, ahead of every other field
+    (its request model's last before-validators, which pydantic runs first), so a
+    request they refuse is refused naming what vLLM names: :func:`_check_tool_choice`,
+    then a top-level custom tool with a grammar format (``check_custom_tool_format``, a
+    400 naming ``tools``). Call it before reading the input."""
+    _check_tool_choice(tools, choice)
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        fmt = tool.get("format") if isinstance(tool, dict) else None
+        if isinstance(fmt, dict) and fmt.get("type") == "grammar" and tool.get("type") == "custom":
+            _check_custom_format(fmt, f"tools[{i}]")  # refused: a top-level tool's grammar
+
+
+def _check_tool_choice(tools: Any, choice: Any) -> None:
     """The ``tool_choice`` vLLM 0.33's ``check_tool_usage`` refuses (a 400 naming
     ``tool_choice``, before its request model reads any other field): ``"required"``
     with no tools; a named choice (``{type: "function" | "custom", name}``) with no
@@ -456,7 +468,14 @@ def _check_tool_choice(tools: list[Any], choice: Any) -> None:
     any type, or a namespaced function by its flat ``<namespace>__<name>``), else a
     namespaced tool's local name in exactly one namespace (in several: ambiguous).
     vLLM skips the check when a namespace has no string ``name`` or no ``tools`` array
-    (refused as ``tools`` later); the type is not matched, only the name."""
+    (refused as ``tools`` later); the type is not matched, only the name. A ``tools``
+    that is no array is read as vLLM reads it, before its type is checked: an empty
+    string or object is no tools, another string or object holds no tool (vLLM iterates
+    its characters or keys); a number is left to the ``tools`` refusal."""
+    if isinstance(tools, (bool, int, float)):
+        return  # no len(): vLLM's check fails on it (not a 400 naming tool_choice)
+    if not isinstance(tools, list):
+        tools = [None] if tools else []  # entries that are no tool
     message = "Tool choice 'function' not found in 'tools' parameter."
     if not tools:
         if choice == "required":

@@ -45,7 +45,13 @@ from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, S
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
-from cachecore.responses import ResponsesInputError, chat_fields, chat_tools, request_messages
+from cachecore.responses import (
+    ResponsesInputError,
+    chat_fields,
+    chat_tools,
+    check_tool_usage,
+    request_messages,
+)
 from cachecore.scoring import (
     Coefficients,
     LoadView,
@@ -108,6 +114,7 @@ from gateway.tokenization import (
     pooling_truncation,
     request_truncation,
     stream_requested,
+    truncation_side,
     usage_requested,
 )
 from gateway.tracing import make_provider, make_tracer
@@ -1396,6 +1403,8 @@ class Gateway:
         # vLLM pads each engine request to the context: sized so below (a 400 before routing
         # for a value it refuses)
         padded = pooled and pooling_padding(body)
+        if pooled:
+            truncation_side(body)  # a side vLLM refuses: a 400 here, not charged then refunded
         reps = self._routable(model)
         tpol = pol.tenant(tenant)
         priority: tuple[int | None, bool] = (None, False)
@@ -2489,6 +2498,8 @@ def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any]
     refuses; and whether that chat is the engine's prompt exactly (False: tools the
     gateway cannot render, so no keys; see chat_tools)."""
     try:
+        # vLLM checks tool_choice and custom tools' formats ahead of the input
+        check_tool_usage(body.get("tools"), body.get("tool_choice"))
         messages = request_messages(body.get("instructions"), [], body.get("input"))
         tools, exact = chat_tools(body.get("tools"), body.get("tool_choice"))
         fields = chat_fields(

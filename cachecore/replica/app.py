@@ -86,6 +86,7 @@ from cachecore.responses import (
     ResponsesInputError,
     chat_fields,
     chat_tools,
+    check_tool_usage,
     request_messages,
     stored_messages,
 )
@@ -516,6 +517,8 @@ def create_app(replica: SimReplica) -> FastAPI:
                 raise not_found(req.previous_response_id)
             prior, prior_output = prev.messages, prev.response["output"]
         try:
+            # vLLM checks tool_choice and custom tools' formats ahead of the input
+            check_tool_usage(req.tools, req.tool_choice)
             messages = request_messages(req.instructions, prior, req.input, prior_output)
             # vLLM's current rule: the function tools render whatever tool_choice says
             # (its --exclude-tools-when-tool-choice-none is off); other types do not. A

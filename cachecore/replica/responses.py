@@ -25,7 +25,7 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    input: str | list[Any]
+    input: Any  # read by request_messages (vLLM checks tool_choice before it)
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
