@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from cachecore.replica.settings import ReplicaSettings
 from gateway.core import _responses_chat
 from gateway.errors import GatewayError
 from tests.test_gateway_support import FAST, stack, words
+from tests.test_pooling_options import roberta_pairs_model
 from tests.test_responses_gateway import (
     _engine_requests,
     _every_request_keyed_no_claim_failed,
@@ -128,3 +130,32 @@ async def test_a_pooling_truncation_side_vllm_refuses_is_a_400_before_any_work()
         for side in ("left", "right", None):
             r = await h.post("/v1/embeddings", json={**body, "truncation_side": side})
             assert r.status_code == 200, r.text
+
+
+async def test_a_truncated_or_special_pooling_prompt_is_charged_what_the_engine_runs(
+    tmp_path: Path,
+) -> None:
+    # checked sound: whatever truncation_side, -1, padding or add_special_tokens (the chat
+    # form's too) a pooling request carries, the gateway charges the tokens the replica
+    # runs (RoBERTa's special tokens, so add_special_tokens counts)
+    model = roberta_pairs_model(tmp_path)
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = ReplicaSettings(time_scale=0.05, tokenizer_dir=str(model))
+    forms: list[dict[str, Any]] = [
+        {"messages": [{"role": "user", "content": words(6, 31)}]},
+        {"input": [words(6, 32), "a"]},
+    ]
+    async with stack(count=1, replica=replica, policy=policy) as st, st.http() as h:
+        for extra in (
+            {}, {"add_special_tokens": True}, {"add_special_tokens": False},
+            {"add_special_tokens": True, "truncate_prompt_tokens": 3},
+            {"add_special_tokens": True, "truncate_prompt_tokens": -1},
+            {"add_special_tokens": True, "truncate_prompt_tokens": 1, "truncation_side": "right"},
+            {"truncate_prompt_tokens": 4, "truncation_side": "left", "padding": "max_length"},
+        ):  # fmt: skip
+            for form in forms:
+                body = {"model": st.model, **form, **extra}
+                got = await st.gw.prepare("embeddings", "anonymous", dict(body), {}, "x", True)
+                r = await h.post("/v1/embeddings", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["prompt_tokens"] == got.prompt_tokens, (extra, form)
