@@ -43,6 +43,8 @@ continued (:func:`chat_fields`).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cachecore.tokenizer import REASONING_EFFORTS
@@ -375,6 +377,37 @@ def chat_fields(value: Any, reasoning: Any, template_kwargs: Any) -> dict[str, A
     return fields
 
 
+@dataclass(frozen=True, slots=True)
+class RenderedRequest:
+    """A Responses request as the chat vLLM renders it (:func:`render_request`)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None  # in the chat-completions shape (:func:`chat_tools`)
+    exact: bool  # False: tools this reader cannot render as the engine does (no keys)
+    fields: dict[str, Any]  # the chat completion's rendering fields (:func:`chat_fields`)
+
+
+def render_request(
+    body: Any, prior: list[dict[str, Any]], prior_output: list[dict[str, Any]] | None = None
+) -> RenderedRequest:
+    """A Responses request's fields (``body``: a mapping, or an object with them as
+    attributes, as the replica's parsed request) read in vLLM 0.33's order of refusals:
+    :func:`check_tool_usage` (its first validators), the conversation
+    (:func:`request_messages` over ``prior`` and ``prior_output``), the tools, the
+    rendering fields. The gateway (keys and size, with no prior conversation) and the
+    simulated replica (its prompt) both read a request through this one function."""
+
+    def get(name: str) -> Any:
+        return body.get(name) if isinstance(body, Mapping) else getattr(body, name, None)
+
+    tools, choice = get("tools"), get("tool_choice")
+    check_tool_usage(tools, choice)
+    messages = request_messages(get("instructions"), prior, get("input"), prior_output)
+    rendered, exact = _render_tools(tools, choice)
+    fields = chat_fields(get("input"), get("reasoning"), get("chat_template_kwargs"))
+    return RenderedRequest(messages, rendered, exact, fields)
+
+
 def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]] | None, bool]:
     """A Responses request's ``tools`` as vLLM 0.33 renders them (non-Harmony models: its
     ``construct_tool_dicts`` over ``get_function_tools``), in request order, each in the
@@ -404,6 +437,11 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
     it. ``strict`` and ``defer_loading`` are read as pydantic's lax booleans
     (:func:`_lax_bool`) and rendered as the booleans vLLM's models make of them."""
     check_tool_usage(tools, tool_choice)
+    return _render_tools(tools, tool_choice)
+
+
+def _render_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | None, bool]:
+    """:func:`chat_tools` once :func:`check_tool_usage` has passed."""
     if tools is None:
         return None, True
     if not isinstance(tools, list):

@@ -47,10 +47,7 @@ from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
 from cachecore.responses import (
     ResponsesInputError,
-    chat_fields,
-    chat_tools,
-    check_tool_usage,
-    request_messages,
+    render_request,
 )
 from cachecore.scoring import (
     Coefficients,
@@ -2494,23 +2491,18 @@ def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any]
     """A Responses request's instructions, input and function tools as the chat the
     engine renders (no previous response's conversation: a follow-up's is the engine's),
     with its rendering fields as a chat completion's (a partial final message continued,
-    its reasoning effort and template kwargs: chat_fields), a 400 naming the field it
-    refuses; and whether that chat is the engine's prompt exactly (False: tools the
-    gateway cannot render, so no keys; see chat_tools)."""
+    its reasoning effort and template kwargs), read as the replica reads it
+    (``render_request``), a 400 naming the field it refuses; and whether that chat is the
+    engine's prompt exactly (False: tools the gateway cannot render, so no keys; see
+    ``chat_tools``)."""
     try:
-        # vLLM checks tool_choice and custom tools' formats ahead of the input
-        check_tool_usage(body.get("tools"), body.get("tool_choice"))
-        messages = request_messages(body.get("instructions"), [], body.get("input"))
-        tools, exact = chat_tools(body.get("tools"), body.get("tool_choice"))
-        fields = chat_fields(
-            body.get("input"), body.get("reasoning"), body.get("chat_template_kwargs")
-        )
+        req = render_request(body, [])
     except ResponsesInputError as exc:
         raise bad_request(str(exc), exc.param) from None
-    chat: dict[str, Any] = {"model": model, "messages": messages, **fields}
-    if tools:
-        chat["tools"] = tools
-    return chat, exact
+    chat: dict[str, Any] = {"model": model, "messages": req.messages, **req.fields}
+    if req.tools:
+        chat["tools"] = req.tools
+    return chat, req.exact
 
 
 def _response_not_found(sealed: object) -> GatewayError:

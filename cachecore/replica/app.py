@@ -84,10 +84,7 @@ from cachecore.replica.responses import (
 from cachecore.replica.server import SimReplica
 from cachecore.responses import (
     ResponsesInputError,
-    chat_fields,
-    chat_tools,
-    check_tool_usage,
-    request_messages,
+    render_request,
     stored_messages,
 )
 from cachecore.tasks import cancel_and_wait
@@ -517,20 +514,15 @@ def create_app(replica: SimReplica) -> FastAPI:
                 raise not_found(req.previous_response_id)
             prior, prior_output = prev.messages, prev.response["output"]
         try:
-            # vLLM checks tool_choice and custom tools' formats ahead of the input
-            check_tool_usage(req.tools, req.tool_choice)
-            messages = request_messages(req.instructions, prior, req.input, prior_output)
-            # vLLM's current rule: the function tools render whatever tool_choice says
-            # (its --exclude-tools-when-tool-choice-none is off); other types do not. A
-            # tool_choice vLLM refuses (naming no tool, say) is refused there
-            tools, _ = chat_tools(req.tools, req.tool_choice)
-            # a partial final message continued, the reasoning effort and template
-            # kwargs: rendered as the gateway keys them, through the chat path
-            fields = chat_fields(req.input, req.reasoning, req.chat_template_kwargs)
+            # in vLLM's order of refusals, as the gateway reads it; vLLM's current rule: the
+            # function tools render whatever tool_choice says (its
+            # --exclude-tools-when-tool-choice-none is off), other types do not
+            rendered = render_request(req, prior, prior_output)
         except ResponsesInputError as exc:
             raise APIError(str(exc), param=exc.param) from exc
+        messages, fields = rendered.messages, rendered.fields
         try:
-            opts = ChatOptions.from_body({**fields, "tools": tools})
+            opts = ChatOptions.from_body({**fields, "tools": rendered.tools})
             text = tok.apply_chat_template(messages, fields["add_generation_prompt"], opts)
         except TokenizerError as exc:
             raise APIError(str(exc), param="input") from exc
