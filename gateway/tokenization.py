@@ -403,6 +403,13 @@ class PromptTokenizer(Protocol):
     ) -> list[int]: ...
 
 
+def _option_error(exc: TokenizerError) -> GatewayError:
+    """A refused chat option (``ChatOptions``, ``effort_template_kwargs``) as a 400 naming
+    its field, which their messages quote first ("'tools' must be an array")."""
+    text = str(exc)
+    return bad_request(text, text.split("'")[1] if text.startswith("'") else None)
+
+
 class LocalPromptTokenizer:
     def __init__(self, tokenizer: Tokenizer, cache_tokens: int = SEGMENT_CACHE_TOKENS) -> None:
         self.tok = tokenizer
@@ -416,9 +423,8 @@ class LocalPromptTokenizer:
             body = {**body, "continue_final_message": cont}  # "false", 0...: the engine's bool
         try:
             opts = ChatOptions.from_body(body)
-        except TokenizerError as exc:  # names its field first: 'tools' must be an array
-            field = str(exc).split("'")[1] if str(exc).startswith("'") else None
-            raise bad_request(str(exc), field) from None
+        except TokenizerError as exc:
+            raise _option_error(exc) from None
         try:
             return self.tok.apply_chat_template(body.get("messages"), add_gen, opts)  # type: ignore[arg-type]
         except TokenizerError as exc:
@@ -782,8 +788,8 @@ class EnginePromptTokenizer:
                 kwargs = effort_template_kwargs(
                     body.get("chat_template_kwargs"), body["reasoning_effort"]
                 )
-            except TokenizerError as exc:  # names its field first
-                raise bad_request(str(exc), str(exc).split("'")[1]) from None
+            except TokenizerError as exc:
+                raise _option_error(exc) from None
             payload["chat_template_kwargs"] = kwargs
         payload["cache_salt"] = salt  # vLLM's /tokenize ignores it (no cache to scope)
         return await self._post("/tokenize", payload)
