@@ -289,6 +289,32 @@ def scope_media_uuids(messages: Any, salt: str) -> Any:
     return out if changed else messages
 
 
+def is_conversation(value: Any) -> bool:
+    """Whether ``value`` is one chat conversation: a non-empty list of objects each with a
+    string ``role`` (vLLM 0.33's ``_is_chat_messages``, ``pooling/embed/protocol.py``)."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in value)
+    )
+
+
+def embedding_chat_input(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An embeddings request as vLLM 0.33 runs a conversation in its ``input``: its union
+    member ``EmbeddingChatInputRequest`` copies such an ``input`` into ``messages`` when
+    there are none, and the completion form refuses it, so the chat form runs (rendered
+    as ``messages`` are: the chat template, no generation prompt, no special tokens by
+    default); with ``messages`` given too, those run. The body with ``input`` read so
+    (dropped, and ``messages`` set from it when absent); else the very body. Embeddings
+    only: vLLM's /pooling and /classify unions have no such member (a 400)."""
+    conversation = body.get("input")
+    if not is_conversation(conversation):
+        return body
+    out = {k: v for k, v in body.items() if k != "input"}
+    out.setdefault("messages", conversation)
+    return out
+
+
 def _scoped_uuid(key: bytes, uuid: str) -> str:
     # surrogatepass: a lone surrogate (which some JSON parsers let through) is hashed, not
     # an encoding error on the request path

@@ -65,7 +65,13 @@ from cachecore.tasks import (
     run_steps,
     run_to_end,
 )
-from cachecore.tokenizer import media_uuids, scope_media_uuids, strip_media
+from cachecore.tokenizer import (
+    embedding_chat_input,
+    is_conversation,
+    media_uuids,
+    scope_media_uuids,
+    strip_media,
+)
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
 from gateway.errors import GatewayError, bad_request, rate_limited
@@ -1368,19 +1374,21 @@ class Gateway:
         cap = self.settings.max_prompt_batch
         chat = has_input = False
         pairs: list[tuple[str, str]] | None = None
+        # the body as vLLM reads it: an embeddings conversation in `input` is its chat form
+        form = embedding_chat_input(body) if endpoint == "embeddings" else body
         if endpoint in _INPUT_POOLING:
             # vLLM's two forms, a union: with both, pydantic's smart union runs the form
             # with more of its own fields set (a chat-only field such as
             # add_generation_prompt makes it the messages), so both are sized and the
             # larger charged; messages that are no array beside an input fail the chat
             # form, so the input runs
-            has_input = "input" in body
-            chat = "messages" in body and (not has_input or isinstance(body["messages"], list))
-            if chat and not isinstance(body["messages"], list):
+            has_input = "input" in form
+            chat = "messages" in form and (not has_input or isinstance(form["messages"], list))
+            if chat and not isinstance(form["messages"], list):
                 raise bad_request("'messages' must be an array", "messages")
             if not chat and not has_input:
                 raise bad_request("'input' is required (or the chat form's 'messages')", "input")
-            n_batch = completion_batch_size(body, "input") if has_input else 1
+            n_batch = completion_batch_size(form, "input") if has_input else 1
             if n_batch > cap:
                 raise bad_request(
                     f"'input' holds {n_batch} inputs, more than this gateway takes in one "
@@ -1444,9 +1452,9 @@ class Gateway:
                 assert sizer is not None
                 # rendered as a chat is for sizing, with the chat form's defaults (no
                 # generation prompt; no special tokens, chat's); media parts as a chat's
-                text_only, media_parts = strip_media(body["messages"])
+                text_only, media_parts = strip_media(form["messages"])
                 chat_body = {
-                    **body, "messages": text_only,
+                    **form, "messages": text_only,
                     "add_generation_prompt": body.get("add_generation_prompt", False),
                 }  # fmt: skip
                 # vLLM's pooling requests have no reasoning_effort (an extra field, not
@@ -1465,10 +1473,10 @@ class Gateway:
                 n_prompt = max(size(per_pair), size(per_text))
             elif has_input:
                 if isinstance(tokenizer, LocalPromptTokenizer):
-                    inputs = await tokenizer.prompt_lengths(body, cs, off, trunc, "input")
+                    inputs = await tokenizer.prompt_lengths(form, cs, off, trunc, "input")
                 else:  # the built-in tokenizer's size, not asked of the engine (a batch's)
                     salt = self.minter.salt(scope)
-                    inputs = await tokenizer.prompt_lengths(body, salt, off, field="input")
+                    inputs = await tokenizer.prompt_lengths(form, salt, off, field="input")
                     if trunc is not None:
                         inputs = [min(n, trunc.keep) for n in inputs]
                 n_prompt = max(n_prompt, size(inputs))  # beside messages: the larger form
@@ -1517,7 +1525,7 @@ class Gateway:
             salted=endpoint not in _UNSALTED,
             # the chat form's media uuids name items in vLLM's unsalted multimodal caches:
             # scoped as a chat's, whichever form the engine runs (both may be given)
-            media_uuids=endpoint in _INPUT_POOLING and media_uuids(body.get("messages")),
+            media_uuids=endpoint in _INPUT_POOLING and media_uuids(form.get("messages")),
         )
         if explain_only:  # decided, not committed or charged (as prepare's)
             return d
@@ -1916,7 +1924,10 @@ class Gateway:
             # the request's own scope only (reuse within it still works). Keyed by the
             # primary's salt, not the one served under: one name per scope in a rotation,
             # the same the engine's render call got (EnginePromptTokenizer.chat)
-            body["messages"] = scope_media_uuids(body["messages"], d.salts[0])
+            if "messages" in body:
+                body["messages"] = scope_media_uuids(body["messages"], d.salts[0])
+            if d.endpoint == "embeddings" and is_conversation(body.get("input")):
+                body["input"] = scope_media_uuids(body["input"], d.salts[0])  # its chat form
         if report_mode:
             assert isinstance(xargs, dict)
             body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != _REPORT_MODE}

@@ -16,7 +16,7 @@ import numpy.typing as npt
 import orjson
 import xxhash
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from cachecore.cacheread import reads_prefix_cache
 from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
@@ -26,6 +26,7 @@ from cachecore.tokenizer import (
     Tokenizer,
     Truncation,
     effort_template_kwargs,
+    embedding_chat_input,
     truncated_pair,
     with_pair_special_tokens,
 )
@@ -392,11 +393,17 @@ class PoolingInputRequest(_PoolingBase, _ChatRendering):
 
 
 class EmbeddingRequest(PoolingInputRequest):
-    """vLLM's ``EmbeddingCompletionRequest`` and ``EmbeddingChatRequest``."""
+    """vLLM's ``EmbeddingCompletionRequest``, ``EmbeddingChatRequest`` and
+    ``EmbeddingChatInputRequest`` (a conversation in ``input``: the chat form)."""
 
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _conversation_input(cls, data: Any) -> Any:
+        return embedding_chat_input(data) if isinstance(data, dict) else data
 
     def check_fields(self) -> None:
         self.output_dimensions()
