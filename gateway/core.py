@@ -298,7 +298,8 @@ class Dispatch:
     # duplicate id; the refusal would tell one tenant that another's is running)
     upstream_id: str = ""
     charged_uncached: float = 0.0  # what the tenant's uncached-token budget was charged
-    # of that, what an attempt a replica dropped may have computed: never given back
+    # of that, the sum of what the attempts replicas dropped may have computed (each its
+    # replica's prediction): never given back
     kept_uncached: float = 0.0
     pending: PendingWrite | None = None  # this attempt's pending entries, while in flight
     # the tenant's priority rule: the value the engine gets in place of the client's, or
@@ -2014,7 +2015,8 @@ class Gateway:
     def reroute(self, d: Dispatch, failed: str, dropped: bool = False) -> bool:
         """After a connection failure before the first byte: pick another replica.
         ``dropped``: the failed replica took the request and closed unanswered, so it may
-        have computed it (its charge is kept whatever follows)."""
+        have computed it (its attempt's charge is kept whatever follows, beside any earlier
+        dropped attempt's)."""
         if dropped:
             d.kept_uncached = d.charged_uncached
         self.on_release(d)
@@ -2066,14 +2068,17 @@ class Gateway:
         return True
 
     def _recharge(self, d: Dispatch) -> None:
-        """A rerouted request's charge becomes its new replica's predicted uncached
-        tokens, or what a dropped attempt keeps if more: the failed replica's prediction
-        counted the prefix it held, which the new one may lack and compute whole. A
-        shortfall is debited into debt, never refused (the request was admitted; a retry
-        refused for budget would fail it after the replica's fault); an excess given back
-        (the failed replica never got the request). ``charged_uncached`` stays what was
-        taken, so a refund gives back exactly that."""
-        target = max(float(d.uncached_tokens), d.kept_uncached)
+        """A rerouted request's charge becomes what its dropped attempts keep plus its new
+        replica's predicted uncached tokens: the budget bounds the prefill the fleet runs
+        for the tenant, and a replica that dropped the request may have run its share
+        before the new one runs its own (a poison request that drops its first replica is
+        not half price). The failed attempt's share is replaced, not added, when its
+        replica never got the request (a connect failure, a full pool): its prediction
+        counted the prefix it held, which the new one may lack and compute whole. A rise
+        is debited into debt, never refused (the request was admitted; a retry refused for
+        budget would fail it after the replica's fault); a fall given back.
+        ``charged_uncached`` stays what was taken, so a refund gives back exactly that."""
+        target = d.kept_uncached + float(d.uncached_tokens)
         diff, now = target - d.charged_uncached, time.monotonic()
         if diff > 0:
             self.limiter.debit_uncached(d.tenant, diff, now)

@@ -94,12 +94,62 @@ def _computed_whole(r: httpx.Response) -> int:
     return int(usage["prompt_tokens"])
 
 
-async def test_a_request_a_replica_dropped_is_charged_what_the_next_replica_computes() -> None:
-    """A takes the request and closes unanswered (a drop); B computes the whole prompt.
-    The tenant was charged A's predicted few tokens (24 for 920 computed)."""
+async def test_a_request_a_replica_dropped_is_charged_both_replicas_work() -> None:
+    """A takes the request and closes unanswered (a drop): it may have run its predicted
+    few tokens; B computes the whole prompt. The tenant is charged both: A's share then
+    B's. It was charged A's predicted few tokens (24 for 920 computed), then the larger
+    of the two (920): a drop on a cold prompt made the fleet prefill it twice for once."""
     drop = httpx.RemoteProtocolError("closed unanswered")
     async with stack(count=2, policy=POLICY) as st, st.http() as h:
         r, moves = await _settled_charge(st, h, words(900, 4100), [drop])
+        assert sum(moves) == moves[0] + _computed_whole(r), moves
+
+
+async def test_each_dropping_replica_s_share_is_charged_up_to_the_drop_retries() -> None:
+    """With ``drop_retries`` 2, A (holding the prefix) and then B drop the request and C
+    computes it: the tenant is charged A's prediction, B's whole prompt and C's (it was
+    charged the largest of the three once)."""
+    drop = httpx.RemoteProtocolError("closed unanswered")
+    async with stack(count=3, policy=POLICY, drop_retries=2) as st, st.http() as h:
+        prompt = words(900, 4400)
+        a = await _warm(st, h, prompt)
+        others = [rep.url for rep in st.gw.pool.all() if rep.url != a]  # type: ignore[union-attr]
+        # one drop shared by B and C: whichever is tried first drops it, the other computes it
+        second: list[Exception] = [drop]
+        _fail_at(st, {a: [drop], others[0]: second, others[1]: second})
+        moves = _ledger(st.gw)
+        body = {"model": st.model, "prompt": prompt + " " + words(20, 99), "max_tokens": 1}
+        r = await h.post("/v1/completions", json=body)
+        computed = _computed_whole(r)
+        assert not second and len(moves) == 3 and moves[0] < 100, moves  # A's few, then...
+        assert moves[1] == moves[2] == computed, moves  # ...B's whole prompt, then C's
+        assert sum(moves) == moves[0] + 2 * computed, moves  # it was 921: the largest
+
+
+async def test_drops_past_the_drop_retries_keep_each_dropping_replica_s_share() -> None:
+    """With ``drop_retries`` 1, A and then B drop the request: the 502 keeps both shares
+    (A's prediction and B's whole prompt) and C never gets it."""
+    drop = httpx.RemoteProtocolError("closed unanswered")
+    async with stack(count=3, policy=POLICY, drop_retries=1) as st, st.http() as h:
+        prompt = words(900, 4500)
+        a = await _warm(st, h, prompt)
+        others = [rep.url for rep in st.gw.pool.all() if rep.url != a]  # type: ignore[union-attr]
+        _fail_at(st, {a: [drop], others[0]: [drop], others[1]: [drop]})
+        moves = _ledger(st.gw)
+        body = {"model": st.model, "prompt": prompt + " " + words(20, 99), "max_tokens": 1}
+        r = await h.post("/v1/completions", json=body)
+        assert r.status_code == 502, r.text
+        assert "2 replicas closed" in r.json()["error"]["message"], r.text
+        assert len(moves) == 2 and moves[0] < 100 and moves[1] > 900, moves
+        assert sum(moves) == moves[0] + moves[1], moves  # nothing given back
+
+
+async def test_a_request_rerouted_from_a_full_pool_is_charged_the_next_replica_only() -> None:
+    """A's connections are all busy (the gateway's own cap: A never gets the request); B
+    computes the whole prompt: the charge is B's alone, A's share given back."""
+    busy = httpx.PoolTimeout("no connection free")
+    async with stack(count=2, policy=POLICY) as st, st.http() as h:
+        r, moves = await _settled_charge(st, h, words(900, 4600), [busy])
         assert sum(moves) == _computed_whole(r), moves
 
 
