@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import KeyCheckError, KeyFileError, KeyLookupRefused, KeyReload, check_admin
-from gateway.core import ENDPOINT_PATHS, RESPONSE_GET, Gateway, request_id_from
+from gateway.core import ENDPOINT_PATHS, RESPONSE_CANCEL, RESPONSE_GET, Gateway, request_id_from
 from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import (
     GatewayError,
@@ -233,6 +233,7 @@ class Completions:
         client: str | None = None,
         gone: Callable[[], bool] | None = None,
         response_id: str | None = None,
+        query: Mapping[str, str] | None = None,
     ) -> UpstreamExchange | Refusal:
         """Authenticate, parse, admit and route one request. Returns the exchange to run
         (which owns the admission from then on) or the error to answer with.
@@ -241,9 +242,11 @@ class Completions:
         ``gone``: whether the client has left, for a server that cancels the request's
         task when it does (the hot path): such a cancellation counts 499 in
         kvgate_requests, any other (the drain timeout's cut) 503. ``response_id``: ``GET
-        /v1/responses/{id}``'s id (endpoint :data:`~gateway.core.RESPONSE_GET`; no body)."""
+        /v1/responses/{id}``'s id (endpoint :data:`~gateway.core.RESPONSE_GET`; no body) or
+        ``POST /v1/responses/{id}/cancel``'s (:data:`~gateway.core.RESPONSE_CANCEL`, its
+        body not read, as vLLM reads none); ``query``: a retrieval's query string."""
         try:
-            return await self._handle(endpoint, headers, read_body, client, response_id)
+            return await self._handle(endpoint, headers, read_body, client, response_id, query)
         except asyncio.CancelledError:
             if gone is not None:  # else who cut it is unknown: not counted
                 self.gw.metrics.requests.labels(endpoint, "499" if gone() else "503").inc()
@@ -256,6 +259,7 @@ class Completions:
         read_body: Callable[[int], Awaitable[bytes]],
         client: str | None,
         response_id: str | None = None,
+        query: Mapping[str, str] | None = None,
     ) -> UpstreamExchange | Refusal:
         gw = self.gw
         t_start = time.perf_counter()
@@ -278,8 +282,8 @@ class Completions:
             m.requests.labels(endpoint, "400").inc()
             return unsupported_media_type(), rid
         try:
-            if response_id is not None:  # a retrieval: the id is all there is to read
-                raw, body = b"", {"response_id": response_id}
+            if response_id is not None:  # a retrieval, a cancel: the id (and query) is all
+                raw, body = b"", {"response_id": response_id, "query": dict(query or {})}
             else:
                 raw = await read_body(gw.settings.max_body_bytes)
                 c0 = time.perf_counter_ns()
@@ -447,6 +451,7 @@ def create_app(gw: Gateway) -> FastAPI:
                 lambda limit: read_body(request, limit),
                 _peer(request),
                 response_id=response_id,
+                query=request.query_params if endpoint == RESPONSE_GET else None,
             )
         except Exception:
             log.exception("unhandled error on the completion path")
@@ -473,6 +478,14 @@ def create_app(gw: Gateway) -> FastAPI:
         return await completion(request, RESPONSE_GET, rid)
 
     app.add_api_route("/v1/responses/{rid}", retrieve_response, methods=["GET"], name=RESPONSE_GET)
+
+    async def cancel_response(request: Request, rid: str) -> Response:
+        # a background response's cancel (D33): pinned as a retrieval is
+        return await completion(request, RESPONSE_CANCEL, rid)
+
+    app.add_api_route(
+        "/v1/responses/{rid}/cancel", cancel_response, methods=["POST"], name=RESPONSE_CANCEL
+    )
 
     app.state.completions = completions_core
 

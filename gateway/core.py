@@ -21,7 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import quote
 
 import httpx
@@ -201,6 +201,14 @@ ENDPOINT_PATHS = {
 RESPONSE_GET = "response_get"
 """``GET /v1/responses/{id}``'s endpoint name: not a POST of :data:`ENDPOINT_PATHS` (its
 path carries the id); sent to the replica the sealed id names (D30)."""
+RESPONSE_CANCEL = "response_cancel"
+"""``POST /v1/responses/{id}/cancel``'s endpoint name, pinned as a retrieval is (D33)."""
+RESPONSE_READS = frozenset((RESPONSE_GET, RESPONSE_CANCEL))
+"""Requests on a stored response named by a sealed id (no body, no prompt, no charge)."""
+RESPONSE_TERMINAL = frozenset(("completed", "incomplete", "cancelled", "failed"))
+"""A stored response's statuses after which its engine computes nothing more (vLLM's
+``ResponseStatus`` less ``queued`` and ``in_progress``)."""
+_BACKGROUND_POLL_TIMEOUT_S = 10.0  # one poll of a background response's status
 _RESPONSES_PATH = "/v1/responses"
 _INPUT_POOLING = frozenset(("embeddings", "pooling", "classify"))
 """Pooling endpoints over inputs: ``input`` (a completion prompt's shapes, a batch) or the
@@ -214,7 +222,7 @@ LOAD_ROUTED = frozenset(("tokenize", "detokenize", *_INPUT_POOLING, *_PAIR_POOLI
 or fit sample (D28, D29): a pooling request's prompt is computed whole and its usage reports
 no cached tokens (pooling engines often run without prefix caching); /tokenize and
 /detokenize compute nothing."""
-_FRONTEND_ONLY = frozenset(("tokenize", "detokenize", RESPONSE_GET))
+_FRONTEND_ONLY = frozenset(("tokenize", "detokenize", *RESPONSE_READS))
 """Endpoints a vLLM server answers in its API server, without its engine core: their answer
 is no evidence of the engine's progress (D17), which a wedged engine's server gives at once."""
 UNSENT = "unsent"
@@ -321,6 +329,13 @@ class Dispatch:
     response_id: str | None = None
     previous: tuple[str, str] | None = None
     method: bytes = b"POST"
+    # the Responses API's background mode (D33): the engine answers "queued" and computes
+    # on; the ticket is held until the stored response is terminal. response_status: the
+    # status the answer showed (a POST's, a retrieval's, a cancel's); response_usage: a
+    # retrieval's or cancel's (prompt, cached) tokens, an earlier request's
+    background: bool = False
+    response_status: str | None = None
+    response_usage: tuple[int, int] | None = None
 
     @property
     def replica(self) -> str:
@@ -340,7 +355,7 @@ class Dispatch:
         """Why its decision is by load alone, with no block keys or lookup (a code and a
         sentence, for ``/admin/route/explain``); None for a keyed one. In the router's
         order: an unkeyed request in a sensitive scope is ``unkeyed_*`` there too."""
-        if self.previous is not None or self.endpoint == RESPONSE_GET:
+        if self.previous is not None or self.endpoint in RESPONSE_READS:
             return "pinned", (
                 "sent to the replica that stored the response its sealed id names, and "
                 "nowhere else (D30): scored by that replica's load alone"
@@ -468,6 +483,9 @@ class Gateway:
         self._bg: set[asyncio.Task[None]] = set()
         self._bg_closed = False  # set by stop(): later spawns are cancelled at once
         self._quarantine_watchers: dict[str, asyncio.Task[None]] = {}  # replica -> its watcher
+        # background responses whose ticket is held until terminal (D33): (replica, engine
+        # response id) -> the POST's dispatch and its watcher
+        self._background: dict[tuple[str, str], tuple[Dispatch, asyncio.Task[None]]] = {}
         self._settling: Counter[str] = Counter()  # claim checks waiting for their agent
         self.alignment_problems: list[str] = []
         self._started = False  # replicas coming into service are checked from then on
@@ -1043,8 +1061,9 @@ class Gateway:
 
     def background_settled(self) -> bool:
         """No one-shot background task (a claim check, a replica check) is running; the
-        quarantine watchers, which live as long as their quarantine, do not count."""
-        watchers = self._quarantine_watchers.values()
+        quarantine watchers, which live as long as their quarantine, and the background
+        responses' (D33), which live as long as their response, do not count."""
+        watchers = {*self._quarantine_watchers.values(), *(t for _, t in self._background.values())}
         return all(t in watchers for t in self._bg)
 
     def begin(self) -> None:
@@ -1134,16 +1153,13 @@ class Gateway:
                 endpoint, tenant, body, headers, request_id, explain_only, strategy
             )
         responses = endpoint == "responses"
-        if responses and body.get("background") not in (None, False):
-            # vLLM answers a background request at once (queued) and computes on: the
-            # in-flight count and load view would end while the engine works, and its
-            # cancel and polling are not routed (D30): refused, before any work
-            raise bad_request(
-                "'background' responses are not served by this gateway: send the request "
-                "without it (stream it for early output)",
-                "background",
-            )
-        if endpoint == RESPONSE_GET or (responses and body.get("previous_response_id") is not None):
+        if responses and not isinstance(body.get("background"), bool | None):
+            # the gateway holds a background response's ticket until it is terminal (D33):
+            # it must read the field as the engine does
+            raise bad_request("'background' must be a boolean", "background")
+        if endpoint in RESPONSE_READS or (
+            responses and body.get("previous_response_id") is not None
+        ):
             return await self._prepare_pinned(
                 endpoint, tenant, body, headers, request_id, explain_only
             )
@@ -1171,6 +1187,8 @@ class Gateway:
             priority = _priority_rewrite(tpol.priority, body)  # a 400 before any work
         base_model, lora = self.pool.base_model(model, reps)
         scope, session = self.resolve_scope(tenant, tpol, headers, body, model, base_model)
+        if responses and body.get("background") and scope.kind is ScopeKind.REQUEST:
+            _refuse_unstored_background()
         reps = self._one_meaning(model, lora, base_model, reps)
         mpool = pol.models.pool(base_model)
         bs = mpool.block_size
@@ -1339,6 +1357,7 @@ class Gateway:
             drop_priority=priority[1],
             hit_drop_blocks=mpool.hit_drop_blocks,
             response_id=f"resp_{random_hex(16)}" if responses else None,
+            background=responses and body.get("background") is True,
         )
         if explain_only:
             return d
@@ -1543,8 +1562,10 @@ class Gateway:
         explain_only: bool = False,
     ) -> Dispatch:
         """:meth:`prepare` for a request bound to one replica by a sealed response id (D30):
-        a Responses follow-up (``previous_response_id``) or ``GET /v1/responses/{id}``
-        (its id in ``body["response_id"]``, put there by :class:`~gateway.app.Completions`).
+        a Responses follow-up (``previous_response_id``), ``GET /v1/responses/{id}`` or
+        ``POST /v1/responses/{id}/cancel`` (D33; the id in ``body["response_id"]``, a
+        retrieval's query in ``body["query"]``, put there by
+        :class:`~gateway.app.Completions`).
         The engine that stored the response holds its conversation and its KV, so it goes
         there and nowhere else: no other candidate, no retry elsewhere. An id that does not
         open under the tenant and scope (another tenant's, another session's, tampered,
@@ -1560,11 +1581,14 @@ class Gateway:
         tpol = pol.tenant(tenant)
         follow_up = endpoint == "responses"
         sealed = body.get("previous_response_id") if follow_up else body.get("response_id")
+        query, streamed = "", False
         if follow_up:
             model, model_given = self._request_model(body)
             stream_requested(body)  # a 400 before any work
             base_model, _ = self.pool.base_model(model, self._routable(model))
         else:
+            if endpoint == RESPONSE_GET:  # a 400 before any work
+                query, streamed = _retrieval_query(body.get("query"))
             # a retrieval names no model: its replica's serves it (opened below)
             model_given, model = True, ""
             base_model = ""
@@ -1578,6 +1602,8 @@ class Gateway:
                 "send the conversation in 'input' instead",
                 "previous_response_id",
             )
+        if follow_up and body.get("background") and scope.kind is ScopeKind.REQUEST:
+            _refuse_unstored_background()  # unreachable today (refused above): kept in step
         opened = self.response_ids.open(tenant, scope, sealed)
         if opened is None and not follow_up and session and scope.kind is not ScopeKind.SESSION:
             # a retrieval names no model, so a scope that a model's sensitivity (or the POST's
@@ -1624,15 +1650,21 @@ class Gateway:
         )
         decision, cands = self._decide(req, cands, coeffs, None, model, explain_only)
         engine_id = opened[1]
+        if follow_up:
+            path = _RESPONSES_PATH
+        else:
+            path = f"{_RESPONSES_PATH}/{quote(engine_id, safe='')}"
+            path += "/cancel" if endpoint == RESPONSE_CANCEL else query
         d = Dispatch(
             request_id=request_id,
             upstream_id=f"{request_id}-{random_hex(8)}",
             tenant=tenant,
             endpoint=endpoint,
-            path=_RESPONSES_PATH if follow_up else f"{_RESPONSES_PATH}/{quote(engine_id, safe='')}",
+            path=path,
             body=body,
-            stream=follow_up and stream_requested(body),
-            client_wants_usage=follow_up,
+            stream=stream_requested(body) if follow_up else streamed,
+            # a stream's usage event is response.completed: never dropped (filter_events)
+            client_wants_usage=True,
             model=model,
             model_given=model_given,
             prompt_tokens=n_prompt,
@@ -1650,7 +1682,8 @@ class Gateway:
             salted=follow_up,
             response_id=f"resp_{random_hex(16)}" if follow_up else engine_id,
             previous=(engine_id, str(sealed)) if follow_up else None,
-            method=b"POST" if follow_up else b"GET",
+            method=b"GET" if endpoint == RESPONSE_GET else b"POST",
+            background=follow_up and body.get("background") is True,
         )
         if explain_only:
             return d
@@ -1677,7 +1710,7 @@ class Gateway:
         other taking it: for one pinned by a sealed id (D30) the 404 :meth:`prepare` gives
         (the engine's store went with the replica), else the 503 ``no_replica``."""
         assert self.pool is not None
-        if d.endpoint == RESPONSE_GET:
+        if d.endpoint in RESPONSE_READS:
             return _response_not_found(d.body.get("response_id"))
         if d.previous is not None:
             return _response_not_found(d.previous[1])
@@ -1694,7 +1727,7 @@ class Gateway:
         the gateway made each engine id up (random), so none occurs by chance."""
         if d.response_id is None:
             return []
-        if d.endpoint == RESPONSE_GET:
+        if d.endpoint in RESPONSE_READS:
             sealed = str(d.body.get("response_id"))
         else:
             sealed = self.response_ids.seal(d.tenant, d.scope, d.replica, d.response_id)
@@ -1703,7 +1736,7 @@ class Gateway:
             out.append((d.previous[0].encode(), d.previous[1].encode()))
         prev = answer.get("previous_response_id") if answer is not None else None
         if (
-            d.endpoint == RESPONSE_GET
+            d.endpoint in RESPONSE_READS
             and isinstance(prev, str)
             and prev[:5] == "resp_"
             and len(prev) > 5
@@ -1881,7 +1914,7 @@ class Gateway:
     def upstream_body(self, d: Dispatch) -> bytes:
         """The body sent upstream: the client's fields, our cache_salt (none for an
         unsalted endpoint), usage requested."""
-        if d.method != b"POST":
+        if d.method != b"POST" or d.endpoint == RESPONSE_CANCEL:
             return b""
         if d.endpoint == "responses":
             return self._responses_body(d)
@@ -2121,7 +2154,14 @@ class Gateway:
 
     def finish(self, d: Dispatch, out: Outcome) -> None:
         """Account, measure precision, check claims, fit the cost model."""
-        self.on_release(d)
+        if not self._watch_background(d):
+            self.on_release(d)
+        if d.endpoint in RESPONSE_READS and d.response_status in RESPONSE_TERMINAL:
+            # a client's retrieval or cancel saw a watched response end: no poll needed
+            usage = (out.prompt_tokens, out.cached_tokens)  # a replayed stream's completed
+            if d.response_usage is None and usage[0] is not None and usage[1] is not None:
+                d.response_usage = (usage[0], usage[1])
+            self._background_ended(d)
         m = self.metrics
         rid = d.replica
         if out.ttft_s is not None:
@@ -2152,19 +2192,8 @@ class Gateway:
             back = d.charged_uncached - d.kept_uncached
             self.limiter.refund_uncached(d.tenant, back, time.monotonic())
             d.charged_uncached = d.kept_uncached
-        if (
-            d.previous is not None
-            and out.status == 200
-            and out.prompt_tokens is not None
-            and out.cached_tokens is not None
-        ):
-            # a follow-up was charged its own instructions and input; its prompt holds the
-            # stored conversation too, which the engine prefills again when it is not
-            # cached (other instructions go first, an evicted prefix): the rest as reported
-            extra = out.prompt_tokens - out.cached_tokens - d.charged_uncached
-            if extra > 0:
-                self.limiter.debit_uncached(d.tenant, extra, time.monotonic())
-                d.charged_uncached += extra
+        if out.status == 200 and out.prompt_tokens is not None and out.cached_tokens is not None:
+            self._debit_follow_up(d, out.prompt_tokens, out.cached_tokens)
         if self.trace is not None:
             self._trace(d, out)
         if out.cached_tokens is None or out.status != 200 or d.unkeyed:
@@ -2183,6 +2212,127 @@ class Gateway:
                 self._warn_precision("predicted and actual cached tokens disagree", d, out)
             self._check_claims(d, out.cached_tokens)
         self._fit(d, out, prompt)
+
+    def _debit_follow_up(self, d: Dispatch, prompt: int, cached: int) -> None:
+        """A follow-up was charged its own instructions and input; its prompt holds the
+        stored conversation too, which the engine prefills again when it is not cached
+        (other instructions go first, an evicted prefix): the rest as reported."""
+        if d.previous is None:
+            return
+        extra = prompt - cached - d.charged_uncached
+        if extra > 0:
+            self.limiter.debit_uncached(d.tenant, extra, time.monotonic())
+            d.charged_uncached += extra
+
+    # ------------------------------------------------------------------ background (D33)
+    def _watch_background(self, d: Dispatch) -> bool:
+        """Whether ``d``, a background response its engine accepted and has not finished
+        (its answer "queued", or a stream that ended before its terminal event), keeps its
+        ticket: the engine computes on, so the replica's in-flight count and queued
+        prefill stay until a watcher sees the stored response terminal. Past
+        ``KVGATE_BACKGROUND_WATCH_MAX`` (or while stopping) the ticket ends now,
+        counted ``unwatched``: the request is served, its load seen as D30 saw it."""
+        if (
+            not d.background
+            or d.ticket is None
+            or d.response_id is None
+            or d.response_status is None
+            or d.response_status in RESPONSE_TERMINAL
+        ):
+            return False
+        if len(self._background) >= self.settings.background_watch_max or self._bg_closed:
+            self.metrics.background_responses.labels("unwatched").inc()
+            log.warning(
+                "background response not watched: KVGATE_BACKGROUND_WATCH_MAX reached; its "
+                "replica's load forgets it now",
+                extra={"replica": d.replica, "request_id": d.request_id},
+            )
+            return False
+        key = (d.replica, d.response_id)
+        self._background[key] = (d, self.spawn(self._watch_response(key, d)))
+        self.metrics.background_watched.set(len(self._background))
+        return True
+
+    async def _watch_response(self, key: tuple[str, str], d: Dispatch) -> None:
+        """Poll ``d``'s replica for its stored response every ``KVGATE_BACKGROUND_POLL_S``
+        until it is terminal, gone (the replica removed, the engine's 404: restarted) or
+        ``KVGATE_BACKGROUND_WATCH_MAX_S`` passed; then release its ticket. Cancelled (the
+        gateway stopping, a client's retrieval that saw it end) it releases too."""
+        s = self.settings
+        deadline = time.monotonic() + s.background_watch_max_s
+        outcome, usage = "expired", None
+        # held for up to an hour, up to KVGATE_BACKGROUND_WATCH_MAX of them: not the
+        # prompt (its exchange is over: the trace and span have read it)
+        d.raw_body, d.body, d.keys, d.matches = None, {}, [], []
+        try:
+            while time.monotonic() + s.background_poll_s < deadline:
+                await asyncio.sleep(s.background_poll_s)
+                got = await self._poll_response(d)
+                if got is not None:
+                    outcome, usage = got
+                    if outcome in RESPONSE_TERMINAL or outcome == "lost":
+                        return
+                    outcome = "expired"
+        except asyncio.CancelledError:
+            outcome = "shutdown"
+            raise
+        finally:
+            if self._background.get(key, (None,))[0] is d:
+                del self._background[key]
+                self._release_background(d, outcome, usage)
+
+    async def _poll_response(self, d: Dispatch) -> tuple[str, tuple[int, int] | None] | None:
+        """The stored response's status and usage (prompt, cached) as its engine answers
+        ``GET /v1/responses/{id}``; ``lost`` for a replica gone or the engine's 404; None
+        when it could not be read (tried again at the next poll)."""
+        assert d.response_id is not None
+        rep = self.pool.get(d.replica) if self.pool is not None else None
+        if rep is None:
+            return "lost", None
+        if self.client is None:
+            return None
+        headers = {}
+        if self.settings.upstream_api_key is not None:
+            headers["authorization"] = "Bearer " + self.settings.upstream_api_key.get_secret_value()
+        if rep.dp_rank is not None:
+            headers["x-data-parallel-rank"] = str(rep.dp_rank)
+        url = f"{rep.url.rstrip('/')}{_RESPONSES_PATH}/{quote(d.response_id, safe='')}"
+        try:
+            async with asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
+                resp = await self.client.get(url, headers=headers)
+        except (httpx.HTTPError, TimeoutError):
+            return None
+        if resp.status_code == 404:
+            return "lost", None
+        if resp.status_code != 200:
+            return None
+        try:
+            got = resp.json()
+        except ValueError:
+            return None
+        if not isinstance(got, dict) or not isinstance(got.get("status"), str):
+            return None
+        from gateway.proxy import usage_pair  # the proxy's reader (it imports this module)
+
+        return got["status"], usage_pair(got.get("usage"))
+
+    def _background_ended(self, seen: Dispatch) -> None:
+        """A client's retrieval or cancel of a watched response answered it terminal:
+        release it now (its watcher, cancelled, finds it gone)."""
+        got = self._background.pop((seen.replica, seen.response_id or ""), None)
+        if got is None:
+            return
+        d, task = got
+        assert seen.response_status is not None
+        self._release_background(d, seen.response_status, seen.response_usage)
+        task.cancel()
+
+    def _release_background(self, d: Dispatch, outcome: str, usage: tuple[int, int] | None) -> None:
+        self.metrics.background_watched.set(len(self._background))
+        self.metrics.background_responses.labels(outcome).inc()
+        self.on_release(d)
+        if outcome in RESPONSE_TERMINAL and usage is not None:
+            self._debit_follow_up(d, *usage)
 
     def _trace(self, d: Dispatch, out: Outcome) -> None:
         assert self.trace is not None
@@ -2519,6 +2669,46 @@ def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any]
     if req.tools:
         chat["tools"] = req.tools
     return chat, req.exact
+
+
+_QUERY_BOOLS = {
+    **dict.fromkeys(("true", "1", "yes", "on", "t", "y"), True),
+    **dict.fromkeys(("false", "0", "no", "off", "f", "n"), False),
+}
+"""A query's booleans as vLLM's FastAPI route (pydantic) reads them."""
+
+
+def _retrieval_query(query: object) -> tuple[str, bool]:
+    """``GET /v1/responses/{id}``'s query as sent upstream, and whether it streams (D33):
+    vLLM's ``stream`` (a boolean) and ``starting_after`` (an integer: the sequence number
+    the replay starts after), checked here, as the engine would, so that the gateway knows
+    the answer is a stream; nothing else of the client's goes on."""
+    q = query if isinstance(query, Mapping) else {}
+    parts: list[str] = []
+    stream = False
+    if "stream" in q:
+        flag = _QUERY_BOOLS.get(str(q["stream"]).strip().lower())
+        if flag is None:
+            raise bad_request("'stream' must be a boolean", "stream")
+        stream = flag
+        parts.append(f"stream={'true' if flag else 'false'}")
+    if "starting_after" in q:
+        try:
+            after = int(str(q["starting_after"]).strip())
+        except ValueError:
+            raise bad_request("'starting_after' must be an integer", "starting_after") from None
+        parts.append(f"starting_after={after}")
+    return ("?" + "&".join(parts) if parts else ""), stream
+
+
+def _refuse_unstored_background() -> NoReturn:
+    """A background response under a per-request scope: that scope stores nothing (its
+    promise), and vLLM refuses background without store (D33)."""
+    raise bad_request(
+        "a request-scoped (sensitive) request cannot run in the background: its response "
+        "is not stored; send it without 'background'",
+        "background",
+    )
 
 
 def _response_not_found(sealed: object) -> GatewayError:

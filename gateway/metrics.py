@@ -267,6 +267,21 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "kvgate_in_flight_requests", "Requests in flight through this gateway", registry=r
         )
+        # the Responses API's background mode (D33)
+        self.background_watched = Gauge(
+            "kvgate_background_responses_watched",
+            "Background responses whose replica ticket is held until they are terminal",
+            registry=r,
+        )
+        self.background_responses = Counter(
+            "kvgate_background_responses",
+            "Background responses by how their watch ended: completed, incomplete, "
+            "cancelled, failed (terminal), lost (engine or replica no longer has it), "
+            "expired (KVGATE_BACKGROUND_WATCH_MAX_S), shutdown, unwatched (over "
+            "KVGATE_BACKGROUND_WATCH_MAX: ticket ended at the queued answer)",
+            ["outcome"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             "kvgate_event_loop_lag_seconds",
             "How late the gateway's event loop woke a 50 ms timer (CPU starvation: a "

@@ -33,7 +33,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.core import UNSENT, Dispatch, Gateway, Outcome
+from gateway.core import RESPONSE_READS, UNSENT, Dispatch, Gateway, Outcome
 from gateway.errors import GatewayError, engine_error_body, error_body, sse_error_event
 from gateway.settings import GatewaySettings
 from gateway.upstream import MalformedResponseError, UpstreamResponse
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 # a Responses stream ends with its terminal event, not [DONE] (vLLM sends none)
-_RESPONSE_END = re.compile(rb'"type"\s*:\s*"response\.(?:completed|incomplete|failed)"')
+_RESPONSE_END = re.compile(rb'"type"\s*:\s*"response\.(completed|incomplete|failed)"')
 _EVENT_SEP = re.compile(rb"\r?\n\r?\n")
 _RETRYABLE = (
     httpx.ConnectError,
@@ -518,7 +518,12 @@ class UpstreamExchange(Response):
                 "upstream_error", "protocol",
             )  # fmt: skip
             return
-        if self.d.method == b"POST":  # a retrieval's usage is an earlier request's
+        d = self.d
+        if d.response_id is not None and isinstance(parsed.get("status"), str):
+            d.response_status = parsed["status"]  # a background one's "queued" (D33)
+        if d.endpoint in RESPONSE_READS:  # a retrieval's usage is an earlier request's
+            d.response_usage = usage_pair(parsed.get("usage"))
+        else:
             usage.read(parsed.get("usage"))
         raw = _rewritten(raw, self.gw.answer_rewrites(self.d, parsed))
         self.status = 200
@@ -546,6 +551,8 @@ class UpstreamExchange(Response):
         saw_done = False
         rewrites = self.gw.answer_rewrites(d)
         responses = d.response_id is not None
+        if d.background:
+            d.response_status = "in_progress"  # the engine runs it: terminal at its end
         try:
             async for chunk in resp.aiter_raw():
                 if ttft is None:
@@ -560,7 +567,7 @@ class UpstreamExchange(Response):
                     ready, done = filter_events(ready, usage, d.client_wants_usage)
                     saw_done = saw_done or done
                 if responses:
-                    saw_done = saw_done or _RESPONSE_END.search(ready) is not None
+                    saw_done = saw_done or _ended(d, ready)
                     ready = _rewritten(ready, rewrites)
                 if ready:
                     await conn.stream(ready)
@@ -570,7 +577,7 @@ class UpstreamExchange(Response):
             tail, done = filter_events(buf, usage, d.client_wants_usage)
             saw_done = saw_done or done
             if responses:
-                saw_done = saw_done or _RESPONSE_END.search(tail) is not None
+                saw_done = saw_done or _ended(d, tail)
                 tail = _rewritten(tail, rewrites)
             if tail:
                 await conn.stream(tail)
@@ -596,6 +603,13 @@ class UpstreamExchange(Response):
                 error,
             )
         )
+
+
+def usage_pair(usage: Any) -> tuple[int, int] | None:
+    """A usage object's (prompt, cached) tokens, None unless it reports both."""
+    u = Usage()
+    u.read(usage)
+    return None if u.prompt is None or u.cached is None else (u.prompt, u.cached)
 
 
 def filter_events(data: bytes, usage: Usage, keep_usage: bool) -> tuple[bytes, bool]:
@@ -625,6 +639,16 @@ def filter_events(data: bytes, usage: Usage, keep_usage: bool) -> tuple[bytes, b
                     continue
         out.append(event + b"\n\n")
     return b"".join(out), done
+
+
+def _ended(d: Dispatch, data: bytes) -> bool:
+    """Whether ``data`` holds a Responses stream's terminal event; its status then becomes
+    the dispatch's (a background stream's end: D33)."""
+    found = _RESPONSE_END.search(data)
+    if found is None:
+        return False
+    d.response_status = found.group(1).decode()
+    return True
 
 
 def _event_data(event: bytes) -> bytes:

@@ -3,7 +3,8 @@ SGLang/router helper endpoints and kvgate's debug/chaos endpoints.
 
 Endpoints: ``/v1/chat/completions``, ``/v1/completions`` (JSON or SSE), ``/v1/embeddings``,
 ``/pooling``, ``/classify``, ``/score`` (``/v1/score``), ``/rerank`` (``/v1/rerank``,
-``/v2/rerank``), ``/v1/responses`` (and ``GET /v1/responses/{id}``), ``/v1/models``,
+``/v2/rerank``), ``/v1/responses`` (and ``GET /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel``), ``/v1/models``,
 ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, ``/v1/chat/completions/render``,
 ``/v1/completions/render``, ``/get_load``, ``/get_server_info`` (``/server_info``),
 ``/get_model_info`` (``/model_info``), ``/flush_cache`` and ``/reset_prefix_cache``,
@@ -72,6 +73,8 @@ from cachecore.replica.protocol import (
     validate_salt,
 )
 from cachecore.replica.responses import (
+    TERMINAL_EVENTS,
+    EventLog,
     EventSequence,
     ResponsesRequest,
     StoredResponse,
@@ -537,10 +540,30 @@ def create_app(replica: SimReplica) -> FastAPI:
         def stored(final: dict[str, Any]) -> None:
             # vLLM keeps the messages this prompt was rendered from (a custom tool output's
             # parts spent by this rendering: stored_messages) and the response, whose
-            # output a follow-up appends (request_messages)
+            # output a follow-up appends (request_messages); a cancelled one stays
+            # cancelled (responses_full_generator)
             if req.store:
                 kept = stored_messages(messages, req.input)
-                replica.responses.put(rid, StoredResponse(final, kept))
+                was = replica.responses.get(rid)
+                if was is None or was.response["status"] != "cancelled":
+                    replica.responses.put(rid, StoredResponse(final, kept))
+
+        if req.background:
+            # vLLM's create_responses: a queued response stored at once, the request run
+            # by a task of its own (not the connection's); streamed, its events kept for a
+            # replay and this answer one (responses_background_stream_generator)
+            queued = response_object(rid, req, model, created, [], None, queued=True)
+            kept = stored_messages(messages, req.input)
+            replica.responses.put(rid, StoredResponse(queued, kept))
+            if req.stream:
+                log = replica.responses.events[rid] = EventLog([], asyncio.Event())
+                run = background_stream(driver, handle, rid, req, model, created, stored, log)
+            else:
+                run = background_run(driver, handle, rid, req, model, created, stored)
+            replica.responses.run(rid, asyncio.ensure_future(run))
+            if req.stream:
+                return StreamingResponse(replay(rid, None), media_type="text/event-stream")
+            return _json_bytes(queued)
 
         if req.stream:
             return StreamingResponse(
@@ -587,11 +610,95 @@ def create_app(replica: SimReplica) -> FastAPI:
         finally:
             driver.abort(handle.request_id)
 
+    async def background_run(
+        driver: EngineDriver,
+        handle: RequestHandle,
+        rid: str,
+        req: ResponsesRequest,
+        model: str,
+        created: int,
+        stored: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """vLLM's _run_background_request: the stored response stays ``queued`` until it
+        ends (vLLM never stores ``in_progress``); an engine failure makes it ``failed``
+        unless completed or cancelled meanwhile."""
+        try:
+            out, last = await collect(driver, handle)
+        except APIError:
+            got = replica.responses.get(rid)
+            if got is not None and got.response["status"] not in ("completed", "cancelled"):
+                got.response["status"] = "failed"
+            return
+        item = message_item(f"msg_{uuid.uuid4().hex}", out, "completed")
+        stored(response_object(rid, req, model, created, [item], last))
+
+    async def background_stream(
+        driver: EngineDriver,
+        handle: RequestHandle,
+        rid: str,
+        req: ResponsesRequest,
+        model: str,
+        created: int,
+        stored: Callable[[dict[str, Any]], None],
+        log: EventLog,
+    ) -> None:
+        """vLLM's _run_background_request_stream: the stream's events into ``log``."""
+        try:
+            async for data in response_events(driver, handle, rid, req, model, created, stored):
+                log.append(data.split(b"\n", 1)[0].removeprefix(b"event: ").decode(), data)
+        finally:
+            log.close()
+
+    async def replay(rid: str, starting_after: int | None) -> AsyncIterator[bytes]:
+        """vLLM's responses_background_stream_generator: the events after
+        ``starting_after`` (from the first without), then each as it comes, to
+        ``response.completed`` or ``response.incomplete``. vLLM waits on for ever after a
+        run that ended without one (cancelled, failed); this ends the stream there. An id
+        without a streamed run fails inside the stream, after its 200 head, as vLLM's."""
+        log = replica.responses.events.get(rid)
+        if log is None:
+            raise APIError(f"Unknown response_id: {rid}", param="response_id")
+        at = 0 if starting_after is None else starting_after + 1
+        while True:
+            log.signal.clear()
+            while at < len(log.events):
+                kind, data = log.events[at]
+                yield data
+                if kind in TERMINAL_EVENTS:
+                    return
+                at += 1
+            if log.closed:
+                return
+            await log.signal.wait()
+
     @app.get("/v1/responses/{rid}", response_model=None)
-    async def retrieve_response(rid: str) -> Response:
+    async def retrieve_response(
+        rid: str, starting_after: int | None = None, stream: bool | None = False
+    ) -> Response:
         got = replica.responses.get(rid)
         if got is None:
             raise not_found(rid)
+        if stream:
+            return StreamingResponse(replay(rid, starting_after), media_type="text/event-stream")
+        return _json_bytes(got.response)
+
+    @app.post("/v1/responses/{rid}/cancel", response_model=None)
+    async def cancel_response(rid: str) -> Response:
+        # vLLM's cancel_responses: an unknown id its 404; one no longer queued or in
+        # progress (finished, a synchronous one) a 400; else cancelled, its run aborted
+        got = replica.responses.get(rid)
+        if got is None:
+            raise not_found(rid)
+        if got.response["status"] not in ("queued", "in_progress"):
+            raise APIError(
+                "Cannot cancel a synchronous response.",
+                err_type="invalid_request_error",
+                param="response_id",
+            )
+        got.response["status"] = "cancelled"
+        task = replica.responses.runs.get(rid)
+        if task is not None:
+            await cancel_and_wait(task)  # its collect/stream aborts the engine request
         return _json_bytes(got.response)
 
     # ------------------------------------------------------------------ pooling

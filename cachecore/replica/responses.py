@@ -1,11 +1,12 @@
 """The simulated replica's Responses API (``POST /v1/responses``, ``GET
-/v1/responses/{id}``) for text, as vLLM serves it (D30, docs/engine.md): the request model,
-the bounded per-replica store of responses (vLLM keeps its own in memory, with
-``VLLM_ENABLE_RESPONSES_API_STORE=1``; lost on a restart), and the response object and
-streamed events."""
+/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``) for text, as vLLM serves it (D30,
+D33, docs/engine.md): the request model, the bounded per-replica store of responses (vLLM
+keeps its own in memory, with ``VLLM_ENABLE_RESPONSES_API_STORE=1``; lost on a restart),
+background runs and their event logs, and the response object and streamed events."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from cachecore.engine import RequestOutput
 from cachecore.replica.protocol import APIError
@@ -32,6 +33,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     stream: bool | None = False
     store: bool | None = True
+    background: bool | None = False
     previous_response_id: str | None = None
     # function tools render into the prompt (cachecore.responses.chat_tools); read by hand
     tools: Any = None
@@ -44,6 +46,14 @@ class ResponsesRequest(BaseModel):
     request_id: str | None = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _background_needs_store(cls, data: Any) -> Any:
+        # vLLM's ResponsesRequest.validate_background: a 400 naming background
+        if isinstance(data, dict) and data.get("background") and not data.get("store", True):
+            raise APIError("background can only be used when `store` is true", param="background")
+        return data
 
     def max_tokens(self) -> int | None:
         value = self.max_output_tokens
@@ -73,12 +83,43 @@ class StoredResponse:
     messages: list[dict[str, Any]]
 
 
+TERMINAL_EVENTS = frozenset(("response.completed", "response.incomplete"))
+"""The events that end vLLM's replay of a background stream
+(``responses_background_stream_generator``)."""
+
+
+@dataclass(slots=True)
+class EventLog:
+    """A background stream's events as sent (vLLM's ``event_store``): each with its type,
+    at the index of its sequence number, so ``starting_after`` replays from an index."""
+
+    events: list[tuple[str, bytes]]
+    signal: asyncio.Event
+    closed: bool = False
+
+    def append(self, kind: str, data: bytes) -> None:
+        self.events.append((kind, data))
+        self.signal.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.signal.set()
+
+
 class ResponseStore:
-    """One replica's stored responses, least recently used evicted past ``cap``."""
+    """One replica's stored responses, least recently used evicted past ``cap``; its
+    background runs (vLLM's ``background_tasks``, each removed when it ends) and the event
+    logs of the streamed ones."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.runs: dict[str, asyncio.Task[None]] = {}
+        self.events: dict[str, EventLog] = {}
+
+    def run(self, rid: str, task: asyncio.Task[None]) -> None:
+        self.runs[rid] = task
+        task.add_done_callback(lambda _: self.runs.pop(rid, None))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -127,16 +168,18 @@ def response_object(
     created: int,
     output: list[dict[str, Any]],
     last: RequestOutput | None,
+    queued: bool = False,
 ) -> dict[str, Any]:
-    """The response object; ``last`` None: still in progress (the stream's first events)."""
-    status, incomplete = "in_progress", None
+    """The response object; ``last`` None: still in progress (the stream's first events),
+    or ``queued`` (a background one's first answer, vLLM's ``status="queued"``)."""
+    status, incomplete = "queued" if queued else "in_progress", None
     if last is not None:
         length = last.finish_reason is not None and last.finish_reason.value == "length"
         status = "incomplete" if length else "completed"
         incomplete = {"reason": "max_output_tokens"} if length else None
     return {
         "id": rid, "object": "response", "created_at": created, "status": status,
-        "background": False, "error": None, "incomplete_details": incomplete,
+        "background": bool(req.background), "error": None, "incomplete_details": incomplete,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "metadata": req.metadata, "model": model, "output": output,
         "parallel_tool_calls": True, "previous_response_id": req.previous_response_id,

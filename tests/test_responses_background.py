@@ -1,0 +1,271 @@
+"""The Responses API's background mode through the gateway (D33), end to end: real
+simulated replicas (serving ``background``, polling, the replayed stream and cancel as vLLM
+0.33 does) and a real gateway. A background response's ticket on its replica is held until
+the engine's stored response is terminal, not released at the "queued" answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from gateway.core import Gateway
+from gateway.responses import SEALED_PREFIX
+from tests.test_agent_helpers import counter_total as _count
+from tests.test_gateway_support import Stack, keys_file, stack, words
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST_POLL: dict[str, Any] = {"background_poll_s": 0.05}
+
+
+def _events(raw: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(b.split(b"data: ", 1)[1]) for b in raw.strip().split(b"\n\n") if b]
+
+
+def _held(gw: Gateway) -> int:
+    """Requests the gateway counts in flight on its replicas (tickets, pool counters)."""
+    assert gw.pool is not None
+    reps = gw.pool.all()
+    counted = sum(r.in_flight for r in reps)
+    running = sum(gw.inflight.own(r.id)[2] + gw.inflight.own(r.id)[1] for r in reps)
+    assert counted == running, (counted, running)
+    return counted
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # bounded: the deadline
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def _outcome(st: Stack, outcome: str) -> float:
+    return _count(st.gw.metrics.background_responses, outcome=outcome)
+
+
+async def test_a_background_first_turn_is_queued_polled_and_held_until_it_ends() -> None:
+    async with stack(count=2, **FAST_POLL) as st:
+        c = st.client()
+        r = await c.responses.create(
+            model=st.model, input=words(40, 1), max_output_tokens=60, background=True
+        )
+        assert r.status == "queued" and r.background and r.id.startswith(SEALED_PREFIX)
+        assert r.output == [] and r.usage is None
+        # the engine computes on: the replica's ticket is held, and watched
+        assert _held(st.gw) == 1
+        assert st.gw.metrics.background_watched._value.get() == 1
+        seen: set[str | None] = {r.status}
+        for _ in range(400):  # bounded: the SDK's own polling loop, as a client writes it
+            got = await c.responses.retrieve(r.id)
+            seen.add(got.status)
+            if got.status not in ("queued", "in_progress"):
+                break
+            await asyncio.sleep(0.02)
+        # vLLM stores "queued" until the run ends (never "in_progress")
+        assert got.status in ("completed", "incomplete") and seen <= {"queued", got.status}
+        assert got.id == r.id and got.output_text and got.usage is not None
+        assert got.usage.output_tokens == 60 and got.usage.input_tokens > 0
+        await _until(lambda: _held(st.gw) == 0)
+        assert st.gw.metrics.background_watched._value.get() == 0
+        assert _outcome(st, got.status) == 1
+        # a first turn keyed and charged as any: its prompt's blocks were predicted
+        r2 = await c.responses.create(
+            model=st.model, input=words(40, 1), max_output_tokens=2, background=True
+        )
+        await _until(lambda: _held(st.gw) == 0)
+        assert _outcome(st, "incomplete") + _outcome(st, "completed") == 2
+        back = await c.responses.retrieve(r2.id)
+        assert back.usage is not None and back.usage.input_tokens_details.cached_tokens > 0
+
+
+async def test_the_watcher_alone_releases_the_ticket_and_charges_the_follow_up() -> None:
+    # nobody polls through the gateway: its watcher reads the engine's status; a
+    # background follow-up's prefill past its charge is taken as a follow-up's is (D30)
+    async with stack(count=1, **FAST_POLL) as st, st.http() as h:
+        body = {"model": st.model, "input": words(300, 1), "max_output_tokens": 2}
+        first = (await h.post("/v1/responses", json=body)).json()["id"]
+        debits: list[float] = []
+        real = st.gw.limiter.debit_uncached
+
+        def spy(tenant: str, tokens: float, now: float) -> None:
+            debits.append(tokens)
+            real(tenant, tokens, now)
+
+        st.gw.limiter.debit_uncached = spy  # type: ignore[method-assign]
+        r = await h.post(
+            "/v1/responses",
+            json={
+                "model": st.model, "input": "x", "instructions": words(3, 50),
+                "previous_response_id": first, "max_output_tokens": 8, "background": True,
+            },
+        )  # fmt: skip
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        assert r.json()["previous_response_id"] == first
+        assert _held(st.gw) == 1 and not debits  # nothing known of its prefill yet
+        await _until(lambda: _held(st.gw) == 0)
+        assert _outcome(st, "completed") + _outcome(st, "incomplete") == 1
+        done = (await h.get(f"/v1/responses/{r.json()['id']}")).json()
+        u = done["usage"]
+        computed = u["input_tokens"] - u["input_tokens_details"]["cached_tokens"]
+        # the whole stored conversation again (new instructions go first): charged
+        assert computed > 300 and len(debits) == 1
+        assert computed - 30 < debits[0] < computed, (debits, computed)
+
+
+async def test_a_running_background_response_is_cancelled_through_the_gateway() -> None:
+    async with stack(count=2, **FAST_POLL) as st, st.http() as h:
+        c = st.client()
+        r = await c.responses.create(
+            model=st.model, input=words(30, 2), max_output_tokens=2000, background=True
+        )
+        assert _held(st.gw) == 1
+        cancelled = await c.responses.cancel(r.id)
+        assert cancelled.id == r.id and cancelled.status == "cancelled"
+        # the cancel's answer ends the watch at once
+        assert _held(st.gw) == 0 and _outcome(st, "cancelled") == 1
+        assert (await c.responses.retrieve(r.id)).status == "cancelled"
+        # vLLM's answer for one no longer running, relayed (id rewritten)
+        again = await h.post(f"/v1/responses/{r.id}/cancel")
+        assert again.status_code == 400, again.text
+        assert again.json()["error"]["message"] == "Cannot cancel a synchronous response."
+        # a synchronous one: the same 400
+        sync = await c.responses.create(model=st.model, input=words(10, 3), max_output_tokens=2)
+        r2 = await h.post(f"/v1/responses/{sync.id}/cancel")
+        assert r2.status_code == 400 and r2.json()["error"]["param"] == "response_id", r2.text
+        assert not st.gw._background
+        assert _count(st.gw.metrics.requests, endpoint="response_cancel", status="200") == 1
+
+
+async def test_cancel_and_get_of_a_foreign_or_forged_id_are_one_404(tmp_path: Path) -> None:
+    async with (
+        stack(count=2, api_keys_file=keys_file(tmp_path, "ab"), **FAST_POLL) as st,
+        st.http() as h,
+    ):
+        a = st.client(api_key="sk-a")
+        mine = await a.responses.create(
+            model=st.model, input=words(30, 1), max_output_tokens=500, background=True
+        )
+        text = mine.id[len(SEALED_PREFIX) :]
+        flipped = text[:-3] + ("A" if text[-3] != "A" else "B") + text[-2:]
+        bodies = set()
+        for who, rid in (("sk-b", mine.id), ("sk-a", SEALED_PREFIX + flipped),
+                         ("sk-a", "resp_nope")):  # fmt: skip
+            auth = {"authorization": f"Bearer {who}"}
+            for method, url in (
+                ("POST", f"/v1/responses/{rid}/cancel"),
+                ("GET", f"/v1/responses/{rid}"),
+                ("GET", f"/v1/responses/{rid}?stream=true&starting_after=2"),
+            ):
+                r = await h.request(method, url, headers=auth)
+                assert r.status_code == 404, (method, url, r.text)
+                err = r.json()["error"]
+                assert err["code"] == "response_not_found" and err["param"] == "response_id"
+                bodies.add(err["message"].replace(rid, "<id>"))
+        assert len(bodies) == 1, bodies
+        # still running, still held: another tenant's cancel touched nothing
+        assert _held(st.gw) == 1
+        assert (await a.responses.cancel(mine.id)).status == "cancelled"
+        assert _held(st.gw) == 0
+
+
+async def test_a_background_stream_is_replayed_after_a_sequence_number() -> None:
+    async with stack(count=2, **FAST_POLL) as st, st.http() as h:
+        body = {
+            "model": st.model, "input": words(30, 5), "max_output_tokens": 6,
+            "background": True, "stream": True,
+        }  # fmt: skip
+        async with h.stream("POST", "/v1/responses", json=body) as resp:
+            raw = await resp.aread()
+        events = _events(raw)
+        assert events[0]["type"] == "response.created" and events[-1]["type"] in (
+            "response.completed", "response.incomplete",
+        )  # fmt: skip
+        rid = events[0]["response"]["id"]
+        assert rid.startswith(SEALED_PREFIX) and events[0]["response"]["background"]
+        after = 3
+        async with h.stream(
+            "GET", f"/v1/responses/{rid}", params={"stream": "true", "starting_after": after}
+        ) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            tail_raw = await resp.aread()
+        tail = _events(tail_raw)
+        # the tail after that sequence number, as sent the first time, ids sealed
+        assert [e["sequence_number"] for e in tail] == list(range(after + 1, len(events)))
+        assert tail == events[after + 1 :]
+        assert b'"resp_' not in tail_raw.replace(SEALED_PREFIX.encode(), b"")
+        assert _held(st.gw) == 0
+        # the query is checked as the engine's route reads it
+        r = await h.get(f"/v1/responses/{rid}?starting_after=x")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
+        r = await h.get(f"/v1/responses/{rid}?stream=perhaps")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        r = await h.get(f"/v1/responses/{rid}?stream=false")
+        assert r.status_code == 200 and r.json()["id"] == rid
+
+
+async def test_a_background_stream_whose_client_leaves_stays_held_until_it_ends() -> None:
+    async with stack(count=1, **FAST_POLL) as st, st.http() as h:
+        body = {
+            "model": st.model, "input": words(30, 6), "max_output_tokens": 80,
+            "background": True, "stream": True,
+        }  # fmt: skip
+        async with h.stream("POST", "/v1/responses", json=body) as resp:
+            async for _ in resp.aiter_bytes():
+                break  # leave after the first bytes: the engine runs on
+        await _until(lambda: bool(st.gw._background))
+        assert _held(st.gw) == 1
+        await _until(lambda: _held(st.gw) == 0)
+        assert _outcome(st, "incomplete") + _outcome(st, "completed") == 1
+
+
+async def test_watching_is_bounded_expires_and_stops_with_the_gateway() -> None:
+    async with stack(
+        count=1, background_poll_s=0.05, background_watch_max=1, background_watch_max_s=30
+    ) as st:
+        c = st.client()
+        one = await c.responses.create(
+            model=st.model, input=words(20, 7), max_output_tokens=4000, background=True
+        )
+        # past the cap: served, its ticket ended at the queued answer, counted
+        two = await c.responses.create(
+            model=st.model, input=words(20, 8), max_output_tokens=4000, background=True
+        )
+        assert (one.status, two.status) == ("queued", "queued")
+        assert _held(st.gw) == 1 and len(st.gw._background) == 1
+        assert _outcome(st, "unwatched") == 1
+        gw = st.gw
+        await c.responses.cancel(two.id)  # not watched: its cancel releases nothing
+        assert _held(st.gw) == 1
+    # the gateway stopped: its watcher was cancelled and released the ticket
+    assert not gw._background and _held(gw) == 0
+    assert _count(gw.metrics.background_responses, outcome="shutdown") == 1
+    async with stack(count=1, background_poll_s=0.05, background_watch_max_s=0.3) as st:
+        c = st.client()
+        await c.responses.create(
+            model=st.model, input=words(20, 9), max_output_tokens=4000, background=True
+        )
+        await _until(lambda: _held(st.gw) == 0, 10.0)
+        assert _outcome(st, "expired") == 1
+
+
+async def test_background_refusals_before_any_work() -> None:
+    async with stack(count=1) as st, st.http() as h:
+        base = {"model": st.model, "input": words(10, 14), "max_output_tokens": 2}
+        r = await h.post("/v1/responses", json={**base, "background": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+        # vLLM's own refusal: background needs store (relayed, charge given back)
+        r = await h.post("/v1/responses", json={**base, "background": True, "store": False})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+        assert "store" in r.json()["error"]["message"]
+        assert _held(st.gw) == 0 and not st.gw._background
+    with pytest.raises(openai.NotFoundError):
+        async with stack(count=1) as st:
+            await st.client().responses.cancel(SEALED_PREFIX + "A" * 40)
