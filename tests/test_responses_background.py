@@ -18,7 +18,7 @@ import pytest
 from gateway.core import Gateway
 from gateway.responses import SEALED_PREFIX
 from tests.test_agent_helpers import counter_total as _count
-from tests.test_gateway_support import Stack, keys_file, stack, words
+from tests.test_gateway_support import Stack, keys_file, kill_replica, stack, words
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -269,3 +269,34 @@ async def test_background_refusals_before_any_work() -> None:
     with pytest.raises(openai.NotFoundError):
         async with stack(count=1) as st:
             await st.client().responses.cancel(SEALED_PREFIX + "A" * 40)
+
+
+async def test_cancel_meets_its_replica_out_of_service_unreachable_or_gone() -> None:
+    # the retrieval's table (D30): cordoned 503 with Retry-After, unreachable 502, removed
+    # the 404; a removed replica's watched response is lost, its ticket released
+    async with stack(count=2, **FAST_POLL) as st, st.http() as h:
+        c = st.client()
+        r = await c.responses.create(
+            model=st.model, input=words(30, 11), max_output_tokens=4000, background=True
+        )
+        home = (await h.get(f"/v1/responses/{r.id}")).headers["x-kvgate-replica"]
+        idx = [st.replica_id(0), st.replica_id(1)].index(home)
+        cancel = f"/v1/responses/{r.id}/cancel"
+        assert (
+            await h.post(f"/admin/replicas/{home}/cordon", headers=st.admin_headers())
+        ).is_success
+        got = await h.post(cancel)
+        assert got.status_code == 503 and got.headers["retry-after"], got.text
+        assert got.json()["error"]["code"] == "no_replica"
+        await h.post(f"/admin/replicas/{home}/uncordon", headers=st.admin_headers())
+        assert _held(st.gw) == 1
+        await kill_replica(st.fleet, idx)
+        got = await h.post(cancel)
+        assert got.status_code in (502, 503), got.text
+        assert got.json()["error"]["code"] in ("upstream_unreachable", "no_replica")
+        assert st.gw.pool is not None
+        st.gw.pool.remove(home)
+        got = await h.post(cancel)
+        assert got.status_code == 404 and got.json()["error"]["param"] == "response_id"
+        await _until(lambda: not st.gw._background)
+        assert _outcome(st, "lost") == 1 and _held(st.gw) == 0
