@@ -132,6 +132,7 @@ class Tokenizer(Protocol):
     """What the gateway and the replica need from a tokenizer."""
 
     name: str
+    special_tokens: dict[str, str]  # the template variables transformers adds (bos_token...)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -538,6 +539,83 @@ class _GenerationBlocks(jinja2.ext.Extension):
         return caller()
 
 
+def chat_template_env() -> jinja2.Environment:
+    """The Jinja environment a chat template renders in as transformers renders it (what
+    vLLM runs): its options, filters and globals; a template written for it renders the
+    engine's text only so."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlocks, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_SCORER_RESERVED = ("chat_template", "tools", "tokenize")
+"""``chat_template_kwargs`` keys vLLM 0.33's scorer refuses (``get_score_prompt``)."""
+
+
+def score_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A /score or /rerank request's template variables as vLLM 0.33 reads them
+    (``ScoringRequestMixin``): ``chat_template_kwargs``, with ``instruction`` folded in
+    unless it names one; a key the scorer reserves, or a field of another type, is a
+    :class:`TokenizerError` naming the field first."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TokenizerError("'chat_template_kwargs' must be an object")
+    out = dict(kwargs or {})
+    instruction = body.get("instruction")
+    if instruction is not None:
+        if not isinstance(instruction, str):
+            raise TokenizerError("'instruction' must be a string")
+        out.setdefault("instruction", instruction)
+    reserved = sorted(set(_SCORER_RESERVED) & out.keys())
+    if reserved:
+        raise TokenizerError(
+            "'chat_template_kwargs' contains reserved keys that conflict with fixed scorer "
+            f"arguments: {reserved}"
+        )
+    return out
+
+
+class ScoreTemplate:
+    """A template a cross-encoder's scoring renders each (query, document) pair with:
+    vLLM 0.33's ``CrossEncoderIOProcessor.get_score_prompt`` with a chat template (the
+    server's ``--chat-template``, or the one a Sentence Transformers config names: Qwen3
+    rerankers) renders ``[{role: query, content}, {role: document, content}]`` with it
+    (transformers' ``apply_chat_template``, ``tokenize=False``, no generation prompt,
+    the request's ``chat_template_kwargs`` and ``instruction`` as variables) and
+    tokenizes the text with the special tokens added (``add_special_tokens=True``:
+    :func:`with_special_tokens`), truncated as one text. One rendering for the gateway's
+    charge and the simulated replica's prompt."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        try:
+            self._template = chat_template_env().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TokenizerError(f"score template does not compile: {exc}") from exc
+
+    def render(self, tok: Tokenizer, query: str, document: str, kwargs: Mapping[str, Any]) -> str:
+        variables: dict[str, Any] = {**tok.special_tokens, **kwargs}
+        variables.update(
+            messages=[
+                {"role": "query", "content": query},
+                {"role": "document", "content": document},
+            ],
+            tools=None,
+            documents=None,
+            add_generation_prompt=False,
+        )
+        try:
+            return str(self._template.render(**variables))
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"score template failed: {exc}") from exc
+
+
 class HFTokenizer:
     """A HuggingFace ``tokenizers`` tokenizer plus a Jinja chat template."""
 
@@ -553,16 +631,7 @@ class HFTokenizer:
         self.chat_template_source = chat_template
         # the template variables transformers adds (bos_token, eos_token, ...)
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
-        # rendered as transformers renders (what vLLM runs): its environment, filters and
-        # globals; a template written for it renders the engine's text only so
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_GenerationBlocks, jinja2.ext.loopcontrols],
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
+        env = chat_template_env()
         self._template = env.from_string(chat_template)
         eos = self._tok.token_to_id(EOS_TOKEN)
         if eos is None:

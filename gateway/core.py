@@ -1483,7 +1483,15 @@ class Gateway:
                 ids = await sizer.chat(chat_body, cs, off, trunc)
                 lengths = [len(ids) + media_parts * mpool.media_part_tokens]
             n_prompt = size(lengths)
-            if pairs is not None:
+            if pairs is not None and mpool.score_template is not None:
+                assert sizer is not None
+                # a score template is a cross-encoder's (an embedding model's scoring
+                # renders none): each pair the template's text, as the engine runs it
+                per_pair = await sizer.score_lengths(
+                    body, pairs, mpool.score_template, cs, off, trunc
+                )
+                n_prompt = size(per_pair)
+            elif pairs is not None:
                 assert sizer is not None
                 texts = pair_texts(body, endpoint in _RERANK, pairs)
                 per_pair, per_text = await sizer.pair_lengths(pairs, texts, cs, off, trunc)

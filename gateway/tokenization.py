@@ -29,6 +29,7 @@ from cachecore.tokenizer import (
     SEGMENT_CACHE_TOKENS,
     ChatOptions,
     HFTokenizer,
+    ScoreTemplate,
     SegmentCache,
     Tokenizer,
     TokenizerError,
@@ -36,6 +37,7 @@ from cachecore.tokenizer import (
     builtin_tokenizer,
     effort_template_kwargs,
     scope_media_uuids,
+    score_template_kwargs,
     with_special_tokens,
 )
 from gateway.errors import GatewayError, bad_request, engine_error_body, no_replica
@@ -415,6 +417,8 @@ class LocalPromptTokenizer:
         self.tok = tokenizer
         self.name = tokenizer.name
         self.segments = SegmentCache(tokenizer, max_tokens=cache_tokens)
+        # the score templates of the pools this tokenizer serves, compiled once (by text)
+        self._score_templates: dict[str, ScoreTemplate] = {}
 
     def _render(self, body: Mapping[str, Any]) -> str:
         add_gen = add_generation_prompt(body)
@@ -571,6 +575,43 @@ class LocalPromptTokenizer:
             [kept(size[a] + size[b] + pair_extra) for a, b in pairs],
             [kept(size[t] + extra) for t in texts],
         )
+
+    async def score_lengths(
+        self,
+        body: Mapping[str, Any],
+        pairs: Sequence[tuple[str, str]],
+        template_source: str,
+        scope: str | None = "",
+        offload_chars: int = OFFLOAD_CHARS,
+        trunc: Truncation | None = None,
+    ) -> list[int]:
+        """The tokens a cross-encoder whose pairs a score template wraps runs for each
+        pair (:class:`~cachecore.tokenizer.ScoreTemplate`, the simulated replica's
+        rendering): the rendered text's tokens with the one-sequence special tokens, at
+        most ``trunc.keep``. The request's ``chat_template_kwargs`` and ``instruction``
+        are the template's variables (a 400 naming the field for what vLLM refuses).
+        Texts longer together than ``offload_chars`` are tokenized in one worker thread,
+        as :meth:`prompt_lengths`'."""
+        template = self._score_templates.get(template_source)
+        if template is None:
+            if len(self._score_templates) >= 8:  # a pool's template replaced by reloads
+                self._score_templates.clear()
+            template = self._score_templates[template_source] = ScoreTemplate(template_source)
+        try:
+            kwargs = score_template_kwargs(body)
+            texts = [template.render(self.tok, a, b, kwargs) for a, b in pairs]
+        except TokenizerError as exc:
+            raise _option_error(exc) from None
+        if sum(map(len, texts)) > offload_chars:
+            encode = self.tok.encode
+            counted = await asyncio.to_thread(lambda: [len(encode(t)) for t in texts])
+        else:
+            encode_async = self.segments.encode_async
+            counted = [len(await encode_async(t, scope, offload_chars)) for t in texts]
+        prefix, suffix = self.tok.special_affixes  # vLLM's scoring adds them
+        extra = len(prefix) + len(suffix)
+        keep = None if trunc is None else trunc.keep
+        return [n + extra if keep is None else min(n + extra, keep) for n in counted]
 
 
 def _response_ids(payload: Any) -> list[int] | None:

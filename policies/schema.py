@@ -27,6 +27,7 @@ from pydantic import (
 from cachecore.argtypes import validation_message
 from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients
+from cachecore.tokenizer import ScoreTemplate, TokenizerError
 from gateway.routing import MissTieBreak, RoutingParams, Strategy
 
 
@@ -242,6 +243,22 @@ class ModelPool(_Section):
     # MTP speculative decoding (it recomputes the last matched block for the drafter);
     # predictions and claim checks are that much lower than the index's match
     hit_drop_blocks: Annotated[int, Field(ge=0)] = 0
+    # the text of the chat template the engine's cross-encoder renders each /score and
+    # /rerank pair with (its --chat-template, or the one its Sentence Transformers config
+    # names: Qwen3 rerankers); none: the pair is sized by the tokenizer's pair template
+    score_template: str | None = None
+
+    @field_validator("score_template")
+    @classmethod
+    def _score_template_compiles(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("empty: give the template's text, or leave it unset")
+        if v is not None:
+            try:
+                ScoreTemplate(v)
+            except TokenizerError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("tokenizer_dir")
     @classmethod

@@ -96,10 +96,14 @@ from cachecore.tokenizer import (
     ChatOptions,
     SegmentCache,
     TokenizerError,
+    score_template_kwargs,
     with_special_tokens,
 )
 
 logger = logging.getLogger(__name__)
+
+# a /score or /rerank request's score template variables (vLLM's ScoringRequestMixin)
+_TEMPLATE_FIELDS = {"chat_template_kwargs", "instruction"}
 
 
 async def until_disconnect(request: Request) -> None:
@@ -741,9 +745,23 @@ def create_app(replica: SimReplica) -> FastAPI:
         """The ids of each pair: both texts' tokens as one prompt laid out by the
         tokenizer's pair template (vLLM 0.33's cross-encoder ``tokenizer(text_1,
         text_pair=text_2)``: RoBERTa's ``<s> a </s></s> b </s>``); a text shared by many
-        pairs (a rerank's query) tokenized once."""
+        pairs (a rerank's query) tokenized once. With a score template (a vLLM
+        cross-encoder's ``--chat-template``), each pair is its rendering, tokenized with
+        the special tokens and truncated as one text, as vLLM 0.33's ``get_score_prompt``
+        runs it."""
         pairs = req.pairs()  # a 400 for vLLM's refusals
         keep = req.truncation(replica.core.max_model_len)
+        template = replica.score_template
+        if template is not None:
+            try:
+                kwargs = score_template_kwargs(req.model_dump(include=_TEMPLATE_FIELDS))
+                texts = [template.render(tok, a, b, kwargs) for a, b in pairs]
+            except TokenizerError as exc:
+                said = str(exc)
+                param = said.split("'")[1] if said[:1] == "'" else None
+                raise APIError(said, param=param) from exc
+            rendered = [with_special_tokens(tok, await encode(t, salt or "")) for t in texts]
+            return [req.truncate(ids, keep, tok.special_affixes) for ids in rendered]
         seen: dict[str, list[int]] = {}
         for text in {t for pair in pairs for t in pair}:
             seen[text] = await encode(text, salt or "")

@@ -62,6 +62,7 @@ _SETTINGS_FLAGS = {
     "tokenizer_dir": "tokenizer_dir",
     "data_parallel_size": "data_parallel_size",
     "responses_store_max": "responses_store_max",
+    "score_template": "score_template",
 }
 
 
@@ -100,6 +101,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--responses-store-max",
         type=positive_int,
         help="stored Responses API responses per replica, least recently used evicted (1000)",
+    )
+    a(
+        "--score-template",
+        metavar="FILE",
+        help="chat template each /score and /rerank pair is rendered with, as a vLLM "
+        "cross-encoder's --chat-template (Qwen3 rerankers; default: the tokenizer's pair "
+        "template)",
     )
     a("--legacy-replay-reply", action="store_true", help="reply [b'', seq, payload] on replay")
     a("--no-events", action="store_true", help="do not publish KV events")

@@ -436,7 +436,15 @@ class ClassificationRequest(PoolingInputRequest):
     use_activation: bool | None = None  # read; the probabilities are always a softmax
 
 
-class ScoreRequest(_PoolingBase):
+class _ScoringFields(_PoolingBase):
+    """vLLM 0.33's ``ScoringRequestMixin`` fields a score template reads: its
+    ``chat_template_kwargs`` and ``instruction`` (folded into them)."""
+
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ScoreRequest(_ScoringFields):
     """vLLM's ``/score`` request: ``text_1`` against ``text_2``, 1:1, 1:N or N:N; each
     pair one engine request of both texts' tokens (a cross-encoder's pair prompt)."""
 
@@ -457,7 +465,7 @@ class ScoreRequest(_PoolingBase):
         return list(zip(a, b, strict=True))
 
 
-class RerankRequest(_PoolingBase):
+class RerankRequest(_ScoringFields):
     """vLLM's ``/rerank`` request (``/v1/rerank``, ``/v2/rerank``): the query paired with
     each document; ``top_n`` the best n (0 or absent: all). vLLM reads no
     ``return_documents``: each result holds its document."""

@@ -19,6 +19,7 @@ from cachecore.replica.settings import (
     ReplicaPorts,
     ReplicaSettings,
     endpoints_for,
+    load_score_template,
 )
 from cachecore.tokenizer import HFTokenizer
 
@@ -69,6 +70,10 @@ class SimReplica:
         self.token_text = token_text or TokenText(tokenizer)
         self.output_vocab = tuple(output_vocab or tokenizer.word_vocabulary.ids)
         self.tokenizer_path = settings.tokenizer_dir or tokenizer.name
+        # each /score and /rerank pair's template, as a vLLM cross-encoder's --chat-template
+        self.score_template = (
+            load_score_template(settings.score_template) if settings.score_template else None
+        )
         self.model = settings.model
         self.served_models: tuple[str, ...] = (settings.model, *settings.lora)
         self.healthy = True

@@ -4,6 +4,7 @@ command-line flags override them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
@@ -19,12 +20,21 @@ from cachecore.engine import (
     get_profile,
 )
 from cachecore.kvevents import Encoding
+from cachecore.tokenizer import ScoreTemplate, TokenizerError
 from cachecore.urls import url_host
 
 DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_TOPIC = "kv-events"
 EVENTS_PORT_OFFSET = 1000
 REPLAY_PORT_OFFSET = 2000
+
+
+def load_score_template(path: str) -> ScoreTemplate:
+    """The ``score_template`` file's template; a ValueError saying why not."""
+    try:
+        return ScoreTemplate(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, TokenizerError) as exc:
+        raise ValueError(f"cannot load the score template {path!r}: {exc}") from None
 
 
 class ReplicaSettings(BaseSettings):
@@ -69,6 +79,9 @@ class ReplicaSettings(BaseSettings):
     # the Responses API's stored responses per replica, least recently used evicted past
     # it (D30; vLLM keeps its store in memory, unbounded)
     responses_store_max: Annotated[int, Field(ge=1)] = 1000
+    # a file: the chat template each /score and /rerank pair is rendered with, as a vLLM
+    # cross-encoder's --chat-template (Qwen3 rerankers); none: the tokenizer's pair template
+    score_template: str | None = None
 
     @field_validator("host")
     @classmethod
@@ -94,6 +107,13 @@ class ReplicaSettings(BaseSettings):
         # a word, where a model's was asked for
         if v is not None and not v.strip():
             raise ValueError("empty: give a model directory, or unset it for the built-in one")
+        return v
+
+    @field_validator("score_template")
+    @classmethod
+    def _score_template_loads(cls, v: str | None) -> str | None:
+        if v is not None:
+            load_score_template(v)  # a file that does not read or compile: refused here
         return v
 
     @field_validator("model")
