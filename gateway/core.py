@@ -2060,6 +2060,7 @@ class Gateway:
         dropped attempt's)."""
         if dropped:
             d.kept_uncached = d.charged_uncached
+            self._cancel_orphan(d)
         self.on_release(d)
         self._settle_pending(d, refused=True)  # the failed replica never got the request
         self._retract_growth(d, failed)
@@ -2162,6 +2163,8 @@ class Gateway:
 
     def finish(self, d: Dispatch, out: Outcome) -> None:
         """Account, measure precision, check claims, fit the cost model."""
+        if _may_hold_orphan(d, out):
+            self._cancel_orphan(d)
         if not self._watch_background(d):
             self.on_release(d)
         if d.endpoint in RESPONSE_READS and d.response_status in RESPONSE_TERMINAL:
@@ -2299,15 +2302,10 @@ class Gateway:
             return "lost", None
         if self.client is None:
             return None
-        headers = {}
-        if self.settings.upstream_api_key is not None:
-            headers["authorization"] = "Bearer " + self.settings.upstream_api_key.get_secret_value()
-        if rep.dp_rank is not None:
-            headers["x-data-parallel-rank"] = str(rep.dp_rank)
         url = f"{rep.url.rstrip('/')}{_RESPONSES_PATH}/{quote(d.response_id, safe='')}"
         try:
             async with asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
-                resp = await self.client.get(url, headers=headers)
+                resp = await self.client.get(url, headers=self._replica_headers(rep))
         except (httpx.HTTPError, TimeoutError):
             return None
         if resp.status_code == 404:
@@ -2323,6 +2321,43 @@ class Gateway:
         from gateway.proxy import usage_pair  # the proxy's reader (it imports this module)
 
         return got["status"], usage_pair(got.get("usage"))
+
+    def _replica_headers(self, rep: Replica) -> dict[str, str]:
+        """The headers of the gateway's own request to ``rep``'s engine (a poll, a cancel)."""
+        headers = {}
+        if self.settings.upstream_api_key is not None:
+            headers["authorization"] = "Bearer " + self.settings.upstream_api_key.get_secret_value()
+        if rep.dp_rank is not None:
+            headers["x-data-parallel-rank"] = str(rep.dp_rank)
+        return headers
+
+    def _cancel_orphan(self, d: Dispatch) -> None:
+        """``d``, a background POST, reached its replica's engine, which may have stored and
+        started its run (vLLM's goes on without the connection), but its answer, the only
+        place the client learns the response's id, never came back (a drop, rerouted or
+        not; a timeout, a broken body; a client gone before it): nobody could retrieve,
+        cancel or watch that run, and a retry elsewhere runs it again. Cancel it there
+        (best effort, one request; vLLM's 404 when it holds none). Its charge stays."""
+        rep = d.target if d.target is not None and d.target.id == d.replica else None
+        if not d.background or d.response_id is None or rep is None or self.client is None:
+            return
+        self.spawn(self._post_cancel(rep, d.response_id, d.request_id))
+
+    async def _post_cancel(self, rep: Replica, engine_id: str, request_id: str) -> None:
+        assert self.client is not None
+        url = f"{rep.url.rstrip('/')}{_RESPONSES_PATH}/{quote(engine_id, safe='')}/cancel"
+        try:
+            async with asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
+                resp = await self.client.post(url, headers=self._replica_headers(rep))
+        except (httpx.HTTPError, TimeoutError):
+            return  # a replica that died of it took its run along
+        if resp.status_code == 200:
+            self.metrics.background_responses.labels("orphan_cancelled").inc()
+            log.warning(
+                "background response cancelled on a replica whose answer was lost: its id "
+                "never reached the client",
+                extra={"replica": rep.id, "request_id": request_id},
+            )
 
     def _background_ended(self, seen: Dispatch) -> None:
         """A client's retrieval or cancel of a watched response answered it terminal:
@@ -2707,6 +2742,20 @@ def _retrieval_query(query: object) -> tuple[str, bool]:
             raise bad_request("'starting_after' must be an integer", "starting_after") from None
         parts.append(f"starting_after={after}")
     return ("?" + "&".join(parts) if parts else ""), stream
+
+
+def _may_hold_orphan(d: Dispatch, out: Outcome) -> bool:
+    """Whether ``d``, a background POST still dispatched, may have a run on its engine whose
+    answer (its id) the client never got: no status was read from it, and the engine did
+    not answer otherwise (a 4xx refusal, an error answer: no run) nor never got it."""
+    return (
+        d.background
+        and d.ticket is not None
+        and d.response_status is None
+        and not 400 <= out.status < 499
+        and out.error not in _NO_ENGINE
+        and not (out.error or "").startswith("http_")
+    )
 
 
 def _refuse_unstored_background() -> NoReturn:

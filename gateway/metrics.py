@@ -278,7 +278,8 @@ class GatewayMetrics:
             "Background responses by how their watch ended: completed, incomplete, "
             "cancelled, failed (terminal), lost (engine or replica no longer has it), "
             "expired (KVGATE_BACKGROUND_WATCH_MAX_S), shutdown, unwatched (over "
-            "KVGATE_BACKGROUND_WATCH_MAX: ticket ended at the queued answer)",
+            "KVGATE_BACKGROUND_WATCH_MAX: ticket ended at the queued answer), orphan_cancelled "
+            "(a run whose answer never reached the client, cancelled on its replica)",
             ["outcome"],
             registry=r,
         )

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import orjson
 import pytest
 
 from gateway.core import Gateway
 from gateway.responses import SEALED_PREFIX
+from gateway.upstream import UpstreamResponse
 from tests.test_agent_helpers import counter_total as _count
 from tests.test_gateway_support import Stack, keys_file, kill_replica, stack, words
 
@@ -300,3 +302,84 @@ async def test_cancel_meets_its_replica_out_of_service_unreachable_or_gone() -> 
         assert got.status_code == 404 and got.json()["error"]["param"] == "response_id"
         await _until(lambda: not st.gw._background)
         assert _outcome(st, "lost") == 1 and _held(st.gw) == 0
+
+
+async def test_a_background_post_dropped_after_its_replica_took_it_is_cancelled_there() -> None:
+    # H177: replica A stores and starts the run (vLLM's goes on without the connection),
+    # then the connection breaks before its "queued" answer: the gateway retries on B
+    # (D32), and A's run, whose id never reached the client, is cancelled, not left to
+    # run for no one beside B's
+    async with stack(count=2, **FAST_POLL) as st, st.http() as h:
+        assert st.gw.upstream is not None
+        post = st.gw.upstream.post
+        dropped: list[tuple[str, str]] = []
+
+        async def drop_once(url: str, path: str, headers: Any, body: bytes, *a: Any) -> Any:
+            resp = await post(url, path, headers, body, *a)
+            if dropped or path != "/v1/responses":
+                return resp
+            await resp.aread()  # A answered "queued": its run goes on
+            await resp.aclose()
+            dropped.append((url, orjson.loads(body)["request_id"]))
+            raise httpx.RemoteProtocolError("peer closed connection without a response")
+
+        st.gw.upstream.post = drop_once  # type: ignore[method-assign,assignment]
+        body = {"model": st.model, "input": words(30, 12), "max_output_tokens": 4000}
+        r = await h.post("/v1/responses", json={**body, "background": True})
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        ((a_url, engine_id),) = dropped
+        served = r.headers["x-kvgate-replica"]
+        assert next(x.url for x in st.gw.pool.all() if x.id == served) != a_url  # type: ignore[union-attr]
+        async with httpx.AsyncClient(base_url=a_url) as direct:
+            for _ in range(250):  # bounded: A's run is cancelled, or still queued
+                on_a = (await direct.get(f"/v1/responses/{engine_id}")).json()
+                if on_a["status"] != "queued":
+                    break
+                await asyncio.sleep(0.02)
+        assert on_a["status"] == "cancelled", on_a["status"]
+        assert _outcome(st, "orphan_cancelled") == 1
+        # B's run, the one the client holds, is watched as any
+        assert _held(st.gw) == 1 and len(st.gw._background) == 1
+        await h.post(f"/v1/responses/{r.json()['id']}/cancel")
+        assert _held(st.gw) == 0
+
+
+class _BrokenBody(UpstreamResponse):
+    """An upstream answer whose body breaks off after its head."""
+
+    __slots__ = ()
+
+    async def aread(self) -> bytes:
+        await self.body.aclose()
+        raise httpx.ReadError("connection reset mid-body")
+
+
+async def test_a_background_answer_that_breaks_off_cancels_its_run() -> None:
+    # H177: the engine stored and started the run, its "queued" answer broke off after
+    # the head (a 502 to the client, who never learns the id): the run is cancelled there
+    async with stack(count=1, **FAST_POLL) as st, st.http() as h:
+        assert st.gw.upstream is not None
+        post = st.gw.upstream.post
+        sent: list[str] = []
+
+        async def broken(url: str, path: str, headers: Any, body: bytes, *a: Any) -> Any:
+            resp = await post(url, path, headers, body, *a)
+            if path != "/v1/responses":
+                return resp
+            sent.append(orjson.loads(body)["request_id"])
+            return _BrokenBody(resp.status_code, resp.headers, resp.body)
+
+        st.gw.upstream.post = broken  # type: ignore[method-assign,assignment]
+        body = {"model": st.model, "input": words(30, 13), "max_output_tokens": 4000}
+        r = await h.post("/v1/responses", json={**body, "background": True})
+        assert r.status_code == 502, r.text
+        (engine_id,) = sent
+        (rep,) = st.gw.pool.all()  # type: ignore[union-attr]
+        async with httpx.AsyncClient(base_url=rep.url) as direct:
+            for _ in range(250):  # bounded: cancelled, or still queued
+                on_rep = (await direct.get(f"/v1/responses/{engine_id}")).json()
+                if on_rep["status"] != "queued":
+                    break
+                await asyncio.sleep(0.02)
+        assert on_rep["status"] == "cancelled", on_rep["status"]
+        assert _held(st.gw) == 0 and not st.gw._background
