@@ -11,7 +11,9 @@ models:
 
 - a message ``{role, content}`` (content a string or parts): a user, system or developer
   one (``input_text`` parts only: vLLM's request model refuses others) as that message
-  (parts joined by newlines, as vLLM's chat parser joins them), with its string ``name``
+  (its parts as ``text`` parts, which the chat reader reads in the template's content
+  format as vLLM's chat parser does: joined by newlines for a string template), with
+  its string ``name``
   and a developer's ``tools`` (vLLM passes the item to its chat parser whole, which keeps
   both for the template); an assistant one (all ``output_text`` parts, with its ``type``
   or an ``id``; or all ``input_text`` parts) as an assistant message of its *first*
@@ -24,8 +26,8 @@ models:
   ensure_ascii=False)`` (its ``namespace`` not read);
 - ``function_call_output`` and ``custom_tool_call_output`` ``{call_id, output}``:
   ``{role: "tool", content: output, tool_call_id: call_id}`` (an array of ``input_text``
-  parts: their non-empty texts joined by newlines, as the chat parser joins a tool
-  message's parts; a custom one's array is spent by that first rendering,
+  parts: as ``text`` parts, which the chat reader joins as vLLM's chat parser joins a
+  tool message's parts; a custom one's array is spent by that first rendering,
   :func:`stored_messages`);
 - ``reasoning``: an assistant message with ``reasoning`` (its first content part's text,
   else its first summary part's, else empty); an empty ``encrypted_content`` is absent.
@@ -67,8 +69,8 @@ class ResponsesInputError(ValueError):
 
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
-    """``input`` as chat messages with string contents, assistant items grouped as vLLM
-    groups them (see the module's docstring)."""
+    """``input`` as chat messages (a content a string, or ``text`` parts), assistant
+    items grouped as vLLM groups them (see the module's docstring)."""
     return _read_input(value)[0]
 
 
@@ -119,9 +121,9 @@ def _read_input(value: Any) -> tuple[list[dict[str, Any]], list[int]]:
                 raise ResponsesInputError(f"'input[{i}].id' must be a string")
             if not isinstance(output, str):
                 # vLLM hands the parts to its chat parser as the tool message's content,
-                # which joins their texts as a message's (empty ones dropped)
-                texts = _parts_texts(output, i, "output", ("input_text",))
-                output = "\n".join(t for t in texts if t)
+                # which reads them in the template's content format (cachecore.tokenizer:
+                # joined, empty ones dropped, for a string template)
+                output = _text_parts(_parts_texts(output, i, "output", ("input_text",)))
                 if kind == "custom_tool_call_output":
                     spent.append(len(out))
             out.append({"role": "tool", "content": output, "tool_call_id": call_id})
@@ -140,7 +142,12 @@ def _read_input(value: Any) -> tuple[list[dict[str, Any]], list[int]]:
             if role != "assistant":
                 kinds = _TEXT_PARTS if _referenced(item) else ("input_text",)
                 texts = _content_texts(item, i, kinds)
-                msg: dict[str, Any] = {"role": role, "content": "\n".join(t for t in texts if t)}
+                # a list of parts stays one, read by the chat reader in the template's
+                # content format (joined by newlines for a string one) as vLLM reads it
+                content = item["content"]
+                if not isinstance(content, str):
+                    content = _text_parts(texts)
+                msg: dict[str, Any] = {"role": role, "content": content}
                 # vLLM hands this item to its chat parser whole (its request model allows
                 # extra fields, the items too), which keeps a string name and a
                 # developer's tools for the template: rendered, they are prompt to size
@@ -276,6 +283,12 @@ def _referenced(item: dict[str, Any]) -> bool:
     validates so whatever else it holds, and vLLM's reader then reads it by its role
     (its text parts of any kind, as the chat parser reads them)."""
     return "type" not in item and isinstance(item.get("id"), str)
+
+
+def _text_parts(texts: list[str]) -> list[dict[str, str]]:
+    """Texts as the chat message parts the chat reader takes (``text`` parts, in order,
+    empty ones kept: an openai-format template sees them)."""
+    return [{"type": "text", "text": t} for t in texts]
 
 
 def _content_texts(item: dict[str, Any], i: int, kinds: tuple[str, ...]) -> list[str]:

@@ -34,6 +34,13 @@ import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
+from cachecore.chatformat import (
+    ContentFormat,
+    ContentFormatOption,
+    detect_content_format,
+    resolve_content_format,
+)
+
 BUILTIN_NAME = "kvgate-builtin-bpe"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -339,50 +346,90 @@ def message_text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        out: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                text: Any = part
-            elif isinstance(part, Mapping):
-                kind = part.get("type")
-                field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
-                if field is None and isinstance(kind, str) and kind in MEDIA_PART_TYPES:
-                    raise TokenizerError(
-                        f"unsupported content part type: {kind!r} (kvgate routes text; "
-                        "media parts are not supported)"
-                    )
-                if field is None:
-                    # no text part, nor one of the media types the gateway strips first
-                    # (strip_media): the gateway's own 400 for a typo such as "image",
-                    # which must not tell the client that media is refused
-                    raise TokenizerError(
-                        f"unsupported content part type: {kind!r} (text parts: "
-                        f"{', '.join(TEXT_PART_FIELDS)}; media parts: "
-                        f"{', '.join(sorted(MEDIA_PART_TYPES))})"
-                    )
-                if _is_media(part):  # typed as text, read by the engine as media
-                    raise TokenizerError(
-                        f"content part {kind!r} without a string {field!r} carries media "
-                        "fields, which the engine reads as a media part (kvgate routes "
-                        "text; media parts are not supported)"
-                    )
-                text = part.get(field)
-                if text is not None and not isinstance(text, str):
-                    raise TokenizerError(f"content part {kind!r}: {field!r} must be a string")
-            else:
-                raise TokenizerError("message content parts must be objects or strings")
-            if text:
-                out.append(text)
-        return "\n".join(out)
-    raise TokenizerError("message content must be a string or a list of parts")
+    return "\n".join(text for text in _content_texts(content) if text)
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Validate an OpenAI ``messages`` array and return it as vLLM hands it to a
-    string-content chat template: ``role`` and text ``content``, plus an assistant's
-    ``tool_calls`` (arguments as an object, an empty list dropped) and ``reasoning``,
-    a tool's ``tool_call_id``, a developer's ``tools``, and any string ``name``."""
+def message_parts(content: Any) -> list[dict[str, Any]]:
+    """An OpenAI message ``content`` as vLLM 0.33 hands it to an openai-format chat
+    template (``parse_chat_message_content`` with ``wrap_dicts``): a list of
+    ``{"type": "text", "text": ...}`` parts, one for each text-like part (its type, be it
+    ``input_text``, ``refusal`` or ``thinking``, rendered as ``text``) and for a bare
+    string, empty texts kept (a string template drops them); a string content is one
+    part, an absent one none. Media parts are refused as :func:`message_text` refuses
+    them. A part whose text is null is dropped (vLLM skips a ``text`` or ``refusal``
+    one; it reads the other types only as its request model validates them). The
+    request model drops a text part's other keys, so vLLM's extra fields are none."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return [{"type": "text", "text": t} for t in _content_texts(content) if t is not None]
+
+
+def _content_texts(content: Any) -> list[str | None]:
+    """The text of each part of a list ``content``, in order (None: a text part without
+    one), its parts checked as :func:`message_text` says."""
+    if not isinstance(content, list):
+        raise TokenizerError("message content must be a string or a list of parts")
+    out: list[str | None] = []
+    for part in content:
+        if isinstance(part, str):
+            text: Any = part
+        elif isinstance(part, Mapping):
+            kind = part.get("type")
+            field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
+            if field is None and isinstance(kind, str) and kind in MEDIA_PART_TYPES:
+                raise TokenizerError(
+                    f"unsupported content part type: {kind!r} (kvgate routes text; "
+                    "media parts are not supported)"
+                )
+            if field is None:
+                # no text part, nor one of the media types the gateway strips first
+                # (strip_media): the gateway's own 400 for a typo such as "image",
+                # which must not tell the client that media is refused
+                raise TokenizerError(
+                    f"unsupported content part type: {kind!r} (text parts: "
+                    f"{', '.join(TEXT_PART_FIELDS)}; media parts: "
+                    f"{', '.join(sorted(MEDIA_PART_TYPES))})"
+                )
+            if _is_media(part):  # typed as text, read by the engine as media
+                raise TokenizerError(
+                    f"content part {kind!r} without a string {field!r} carries media "
+                    "fields, which the engine reads as a media part (kvgate routes "
+                    "text; media parts are not supported)"
+                )
+            text = part.get(field)
+            if text is not None and not isinstance(text, str):
+                raise TokenizerError(f"content part {kind!r}: {field!r} must be a string")
+        else:
+            raise TokenizerError("message content parts must be objects or strings")
+        out.append(text)
+    return out
+
+
+def _message_content(role: str, content: Any, content_format: ContentFormat) -> Any:
+    """A message's ``content`` as vLLM 0.33 hands it to a template in ``content_format``:
+    a string (:func:`message_text`), or parts (:func:`message_parts`), except a tool
+    message's, whose text parts vLLM joins back into one string by newlines, empty ones
+    kept (``parse_chat_message_content``: most templates render a tool result as a
+    string)."""
+    if content_format == "string":
+        return message_text(content)
+    parts = message_parts(content)
+    if role == "tool":
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def normalize_messages(
+    messages: Any, content_format: ContentFormat = "string"
+) -> list[dict[str, Any]]:
+    """Validate an OpenAI ``messages`` array and return it as vLLM hands it to a chat
+    template of ``content_format`` (:mod:`cachecore.chatformat`): ``role`` and
+    ``content`` (text, or a list of text parts: :func:`_message_content`), plus an
+    assistant's ``tool_calls`` (arguments as an object, an empty list dropped) and
+    ``reasoning``, a tool's ``tool_call_id``, a developer's ``tools``, and any string
+    ``name``."""
     if not isinstance(messages, list) or not messages:
         raise TokenizerError("'messages' must be a non-empty array")
     out: list[dict[str, Any]] = []
@@ -392,7 +439,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise TokenizerError(f"messages[{i}].role must be a non-empty string")
-        conv: dict[str, Any] = {"role": role, "content": message_text(msg.get("content"))}
+        content = _message_content(role, msg.get("content"), content_format)
+        conv: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             calls = msg.get("tool_calls")
             if calls is not None:
@@ -617,7 +665,10 @@ class ScoreTemplate:
 
 
 class HFTokenizer:
-    """A HuggingFace ``tokenizers`` tokenizer plus a Jinja chat template."""
+    """A HuggingFace ``tokenizers`` tokenizer plus a Jinja chat template, rendered in the
+    content format vLLM would render it in: ``content_format`` as vLLM's
+    ``--chat-template-content-format`` takes it (``auto``: detected from the template,
+    :mod:`cachecore.chatformat`)."""
 
     def __init__(
         self,
@@ -625,6 +676,7 @@ class HFTokenizer:
         chat_template: str,
         name: str,
         special_tokens: Mapping[str, str] | None = None,
+        content_format: ContentFormatOption = "auto",
     ) -> None:
         self._tok = tokenizer
         self.name = name
@@ -633,6 +685,16 @@ class HFTokenizer:
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         env = chat_template_env()
         self._template = env.from_string(chat_template)
+        self.detected_content_format: ContentFormat = detect_content_format(env, chat_template)
+        self.content_format_option: ContentFormatOption = content_format
+        self.content_format = resolve_content_format(content_format, self.detected_content_format)
+        if self.content_format != self.detected_content_format:  # vLLM warns so too
+            _log.warning(
+                "chat template content format set to %s, detected as %s",
+                self.content_format,
+                self.detected_content_format,
+                extra={"tokenizer": name},
+            )
         eos = self._tok.token_to_id(EOS_TOKEN)
         if eos is None:
             eos = self._tok.token_to_id("<|endoftext|>")
@@ -645,12 +707,24 @@ class HFTokenizer:
         chat_template: str,
         name: str,
         special_tokens: Mapping[str, str] | None = None,
+        content_format: ContentFormatOption = "auto",
     ) -> HFTokenizer:
         tok = _HFTokenizer.from_file(str(tokenizer_json))
-        return cls(tok, chat_template, name, special_tokens)
+        return cls(tok, chat_template, name, special_tokens, content_format)
+
+    def with_content_format(self, content_format: ContentFormatOption) -> HFTokenizer:
+        """This tokenizer and template rendered in ``content_format`` (the very one when
+        it already renders under that option)."""
+        if content_format == self.content_format_option:
+            return self
+        return HFTokenizer(
+            self._tok, self.chat_template_source, self.name, self.special_tokens, content_format
+        )
 
     @classmethod
-    def from_dir(cls, directory: Path, name: str | None = None) -> HFTokenizer:
+    def from_dir(
+        cls, directory: Path, name: str | None = None, content_format: ContentFormatOption = "auto"
+    ) -> HFTokenizer:
         """Load ``tokenizer.json`` and the chat template from ``tokenizer_config.json``
         (or ``chat_template.jinja``) in an HF model directory."""
         directory = Path(directory)
@@ -676,7 +750,7 @@ class HFTokenizer:
                 value = value.get("content")
             if isinstance(value, str):
                 special[key] = value
-        return cls.from_files(tok_file, template, name or directory.name, special)
+        return cls.from_files(tok_file, template, name or directory.name, special, content_format)
 
     @property
     def eos_token_id(self) -> int:
@@ -756,7 +830,7 @@ class HFTokenizer:
         for vLLM: the special tokens and ``chat_template_kwargs`` as variables, ``tools``
         and ``documents``, and ``continue_final_message`` cutting the text right after the
         final message's content."""
-        msgs = normalize_messages(list(messages))
+        msgs = normalize_messages(list(messages), self.content_format)
         opts = options or ChatOptions()
         if opts.continue_final_message and add_generation_prompt:
             raise TokenizerError(
@@ -774,7 +848,7 @@ class HFTokenizer:
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from exc
         if opts.continue_final_message:
-            text = _cut_after_final_message(text, msgs[-1]["content"])
+            text = _cut_after_final_message(text, _final_text(msgs[-1]["content"]))
         return text
 
     def encode_chat(
@@ -809,6 +883,20 @@ SPECIAL_TOKEN_KEYS = (
 )
 
 
+def _final_text(content: str | list[dict[str, Any]]) -> str:
+    """The text ``continue_final_message`` continues: a string content, or transformers'
+    pick in a list of parts, the last part with a ``text``."""
+    if isinstance(content, str):
+        return content
+    for part in reversed(content):
+        if "text" in part:
+            return str(part["text"])
+    raise TokenizerError(
+        "continue_final_message is set but we could not find any text to continue in the "
+        "final message!"
+    )
+
+
 def _cut_after_final_message(text: str, final: str) -> str:
     """transformers' ``continue_final_message``, rule for rule: the rendered chat up to
     the end of the final message's content, its trailing whitespace kept only when the
@@ -827,11 +915,14 @@ def _data_path(name: str) -> Path:
     return Path(str(resources.files("cachecore").joinpath("data", name)))
 
 
-def builtin_tokenizer() -> HFTokenizer:
-    """The shipped deterministic tokenizer. Callers that need it often should keep the
-    instance (loading parses a 0.5 MB JSON file)."""
+def builtin_tokenizer(content_format: ContentFormatOption = "auto") -> HFTokenizer:
+    """The shipped deterministic tokenizer (its ChatML template: the string format under
+    ``auto``). Callers that need it often should keep the instance (loading parses a
+    0.5 MB JSON file)."""
     template = _data_path("chat_template.jinja").read_text()
-    return HFTokenizer.from_files(_data_path("tokenizer.json"), template, BUILTIN_NAME)
+    return HFTokenizer.from_files(
+        _data_path("tokenizer.json"), template, BUILTIN_NAME, content_format=content_format
+    )
 
 
 def export_builtin(directory: Path) -> list[Path]:

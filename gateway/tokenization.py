@@ -883,10 +883,11 @@ class TokenizerPools:
         self._replica_url = replica_url
         self._cache_tokens = cache_tokens  # each local tokenizer's segment cache bound
         self._sizer: LocalPromptTokenizer | None = None  # see :meth:`sizer`
-        self._local: dict[tuple[str, str | None], LocalPromptTokenizer] = {}
-        # each loaded hf directory's files as they were read: a reload reads them again
+        # by (tokenizer, tokenizer_dir, chat_template_content_format): _pool_key
+        self._local: dict[tuple[str, str | None, str], LocalPromptTokenizer] = {}
+        # each loaded hf tokenizer's files as they were read: a reload reads them again
         # only when they changed (a tokenizer updated in place)
-        self._versions: dict[str, tuple[FileVersion | None, ...]] = {}
+        self._versions: dict[tuple[str, str | None, str], tuple[FileVersion | None, ...]] = {}
         # each hf directory that did not load: its files' version then, and why. The policy
         # watcher retries such a refusal: the same files are not parsed again (the parse
         # holds the GIL, ~65 ms/MB) while a file still being copied is
@@ -909,16 +910,17 @@ class TokenizerPools:
         return self._sizer
 
     def local(self, pool: ModelPool) -> LocalPromptTokenizer:
-        key = (pool.tokenizer, pool.tokenizer_dir)
+        key = _pool_key(pool)
         tok = self._local.get(key)
         if tok is None:
+            fmt = pool.chat_template_content_format
             if pool.tokenizer == "hf" and pool.tokenizer_dir:
                 # a policy the gateway applies had it loaded by load_hf: this is for a
                 # TokenizerPools used without one (tests, tools)
-                hf = HFTokenizer.from_dir(Path(pool.tokenizer_dir))
+                hf = HFTokenizer.from_dir(Path(pool.tokenizer_dir), content_format=fmt)
                 tok = LocalPromptTokenizer(hf, self._cache_tokens)
             else:
-                tok = LocalPromptTokenizer(builtin_tokenizer(), self._cache_tokens)
+                tok = LocalPromptTokenizer(builtin_tokenizer(fmt), self._cache_tokens)
             self._local[key] = tok
         return tok
 
@@ -935,24 +937,31 @@ class TokenizerPools:
         problems: list[tuple[str, str]] = []
         named = [("models.default", models.default)]
         named += [(f"models.pools.{name}", pool) for name, pool in models.pools.items()]
-        done: set[str] = set()
+        done: set[tuple[str, str | None, str]] = set()
         # installed only when all load: a refused policy changes nothing (a directory the
         # old policy shares would otherwise serve the new file's tokenizer already)
-        staged: dict[str, tuple[LocalPromptTokenizer, tuple[FileVersion | None, ...]]] = {}
+        staged: dict[
+            tuple[str, str | None, str],
+            tuple[LocalPromptTokenizer, tuple[FileVersion | None, ...]],
+        ] = {}
         for field, pool in named:
             directory = pool.tokenizer_dir
-            if pool.tokenizer != "hf" or not directory or directory in done:
+            key = _pool_key(pool)
+            if pool.tokenizer != "hf" or not directory or key in done:
                 continue
-            done.add(directory)
+            done.add(key)
             version = _hf_files_version(Path(directory))
-            if self._versions.get(directory) == version and ("hf", directory) in self._local:
+            if self._versions.get(key) == version and key in self._local:
                 continue
             failed = self._failed.get(directory)
             if failed is not None and failed[0] == version:
                 problems.append((f"{field}.tokenizer_dir", failed[1]))
                 continue
+            fmt = pool.chat_template_content_format
             try:
-                hf = await asyncio.to_thread(HFTokenizer.from_dir, Path(directory))
+                hf = await asyncio.to_thread(
+                    HFTokenizer.from_dir, Path(directory), content_format=fmt
+                )
             except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
                 tok_file = str(Path(directory) / "tokenizer.json")
                 problem = f"{tok_file!r} does not load: {exc}"
@@ -961,23 +970,28 @@ class TokenizerPools:
                 problems.append((f"{field}.tokenizer_dir", problem))
                 continue
             self._failed.pop(directory, None)
-            staged[directory] = (LocalPromptTokenizer(hf, self._cache_tokens), version)
+            staged[key] = (LocalPromptTokenizer(hf, self._cache_tokens), version)
         if not problems:
-            for directory, (tok, version) in staged.items():
-                self._local[("hf", directory)] = tok
-                self._versions[directory] = version
+            for key, (tok, version) in staged.items():
+                self._local[key] = tok
+                self._versions[key] = version
         return problems
 
     def retain(self, models: ModelsPolicy) -> None:
         """Forget the local tokenizers ``models`` no longer uses (requests in flight keep
         theirs): a reload's replaced directories are not held for ever."""
         pools = [models.default, *models.pools.values()]
-        keep = {(p.tokenizer, p.tokenizer_dir) for p in pools}
+        keep = {_pool_key(p) for p in pools}
         self._failed.clear()  # a policy applied: the refused directories are not held
         for key in [k for k in self._local if k not in keep]:
             del self._local[key]
-            if key[1] is not None:
-                self._versions.pop(key[1], None)
+            self._versions.pop(key, None)
+
+
+def _pool_key(pool: ModelPool) -> tuple[str, str | None, str]:
+    """What a pool's local tokenizer is loaded and kept by: its kind, directory and the
+    content format it renders chats in (one directory may serve two formats)."""
+    return (pool.tokenizer, pool.tokenizer_dir, pool.chat_template_content_format)
 
 
 def _hf_files_version(directory: Path) -> tuple[FileVersion | None, ...]:

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from cachecore.argtypes import validation_message
+from cachecore.chatformat import ContentFormatOption
 from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients
 from cachecore.tokenizer import ScoreTemplate, TokenizerError
@@ -233,6 +234,9 @@ class ModelPool(_Section):
 
     tokenizer: TokenizerKind = "builtin"
     tokenizer_dir: str | None = None
+    # the engine's --chat-template-content-format: how a local tokenizer hands message
+    # contents to its chat template (auto: detected from the template, as vLLM does)
+    chat_template_content_format: ContentFormatOption = "auto"
     block_size: Annotated[int, Field(gt=0)] = 16
     max_num_seqs: Annotated[int, Field(gt=0)] = 256  # the engine's concurrent sequences
     alignment_check: bool = True
@@ -279,6 +283,12 @@ class ModelPool(_Section):
             raise FieldValueError(
                 "tokenizer_dir",
                 f"only with tokenizer 'hf' (tokenizer {self.tokenizer!r} reads none)",
+            )
+        if self.tokenizer.startswith("engine_") and self.chat_template_content_format != "auto":
+            # the engine renders these pools' chats in its own format: never read
+            raise FieldValueError(
+                "chat_template_content_format",
+                f"only with a local tokenizer ({self.tokenizer!r} renders on the engine)",
             )
         return self
 

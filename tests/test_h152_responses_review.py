@@ -47,7 +47,7 @@ def test_a_message_items_name_and_a_developers_tools_are_read_as_vllm_keeps_them
     assert input_messages(items) == [
         {"role": "developer", "content": "d", "tools": [{"x": 1}]},
         {"role": "system", "content": "s", "name": "ops"},
-        {"role": "user", "content": "u", "name": "ann"},
+        {"role": "user", "content": [{"type": "text", "text": "u"}], "name": "ann"},
         {"role": "user", "content": "v"},
         {"role": "assistant", "content": "a"},
     ]

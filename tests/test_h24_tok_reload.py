@@ -28,6 +28,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
+from cachecore.chatformat import ContentFormatOption
 from cachecore.testing import free_port
 from cachecore.tokenizer import HFTokenizer, export_builtin
 from gateway.core import Gateway
@@ -71,11 +72,13 @@ class _FromDirSpy:
         self.delay_s = delay_s
         self.threads: list[int] = []
 
-    def __call__(self, directory: Path, name: str | None = None) -> HFTokenizer:
+    def __call__(
+        self, directory: Path, name: str | None = None, content_format: ContentFormatOption = "auto"
+    ) -> HFTokenizer:
         self.threads.append(threading.get_ident())
         if self.delay_s:
             time.sleep(self.delay_s)
-        return self.real(directory, name)
+        return self.real(directory, name, content_format)
 
 
 @contextlib.asynccontextmanager

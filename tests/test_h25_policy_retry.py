@@ -29,6 +29,7 @@ import pytest
 from pydantic import SecretStr
 
 import gateway.policy_store as policy_store
+from cachecore.chatformat import ContentFormatOption
 from cachecore.testing import free_port
 from cachecore.tokenizer import HFTokenizer, export_builtin
 from gateway.core import Gateway
@@ -81,9 +82,11 @@ class _Loads:
         self.real = HFTokenizer.from_dir
         self.calls = 0
 
-    def __call__(self, directory: Path, name: str | None = None) -> HFTokenizer:
+    def __call__(
+        self, directory: Path, name: str | None = None, content_format: ContentFormatOption = "auto"
+    ) -> HFTokenizer:
         self.calls += 1
-        return self.real(directory, name)
+        return self.real(directory, name, content_format)
 
 
 @contextlib.asynccontextmanager

@@ -23,9 +23,16 @@ from cachecore.tokenizer import (
     ChatOptions,
     HFTokenizer,
     effort_template_kwargs,
+    message_text,
     normalize_messages,
 )
 from tests.test_responses_replica import tools_model
+
+
+def _parts(*texts: str) -> list[dict[str, str]]:
+    """Texts as the chat reader's text parts (what a list content is read as)."""
+    return [{"type": "text", "text": t} for t in texts]
+
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": '{"q":1}'}
 CALL2 = {"type": "function_call", "call_id": "call_2", "name": "clock", "arguments": "{}"}
@@ -89,7 +96,9 @@ def test_assistant_and_reasoning_text_as_vllm_takes_it() -> None:
     two = {**SAID, "content": [{"type": "output_text", "text": t} for t in ("a", "b")]}
     assert input_messages([two]) == [{"role": "assistant", "content": "a"}]  # first part
     user = {"role": "user", "content": [{"type": "input_text", "text": t} for t in ("a", "b")]}
-    assert input_messages([user]) == [{"role": "user", "content": "a\nb"}]  # joined
+    # its parts kept (an openai-format template sees them), joined for a string one
+    assert input_messages([user]) == [{"role": "user", "content": _parts("a", "b")}]
+    assert message_text(input_messages([user])[0]["content"]) == "a\nb"
     summary_only = {
         "type": "reasoning",
         "id": "rs",
@@ -103,12 +112,14 @@ def test_assistant_and_reasoning_text_as_vllm_takes_it() -> None:
 def test_inputs_vllm_serves_are_read_as_it_reads_them() -> None:
     """Review of D31: items vLLM 0.33 serves that were a 400 here, and the shapes its
     request model takes (checked against it: pydantic 2.14, openai 3.63)."""
-    # a tool's output as parts: the tool message of their texts, empty ones dropped
+    # a tool's output as parts: the tool message of their texts, empty ones dropped by a
+    # string template
     parts = [{"type": "input_text", "text": t} for t in ("a", "", "b")]
     assert input_messages([{**OUT, "output": parts}]) == [
-        {"role": "tool", "content": "a\nb", "tool_call_id": "call_1"}
+        {"role": "tool", "content": _parts("a", "", "b"), "tool_call_id": "call_1"}
     ]
-    assert input_messages([{**OUT, "output": []}])[0]["content"] == ""
+    assert message_text(_parts("a", "", "b")) == "a\nb"
+    assert message_text(input_messages([{**OUT, "output": []}])[0]["content"]) == ""
     # an empty encrypted_content is absent (vLLM tests it for truth)
     for secret in ("", None):
         got = input_messages([{**THOUGHT, "encrypted_content": secret}])
@@ -135,7 +146,7 @@ def test_inputs_vllm_serves_are_read_as_it_reads_them() -> None:
     # it takes any text parts, read by the item's role
     ref = {"role": "user", "id": "u", "content": [{"type": "output_text", "text": "a"},
                                                   {"type": "text", "text": "b"}]}  # fmt: skip
-    assert input_messages([ref]) == [{"role": "user", "content": "a\nb"}]
+    assert input_messages([ref]) == [{"role": "user", "content": _parts("a", "b")}]
     said = {"role": "assistant", "id": "a", "content": [*USER_PARTS, *SAID["content"]]}
     assert input_messages([said]) == [{"role": "assistant", "content": "y"}]
     # an untyped assistant item with no parts: its own message, never joined
@@ -260,7 +271,7 @@ def test_custom_tool_calls_and_outputs_read_as_vllm_renders_them(tmp_path: Path)
     assert empty["arguments"] == '{"input": ""}'
     parts = [{"type": "input_text", "text": t} for t in ("a", "", "b")]
     assert input_messages([{**CUSTOM_OUT, "output": parts}]) == [
-        {"role": "tool", "content": "a\nb", "tool_call_id": "call_3"}
+        {"role": "tool", "content": _parts("a", "", "b"), "tool_call_id": "call_3"}
     ]
     # the chat template sees the arguments as the object {"input": ...}
     tok = HFTokenizer.from_dir(tools_model(tmp_path, tool_loop=True))
@@ -279,9 +290,10 @@ def test_a_custom_outputs_parts_are_spent_for_the_follow_up() -> None:
              CUSTOM, CUSTOM_OUT]  # fmt: skip
     messages = request_messages("sys", [{"role": "user", "content": "q"}], value)
     kept = stored_messages(messages, value)
-    assert [m.get("content") for m in messages if m["role"] == "tool"] == ["a", "a", "a.txt"]
-    assert [m.get("content") for m in kept if m["role"] == "tool"] == ["a", "", "a.txt"]
-    assert kept[:5] == messages[:5] and messages[5]["content"] == "a"  # the rendered ones kept
+    a = _parts("a")
+    assert [m.get("content") for m in messages if m["role"] == "tool"] == [a, a, "a.txt"]
+    assert [m.get("content") for m in kept if m["role"] == "tool"] == [a, "", "a.txt"]
+    assert kept[:5] == messages[:5] and messages[5]["content"] == a  # the rendered ones kept
     assert stored_messages(messages[:3], "q") == messages[:3]
 
 

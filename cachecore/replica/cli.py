@@ -28,6 +28,7 @@ from cachecore.argtypes import (
     unknown_settings,
     validation_message,
 )
+from cachecore.chatformat import CONTENT_FORMAT_OPTIONS
 from cachecore.engine import PROFILES, HashAlgo, WireHashFormat
 from cachecore.kvevents import Encoding
 from cachecore.logs import configure_logging
@@ -60,6 +61,7 @@ _SETTINGS_FLAGS = {
     "replay_buffer_steps": "replay_buffer_steps",
     "lora": "lora",
     "tokenizer_dir": "tokenizer_dir",
+    "chat_template_content_format": "chat_template_content_format",
     "data_parallel_size": "data_parallel_size",
     "responses_store_max": "responses_store_max",
     "score_template": "score_template",
@@ -122,6 +124,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a(
         "--tokenizer-dir",
         help="HF model dir with tokenizer.json + chat template (default: the built-in one)",
+    )
+    a(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMAT_OPTIONS,
+        help="as vLLM's flag: message contents handed to the chat template as one string or "
+        "as a list of parts (default auto: detected from the template)",
     )
     a(
         "--drop-last-hit-block",
@@ -218,7 +226,9 @@ def load_tokenizer(settings: ReplicaSettings) -> HFTokenizer | None:
     if not settings.tokenizer_dir:
         return None
     try:
-        return HFTokenizer.from_dir(Path(settings.tokenizer_dir))
+        return HFTokenizer.from_dir(
+            Path(settings.tokenizer_dir), content_format=settings.chat_template_content_format
+        )
     # the `tokenizers` library raises a bare Exception for a malformed tokenizer.json
     # ("EOF while parsing an object"); it was a traceback, as a bad tokenizer_config.json
     # (JSONDecodeError) was, and a missing file was exit 1

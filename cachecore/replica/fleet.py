@@ -137,12 +137,15 @@ async def run_fleet(
 ) -> AsyncIterator[Fleet]:
     """Start ``count`` replicas (HTTP + ZMQ) in the running event loop; stop them on exit."""
     settings = settings or ReplicaSettings()
+    fmt = settings.chat_template_content_format
     if tokenizer is None:
         tokenizer = (
-            HFTokenizer.from_dir(Path(settings.tokenizer_dir))
+            HFTokenizer.from_dir(Path(settings.tokenizer_dir), content_format=fmt)
             if settings.tokenizer_dir
-            else builtin_tokenizer()
+            else builtin_tokenizer(fmt)
         )
+    elif fmt != "auto":  # the operator's format over the given tokenizer's
+        tokenizer = tokenizer.with_content_format(fmt)
     text = TokenText(tokenizer)
     vocab = output_vocabulary(tokenizer)
     ctx = zmq.asyncio.Context()

@@ -10,6 +10,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cachecore.chatformat import ContentFormatOption
 from cachecore.engine import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_MODEL_LEN,
@@ -69,6 +70,9 @@ class ReplicaSettings(BaseSettings):
     legacy_replay_reply: bool = False  # answer replay as [b"", seq, payload] (older vLLM)
     lora: list[str] = Field(default_factory=list)
     tokenizer_dir: str | None = None  # HF model dir (tokenizer.json + chat template)
+    # vLLM's --chat-template-content-format: message contents handed to the chat template
+    # as one string or as a list of parts (auto: detected from the template)
+    chat_template_content_format: ContentFormatOption = "auto"
     access_log: bool = False  # uvicorn access log (debugging which endpoints peers call)
     # engine cores behind each replica's one HTTP port, each with its own KV cache and event
     # stream (vLLM's --data-parallel-size with its internal load balancing)
