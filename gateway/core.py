@@ -486,6 +486,11 @@ class Gateway:
         # background responses whose ticket is held until terminal (D33): (replica, engine
         # response id) -> the POST's dispatch and its watcher
         self._background: dict[tuple[str, str], tuple[Dispatch, asyncio.Task[None]]] = {}
+        # their polls and cancels share the client (its pool of KVGATE_MAX_CONNECTIONS)
+        # with the health probes and remote tokenization: a replica that hangs its answers
+        # holds each for its timeout, and 1024 watched on it took every connection, so
+        # every replica's probe failed for want of one. A quarter of the pool at most
+        self._poll_slots = asyncio.Semaphore(max(1, settings.max_connections // 4))
         self._settling: Counter[str] = Counter()  # claim checks waiting for their agent
         self.alignment_problems: list[str] = []
         self._started = False  # replicas coming into service are checked from then on
@@ -2304,7 +2309,7 @@ class Gateway:
             return None
         url = f"{rep.url.rstrip('/')}{_RESPONSES_PATH}/{quote(d.response_id, safe='')}"
         try:
-            async with asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
+            async with self._poll_slots, asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
                 resp = await self.client.get(url, headers=self._replica_headers(rep))
         except (httpx.HTTPError, TimeoutError):
             return None
@@ -2347,7 +2352,7 @@ class Gateway:
         assert self.client is not None
         url = f"{rep.url.rstrip('/')}{_RESPONSES_PATH}/{quote(engine_id, safe='')}/cancel"
         try:
-            async with asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
+            async with self._poll_slots, asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
                 resp = await self.client.post(url, headers=self._replica_headers(rep))
         except (httpx.HTTPError, TimeoutError):
             return  # a replica that died of it took its run along

@@ -383,3 +383,36 @@ async def test_a_background_answer_that_breaks_off_cancels_its_run() -> None:
                 await asyncio.sleep(0.02)
         assert on_rep["status"] == "cancelled", on_rep["status"]
         assert _held(st.gw) == 0 and not st.gw._background
+
+
+async def test_a_replica_that_hangs_its_polls_holds_at_most_a_quarter_of_the_pool() -> None:
+    # H177: the watchers' polls share the gateway's client with the health probes and
+    # remote tokenization; a replica that hangs its answers held one connection per
+    # watched response (up to KVGATE_BACKGROUND_WATCH_MAX, the whole pool at the
+    # defaults), and every probe then waited for a connection
+    async with stack(count=1, max_connections=8, **FAST_POLL) as st:
+        c = st.client()
+        client = st.gw.client
+        assert client is not None
+        get = client.get
+        now = peak = 0
+
+        async def hung(url: str, **kw: Any) -> Any:
+            nonlocal now, peak
+            if "/v1/responses/" not in str(url):
+                return await get(url, **kw)
+            now += 1
+            peak = max(peak, now)
+            try:
+                await asyncio.sleep(60)  # no answer (cut by the gateway's stop)
+            finally:
+                now -= 1
+
+        client.get = hung  # type: ignore[method-assign,assignment]
+        for i in range(5):
+            await c.responses.create(
+                model=st.model, input=words(10, 20 + i), max_output_tokens=4000, background=True
+            )
+        assert len(st.gw._background) == 5
+        await asyncio.sleep(0.5)  # every watcher has polled (every 0.05 s) or waits to
+        assert peak == 2, peak  # 8 // 4
