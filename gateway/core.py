@@ -342,6 +342,13 @@ class Dispatch:
         return self.decision.replica
 
     @property
+    def frontend_answer(self) -> bool:
+        """Its answer comes from the engine's API server without the engine core: no
+        evidence of the engine's progress (D17). /tokenize, a retrieval, and a background
+        POST's "queued" JSON, answered before the engine computes anything (D33)."""
+        return self.endpoint in _FRONTEND_ONLY or (self.background and not self.stream)
+
+    @property
     def ephemeral(self) -> bool:
         return self.scope.ephemeral
 
@@ -2053,9 +2060,11 @@ class Gateway:
         engine computed it (not an error answer), so no stall of the replica's engine
         began before now (D17); never for /tokenize and /detokenize, which the server
         answers without its engine (:data:`_FRONTEND_ONLY`)."""
-        if d.ticket is not None:
+        if d.ticket is not None and not (d.background and not d.stream):
+            # a background answer's "queued" comes before its prefill: that leaves the
+            # queue at its predicted first token (on_dispatch's timer), as a JSON answer's
             self.inflight.first_token(d.ticket)
-        if progressed and d.endpoint not in _FRONTEND_ONLY:
+        if progressed and not d.frontend_answer:
             self.inflight.progressed(d.replica, time.monotonic())
 
     def reroute(self, d: Dispatch, failed: str, dropped: bool = False) -> bool:
@@ -2188,7 +2197,7 @@ class Gateway:
                 out.status < 500
                 and out.status != 499
                 and out.error is None
-                and d.endpoint not in _FRONTEND_ONLY
+                and not d.frontend_answer
             ):
                 # a client that left says nothing of the replica, nor does an answer its
                 # API server gives without the engine (/tokenize): neither may clear the

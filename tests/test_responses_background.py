@@ -416,3 +416,28 @@ async def test_a_replica_that_hangs_its_polls_holds_at_most_a_quarter_of_the_poo
         assert len(st.gw._background) == 5
         await asyncio.sleep(0.5)  # every watcher has polled (every 0.05 s) or waits to
         assert peak == 2, peak  # 8 // 4
+
+
+async def test_a_queued_answer_is_no_evidence_of_the_engines_progress() -> None:
+    # H177: vLLM's API server answers a background POST "queued" before its engine core
+    # computes anything; a wedged engine answers it at once. It counted as engine progress
+    # (D17's stall evidence) and as a success clearing the replica's first-byte timeouts
+    async with stack(count=1, **FAST_POLL) as st:
+        (rep,) = st.gw.pool.all()  # type: ignore[union-attr]
+        successes: list[str] = []
+        record = st.gw.pool.record_success  # type: ignore[union-attr]
+
+        def spy(replica: str) -> None:
+            successes.append(replica)
+            record(replica)
+
+        st.gw.pool.record_success = spy  # type: ignore[method-assign,union-attr]
+        r = await st.client().responses.create(
+            model=st.model, input=words(30, 30), max_output_tokens=4000, background=True
+        )
+        assert r.status == "queued"
+        assert st.gw.inflight.since_progress_s(rep.id, time.monotonic()) == float("inf")
+        assert not successes
+        await st.client().responses.cancel(r.id)  # a retrieval's answer: not one either
+        assert st.gw.inflight.since_progress_s(rep.id, time.monotonic()) == float("inf")
+        assert not successes and _held(st.gw) == 0
