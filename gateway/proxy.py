@@ -44,6 +44,8 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 # a Responses stream ends with its terminal event, not [DONE] (vLLM sends none)
 _RESPONSE_END = re.compile(rb'"type"\s*:\s*"response\.(completed|incomplete|failed)"')
 _EVENT_SEP = re.compile(rb"\r?\n\r?\n")
+# a replayed follow-up's events name its previous response by the engine's id (D33)
+_PREVIOUS_ID = re.compile(rb'"previous_response_id"\s*:\s*"(resp_[0-9A-Za-z_-]+)"')
 _RETRYABLE = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -568,6 +570,7 @@ class UpstreamExchange(Response):
                     saw_done = saw_done or done
                 if responses:
                     saw_done = saw_done or _ended(d, ready)
+                    rewrites = self._replayed_previous(ready, rewrites)
                     ready = _rewritten(ready, rewrites)
                 if ready:
                     await conn.stream(ready)
@@ -578,6 +581,7 @@ class UpstreamExchange(Response):
             saw_done = saw_done or done
             if responses:
                 saw_done = saw_done or _ended(d, tail)
+                rewrites = self._replayed_previous(tail, rewrites)
                 tail = _rewritten(tail, rewrites)
             if tail:
                 await conn.stream(tail)
@@ -603,6 +607,19 @@ class UpstreamExchange(Response):
                 error,
             )
         )
+
+    def _replayed_previous(
+        self, data: bytes, rewrites: list[tuple[bytes, bytes]]
+    ) -> list[tuple[bytes, bytes]]:
+        """A replayed stream's (``GET /v1/responses/{id}?stream=true``, D33) rewrites with
+        its follow-up's previous engine id, read in its events (no answer object to read it
+        from as a JSON retrieval's): sealed as that retrieval's is (D30)."""
+        if self.d.endpoint not in RESPONSE_READS:
+            return rewrites
+        found = _PREVIOUS_ID.search(data)
+        if found is None or any(engine == found.group(1) for engine, _ in rewrites):
+            return rewrites
+        return self.gw.answer_rewrites(self.d, {"previous_response_id": found.group(1).decode()})
 
 
 def usage_pair(usage: Any) -> tuple[int, int] | None:

@@ -441,3 +441,27 @@ async def test_a_queued_answer_is_no_evidence_of_the_engines_progress() -> None:
         await st.client().responses.cancel(r.id)  # a retrieval's answer: not one either
         assert st.gw.inflight.since_progress_s(rep.id, time.monotonic()) == float("inf")
         assert not successes and _held(st.gw) == 0
+
+
+async def test_a_replayed_follow_up_names_its_previous_response_by_the_sealed_id() -> None:
+    # H177: a streamed replay's events carry the response object, whose
+    # previous_response_id the engine writes with its own id; the JSON retrieval reseals
+    # it, the replay relayed it raw (an engine id the client never had, D30)
+    async with stack(count=1, **FAST_POLL) as st, st.http() as h:
+        base = {"model": st.model, "max_output_tokens": 4}
+        first = (await h.post("/v1/responses", json={**base, "input": words(20, 31)})).json()
+        body = {
+            **base, "input": "and then", "previous_response_id": first["id"],
+            "background": True, "stream": True,
+        }  # fmt: skip
+        async with h.stream("POST", "/v1/responses", json=body) as resp:
+            events = _events(await resp.aread())
+        rid = events[0]["response"]["id"]
+        assert events[0]["response"]["previous_response_id"] == first["id"]
+        async with h.stream("GET", f"/v1/responses/{rid}", params={"stream": "true"}) as resp:
+            raw = await resp.aread()
+        replay = _events(raw)
+        assert replay == events
+        assert b'"resp_' not in raw.replace(SEALED_PREFIX.encode(), b"")
+        got = (await h.get(f"/v1/responses/{rid}")).json()
+        assert got["previous_response_id"] == first["id"]
