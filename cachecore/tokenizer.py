@@ -413,12 +413,47 @@ def _message_content(role: str, content: Any, content_format: ContentFormat) -> 
     message's, whose text parts vLLM joins back into one string by newlines, empty ones
     kept (``parse_chat_message_content``: most templates render a tool result as a
     string)."""
+    if role == "system":
+        content = _without_billing_header(content)
     if content_format == "string":
         return message_text(content)
     parts = message_parts(content)
     if role == "tool":
         return "\n".join(p["text"] for p in parts)
     return parts
+
+
+BILLING_HEADER = "x-anthropic-billing-header"
+"""The first line of the system prompt Claude Code sends: its ``cch`` value changes on
+every request, so vLLM 0.33 drops it (``_strip_claude_code_billing_header``)."""
+
+
+def _without_billing_header(content: Any) -> Any:
+    """A system message's ``content`` as vLLM 0.33 parses it: each string or ``text``
+    part whose text starts with :data:`BILLING_HEADER` loses its first line (the part
+    dropped when nothing follows it); any other content is the very one. Otherwise the
+    header's ever-changing line would start every prompt, and no block of one request
+    would key as another's, where the engine caches them alike."""
+    parts = [content] if isinstance(content, str) else content
+    if not isinstance(parts, list):
+        return content
+    out: list[Any] = []
+    changed = False
+    for part in parts:
+        if isinstance(part, str):
+            text: Any = part
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text")
+        else:
+            text = None
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(part)
+            continue
+        changed = True
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out if changed else content
 
 
 def normalize_messages(
@@ -681,6 +716,9 @@ class HFTokenizer:
         self._tok = tokenizer
         self.name = name
         self.chat_template_source = chat_template
+        # vLLM 0.33's _detect_developer_role_support: a template that never names the
+        # role has developer messages rendered as system ones
+        self._developer_role = '"developer"' in chat_template or "'developer'" in chat_template
         # the template variables transformers adds (bos_token, eos_token, ...)
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         env = chat_template_env()
@@ -831,6 +869,8 @@ class HFTokenizer:
         and ``documents``, and ``continue_final_message`` cutting the text right after the
         final message's content."""
         msgs = normalize_messages(list(messages), self.content_format)
+        if not self._developer_role and any(m["role"] == "developer" for m in msgs):
+            msgs = _consolidate_system_messages(_developer_as_system(msgs))
         opts = options or ChatOptions()
         if opts.continue_final_message and add_generation_prompt:
             raise TokenizerError(
@@ -881,6 +921,46 @@ SPECIAL_TOKEN_KEYS = (
     "cls_token",
     "mask_token",
 )
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM 0.33's ``_convert_developer_to_system``: each developer message a system one,
+    without its ``tools``."""
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        if msg["role"] == "developer":
+            msg = {k: v for k, v in msg.items() if k != "tools"}
+            msg["role"] = "system"
+        out.append(msg)
+    return out
+
+
+def _consolidate_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM 0.33's ``_consolidate_system_messages`` (after a developer message became a
+    system one): with a system message past the first place or two of them, one system
+    message first, their non-empty contents joined by blank lines (a list content's
+    texts by newlines), the others after it in order; else the very list."""
+    contents: list[str] = []
+    rest: list[dict[str, Any]] = []
+    needed = False
+    for i, msg in enumerate(messages):
+        if msg["role"] != "system":
+            rest.append(msg)
+            continue
+        if i > 0 or contents:
+            needed = True
+        content = msg.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p if isinstance(p, str) else p["text"]
+                for p in content
+                if isinstance(p, str) or (isinstance(p, Mapping) and "text" in p)
+            )
+        if content:
+            contents.append(content)
+    if not needed:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(contents)}, *rest]
 
 
 def _final_text(content: str | list[dict[str, Any]]) -> str:
