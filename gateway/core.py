@@ -2728,11 +2728,10 @@ def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any]
     return chat, req.exact
 
 
-_QUERY_BOOLS = {
-    **dict.fromkeys(("true", "1", "yes", "on", "t", "y"), True),
-    **dict.fromkeys(("false", "0", "no", "off", "f", "n"), False),
-}
-"""A query's booleans as vLLM's FastAPI route (pydantic) reads them."""
+# the retrieval route's query fields as vLLM's FastAPI route reads them: pydantic, lax
+# (" 3 ", "3.0" and "1_000" are integers, " true" and "３" are refused)
+_QUERY_BOOL = TypeAdapter(bool | None)
+_QUERY_INT = TypeAdapter(int | None)
 
 
 def _retrieval_query(query: object) -> tuple[str, bool]:
@@ -2744,15 +2743,16 @@ def _retrieval_query(query: object) -> tuple[str, bool]:
     parts: list[str] = []
     stream = False
     if "stream" in q:
-        flag = _QUERY_BOOLS.get(str(q["stream"]).strip().lower())
-        if flag is None:
-            raise bad_request("'stream' must be a boolean", "stream")
-        stream = flag
-        parts.append(f"stream={'true' if flag else 'false'}")
+        try:
+            flag = _QUERY_BOOL.validate_python(str(q["stream"]))
+        except ValidationError:
+            raise bad_request("'stream' must be a boolean", "stream") from None
+        stream = bool(flag)
+        parts.append(f"stream={'true' if stream else 'false'}")
     if "starting_after" in q:
         try:
-            after = int(str(q["starting_after"]).strip())
-        except ValueError:
+            after = _QUERY_INT.validate_python(str(q["starting_after"]))
+        except ValidationError:
             raise bad_request("'starting_after' must be an integer", "starting_after") from None
         parts.append(f"starting_after={after}")
     return ("?" + "&".join(parts) if parts else ""), stream

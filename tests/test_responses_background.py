@@ -465,3 +465,22 @@ async def test_a_replayed_follow_up_names_its_previous_response_by_the_sealed_id
         assert b'"resp_' not in raw.replace(SEALED_PREFIX.encode(), b"")
         got = (await h.get(f"/v1/responses/{rid}")).json()
         assert got["previous_response_id"] == first["id"]
+
+
+async def test_the_retrieval_query_is_read_as_vllms_route_reads_it() -> None:
+    # H177: vLLM's FastAPI route reads stream and starting_after with pydantic (lax): the
+    # gateway's own parsing refused "3.0" and took " true" and a full-width digit
+    async with stack(count=1) as st, st.http() as h:
+        base = {"model": st.model, "input": words(10, 32), "max_output_tokens": 2}
+        rid = (await h.post("/v1/responses", json=base)).json()["id"]
+        for query, status, param in (
+            ("starting_after=3.0", 200, None),
+            ("starting_after=%203%20", 200, None),
+            ("starting_after=%EF%BC%93", 400, "starting_after"),
+            ("stream=%20true", 400, "stream"),
+            ("stream=No", 200, None),
+        ):
+            r = await h.get(f"/v1/responses/{rid}?{query}")
+            assert r.status_code == status, (query, r.text)
+            if param is not None:
+                assert r.json()["error"]["param"] == param, (query, r.text)
