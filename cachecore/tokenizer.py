@@ -495,6 +495,25 @@ def normalize_messages(
     return out
 
 
+def chat_completion_messages(messages: list[Any]) -> list[Any]:
+    """A chat completion's ``messages`` as vLLM 0.33's ``ChatCompletionRequest`` reads them
+    (``_normalize_messages_before``): a message's deprecated ``reasoning_content`` is its
+    ``reasoning`` when that is absent or null (clients send a thinking model's answers
+    back so), which the template then renders. A copy where one is renamed; else the
+    very list. vLLM's other chat forms (/tokenize, pooling, Responses) do not read it."""
+    out = list(messages)
+    changed = False
+    for i, msg in enumerate(out):
+        if not isinstance(msg, Mapping) or msg.get("reasoning_content") is None:
+            continue
+        renamed = {k: v for k, v in msg.items() if k != "reasoning_content"}
+        if renamed.get("reasoning") is None:
+            renamed["reasoning"] = msg["reasoning_content"]
+        out[i] = renamed
+        changed = True
+    return out if changed else messages
+
+
 def _tool_calls(calls: Any, i: int) -> list[Any]:
     """An assistant's tool calls with their arguments as the object chat templates (and
     vLLM, before it renders) expect (:func:`_tool_call_arguments`)."""

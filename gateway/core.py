@@ -66,6 +66,7 @@ from cachecore.tasks import (
     run_to_end,
 )
 from cachecore.tokenizer import (
+    chat_completion_messages,
     embedding_chat_input,
     is_conversation,
     media_uuids,
@@ -1190,6 +1191,9 @@ class Gateway:
         # engine renders them, function tools included): keyed, sized and routed as that
         # chat; tools the gateway cannot render (built-ins) route it by load, unkeyed
         src, tools_exact = _responses_chat(body, model) if responses else (body, True)
+        if endpoint == "chat":  # its messages as vLLM's chat completion model reads them
+            msgs = chat_completion_messages(body["messages"])
+            src = body if msgs is body["messages"] else {**body, "messages": msgs}
         if endpoint == "completion" and "prompt" not in body:
             raise bad_request("'prompt' is required", "prompt")
         reps = self._routable(model)

@@ -25,6 +25,7 @@ from cachecore.tokenizer import (
     ChatOptions,
     Tokenizer,
     Truncation,
+    chat_completion_messages,
     effort_template_kwargs,
     embedding_chat_input,
     truncated_pair,
@@ -205,6 +206,13 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     top_logprobs: int | None = 0  # vLLM's default: echo alone asks for prompt logprobs
     logprobs: bool | None = False  # a chat's is a flag (a completion's a count)
     parallel_tool_calls: bool | None = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            return {**data, "messages": chat_completion_messages(data["messages"])}
+        return data
 
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
