@@ -242,9 +242,12 @@ def strip_media(messages: Any) -> tuple[Any, int]:
 def media_uuids(messages: Any) -> bool:
     """Whether any content part of ``messages`` carries a ``uuid`` (vLLM's field: the
     item's hash in its multimodal caches, which no cache_salt scopes): its type aside, as
-    :func:`scope_media_uuids` rewrites it whatever the type."""
+    :func:`scope_media_uuids` rewrites it whatever the type. A batch of conversations
+    (:func:`is_conversation_batch`): any conversation's."""
     if not isinstance(messages, list):
         return False
+    if is_conversation_batch(messages):
+        return any(map(media_uuids, messages))
     for msg in messages:
         content = msg.get("content") if isinstance(msg, Mapping) else None
         if isinstance(content, list):
@@ -274,9 +277,16 @@ def scope_media_uuids(messages: Any, salt: str) -> Any:
     names a scope the same on the render call and the generation, for the whole rotation
     (a new primary renames every uuid once, as it renews every salt). It is the scope's
     name only to a holder of the secret, and no new key material: the salt is what
-    scopes the engine's prefix cache already."""
+    scopes the engine's prefix cache already.
+
+    A batch of conversations (:func:`is_conversation_batch`, an embeddings request's): each
+    conversation so (a copy of the batch when any changed)."""
     if not isinstance(messages, list):
         return messages
+    if is_conversation_batch(messages):
+        scoped = [scope_media_uuids(c, salt) for c in messages]
+        changed = any(a is not b for a, b in zip(scoped, messages, strict=True))
+        return scoped if changed else messages
     key = salt.encode()
     out: list[Any] = []
     changed = False
@@ -307,16 +317,27 @@ def is_conversation(value: Any) -> bool:
     )
 
 
+def is_conversation_batch(value: Any) -> bool:
+    """Whether ``value`` is a batch of chat conversations: a non-empty list of
+    conversations (:func:`is_conversation`; vLLM 0.33's ``_is_batched_chat_messages``,
+    ``pooling/embed/protocol.py``). A token-id batch (``[[1, 2]]``) or one with an empty
+    list (``[[]]``) is none."""
+    return isinstance(value, list) and bool(value) and all(map(is_conversation, value))
+
+
 def embedding_chat_input(body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """An embeddings request as vLLM 0.33 runs a conversation in its ``input``: its union
-    member ``EmbeddingChatInputRequest`` copies such an ``input`` into ``messages`` when
-    there are none, and the completion form refuses it, so the chat form runs (rendered
-    as ``messages`` are: the chat template, no generation prompt, no special tokens by
-    default); with ``messages`` given too, those run. The body with ``input`` read so
-    (dropped, and ``messages`` set from it when absent); else the very body. Embeddings
-    only: vLLM's /pooling and /classify unions have no such member (a 400)."""
+    """An embeddings request as vLLM 0.33 runs a conversation, or a batch of them, in its
+    ``input``: its union members ``EmbeddingChatInputRequest`` and
+    ``EmbeddingBatchChatInputRequest`` copy such an ``input`` into ``messages`` when there
+    are none, and the completion form refuses it, so the chat form runs (rendered as
+    ``messages`` are: the chat template, no generation prompt, no special tokens by
+    default; a batch one engine request per conversation); with ``messages`` given too,
+    those run (the input is then not copied: see the gateway's pooling sizing). The body
+    with ``input`` read so (dropped, and ``messages`` set from it when absent); else the
+    very body. Embeddings only: vLLM's /pooling and /classify unions have no such members
+    (a 400)."""
     conversation = body.get("input")
-    if not is_conversation(conversation):
+    if not (is_conversation(conversation) or is_conversation_batch(conversation)):
         return body
     out = {k: v for k, v in body.items() if k != "input"}
     out.setdefault("messages", conversation)

@@ -69,6 +69,7 @@ from cachecore.tokenizer import (
     chat_completion_messages,
     embedding_chat_input,
     is_conversation,
+    is_conversation_batch,
     media_uuids,
     scope_media_uuids,
     strip_media,
@@ -1398,7 +1399,8 @@ class Gateway:
         with no keys, lookup or prediction. A pooling request is charged whole to the
         uncached-token budget, sized by its prompts (at most ``KVGATE_MAX_PROMPT_BATCH``):
         an ``input`` as a completion batch is (a completion prompt's shapes), the chat
-        form's ``messages`` rendered as a chat is (D29), each pair of /score or /rerank both
+        form's ``messages`` rendered as a chat is (D29; an embeddings batch of conversations
+        each so, one prompt each), each pair of /score or /rerank both
         texts' tokens (D29); /tokenize and /detokenize are sized 0 (they count as requests
         in the load view, with no prefill)."""
         assert self.pool is not None and self.tokenizers is not None
@@ -1410,26 +1412,35 @@ class Gateway:
         cap = self.settings.max_prompt_batch
         chat = has_input = False
         pairs: list[tuple[str, str]] | None = None
-        # the body as vLLM reads it: an embeddings conversation in `input` is its chat form
+        # the body as vLLM reads it: an embeddings conversation (or a batch of them) in
+        # `input` is its chat form
         form = embedding_chat_input(body) if endpoint == "embeddings" else body
+        # embeddings' batched chat form (vLLM's EmbeddingBatchChatRequest): one engine
+        # request per conversation. It runs beside any input: each message's keys count
+        # for it in pydantic's smart union, none for the completion form
+        batch = endpoint == "embeddings" and is_conversation_batch(form.get("messages"))
         if endpoint in _INPUT_POOLING:
             # vLLM's two forms, a union: with both, pydantic's smart union runs the form
             # with more of its own fields set (a chat-only field such as
             # add_generation_prompt makes it the messages), so both are sized and the
             # larger charged; messages that are no array beside an input fail the chat
             # form, so the input runs
-            has_input = "input" in form
+            has_input = "input" in form and not batch
             chat = "messages" in form and (not has_input or isinstance(form["messages"], list))
             if chat and not isinstance(form["messages"], list):
                 raise bad_request("'messages' must be an array", "messages")
             if not chat and not has_input:
                 raise bad_request("'input' is required (or the chat form's 'messages')", "input")
             n_batch = completion_batch_size(form, "input") if has_input else 1
+            field = "input"
+            if batch:  # the cap counts engine requests: conversations, as inputs
+                n_batch = len(form["messages"])
+                field = "messages" if "messages" in body else "input"
             if n_batch > cap:
                 raise bad_request(
-                    f"'input' holds {n_batch} inputs, more than this gateway takes in one "
+                    f"'{field}' holds {n_batch} inputs, more than this gateway takes in one "
                     f"request ({cap}): send them in smaller batches",
-                    "input",
+                    field,
                 )
         elif endpoint in _PAIR_POOLING:
             rerank = endpoint in _RERANK
@@ -1484,11 +1495,14 @@ class Gateway:
             if sizer is None and (chat or pairs is not None):
                 sizer = self.tokenizers.sizer()
             lengths: list[int] = []
-            if chat:
+            # a batch's conversations each rendered, truncated and padded as the one
+            # conversation of the chat form is (vLLM's EncodeChatRenderParams per one)
+            conversations = (form["messages"] if batch else [form["messages"]]) if chat else []
+            for conversation in conversations:
                 assert sizer is not None
                 # rendered as a chat is for sizing, with the chat form's defaults (no
                 # generation prompt; no special tokens, chat's); media parts as a chat's
-                text_only, media_parts = strip_media(form["messages"])
+                text_only, media_parts = strip_media(conversation)
                 chat_body = {
                     **form, "messages": text_only,
                     "add_generation_prompt": body.get("add_generation_prompt", False),
@@ -1497,7 +1511,7 @@ class Gateway:
                 # read): rendered without it, where a chat completion's joins the template
                 chat_body.pop("reasoning_effort", None)
                 ids = await sizer.chat(chat_body, cs, off, trunc)
-                lengths = [len(ids) + media_parts * mpool.media_part_tokens]
+                lengths.append(len(ids) + media_parts * mpool.media_part_tokens)
             n_prompt = size(lengths)
             if pairs is not None and mpool.score_template is not None:
                 assert sizer is not None
@@ -1984,8 +1998,11 @@ class Gateway:
             # the same the engine's render call got (EnginePromptTokenizer.chat)
             if "messages" in body:
                 body["messages"] = scope_media_uuids(body["messages"], d.salts[0])
-            if d.endpoint == "embeddings" and is_conversation(body.get("input")):
-                body["input"] = scope_media_uuids(body["input"], d.salts[0])  # its chat form
+            conversations = body.get("input")
+            if d.endpoint == "embeddings" and (
+                is_conversation(conversations) or is_conversation_batch(conversations)
+            ):
+                body["input"] = scope_media_uuids(conversations, d.salts[0])  # its chat form
         if report_mode:
             assert isinstance(xargs, dict)
             body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != _REPORT_MODE}

@@ -718,17 +718,20 @@ def create_app(replica: SimReplica) -> FastAPI:
         keep = req.truncation(replica.core.max_model_len)
         special = req.special_tokens()
         if req.chat:
-            try:
-                rendered = tok.apply_chat_template(
-                    req.messages or [], req.add_generation_prompt, req.chat_options()
-                )
-            except TokenizerError as exc:
-                raise APIError(str(exc), param="messages") from exc
-            got = await encode(rendered, salt or "")
-            if special:
-                got = with_special_tokens(tok, got)
-            # the template's own text is no special token the tokenizer added
-            return [req.truncate(got, keep, tok.special_affixes if special else ((), ()))]
+            ids = []
+            for conversation in req.conversations():  # a batch's: each its engine request
+                try:
+                    rendered = tok.apply_chat_template(
+                        conversation, req.add_generation_prompt, req.chat_options()
+                    )
+                except TokenizerError as exc:
+                    raise APIError(str(exc), param="messages") from exc
+                got = await encode(rendered, salt or "")
+                if special:
+                    got = with_special_tokens(tok, got)
+                # the template's own text is no special token the tokenizer added
+                ids.append(req.truncate(got, keep, tok.special_affixes if special else ((), ())))
+            return ids
         ids = []
         for prompt in prompts:
             if isinstance(prompt, str) and len(prompt) >= UNLOCKED_ENCODE_CHARS:

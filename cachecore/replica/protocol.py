@@ -28,6 +28,7 @@ from cachecore.tokenizer import (
     chat_completion_messages,
     effort_template_kwargs,
     embedding_chat_input,
+    is_conversation_batch,
     truncated_pair,
     with_pair_special_tokens,
 )
@@ -379,6 +380,10 @@ class PoolingInputRequest(_PoolingBase, _ChatRendering):
             return False
         return bool(msgs) or bool(self.model_fields_set & _CHAT_ONLY_FIELDS)
 
+    def conversations(self) -> list[Any]:
+        """The chat form's conversations, one engine request each: the messages, one."""
+        return [self.messages or []]
+
     def special_tokens(self) -> bool:
         if self.add_special_tokens is not None:
             return self.add_special_tokens
@@ -401,8 +406,10 @@ class PoolingInputRequest(_PoolingBase, _ChatRendering):
 
 
 class EmbeddingRequest(PoolingInputRequest):
-    """vLLM's ``EmbeddingCompletionRequest``, ``EmbeddingChatRequest`` and
-    ``EmbeddingChatInputRequest`` (a conversation in ``input``: the chat form)."""
+    """vLLM's ``EmbeddingCompletionRequest``, ``EmbeddingChatRequest``,
+    ``EmbeddingChatInputRequest`` (a conversation in ``input``: the chat form) and the
+    batched ``EmbeddingBatchChatRequest`` / ``EmbeddingBatchChatInputRequest`` (a batch of
+    conversations in ``messages`` or ``input``: one engine request each)."""
 
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
@@ -412,6 +419,16 @@ class EmbeddingRequest(PoolingInputRequest):
     @classmethod
     def _conversation_input(cls, data: Any) -> Any:
         return embedding_chat_input(data) if isinstance(data, dict) else data
+
+    @property
+    def chat(self) -> bool:
+        # a batch of conversations runs whatever the input beside it: in vLLM's smart
+        # union each message's keys count for the batched form, none for the completion form
+        return is_conversation_batch(self.messages) or super().chat
+
+    def conversations(self) -> list[Any]:
+        msgs = self.messages
+        return list(msgs) if msgs is not None and is_conversation_batch(msgs) else [msgs or []]
 
     def check_fields(self) -> None:
         self.output_dimensions()
