@@ -2224,7 +2224,15 @@ class Gateway:
                 # API server gives without the engine (/tokenize): neither may clear the
                 # first-byte timeouts counted towards a wedged engine's ejection
                 self.pool.record_success(rid)
-            elif out.error is not None and out.error not in _NO_ENGINE:
+            elif (
+                out.error is not None
+                and out.error not in _NO_ENGINE
+                and not (d.endpoint == RESPONSE_GET and d.stream)
+            ):
+                # a replayed stream fails or hangs by vLLM's design, at the client's
+                # choice (an id without a streamed run: an error inside the stream; a
+                # cancelled run: it waits for ever): held against the replica, any tenant
+                # ejected healthy replicas with a few GETs of its own responses (D33)
                 self.pool.record_failure(rid)
         # no engine computed it: an engine's 4xx is a refusal before any prefill
         # (validation, length, unknown model, 429), and a connect failure or a replica gone

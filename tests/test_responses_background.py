@@ -484,3 +484,19 @@ async def test_the_retrieval_query_is_read_as_vllms_route_reads_it() -> None:
             assert r.status_code == status, (query, r.text)
             if param is not None:
                 assert r.json()["error"]["param"] == param, (query, r.text)
+
+
+async def test_replays_that_fail_by_design_are_not_held_against_the_replica() -> None:
+    # H177: vLLM's replay of a response without a streamed run fails inside its stream
+    # (after the 200 head), and that of a cancelled one waits for ever; counted as the
+    # replica's failures, three GETs of a tenant's own response ejected its replica
+    async with stack(count=1) as st, st.http() as h:
+        base = {"model": st.model, "input": words(10, 40), "max_output_tokens": 2}
+        rid = (await h.post("/v1/responses", json=base)).json()["id"]
+        assert st.gw.pool is not None
+        (rep,) = st.gw.pool.all()
+        for _ in range(2 * st.gw.pool.policy.eject_after_failures):
+            r = await h.get(f"/v1/responses/{rid}?stream=true")
+            assert r.status_code == 200 and b"error" in r.content, r.text
+        assert rep.consecutive_failures == 0 and not rep.ejected_until
+        assert (await h.post("/v1/responses", json=base)).status_code == 200
