@@ -723,20 +723,32 @@ class ScoreTemplate:
             raise TokenizerError(f"score template does not compile: {exc}") from exc
 
     def render(self, tok: Tokenizer, query: str, document: str, kwargs: Mapping[str, Any]) -> str:
-        variables: dict[str, Any] = {**tok.special_tokens, **kwargs}
+        # vLLM passes the kwargs to apply_chat_template as keywords: the ones it takes as
+        # its own parameters (add_generation_prompt, documents, continue_final_message)
+        # are set by them, not left at the scorer's defaults
+        variables: dict[str, Any] = {**tok.special_tokens, "documents": None}
+        variables["add_generation_prompt"] = False
+        variables.update(kwargs)
+        cont = variables.pop("continue_final_message", False)
+        if cont and variables["add_generation_prompt"]:
+            raise TokenizerError(
+                "continue_final_message and add_generation_prompt are not compatible. Use "
+                "continue_final_message when you want the model to continue the final "
+                "message, and add_generation_prompt when you want to add a header that "
+                "will prompt it to start a new assistant message instead."
+            )
         variables.update(
             messages=[
                 {"role": "query", "content": query},
                 {"role": "document", "content": document},
             ],
             tools=None,
-            documents=None,
-            add_generation_prompt=False,
         )
         try:
-            return str(self._template.render(**variables))
+            text = str(self._template.render(**variables))
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"score template failed: {exc}") from exc
+        return _cut_after_final_message(text, document) if cont else text
 
 
 class HFTokenizer:
