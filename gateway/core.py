@@ -2048,8 +2048,10 @@ class Gateway:
         uncached = d.uncached_tokens
         ttft_s = max(0.001, d.decision.chosen.ttft_ms / 1000.0)
         # a stream's first token is watched (D16): later than predicted by more than the
-        # policy's grace, it makes its replica overdue (the grace is read at each decision)
-        expected = time.monotonic() + ttft_s if d.stream else math.inf
+        # policy's grace, it makes its replica overdue (the grace is read at each decision).
+        # Not a replayed one's (a frontend answer): vLLM's replay past a run's last event
+        # waits for ever, and its replica read as stalled to every tenant (D33)
+        expected = time.monotonic() + ttft_s if d.stream and not d.frontend_answer else math.inf
         ticket = d.ticket = self.inflight.dispatch(d.replica, uncached, expected)
         if not d.stream:
             # a JSON answer arrives whole, long after its first token: assume the prefill

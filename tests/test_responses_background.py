@@ -500,3 +500,31 @@ async def test_replays_that_fail_by_design_are_not_held_against_the_replica() ->
             assert r.status_code == 200 and b"error" in r.content, r.text
         assert rep.consecutive_failures == 0 and not rep.ejected_until
         assert (await h.post("/v1/responses", json=base)).status_code == 200
+
+
+async def test_a_replay_that_waits_does_not_make_its_replica_overdue() -> None:
+    # H177: a replay past the events recorded so far waits (vLLM's waits for ever once the
+    # run is over); its first chunk was watched as a stream's first token (D16), so one
+    # client's GET made its replica read as stalled to every tenant's routing
+    async with stack(count=1, **FAST_POLL) as st, st.http() as h:
+        body = {
+            "model": st.model, "input": words(20, 41), "max_output_tokens": 4000,
+            "background": True, "stream": True,
+        }  # fmt: skip
+        async with h.stream("POST", "/v1/responses", json=body) as resp:
+            async for chunk in resp.aiter_bytes():
+                rid = _events(chunk.split(b"\n\n", 1)[0] + b"\n\n")[0]["response"]["id"]
+                break
+        (rep,) = st.gw.pool.all()  # type: ignore[union-attr]
+
+        async def replay() -> None:
+            url = f"/v1/responses/{rid}?stream=true&starting_after=1000000"
+            async with h.stream("GET", url) as resp:
+                await resp.aread()
+
+        waiting = asyncio.create_task(replay())
+        await asyncio.sleep(0.5)  # far past its predicted first token
+        assert not waiting.done()
+        assert st.gw.inflight.overdue_s(rep.id, time.monotonic(), 0.0) == 0.0
+        waiting.cancel()
+        await st.client().responses.cancel(rid)
