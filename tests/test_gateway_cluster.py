@@ -163,14 +163,14 @@ async def test_cluster_index_packs_commands_in_c_with_its_connection_limit(
         nodes = client.get_nodes()
         assert {n.port for n in nodes} == set(redis_cluster.ports)
         for node in nodes:  # discovered nodes, not only the seed, pack in C
-            assert node.connection_class.__name__.startswith("CPacked")
+            assert "CPacked" in node.connection_class.__name__
             assert node.max_connections == 7
         # the C packer writes what redis-py's Python packer writes
         conn = nodes[0].acquire_connection()
         try:
             args = ("EVALSHA", "ab" * 20, 1, "k{r:x}", 12, 1.5, b"\x00\xff")
             assert b"".join(conn.pack_command(*args)) == b"".join(
-                type(conn).__mro__[1].pack_command(conn, *args)  # type: ignore[attr-defined]
+                redis.asyncio.Connection.pack_command(conn, *args)
             )
         finally:
             nodes[0].release(conn)

@@ -156,6 +156,13 @@ class LoopbackProxy:
         direction."""
         return True
 
+    async def write(
+        self, conn: int, from_client: bool, data: bytes, dst: asyncio.StreamWriter
+    ) -> None:
+        """Pass ``data`` on to ``dst`` (a subclass may split or pace it)."""
+        dst.write(data)
+        await dst.drain()
+
     def on_client_closed(self, conn: int) -> None:
         """The client closed connection ``conn`` (seen once its chunks are passed on)."""
 
@@ -177,8 +184,7 @@ class LoopbackProxy:
                 while data := await src.read(65536):
                     if not await self.pass_on(conn, from_client, src):
                         break
-                    dst.write(data)
-                    await dst.drain()
+                    await self.write(conn, from_client, data, dst)
             if from_client:
                 self.on_client_closed(conn)
             dst.close()

@@ -28,6 +28,7 @@ degrades to load-only routing); a write on an old epoch as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -41,6 +42,7 @@ from typing import Any, TypedDict, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.connection import parse_url
@@ -556,8 +558,9 @@ CONNECT_WARNING_INTERVAL_S = 60.0
 
 def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]:
     """``cls`` (a redis-py asyncio connection class) whose connect attempt, once begun, runs
-    to its end in a task of its own, whatever becomes of the command that began it. redis-py
-    connects lazily, inside the first command that takes the connection, and a
+    to its end in a task of its own, whatever becomes of the command that began it, and
+    whose last owed reply, once its command is cut, is read to its end in a task of its own
+    too. redis-py connects lazily, inside the first command that takes the connection, and a
     cancellation of that command dropped the connect half made (``connect_check_health``
     disconnects on BaseException; a cut TCP connect closes its socket). The gateway cuts
     its lookups at ``index.lookup_timeout_ms`` (5 ms): where a connect and its handshake
@@ -569,16 +572,30 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
     connection in its pool connected. While it runs, the connection reads as not connected
     to every task but its own, so a command that takes it meanwhile waits for that same
     connect instead of writing into its handshake; a disconnect (the client's close)
-    cancels it. A command cut while waiting for its reply still drops its connection
-    (redis-py cannot tell where the reply would end); the next connect is shielded. An
-    attempt that fails with no command waiting for it is logged (WARNING, at most once per
-    :data:`CONNECT_WARNING_INTERVAL_S` per client): its lookups read only as timeouts."""
+    cancels it. An attempt that fails with no command waiting for it is logged (WARNING, at
+    most once per :data:`CONNECT_WARNING_INTERVAL_S` per client): its lookups read only as
+    timeouts.
+
+    A command cut while waiting for its reply: redis-py disconnects, since the reply left
+    on the wire would be read as the next command's. Under a Redis whose replies take a
+    little longer than the cut (a loaded host, a slow link) every lookup then opened a new
+    connection (50 lookups answered 8 ms late, a 5 ms cut: 34-37 connections). The connection
+    counts the replies it owes (commands packed and sent, replies read); when the cut read
+    is of the last one, the read goes on in a task of its own, bounded by the client's
+    read timeout, and the connection reads as not connected meanwhile, as while
+    connecting: a command that takes it waits for the reply to be read (a disconnect
+    cancels the read). A read it fails disconnects, as redis-py's does. Where the count is
+    not known (a command sent other than packed here, one whose replies are not one, a
+    read of another form: pub/sub) or more replies are owed (a pipeline, MULTI/EXEC), or
+    the parser is not hiredis's (whose state lives in its reader, resumable after a
+    cancelled socket read), the cut disconnects as before. One such read per connection:
+    at most the pool's size."""
 
     def running(conn: Any) -> asyncio.Task[None] | None:
-        """``conn``'s connect in flight in another task than the caller's, or None."""
-        if not _connecting(conn):
+        """``conn``'s connect or reply read in flight in another task than the caller's."""
+        task: asyncio.Task[None] | None = _busy(conn)
+        if task is None:
             return None
-        task: asyncio.Task[None] = conn._kvgate_connect
         try:
             current = asyncio.current_task()
         except RuntimeError:  # no running loop: a finaliser
@@ -606,13 +623,126 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
             extra={"error": type(exc).__name__, "detail": str(exc)},
         )
 
+    def drained(task: asyncio.Task[None]) -> None:
+        # a read that fails has disconnected (the next command reconnects): nothing to report
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a cut command's reply was not read", exc_info=task.exception())
+
     class Shielded(cls):  # type: ignore[valid-type,misc]  # a class made at run time
         _kvgate_connect: asyncio.Task[None] | None = None
         _kvgate_waiting = 0  # commands awaiting the attempt
+        _kvgate_drain: asyncio.Task[None] | None = None  # a cut command's reply being read
+        _kvgate_owed = 0  # replies owed on the wire; -1: not known
+        _kvgate_packed: Any = None  # the last packed command(s), until sent
+        _kvgate_packed_n = 0  # their replies; -1: not one a command
 
         @property
         def is_connected(self) -> bool:
             return running(self) is None and bool(super().is_connected)
+
+        def pack_command(self, *args: Any) -> Any:
+            packed = super().pack_command(*args)
+            self._kvgate_packed, self._kvgate_packed_n = packed, 1 if _one_reply(args) else -1
+            return packed
+
+        def pack_commands(self, commands: Any) -> Any:
+            commands = list(commands)
+            packed = super().pack_commands(commands)
+            n = len(commands) if all(map(_one_reply, commands)) else -1
+            self._kvgate_packed, self._kvgate_packed_n = packed, n
+            return packed
+
+        async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            n = self._kvgate_packed_n if command is self._kvgate_packed else -1
+            self._kvgate_packed = None
+            current = asyncio.current_task()
+            asked = current.cancelling() if current is not None else 0
+            await super().send_packed_command(command, check_health)
+            owed = self._kvgate_owed  # read after a connect the send made, which zeroes it
+            self._kvgate_owed = owed + n if n > 0 and owed >= 0 else -1
+            if current is None or current.cancelling() <= asked:
+                return
+            # cut during the write, and written: redis-py writes under asyncio.wait_for,
+            # which on Python 3.11 returns a result that is ready along with the
+            # cancellation, so the cut command went on to wait for its reply, up to the
+            # read timeout (a lookup cut at 5 ms answered after 70 ms, its cut lost)
+            try:
+                await asyncio.sleep(0)  # a cancellation still pending is delivered here
+            except asyncio.CancelledError:
+                await self._kvgate_unread()
+                raise
+            await self._kvgate_unread()
+            raise asyncio.CancelledError  # the one wait_for swallowed
+
+        async def _kvgate_unread(self) -> None:
+            """The reply just sent for is not its command's to read (cut): read on in a
+            task of its own if it is the last owed, else disconnect."""
+            if (
+                self._kvgate_owed == 1
+                and isinstance(self._parser, _AsyncHiredisParser)
+                and super().is_connected
+                and self._kvgate_connect is not asyncio.current_task()
+            ):
+                self._kvgate_read_on_later(False)
+            else:
+                await self.disconnect(nowait=True)
+
+        def _kvgate_read_on_later(self, disable_decoding: bool) -> None:
+            self._kvgate_drain = asyncio.ensure_future(self._kvgate_read_on(disable_decoding))
+            self._kvgate_drain.add_done_callback(drained)
+
+        def _kvgate_read_one(self) -> None:
+            owed = self._kvgate_owed
+            self._kvgate_owed = owed - 1 if owed > 0 else -1
+
+        async def read_response(
+            self,
+            disable_decoding: bool = False,
+            timeout: float | None = None,  # noqa: ASYNC109  # redis-py's signature
+            *,
+            disconnect_on_error: bool = True,
+            push_request: bool | None = False,
+        ) -> Any:
+            read = super().read_response
+            if timeout is not None or not disconnect_on_error or push_request:
+                self._kvgate_owed = -1  # pub/sub's reads: replies not one a command
+                return await read(
+                    disable_decoding,
+                    timeout,
+                    disconnect_on_error=disconnect_on_error,
+                    push_request=push_request,
+                )
+            if not (self._kvgate_owed == 1 and isinstance(self._parser, _AsyncHiredisParser)):
+                try:
+                    response = await read(disable_decoding)
+                except ResponseError:  # a reply, read (any other error disconnected)
+                    self._kvgate_read_one()
+                    raise
+                self._kvgate_read_one()
+                return response
+            # the last reply owed: a cut leaves it to a task of its own (see the class)
+            try:
+                response = await read(disable_decoding, disconnect_on_error=False)
+            except ResponseError:  # raised after the reply was read (redis-py keeps the
+                self._kvgate_read_one()  # connection)
+                raise
+            except asyncio.CancelledError:
+                if not super().is_connected or self._kvgate_connect is asyncio.current_task():
+                    raise
+                self._kvgate_read_on_later(disable_decoding)
+                raise
+            except BaseException:
+                await self.disconnect(nowait=True)  # what disconnect_on_error does
+                raise
+            self._kvgate_read_one()
+            return response
+
+        async def _kvgate_read_on(self, disable_decoding: bool) -> None:
+            """Read the reply a cut command left, bounded by the client's read timeout; a
+            failure disconnects (redis-py's read does)."""
+            with contextlib.suppress(ResponseError):
+                await super().read_response(disable_decoding)
+            self._kvgate_read_one()
 
         # one attempt (TCP and handshake), not connect()'s retries: a retry's back-off
         # would keep a Redis that is back unused by the lookups waiting on it
@@ -623,6 +753,13 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
             await self._kvgate_shielded(lambda: parent(check_health, retry_socket_connect))
 
         async def _kvgate_shielded(self, start: Callable[[], Awaitable[None]]) -> None:
+            drain = self._kvgate_drain
+            if drain is not None and not drain.done() and drain is not asyncio.current_task():
+                await asyncio.wait([drain])  # its outcome is its own, not this command's
+                current = asyncio.current_task()
+                if drain.cancelled() and current is not None and not current.cancelling():
+                    # a disconnect (the client's close) ended it: as for a connect below
+                    raise RedisConnectionError("connection closed while reading a reply")
             task = self._kvgate_connect
             if task is not None and not task.done():
                 if task is asyncio.current_task():  # redis-py's own nested call
@@ -631,7 +768,7 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
             elif super().is_connected:  # the common case: one attribute read more
                 return
             else:
-                task = self._kvgate_connect = asyncio.ensure_future(start())
+                task = self._kvgate_connect = asyncio.ensure_future(self._kvgate_attempt(start))
                 task.add_done_callback(lambda done: retrieved(self, done))
             self._kvgate_waiting += 1
             try:
@@ -647,34 +784,71 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
             finally:
                 self._kvgate_waiting -= 1
 
+        async def _kvgate_attempt(self, start: Callable[[], Awaitable[None]]) -> None:
+            await start()
+            self._kvgate_owed = 0  # a new connection owes nothing, whatever its handshake
+
         async def disconnect(self, *args: Any, **kwargs: Any) -> None:
             task = running(self)
             if task is not None:  # its own clean-up closes what it opened
                 task.cancel()
                 await asyncio.wait([task])
-            await super().disconnect(*args, **kwargs)
+            try:
+                await super().disconnect(*args, **kwargs)
+            finally:
+                self._kvgate_owed = 0
 
     Shielded.__name__ = Shielded.__qualname__ = f"Shielded{cls.__name__}"
     return Shielded
 
 
-def _connecting(conn: AbstractConnection) -> bool:
-    """Whether ``conn``'s shielded connect attempt (:func:`shielded_connects`) runs."""
-    task: asyncio.Task[None] | None = getattr(conn, "_kvgate_connect", None)
-    return task is not None and not task.done()
+# commands whose replies are not one per command (pub/sub's, MONITOR's, CLIENT REPLY's)
+_NOT_ONE_REPLY = frozenset(
+    {"SUBSCRIBE", "PSUBSCRIBE", "SSUBSCRIBE", "UNSUBSCRIBE", "PUNSUBSCRIBE", "SUNSUBSCRIBE"}
+    | {"MONITOR", "CLIENT REPLY", "RESET", "QUIT"}
+)
+
+
+def _one_reply(args: Sequence[Any]) -> bool:
+    """Whether the command ``args`` is answered by exactly one reply (a name redis-py
+    writes as one argument, "CLIENT REPLY", or in two)."""
+    words = _word(args[0] if args else None).split()
+    if words[:1] == ["CLIENT"] and len(words) == 1 and len(args) > 1:
+        words.append(_word(args[1]))
+    return (
+        bool(words) and words[0] not in _NOT_ONE_REPLY and " ".join(words[:2]) not in _NOT_ONE_REPLY
+    )
+
+
+def _word(arg: Any) -> str:
+    """``arg`` (a command's name, or its subcommand) in capitals; "" if not text."""
+    if isinstance(arg, bytes):
+        arg = arg.decode("latin-1")
+    return arg.upper() if isinstance(arg, str) else ""
+
+
+def _busy(conn: AbstractConnection) -> asyncio.Task[None] | None:
+    """``conn``'s shielded connect attempt or cut command's reply read
+    (:func:`shielded_connects`) while it runs, else None."""
+    for name in ("_kvgate_connect", "_kvgate_drain"):
+        task: asyncio.Task[None] | None = getattr(conn, name, None)
+        if task is not None and not task.done():
+            return task
+    return None
 
 
 class _ConnectedFirstPool(aioredis.ConnectionPool):
     """The standalone pool of shielded connections: it hands out an idle connection whose
-    connect attempt still runs only when every idle one's does. redis-py's pool takes the
-    one released last, and a cut command releases its connection mid-connect, so one stuck
-    connect (a lost SYN, a stalled handshake) was handed to each next lookup to wait on,
-    and cut, until it timed out, while a connected connection sat idle beside it."""
+    connect attempt (or cut command's reply read) still runs only when every idle one's
+    does. redis-py's pool takes the one released last, and a cut command releases its
+    connection mid-connect, so one stuck connect (a lost SYN, a stalled handshake) was
+    handed to each next lookup to wait on, and cut, until it timed out, while a connected
+    connection sat idle beside it."""
 
     def get_available_connection(self) -> AbstractConnection:
         idle = self._available_connections
-        if idle and _connecting(idle[-1]):
-            ready = next((i for i in reversed(range(len(idle))) if not _connecting(idle[i])), None)
+        if idle and _busy(idle[-1]):
+            ready = next((i for i in reversed(range(len(idle))) if not _busy(idle[i])), None)
             if ready is not None:
                 idle.append(idle.pop(ready))
         conn: AbstractConnection = super().get_available_connection()  # type: ignore[no-untyped-call]
@@ -783,9 +957,10 @@ def redis_client(
 def _connection_class(
     cls: type[AbstractConnection], c_pack: bool, shield_connects: bool
 ) -> type[AbstractConnection]:
-    if shield_connects:
-        cls = shielded_connects(cls)
-    return c_packing(cls) if c_pack else cls
+    if c_pack:
+        cls = c_packing(cls)
+    # outermost: the shield counts the commands packed (a reply owed each)
+    return shielded_connects(cls) if shield_connects else cls
 
 
 # what redis-py's Cluster client raises when a node refuses CLUSTER SLOTS: a standalone
