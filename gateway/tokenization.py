@@ -353,8 +353,12 @@ def pooling_pairs(body: Mapping[str, Any], rerank: bool) -> list[tuple[str, str]
         query, docs = body.get("query"), body.get("documents")
         if not isinstance(query, str):
             raise bad_request("'query' must be a string", "query")
+        if isinstance(docs, str):  # vLLM's `ScoreInput | list[ScoreInput]`: one document
+            docs = [docs]
         if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
-            raise bad_request("'documents' must be a non-empty array of strings", "documents")
+            raise bad_request(
+                "'documents' must be a string or a non-empty array of strings", "documents"
+            )
         return [(query, d) for d in docs]
     for name in _OTHER_SCORE_FORMS:
         # vLLM's union runs such a form before the text pairs (the first member with as

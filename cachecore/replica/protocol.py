@@ -16,7 +16,14 @@ import numpy.typing as npt
 import orjson
 import xxhash
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
 
 from cachecore.cacheread import reads_prefix_cache
 from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
@@ -496,7 +503,8 @@ class RerankRequest(_ScoringFields):
     ``return_documents``: each result holds its document."""
 
     query: str
-    documents: list[str]
+    # vLLM's `ScoreInput | list[ScoreInput]`: one document alone is a list of one
+    documents: Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
     top_n: Annotated[int, Field(ge=0)] = 0
 
     def pairs(self) -> list[tuple[str, str]]:
