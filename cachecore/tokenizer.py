@@ -596,6 +596,36 @@ class ChatOptions:
             raise TokenizerError("'chat_template_kwargs' must be an object")
         return cls(tools, docs, bool(cont), effort_template_kwargs(kwargs, effort))
 
+    @classmethod
+    def for_pooling(cls, body: Mapping[str, Any]) -> ChatOptions | None:
+        """The options of a pooling request's chat form (embeddings, ``/pooling``,
+        ``/classify``) as vLLM 0.33 renders it, one rule for the gateway's charge and the
+        simulated replica's prompt: its request models (``ChatRequestOptionsMixin``)
+        declare no ``tools``, ``documents`` or ``reasoning_effort`` and allow extra
+        fields, so those are ignored, not refused, and its IO processors default
+        ``tools`` to None. ``chat_template_kwargs`` goes to ``apply_chat_template`` as
+        keywords over those defaults (``merge_kwargs``: a None or ``"auto"`` value
+        dropped), so its ``tools`` and ``documents`` set those parameters; its
+        ``continue_final_message`` (and ``add_generation_prompt``) is overridden by the
+        request's own field, always set."""
+        cont, kwargs = bool(body.get("continue_final_message")), body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TokenizerError("'chat_template_kwargs' must be an object")
+        kw = {k: v for k, v in (kwargs or {}).items() if not _unset_kwarg(v)}
+        kw.pop("continue_final_message", None)  # apply_chat_template's own, no variable
+        tools, docs = kw.pop("tools", None), kw.pop("documents", None)
+        if tools is not None and not isinstance(tools, list):
+            # transformers' apply_chat_template takes a list of schemas (a 400 in vLLM)
+            raise TokenizerError("'chat_template_kwargs' tools must be an array")
+        if tools is None and docs is None and not cont and not kw:
+            return None
+        return cls(tools, docs, cont, kw or None)
+
+
+def _unset_kwarg(value: Any) -> bool:
+    """vLLM's ``merge_kwargs`` ``unset_values`` (None, "auto"): such an override is not set."""
+    return value is None or (isinstance(value, str) and value == "auto")
+
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """vLLM's ``ReasoningEffort`` (a chat completion's ``reasoning_effort``; a Responses

@@ -1507,10 +1507,9 @@ class Gateway:
                     **form, "messages": text_only,
                     "add_generation_prompt": body.get("add_generation_prompt", False),
                 }  # fmt: skip
-                # vLLM's pooling requests have no reasoning_effort (an extra field, not
-                # read): rendered without it, where a chat completion's joins the template
-                chat_body.pop("reasoning_effort", None)
-                ids = await sizer.chat(chat_body, cs, off, trunc)
+                # vLLM's pooling requests have no tools, documents or reasoning_effort
+                # (extra fields, not read): rendered without them, by the replica's rule
+                ids = await sizer.chat(chat_body, cs, off, trunc, pooling=True)
                 lengths.append(len(ids) + media_parts * mpool.media_part_tokens)
             n_prompt = size(lengths)
             if pairs is not None and mpool.score_template is not None:

@@ -424,13 +424,16 @@ class LocalPromptTokenizer:
         # the score templates of the pools this tokenizer serves, compiled once (by text)
         self._score_templates: dict[str, ScoreTemplate] = {}
 
-    def _render(self, body: Mapping[str, Any]) -> str:
+    def _render(self, body: Mapping[str, Any], pooling: bool = False) -> str:
+        """``body``'s chat as the engine renders it; ``pooling``: a pooling request's chat
+        form, whose options vLLM reads as :meth:`ChatOptions.for_pooling` says (the
+        simulated replica's rule too)."""
         add_gen = add_generation_prompt(body)
         cont = continue_final_message(body)
         if "continue_final_message" in body and body["continue_final_message"] is not cont:
             body = {**body, "continue_final_message": cont}  # "false", 0...: the engine's bool
         try:
-            opts = ChatOptions.from_body(body)
+            opts = ChatOptions.for_pooling(body) if pooling else ChatOptions.from_body(body)
         except TokenizerError as exc:
             raise _option_error(exc) from None
         try:
@@ -471,9 +474,12 @@ class LocalPromptTokenizer:
         scope: str | None = "",
         offload_chars: int = OFFLOAD_CHARS,
         trunc: Truncation | None = None,
+        *,
+        pooling: bool = False,
     ) -> list[int]:
-        """:meth:`chat_sync` that tokenizes long uncached text in a worker thread."""
-        ids = await self.segments.encode_async(self._render(body), scope, offload_chars)
+        """:meth:`chat_sync` that tokenizes long uncached text in a worker thread
+        (``pooling``: a pooling request's chat form, :meth:`_render`)."""
+        ids = await self.segments.encode_async(self._render(body, pooling), scope, offload_chars)
         return self._special(ids, body, False, trunc)
 
     async def completion(

@@ -184,13 +184,19 @@ class _GenerationRequest(_SamplingFields):
         return None
 
 
-class _ChatRendering(BaseModel):
+class _ChatTemplateFields(BaseModel):
+    """The fields besides the messages that change a rendered chat in every vLLM chat
+    request (its pooling chat forms' too)."""
+
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _ChatRendering(_ChatTemplateFields):
     """The fields besides the messages that change a rendered chat (vLLM's)."""
 
     tools: list[Any] | None = None
     documents: list[Any] | None = None
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     def chat_options(self) -> ChatOptions:
         return ChatOptions(
@@ -355,7 +361,7 @@ _CHAT_ONLY_FIELDS = frozenset(
 ``ChatRequestOptionsMixin``; its ``media_io_kwargs`` is not read here)."""
 
 
-class PoolingInputRequest(_PoolingBase, _ChatRendering):
+class PoolingInputRequest(_PoolingBase, _ChatTemplateFields):
     """vLLM's pooling requests over one input each (embeddings, /pooling, /classify), in
     either of vLLM's two forms: the completion form (``input``: a string, token ids or a
     batch of either) or the chat form (``messages``, rendered with the chat template). With
@@ -390,6 +396,17 @@ class PoolingInputRequest(_PoolingBase, _ChatRendering):
     def conversations(self) -> list[Any]:
         """The chat form's conversations, one engine request each: the messages, one."""
         return [self.messages or []]
+
+    def chat_options(self) -> ChatOptions | None:
+        """The chat form's options as vLLM 0.33 renders them (no ``tools``,
+        ``documents`` or ``reasoning_effort``: fields its pooling requests ignore; the
+        gateway sizes by the same rule, :meth:`ChatOptions.for_pooling`)."""
+        return ChatOptions.for_pooling(
+            {
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs,
+            }
+        )
 
     def special_tokens(self) -> bool:
         if self.add_special_tokens is not None:
