@@ -298,7 +298,9 @@ class Completions:
             m.requests.labels(endpoint, "499").inc()
             raise
         limits = gw.policy.tenant(tenant).limits
-        rej = gw.limiter.admit(tenant, limits, time.monotonic())
+        # a background response holds its slot until it ends (D33): its retrieval and
+        # cancel, no engine work, are not refused for it
+        rej = gw.limiter.admit(tenant, limits, time.monotonic(), response_id is None)
         if rej is not None:
             m.rate_limited.labels(tenant, rej.limit).inc()
             m.requests.labels(endpoint, "429").inc()
@@ -328,7 +330,7 @@ class Completions:
         exchange: UpstreamExchange
 
         def on_done() -> None:
-            gw.limiter.release(tenant)
+            gw.release_admission(d)  # the tenant's slot: a watched response's until it ends
             gw.end()
             # the outcome's status (_finish ran before this): a stream that broke or
             # lost its client after its 200 head counts 502 or 499, as its trace says

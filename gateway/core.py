@@ -76,7 +76,7 @@ from cachecore.tokenizer import (
 )
 from gateway.auth import KeyStore
 from gateway.discovery import Discovery
-from gateway.errors import GatewayError, bad_request, rate_limited
+from gateway.errors import GatewayError, bad_request, rate_limited, retry_after
 from gateway.ids import random_hex
 from gateway.indexing import GatewayIndex, LookupResult, PendingWrite
 from gateway.limits import TenantLimiter
@@ -338,6 +338,11 @@ class Dispatch:
     background: bool = False
     response_status: str | None = None
     response_usage: tuple[int, int] | None = None
+    # a background POST's place under the watch caps, taken before any work (its
+    # tenant's share, the gateway's KVGATE_BACKGROUND_WATCH_MAX); watched: a watcher holds
+    # that place, the ticket and the tenant's concurrency slot until the response ends
+    watch_place: bool = False
+    watched: bool = False
 
     @property
     def replica(self) -> str:
@@ -495,6 +500,10 @@ class Gateway:
         # background responses whose ticket is held until terminal (D33): (replica, engine
         # response id) -> the POST's dispatch and its watcher
         self._background: dict[tuple[str, str], tuple[Dispatch, asyncio.Task[None]]] = {}
+        # places under the watch cap, per tenant: the watched and the background POSTs on
+        # their way (taken up front, so a response is never served unwatched)
+        self._watch_places: Counter[str] = Counter()
+        self._watch_total = 0
         # their polls and cancels share the client (its pool of KVGATE_MAX_CONNECTIONS)
         # with the health probes and remote tokenization: a replica that hangs its answers
         # holds each for its timeout, and 1024 watched on it took every connection, so
@@ -1161,7 +1170,33 @@ class Gateway:
         explain_only: bool = False,
         strategy: Strategy | None = None,
     ) -> Dispatch:
-        """Everything before the upstream call. Raises :class:`GatewayError`."""
+        """Everything before the upstream call. Raises :class:`GatewayError`. A background
+        POST first takes its place under the watch caps (D33), before any charge or
+        routing; the caller ends it with :meth:`release_admission`."""
+        place = endpoint == "responses" and body.get("background") is True and not explain_only
+        if place:
+            self._take_watch_place(tenant)
+        try:
+            d = await self._prepare(
+                endpoint, tenant, body, headers, request_id, explain_only, strategy
+            )
+        except BaseException:
+            if place:
+                self._give_watch_place(tenant)
+            raise
+        d.watch_place = place
+        return d
+
+    async def _prepare(
+        self,
+        endpoint: str,
+        tenant: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        request_id: str,
+        explain_only: bool,
+        strategy: Strategy | None,
+    ) -> Dispatch:
         if endpoint in LOAD_ROUTED:
             return await self._prepare_by_load(
                 endpoint, tenant, body, headers, request_id, explain_only, strategy
@@ -2284,9 +2319,10 @@ class Gateway:
         """Whether ``d``, a background response its engine accepted and has not finished
         (its answer "queued", or a stream that ended before its terminal event), keeps its
         ticket: the engine computes on, so the replica's in-flight count and queued
-        prefill stay until a watcher sees the stored response terminal. Past
-        ``KVGATE_BACKGROUND_WATCH_MAX`` (or while stopping) the ticket ends now,
-        counted ``unwatched``: the request is served, its load seen as D30 saw it."""
+        prefill stay until a watcher sees the stored response terminal, and so does its
+        tenant's concurrency slot (the engine's work, whether the client waits or not).
+        Its place under the watch caps was taken before any work (:meth:`prepare`);
+        while stopping it ends now, counted ``shutdown``."""
         if (
             not d.background
             or d.ticket is None
@@ -2295,15 +2331,11 @@ class Gateway:
             or d.response_status in RESPONSE_TERMINAL
         ):
             return False
-        if len(self._background) >= self.settings.background_watch_max or self._bg_closed:
-            self.metrics.background_responses.labels("unwatched").inc()
-            log.warning(
-                "background response not watched: KVGATE_BACKGROUND_WATCH_MAX reached; its "
-                "replica's load forgets it now",
-                extra={"replica": d.replica, "request_id": d.request_id},
-            )
+        if self._bg_closed:  # stopping: its watch would end now, as every other's
+            self.metrics.background_responses.labels("shutdown").inc()
             return False
         key = (d.replica, d.response_id)
+        d.watched = True  # the ticket, tenant slot and watch place: the watch's now
         self._background[key] = (d, self.spawn(self._watch_response(key, d)))
         self.metrics.background_watched.set(len(self._background))
         return True
@@ -2415,11 +2447,62 @@ class Gateway:
         task.cancel()
 
     def _release_background(self, d: Dispatch, outcome: str, usage: tuple[int, int] | None) -> None:
+        """The watch of ``d`` ended (once: its entry was taken out of ``_background``):
+        its ticket, watch place and tenant's concurrency slot end with it."""
         self.metrics.background_watched.set(len(self._background))
         self.metrics.background_responses.labels(outcome).inc()
         self.on_release(d)
+        self._end_admission(d)
         if outcome in RESPONSE_TERMINAL and usage is not None:
             self._debit_follow_up(d, *usage)
+
+    def release_admission(self, d: Dispatch) -> None:
+        """``d``'s exchange is over: its tenant's concurrency slot and its watch place
+        end, unless a watcher holds them until the response is terminal (D33), which then
+        ends them (:meth:`_release_background`): exactly once either way."""
+        if not d.watched:
+            self._end_admission(d)
+
+    def _end_admission(self, d: Dispatch) -> None:
+        if d.watch_place:
+            d.watch_place = False
+            self._give_watch_place(d.tenant)
+        self.limiter.release(d.tenant)
+
+    def _take_watch_place(self, tenant: str) -> None:
+        """A place under the watch caps for one of ``tenant``'s background POSTs, or the
+        refusal: 429 past the tenant's share (``KVGATE_BACKGROUND_WATCH_TENANT_SHARE`` of
+        the cap: no tenant can fill it for the others), 503 past the gateway's cap. Taken
+        up front: a response served unwatched is load its replica's routing never sees."""
+        s = self.settings
+        retry_s = max(1.0, s.background_poll_s)  # a watch ends at a poll at the soonest
+        share = max(1, math.floor(s.background_watch_max * s.background_watch_tenant_share))
+        if self._watch_places[tenant] >= share:
+            self.metrics.background_responses.labels("refused_share").inc()
+            self.metrics.rate_limited.labels(tenant, "background_watch").inc()
+            raise rate_limited(
+                f"too many background responses running for this key ({share}); retry when "
+                "one has ended",
+                retry_s,
+                "background_watch",
+            )
+        if self._watch_total >= s.background_watch_max:
+            self.metrics.background_responses.labels("refused_capacity").inc()
+            raise GatewayError(
+                503,
+                "the gateway is watching as many background responses as it can; retry "
+                "later, or send the request without 'background'",
+                code="background_capacity",
+                headers={"Retry-After": retry_after(retry_s)},
+            )
+        self._watch_places[tenant] += 1
+        self._watch_total += 1
+
+    def _give_watch_place(self, tenant: str) -> None:
+        self._watch_places[tenant] -= 1
+        if self._watch_places[tenant] <= 0:
+            del self._watch_places[tenant]
+        self._watch_total -= 1
 
     def _trace(self, d: Dispatch, out: Outcome) -> None:
         assert self.trace is not None

@@ -90,11 +90,19 @@ class TenantLimiter:
         )
         return st
 
-    def admit(self, tenant: str, limits: TenantLimits, now: float) -> Rejection | None:
+    def admit(
+        self, tenant: str, limits: TenantLimits, now: float, concurrency: bool = True
+    ) -> Rejection | None:
         """Admit a request (rate and concurrency). On success the caller must call
-        :meth:`release` exactly once when the request ends."""
+        :meth:`release` exactly once when the request ends. ``concurrency`` false: counted
+        but not held to ``max_concurrency`` (a Responses retrieval or cancel, no engine
+        work: a tenant whose background runs hold every slot still polls and cancels them)."""
         st = self._state(tenant, limits, now)
-        if limits.max_concurrency is not None and st.in_flight >= limits.max_concurrency:
+        if (
+            concurrency
+            and limits.max_concurrency is not None
+            and st.in_flight >= limits.max_concurrency
+        ):
             return Rejection("concurrency", 1.0, "too many concurrent requests for this key")
         if st.requests is not None:
             wait = st.requests.take(1.0, now)

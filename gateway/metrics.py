@@ -277,9 +277,10 @@ class GatewayMetrics:
             "kvgate_background_responses",
             "Background responses by how their watch ended: completed, incomplete, "
             "cancelled, failed (terminal), lost (engine or replica no longer has it), "
-            "expired (KVGATE_BACKGROUND_WATCH_MAX_S), shutdown, unwatched (over "
-            "KVGATE_BACKGROUND_WATCH_MAX: ticket ended at the queued answer), orphan_cancelled "
-            "(a run whose answer never reached the client, cancelled on its replica)",
+            "expired (KVGATE_BACKGROUND_WATCH_MAX_S), shutdown; refused_share (429: the "
+            "tenant's KVGATE_BACKGROUND_WATCH_TENANT_SHARE of the cap) and refused_capacity "
+            "(503: KVGATE_BACKGROUND_WATCH_MAX), before any work; orphan_cancelled (a run "
+            "whose answer never reached the client, cancelled on its replica)",
             ["outcome"],
             registry=r,
         )

@@ -123,11 +123,14 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: Annotated[int, Field(ge=1)] = 8 * 1024 * 1024
     # the Responses API's background mode (D33): the replica's in-flight ticket stays open
     # until the engine's stored response is terminal, which a watcher per response polls
-    # for this often, for at most this long, and for at most this many responses at once
-    # (past it a response's ticket ends at its "queued" answer, counted unwatched)
+    # for this often, for at most this long, and for at most this many responses at once,
+    # of which one tenant at most this fraction (at least one); a background request past
+    # either is refused before any work (429 the tenant's share, 503 the cap), never
+    # served unwatched: its replica's load would forget it
     background_poll_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     background_watch_max_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 3600.0
     background_watch_max: Annotated[int, Field(ge=0)] = 1024
+    background_watch_tenant_share: Annotated[float, Field(gt=0, le=1)] = 0.25
     # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread
     tokenize_offload_chars: Annotated[int, Field(ge=0)] = OFFLOAD_CHARS
     # prompts in one /v1/completions batch, 400 beyond: vLLM has no cap, and each prompt

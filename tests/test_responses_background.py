@@ -236,16 +236,17 @@ async def test_watching_is_bounded_expires_and_stops_with_the_gateway() -> None:
         one = await c.responses.create(
             model=st.model, input=words(20, 7), max_output_tokens=4000, background=True
         )
-        # past the cap: served, its ticket ended at the queued answer, counted
-        two = await c.responses.create(
-            model=st.model, input=words(20, 8), max_output_tokens=4000, background=True
-        )
-        assert (one.status, two.status) == ("queued", "queued")
+        # past the cap (the tenant's share of it, at least one): refused before any work,
+        # never served unwatched (H181)
+        with pytest.raises(openai.RateLimitError) as err:
+            await c.responses.create(
+                model=st.model, input=words(20, 8), max_output_tokens=4000, background=True
+            )
+        assert isinstance(err.value.body, dict) and err.value.body["limit"] == "background_watch"
+        assert one.status == "queued"
         assert _held(st.gw) == 1 and len(st.gw._background) == 1
-        assert _outcome(st, "unwatched") == 1
+        assert _outcome(st, "refused_share") == 1
         gw = st.gw
-        await c.responses.cancel(two.id)  # not watched: its cancel releases nothing
-        assert _held(st.gw) == 1
     # the gateway stopped: its watcher was cancelled and released the ticket
     assert not gw._background and _held(gw) == 0
     assert _count(gw.metrics.background_responses, outcome="shutdown") == 1
