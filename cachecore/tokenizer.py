@@ -26,7 +26,7 @@ from datetime import datetime
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import jinja2
 import jinja2.ext
@@ -567,6 +567,12 @@ def _tool_call_arguments(args: Any, i: int) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
+ChatForm = Literal["chat", "tokenize", "responses", "pooling"]
+"""Which vLLM 0.33 request renders a chat, each passing the template its own parameters
+(:meth:`ChatOptions.from_body`): a chat completion (and ``/v1/chat/completions/render``),
+``/tokenize`` with ``messages``, a Responses request, a pooling request's chat form."""
+
+
 @dataclass(frozen=True, slots=True)
 class ChatOptions:
     """The request fields besides the messages that change a rendered chat, as vLLM
@@ -579,13 +585,28 @@ class ChatOptions:
     template_kwargs: Mapping[str, Any] | None = None
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> ChatOptions | None:
-        """The options of a chat request body; None when it sets none (the common case).
-        A chat completion's ``reasoning_effort`` joins the template variables as vLLM
-        passes it (:func:`effort_template_kwargs`)."""
-        tools, docs = body.get("tools"), body.get("documents")
+    def from_body(cls, body: Mapping[str, Any], form: ChatForm = "chat") -> ChatOptions | None:
+        """The options of a chat request body of ``form`` as vLLM 0.33 renders it; None
+        when it sets none (the common case). One rule for the gateway's sizing and keys and
+        the simulated replica's prompt. vLLM hands ``apply_chat_template`` one dict of
+        keywords (``renderers/params.py``): ``build_chat_params`` lays the request's own
+        fields over ``chat_template_kwargs`` (``merge_kwargs``: a None or ``"auto"`` value
+        no override), then ``with_defaults`` lays that over the top-level ``tools``
+        (``preprocess_chat``'s defaults, with ``tokenize``). So a kwargs ``tools`` wins
+        over the request's, while a chat completion's ``documents`` and
+        ``reasoning_effort`` (with ``enable_thinking``, :func:`effort_template_kwargs`) win
+        over the kwargs' ones; ``/tokenize`` has neither field (an extra, ignored: the
+        kwargs' render), nor has a pooling chat form ``tools`` (:meth:`for_pooling`). The
+        second merge drops the kwargs' None and ``"auto"`` values, except a Responses
+        request's: its ``with_defaults`` over no server kwargs returns the request's merge
+        as it is, whose values ``preprocess_chat`` then takes as defaults, so they reach
+        the template (a variable set to None or "auto"; ``tools`` "auto" with no request
+        tools a 400, transformers' iterating it). ``continue_final_message`` and
+        ``add_generation_prompt`` are always the request's own."""
+        tools = body.get("tools") if form != "pooling" else None
+        docs = body.get("documents") if form == "chat" else None
+        effort = body.get("reasoning_effort") if form in ("chat", "responses") else None
         cont, kwargs = body.get("continue_final_message"), body.get("chat_template_kwargs")
-        effort = body.get("reasoning_effort")
         if tools is None and docs is None and not cont and not kwargs and effort is None:
             return None
         if tools is not None and not isinstance(tools, list):
@@ -594,32 +615,31 @@ class ChatOptions:
             raise TokenizerError("'documents' must be an array")
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise TokenizerError("'chat_template_kwargs' must be an object")
-        return cls(tools, docs, bool(cont), effort_template_kwargs(kwargs, effort))
+        kw = dict(effort_template_kwargs(kwargs, effort) or {})
+        if form != "responses":
+            kw = {k: v for k, v in kw.items() if not _unset_kwarg(v)}
+        kw.pop("continue_final_message", None)  # apply_chat_template's own, no variable
+        kw_tools, kw_docs = kw.pop("tools", None), kw.pop("documents", None)
+        if not _unset_kwarg(kw_tools) or tools is None:
+            tools = kw_tools
+            if tools is not None and not isinstance(tools, list):
+                # transformers' apply_chat_template takes a list of schemas (a 400 in vLLM)
+                raise TokenizerError("'chat_template_kwargs' tools must be an array")
+        if docs is None:
+            docs = kw_docs
+        if tools is None and docs is None and not cont and not kw:
+            return None
+        return cls(tools, docs, bool(cont), kw or None)
 
     @classmethod
     def for_pooling(cls, body: Mapping[str, Any]) -> ChatOptions | None:
         """The options of a pooling request's chat form (embeddings, ``/pooling``,
-        ``/classify``) as vLLM 0.33 renders it, one rule for the gateway's charge and the
-        simulated replica's prompt: its request models (``ChatRequestOptionsMixin``)
-        declare no ``tools``, ``documents`` or ``reasoning_effort`` and allow extra
-        fields, so those are ignored, not refused, and its IO processors default
-        ``tools`` to None. ``chat_template_kwargs`` goes to ``apply_chat_template`` as
-        keywords over those defaults (``merge_kwargs``: a None or ``"auto"`` value
-        dropped), so its ``tools`` and ``documents`` set those parameters; its
-        ``continue_final_message`` (and ``add_generation_prompt``) is overridden by the
-        request's own field, always set."""
-        cont, kwargs = bool(body.get("continue_final_message")), body.get("chat_template_kwargs")
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TokenizerError("'chat_template_kwargs' must be an object")
-        kw = {k: v for k, v in (kwargs or {}).items() if not _unset_kwarg(v)}
-        kw.pop("continue_final_message", None)  # apply_chat_template's own, no variable
-        tools, docs = kw.pop("tools", None), kw.pop("documents", None)
-        if tools is not None and not isinstance(tools, list):
-            # transformers' apply_chat_template takes a list of schemas (a 400 in vLLM)
-            raise TokenizerError("'chat_template_kwargs' tools must be an array")
-        if tools is None and docs is None and not cont and not kw:
-            return None
-        return cls(tools, docs, cont, kw or None)
+        ``/classify``) as vLLM 0.33 renders it: its request models
+        (``ChatRequestOptionsMixin``) declare no ``tools``, ``documents`` or
+        ``reasoning_effort`` and allow extra fields, so those are ignored, not refused,
+        and its IO processors default ``tools`` to None; the kwargs as ``/tokenize``'s
+        (:meth:`from_body`)."""
+        return cls.from_body(body, "pooling")
 
 
 def _unset_kwarg(value: Any) -> bool:

@@ -1288,7 +1288,10 @@ class Gateway:
                 unkeyed = unkeyed or media_parts > 0
                 media_tokens = media_parts * mpool.media_part_tokens
                 chat_body = {**src, "messages": text_only} if media_parts else src
-                tokens = await tokenizer.chat(chat_body, cs, off, trunc)
+                # a Responses request's template kwargs render as vLLM's Responses path's
+                tokens = await tokenizer.chat(
+                    chat_body, cs, off, trunc, form="responses" if responses else "chat"
+                )
                 packed: Sequence[int] = tokens
             elif batch:
                 lengths = await tokenizer.prompt_lengths(body, cs, off, trunc)
@@ -1544,7 +1547,7 @@ class Gateway:
                 }  # fmt: skip
                 # vLLM's pooling requests have no tools, documents or reasoning_effort
                 # (extra fields, not read): rendered without them, by the replica's rule
-                ids = await sizer.chat(chat_body, cs, off, trunc, pooling=True)
+                ids = await sizer.chat(chat_body, cs, off, trunc, form="pooling")
                 lengths.append(len(ids) + media_parts * mpool.media_part_tokens)
             n_prompt = size(lengths)
             if pairs is not None and mpool.score_template is not None:
@@ -1703,7 +1706,10 @@ class Gateway:
             view, _ = _responses_chat(body, model)
             text_only, media_parts = strip_media(view["messages"])
             ids = await sizer.chat(
-                {**view, "messages": text_only}, cs, self.settings.tokenize_offload_chars
+                {**view, "messages": text_only},
+                cs,
+                self.settings.tokenize_offload_chars,
+                form="responses",
             )
             n_prompt = len(ids) + media_parts * mpool.media_part_tokens
             # removed or taken out of service while it was tokenized: the answers above

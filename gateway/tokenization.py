@@ -27,6 +27,7 @@ from cachecore.tokenizer import (
     PROBE_CHAT,
     PROBE_PROMPT,
     SEGMENT_CACHE_TOKENS,
+    ChatForm,
     ChatOptions,
     HFTokenizer,
     ScoreTemplate,
@@ -424,16 +425,16 @@ class LocalPromptTokenizer:
         # the score templates of the pools this tokenizer serves, compiled once (by text)
         self._score_templates: dict[str, ScoreTemplate] = {}
 
-    def _render(self, body: Mapping[str, Any], pooling: bool = False) -> str:
-        """``body``'s chat as the engine renders it; ``pooling``: a pooling request's chat
-        form, whose options vLLM reads as :meth:`ChatOptions.for_pooling` says (the
-        simulated replica's rule too)."""
+    def _render(self, body: Mapping[str, Any], form: ChatForm = "chat") -> str:
+        """``body``'s chat as the engine renders it for a request of ``form``, whose
+        options vLLM reads as :meth:`ChatOptions.from_body` says (the simulated replica's
+        rule too)."""
         add_gen = add_generation_prompt(body)
         cont = continue_final_message(body)
         if "continue_final_message" in body and body["continue_final_message"] is not cont:
             body = {**body, "continue_final_message": cont}  # "false", 0...: the engine's bool
         try:
-            opts = ChatOptions.for_pooling(body) if pooling else ChatOptions.from_body(body)
+            opts = ChatOptions.from_body(body, form)
         except TokenizerError as exc:
             raise _option_error(exc) from None
         try:
@@ -475,11 +476,11 @@ class LocalPromptTokenizer:
         offload_chars: int = OFFLOAD_CHARS,
         trunc: Truncation | None = None,
         *,
-        pooling: bool = False,
+        form: ChatForm = "chat",
     ) -> list[int]:
         """:meth:`chat_sync` that tokenizes long uncached text in a worker thread
-        (``pooling``: a pooling request's chat form, :meth:`_render`)."""
-        ids = await self.segments.encode_async(self._render(body, pooling), scope, offload_chars)
+        (``form``: the request that renders it, :meth:`_render`)."""
+        ids = await self.segments.encode_async(self._render(body, form), scope, offload_chars)
         return self._special(ids, body, False, trunc)
 
     async def completion(
@@ -653,10 +654,10 @@ _TOKENIZE_CHAT_FIELDS = (
     "chat_template",
     "chat_template_kwargs",
     "tools",
-    "documents",
     "mm_processor_kwargs",
 )
-"""The fields of vLLM's chat ``/tokenize`` request that a chat completion request shares."""
+"""The fields of vLLM's chat ``/tokenize`` request that a chat completion request shares
+(it has no ``documents``: :meth:`EnginePromptTokenizer.chat` sends them as a kwarg)."""
 
 
 def _engine_refusal(payload: Any, text: str) -> GatewayError:
@@ -832,15 +833,21 @@ class EnginePromptTokenizer:
             # the rendering (tools, documents, template kwargs, ...) renders as it will
             return await self._post("/v1/chat/completions/render", {**body, "cache_salt": salt})
         payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
-        if body.get("reasoning_effort") is not None:
-            # /tokenize takes no reasoning_effort: its template variables, as the chat
-            # completion passes them (a 400 for a value the engine would refuse)
+        docs = body.get("documents")
+        if body.get("reasoning_effort") is not None or docs is not None:
+            # /tokenize takes no reasoning_effort or documents (extras it ignores): as
+            # template kwargs over the request's, as the chat completion passes them (a
+            # 400 for a value the engine would refuse)
             try:
                 kwargs = effort_template_kwargs(
-                    body.get("chat_template_kwargs"), body["reasoning_effort"]
+                    body.get("chat_template_kwargs"), body.get("reasoning_effort")
                 )
             except TokenizerError as exc:
                 raise _option_error(exc) from None
+            if docs is not None:
+                if not isinstance(docs, list):
+                    raise bad_request("'documents' must be an array", "documents")
+                kwargs = {**(kwargs or {}), "documents": docs}
             payload["chat_template_kwargs"] = kwargs
         payload["cache_salt"] = salt  # vLLM's /tokenize ignores it (no cache to scope)
         return await self._post("/tokenize", payload)

@@ -529,7 +529,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             raise APIError(str(exc), param=exc.param) from exc
         messages, fields = rendered.messages, rendered.fields
         try:
-            opts = ChatOptions.from_body({**fields, "tools": rendered.tools})
+            opts = ChatOptions.from_body({**fields, "tools": rendered.tools}, "responses")
             text = tok.apply_chat_template(messages, fields["add_generation_prompt"], opts)
         except TokenizerError as exc:
             raise APIError(str(exc), param="input") from exc

@@ -33,7 +33,6 @@ from cachecore.tokenizer import (
     Tokenizer,
     Truncation,
     chat_completion_messages,
-    effort_template_kwargs,
     embedding_chat_input,
     is_conversation_batch,
     truncated_pair,
@@ -196,12 +195,13 @@ class _ChatRendering(_ChatTemplateFields):
     """The fields besides the messages that change a rendered chat (vLLM's)."""
 
     tools: list[Any] | None = None
-    documents: list[Any] | None = None
 
-    def chat_options(self) -> ChatOptions:
-        return ChatOptions(
-            self.tools, self.documents, self.continue_final_message, self.chat_template_kwargs
-        )
+    def _template_fields(self) -> dict[str, Any]:
+        return {
+            "tools": self.tools,
+            "continue_final_message": self.continue_final_message,
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
 
 
 def _effort(value: str) -> str:
@@ -212,6 +212,7 @@ def _effort(value: str) -> str:
 
 class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     messages: list[Any] = Field(default_factory=list)
+    documents: list[Any] | None = None
     # vLLM's: a template variable (with enable_thinking) for templates that read it
     reasoning_effort: Annotated[str, AfterValidator(_effort)] | None = None
     max_completion_tokens: int | None = None
@@ -231,9 +232,10 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
 
-    def chat_options(self) -> ChatOptions:
-        kwargs = effort_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
-        return ChatOptions(self.tools, self.documents, self.continue_final_message, kwargs)
+    def chat_options(self) -> ChatOptions | None:
+        """As vLLM 0.33's chat completion renders it (:meth:`ChatOptions.from_body`)."""
+        fields = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
+        return ChatOptions.from_body({**self._template_fields(), **fields})
 
     def max_output_tokens(self) -> int:
         value = self.max_completion_tokens
@@ -263,6 +265,9 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TokenizeRequest(_ChatRendering):
+    """vLLM's two /tokenize requests; the chat one declares no ``documents`` or
+    ``reasoning_effort`` (extras it ignores: only the kwargs' render)."""
+
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
@@ -274,6 +279,9 @@ class TokenizeRequest(_ChatRendering):
     # not vLLM's (it ignores the field): the scope of this replica's tokenization cache,
     # which kvgate's gateway sends so that no two tenants' tokenize calls share an entry
     cache_salt: Any = None
+
+    def chat_options(self) -> ChatOptions | None:
+        return ChatOptions.from_body(self._template_fields(), "tokenize")
 
     def cache_scope(self) -> str:
         salt = self.cache_salt
