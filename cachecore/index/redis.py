@@ -586,10 +586,10 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
     connecting: a command that takes it waits for the reply to be read (a disconnect
     cancels the read). A read it fails disconnects, as redis-py's does. Where the count is
     not known (a command sent other than packed here, one whose replies are not one, a
-    read of another form: pub/sub) or more replies are owed (a pipeline, MULTI/EXEC), or
-    the parser is not hiredis's (whose state lives in its reader, resumable after a
-    cancelled socket read), the cut disconnects as before. One such read per connection:
-    at most the pool's size."""
+    read of another form: pub/sub; any, once WATCH was sent) or more replies are owed (a
+    pipeline, MULTI/EXEC), or the parser is not hiredis's (whose state lives in its
+    reader, resumable after a cancelled socket read), the cut disconnects as before. One
+    such read per connection: at most the pool's size."""
 
     def running(conn: Any) -> asyncio.Task[None] | None:
         """``conn``'s connect or reply read in flight in another task than the caller's."""
@@ -802,10 +802,14 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
     return Shielded
 
 
-# commands whose replies are not one per command (pub/sub's, MONITOR's, CLIENT REPLY's)
+# commands whose replies are not one per command (pub/sub's, MONITOR's, CLIENT REPLY's),
+# and WATCH: its connection then owes replies "not known" until it reconnects, so a cut
+# disconnects as before. Kept, it kept the WATCH: a pipeline cut while watching skips its
+# UNWATCH (redis-py sends none to a connection that reads as not connected, as one
+# reading a reply on does), and another caller's MULTI/EXEC on it failed (WatchError).
 _NOT_ONE_REPLY = frozenset(
     {"SUBSCRIBE", "PSUBSCRIBE", "SSUBSCRIBE", "UNSUBSCRIBE", "PUNSUBSCRIBE", "SUNSUBSCRIBE"}
-    | {"MONITOR", "CLIENT REPLY", "RESET", "QUIT"}
+    | {"MONITOR", "CLIENT REPLY", "RESET", "QUIT", "WATCH"}
 )
 
 
