@@ -2116,10 +2116,11 @@ class Gateway:
 
     def on_first_token(self, d: Dispatch, progressed: bool = True) -> None:
         """The request's prefill is over: its prefill tokens leave the replica's queue.
-        For a stream that is its first body chunk, never its response headers: engines
-        (vLLM, the simulated replica) send a stream's headers when they accept it, before
-        the prefill, and a queue emptied at the headers hides every prefill still waiting
-        from expected_latency (it then sees only running requests). ``progressed``: the
+        For a stream that is its first body chunk (a Responses run's: its first output
+        event, D30), never its response headers: engines (vLLM, the simulated replica)
+        send a stream's headers when they accept it, before the prefill, and a queue
+        emptied at the headers hides every prefill still waiting from expected_latency
+        (it then sees only running requests). ``progressed``: the
         engine computed it (not an error answer), so no stall of the replica's engine
         began before now (D17); never for /tokenize and /detokenize, which the server
         answers without its engine (:data:`_FRONTEND_ONLY`)."""
@@ -2244,6 +2245,12 @@ class Gateway:
             self._cancel_orphan(d)
         if not self._watch_background(d):
             self.on_release(d)
+        elif d.ticket is not None and d.ticket.phase == 0 and d.ticket.expected != math.inf:
+            # a background stream that ended before its first output event: its run goes on
+            # unseen, so it leaves the queue at its predicted first token, as a JSON
+            # answer's (on_dispatch), not overdue for want of a reader (D16)
+            wait = max(0.0, d.ticket.expected - time.monotonic())
+            asyncio.get_running_loop().call_later(wait, self.inflight.first_token, d.ticket)
         if d.endpoint in RESPONSE_READS and d.response_status in RESPONSE_TERMINAL:
             # a client's retrieval or cancel saw a watched response end: no poll needed
             usage = (out.prompt_tokens, out.cached_tokens)  # a replayed stream's completed

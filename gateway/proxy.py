@@ -44,6 +44,14 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 # a Responses stream ends with its terminal event, not [DONE] (vLLM sends none)
 _RESPONSE_END = re.compile(rb'"type"\s*:\s*"response\.(completed|incomplete|failed)"')
 _EVENT_SEP = re.compile(rb"\r?\n\r?\n")
+# a Responses stream's events that are no output of the engine's: vLLM 0.33's
+# responses_stream_generator sends response.created and response.in_progress before it
+# reads the engine's first output (OpenAI's response.queued: vLLM sends none), and a
+# stream may end, or break off, without any output (its terminal event, an error event)
+_NO_OUTPUT = frozenset(
+    (b"response.created", b"response.in_progress", b"response.queued", b"response.completed",
+     b"response.incomplete", b"response.failed", b"error")
+)  # fmt: skip
 # a replayed follow-up's events name its previous response by the engine's id (D33)
 _PREVIOUS_ID = re.compile(rb'"previous_response_id"\s*:\s*"(resp_[0-9A-Za-z_-]+)"')
 _RETRYABLE = (
@@ -553,15 +561,19 @@ class UpstreamExchange(Response):
         saw_done = False
         rewrites = self.gw.answer_rewrites(d)
         responses = d.response_id is not None
+        # a Responses run's first token is its first output event (D30): its stream opens
+        # before the prefill. Any other stream's first chunk comes with the engine's first
+        # output (vLLM's chat role chunk too); a replay's is a frontend answer (D33)
+        opens_early = d.endpoint == "responses"
         if d.background:
             d.response_status = "in_progress"  # the engine runs it: terminal at its end
         try:
             async for chunk in resp.aiter_raw():
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                    self.gw.on_first_token(d)
                 buf += chunk
                 cut = _event_end(buf)
+                if ttft is None and (not opens_early or (cut >= 0 and _output(buf[:cut]))):
+                    ttft = time.perf_counter() - t0
+                    self.gw.on_first_token(d)
                 if cut < 0:
                     continue
                 ready, buf = buf[:cut], buf[cut:]
@@ -569,7 +581,12 @@ class UpstreamExchange(Response):
                     ready, done = filter_events(ready, usage, d.client_wants_usage)
                     saw_done = saw_done or done
                 if responses:
-                    saw_done = saw_done or _ended(d, ready)
+                    if _ended(d, ready):
+                        saw_done = True
+                        if ttft is None and d.response_status != "failed":
+                            # ended without output (every token held back by a parser):
+                            # its engine is done, no first token was seen (no TTFT)
+                            self.gw.on_first_token(d)
                     rewrites = self._replayed_previous(ready, rewrites)
                     ready = _rewritten(ready, rewrites)
                 if ready:
@@ -666,6 +683,27 @@ def _ended(d: Dispatch, data: bytes) -> bool:
         return False
     d.response_status = found.group(1).decode()
     return True
+
+
+def _output(data: bytes) -> bool:
+    """Whether ``data``, complete SSE events of a Responses stream, holds an output event
+    of the engine's: any but :data:`_NO_OUTPUT` (vLLM's first is the output item's
+    ``response.output_item.added``, sent with the first delta it parsed)."""
+    for event in _EVENT_SEP.split(data):
+        if event.startswith(b"event:"):  # vLLM names each event's type in this line
+            kind = event[6 : event.find(b"\n") if b"\n" in event else None].strip()
+        else:
+            try:
+                obj = orjson.loads(_event_data(event))
+            except orjson.JSONDecodeError:
+                continue
+            found = obj.get("type") if isinstance(obj, dict) else None
+            if not isinstance(found, str):
+                continue
+            kind = found.encode()
+        if kind and kind not in _NO_OUTPUT:
+            return True
+    return False
 
 
 def _event_data(event: bytes) -> bytes:

@@ -601,8 +601,14 @@ def create_app(replica: SimReplica) -> FastAPI:
             async for out in handle.outputs():
                 last = out
                 piece = replica.token_text(out.new_token_ids)
+                if not texts:  # the engine's first output: the item opens with it
+                    for event in seq.item_opening():
+                        yield sse_event(event)
                 texts.append(piece)
                 yield sse_event(seq.delta(piece))
+            if not texts:
+                for event in seq.item_opening():
+                    yield sse_event(event)
             text = "".join(texts)
             item = message_item(seq.item_id, text, "completed")
             final = response_object(rid, req, model, created, [item], last)

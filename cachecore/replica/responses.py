@@ -212,9 +212,16 @@ class EventSequence:
         return event
 
     def opening(self) -> Iterator[dict[str, Any]]:
+        """vLLM's responses_stream_generator sends these two before it reads the engine's
+        first output: they come before the prefill."""
         pending = response_object(self.rid, self.req, self.model, self.created, [], None)
         yield self._event("response.created", response=pending)
         yield self._event("response.in_progress", response=pending)
+
+    def item_opening(self) -> Iterator[dict[str, Any]]:
+        """The message item's and its text part's opening, as vLLM's
+        SimpleStreamingEventProcessor.open sends them: with the first delta, at the
+        engine's first output."""
         yield self._event(
             "response.output_item.added", output_index=0,
             item=message_item(self.item_id, None, "in_progress"),
