@@ -633,8 +633,10 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
         _kvgate_waiting = 0  # commands awaiting the attempt
         _kvgate_drain: asyncio.Task[None] | None = None  # a cut command's reply being read
         _kvgate_owed = 0  # replies owed on the wire; -1: not known
-        _kvgate_packed: Any = None  # the last packed command(s), until sent
-        _kvgate_packed_n = 0  # their replies; -1: not one a command
+        # the last packed command(s) and their replies (-1: not one a command), until sent;
+        # one tuple, swapped whole: redis-py packs a large pipeline in a worker thread, and
+        # two attributes written apart could be read torn (a count from another packing)
+        _kvgate_packed: tuple[Any, int] | None = None
 
         @property
         def is_connected(self) -> bool:
@@ -642,18 +644,19 @@ def shielded_connects(cls: type[AbstractConnection]) -> type[AbstractConnection]
 
         def pack_command(self, *args: Any) -> Any:
             packed = super().pack_command(*args)
-            self._kvgate_packed, self._kvgate_packed_n = packed, 1 if _one_reply(args) else -1
+            self._kvgate_packed = (packed, 1 if _one_reply(args) else -1)
             return packed
 
         def pack_commands(self, commands: Any) -> Any:
             commands = list(commands)
             packed = super().pack_commands(commands)
             n = len(commands) if all(map(_one_reply, commands)) else -1
-            self._kvgate_packed, self._kvgate_packed_n = packed, n
+            self._kvgate_packed = (packed, n)
             return packed
 
         async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-            n = self._kvgate_packed_n if command is self._kvgate_packed else -1
+            last = self._kvgate_packed
+            n = last[1] if last is not None and command is last[0] else -1
             self._kvgate_packed = None
             current = asyncio.current_task()
             asked = current.cancelling() if current is not None else 0
