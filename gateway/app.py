@@ -22,7 +22,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import KeyCheckError, KeyFileError, KeyLookupRefused, KeyReload, check_admin
-from gateway.core import ENDPOINT_PATHS, RESPONSE_CANCEL, RESPONSE_GET, Gateway, request_id_from
+from gateway.core import (
+    ENDPOINT_PATHS,
+    RESPONSE_CANCEL,
+    RESPONSE_GET,
+    Gateway,
+    request_id_from,
+    streamed_retrieval,
+)
 from gateway.cors import CorsMiddleware, CorsPolicy
 from gateway.errors import (
     GatewayError,
@@ -299,8 +306,10 @@ class Completions:
             raise
         limits = gw.policy.tenant(tenant).limits
         # a background response holds its slot until it ends (D33): its retrieval and
-        # cancel, no engine work, are not refused for it
-        rej = gw.limiter.admit(tenant, limits, time.monotonic(), response_id is None)
+        # cancel, no engine work, are not refused for it; a streamed retrieval, which holds
+        # its connection as long as the run, is bounded among the tenant's replays
+        replay = endpoint == RESPONSE_GET and streamed_retrieval(query)
+        rej = gw.limiter.admit(tenant, limits, time.monotonic(), response_id is None, replay)
         if rej is not None:
             m.rate_limited.labels(tenant, rej.limit).inc()
             m.requests.labels(endpoint, "429").inc()
@@ -310,7 +319,7 @@ class Completions:
         try:
             d = await gw.prepare(endpoint, tenant, body, headers, rid)
         except GatewayError as err:  # the router's NoCandidateError too: prepare's 503
-            gw.limiter.release(tenant)
+            gw.limiter.release(tenant, replay)
             gw.end()
             m.requests.labels(endpoint, str(err.status)).inc()
             if span is not None:
@@ -318,7 +327,7 @@ class Completions:
                 span.end()
             return err, rid
         except BaseException as exc:
-            gw.limiter.release(tenant)
+            gw.limiter.release(tenant, replay)
             gw.end()
             if isinstance(exc, Exception):  # a bug, which both servers answer 500
                 m.requests.labels(endpoint, "500").inc()
@@ -327,6 +336,7 @@ class Completions:
             raise
         d.t_start = t_start
         d.raw_body = raw
+        d.replay = replay
         exchange: UpstreamExchange
 
         def on_done() -> None:

@@ -343,6 +343,8 @@ class Dispatch:
     # that place, the ticket and the tenant's concurrency slot until the response ends
     watch_place: bool = False
     watched: bool = False
+    # admitted as a streamed retrieval (TenantLimiter.admit's replay): released as one
+    replay: bool = False
 
     @property
     def replica(self) -> str:
@@ -2480,7 +2482,7 @@ class Gateway:
         if d.watch_place:
             d.watch_place = False
             self._give_watch_place(d.tenant)
-        self.limiter.release(d.tenant)
+        self.limiter.release(d.tenant, d.replay)
 
     def _take_watch_place(self, tenant: str) -> None:
         """A place under the watch caps for one of ``tenant``'s background POSTs, or the
@@ -2882,6 +2884,15 @@ def _retrieval_query(query: object) -> tuple[str, bool]:
             raise bad_request("'starting_after' must be an integer", "starting_after") from None
         parts.append(f"starting_after={after}")
     return ("?" + "&".join(parts) if parts else ""), stream
+
+
+def streamed_retrieval(query: Mapping[str, str] | None) -> bool:
+    """Whether ``GET /v1/responses/{id}``'s query asks for a replayed stream, read as
+    :meth:`Gateway.prepare` reads it; a query it refuses (its 400) is not one."""
+    try:
+        return _retrieval_query(query)[1]
+    except GatewayError:
+        return False
 
 
 def _may_hold_orphan(d: Dispatch, out: Outcome) -> bool:

@@ -65,6 +65,7 @@ class _TenantState:
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
     in_flight: int = 0
+    replays: int = 0  # of in_flight: streamed retrievals (admit's ``replay``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,24 +92,39 @@ class TenantLimiter:
         return st
 
     def admit(
-        self, tenant: str, limits: TenantLimits, now: float, concurrency: bool = True
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        now: float,
+        concurrency: bool = True,
+        replay: bool = False,
     ) -> Rejection | None:
         """Admit a request (rate and concurrency). On success the caller must call
-        :meth:`release` exactly once when the request ends. ``concurrency`` false: counted
-        but not held to ``max_concurrency`` (a Responses retrieval or cancel, no engine
-        work: a tenant whose background runs hold every slot still polls and cancels them)."""
+        :meth:`release` exactly once when the request ends, with the same ``replay``.
+        ``concurrency`` false: counted but not held to ``max_concurrency`` (a Responses
+        retrieval or cancel, no engine work: a tenant whose background runs hold every slot
+        still polls and cancels them). ``replay``: a streamed retrieval, held to
+        ``max_concurrency`` among the tenant's replays alone: no engine work either, but it
+        holds its upstream connection as long as the run it replays (vLLM's replay past a
+        run's events waits, for ever once the run is over, up to the gateway's timeouts): one
+        tenant's replays, unbounded, could hold a replica's every connection
+        (KVGATE_MAX_CONNECTIONS) from every other tenant. A tenant whose background runs
+        hold every slot still has as many replays, to resume their streams."""
         st = self._state(tenant, limits, now)
+        held = st.replays if replay else st.in_flight
         if (
-            concurrency
+            (concurrency or replay)
             and limits.max_concurrency is not None
-            and st.in_flight >= limits.max_concurrency
+            and held >= limits.max_concurrency
         ):
-            return Rejection("concurrency", 1.0, "too many concurrent requests for this key")
+            what = "streamed retrievals" if replay else "requests"
+            return Rejection("concurrency", 1.0, f"too many concurrent {what} for this key")
         if st.requests is not None:
             wait = st.requests.take(1.0, now)
             if wait > 0:
                 return Rejection("rate", wait, "request rate limit exceeded for this key")
         st.in_flight += 1
+        st.replays += replay
         return None
 
     def charge_uncached(
@@ -141,10 +157,12 @@ class TenantLimiter:
         if st is not None and st.tokens is not None and tokens > 0:
             st.tokens.give(tokens, now)
 
-    def release(self, tenant: str) -> None:
+    def release(self, tenant: str, replay: bool = False) -> None:
         st = self._tenants.get(tenant)
         if st is not None and st.in_flight > 0:
             st.in_flight -= 1
+        if replay and st is not None and st.replays > 0:
+            st.replays -= 1
 
     def in_flight(self, tenant: str) -> int:
         st = self._tenants.get(tenant)

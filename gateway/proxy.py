@@ -616,7 +616,9 @@ class UpstreamExchange(Response):
         self._finish(
             Outcome(
                 200 if error is None else 502,
-                ttft,
+                # a replay's first chunk is its API server's, from the events it stored
+                # (D33): no engine TTFT for the histogram, the trace or the fit
+                None if d.frontend_answer else ttft,
                 time.perf_counter() - t0,
                 usage.prompt,
                 usage.cached,

@@ -33,9 +33,9 @@ def _slots(gw: Gateway) -> Counter[str]:
             seen["admit"] += 1
         return rej
 
-    def spy_release(tenant: str) -> None:
+    def spy_release(tenant: str, replay: bool = False) -> None:
         seen["release"] += 1
-        release(tenant)
+        release(tenant, replay)
 
     lim.admit = spy_admit  # type: ignore[method-assign]
     lim.release = spy_release  # type: ignore[method-assign]
