@@ -611,6 +611,8 @@ class ChatOptions:
             return None
         if tools is not None and not isinstance(tools, list):
             raise TokenizerError("'tools' must be an array")
+        if tools is not None and form != "responses":  # a Responses reader dumps its own
+            tools = chat_completion_tools(tools)
         if docs is not None and not isinstance(docs, list):
             raise TokenizerError("'documents' must be an array")
         if kwargs is not None and not isinstance(kwargs, Mapping):
@@ -640,6 +642,38 @@ class ChatOptions:
         and its IO processors default ``tools`` to None; the kwargs as ``/tokenize``'s
         (:meth:`from_body`)."""
         return cls.from_body(body, "pooling")
+
+
+def chat_completion_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """A chat completion's (or chat ``/tokenize``'s) ``tools`` as vLLM 0.33 hands them to
+    the template: each validated as its ``ChatCompletionToolsParam`` and passed as its
+    ``model_dump()`` (``render_chat``, ``create_tokenize``): ``{type: "function",
+    function: {name, description, parameters[, strict][, defer_loading]}[,
+    defer_loading]}``, a missing description or parameters null, a tool's top-level
+    ``defer_loading`` also its function's unless that sets one, other keys dropped. The
+    function is dumped by the Responses reader's rule (``FunctionDefinition``, one
+    place); what the model refuses is a :class:`TokenizerError`."""
+    from cachecore.responses import ResponsesInputError, _function_definition, _lax_bool
+
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise TokenizerError(f"'{where}' must be a function tool")
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise TokenizerError(f"'{where}.function.name' must be a string")
+        try:
+            dumped = _function_definition(dict(fn), f"{where}.function", fn["name"])
+            defer = _lax_bool(tool.get("defer_loading"), f"{where}.defer_loading")
+        except ResponsesInputError as exc:
+            raise TokenizerError(str(exc)) from None
+        item: dict[str, Any] = {"type": "function", "function": dumped}
+        if defer is not None:
+            dumped.setdefault("defer_loading", defer)
+            item["defer_loading"] = defer
+        out.append(item)
+    return out
 
 
 def _unset_kwarg(value: Any) -> bool:

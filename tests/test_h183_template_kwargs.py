@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from cachecore.tokenizer import ChatOptions, HFTokenizer
+from cachecore.tokenizer import ChatOptions, HFTokenizer, chat_completion_tools
 from tests.test_gateway_support import FAST, stack, words
 from tests.test_responses_replica import template_model
 
@@ -91,7 +91,10 @@ def _vllm_kwargs(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
     params = _merge(user, extra)
     # OnlineRenderer.render_responses passes its effective kwargs as the defaults
     defaults = _with_defaults({}, params) if endpoint == "responses" else {}
-    defaults = _merge(defaults, {"tools": body.get("tools"), "tokenize": False})
+    tools = body.get("tools")
+    if tools is not None and endpoint != "responses":  # render_chat's tool.model_dump()
+        tools = chat_completion_tools(tools)
+    defaults = _merge(defaults, {"tools": tools, "tokenize": False})
     return _with_defaults(defaults, params)
 
 
