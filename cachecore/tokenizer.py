@@ -30,6 +30,7 @@ from typing import Any, Literal, Protocol
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
@@ -101,6 +102,77 @@ def truncated_pair(tok: Tokenizer, first: list[int], second: list[int], keep: in
     return with_pair_special_tokens(tok, first[:n1], second[:n2])
 
 
+def doc_limited_pair(
+    tok: Tokenizer, first: list[int], second: list[int], keep: int, per_doc: int
+) -> list[int] | None:
+    """A text pair under ``truncate_prompt_tokens`` ``keep`` and ``max_tokens_per_doc``
+    ``per_doc`` (> 0) as vLLM 0.33's cross-encoder tokenizes it (``get_score_prompt``):
+    it asks the tokenizer for ``truncation="only_second"`` at ``min(len(first) +
+    per_doc + the pair's special tokens, keep)`` when the first text and the special
+    tokens fit below that, so the document alone loses its last tokens; None when they do
+    not (the ``longest_first`` of :func:`truncated_pair` then). Same length either way."""
+    special = tok.pair_special_tokens
+    limit = min(len(first) + per_doc + special, keep)
+    if len(first) + special >= limit:
+        return None
+    return with_pair_special_tokens(tok, first, second[: limit - len(first) - special])
+
+
+def truncate_text_to_tokens(tok: Tokenizer, text: str, max_tokens: int) -> str:
+    """vLLM 0.33's ``truncate_text_to_tokens`` (``pooling/scoring/utils.py``), what its
+    ``max_tokens_per_query`` / ``max_tokens_per_doc`` do to each query and document before
+    pairing or templating: the text cut at the character where its ``max_tokens``-th token
+    ends (or the next one starts, if sooner), by the tokens' offsets, again until it
+    tokenizes to at most ``max_tokens`` (no special tokens)."""
+    if max_tokens <= 0:
+        return ""
+    while text:
+        ids, offsets = tok.encode_offsets(text)
+        if len(ids) <= max_tokens:
+            break
+        end = min(offsets[max_tokens - 1][1], offsets[max_tokens][0])
+        text = text[: len(text) - 1 if end >= len(text) else end]
+    return text
+
+
+SCORE_TOKEN_LIMITS = ("max_tokens_per_query", "max_tokens_per_doc")
+"""vLLM 0.33's ``ScoringRequestMixin`` fields (``int``, default 0: no limit) that cut each
+query, and each document, to that many tokens before it is paired or templated."""
+
+
+def check_score_token_limit(name: str, value: int, max_model_len: int | None) -> None:
+    """vLLM 0.33's ``ScoringIOProcessor._validate_token_limit`` for a non-zero limit: its
+    ValueError (a 400 with no ``param``) as a :class:`TokenizerError`; the context bound
+    only where it is known."""
+    if value < 0:
+        raise UnnamedFieldError(f"{name} must be a non-negative integer")
+    if max_model_len is not None and value >= max_model_len:
+        raise UnnamedFieldError(
+            f"{name} ({value}) must be less than max_model_len ({max_model_len})."
+        )
+
+
+def truncate_score_pairs(
+    tok: Tokenizer, pairs: Sequence[tuple[str, str]], per_query: int, per_doc: int
+) -> list[tuple[str, str]]:
+    """The (query, document) pairs of a /score or /rerank request with each query cut to
+    ``per_query`` tokens and each document to ``per_doc`` (0: left whole) by
+    :func:`truncate_text_to_tokens`, as vLLM 0.33 cuts them before any pairing, template
+    or per-text embedding; each distinct text cut once. One reading for the gateway's
+    charge and the simulated replica's prompts."""
+    cut: dict[tuple[str, int], str] = {}
+
+    def one(text: str, limit: int) -> str:
+        if limit <= 0:
+            return text
+        got = cut.get((text, limit))
+        if got is None:
+            got = cut[(text, limit)] = truncate_text_to_tokens(tok, text, limit)
+        return got
+
+    return [(one(a, per_query), one(b, per_doc)) for a, b in pairs]
+
+
 @dataclass(frozen=True, slots=True)
 class Truncation:
     """What of a prompt the engine keeps: its last ``keep`` tokens (``left``, vLLM's
@@ -135,6 +207,11 @@ class TokenizerError(ValueError):
     """A prompt or message list that cannot be tokenized (bad shape, bad template)."""
 
 
+class UnnamedFieldError(TokenizerError):
+    """A refusal vLLM answers as a 400 naming no field (a ValueError or TypeError of its
+    scorer or of transformers): its text is vLLM's, its ``param`` null."""
+
+
 class Tokenizer(Protocol):
     """What the gateway and the replica need from a tokenizer."""
 
@@ -142,6 +219,8 @@ class Tokenizer(Protocol):
     special_tokens: dict[str, str]  # the template variables transformers adds (bos_token...)
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -780,12 +859,63 @@ def score_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
             raise TokenizerError("'instruction' must be a string")
         out.setdefault("instruction", instruction)
     reserved = sorted(set(_SCORER_RESERVED) & out.keys())
-    if reserved:
-        raise TokenizerError(
-            "'chat_template_kwargs' contains reserved keys that conflict with fixed scorer "
-            f"arguments: {reserved}"
+    if reserved:  # vLLM's ValueError quotes the set: a 400 with no param
+        raise UnnamedFieldError(
+            "chat_template_kwargs contains reserved keys that conflict with fixed scorer "
+            "arguments: {" + ", ".join(map(repr, reserved)) + "}"
         )
     return out
+
+
+_APPLY_CHAT_TEMPLATE_PARAMS = frozenset(
+    {"self", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+"""transformers 5's ``apply_chat_template`` parameters (vLLM 0.33's
+``_get_hf_base_chat_template_params``): kwargs it passes on whatever the template reads."""
+
+
+def _refused_score_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """What transformers 5 refuses of a score template's kwargs (those that vLLM 0.33's
+    ``resolve_chat_template_kwargs`` lets through), in its order: a keyword that collides
+    with an argument ``apply_chat_template``, ``render_jinja_template`` or the template's
+    ``render`` is given (Python's TypeError), an assistant mask asked of a text rendering,
+    documents that are no list of objects. vLLM answers each a 400 with the exception's
+    text and no param (``safe_apply_chat_template``: ``VLLMValidationError``)."""
+    if "self" in kwargs:
+        raise UnnamedFieldError("apply_chat_template() got multiple values for argument 'self'")
+    for key, callee in (
+        ("conversation", "transformers.tokenization_utils_base.PreTrainedTokenizerBase."
+         "apply_chat_template()"),
+        ("conversations", "transformers.utils.chat_template_utils.render_jinja_template()"),
+    ):  # fmt: skip
+        if key in kwargs:
+            raise UnnamedFieldError(f"{callee} got multiple values for keyword argument '{key}'")
+    if kwargs.get("return_assistant_tokens_mask"):
+        raise UnnamedFieldError(
+            "`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`"
+        )
+    if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt"):
+        raise UnnamedFieldError(
+            "continue_final_message and add_generation_prompt are not compatible. Use "
+            "continue_final_message when you want the model to continue the final "
+            "message, and add_generation_prompt when you want to add a header that "
+            "will prompt it to start a new assistant message instead."
+        )
+    docs = kwargs.get("documents")
+    if docs is not None:
+        if not isinstance(docs, (list, str, Mapping)):
+            raise UnnamedFieldError(f"'{type(docs).__name__}' object is not iterable")
+        if not all(isinstance(d, Mapping) for d in docs):
+            raise UnnamedFieldError(
+                "Documents should be a list of dicts with 'title' and 'text' keys!"
+            )
+    if "messages" in kwargs:
+        raise UnnamedFieldError(
+            "jinja2.environment.Template.render() got multiple values for keyword argument "
+            "'messages'"
+        )
 
 
 class ScoreTemplate:
@@ -801,26 +931,30 @@ class ScoreTemplate:
 
     def __init__(self, source: str) -> None:
         self.source = source
+        env = chat_template_env()
         try:
-            self._template = chat_template_env().from_string(source)
+            self._template = env.from_string(source)
+            # what vLLM's resolve_chat_template_kwargs lets through besides
+            # apply_chat_template's own parameters: the variables the template reads
+            self._reads = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(f"score template does not compile: {exc}") from exc
 
     def render(self, tok: Tokenizer, query: str, document: str, kwargs: Mapping[str, Any]) -> str:
         # vLLM passes the kwargs to apply_chat_template as keywords: the ones it takes as
         # its own parameters (add_generation_prompt, documents, continue_final_message)
-        # are set by them, not left at the scorer's defaults
+        # are set by them, not left at the scorer's defaults; a key neither a parameter
+        # nor read by the template is dropped (resolve_chat_template_kwargs)
+        kwargs = {
+            k: v for k, v in kwargs.items() if k in _APPLY_CHAT_TEMPLATE_PARAMS or k in self._reads
+        }
+        _refused_score_kwargs(kwargs)
         variables: dict[str, Any] = {**tok.special_tokens, "documents": None}
         variables["add_generation_prompt"] = False
         variables.update(kwargs)
-        cont = variables.pop("continue_final_message", False)
-        if cont and variables["add_generation_prompt"]:
-            raise TokenizerError(
-                "continue_final_message and add_generation_prompt are not compatible. Use "
-                "continue_final_message when you want the model to continue the final "
-                "message, and add_generation_prompt when you want to add a header that "
-                "will prompt it to start a new assistant message instead."
-            )
+        for name in _APPLY_CHAT_TEMPLATE_PARAMS - {"documents", "add_generation_prompt"}:
+            variables.pop(name, None)  # apply_chat_template's own, not template variables
+        cont = kwargs.get("continue_final_message", False)
         variables.update(
             messages=[
                 {"role": "query", "content": query},
@@ -990,6 +1124,12 @@ class HFTokenizer:
         else:
             enc = self._tok.encode(text, add_special_tokens=False)
         return list(enc.ids)
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """:meth:`encode`'s ids and each token's (start, end) character offsets in
+        ``text`` (transformers' ``return_offsets_mapping``)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=False))

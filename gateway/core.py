@@ -66,6 +66,7 @@ from cachecore.tasks import (
     run_to_end,
 )
 from cachecore.tokenizer import (
+    SCORE_TOKEN_LIMITS,
     chat_completion_messages,
     embedding_chat_input,
     is_conversation,
@@ -111,6 +112,7 @@ from gateway.tokenization import (
     bounded_answer,
     card_max_model_len,
     check_alignment,
+    check_score_limits_context,
     completion_batch_size,
     completion_prompt,
     pair_texts,
@@ -118,6 +120,7 @@ from gateway.tokenization import (
     pooling_pairs,
     pooling_truncation,
     request_truncation,
+    score_token_limits,
     stream_requested,
     truncation_side,
     usage_requested,
@@ -1452,6 +1455,7 @@ class Gateway:
         cap = self.settings.max_prompt_batch
         chat = has_input = False
         pairs: list[tuple[str, str]] | None = None
+        score_limits = (0, 0)
         # the body as vLLM reads it: an embeddings conversation (or a batch of them) in
         # `input` is its chat form
         form = embedding_chat_input(body) if endpoint == "embeddings" else body
@@ -1485,6 +1489,7 @@ class Gateway:
         elif endpoint in _PAIR_POOLING:
             rerank = endpoint in _RERANK
             pairs = pooling_pairs(body, rerank)  # a 400 naming the field
+            score_limits = score_token_limits(body)  # vLLM's scorer reads them next
             if len(pairs) > cap:  # each pair an engine request, as a batch's prompt
                 field = "documents" if rerank else "text_2"
                 raise bad_request(
@@ -1552,6 +1557,15 @@ class Gateway:
                 ids = await sizer.chat(chat_body, cs, off, trunc, form="pooling")
                 lengths.append(len(ids) + media_parts * mpool.media_part_tokens)
             n_prompt = size(lengths)
+            if pairs is not None:
+                assert sizer is not None
+                context = _context_len(reps, model, base_model)
+                for name, n in zip(SCORE_TOKEN_LIMITS, score_limits, strict=True):
+                    if n:
+                        check_score_limits_context(name, n, context)
+                # each query and document cut first, as the engine cuts them before
+                # pairing, templating or embedding each text (the replica's rule)
+                pairs = await sizer.truncated_pairs(pairs, *score_limits, off)
             if pairs is not None and mpool.score_template is not None:
                 assert sizer is not None
                 # a score template is a cross-encoder's (an embedding model's scoring
@@ -1562,7 +1576,7 @@ class Gateway:
                 n_prompt = size(per_pair)
             elif pairs is not None:
                 assert sizer is not None
-                texts = pair_texts(body, endpoint in _RERANK, pairs)
+                texts = pair_texts(body, endpoint in _RERANK, pairs)  # cut above
                 per_pair, per_text = await sizer.pair_lengths(pairs, texts, cs, off, trunc)
                 # a cross-encoder runs one prompt per pair, an embedding model one per text
                 # (each with its special tokens, truncated and padded alone): which this

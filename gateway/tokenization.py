@@ -26,6 +26,7 @@ from cachecore.tokenizer import (
     OFFLOAD_CHARS,
     PROBE_CHAT,
     PROBE_PROMPT,
+    SCORE_TOKEN_LIMITS,
     SEGMENT_CACHE_TOKENS,
     ChatForm,
     ChatOptions,
@@ -35,10 +36,13 @@ from cachecore.tokenizer import (
     Tokenizer,
     TokenizerError,
     Truncation,
+    UnnamedFieldError,
     builtin_tokenizer,
+    check_score_token_limit,
     effort_template_kwargs,
     scope_media_uuids,
     score_template_kwargs,
+    truncate_score_pairs,
     with_special_tokens,
 )
 from gateway.errors import GatewayError, bad_request, engine_error_body, no_replica
@@ -331,6 +335,35 @@ def pair_texts(
     return [pairs[0][0], *(b for _, b in pairs)]
 
 
+_LIMIT = TypeAdapter(int)  # ScoringRequestMixin's max_tokens_per_*: int, default 0
+
+
+def score_token_limits(body: Mapping[str, Any]) -> tuple[int, int]:
+    """A /score or /rerank request's ``max_tokens_per_query`` and ``max_tokens_per_doc``
+    as vLLM 0.33 reads them (a lax ``int``, 0 when absent; null or another type a 400
+    naming the field); a negative one is its scorer's 400 (:func:`check_score_token_limit`;
+    its bound by the context: :func:`check_score_limits_context`)."""
+    got: list[int] = []
+    for name in SCORE_TOKEN_LIMITS:
+        value = body.get(name, 0)
+        try:
+            n = value if type(value) is int else _LIMIT.validate_python(value)
+        except ValidationError:
+            raise bad_request(f"'{name}' must be an integer", name) from None
+        if n:
+            check_score_limits_context(name, n, None)
+        got.append(n)
+    return got[0], got[1]
+
+
+def check_score_limits_context(name: str, value: int, max_model_len: int | None) -> None:
+    """:func:`~cachecore.tokenizer.check_score_token_limit` as the gateway's 400."""
+    try:
+        check_score_token_limit(name, value, max_model_len)
+    except TokenizerError as exc:
+        raise _option_error(exc) from None
+
+
 _OTHER_SCORE_FORMS = ("queries", "documents", "items", "data_1", "data_2")
 """Fields of vLLM's other /score request forms (``queries``/``documents``,
 ``queries``/``items``, ``data_1``/``data_2``): its request union tries them before
@@ -414,6 +447,8 @@ def _option_error(exc: TokenizerError) -> GatewayError:
     """A refused chat option (``ChatOptions``, ``effort_template_kwargs``) as a 400 naming
     its field, which their messages quote first ("'tools' must be an array")."""
     text = str(exc)
+    if isinstance(exc, UnnamedFieldError):  # vLLM names no field
+        return bad_request(text)
     return bad_request(text, text.split("'")[1] if text.startswith("'") else None)
 
 
@@ -586,6 +621,23 @@ class LocalPromptTokenizer:
             [kept(size[a] + size[b] + pair_extra) for a, b in pairs],
             [kept(size[t] + extra) for t in texts],
         )
+
+    async def truncated_pairs(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        per_query: int,
+        per_doc: int,
+        offload_chars: int = OFFLOAD_CHARS,
+    ) -> list[tuple[str, str]]:
+        """The pairs with each query and document cut as vLLM 0.33 cuts them
+        (:func:`~cachecore.tokenizer.truncate_score_pairs`, the simulated replica's rule);
+        texts longer together than ``offload_chars`` cut in one worker thread."""
+        if not per_query and not per_doc:
+            return list(pairs)
+        if sum(len(a) + len(b) for a, b in pairs) > offload_chars:
+            tok = self.tok
+            return await asyncio.to_thread(truncate_score_pairs, tok, pairs, per_query, per_doc)
+        return truncate_score_pairs(self.tok, pairs, per_query, per_doc)
 
     async def score_lengths(
         self,

@@ -96,7 +96,9 @@ from cachecore.tokenizer import (
     ChatOptions,
     SegmentCache,
     TokenizerError,
+    UnnamedFieldError,
     score_template_kwargs,
+    truncate_score_pairs,
     with_special_tokens,
 )
 
@@ -760,6 +762,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         runs it."""
         pairs = req.pairs()  # a 400 for vLLM's refusals
         keep = req.truncation(replica.core.max_model_len)
+        per_query, per_doc = req.token_limits(replica.core.max_model_len)
+        # each query and document cut before pairing or templating, as vLLM cuts them
+        pairs = truncate_score_pairs(tok, pairs, per_query, per_doc)
         template = replica.score_template
         if template is not None:
             try:
@@ -767,14 +772,14 @@ def create_app(replica: SimReplica) -> FastAPI:
                 texts = [template.render(tok, a, b, kwargs) for a, b in pairs]
             except TokenizerError as exc:
                 said = str(exc)
-                param = said.split("'")[1] if said[:1] == "'" else None
-                raise APIError(said, param=param) from exc
+                named = said[:1] == "'" and not isinstance(exc, UnnamedFieldError)
+                raise APIError(said, param=said.split("'")[1] if named else None) from exc
             rendered = [with_special_tokens(tok, await encode(t, salt or "")) for t in texts]
             return [req.truncate(ids, keep, tok.special_affixes) for ids in rendered]
         seen: dict[str, list[int]] = {}
         for text in {t for pair in pairs for t in pair}:
             seen[text] = await encode(text, salt or "")
-        return [req.truncate_pair(tok, seen[a], seen[b], keep) for a, b in pairs]
+        return [req.truncate_pair(tok, seen[a], seen[b], keep, per_doc) for a, b in pairs]
 
     async def run_pooled(
         request: Request,

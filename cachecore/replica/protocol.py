@@ -31,8 +31,11 @@ from cachecore.tokenizer import (
     REASONING_EFFORTS,
     ChatOptions,
     Tokenizer,
+    TokenizerError,
     Truncation,
     chat_completion_messages,
+    check_score_token_limit,
+    doc_limited_pair,
     embedding_chat_input,
     is_conversation_batch,
     truncated_pair,
@@ -350,15 +353,26 @@ class _PoolingBase(BaseModel):
         return ids[Truncation(keep, self.truncation_side == "left").kept(len(ids))]
 
     def truncate_pair(
-        self, tok: Tokenizer, first: list[int], second: list[int], keep: int | None
+        self,
+        tok: Tokenizer,
+        first: list[int],
+        second: list[int],
+        keep: int | None,
+        per_doc: int = 0,
     ) -> list[int]:
         """A text pair (each text's ids) laid out by the tokenizer's pair template and
         truncated to ``keep`` as vLLM 0.33 does: with no ``truncation_side`` by its
-        tokenizer (:func:`~cachecore.tokenizer.truncated_pair`, the longer text first),
-        with one by its slice of the whole pair (:meth:`truncate`)."""
+        tokenizer (:func:`~cachecore.tokenizer.truncated_pair`, the longer text first;
+        under a ``max_tokens_per_doc`` ``per_doc`` the document alone when the first
+        text fits, :func:`~cachecore.tokenizer.doc_limited_pair`), with one by its slice
+        of the whole pair (:meth:`truncate`)."""
         paired = with_pair_special_tokens(tok, first, second)
         if keep is None or self.truncation_side is not None:
             return self.truncate(paired, keep, ((), ()))
+        if per_doc > 0:
+            only_second = doc_limited_pair(tok, first, second, keep, per_doc)
+            if only_second is not None:
+                return only_second
         return truncated_pair(tok, first, second, keep)
 
 
@@ -499,6 +513,21 @@ class _ScoringFields(_PoolingBase):
 
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # each query and each document cut to that many tokens first (0: whole)
+    max_tokens_per_query: int = 0
+    max_tokens_per_doc: int = 0
+
+    def token_limits(self, max_model_len: int) -> tuple[int, int]:
+        """``max_tokens_per_query`` and ``max_tokens_per_doc``, refused as vLLM 0.33's
+        scorer refuses them (a 400 naming no field)."""
+        for name in ("max_tokens_per_query", "max_tokens_per_doc"):
+            value = getattr(self, name)
+            if value:
+                try:
+                    check_score_token_limit(name, value, max_model_len)
+                except TokenizerError as exc:
+                    raise APIError(str(exc)) from exc
+        return self.max_tokens_per_query, self.max_tokens_per_doc
 
 
 class ScoreRequest(_ScoringFields):
