@@ -120,6 +120,7 @@ from gateway.tokenization import (
     pooling_pairs,
     pooling_truncation,
     request_truncation,
+    score_fields,
     score_token_limits,
     stream_requested,
     truncation_side,
@@ -1576,6 +1577,8 @@ class Gateway:
                 n_prompt = size(per_pair)
             elif pairs is not None:
                 assert sizer is not None
+                # no template renders them, but the request model types them: its 400
+                score_fields(body)
                 texts = pair_texts(body, endpoint in _RERANK, pairs)  # cut above
                 per_pair, per_text = await sizer.pair_lengths(pairs, texts, cs, off, trunc)
                 # a cross-encoder runs one prompt per pair, an embedding model one per text

@@ -356,6 +356,16 @@ def score_token_limits(body: Mapping[str, Any]) -> tuple[int, int]:
     return got[0], got[1]
 
 
+def score_fields(body: Mapping[str, Any]) -> None:
+    """A /score or /rerank request's ``chat_template_kwargs`` and ``instruction`` typed as
+    vLLM's request model types them (a 400 naming the field) where no score template
+    renders them (:meth:`LocalPromptTokenizer.score_lengths` reads them where one does)."""
+    try:
+        score_template_kwargs(body, rendered=False)
+    except TokenizerError as exc:
+        raise _option_error(exc) from None
+
+
 def check_score_limits_context(name: str, value: int, max_model_len: int | None) -> None:
     """:func:`~cachecore.tokenizer.check_score_token_limit` as the gateway's 400."""
     try:

@@ -242,3 +242,24 @@ async def test_what_vllm_refuses_is_the_same_400_at_the_gateway_and_the_replica(
         for target in ("/rerank", f"{url}/rerank"):
             got = await h.post(target, json=body)
             assert got.status_code == 400 and got.json()["error"]["param"] == "max_tokens_per_doc"
+
+
+async def test_without_a_template_the_fields_are_typed_before_any_charge() -> None:
+    """With no score template vLLM renders no kwargs (a reserved key runs), but its
+    request model still types ``chat_template_kwargs`` and ``instruction``: the
+    gateway's 400 naming the field before routing, as the replica's; the gateway
+    charged such a request and refunded it on the engine's 400."""
+    q, docs = words(8, 1), [words(9, 2)]
+    async with stack(count=1) as st, st.http() as h:
+        url = st.fleet.endpoints[0].url
+        for extra, param in (({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+                             ({"instruction": 3}, "instruction")):  # fmt: skip
+            body = {"query": q, "documents": docs, **extra}
+            with pytest.raises(GatewayError) as refused:
+                await st.gw.prepare("rerank", "anonymous", dict(body), {}, "x", True)
+            assert (refused.value.status, refused.value.param) == (400, param)
+            direct = await h.post(f"{url}/rerank", json=body)
+            assert direct.status_code == 400 and direct.json()["error"]["param"] == param
+        body = {"query": q, "documents": docs, "chat_template_kwargs": {"tokenize": True}}
+        r = await h.post("/rerank", json=body)
+        assert r.status_code == 200, r.text
