@@ -700,6 +700,7 @@ class ChatOptions:
         if form != "responses":
             kw = {k: v for k, v in kw.items() if not _unset_kwarg(v)}
         kw.pop("continue_final_message", None)  # apply_chat_template's own, no variable
+        _tokenize_kwargs(kw, body)
         kw_tools, kw_docs = kw.pop("tools", None), kw.pop("documents", None)
         if not _unset_kwarg(kw_tools) or tools is None:
             tools = kw_tools
@@ -753,6 +754,85 @@ def chat_completion_tools(tools: list[Any]) -> list[dict[str, Any]]:
             item["defer_loading"] = defer
         out.append(item)
     return out
+
+
+_TOKENIZE_PARAMS = (
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "tokenizer_kwargs", "sanitize_control_tokens", "return_assistant_tokens_mask",
+)  # fmt: skip
+"""transformers 5's ``apply_chat_template`` parameters that shape its tokenization: vLLM
+0.33 passes a chat's kwargs to it as keywords, so these are never template variables."""
+
+_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
+    """Take out of a chat's template variables ``kw`` what vLLM 0.33 hands transformers
+    as ``apply_chat_template``'s own tokenization parameters, and refuse what the gateway
+    cannot charge as the engine runs it. ``render_messages`` (``renderers/hf.py``) splats
+    the kwargs into ``safe_apply_chat_template``, so a kwargs ``tokenize`` (over the
+    ``tokenize=False`` default of every chat form) becomes its ``tokenize`` parameter;
+    ``padding``, ``truncation``, ``max_length``, ``tokenizer_kwargs``, ``return_tensors``
+    and ``sanitize_control_tokens`` pass ``resolve_chat_template_kwargs`` (transformers'
+    base parameters) and ``return_dict`` is forced False (``get_apply_chat_template_kwargs``).
+    A truthy ``tokenize`` makes transformers return the rendered text's ids, encoded with
+    ``add_special_tokens=False`` and those options (the request's ``add_special_tokens``
+    then unused: the prompt is tokens). Alone that is the chat's ordinary charge; with
+    padding, truncation, tokenizer kwargs, tensors, control-token sanitizing or the
+    request's special tokens it is not, and those turn on the tokenizer's
+    ``tokenizer_config.json`` (pad token, padding and truncation sides,
+    ``model_max_length``) and its Python ``__call__``, which kvgate does not load: a 400
+    naming ``chat_template_kwargs`` before any charge (vLLM would prefill, say, a
+    ``max_length`` of pad tokens the gateway never counted). A key that collides with an
+    argument vLLM or transformers passes (``conversation``, ``messages``...) is their
+    TypeError, which vLLM answers as a 400 with its text and no param."""
+    for key in kw:  # render_messages' positional arguments: Python's TypeError, a 400
+        if key in ("model_config", "tokenizer", "conversation"):
+            raise UnnamedFieldError(
+                f"safe_apply_chat_template() got multiple values for argument '{key}'"
+            )
+    if "self" in kw:  # a base parameter resolve_chat_template_kwargs lets through
+        raise UnnamedFieldError(
+            "PreTrainedTokenizerBase.apply_chat_template() got multiple values for argument 'self'"
+        )
+    given = {k: kw.pop(k) for k in _TOKENIZE_PARAMS if k in kw}
+    if given.get("return_assistant_tokens_mask"):  # vLLM forces return_dict=False
+        raise UnnamedFieldError(
+            "`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`"
+        )
+    if "messages" in kw:  # every chat template reads it: render_jinja_template's TypeError
+        raise UnnamedFieldError(
+            "jinja2.environment.Template.render() got multiple values for keyword argument "
+            "'messages'"
+        )
+    tokenize = bool(given.get("tokenize"))
+    if given.get("sanitize_control_tokens") and not tokenize:
+        raise UnnamedFieldError(
+            "`sanitize_control_tokens=True` requires `tokenize=True` and is not compatible "
+            "with `return_assistant_tokens_mask=True`."
+        )
+    if not tokenize:
+        return  # transformers ignores the rest when it returns text
+    special = body.get("add_special_tokens")
+    special_on = not (
+        special is None
+        or special is False
+        or special == 0
+        or (isinstance(special, str) and special.strip().lower() in _FALSE_STRINGS)
+    )
+    shaping = [
+        k
+        for k in ("padding", "truncation", "tokenizer_kwargs", "sanitize_control_tokens")
+        if given.get(k) not in (None, False, "do_not_pad", {})
+    ]
+    if given.get("return_tensors") is not None:
+        shaping.append("return_tensors")
+    if shaping or special_on:
+        what = ", ".join(shaping) if shaping else "add_special_tokens"
+        raise TokenizerError(
+            f"'chat_template_kwargs' tokenize with {what} is not supported by the gateway: "
+            "it cannot count the tokens the engine would run"
+        )
 
 
 def _unset_kwarg(value: Any) -> bool:

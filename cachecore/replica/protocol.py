@@ -204,6 +204,8 @@ class _ChatRendering(_ChatTemplateFields):
             "tools": self.tools,
             "continue_final_message": self.continue_final_message,
             "chat_template_kwargs": self.chat_template_kwargs,
+            # read with a kwargs tokenize (ChatOptions.from_body)
+            "add_special_tokens": getattr(self, "add_special_tokens", None),
         }
 
 
@@ -427,6 +429,7 @@ class PoolingInputRequest(_PoolingBase, _ChatTemplateFields):
             {
                 "continue_final_message": self.continue_final_message,
                 "chat_template_kwargs": self.chat_template_kwargs,
+                "add_special_tokens": self.add_special_tokens,
             }
         )
 
