@@ -106,6 +106,12 @@ async def test_gateway_charge_equals_replica_and_engine_rule(tmp_path: Path) -> 
             assert r.json()["error"]["param"] == "chat_template_kwargs", r.text
             r = await h.post(url + "/v1/chat/completions", json=bad)
             assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "chat_template_kwargs", r.text
+            conv = {**chat, "chat_template_kwargs": {"conversation": []}}
+            for where in (st.url, url):  # vLLM's TypeError: a 400 with no param
+                r = await h.post(where + "/v1/chat/completions", json=conv)
+                assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
             tk = {"model": st.model, "messages": msgs, "chat_template_kwargs": _PADDED}
             r = await h.post(url + "/tokenize", json=tk)
             assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "chat_template_kwargs", r.text

@@ -132,6 +132,19 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise validation_error(exc) from exc
 
 
+def _options(req: Any) -> ChatOptions | None:
+    """``req``'s chat options (``chat_options()``), a refusal answered as the gateway's
+    (``gateway.tokenization._option_error``): a 400 naming the field its text quotes
+    first, or none where vLLM names none."""
+    try:
+        opts: ChatOptions | None = req.chat_options()
+    except TokenizerError as exc:
+        said = str(exc)
+        named = said[:1] == "'" and not isinstance(exc, UnnamedFieldError)
+        raise APIError(said, param=said.split("'")[1] if named else None) from exc
+    return opts
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """A request model's refusal as vLLM's 400: the first field refused, ``param`` naming
     it. A field of several types (``stop``: a string or a list of strings) fails once per
@@ -301,9 +314,7 @@ def create_app(replica: SimReplica) -> FastAPI:
     # ``salt``: the request's cache salt as validate_common returned it (the cache scope)
     async def chat_prompt(req: ChatCompletionRequest, salt: str | None) -> list[int]:
         try:
-            text = tok.apply_chat_template(
-                req.messages, req.add_generation_prompt, req.chat_options()
-            )
+            text = tok.apply_chat_template(req.messages, req.add_generation_prompt, _options(req))
         except TokenizerError as exc:
             raise APIError(str(exc), param="messages") from exc
         ids = await encode(text, salt or "")
@@ -730,7 +741,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             for conversation in req.conversations():  # a batch's: each its engine request
                 try:
                     rendered = tok.apply_chat_template(
-                        conversation, req.add_generation_prompt, req.chat_options()
+                        conversation, req.add_generation_prompt, _options(req)
                     )
                 except TokenizerError as exc:
                     raise APIError(str(exc), param="messages") from exc
@@ -957,7 +968,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         if req.messages is not None:
             try:
                 text = tok.apply_chat_template(
-                    req.messages, req.add_generation_prompt, req.chat_options()
+                    req.messages, req.add_generation_prompt, _options(req)
                 )
             except TokenizerError as exc:
                 raise APIError(str(exc), param="messages") from exc
