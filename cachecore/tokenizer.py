@@ -212,6 +212,31 @@ class UnnamedFieldError(TokenizerError):
     scorer or of transformers): its text is vLLM's, its ``param`` null."""
 
 
+def option_param(exc: TokenizerError) -> str | None:
+    """The field vLLM's 400 names for a refused chat or score option: the one its text
+    quotes first (``'tools' must be an array``, vLLM's `` `tools` must not be...``),
+    none for an :class:`UnnamedFieldError`. One rule for the gateway and the replica."""
+    text = str(exc)
+    if isinstance(exc, UnnamedFieldError) or text[:1] not in ("'", "`"):
+        return None
+    return text.split(text[0])[1]
+
+
+EMPTY_TOOLS = (
+    "`tools` must not be an empty array. "
+    "Either provide at least one tool or omit the field entirely."
+)  # vLLM 0.33's text (ChatCompletionRequest.check_tool_usage)
+
+
+def check_chat_tools(body: Mapping[str, Any]) -> None:
+    """vLLM 0.33's first refusal of a chat completion (and ``/v1/chat/completions/render``),
+    ``ChatCompletionRequest.check_tool_usage``: ``tools: []`` is a 400 naming ``tools``
+    whatever ``tool_choice`` says (checked before it). ``/tokenize`` drops an empty one
+    instead (``to_chat_completion_request``), a Responses request renders none."""
+    if body.get("tools") == []:
+        raise TokenizerError(EMPTY_TOOLS)
+
+
 class Tokenizer(Protocol):
     """What the gateway and the replica need from a tokenizer."""
 
@@ -682,7 +707,11 @@ class ChatOptions:
         the template (a variable set to None or "auto"; ``tools`` "auto" with no request
         tools a 400, transformers' iterating it). ``continue_final_message`` and
         ``add_generation_prompt`` are always the request's own."""
+        if form == "chat":
+            check_chat_tools(body)
         tools = body.get("tools") if form != "pooling" else None
+        if form == "tokenize" and tools == []:
+            tools = None  # vLLM's /tokenize drops it: the template's tools are None
         docs = body.get("documents") if form == "chat" else None
         effort = body.get("reasoning_effort") if form in ("chat", "responses") else None
         cont, kwargs = body.get("continue_final_message"), body.get("chat_template_kwargs")

@@ -36,10 +36,11 @@ from cachecore.tokenizer import (
     Tokenizer,
     TokenizerError,
     Truncation,
-    UnnamedFieldError,
     builtin_tokenizer,
+    check_chat_tools,
     check_score_token_limit,
     effort_template_kwargs,
+    option_param,
     scope_media_uuids,
     score_template_kwargs,
     truncate_score_pairs,
@@ -456,10 +457,7 @@ class PromptTokenizer(Protocol):
 def _option_error(exc: TokenizerError) -> GatewayError:
     """A refused chat option (``ChatOptions``, ``effort_template_kwargs``) as a 400 naming
     its field, which their messages quote first ("'tools' must be an array")."""
-    text = str(exc)
-    if isinstance(exc, UnnamedFieldError):  # vLLM names no field
-        return bad_request(text)
-    return bad_request(text, text.split("'")[1] if text.startswith("'") else None)
+    return bad_request(str(exc), option_param(exc))
 
 
 class LocalPromptTokenizer:
@@ -886,6 +884,10 @@ class EnginePromptTokenizer:
         a multimodal /tokenize) runs the multimodal processor, whose cache a uuid names
         unsalted, so a raw uuid told whether another scope's item was cached. They go as
         the generation body sends them (``Gateway.upstream_body``), one name per scope."""
+        try:
+            check_chat_tools(body)  # vLLM's /tokenize serves what its chat route refuses
+        except TokenizerError as exc:
+            raise _option_error(exc) from None
         messages = body.get("messages")
         scoped = scope_media_uuids(messages, salt)
         if scoped is not messages:

@@ -96,7 +96,7 @@ from cachecore.tokenizer import (
     ChatOptions,
     SegmentCache,
     TokenizerError,
-    UnnamedFieldError,
+    option_param,
     score_template_kwargs,
     truncate_score_pairs,
     with_special_tokens,
@@ -139,9 +139,7 @@ def _options(req: Any) -> ChatOptions | None:
     try:
         opts: ChatOptions | None = req.chat_options()
     except TokenizerError as exc:
-        said = str(exc)
-        named = said[:1] == "'" and not isinstance(exc, UnnamedFieldError)
-        raise APIError(said, param=said.split("'")[1] if named else None) from exc
+        raise APIError(str(exc), param=option_param(exc)) from exc
     return opts
 
 
@@ -782,9 +780,7 @@ def create_app(replica: SimReplica) -> FastAPI:
                 kwargs = score_template_kwargs(req.model_dump(include=_TEMPLATE_FIELDS))
                 texts = [template.render(tok, a, b, kwargs) for a, b in pairs]
             except TokenizerError as exc:
-                said = str(exc)
-                named = said[:1] == "'" and not isinstance(exc, UnnamedFieldError)
-                raise APIError(said, param=said.split("'")[1] if named else None) from exc
+                raise APIError(str(exc), param=option_param(exc)) from exc
             rendered = [with_special_tokens(tok, await encode(t, salt or "")) for t in texts]
             return [req.truncate(ids, keep, tok.special_affixes) for ids in rendered]
         seen: dict[str, list[int]] = {}

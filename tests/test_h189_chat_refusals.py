@@ -1,0 +1,54 @@
+"""H189: a chat completion's ``tools: []`` refused as vLLM 0.33 refuses it
+(``ChatCompletionRequest.check_tool_usage``: a 400 naming ``tools``, whatever
+``tool_choice`` says) by the gateway before any charge and by the simulated replica, while
+``/tokenize`` drops it (``to_chat_completion_request``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cachecore.replica.settings import ReplicaSettings
+from cachecore.tokenizer import EMPTY_TOOLS, ChatOptions, TokenizerError, option_param
+from gateway.errors import GatewayError
+from tests.test_gateway_support import stack
+from tests.test_responses_replica import template_model
+
+pytestmark = pytest.mark.timeout(90)
+
+_MSGS = [{"role": "user", "content": "hello there"}]
+
+
+def test_empty_tools_refused_for_the_chat_form_only() -> None:
+    for choice in (None, "none", "auto", "required"):
+        body: dict[str, Any] = {"tools": [], "tool_choice": choice}
+        with pytest.raises(TokenizerError) as exc:
+            ChatOptions.from_body(body, "chat")
+        assert str(exc.value) == EMPTY_TOOLS and option_param(exc.value) == "tools"
+    # vLLM's /tokenize drops an empty tools (the template's tools None); pooling ignores it
+    assert ChatOptions.from_body({"tools": []}, "tokenize") is None
+    assert ChatOptions.from_body({"tools": []}, "pooling") is None
+
+
+async def test_gateway_and_replica_refuse_empty_tools(tmp_path: Path) -> None:
+    model = str(template_model(tmp_path, ""))
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    replica = ReplicaSettings(time_scale=0.05, tokenizer_dir=model)
+    async with stack(count=1, replica=replica, policy=policy) as st:
+        url = st.fleet.endpoints[0].url
+        chat = {"model": st.model, "messages": _MSGS, "max_tokens": 1, "tools": []}
+        async with httpx.AsyncClient(timeout=30.0) as h:
+            for where in (st.url, url):
+                r = await h.post(where + "/v1/chat/completions", json=chat)
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == "tools" and err["message"] == EMPTY_TOOLS, r.text
+            # refused before the decision (no charge, no routing)
+            with pytest.raises(GatewayError):
+                await st.gw.prepare("chat", "anonymous", dict(chat), {}, "x", True)
+            r = await h.post(url + "/tokenize", json={"model": st.model, "messages": _MSGS,
+                                                      "tools": []})  # fmt: skip
+            assert r.status_code == 200, r.text
