@@ -1,7 +1,8 @@
 """H189: a chat completion's ``tools: []`` refused as vLLM 0.33 refuses it
 (``ChatCompletionRequest.check_tool_usage``: a 400 naming ``tools``, whatever
 ``tool_choice`` says) by the gateway before any charge and by the simulated replica, while
-``/tokenize`` drops it (``to_chat_completion_request``)."""
+``/tokenize`` drops it (``to_chat_completion_request``); a Responses request's refused
+chat option named as the gateway names it at the replica too."""
 
 from __future__ import annotations
 
@@ -52,3 +53,14 @@ async def test_gateway_and_replica_refuse_empty_tools(tmp_path: Path) -> None:
             r = await h.post(url + "/tokenize", json={"model": st.model, "messages": _MSGS,
                                                       "tools": []})  # fmt: skip
             assert r.status_code == 200, r.text
+            # a Responses request's refused chat option: named as the gateway names it
+            for kw, param in (
+                ({"tokenize": True, "padding": "max_length"}, "chat_template_kwargs"),
+                ({"conversation": []}, None),
+            ):
+                resp = {"model": st.model, "input": "hi", "max_output_tokens": 1,
+                        "chat_template_kwargs": kw}  # fmt: skip
+                for where in (st.url, url):
+                    r = await h.post(where + "/v1/responses", json=resp)
+                    assert r.status_code == 400, (where, r.text)
+                    assert r.json()["error"]["param"] == param, (where, r.text)

@@ -541,6 +541,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         messages, fields = rendered.messages, rendered.fields
         try:
             opts = ChatOptions.from_body({**fields, "tools": rendered.tools}, "responses")
+        except TokenizerError as exc:  # named as the gateway names it (_option_error)
+            raise APIError(str(exc), param=option_param(exc)) from exc
+        try:
             text = tok.apply_chat_template(messages, fields["add_generation_prompt"], opts)
         except TokenizerError as exc:
             raise APIError(str(exc), param="input") from exc
