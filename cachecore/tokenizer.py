@@ -820,10 +820,7 @@ def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
             raise UnnamedFieldError(
                 f"safe_apply_chat_template() got multiple values for argument '{key}'"
             )
-    if "self" in kw:  # a base parameter resolve_chat_template_kwargs lets through
-        raise UnnamedFieldError(
-            "PreTrainedTokenizerBase.apply_chat_template() got multiple values for argument 'self'"
-        )
+    _refuse_self_kwarg(kw)  # a base parameter resolve_chat_template_kwargs lets through
     given = {k: kw.pop(k) for k in _TOKENIZE_PARAMS if k in kw}
     if given.get("return_assistant_tokens_mask"):  # vLLM forces return_dict=False
         raise UnnamedFieldError(
@@ -986,6 +983,16 @@ _APPLY_CHAT_TEMPLATE_PARAMS = frozenset(
 ``_get_hf_base_chat_template_params``): kwargs it passes on whatever the template reads."""
 
 
+def _refuse_self_kwarg(kwargs: Mapping[str, Any]) -> None:
+    """A ``self`` kwarg, which vLLM 0.33 passes (a chat's or a score template's) to
+    transformers' bound ``apply_chat_template``: Python's TypeError, whose text names the
+    method by its qualified name, answered by vLLM as a 400 with no param."""
+    if "self" in kwargs:
+        raise UnnamedFieldError(
+            "PreTrainedTokenizerBase.apply_chat_template() got multiple values for argument 'self'"
+        )
+
+
 def _refused_score_kwargs(kwargs: Mapping[str, Any]) -> None:
     """What transformers 5 refuses of a score template's kwargs (those that vLLM 0.33's
     ``resolve_chat_template_kwargs`` lets through), in its order: a keyword that collides
@@ -993,8 +1000,7 @@ def _refused_score_kwargs(kwargs: Mapping[str, Any]) -> None:
     ``render`` is given (Python's TypeError), an assistant mask asked of a text rendering,
     documents that are no list of objects. vLLM answers each a 400 with the exception's
     text and no param (``safe_apply_chat_template``: ``VLLMValidationError``)."""
-    if "self" in kwargs:
-        raise UnnamedFieldError("apply_chat_template() got multiple values for argument 'self'")
+    _refuse_self_kwarg(kwargs)
     for key, callee in (
         ("conversation", "transformers.tokenization_utils_base.PreTrainedTokenizerBase."
          "apply_chat_template()"),

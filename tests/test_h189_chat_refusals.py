@@ -13,7 +13,15 @@ import httpx
 import pytest
 
 from cachecore.replica.settings import ReplicaSettings
-from cachecore.tokenizer import EMPTY_TOOLS, ChatOptions, TokenizerError, option_param
+from cachecore.tokenizer import (
+    EMPTY_TOOLS,
+    ChatOptions,
+    ScoreTemplate,
+    TokenizerError,
+    UnnamedFieldError,
+    builtin_tokenizer,
+    option_param,
+)
 from gateway.errors import GatewayError
 from tests.test_gateway_support import stack
 from tests.test_responses_replica import template_model
@@ -64,3 +72,14 @@ async def test_gateway_and_replica_refuse_empty_tools(tmp_path: Path) -> None:
                     r = await h.post(where + "/v1/responses", json=resp)
                     assert r.status_code == 400, (where, r.text)
                     assert r.json()["error"]["param"] == param, (where, r.text)
+
+
+def test_a_self_kwarg_is_one_message_for_chat_and_score() -> None:
+    """Python 3.10+ names a bound method by its qualified name: one text for a chat's and
+    a score template's ``self`` kwarg, as vLLM's transformers call raises it."""
+    said = "PreTrainedTokenizerBase.apply_chat_template() got multiple values for argument 'self'"
+    with pytest.raises(UnnamedFieldError) as chat:
+        ChatOptions.from_body({"chat_template_kwargs": {"self": 1}}, "chat")
+    with pytest.raises(UnnamedFieldError) as score:
+        ScoreTemplate("{{ q }}").render(builtin_tokenizer(), "a", "b", {"self": 1})
+    assert str(chat.value) == str(score.value) == said
