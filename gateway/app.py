@@ -313,7 +313,10 @@ class Completions:
         if rej is not None:
             m.rate_limited.labels(tenant, rej.limit).inc()
             m.requests.labels(endpoint, "429").inc()
-            return rate_limited(rej.message, rej.retry_after_s, rej.limit), rid
+            wait = rej.retry_after_s
+            if rej.limit == "concurrency" and not replay:
+                wait = gw.slot_retry_s(tenant, limits.max_concurrency)
+            return rate_limited(rej.message, wait, rej.limit), rid
         gw.begin()
         span = gw.tracer.start_span("kvgate.request") if gw.tracer is not None else None
         try:

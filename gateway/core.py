@@ -2530,6 +2530,16 @@ class Gateway:
         self._watch_places[tenant] += 1
         self._watch_total += 1
 
+    def slot_retry_s(self, tenant: str, max_concurrency: int | None) -> float:
+        """``Retry-After`` of ``tenant``'s 429 ``concurrency``: while its background
+        responses hold its every slot, none frees before a watcher's poll (or a client's
+        retrieval or cancel) sees one end, so the poll interval, at least 1 s, as the watch
+        caps' 429 (:meth:`_take_watch_place`); else 1 s (a sync request's slot)."""
+        held = self._watch_places.get(tenant, 0)
+        if max_concurrency is not None and held >= max_concurrency:
+            return max(1.0, self.settings.background_poll_s)
+        return 1.0
+
     def _give_watch_place(self, tenant: str) -> None:
         self._watch_places[tenant] -= 1
         if self._watch_places[tenant] <= 0:

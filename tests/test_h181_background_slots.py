@@ -142,3 +142,19 @@ async def test_one_tenant_at_its_share_refuses_neither_anothers_nor_serves_unwat
         await h.post(f"/v1/responses/{rid}/cancel", headers=auth["a"])
         c = await _bg(h, st, 31, headers=auth["c"])
         assert c.status_code == 200 and len(st.gw._background) == 4, c.text
+
+
+async def test_slots_held_by_background_runs_are_retried_after_the_poll_interval() -> None:
+    """H189: a 429 ``concurrency`` while the tenant's background runs hold its every slot
+    says the poll interval (no slot frees before a watcher's poll), not 1 s."""
+    async with stack(count=1, policy=ONE_SLOT, background_poll_s=7.0) as st, st.http() as h:
+        r = await _bg(h, st, 1)
+        assert r.status_code == 200 and _in_flight(st.gw) == 1, r.text
+        for body in (_body(st, 2, 4), _body(st, 3, 4, background=True)):
+            refused = await h.post("/v1/responses", json=body)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["limit"] == "concurrency"
+            assert refused.headers["retry-after"] == "7", refused.headers
+        cancel = await h.post(f"/v1/responses/{r.json()['id']}/cancel")
+        assert cancel.status_code == 200 and _in_flight(st.gw) == 0
+        assert st.gw.slot_retry_s("anonymous", 1) == 1.0  # no run holds it: a sync one's
