@@ -500,6 +500,7 @@ class Gateway:
         )
         self.tracer = make_tracer(self._tracer_provider)
         self._warn_at = 0.0
+        self._relay_warned: dict[str, float] = {}  # replica -> its last relay WARNING
         self._bg: set[asyncio.Task[None]] = set()
         self._bg_closed = False  # set by stop(): later spawns are cancelled at once
         self._quarantine_watchers: dict[str, asyncio.Task[None]] = {}  # replica -> its watcher
@@ -2571,6 +2572,16 @@ class Gateway:
                 "queued_tokens": load.queued_prefill_tokens if load is not None else None,
             }
         )
+
+    def relay_warning_due(self, replica: str, interval_s: float = 60.0) -> bool:
+        """Whether a WARNING about ``replica``'s answers (an oversized upstream event) is
+        due: one a minute per replica, so a replica that breaks every stream does not log
+        each one (the metric counts each)."""
+        now, last = time.monotonic(), self._relay_warned.get(replica)
+        if last is not None and now - last < interval_s:
+            return False
+        self._relay_warned[replica] = now
+        return True
 
     def _warn_precision(self, msg: str, d: Dispatch, out: Outcome) -> None:
         now = time.monotonic()

@@ -556,8 +556,12 @@ class UpstreamExchange(Response):
         )
         usage = Usage()
         ttft: float | None = None
-        buf = b""
+        # bytearray: appending a chunk is amortised O(1), where bytes concatenation copied
+        # the whole pending event per chunk
+        buf = bytearray()
+        limit = self.gw.settings.max_upstream_event_bytes
         error: str | None = None
+        kind = "mid_stream"
         saw_done = False
         rewrites = self.gw.answer_rewrites(d)
         responses = d.response_id is not None
@@ -569,14 +573,25 @@ class UpstreamExchange(Response):
             d.response_status = "in_progress"  # the engine runs it: terminal at its end
         try:
             async for chunk in resp.aiter_raw():
+                # a blank line ending in the new chunk may begin in the old bytes' last 3
+                cut = _event_end(buf, len(buf) - 3, chunk)
                 buf += chunk
-                cut = _event_end(buf)
-                if ttft is None and (not opens_early or (cut >= 0 and _output(buf[:cut]))):
+                if cut >= 0:
+                    ready = bytes(buf[:cut])
+                    del buf[:cut]
+                if ttft is None and (not opens_early or (cut >= 0 and _output(ready))):
                     ttft = time.perf_counter() - t0
                     self.gw.on_first_token(d)
+                if len(buf) > limit:
+                    # an event past the bound: it may hold an engine id that must not reach
+                    # the client unsealed (D30), so none of it is relayed; the stream ends
+                    error = f"upstream event over KVGATE_MAX_UPSTREAM_EVENT_BYTES ({limit})"
+                    kind = "event_too_large"
+                    buf.clear()
+                    if cut < 0:
+                        break
                 if cut < 0:
                     continue
-                ready, buf = buf[:cut], buf[cut:]
                 if _USAGE.search(ready) is not None or b"[DONE]" in ready:
                     ready, done = filter_events(ready, usage, d.client_wants_usage)
                     saw_done = saw_done or done
@@ -591,10 +606,12 @@ class UpstreamExchange(Response):
                     ready = _rewritten(ready, rewrites)
                 if ready:
                     await conn.stream(ready)
+                if error is not None:
+                    break
         except httpx.HTTPError as exc:
             error = repr(exc)
         if buf.strip() and error is None:
-            tail, done = filter_events(buf, usage, d.client_wants_usage)
+            tail, done = filter_events(bytes(buf), usage, d.client_wants_usage)
             saw_done = saw_done or done
             if responses:
                 saw_done = saw_done or _ended(d, tail)
@@ -604,11 +621,12 @@ class UpstreamExchange(Response):
                 await conn.stream(tail)
         if error is not None or not saw_done:
             error = error or "upstream stream ended without [DONE]"
-            self.gw.metrics.upstream_errors.labels(d.replica, "mid_stream").inc()
-            log.warning(
-                "upstream failed mid-stream",
-                extra={"replica": d.replica, "request_id": d.request_id, "error": error},
-            )
+            self.gw.metrics.upstream_errors.labels(d.replica, kind).inc()
+            if kind == "mid_stream" or self.gw.relay_warning_due(d.replica):
+                log.warning(
+                    "upstream failed mid-stream",
+                    extra={"replica": d.replica, "request_id": d.request_id, "error": error},
+                )
             event = sse_error_event(502, "upstream replica failed mid-stream", "upstream_error")
             await conn.stream(event)
         self._settled = True
@@ -724,11 +742,15 @@ def _rewritten(data: bytes, rewrites: list[tuple[bytes, bytes]]) -> bytes:
     return data
 
 
-def _event_end(buf: bytes) -> int:
-    """Index just past the last complete SSE event in ``buf`` (-1 if none). Engines end
-    events with a blank line: ``\n\n`` (vLLM, SGLang) or ``\r\n\r\n``."""
+def _event_end(buf: bytes | bytearray, start: int = 0, more: bytes = b"") -> int:
+    """Index just past the last complete SSE event in ``buf + more`` (-1 if none), looking
+    at its bytes from ``start`` only (the rest was looked at before: without it, a long
+    event's every chunk rescanned all its buffered bytes). Engines end events with a blank
+    line: ``\n\n`` (vLLM, SGLang) or ``\r\n\r\n``."""
+    offset = start = max(start, 0)
+    buf = bytes(buf[start:]) + more
     lf = buf.rfind(b"\n\n")
     crlf = buf.rfind(b"\r\n\r\n")
     if crlf >= 0 and crlf + 4 > lf + 2:
-        return crlf + 4
-    return lf + 2 if lf >= 0 else -1
+        return offset + crlf + 4
+    return offset + lf + 2 if lf >= 0 else -1

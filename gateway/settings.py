@@ -121,6 +121,11 @@ class GatewaySettings(BaseSettings):
     # between two chunks of a response
     read_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 300.0
     max_body_bytes: Annotated[int, Field(ge=1)] = 8 * 1024 * 1024
+    # one upstream SSE event (the bytes buffered until its blank line): past it the stream
+    # ends with the mid-stream error event. Unbounded, a replica sending an event without
+    # its blank line grew the gateway's memory without limit. 64 MiB: far above any real
+    # vLLM event (a Responses response.completed carries the whole output, docs/gateway.md)
+    max_upstream_event_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
     # the Responses API's background mode (D33): the replica's in-flight ticket stays open
     # until the engine's stored response is terminal, which a watcher per response polls
     # for this often, for at most this long, and for at most this many responses at once,
