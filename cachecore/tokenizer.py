@@ -853,6 +853,16 @@ def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
     ]
     if given.get("return_tensors") is not None:
         shaping.append("return_tensors")
+    if (
+        "truncation" in given
+        and given["truncation"] is None
+        and given.get("max_length") is not None
+        and given.get("padding", False) is False
+    ):
+        # a Responses request keeps a None value (from_body), and transformers'
+        # _get_padding_truncation_strategies turns truncation None with a max_length and
+        # padding False into longest_first: the engine runs the prompt cut at max_length
+        shaping.append("truncation")
     if shaping or special_on:
         what = ", ".join(shaping) if shaping else "add_special_tokens"
         raise TokenizerError(

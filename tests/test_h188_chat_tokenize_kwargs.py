@@ -115,3 +115,20 @@ async def test_gateway_charge_equals_replica_and_engine_rule(tmp_path: Path) -> 
             r = await h.post(url + "/tokenize", json=tk)
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_responses_null_truncation_with_max_length_is_refused() -> None:
+    """A Responses request keeps a kwargs None (its merge drops none), so vLLM hands
+    transformers ``truncation=None``: with a ``max_length`` and padding off, its
+    ``_get_padding_truncation_strategies`` truncates longest_first, and the engine runs
+    the prompt cut at ``max_length`` where the gateway charged and keyed it whole (H191)."""
+    kw: dict[str, Any] = {"tokenize": True, "truncation": None, "max_length": 5}
+    with pytest.raises(TokenizerError, match=r"^'chat_template_kwargs' tokenize with truncation"):
+        ChatOptions.from_body({"chat_template_kwargs": kw}, "responses")
+    # no max_length, or padding on ("do_not_pad" is not False): transformers does not cut
+    for other in ({"max_length": None}, {"padding": "do_not_pad"}):
+        assert ChatOptions.from_body({"chat_template_kwargs": {**kw, **other}}, "responses") is None
+    # the chat forms drop a None kwarg before transformers (merge_kwargs' unset values)
+    forms: tuple[ChatForm, ...] = ("chat", "tokenize", "pooling")
+    for form in forms:
+        assert ChatOptions.from_body({"chat_template_kwargs": kw}, form) is None
