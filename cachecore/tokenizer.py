@@ -815,11 +815,7 @@ def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
     ``max_length`` of pad tokens the gateway never counted). A key that collides with an
     argument vLLM or transformers passes (``conversation``, ``messages``...) is their
     TypeError, which vLLM answers as a 400 with its text and no param."""
-    for key in kw:  # render_messages' positional arguments: Python's TypeError, a 400
-        if key in ("model_config", "tokenizer", "conversation"):
-            raise UnnamedFieldError(
-                f"safe_apply_chat_template() got multiple values for argument '{key}'"
-            )
+    _refuse_render_arguments(kw)
     _refuse_self_kwarg(kw)  # a base parameter resolve_chat_template_kwargs lets through
     given = {k: kw.pop(k) for k in _TOKENIZE_PARAMS if k in kw}
     if given.get("return_assistant_tokens_mask"):  # vLLM forces return_dict=False
@@ -993,13 +989,29 @@ _APPLY_CHAT_TEMPLATE_PARAMS = frozenset(
 ``_get_hf_base_chat_template_params``): kwargs it passes on whatever the template reads."""
 
 
+def _refuse_render_arguments(kwargs: Mapping[str, Any]) -> None:
+    """A kwarg named as one of ``safe_apply_chat_template``'s positional arguments, which
+    vLLM 0.33 splats the kwargs into (a chat's ``render_messages``, a score template's
+    ``get_score_prompt``, before any filtering): Python's TypeError for the first such
+    key, answered by vLLM as a 400 with no param."""
+    for key in kwargs:
+        if key in ("model_config", "tokenizer", "conversation"):
+            raise UnnamedFieldError(
+                f"safe_apply_chat_template() got multiple values for argument '{key}'"
+            )
+
+
 def _refuse_self_kwarg(kwargs: Mapping[str, Any]) -> None:
-    """A ``self`` kwarg, which vLLM 0.33 passes (a chat's or a score template's) to
-    transformers' bound ``apply_chat_template``: Python's TypeError, whose text names the
-    method by its qualified name, answered by vLLM as a 400 with no param."""
+    """A ``self`` kwarg, which vLLM 0.33 passes (a chat's or a score template's) to its
+    tokenizer's bound ``apply_chat_template``: Python's TypeError, whose text names the
+    method by its qualified name, answered by vLLM as a 400 with no param. That method is
+    vLLM's, not transformers': ``HfRenderer`` swaps a fast tokenizer's class for the
+    ``TokenizerPool`` that ``maybe_make_thread_pool`` (``tokenizers/hf.py``) defines, whose
+    ``apply_chat_template(self, *args, **kwargs)`` receives the call first."""
     if "self" in kwargs:
         raise UnnamedFieldError(
-            "PreTrainedTokenizerBase.apply_chat_template() got multiple values for argument 'self'"
+            "maybe_make_thread_pool.<locals>.TokenizerPool.apply_chat_template() got multiple "
+            "values for argument 'self'"
         )
 
 
@@ -1011,13 +1023,11 @@ def _refused_score_kwargs(kwargs: Mapping[str, Any]) -> None:
     documents that are no list of objects. vLLM answers each a 400 with the exception's
     text and no param (``safe_apply_chat_template``: ``VLLMValidationError``)."""
     _refuse_self_kwarg(kwargs)
-    for key, callee in (
-        ("conversation", "transformers.tokenization_utils_base.PreTrainedTokenizerBase."
-         "apply_chat_template()"),
-        ("conversations", "transformers.utils.chat_template_utils.render_jinja_template()"),
-    ):  # fmt: skip
-        if key in kwargs:
-            raise UnnamedFieldError(f"{callee} got multiple values for keyword argument '{key}'")
+    if "conversations" in kwargs:
+        raise UnnamedFieldError(
+            "transformers.utils.chat_template_utils.render_jinja_template() got multiple "
+            "values for keyword argument 'conversations'"
+        )
     if kwargs.get("return_assistant_tokens_mask"):
         raise UnnamedFieldError(
             "`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`"
@@ -1070,7 +1080,9 @@ class ScoreTemplate:
         # vLLM passes the kwargs to apply_chat_template as keywords: the ones it takes as
         # its own parameters (add_generation_prompt, documents, continue_final_message)
         # are set by them, not left at the scorer's defaults; a key neither a parameter
-        # nor read by the template is dropped (resolve_chat_template_kwargs)
+        # nor read by the template is dropped (resolve_chat_template_kwargs), after
+        # safe_apply_chat_template's own arguments were bound
+        _refuse_render_arguments(kwargs)
         kwargs = {
             k: v for k, v in kwargs.items() if k in _APPLY_CHAT_TEMPLATE_PARAMS or k in self._reads
         }

@@ -194,16 +194,17 @@ async def test_what_vllm_refuses_is_the_same_400_at_the_gateway_and_the_replica(
     replica = FAST.model_copy(update={"score_template": str(path)})
     mml = DEFAULT_MAX_MODEL_LEN
     render = "jinja2.environment.Template.render() got multiple values for keyword argument"
-    apply = (
-        "transformers.tokenization_utils_base.PreTrainedTokenizerBase.apply_chat_template() "
-        "got multiple values for keyword argument 'conversation'"
-    )
+    # get_score_prompt splats the kwargs into safe_apply_chat_template, whose positional
+    # arguments Python binds first (H191): its TypeError, for a key no filter drops
+    apply = "safe_apply_chat_template() got multiple values for argument 'conversation'"
+    held = "safe_apply_chat_template() got multiple values for argument 'tokenizer'"
     docs_msg = "Documents should be a list of dicts with 'title' and 'text' keys!"
     reserved = "chat_template_kwargs contains reserved keys that conflict with fixed scorer"
     bad: list[tuple[dict[str, Any], str, str | None]] = [
         ({"chat_template_kwargs": {"messages": [{"role": "user", "content": "x"}]}},
          f"{render} 'messages'", None),
         ({"chat_template_kwargs": {"conversation": []}}, apply, None),
+        ({"chat_template_kwargs": {"tokenizer": 1}}, held, None),
         ({"chat_template_kwargs": {"return_assistant_tokens_mask": True}},
          "`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`",
          None),
