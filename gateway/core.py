@@ -237,6 +237,11 @@ after routing and no other took it (nothing reached an engine, as after a connec
 _NO_ENGINE = frozenset(("connect", UNSENT))
 """``Outcome.error`` values of a request no engine received: no failure of a replica's
 (a connect failure was counted at the time), and no work, so its charge is given back."""
+EVENT_TOO_LARGE = "event_too_large"
+"""``Outcome.error`` of a stream cut at ``KVGATE_MAX_UPSTREAM_EVENT_BYTES``: no failure of
+the replica's, as a healthy vLLM's Responses stream with output logprobs reaches the bound
+near 40k tokens (docs/gateway.md), so a tenant asking for such streams would eject healthy
+replicas (as replayed streams would, D33)."""
 _UNSALTED = frozenset(("detokenize",))
 """Endpoints sent with no ``cache_salt`` (a client's removed): token ids to text touch no
 cache of the engine's. /tokenize keeps the scope's, as the gateway's own tokenize calls:
@@ -2296,6 +2301,7 @@ class Gateway:
             elif (
                 out.error is not None
                 and out.error not in _NO_ENGINE
+                and out.error != EVENT_TOO_LARGE
                 and not (d.endpoint == RESPONSE_GET and d.stream)
             ):
                 # a replayed stream fails or hangs by vLLM's design, at the client's

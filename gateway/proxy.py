@@ -33,7 +33,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.core import RESPONSE_READS, UNSENT, Dispatch, Gateway, Outcome
+from gateway.core import EVENT_TOO_LARGE, RESPONSE_READS, UNSENT, Dispatch, Gateway, Outcome
 from gateway.errors import GatewayError, engine_error_body, error_body, sse_error_event
 from gateway.settings import GatewaySettings
 from gateway.upstream import MalformedResponseError, UpstreamResponse
@@ -586,7 +586,7 @@ class UpstreamExchange(Response):
                     # an event past the bound: it may hold an engine id that must not reach
                     # the client unsealed (D30), so none of it is relayed; the stream ends
                     error = f"upstream event over KVGATE_MAX_UPSTREAM_EVENT_BYTES ({limit})"
-                    kind = "event_too_large"
+                    kind = EVENT_TOO_LARGE
                     buf.clear()
                     if cut < 0:
                         break
@@ -641,7 +641,7 @@ class UpstreamExchange(Response):
                 usage.prompt,
                 usage.cached,
                 usage.completion,
-                error,
+                EVENT_TOO_LARGE if kind == EVENT_TOO_LARGE else error,
             )
         )
 

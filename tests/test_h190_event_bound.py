@@ -143,6 +143,10 @@ async def test_an_event_without_end_is_cut_at_the_bound(monkeypatch: pytest.Monk
     assert events[2] == b"data: [DONE]"
     rid = gw.specs[0].id
     assert gw.metrics.upstream_errors.labels(rid, "event_too_large")._value.get() == 1
+    # no failure of the replica's (H191): a healthy vLLM's logprobs-heavy Responses stream
+    # reaches the bound, so a tenant asking for such streams would eject healthy replicas
+    rep = gw.pool.get(rid) if gw.pool is not None else None
+    assert rep is not None and rep.consecutive_failures == 0, rep
 
 
 async def test_an_event_just_under_the_bound_passes_intact(
