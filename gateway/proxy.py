@@ -574,8 +574,9 @@ class UpstreamExchange(Response):
         try:
             async for chunk in resp.aiter_raw():
                 # a blank line ending in the new chunk may begin in the old bytes' last 3
-                cut = _event_end(buf, len(buf) - 3, chunk)
+                start = len(buf) - 3
                 buf += chunk
+                cut = _event_end(buf, start)
                 if cut >= 0:
                     ready = bytes(buf[:cut])
                     del buf[:cut]
@@ -742,15 +743,14 @@ def _rewritten(data: bytes, rewrites: list[tuple[bytes, bytes]]) -> bytes:
     return data
 
 
-def _event_end(buf: bytes | bytearray, start: int = 0, more: bytes = b"") -> int:
-    """Index just past the last complete SSE event in ``buf + more`` (-1 if none), looking
-    at its bytes from ``start`` only (the rest was looked at before: without it, a long
+def _event_end(buf: bytes | bytearray, start: int = 0) -> int:
+    """Index just past the last complete SSE event in ``buf`` (-1 if none), looking at its
+    bytes from ``start`` only, in place (the rest was looked at before: without it, a long
     event's every chunk rescanned all its buffered bytes). Engines end events with a blank
     line: ``\n\n`` (vLLM, SGLang) or ``\r\n\r\n``."""
-    offset = start = max(start, 0)
-    buf = bytes(buf[start:]) + more
-    lf = buf.rfind(b"\n\n")
-    crlf = buf.rfind(b"\r\n\r\n")
+    start = max(start, 0)
+    lf = buf.rfind(b"\n\n", start)
+    crlf = buf.rfind(b"\r\n\r\n", start)
     if crlf >= 0 and crlf + 4 > lf + 2:
-        return offset + crlf + 4
-    return offset + lf + 2 if lf >= 0 else -1
+        return crlf + 4
+    return lf + 2 if lf >= 0 else -1

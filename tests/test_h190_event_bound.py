@@ -175,4 +175,4 @@ def test_a_blank_line_split_across_chunks_ends_its_event() -> None:
             pending, chunk = whole[:split], whole[split:]
             if _event_end(pending) >= 0:
                 continue
-            assert _event_end(pending, len(pending) - 3, chunk) == _event_end(whole), split
+            assert _event_end(pending + chunk, len(pending) - 3) == _event_end(whole), split
