@@ -21,7 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -216,6 +216,13 @@ RESPONSE_TERMINAL = frozenset(("completed", "incomplete", "cancelled", "failed")
 ``ResponseStatus`` less ``queued`` and ``in_progress``)."""
 _BACKGROUND_POLL_TIMEOUT_S = 10.0  # one poll of a background response's status
 _RESPONSES_PATH = "/v1/responses"
+
+
+def _response_path(engine_id: str) -> str:
+    """The engine's path of one stored response."""
+    return f"{_RESPONSES_PATH}/{quote(engine_id, safe='')}"
+
+
 _INPUT_POOLING = frozenset(("embeddings", "pooling", "classify"))
 """Pooling endpoints over inputs: ``input`` (a completion prompt's shapes, a batch) or the
 chat form's ``messages`` (D29)."""
@@ -515,7 +522,6 @@ class Gateway:
         # places under the watch cap, per tenant: the watched and the background POSTs on
         # their way (taken up front, so a response is never served unwatched)
         self._watch_places: Counter[str] = Counter()
-        self._watch_total = 0
         # their polls and cancels share the client (its pool of KVGATE_MAX_CONNECTIONS)
         # with the health probes and remote tokenization: a replica that hangs its answers
         # holds each for its timeout, and 1024 watched on it took every connection, so
@@ -1252,7 +1258,13 @@ class Gateway:
         base_model, lora = self.pool.base_model(model, reps)
         scope, session = self.resolve_scope(tenant, tpol, headers, body, model, base_model)
         if responses and body.get("background") and scope.kind is ScopeKind.REQUEST:
-            _refuse_unstored_background()
+            # that scope stores nothing (its promise), and vLLM refuses background without
+            # store (D33)
+            raise bad_request(
+                "a request-scoped (sensitive) request cannot run in the background: its "
+                "response is not stored; send it without 'background'",
+                "background",
+            )
         reps = self._one_meaning(model, lora, base_model, reps)
         mpool = pol.models.pool(base_model)
         bs = mpool.block_size
@@ -1702,8 +1714,6 @@ class Gateway:
                 "send the conversation in 'input' instead",
                 "previous_response_id",
             )
-        if follow_up and body.get("background") and scope.kind is ScopeKind.REQUEST:
-            _refuse_unstored_background()  # unreachable today (refused above): kept in step
         opened = self.response_ids.open(tenant, scope, sealed)
         if opened is None and not follow_up and session and scope.kind is not ScopeKind.SESSION:
             # a retrieval names no model, so a scope that a model's sensitivity (or the POST's
@@ -1756,7 +1766,7 @@ class Gateway:
         if follow_up:
             path = _RESPONSES_PATH
         else:
-            path = f"{_RESPONSES_PATH}/{quote(engine_id, safe='')}"
+            path = _response_path(engine_id)
             path += "/cancel" if endpoint == RESPONSE_CANCEL else query
         d = Dispatch(
             request_id=request_id,
@@ -2417,11 +2427,8 @@ class Gateway:
             return "lost", None
         if self.client is None:
             return None
-        url = f"{rep.url.rstrip('/')}{_RESPONSES_PATH}/{quote(d.response_id, safe='')}"
-        try:
-            async with self._poll_slots, asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
-                resp = await self.client.get(url, headers=self._replica_headers(rep))
-        except (httpx.HTTPError, TimeoutError):
+        resp = await self._replica_call(rep, False, _response_path(d.response_id))
+        if resp is None:
             return None
         if resp.status_code == 404:
             return "lost", None
@@ -2436,6 +2443,18 @@ class Gateway:
         from gateway.proxy import usage_pair  # the proxy's reader (it imports this module)
 
         return got["status"], usage_pair(got.get("usage"))
+
+    async def _replica_call(self, rep: Replica, post: bool, path: str) -> httpx.Response | None:
+        """The gateway's own GET (or POST) to ``rep``'s engine (a watcher's poll, an
+        orphan's cancel), under the poll slots and timeout; None when it could not be made."""
+        assert self.client is not None
+        send = self.client.post if post else self.client.get
+        url = f"{rep.url.rstrip('/')}{path}"
+        try:
+            async with self._poll_slots, asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
+                return await send(url, headers=self._replica_headers(rep))
+        except (httpx.HTTPError, TimeoutError):
+            return None
 
     def _replica_headers(self, rep: Replica) -> dict[str, str]:
         """The headers of the gateway's own request to ``rep``'s engine (a poll, a cancel)."""
@@ -2459,12 +2478,8 @@ class Gateway:
         self.spawn(self._post_cancel(rep, d.response_id, d.request_id))
 
     async def _post_cancel(self, rep: Replica, engine_id: str, request_id: str) -> None:
-        assert self.client is not None
-        url = f"{rep.url.rstrip('/')}{_RESPONSES_PATH}/{quote(engine_id, safe='')}/cancel"
-        try:
-            async with self._poll_slots, asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
-                resp = await self.client.post(url, headers=self._replica_headers(rep))
-        except (httpx.HTTPError, TimeoutError):
+        resp = await self._replica_call(rep, True, _response_path(engine_id) + "/cancel")
+        if resp is None:
             return  # a replica that died of it took its run along
         if resp.status_code == 200:
             self.metrics.background_responses.labels("orphan_cancelled").inc()
@@ -2525,7 +2540,7 @@ class Gateway:
                 retry_s,
                 "background_watch",
             )
-        if self._watch_total >= s.background_watch_max:
+        if self._watch_places.total() >= s.background_watch_max:
             self.metrics.background_responses.labels("refused_capacity").inc()
             raise GatewayError(
                 503,
@@ -2535,7 +2550,6 @@ class Gateway:
                 headers={"Retry-After": retry_after(retry_s)},
             )
         self._watch_places[tenant] += 1
-        self._watch_total += 1
 
     def slot_retry_s(self, tenant: str, max_concurrency: int | None) -> float:
         """``Retry-After`` of ``tenant``'s 429 ``concurrency``: while its background
@@ -2551,7 +2565,6 @@ class Gateway:
         self._watch_places[tenant] -= 1
         if self._watch_places[tenant] <= 0:
             del self._watch_places[tenant]
-        self._watch_total -= 1
 
     def _trace(self, d: Dispatch, out: Outcome) -> None:
         assert self.trace is not None
@@ -2950,16 +2963,6 @@ def _may_hold_orphan(d: Dispatch, out: Outcome) -> bool:
         and not 400 <= out.status < 499
         and out.error not in _NO_ENGINE
         and not (out.error or "").startswith("http_")
-    )
-
-
-def _refuse_unstored_background() -> NoReturn:
-    """A background response under a per-request scope: that scope stores nothing (its
-    promise), and vLLM refuses background without store (D33)."""
-    raise bad_request(
-        "a request-scoped (sensitive) request cannot run in the background: its response "
-        "is not stored; send it without 'background'",
-        "background",
     )
 
 
