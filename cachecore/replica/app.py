@@ -139,8 +139,13 @@ def _options(req: Any) -> ChatOptions | None:
     try:
         opts: ChatOptions | None = req.chat_options()
     except TokenizerError as exc:
-        raise APIError(str(exc), param=option_param(exc)) from exc
+        raise _option_error(exc) from exc
     return opts
+
+
+def _option_error(exc: TokenizerError) -> APIError:
+    """A refused chat option's 400, naming the field as the gateway names it."""
+    return APIError(str(exc), param=option_param(exc))
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -541,8 +546,8 @@ def create_app(replica: SimReplica) -> FastAPI:
         messages, fields = rendered.messages, rendered.fields
         try:
             opts = ChatOptions.from_body({**fields, "tools": rendered.tools}, "responses")
-        except TokenizerError as exc:  # named as the gateway names it (_option_error)
-            raise APIError(str(exc), param=option_param(exc)) from exc
+        except TokenizerError as exc:
+            raise _option_error(exc) from exc
         try:
             text = tok.apply_chat_template(messages, fields["add_generation_prompt"], opts)
         except TokenizerError as exc:
@@ -739,10 +744,12 @@ def create_app(replica: SimReplica) -> FastAPI:
         special = req.special_tokens()
         if req.chat:
             ids = []
-            for conversation in req.conversations():  # a batch's: each its engine request
+            conversations = req.conversations()  # a batch's: each its engine request
+            opts = _options(req)  # the request's: one reading for all of them
+            for conversation in conversations:
                 try:
                     rendered = tok.apply_chat_template(
-                        conversation, req.add_generation_prompt, _options(req)
+                        conversation, req.add_generation_prompt, opts
                     )
                 except TokenizerError as exc:
                     raise APIError(str(exc), param="messages") from exc
@@ -783,7 +790,7 @@ def create_app(replica: SimReplica) -> FastAPI:
                 kwargs = score_template_kwargs(req.model_dump(include=_TEMPLATE_FIELDS))
                 texts = [template.render(tok, a, b, kwargs) for a, b in pairs]
             except TokenizerError as exc:
-                raise APIError(str(exc), param=option_param(exc)) from exc
+                raise _option_error(exc) from exc
             rendered = [with_special_tokens(tok, await encode(t, salt or "")) for t in texts]
             return [req.truncate(ids, keep, tok.special_affixes) for ids in rendered]
         seen: dict[str, list[int]] = {}
