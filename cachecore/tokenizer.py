@@ -723,8 +723,6 @@ class ChatOptions:
             tools = chat_completion_tools(tools)
         if docs is not None and not isinstance(docs, list):
             raise TokenizerError("'documents' must be an array")
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TokenizerError("'chat_template_kwargs' must be an object")
         kw = dict(effort_template_kwargs(kwargs, effort) or {})
         if form != "responses":
             kw = {k: v for k, v in kw.items() if not _unset_kwarg(v)}
@@ -886,11 +884,12 @@ def effort_template_kwargs(
     and ``enable_thinking: effort != "none"`` unless the request's kwargs set it (so a
     template that gates thinking on it thinks when asked to). A template that reads
     neither renders as without them. vLLM's ``--reasoning-effort-map`` (a server flag the
-    gateway cannot see) is not applied."""
-    if effort is None:
-        return kwargs
+    gateway cannot see) is not applied. Kwargs that are no object are refused, effort or
+    not (a caller merges more into them)."""
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TokenizerError("'chat_template_kwargs' must be an object")
+    if effort is None:
+        return kwargs
     if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
         raise TokenizerError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}")
     merged = {**(kwargs or {}), "reasoning_effort": effort}
