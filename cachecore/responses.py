@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cachecore.tokenizer import REASONING_EFFORTS
+from cachecore.tokenizer import LAX_FALSE_STRINGS, LAX_TRUE_STRINGS, REASONING_EFFORTS
 
 _ROLES = frozenset(("user", "system", "developer", "assistant"))
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -574,12 +574,6 @@ def _named_choice(choice: Any) -> bool:
     return isinstance(choice, dict) and choice.get("type") in ("function", "custom")
 
 
-# pydantic's lax booleans (vLLM validates JSON-decoded bodies in python mode): these
-# strings, any case, and the numbers 0 and 1
-_LAX_TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
-_LAX_FALSE = frozenset(("0", "off", "f", "false", "n", "no"))
-
-
 def _lax_bool(value: Any, where: str) -> bool | None:
     """An optional boolean field as vLLM's pydantic models read it (lax mode): ``true``
     / ``false``, the numbers 0 and 1 (``1.0`` too), or one of pydantic's strings in any
@@ -589,8 +583,8 @@ def _lax_bool(value: Any, where: str) -> bool | None:
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str) and value.lower() in _LAX_TRUE | _LAX_FALSE:
-        return value.lower() in _LAX_TRUE
+    if isinstance(value, str) and value.lower() in LAX_TRUE_STRINGS | LAX_FALSE_STRINGS:
+        return value.lower() in LAX_TRUE_STRINGS
     raise ResponsesInputError(f"'{where}' must be a boolean", "tools")
 
 

@@ -790,7 +790,10 @@ _TOKENIZE_PARAMS = (
 """transformers 5's ``apply_chat_template`` parameters that shape its tokenization: vLLM
 0.33 passes a chat's kwargs to it as keywords, so these are never template variables."""
 
-_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
+# pydantic's lax booleans' strings (vLLM validates JSON-decoded bodies in python mode), in
+# any case; the numbers 0 and 1 too
+LAX_TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
+LAX_FALSE_STRINGS = frozenset(("0", "off", "f", "false", "n", "no"))
 
 
 def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
@@ -838,7 +841,7 @@ def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
         special is None
         or special is False
         or special == 0
-        or (isinstance(special, str) and special.strip().lower() in _FALSE_STRINGS)
+        or (isinstance(special, str) and special.strip().lower() in LAX_FALSE_STRINGS)
     )
     shaping = [
         k
