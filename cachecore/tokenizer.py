@@ -819,15 +819,8 @@ def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
     _refuse_render_arguments(kw)
     _refuse_self_kwarg(kw)  # a base parameter resolve_chat_template_kwargs lets through
     given = {k: kw.pop(k) for k in _TOKENIZE_PARAMS if k in kw}
-    if given.get("return_assistant_tokens_mask"):  # vLLM forces return_dict=False
-        raise UnnamedFieldError(
-            "`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`"
-        )
-    if "messages" in kw:  # every chat template reads it: render_jinja_template's TypeError
-        raise UnnamedFieldError(
-            "jinja2.environment.Template.render() got multiple values for keyword argument "
-            "'messages'"
-        )
+    _refuse_assistant_mask(given)  # vLLM forces return_dict=False
+    _refuse_messages_kwarg(kw)  # every chat template reads it
     tokenize = bool(given.get("tokenize"))
     if given.get("sanitize_control_tokens") and not tokenize:
         raise UnnamedFieldError(
@@ -1017,6 +1010,27 @@ def _refuse_self_kwarg(kwargs: Mapping[str, Any]) -> None:
         )
 
 
+def _refuse_assistant_mask(kwargs: Mapping[str, Any]) -> None:
+    """A truthy ``return_assistant_tokens_mask`` (a chat's or a score template's kwargs):
+    transformers 5 refuses it for a rendering vLLM 0.33 asks as text, ``return_dict``
+    False (its ValueError, answered by vLLM as a 400 with no param)."""
+    if kwargs.get("return_assistant_tokens_mask"):
+        raise UnnamedFieldError(
+            "`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`"
+        )
+
+
+def _refuse_messages_kwarg(kwargs: Mapping[str, Any]) -> None:
+    """A ``messages`` kwarg (a chat's or a score template's): every template is rendered
+    with the conversation as ``messages``, so ``render_jinja_template``'s call of the
+    template's ``render`` gets it twice (Python's TypeError, vLLM's 400 with no param)."""
+    if "messages" in kwargs:
+        raise UnnamedFieldError(
+            "jinja2.environment.Template.render() got multiple values for keyword argument "
+            "'messages'"
+        )
+
+
 def _refused_score_kwargs(kwargs: Mapping[str, Any]) -> None:
     """What transformers 5 refuses of a score template's kwargs (those that vLLM 0.33's
     ``resolve_chat_template_kwargs`` lets through), in its order: a keyword that collides
@@ -1030,10 +1044,7 @@ def _refused_score_kwargs(kwargs: Mapping[str, Any]) -> None:
             "transformers.utils.chat_template_utils.render_jinja_template() got multiple "
             "values for keyword argument 'conversations'"
         )
-    if kwargs.get("return_assistant_tokens_mask"):
-        raise UnnamedFieldError(
-            "`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`"
-        )
+    _refuse_assistant_mask(kwargs)
     if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt"):
         raise UnnamedFieldError(
             "continue_final_message and add_generation_prompt are not compatible. Use "
@@ -1049,11 +1060,7 @@ def _refused_score_kwargs(kwargs: Mapping[str, Any]) -> None:
             raise UnnamedFieldError(
                 "Documents should be a list of dicts with 'title' and 'text' keys!"
             )
-    if "messages" in kwargs:
-        raise UnnamedFieldError(
-            "jinja2.environment.Template.render() got multiple values for keyword argument "
-            "'messages'"
-        )
+    _refuse_messages_kwarg(kwargs)
 
 
 class ScoreTemplate:
