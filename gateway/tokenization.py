@@ -592,6 +592,18 @@ class LocalPromptTokenizer:
                 lengths.append(len(self._special(next(counted), body, True, trunc)))
         return lengths
 
+    async def _counts(
+        self, texts: Sequence[str], scope: str | None, offload_chars: int
+    ) -> list[int]:
+        """Each text's tokens, no special tokens: through the segment cache, or, longer
+        together than ``offload_chars``, in one worker thread (:meth:`prompt_lengths`'
+        rule)."""
+        if sum(map(len, texts)) > offload_chars:
+            encode = self.tok.encode
+            return await asyncio.to_thread(lambda: [len(encode(t)) for t in texts])
+        encode_async = self.segments.encode_async
+        return [len(await encode_async(t, scope, offload_chars)) for t in texts]
+
     async def pair_lengths(
         self,
         pairs: Sequence[tuple[str, str]],
@@ -609,14 +621,7 @@ class LocalPromptTokenizer:
         each at most ``trunc.keep``. Each distinct text is tokenized once; texts longer
         together than ``offload_chars`` in one worker thread, as :meth:`prompt_lengths`'."""
         distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
-        if sum(map(len, distinct)) > offload_chars:
-            encode = self.tok.encode
-            counted = await asyncio.to_thread(lambda: [len(encode(t)) for t in distinct])
-        else:
-            counted = [
-                len(await self.segments.encode_async(t, scope, offload_chars)) for t in distinct
-            ]
-        size = dict(zip(distinct, counted, strict=True))
+        size = dict(zip(distinct, await self._counts(distinct, scope, offload_chars), strict=True))
         prefix, suffix = self.tok.special_affixes
         extra = len(prefix) + len(suffix)
         pair_extra = max(extra, self.tok.pair_special_tokens)
@@ -673,12 +678,7 @@ class LocalPromptTokenizer:
             texts = [template.render(self.tok, a, b, kwargs) for a, b in pairs]
         except TokenizerError as exc:
             raise _option_error(exc) from None
-        if sum(map(len, texts)) > offload_chars:
-            encode = self.tok.encode
-            counted = await asyncio.to_thread(lambda: [len(encode(t)) for t in texts])
-        else:
-            encode_async = self.segments.encode_async
-            counted = [len(await encode_async(t, scope, offload_chars)) for t in texts]
+        counted = await self._counts(texts, scope, offload_chars)
         prefix, suffix = self.tok.special_affixes  # vLLM's scoring adds them
         extra = len(prefix) + len(suffix)
         keep = None if trunc is None else trunc.keep
