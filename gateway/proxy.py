@@ -571,6 +571,12 @@ class UpstreamExchange(Response):
         opens_early = d.endpoint == "responses"
         if d.background:
             d.response_status = "in_progress"  # the engine runs it: terminal at its end
+        elif opens_early:
+            # so its first-byte timeout bounds the queue and the prefill as a chat stream's
+            # does, up to the first output event: its opening events and keepalives do not
+            # end it. A background run is exempt: it may queue long by design, and a cut
+            # stream frees nothing of it (vLLM runs it detached from the stream, D30)
+            resp.body.hold_first_byte()
         try:
             async for chunk in resp.aiter_raw():
                 # a blank line ending in the new chunk may begin in the old bytes' last 3
@@ -582,6 +588,7 @@ class UpstreamExchange(Response):
                     del buf[:cut]
                 if ttft is None and (not opens_early or (cut >= 0 and _output(ready))):
                     ttft = time.perf_counter() - t0
+                    resp.body.output_seen()
                     self.gw.on_first_token(d)
                 if len(buf) > limit:
                     # an event past the bound: it may hold an engine id that must not reach
@@ -711,6 +718,7 @@ def _output(data: bytes) -> bool:
     of the engine's: any but :data:`_NO_OUTPUT` (vLLM's first is the output item's
     ``response.output_item.added``, sent with the first delta it parsed)."""
     for event in _EVENT_SEP.split(data):
+        event = _uncommented(event)
         if event.startswith(b"event:"):  # vLLM names each event's type in this line
             kind = event[6 : event.find(b"\n") if b"\n" in event else None].strip()
         else:
@@ -727,9 +735,18 @@ def _output(data: bytes) -> bool:
     return False
 
 
+def _uncommented(event: bytes) -> bytes:
+    """An SSE event without its comment lines (``: keepalive``), which the SSE spec ignores
+    wherever they stand: a proxy may send one just before an event's first line."""
+    if not event.startswith(b":") and b"\n:" not in event:
+        return event
+    return b"\n".join(line for line in event.split(b"\n") if not line.startswith(b":"))
+
+
 def _event_data(event: bytes) -> bytes:
     """An SSE event's data: after ``data:``, past an ``event:`` line (a Responses
-    stream's events name their type, D30)."""
+    stream's events name their type, D30) and comment lines."""
+    event = _uncommented(event)
     if event.startswith(b"event:"):
         at = event.find(b"data:")
         return event[at + 5 :].lstrip() if at >= 0 else b""

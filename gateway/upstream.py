@@ -22,10 +22,12 @@ Contract (the parts of :class:`httpx.AsyncBaseTransport` the gateway uses):
   reused keep-alive connection: the classic idle-close race; the retry keeps the request's
   slot, so it never queues behind later arrivals; a retry that cannot connect raises it too:
   the server may have read the request and died of it); closing mid-body ->
-  ``httpx.ReadError``; no byte within the read timeout -> ``httpx.ReadTimeout``; a malformed
-  response, or one cut inside its head -> :class:`MalformedResponseError` (the replica
-  answered: never resent, and not one of the connect-type errors the proxy retries
-  elsewhere); no connection free within the pool timeout -> ``httpx.PoolTimeout``.
+  ``httpx.ReadError``; no byte within the read timeout (or, for a body whose caller
+  :meth:`_Body.hold_first_byte`, no output it saw within the first-byte timeout) ->
+  ``httpx.ReadTimeout``; a malformed response, or one cut inside its head ->
+  :class:`MalformedResponseError` (the replica answered: never resent, and not one of the
+  connect-type errors the proxy retries elsewhere); no connection free within the pool
+  timeout -> ``httpx.PoolTimeout``.
 * Bodies must be framed (``content-length`` or chunked), as engines' HTTP/1.1 servers
   (uvicorn, SGLang's) always frame them; a body delimited only by the connection closing is
   reported as ``httpx.ReadError``.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -53,6 +56,7 @@ from cachecore.urls import url_host
 
 _HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the socket
 _HostKey = tuple[str, int, bool]  # host, port, TLS
+_NO_OUTPUT = "replica sent no output within the first-byte timeout"
 
 
 class MalformedResponseError(httpx.HTTPError):
@@ -148,8 +152,8 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_exception(err)
 
-    def on_timeout(self) -> None:
-        self._fail(httpx.ReadTimeout("replica sent nothing within the timeout"))
+    def on_timeout(self, what: str = "replica sent nothing within the timeout") -> None:
+        self._fail(httpx.ReadTimeout(what))
         self.close()
 
     def begin(self, data: bytes) -> asyncio.Future[None]:
@@ -183,12 +187,29 @@ class _Body(httpx.AsyncByteStream):
         self.conn = conn
         self.first_s = first_s  # until the first body chunk (a stream's first token)
         self.read_s = read_s  # between chunks after it
+        # loop time by which the caller must see its first output (see hold_first_byte)
+        self.output_by: float | None = None
         self.released = False
+
+    def hold_first_byte(self) -> None:
+        """Keep the first-byte timeout running past the first chunks, until
+        :meth:`output_seen`: for a stream that opens before its engine's first output (a
+        Responses stream, D30). Chunks meanwhile (its opening events, keepalive comments)
+        do not extend it."""
+        self.output_by = self.conn.loop.time() + self.first_s
+
+    def output_seen(self) -> None:
+        self.output_by = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn, loop = self.conn, self.conn.loop
         wait_s = self.first_s
         while True:
+            if self.output_by is not None and not conn.complete and loop.time() >= self.output_by:
+                # checked before the chunks too: a flood of keepalives never waits
+                conn.on_timeout(_NO_OUTPUT)
+                assert conn.error is not None
+                raise conn.error
             if conn.chunks:
                 wait_s = self.read_s
                 yield conn.take()
@@ -198,7 +219,11 @@ class _Body(httpx.AsyncByteStream):
                 raise conn.error
             else:
                 conn.waiter = loop.create_future()
-                timer = loop.call_later(wait_s, conn.on_timeout)
+                left = math.inf if self.output_by is None else self.output_by - loop.time()
+                if wait_s <= left:
+                    timer = loop.call_later(wait_s, conn.on_timeout)
+                else:
+                    timer = loop.call_later(left, conn.on_timeout, _NO_OUTPUT)
                 try:
                     await conn.waiter
                 finally:
