@@ -1193,7 +1193,13 @@ class Gateway:
         routing; the caller ends it with :meth:`release_admission`."""
         place = endpoint == "responses" and body.get("background") is True and not explain_only
         if place:
-            self._take_watch_place(tenant)
+            try:
+                self._take_watch_place(tenant)
+            except GatewayError:
+                # admitted just before (app: TenantLimiter.admit took a rate token): a
+                # refusal for the watch caps, sent back before any work, gives it back
+                self.limiter.refund_request(tenant, time.monotonic())
+                raise
         try:
             d = await self._prepare(
                 endpoint, tenant, body, headers, request_id, explain_only, strategy

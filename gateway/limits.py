@@ -157,6 +157,14 @@ class TenantLimiter:
         if st is not None and st.tokens is not None and tokens > 0:
             st.tokens.give(tokens, now)
 
+    def refund_request(self, tenant: str, now: float) -> None:
+        """Give back the request rate token :meth:`admit` took for a request refused before
+        any work by a bound on runs at once, not on requests (the background watch caps,
+        D33): up to the bucket's burst, never above it."""
+        st = self._tenants.get(tenant)
+        if st is not None and st.requests is not None:
+            st.requests.give(1.0, now)
+
     def release(self, tenant: str, replay: bool = False) -> None:
         st = self._tenants.get(tenant)
         if st is not None and st.in_flight > 0:

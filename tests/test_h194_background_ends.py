@@ -1,0 +1,45 @@
+"""A background POST refused for the watch caps keeps its tenant's request rate (D33,
+H194 review). Real simulated replicas and a real gateway, as
+``test_h181_background_slots.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.limits import TenantLimiter
+from policies.schema import TenantLimits
+from tests.test_gateway_support import stack
+from tests.test_h181_background_slots import _bg, _body
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def test_refusals_for_the_watch_cap_spend_no_request_rate() -> None:
+    # three requests at once, next to none over the test: the one run holds the cap
+    policy = "default_tenant:\n  limits: {requests_per_s: 0.001, requests_burst: 3}\n"
+    async with (
+        stack(count=1, policy=policy, background_poll_s=0.05, background_watch_max=1) as st,
+        st.http() as h,
+    ):
+        r = await _bg(h, st, 5)
+        assert r.status_code == 200, r.text
+        for i in range(5):
+            refused = await _bg(h, st, 10 + i)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["limit"] == "background_watch", refused.text
+        for i in range(2):  # the rest of its burst
+            ok = await h.post("/v1/responses", json=_body(st, 20 + i, 4))
+            assert ok.status_code == 200, ok.text
+        over = await h.post("/v1/responses", json=_body(st, 30, 4))
+        assert over.status_code == 429 and over.json()["error"]["limit"] == "rate"
+
+
+def test_a_refunded_request_token_never_exceeds_the_burst() -> None:
+    lim, limits = TenantLimiter(), TenantLimits(requests_per_s=0.001, requests_burst=2)
+    assert lim.admit("t", limits, 0.0) is None
+    for _ in range(3):
+        lim.refund_request("t", 0.0)
+    assert lim.admit("t", limits, 0.0) is None and lim.admit("t", limits, 0.0) is None
+    rej = lim.admit("t", limits, 0.0)
+    assert rej is not None and rej.limit == "rate"
+    lim.refund_request("nobody", 0.0)  # a tenant never admitted: nothing to give back
