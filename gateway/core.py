@@ -2391,37 +2391,48 @@ class Gateway:
             return False
         key = (d.replica, d.response_id)
         d.watched = True  # the ticket, tenant slot and watch place: the watch's now
-        self._background[key] = (d, self.spawn(self._watch_response(key, d)))
+        task = self.spawn(self._watch_response(d))
+        self._background[key] = (d, task)
+        task.add_done_callback(lambda t: self._watch_ended(key, d, t))
         self.metrics.background_watched.set(len(self._background))
         return True
 
-    async def _watch_response(self, key: tuple[str, str], d: Dispatch) -> None:
+    async def _watch_response(self, d: Dispatch) -> None:
         """Poll ``d``'s replica for its stored response every ``KVGATE_BACKGROUND_POLL_S``
         until it is terminal, gone (the replica removed, the engine's 404: restarted) or
-        ``KVGATE_BACKGROUND_WATCH_MAX_S`` passed; then release its ticket. Cancelled (the
-        gateway stopping, a client's retrieval that saw it end) it releases too."""
+        ``KVGATE_BACKGROUND_WATCH_MAX_S`` passed (``expired``): that outcome and its
+        usage left in ``d.response_status`` and ``d.response_usage`` for
+        :meth:`_watch_ended`, which releases it."""
         s = self.settings
         deadline = time.monotonic() + s.background_watch_max_s
-        outcome, usage = "expired", None
         # held for up to an hour, up to KVGATE_BACKGROUND_WATCH_MAX of them: not the
         # prompt (its exchange is over: the trace and span have read it)
         d.raw_body, d.body, d.keys, d.matches = None, {}, [], []
-        try:
-            while time.monotonic() + s.background_poll_s < deadline:
-                await asyncio.sleep(s.background_poll_s)
-                got = await self._poll_response(d)
-                if got is not None:
-                    outcome, usage = got
-                    if outcome in RESPONSE_TERMINAL or outcome == "lost":
-                        return
-                    outcome = "expired"
-        except asyncio.CancelledError:
-            outcome = "shutdown"
-            raise
-        finally:
-            if self._background.get(key, (None,))[0] is d:
-                del self._background[key]
-                self._release_background(d, outcome, usage)
+        while time.monotonic() + s.background_poll_s < deadline:
+            await asyncio.sleep(s.background_poll_s)
+            got = await self._poll_response(d)
+            if got is not None and (got[0] in RESPONSE_TERMINAL or got[0] == "lost"):
+                d.response_status, d.response_usage = got
+                return
+        d.response_status, d.response_usage = "expired", None
+
+    def _watch_ended(self, key: tuple[str, str], d: Dispatch, task: asyncio.Task[None]) -> None:
+        """``d``'s watcher ended, however: with its outcome, or cancelled (``shutdown``:
+        the gateway stopping; a client's retrieval or cancel that saw the response end
+        took it out first). A done callback, not the watcher's own ``finally``: a watcher
+        cancelled before its first step (spawned in the tick in which stop cancels the
+        background tasks) never runs its coroutine, and its ticket, slot and place leaked."""
+        if self._background.get(key, (None,))[0] is not d:
+            return
+        del self._background[key]
+        outcome, usage = "shutdown", None
+        if not task.cancelled():
+            if (exc := task.exception()) is not None:  # a bug: ends as one that ran out
+                log.error("background response watcher failed", exc_info=exc)
+            outcome, usage = d.response_status or "expired", d.response_usage
+            if outcome not in RESPONSE_TERMINAL and outcome != "lost":
+                outcome, usage = "expired", None
+        self._release_background(d, outcome, usage)
 
     async def _poll_response(self, d: Dispatch) -> tuple[str, tuple[int, int] | None] | None:
         """The stored response's status and usage (prompt, cached) as its engine answers

@@ -1,17 +1,42 @@
-"""A background POST refused for the watch caps keeps its tenant's request rate (D33,
-H194 review). Real simulated replicas and a real gateway, as
+"""A background response's watch ends however it ends (D33, H194 review): a watcher
+cancelled before its first step; and a request refused for the watch caps keeps its
+tenant's request rate. Real simulated replicas and a real gateway, as
 ``test_h181_background_slots.py``."""
 
 from __future__ import annotations
 
 import pytest
 
+from gateway.core import Dispatch, Outcome
 from gateway.limits import TenantLimiter
 from policies.schema import TenantLimits
+from tests.test_agent_helpers import counter_total as _count
 from tests.test_gateway_support import stack
-from tests.test_h181_background_slots import _bg, _body
+from tests.test_h181_background_slots import ONE_SLOT, _bg, _body, _in_flight, _slots
+from tests.test_responses_background import _held, _until
 
 pytestmark = pytest.mark.timeout(90)
+
+
+async def test_a_watcher_cancelled_before_its_first_step_releases_once() -> None:
+    # the tick in which stop cancels the background tasks may be the one a watcher was
+    # spawned in: its coroutine never runs, so no code of its own can release
+    async with stack(count=1, policy=ONE_SLOT, background_poll_s=0.05) as st, st.http() as h:
+        gw, seen = st.gw, _slots(st.gw)
+        watch = gw._watch_background
+
+        def cancelled_at_once(d: Dispatch, out: Outcome) -> bool:
+            kept = watch(d, out)
+            if kept:
+                gw._background[(d.replica, d.response_id or "")][1].cancel()
+            return kept
+
+        gw._watch_background = cancelled_at_once  # type: ignore[method-assign]
+        r = await _bg(h, st, 4)
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        await _until(lambda: not gw._background and _in_flight(gw) == 0, 3.0)
+        assert _held(gw) == 0 and seen["admit"] == seen["release"] == 1, seen
+        assert _count(gw.metrics.background_responses, outcome="shutdown") == 1
 
 
 async def test_refusals_for_the_watch_cap_spend_no_request_rate() -> None:
