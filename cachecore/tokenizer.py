@@ -1078,10 +1078,11 @@ class ScoreTemplate:
         self.source = source
         env = chat_template_env()
         try:
-            self._template = env.from_string(source)
+            parsed = env.parse(source)  # once: compiled and read for its variables
+            self._template = env.from_string(parsed)
             # what vLLM's resolve_chat_template_kwargs lets through besides
             # apply_chat_template's own parameters: the variables the template reads
-            self._reads = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+            self._reads = frozenset(jinja2.meta.find_undeclared_variables(parsed))
         except jinja2.TemplateSyntaxError as exc:
             raise TokenizerError(f"score template does not compile: {exc}") from exc
 

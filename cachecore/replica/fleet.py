@@ -40,6 +40,7 @@ from cachecore.replica.settings import (
     ReplicaPorts,
     ReplicaSettings,
     endpoints_for,
+    load_score_template,
 )
 from cachecore.tasks import Step, run_steps, run_to_end
 from cachecore.testing import free_ports
@@ -148,13 +149,17 @@ async def run_fleet(
         tokenizer = tokenizer.with_content_format(fmt)
     text = TokenText(tokenizer)
     vocab = output_vocabulary(tokenizer)
+    # compiled once for the fleet, not once per replica
+    score = load_score_template(settings.score_template) if settings.score_template else None
     ctx = zmq.asyncio.Context()
     dp = settings.data_parallel_size
     server_ports = plan_ports(count, base_port, ports)
     cores = plan_rank_ports(server_ports, dp, planned=base_port is not None or ports is not None)
     # one SimReplica per engine core; a data-parallel replica's cores share its HTTP port
     replicas = [
-        SimReplica(i * dp + r, settings, p, tokenizer, ctx, text, vocab, r if dp > 1 else None)
+        SimReplica(
+            i * dp + r, settings, p, tokenizer, ctx, text, vocab, r if dp > 1 else None, score
+        )
         for i, ranks in enumerate(cores)
         for r, p in enumerate(ranks)
     ]

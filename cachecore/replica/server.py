@@ -21,7 +21,7 @@ from cachecore.replica.settings import (
     endpoints_for,
     load_score_template,
 )
-from cachecore.tokenizer import HFTokenizer
+from cachecore.tokenizer import HFTokenizer, ScoreTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,12 @@ class SimReplica:
         token_text: TokenText | None = None,
         output_vocab: Sequence[int] | None = None,
         dp_rank: int | None = None,
+        score_template: ScoreTemplate | None = None,
     ) -> None:
         """``dp_rank``: this is one engine core of a data-parallel replica (its batches
-        carry the rank; :mod:`cachecore.replica.dp` serves the cores on one port)."""
+        carry the rank; :mod:`cachecore.replica.dp` serves the cores on one port).
+        ``score_template``: the settings' one, loaded (a fleet loads it once for all its
+        replicas); not given, loaded here."""
         self.index = index
         self.settings = settings
         self.ports = ports
@@ -71,9 +74,9 @@ class SimReplica:
         self.output_vocab = tuple(output_vocab or tokenizer.word_vocabulary.ids)
         self.tokenizer_path = settings.tokenizer_dir or tokenizer.name
         # each /score and /rerank pair's template, as a vLLM cross-encoder's --chat-template
-        self.score_template = (
-            load_score_template(settings.score_template) if settings.score_template else None
-        )
+        if score_template is None and settings.score_template:
+            score_template = load_score_template(settings.score_template)
+        self.score_template = score_template
         self.model = settings.model
         self.served_models: tuple[str, ...] = (settings.model, *settings.lora)
         self.healthy = True
