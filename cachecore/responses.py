@@ -364,7 +364,7 @@ def chat_fields(value: Any, reasoning: Any, template_kwargs: Any) -> dict[str, A
     """The chat completion fields besides messages and tools that render a Responses
     request's prompt as vLLM's ``ResponsesRequest.build_chat_params`` renders it, read by
     the chat path as a chat completion's (``cachecore.tokenizer.ChatOptions.from_body``, its
-    ``"responses"`` form: vLLM passes the kwargs' None and "auto" values on):
+    ``"responses"`` form):
     ``add_generation_prompt`` and ``continue_final_message`` (a partial final message,
     :func:`continues_final_message`, is continued: no generation prompt, the chat cut
     after its content), ``reasoning_effort`` (``reasoning.effort``, when given) and the

@@ -26,6 +26,7 @@ from datetime import datetime
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
 import jinja2
@@ -689,23 +690,28 @@ class ChatOptions:
     template_kwargs: Mapping[str, Any] | None = None
 
     @classmethod
-    def from_body(cls, body: Mapping[str, Any], form: ChatForm = "chat") -> ChatOptions | None:
-        """The options of a chat request body of ``form`` as vLLM 0.33 renders it; None
-        when it sets none (the common case). One rule for the gateway's sizing and keys and
-        the simulated replica's prompt. vLLM hands ``apply_chat_template`` one dict of
-        keywords (``renderers/params.py``): ``build_chat_params`` lays the request's own
-        fields over ``chat_template_kwargs`` (``merge_kwargs``: a None or ``"auto"`` value
-        no override), then ``with_defaults`` lays that over the top-level ``tools``
-        (``preprocess_chat``'s defaults, with ``tokenize``). So a kwargs ``tools`` wins
-        over the request's, while a chat completion's ``documents`` and
-        ``reasoning_effort`` (with ``enable_thinking``, :func:`effort_template_kwargs`) win
-        over the kwargs' ones; ``/tokenize`` has neither field (an extra, ignored: the
-        kwargs' render), nor has a pooling chat form ``tools`` (:meth:`for_pooling`). The
-        second merge drops the kwargs' None and ``"auto"`` values, except a Responses
-        request's: its ``with_defaults`` over no server kwargs returns the request's merge
-        as it is, whose values ``preprocess_chat`` then takes as defaults, so they reach
-        the template (a variable set to None or "auto"; ``tools`` "auto" with no request
-        tools a 400, transformers' iterating it). ``continue_final_message`` and
+    def from_body(
+        cls,
+        body: Mapping[str, Any],
+        form: ChatForm = "chat",
+        server: ServerChatDefaults | None = None,
+    ) -> ChatOptions | None:
+        """The options of a chat request body of ``form`` as vLLM 0.33 renders it on a
+        server started with ``server``'s flags (none given: :data:`VLLM_SERVER`). One rule
+        for the gateway's sizing and keys and the simulated replica's prompt. vLLM hands
+        ``apply_chat_template`` one dict of keywords (``renderers/params.py``):
+        ``build_chat_params`` lays the request's own fields over ``chat_template_kwargs``
+        (``merge_kwargs``: a None or ``"auto"`` value no override), then ``with_defaults``
+        lays that over the top-level ``tools`` (``preprocess_chat``'s defaults, with
+        ``tokenize``) over the server's default kwargs. So a kwargs ``tools`` wins over the
+        request's, which wins over the server's, while a chat completion's ``documents``
+        and ``reasoning_effort`` (with ``enable_thinking``, mapped by the server's effort
+        map, :func:`effort_template_kwargs`) win over the kwargs' ones; ``/tokenize`` has
+        neither field (an extra, ignored: the kwargs' render), nor has a pooling chat form
+        ``tools`` or the server's defaults (:meth:`for_pooling`). The second merge drops
+        the kwargs' None and ``"auto"`` values, a Responses request's too: the server's
+        default kwargs are never empty (:class:`ServerChatDefaults`), so its first
+        ``with_defaults`` drops them as well. ``continue_final_message`` and
         ``add_generation_prompt`` are always the request's own."""
         if form == "chat":
             check_chat_tools(body)
@@ -715,17 +721,21 @@ class ChatOptions:
         docs = body.get("documents") if form == "chat" else None
         effort = body.get("reasoning_effort") if form in ("chat", "responses") else None
         cont, kwargs = body.get("continue_final_message"), body.get("chat_template_kwargs")
+        # vLLM's pooling IO processors pass no server defaults (template_kwargs None)
+        srv = None if form == "pooling" else server or VLLM_SERVER
         if tools is None and docs is None and not cont and not kwargs and effort is None:
-            return None
+            return None if srv is None else srv.bare  # None: the common case
         if tools is not None and not isinstance(tools, list):
             raise TokenizerError("'tools' must be an array")
         if tools is not None and form != "responses":  # a Responses reader dumps its own
             tools = chat_completion_tools(tools)
         if docs is not None and not isinstance(docs, list):
             raise TokenizerError("'documents' must be an array")
-        kw = dict(effort_template_kwargs(kwargs, effort) or {})
-        if form != "responses":
-            kw = {k: v for k, v in kw.items() if not _unset_kwarg(v)}
+        effort_map = None if srv is None else srv.effort_map
+        kw = dict(effort_template_kwargs(kwargs, effort, effort_map) or {})
+        kw = {k: v for k, v in kw.items() if not _unset_kwarg(v)}
+        if srv is not None and srv.under:
+            kw = {**srv.under, **kw}
         kw.pop("continue_final_message", None)  # apply_chat_template's own, no variable
         _tokenize_kwargs(kw, body)
         kw_tools, kw_docs = kw.pop("tools", None), kw.pop("documents", None)
@@ -734,6 +744,8 @@ class ChatOptions:
             if tools is not None and not isinstance(tools, list):
                 # transformers' apply_chat_template takes a list of schemas (a 400 in vLLM)
                 raise TokenizerError("'chat_template_kwargs' tools must be an array")
+        if tools is None and srv is not None:
+            tools = srv.tools  # under the request's (merge_kwargs drops its None)
         if docs is None:
             docs = kw_docs
         if tools is None and docs is None and not cont and not kw:
@@ -849,7 +861,7 @@ def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
         and given.get("max_length") is not None
         and given.get("padding", False) is False
     ):
-        # a Responses request keeps a None value (from_body), and transformers'
+        # a server's default kwarg keeps a None value (from_body), and transformers'
         # _get_padding_truncation_strategies turns truncation None with a max_length and
         # padding False into longest_first: the engine runs the prompt cut at max_length
         shaping.append("truncation")
@@ -872,26 +884,116 @@ request's ``reasoning.effort`` takes the same values)."""
 
 
 def effort_template_kwargs(
-    kwargs: Mapping[str, Any] | None, effort: Any
+    kwargs: Mapping[str, Any] | None, effort: Any, effort_map: Mapping[str, str] | None = None
 ) -> Mapping[str, Any] | None:
     """The template variables of a request with a reasoning effort, as vLLM's
     ``build_chat_params`` (chat completions and Responses alike) merges them: the
     request's ``chat_template_kwargs``, then ``reasoning_effort`` (the request's wins),
     and ``enable_thinking: effort != "none"`` unless the request's kwargs set it (so a
     template that gates thinking on it thinks when asked to). A template that reads
-    neither renders as without them. vLLM's ``--reasoning-effort-map`` (a server flag the
-    gateway cannot see) is not applied. Kwargs that are no object are refused, effort or
-    not (a caller merges more into them)."""
+    neither renders as without them. The effort is the request's as the server's
+    ``--reasoning-effort-map`` (``effort_map``) rewrites it (``map_reasoning_effort``),
+    after the request model checked the request's; mapped to ``"auto"`` it is no
+    override (``merge_kwargs``). Kwargs that are no object are refused, effort or not (a
+    caller merges more into them)."""
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TokenizerError("'chat_template_kwargs' must be an object")
     if effort is None:
         return kwargs
     if not isinstance(effort, str) or effort not in REASONING_EFFORTS:
         raise TokenizerError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}")
-    merged = {**(kwargs or {}), "reasoning_effort": effort}
+    if effort_map:
+        effort = effort_map.get(effort, effort)
+    merged = dict(kwargs or {})
+    if not _unset_kwarg(effort):
+        merged["reasoning_effort"] = effort
     if kwargs is None or "enable_thinking" not in kwargs:
         merged["enable_thinking"] = effort != "none"
     return merged
+
+
+VLLM_COHERE_FORMAT = "cmd4"
+"""vLLM 0.33's ``--cohere-format`` default, which ``resolve_default_chat_template_kwargs``
+sets as a default kwarg of every server (under ``--default-chat-template-kwargs``'s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerChatDefaults:
+    """What a vLLM 0.33 server lays under every chat's template kwargs
+    (:meth:`ChatOptions.from_body`), but a pooling request's: its
+    ``--default-chat-template-kwargs`` as ``resolve_default_chat_template_kwargs``
+    (``entrypoints/common/cli_args.py``) resolves them (``kwargs``), with ``cohere_format``
+    :data:`VLLM_COHERE_FORMAT` unless they set it, so never empty: a Responses request's
+    None / "auto" kwargs are dropped as a chat's; and its ``--reasoning-effort-map`` (a chat
+    completion's and a Responses request's effort). That derived ``cohere_format`` is not
+    rendered (``under``): vLLM's HF renderer passes a template only the variables it reads
+    (``resolve_chat_template_kwargs``), and it is the Cohere renderer's selector, read by no
+    HF template known; ``--cohere-format`` is not modelled (its value set in the defaults is
+    rendered). Built by :meth:`of`, which refuses what vLLM refuses at start-up or on every
+    chat."""
+
+    kwargs: Mapping[str, Any]
+    effort_map: Mapping[str, str]
+    tools: list[Any] | None  # the defaults' tools: under a request's top-level ones
+    under: Mapping[str, Any]  # the rest, under a request's kwargs (tokenize: vLLM's False)
+    bare: ChatOptions | None  # the options of a request that sets none
+
+    @classmethod
+    def of(
+        cls, kwargs: Mapping[str, Any] | None = None, effort_map: Mapping[str, str] | None = None
+    ) -> ServerChatDefaults:
+        """A :class:`TokenizerError` saying why vLLM would not serve with these flags, or
+        would refuse every chat with them."""
+        check_reasoning_effort_map(effort_map)
+        if kwargs is not None and (
+            not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)
+        ):
+            raise TokenizerError("must be a JSON object of template variables")
+        try:
+            json.dumps(kwargs, allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            raise TokenizerError(f"must hold JSON values only: {exc}") from None
+        given = dict(kwargs or {})
+        under = {k: v for k, v in given.items() if k not in ("tools", "tokenize")}
+        tools = given.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise TokenizerError("'tools' must be an array (transformers iterates it)")
+        bare_kw = dict(under)
+        bare_kw.pop("continue_final_message", None)
+        if bare_kw:  # what fails every chat in vLLM (VLLM_SERVER, made at import, has none)
+            _tokenize_kwargs(bare_kw, {})
+        docs = bare_kw.pop("documents", None)
+        bare = None
+        if tools is not None or docs is not None or bare_kw:
+            bare = ChatOptions(tools, docs, False, MappingProxyType(bare_kw) if bare_kw else None)
+        full = {"cohere_format": VLLM_COHERE_FORMAT, **given}
+        # read-only: one server's defaults are shared by all its requests
+        return cls(
+            MappingProxyType(full),
+            MappingProxyType(dict(effort_map or {})),
+            tools,
+            MappingProxyType(under),
+            bare,
+        )
+
+
+def check_reasoning_effort_map(effort_map: Any) -> None:
+    """vLLM 0.33's ``validate_reasoning_effort_map``: an object of strings keyed by
+    reasoning efforts (its start-up refusal, as a :class:`TokenizerError`)."""
+    if effort_map is None:
+        return
+    if not isinstance(effort_map, Mapping) or not all(
+        isinstance(value, str) for value in effort_map.values()
+    ):
+        raise TokenizerError("must be a JSON object mapping reasoning efforts to strings")
+    if unknown := sorted(set(effort_map) - set(REASONING_EFFORTS)):
+        raise TokenizerError(
+            f"has unknown efforts {unknown}; keys must be one of {list(REASONING_EFFORTS)}"
+        )
+
+
+VLLM_SERVER = ServerChatDefaults.of()
+"""A vLLM 0.33 server started with neither flag."""
 
 
 def _tojson(

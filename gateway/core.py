@@ -876,7 +876,9 @@ class Gateway:
                 )
         for model, pool in pools.items():
             tok = self.tokenizers.local(pool)
-            problems = await check_alignment(self.client, rep.url, model, tok)
+            problems = await check_alignment(
+                self.client, rep.url, model, tok, server=pool.chat_defaults
+            )
             for p in problems:
                 self._alignment_problem(f"{model}: {p}")
                 log.error(
@@ -1318,9 +1320,15 @@ class Gateway:
                 unkeyed = unkeyed or media_parts > 0
                 media_tokens = media_parts * mpool.media_part_tokens
                 chat_body = {**src, "messages": text_only} if media_parts else src
-                # a Responses request's template kwargs render as vLLM's Responses path's
+                # a Responses request's template kwargs render as vLLM's Responses path's,
+                # over the pool's engines' default kwargs, its effort mapped as theirs
                 tokens = await tokenizer.chat(
-                    chat_body, cs, off, trunc, form="responses" if responses else "chat"
+                    chat_body,
+                    cs,
+                    off,
+                    trunc,
+                    form="responses" if responses else "chat",
+                    server=mpool.chat_defaults,
                 )
                 packed: Sequence[int] = tokens
             elif batch:
@@ -1751,6 +1759,7 @@ class Gateway:
                 cs,
                 self.settings.tokenize_offload_chars,
                 form="responses",
+                server=mpool.chat_defaults,
             )
             n_prompt = len(ids) + media_parts * mpool.media_part_tokens
             # removed or taken out of service while it was tokenized: the answers above

@@ -33,6 +33,7 @@ from cachecore.tokenizer import (
     HFTokenizer,
     ScoreTemplate,
     SegmentCache,
+    ServerChatDefaults,
     Tokenizer,
     TokenizerError,
     Truncation,
@@ -468,16 +469,21 @@ class LocalPromptTokenizer:
         # the score templates of the pools this tokenizer serves, compiled once (by text)
         self._score_templates: dict[str, ScoreTemplate] = {}
 
-    def _render(self, body: Mapping[str, Any], form: ChatForm = "chat") -> str:
+    def _render(
+        self,
+        body: Mapping[str, Any],
+        form: ChatForm = "chat",
+        server: ServerChatDefaults | None = None,
+    ) -> str:
         """``body``'s chat as the engine renders it for a request of ``form``, whose
         options vLLM reads as :meth:`ChatOptions.from_body` says (the simulated replica's
-        rule too)."""
+        rule too); ``server``: the pool's engine flags that lay defaults under them."""
         add_gen = add_generation_prompt(body)
         cont = continue_final_message(body)
         if "continue_final_message" in body and body["continue_final_message"] is not cont:
             body = {**body, "continue_final_message": cont}  # "false", 0...: the engine's bool
         try:
-            opts = ChatOptions.from_body(body, form)
+            opts = ChatOptions.from_body(body, form, server)
         except TokenizerError as exc:
             raise _option_error(exc) from None
         try:
@@ -520,10 +526,13 @@ class LocalPromptTokenizer:
         trunc: Truncation | None = None,
         *,
         form: ChatForm = "chat",
+        server: ServerChatDefaults | None = None,
     ) -> list[int]:
         """:meth:`chat_sync` that tokenizes long uncached text in a worker thread
-        (``form``: the request that renders it, :meth:`_render`)."""
-        ids = await self.segments.encode_async(self._render(body, form), scope, offload_chars)
+        (``form``: the request that renders it, ``server``: the pool's engine flags,
+        :meth:`_render`)."""
+        text = self._render(body, form, server)
+        ids = await self.segments.encode_async(text, scope, offload_chars)
         return self._special(ids, body, False, trunc)
 
     async def completion(
@@ -784,15 +793,20 @@ class EnginePromptTokenizer:
         replica_url: Callable[[Collection[str]], str | None],
         timeout_s: float = 2.0,
         sizer: Callable[[], LocalPromptTokenizer] | None = None,
+        effort_map: Mapping[str, str] | None = None,
     ) -> None:
         """``sizer``: the local tokenizer that sizes a batch's texts (:meth:`prompt_lengths`;
-        the built-in one when not given)."""
+        the built-in one when not given). ``effort_map``: the pool's engines'
+        ``--reasoning-effort-map``, which their /tokenize does not apply (it takes no
+        effort: the effort goes as a template kwarg, mapped here); their default kwargs
+        they lay under it themselves."""
         self.mode = mode
         self.name = f"engine_{mode}"
         self._client = client
         self._url = replica_url
         self._timeout = timeout_s
         self._sizer = sizer
+        self._effort_map = effort_map
 
     async def _post(self, path: str, payload: Mapping[str, Any]) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -904,7 +918,7 @@ class EnginePromptTokenizer:
             # 400 for a value the engine would refuse)
             try:
                 kwargs = effort_template_kwargs(
-                    body.get("chat_template_kwargs"), body.get("reasoning_effort")
+                    body.get("chat_template_kwargs"), body.get("reasoning_effort"), self._effort_map
                 )
             except TokenizerError as exc:
                 raise _option_error(exc) from None
@@ -979,7 +993,7 @@ class TokenizerPools:
             mode = "render" if pool.tokenizer == "engine_render" else "tokenize"
             return EnginePromptTokenizer(
                 mode, self._client, lambda tried: self._replica_url(model, tried),
-                sizer=self.sizer,
+                sizer=self.sizer, effort_map=pool.reasoning_effort_map,
             )  # fmt: skip
         return self.local(pool)
 
@@ -1108,10 +1122,13 @@ async def check_alignment(
     model: str,
     tokenizer: LocalPromptTokenizer,
     timeout_s: float = 2.0,
+    server: ServerChatDefaults | None = None,
 ) -> list[str]:
     """Compare the gateway's tokens with the engine's ``/tokenize`` for a probe prompt and
-    a probe chat. Returns the disagreements (empty when aligned or when the engine has no
-    /tokenize endpoint, which is logged)."""
+    a probe chat (rendered over ``server``'s default kwargs, the pool's, as the engine's
+    /tokenize lays its own under it: an engine started with others than the policy says
+    shows here when its template reads them). Returns the disagreements (empty when
+    aligned or when the engine has no /tokenize endpoint, which is logged)."""
     problems: list[str] = []
     probes: Sequence[tuple[str, dict[str, Any], list[int]]] = [
         (
@@ -1123,7 +1140,9 @@ async def check_alignment(
         (
             "chat",
             {"model": model, "messages": PROBE_CHAT, "add_generation_prompt": True},
-            tokenizer.tok.encode_chat(PROBE_CHAT),
+            tokenizer.tok.encode_chat(
+                PROBE_CHAT, True, ChatOptions.from_body({}, "tokenize", server)
+            ),
         ),
     ]
     for name, payload, ours in probes:

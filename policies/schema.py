@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -28,7 +29,7 @@ from cachecore.argtypes import validation_message
 from cachecore.chatformat import ContentFormatOption
 from cachecore.lifecycle import Tier
 from cachecore.scoring import Coefficients
-from cachecore.tokenizer import ScoreTemplate, TokenizerError
+from cachecore.tokenizer import ScoreTemplate, ServerChatDefaults, TokenizerError
 from gateway.routing import MissTieBreak, RoutingParams, Strategy
 
 
@@ -251,6 +252,29 @@ class ModelPool(_Section):
     # /rerank pair with (its --chat-template, or the one its Sentence Transformers config
     # names: Qwen3 rerankers); none: the pair is sized by the tokenizer's pair template
     score_template: str | None = None
+    # the engine's --default-chat-template-kwargs and --reasoning-effort-map (vLLM's
+    # JSON, here YAML): template variables under every chat request's own (not a pooling
+    # request's), and a request's reasoning effort rewritten before the template gets it
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort_map: dict[str, str] | None = None
+
+    @field_validator("default_chat_template_kwargs", "reasoning_effort_map")
+    @classmethod
+    def _vllm_serves_chat_defaults(cls, v: Any, info: ValidationInfo) -> Any:
+        # what vLLM refuses at start-up, or on every chat request
+        try:
+            if info.field_name == "reasoning_effort_map":
+                ServerChatDefaults.of(effort_map=v)
+            else:
+                ServerChatDefaults.of(v)
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @cached_property
+    def chat_defaults(self) -> ServerChatDefaults:
+        """What this pool's engines lay under every chat's template kwargs, built once."""
+        return ServerChatDefaults.of(self.default_chat_template_kwargs, self.reasoning_effort_map)
 
     @field_validator("score_template")
     @classmethod
@@ -289,6 +313,17 @@ class ModelPool(_Section):
             raise FieldValueError(
                 "chat_template_content_format",
                 f"only with a local tokenizer ({self.tokenizer!r} renders on the engine)",
+            )
+        if self.tokenizer.startswith("engine_") and self.default_chat_template_kwargs:
+            # the engine lays its own under the chats it renders or tokenizes: never read
+            raise FieldValueError(
+                "default_chat_template_kwargs",
+                f"only with a local tokenizer ({self.tokenizer!r} applies the engine's own)",
+            )
+        if self.tokenizer == "engine_render" and self.reasoning_effort_map:
+            raise FieldValueError(
+                "reasoning_effort_map",
+                "not with tokenizer 'engine_render' (the engine maps the efforts it renders)",
             )
         return self
 

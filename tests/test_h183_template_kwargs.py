@@ -6,12 +6,12 @@ over its ``chat_template_kwargs``, then ``preprocess_chat``'s ``with_defaults`` 
 over ``{tools: <request tools>, tokenize: False}``. So the kwargs' ``tools`` win over the
 request's, a chat completion's ``documents`` win over the kwargs' (``/tokenize`` has no
 ``documents`` field: only the kwargs' render), and a None / "auto" kwarg is no variable,
-except in a Responses request, whose first ``with_defaults`` (over no server kwargs)
-returns the merge as it is and whose values then stand as ``preprocess_chat``'s defaults.
-The gateway and the simulated replica rendered the top-level fields over the kwargs and
-kept None / "auto" kwargs as variables. Here vLLM's merges are rebuilt from its code and
-the template is rendered with what they pass; the replica runs, and the gateway charges,
-exactly that."""
+in a Responses request too: its first ``with_defaults`` is over the server's default
+kwargs, never empty (``resolve_default_chat_template_kwargs`` sets ``--cohere-format``'s
+``cmd4``; H197). The gateway and the simulated replica rendered the top-level fields over
+the kwargs and kept None / "auto" kwargs as variables. Here vLLM's merges are rebuilt from
+its code and the template is rendered with what they pass; the replica runs, and the
+gateway charges, exactly that."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ _CASES: list[tuple[dict[str, Any], dict[str, Any] | None]] = [
     ({}, {"documents": _D2}),  # a chat's documents: the request's, else the kwargs'
     ({"documents": _D1}, {"documents": _D2}),
     ({"documents": _D1}, None),
-    ({}, {"documents": None, "flag": None}),  # no variables (a Responses request's: set)
+    ({}, {"documents": None, "flag": None}),  # no variables
     ({}, {"flag": "auto"}),
     ({}, {"flag": "x", "continue_final_message": True}),  # the request's flag stands
     ({"reasoning_effort": "high"}, {"reasoning_effort": "low"}),
@@ -71,11 +71,15 @@ def _with_defaults(defaults: dict[str, Any], kwargs: dict[str, Any]) -> dict[str
     return kwargs if not defaults else _merge(defaults, kwargs)
 
 
+_SERVER = {"cohere_format": "cmd4"}
+"""A vLLM 0.33 server's default kwargs with no --default-chat-template-kwargs."""
+
+
 def _vllm_kwargs(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """The keywords vLLM 0.33 calls ``apply_chat_template`` with for ``body`` at
-    ``endpoint`` (no server default kwargs): ``build_chat_params`` of the endpoint's
-    request (``ChatCompletionRequest``, ``TokenizeChatRequest``, ``ResponsesRequest``),
-    ``preprocess_chat``'s defaults and ``with_defaults``."""
+    ``endpoint`` (the server's default kwargs :data:`_SERVER`): ``build_chat_params`` of
+    the endpoint's request (``ChatCompletionRequest``, ``TokenizeChatRequest``,
+    ``ResponsesRequest``), ``preprocess_chat``'s defaults and ``with_defaults``."""
     user = body.get("chat_template_kwargs")
     extra: dict[str, Any] = {
         "add_generation_prompt": body.get("add_generation_prompt", True),
@@ -90,7 +94,7 @@ def _vllm_kwargs(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
         extra["enable_thinking"] = effort != "none"
     params = _merge(user, extra)
     # OnlineRenderer.render_responses passes its effective kwargs as the defaults
-    defaults = _with_defaults({}, params) if endpoint == "responses" else {}
+    defaults = _with_defaults(_SERVER, params) if endpoint == "responses" else dict(_SERVER)
     tools = body.get("tools")
     if tools is not None and endpoint != "responses":  # render_chat's tool.model_dump()
         tools = chat_completion_tools(tools)
@@ -159,8 +163,8 @@ async def test_chat_render_and_tokenize_pass_the_template_what_vllm_passes(tmp_p
 
 async def test_a_responses_request_passes_the_template_what_vllm_passes(tmp_path: Path) -> None:
     """A Responses request's kwargs over its function tools and ``reasoning.effort`` as
-    vLLM's Responses path renders them (its None / "auto" kwargs stay variables): the
-    replica runs it, the gateway charges it."""
+    vLLM's Responses path renders them (its None / "auto" kwargs no variables, as a chat
+    completion's): the replica runs it, the gateway charges it."""
     model = template_model(tmp_path, _HEAD)
     tok = HFTokenizer.from_dir(model)
     replica = FAST.model_copy(update={"tokenizer_dir": str(model)})

@@ -24,6 +24,7 @@ from cachecore.tokenizer import (
     ChatForm,
     ChatOptions,
     HFTokenizer,
+    ServerChatDefaults,
     TokenizerError,
     UnnamedFieldError,
 )
@@ -117,18 +118,24 @@ async def test_gateway_charge_equals_replica_and_engine_rule(tmp_path: Path) -> 
             assert r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
-def test_responses_null_truncation_with_max_length_is_refused() -> None:
-    """A Responses request keeps a kwargs None (its merge drops none), so vLLM hands
-    transformers ``truncation=None``: with a ``max_length`` and padding off, its
-    ``_get_padding_truncation_strategies`` truncates longest_first, and the engine runs
-    the prompt cut at ``max_length`` where the gateway charged and keyed it whole (H191)."""
-    kw: dict[str, Any] = {"tokenize": True, "truncation": None, "max_length": 5}
-    with pytest.raises(TokenizerError, match=r"^'chat_template_kwargs' tokenize with truncation"):
-        ChatOptions.from_body({"chat_template_kwargs": kw}, "responses")
-    # no max_length, or padding on ("do_not_pad" is not False): transformers does not cut
-    for other in ({"max_length": None}, {"padding": "do_not_pad"}):
-        assert ChatOptions.from_body({"chat_template_kwargs": {**kw, **other}}, "responses") is None
-    # the chat forms drop a None kwarg before transformers (merge_kwargs' unset values)
-    forms: tuple[ChatForm, ...] = ("chat", "tokenize", "pooling")
+def test_null_truncation_with_max_length_is_refused() -> None:
+    """A server's default kwarg ``truncation: null`` reaches transformers (a request's None
+    is dropped, a Responses request's too: H197): with a request's ``tokenize`` and
+    ``max_length`` and padding off, its ``_get_padding_truncation_strategies`` truncates
+    longest_first, and the engine runs the prompt cut at ``max_length`` where the gateway
+    charged and keyed it whole (H191)."""
+    server = ServerChatDefaults.of({"truncation": None})
+    kw: dict[str, Any] = {"tokenize": True, "max_length": 5}
+    forms: tuple[ChatForm, ...] = ("chat", "tokenize", "responses")
     for form in forms:
-        assert ChatOptions.from_body({"chat_template_kwargs": kw}, form) is None
+        with pytest.raises(TokenizerError, match=r"^'chat_template_kwargs' tokenize with trunc"):
+            ChatOptions.from_body({"chat_template_kwargs": kw}, form, server)
+        # no max_length, or padding on ("do_not_pad" is not False): transformers does not cut
+        for other in ({"max_length": None}, {"padding": "do_not_pad"}):
+            body = {"chat_template_kwargs": {**kw, **other}}
+            assert ChatOptions.from_body(body, form, server) is None  # nothing to render
+        # a request's None is dropped before transformers (merge_kwargs' unset values)
+        body = {"chat_template_kwargs": {**kw, "truncation": None}}
+        assert ChatOptions.from_body(body, form) is None
+    # a pooling request gets no server defaults
+    assert ChatOptions.from_body({"chat_template_kwargs": kw}, "pooling", server) is None

@@ -95,6 +95,7 @@ from cachecore.tokenizer import (
     UNLOCKED_ENCODE_CHARS,
     ChatOptions,
     SegmentCache,
+    ServerChatDefaults,
     TokenizerError,
     option_param,
     score_template_kwargs,
@@ -132,12 +133,12 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise validation_error(exc) from exc
 
 
-def _options(req: Any) -> ChatOptions | None:
-    """``req``'s chat options (``chat_options()``), a refusal answered as the gateway's
-    (``gateway.tokenization._option_error``): a 400 naming the field its text quotes
-    first, or none where vLLM names none."""
+def _options(req: Any, server: ServerChatDefaults) -> ChatOptions | None:
+    """``req``'s chat options (``chat_options()``) on a replica started with ``server``'s
+    flags, a refusal answered as the gateway's (``gateway.tokenization._option_error``):
+    a 400 naming the field its text quotes first, or none where vLLM names none."""
     try:
-        opts: ChatOptions | None = req.chat_options()
+        opts: ChatOptions | None = req.chat_options(server)
     except TokenizerError as exc:
         raise _option_error(exc) from exc
     return opts
@@ -317,7 +318,9 @@ def create_app(replica: SimReplica) -> FastAPI:
     # ``salt``: the request's cache salt as validate_common returned it (the cache scope)
     async def chat_prompt(req: ChatCompletionRequest, salt: str | None) -> list[int]:
         try:
-            text = tok.apply_chat_template(req.messages, req.add_generation_prompt, _options(req))
+            text = tok.apply_chat_template(
+                req.messages, req.add_generation_prompt, _options(req, replica.chat_defaults)
+            )
         except TokenizerError as exc:
             raise APIError(str(exc), param="messages") from exc
         ids = await encode(text, salt or "")
@@ -545,7 +548,9 @@ def create_app(replica: SimReplica) -> FastAPI:
             raise APIError(str(exc), param=exc.param) from exc
         messages, fields = rendered.messages, rendered.fields
         try:
-            opts = ChatOptions.from_body({**fields, "tools": rendered.tools}, "responses")
+            opts = ChatOptions.from_body(
+                {**fields, "tools": rendered.tools}, "responses", replica.chat_defaults
+            )
         except TokenizerError as exc:
             raise _option_error(exc) from exc
         try:
@@ -745,7 +750,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         if req.chat:
             ids = []
             conversations = req.conversations()  # a batch's: each its engine request
-            opts = _options(req)  # the request's: one reading for all of them
+            opts = _options(req, replica.chat_defaults)  # one reading for all of them
             for conversation in conversations:
                 try:
                     rendered = tok.apply_chat_template(
@@ -974,7 +979,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         if req.messages is not None:
             try:
                 text = tok.apply_chat_template(
-                    req.messages, req.add_generation_prompt, _options(req)
+                    req.messages, req.add_generation_prompt, _options(req, replica.chat_defaults)
                 )
             except TokenizerError as exc:
                 raise APIError(str(exc), param="messages") from exc

@@ -65,6 +65,8 @@ _SETTINGS_FLAGS = {
     "data_parallel_size": "data_parallel_size",
     "responses_store_max": "responses_store_max",
     "score_template": "score_template",
+    "default_chat_template_kwargs": "default_chat_template_kwargs",
+    "reasoning_effort_map": "reasoning_effort_map",
 }
 
 
@@ -110,6 +112,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="chat template each /score and /rerank pair is rendered with, as a vLLM "
         "cross-encoder's --chat-template (Qwen3 rerankers; default: the tokenizer's pair "
         "template)",
+    )
+    a(
+        "--default-chat-template-kwargs",
+        type=json.loads,
+        metavar="JSON",
+        help="as vLLM's flag: template variables under every chat request's own "
+        "chat_template_kwargs (not a pooling request's), e.g. '{\"enable_thinking\": false}'",
+    )
+    a(
+        "--reasoning-effort-map",
+        type=json.loads,
+        metavar="JSON",
+        help="as vLLM's flag: rewrites a request's reasoning effort before the template "
+        'gets it, e.g. \'{"medium": "low"}\'',
     )
     a("--legacy-replay-reply", action="store_true", help="reply [b'', seq, payload] on replay")
     a("--no-events", action="store_true", help="do not publish KV events")

@@ -30,6 +30,7 @@ from cachecore.engine import DEFAULT_MAX_TOKENS, RequestOutput
 from cachecore.tokenizer import (
     REASONING_EFFORTS,
     ChatOptions,
+    ServerChatDefaults,
     Tokenizer,
     TokenizerError,
     Truncation,
@@ -237,10 +238,11 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     def requested_max_tokens(self) -> int:
         return _max_tokens(self.max_completion_tokens, self.max_tokens)
 
-    def chat_options(self) -> ChatOptions | None:
-        """As vLLM 0.33's chat completion renders it (:meth:`ChatOptions.from_body`)."""
+    def chat_options(self, server: ServerChatDefaults | None = None) -> ChatOptions | None:
+        """As vLLM 0.33's chat completion renders it on ``server``
+        (:meth:`ChatOptions.from_body`)."""
         fields = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
-        return ChatOptions.from_body({**self._template_fields(), **fields})
+        return ChatOptions.from_body({**self._template_fields(), **fields}, "chat", server)
 
     def max_output_tokens(self) -> int:
         value = self.max_completion_tokens
@@ -285,8 +287,8 @@ class TokenizeRequest(_ChatRendering):
     # which kvgate's gateway sends so that no two tenants' tokenize calls share an entry
     cache_salt: Any = None
 
-    def chat_options(self) -> ChatOptions | None:
-        return ChatOptions.from_body(self._template_fields(), "tokenize")
+    def chat_options(self, server: ServerChatDefaults | None = None) -> ChatOptions | None:
+        return ChatOptions.from_body(self._template_fields(), "tokenize", server)
 
     def cache_scope(self) -> str:
         salt = self.cache_salt
@@ -421,10 +423,11 @@ class PoolingInputRequest(_PoolingBase, _ChatTemplateFields):
         """The chat form's conversations, one engine request each: the messages, one."""
         return [self.messages or []]
 
-    def chat_options(self) -> ChatOptions | None:
+    def chat_options(self, server: ServerChatDefaults | None = None) -> ChatOptions | None:
         """The chat form's options as vLLM 0.33 renders them (no ``tools``,
-        ``documents`` or ``reasoning_effort``: fields its pooling requests ignore; the
-        gateway sizes by the same rule, :meth:`ChatOptions.for_pooling`)."""
+        ``documents`` or ``reasoning_effort``: fields its pooling requests ignore; nor the
+        server's default kwargs, ``server`` unread; the gateway sizes by the same rule,
+        :meth:`ChatOptions.for_pooling`)."""
         return ChatOptions.for_pooling(
             {
                 "continue_final_message": self.continue_final_message,

@@ -77,6 +77,8 @@ class SimReplica:
         if score_template is None and settings.score_template:
             score_template = load_score_template(settings.score_template)
         self.score_template = score_template
+        # vLLM's --default-chat-template-kwargs and --reasoning-effort-map, under every chat
+        self.chat_defaults = settings.chat_defaults()
         self.model = settings.model
         self.served_models: tuple[str, ...] = (settings.model, *settings.lora)
         self.healthy = True

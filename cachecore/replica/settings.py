@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachecore.chatformat import ContentFormatOption
@@ -21,7 +21,7 @@ from cachecore.engine import (
     get_profile,
 )
 from cachecore.kvevents import Encoding
-from cachecore.tokenizer import ScoreTemplate, TokenizerError
+from cachecore.tokenizer import ScoreTemplate, ServerChatDefaults, TokenizerError
 from cachecore.urls import url_host
 
 DEFAULT_MODEL = "kvgate-sim-8b"
@@ -86,6 +86,11 @@ class ReplicaSettings(BaseSettings):
     # a file: the chat template each /score and /rerank pair is rendered with, as a vLLM
     # cross-encoder's --chat-template (Qwen3 rerankers); none: the tokenizer's pair template
     score_template: str | None = None
+    # vLLM's --default-chat-template-kwargs (template variables under every chat's but a
+    # pooling request's) and --reasoning-effort-map (a request's effort as the template
+    # gets it): ServerChatDefaults
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort_map: dict[str, str] | None = None
 
     @field_validator("host")
     @classmethod
@@ -119,6 +124,23 @@ class ReplicaSettings(BaseSettings):
         if v is not None:
             load_score_template(v)  # a file that does not read or compile: refused here
         return v
+
+    @field_validator("default_chat_template_kwargs", "reasoning_effort_map")
+    @classmethod
+    def _chat_defaults_serve(cls, v: Any, info: ValidationInfo) -> Any:
+        # what vLLM refuses at start-up, or on every chat: refused here
+        try:
+            if info.field_name == "reasoning_effort_map":
+                ServerChatDefaults.of(effort_map=v)
+            else:
+                ServerChatDefaults.of(v)
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    def chat_defaults(self) -> ServerChatDefaults:
+        """What this replica's server lays under every chat's template kwargs."""
+        return ServerChatDefaults.of(self.default_chat_template_kwargs, self.reasoning_effort_map)
 
     @field_validator("model")
     @classmethod
