@@ -2293,7 +2293,7 @@ class Gateway:
         """Account, measure precision, check claims, fit the cost model."""
         if _may_hold_orphan(d, out):
             self._cancel_orphan(d)
-        if not self._watch_background(d):
+        if not self._watch_background(d, out):
             self.on_release(d)
         elif d.ticket is not None and d.ticket.phase == 0 and d.ticket.expected != math.inf:
             # a background stream that ended before its first output event: its run goes on
@@ -2379,14 +2379,15 @@ class Gateway:
             d.charged_uncached += extra
 
     # ------------------------------------------------------------------ background (D33)
-    def _watch_background(self, d: Dispatch) -> bool:
+    def _watch_background(self, d: Dispatch, out: Outcome) -> bool:
         """Whether ``d``, a background response its engine accepted and has not finished
         (its answer "queued", or a stream that ended before its terminal event), keeps its
         ticket: the engine computes on, so the replica's in-flight count and queued
         prefill stay until a watcher sees the stored response terminal, and so does its
         tenant's concurrency slot (the engine's work, whether the client waits or not).
         Its place under the watch caps was taken before any work (:meth:`prepare`);
-        while stopping it ends now, counted ``shutdown``."""
+        while stopping it ends now, counted ``shutdown``. A stream that failed on the
+        replica's side ends now too, its run cancelled there (``stream_failed``)."""
         if (
             not d.background
             or d.ticket is None
@@ -2394,6 +2395,19 @@ class Gateway:
             or d.response_status is None
             or d.response_status in RESPONSE_TERMINAL
         ):
+            return False
+        if d.stream and out.error is not None and out.error != EVENT_TOO_LARGE:
+            # vLLM 0.33's streamed run that fails (a GenerationError: its error event fails
+            # validation as a StreamingResponsesResponse, so the run's task raises) records
+            # no further event and leaves the stored response "queued" for ever: the
+            # stream ends without a terminal event (the upstream read timeout; a broken
+            # connection), and the polls would read "queued" to the watch's hour. Nothing
+            # tells a dead run from a silent one, so it is cancelled there, which ends a
+            # live one and makes a dead one's stored status "cancelled"; its client got
+            # the stream's error event. Not a client that left (no error) nor the
+            # gateway's own cut of an oversized event: their runs go on, watched.
+            self.metrics.background_responses.labels("stream_failed").inc()
+            self._cancel_orphan(d, orphan=False)
             return False
         if self._bg_closed:  # stopping: its watch would end now, as every other's
             self.metrics.background_responses.labels("shutdown").inc()
@@ -2491,23 +2505,27 @@ class Gateway:
             headers["x-data-parallel-rank"] = str(rep.dp_rank)
         return headers
 
-    def _cancel_orphan(self, d: Dispatch) -> None:
+    def _cancel_orphan(self, d: Dispatch, orphan: bool = True) -> None:
         """``d``, a background POST, reached its replica's engine, which may have stored and
         started its run (vLLM's goes on without the connection), but its answer, the only
         place the client learns the response's id, never came back (a drop, rerouted or
         not; a timeout, a broken body; a client gone before it): nobody could retrieve,
         cancel or watch that run, and a retry elsewhere runs it again. Cancel it there
-        (best effort, one request; vLLM's 404 when it holds none). Its charge stays."""
+        (best effort, one request; vLLM's 404 when it holds none). Its charge stays.
+        ``orphan`` false: a streamed run whose stream failed (:meth:`_watch_background`),
+        counted there, not as an orphan."""
         rep = d.target if d.target is not None and d.target.id == d.replica else None
         if not d.background or d.response_id is None or rep is None or self.client is None:
             return
-        self.spawn(self._post_cancel(rep, d.response_id, d.request_id))
+        self.spawn(self._post_cancel(rep, d.response_id, d.request_id, orphan))
 
-    async def _post_cancel(self, rep: Replica, engine_id: str, request_id: str) -> None:
+    async def _post_cancel(
+        self, rep: Replica, engine_id: str, request_id: str, orphan: bool
+    ) -> None:
         resp = await self._replica_call(rep, True, _response_path(engine_id) + "/cancel")
         if resp is None:
             return  # a replica that died of it took its run along
-        if resp.status_code == 200:
+        if resp.status_code == 200 and orphan:
             self.metrics.background_responses.labels("orphan_cancelled").inc()
             log.warning(
                 "background response cancelled on a replica whose answer was lost: its id "

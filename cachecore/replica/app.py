@@ -676,10 +676,16 @@ def create_app(replica: SimReplica) -> FastAPI:
         stored: Callable[[dict[str, Any]], None],
         log: EventLog,
     ) -> None:
-        """vLLM's _run_background_request_stream: the stream's events into ``log``."""
+        """vLLM's _run_background_request_stream: the stream's events into ``log``. A run
+        that fails records no error event: vLLM 0.33's responses_stream_generator builds
+        it from an ErrorResponse that is no StreamingResponsesResponse (its validation
+        raises, and the task with it), so the stored response stays ``queued`` and the
+        stream just stops (vLLM's replay then waits; this one ends, as :func:`replay`)."""
         try:
             async for data in response_events(driver, handle, rid, req, model, created, stored):
-                log.append(data.split(b"\n", 1)[0].removeprefix(b"event: ").decode(), data)
+                kind = data.split(b"\n", 1)[0].removeprefix(b"event: ").decode()
+                if kind != "error":
+                    log.append(kind, data)
         finally:
             log.close()
 
