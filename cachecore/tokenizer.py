@@ -1189,6 +1189,17 @@ class ScoreTemplate:
             raise TokenizerError(f"score template does not compile: {exc}") from exc
 
     def render(self, tok: Tokenizer, query: str, document: str, kwargs: Mapping[str, Any]) -> str:
+        """One pair's text (:meth:`render_pairs`)."""
+        return self.render_pairs(tok, [(query, document)], kwargs)[0]
+
+    def render_pairs(
+        self, tok: Tokenizer, pairs: Sequence[tuple[str, str]], kwargs: Mapping[str, Any]
+    ) -> list[str]:
+        """Each (query, document) pair's text. The request's kwargs are the same for every
+        pair: checked (vLLM refuses them at its first pair) and laid out as variables once;
+        with no pair, nothing is checked, as nothing is rendered."""
+        if not pairs:
+            return []
         # vLLM passes the kwargs to apply_chat_template as keywords: the ones it takes as
         # its own parameters (add_generation_prompt, documents, continue_final_message)
         # are set by them, not left at the scorer's defaults; a key neither a parameter
@@ -1205,18 +1216,19 @@ class ScoreTemplate:
         for name in _APPLY_CHAT_TEMPLATE_PARAMS - {"documents", "add_generation_prompt"}:
             variables.pop(name, None)  # apply_chat_template's own, not template variables
         cont = kwargs.get("continue_final_message", False)
-        variables.update(
-            messages=[
+        variables["tools"] = None
+        texts: list[str] = []
+        for query, document in pairs:
+            variables["messages"] = [
                 {"role": "query", "content": query},
                 {"role": "document", "content": document},
-            ],
-            tools=None,
-        )
-        try:
-            text = str(self._template.render(**variables))
-        except jinja2.TemplateError as exc:
-            raise TokenizerError(f"score template failed: {exc}") from exc
-        return _cut_after_final_message(text, document) if cont else text
+            ]
+            try:
+                text = str(self._template.render(**variables))
+            except jinja2.TemplateError as exc:
+                raise TokenizerError(f"score template failed: {exc}") from exc
+            texts.append(_cut_after_final_message(text, document) if cont else text)
+        return texts
 
 
 class HFTokenizer:

@@ -684,7 +684,7 @@ class LocalPromptTokenizer:
             template = self._score_templates[template_source] = ScoreTemplate(template_source)
         try:
             kwargs = score_template_kwargs(body)
-            texts = [template.render(self.tok, a, b, kwargs) for a, b in pairs]
+            texts = template.render_pairs(self.tok, pairs, kwargs)
         except TokenizerError as exc:
             raise _option_error(exc) from None
         counted = await self._counts(texts, scope, offload_chars)

@@ -799,7 +799,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         if template is not None:
             try:
                 kwargs = score_template_kwargs(req.model_dump(include=_TEMPLATE_FIELDS))
-                texts = [template.render(tok, a, b, kwargs) for a, b in pairs]
+                texts = template.render_pairs(tok, pairs, kwargs)
             except TokenizerError as exc:
                 raise _option_error(exc) from exc
             rendered = [with_special_tokens(tok, await encode(t, salt or "")) for t in texts]
