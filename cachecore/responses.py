@@ -49,7 +49,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cachecore.tokenizer import LAX_FALSE_STRINGS, LAX_TRUE_STRINGS, REASONING_EFFORTS
+from pydantic import TypeAdapter, ValidationError
+
+from cachecore.tokenizer import REASONING_EFFORTS
 
 _ROLES = frozenset(("user", "system", "developer", "assistant"))
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -574,18 +576,18 @@ def _named_choice(choice: Any) -> bool:
     return isinstance(choice, dict) and choice.get("type") in ("function", "custom")
 
 
+_OPTIONAL_BOOL = TypeAdapter(bool | None)  # immutable: a validator, no state
+
+
 def _lax_bool(value: Any, where: str) -> bool | None:
-    """An optional boolean field as vLLM's pydantic models read it (lax mode): ``true``
-    / ``false``, the numbers 0 and 1 (``1.0`` too), or one of pydantic's strings in any
-    case (``"yes"``, ``"on"``, ``"t"``, ``"0"``...); anything else refused, naming
-    ``tools``. The boolean is what vLLM renders."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.lower() in LAX_TRUE_STRINGS | LAX_FALSE_STRINGS:
-        return value.lower() in LAX_TRUE_STRINGS
-    raise ResponsesInputError(f"'{where}' must be a boolean", "tools")
+    """An optional boolean field as vLLM's pydantic models read it, by pydantic itself
+    (python mode, lax: ``true`` / ``false``, the numbers 0 and 1, ``1.0`` too, or one of
+    its strings in any case: ``"yes"``, ``"on"``, ``"t"``, ``"0"``...); anything else
+    refused, naming ``tools``. The boolean is what vLLM renders."""
+    try:
+        return _OPTIONAL_BOOL.validate_python(value)
+    except ValidationError:
+        raise ResponsesInputError(f"'{where}' must be a boolean", "tools") from None
 
 
 def _check_tool_fields(tool: dict[str, Any], where: str) -> None:

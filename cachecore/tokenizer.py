@@ -802,9 +802,8 @@ _TOKENIZE_PARAMS = (
 """transformers 5's ``apply_chat_template`` parameters that shape its tokenization: vLLM
 0.33 passes a chat's kwargs to it as keywords, so these are never template variables."""
 
-# pydantic's lax booleans' strings (vLLM validates JSON-decoded bodies in python mode), in
-# any case; the numbers 0 and 1 too
-LAX_TRUE_STRINGS = frozenset(("1", "on", "t", "true", "y", "yes"))
+# pydantic's lax booleans' false strings (vLLM validates JSON-decoded bodies in python
+# mode), in any case; the number 0 too
 LAX_FALSE_STRINGS = frozenset(("0", "off", "f", "false", "n", "no"))
 
 
