@@ -68,12 +68,13 @@ async def read_answer(
     cap: int,
     json: Any = None,
     read_unless_ok: bool = True,
+    extra_headers: dict[str, str] | None = None,
 ) -> httpx.Response:
     """``method url`` answered: the status and its (decoded) body read whole, as a
     response detached from the connection. ``timeout_s`` bounds each connect, write and
     read (httpx's), ``deadline_s`` the whole answer; a body over ``cap`` bytes is refused
     as it arrives. ``read_unless_ok=False``: a status other than 200 comes with no body
-    (unread: the connection is closed rather than drained).
+    (unread: the connection is closed rather than drained). ``extra_headers``: sent besides.
 
     Raises :class:`AnswerTooLarge`, :class:`AnswerTimeout` or ``httpx.HTTPError`` (an
     ``httpx.TimeoutException`` for one read, write or connect over ``timeout_s``; an
@@ -81,7 +82,13 @@ async def read_answer(
     try:
         async with (
             asyncio.timeout(deadline_s),
-            client.stream(method, url, json=json, timeout=timeout_s, headers=_IDENTITY) as r,
+            client.stream(
+                method,
+                url,
+                json=json,
+                timeout=timeout_s,
+                headers={**_IDENTITY, **(extra_headers or {})},
+            ) as r,
         ):
             body = bytearray()
             if r.status_code == 200 or read_unless_ok:

@@ -32,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 from cachecore.agent.embedded import embedded_agent_settings
 from cachecore.agent.scrape import ScrapeError, parse_metrics
 from cachecore.cacheread import body_reads_prefix_cache
+from cachecore.httpread import read_answer
 from cachecore.index.base import (
     IndexError_,
     PrefixIndex,
@@ -249,6 +250,12 @@ EVENT_TOO_LARGE = "event_too_large"
 the replica's, as a healthy vLLM's Responses stream with output logprobs reaches the bound
 near 40k tokens (docs/gateway.md), so a tenant asking for such streams would eject healthy
 replicas (as replayed streams would, D33)."""
+BODY_TOO_LARGE = "body_too_large"
+"""``Outcome.error`` of an answer refused at ``KVGATE_MAX_UPSTREAM_BODY_BYTES``: no failure
+of the replica's either, as the request chose its answer's size (a huge embeddings batch, a
+long prompt's prompt_logprobs): a tenant asking for such answers would eject healthy
+replicas for everyone."""
+_OVERSIZED = frozenset((EVENT_TOO_LARGE, BODY_TOO_LARGE))
 _UNSALTED = frozenset(("detokenize",))
 """Endpoints sent with no ``cache_salt`` (a client's removed): token ids to text touch no
 cache of the engine's. /tokenize keeps the scope's, as the gateway's own tokenize calls:
@@ -2326,7 +2333,7 @@ class Gateway:
             elif (
                 out.error is not None
                 and out.error not in _NO_ENGINE
-                and out.error != EVENT_TOO_LARGE
+                and out.error not in _OVERSIZED
                 and not (d.endpoint == RESPONSE_GET and d.stream)
             ):
                 # a replayed stream fails or hangs by vLLM's design, at the client's
@@ -2486,13 +2493,26 @@ class Gateway:
 
     async def _replica_call(self, rep: Replica, post: bool, path: str) -> httpx.Response | None:
         """The gateway's own GET (or POST) to ``rep``'s engine (a watcher's poll, an
-        orphan's cancel), under the poll slots and timeout; None when it could not be made."""
+        orphan's cancel), under the poll slots and timeout, its answer read to at most
+        ``KVGATE_MAX_UPSTREAM_BODY_BYTES`` (a stored response holds the whole output); None
+        when it could not be made or read."""
         assert self.client is not None
-        send = self.client.post if post else self.client.get
-        url = f"{rep.url.rstrip('/')}{path}"
+        s = self.settings
         try:
-            async with self._poll_slots, asyncio.timeout(_BACKGROUND_POLL_TIMEOUT_S):
-                return await send(url, headers=self._replica_headers(rep))
+            async with self._poll_slots:
+                return await read_answer(
+                    self.client, "POST" if post else "GET", f"{rep.url.rstrip('/')}{path}",
+                    timeout_s=s.connect_timeout_s, deadline_s=_BACKGROUND_POLL_TIMEOUT_S,
+                    cap=s.max_upstream_body_bytes, extra_headers=self._replica_headers(rep),
+                )  # fmt: skip
+        except AnswerTooLarge as exc:
+            self.metrics.upstream_errors.labels(rep.id, BODY_TOO_LARGE).inc()
+            if self.relay_warning_due(rep.id):
+                log.warning(
+                    "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not read",
+                    extra={"replica": rep.id, "path": path, "error": str(exc)},
+                )
+            return None
         except (httpx.HTTPError, TimeoutError):
             return None
 
@@ -2637,9 +2657,9 @@ class Gateway:
         )
 
     def relay_warning_due(self, replica: str, interval_s: float = 60.0) -> bool:
-        """Whether a WARNING about ``replica``'s answers (an oversized upstream event) is
-        due: one a minute per replica, so a replica that breaks every stream does not log
-        each one (the metric counts each)."""
+        """Whether a WARNING about ``replica``'s answers (an oversized upstream event or
+        body) is due: one a minute per replica, so a replica that breaks every answer does
+        not log each one (the metric counts each)."""
         now, last = time.monotonic(), self._relay_warned.get(replica)
         if last is not None and now - last < interval_s:
             return False

@@ -33,7 +33,16 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.core import EVENT_TOO_LARGE, RESPONSE_READS, UNSENT, Dispatch, Gateway, Outcome
+from cachecore.httpread import AnswerTooLarge
+from gateway.core import (
+    BODY_TOO_LARGE,
+    EVENT_TOO_LARGE,
+    RESPONSE_READS,
+    UNSENT,
+    Dispatch,
+    Gateway,
+    Outcome,
+)
 from gateway.errors import GatewayError, engine_error_body, error_body, sse_error_event
 from gateway.settings import GatewaySettings
 from gateway.upstream import MalformedResponseError, UpstreamResponse
@@ -66,6 +75,10 @@ _RETRYABLE = (
 # may have the request, and may have died of it
 _SENT = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _JSON = b"application/json"
+# an error body is read to at most this much: an engine's is a short JSON message (vLLM
+# 0.33 cuts a validation error's text at 1000 characters an error, validation.py's
+# _format_error), and it is relayed whole or summarised
+_ERROR_BODY_CAP = 1 << 20
 
 
 def _refused(exc: Exception) -> bool:
@@ -465,12 +478,23 @@ class UpstreamExchange(Response):
                 repr(exc),
             )  # fmt: skip
 
+    def _too_large(self, exc: AnswerTooLarge, bound: int) -> None:
+        """An upstream body refused at ``bound`` (read no further, its connection closed):
+        counted, and logged once a minute per replica as an oversized event is."""
+        d = self.d
+        self.gw.metrics.upstream_errors.labels(d.replica, BODY_TOO_LARGE).inc()
+        if self.gw.relay_warning_due(d.replica):
+            log.warning(
+                "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not relayed",
+                extra={
+                    "replica": d.replica,
+                    "request_id": d.request_id,
+                    "bound": bound,
+                    "error": str(exc),
+                },
+            )
+
     async def _relay_error(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
-        try:
-            raw = await resp.aread()
-        except httpx.HTTPError as exc:  # the error body broke off: an upstream failure
-            await self._read_failed(conn, exc, t0)
-            return
         status = resp.status_code
         if status < 400:
             # no completion and no error (a 204, a redirect): relayed, its status would
@@ -480,6 +504,17 @@ class UpstreamExchange(Response):
                 "upstream_error", "protocol",
             )  # fmt: skip
             return
+        cap = min(self.gw.settings.max_upstream_body_bytes, _ERROR_BODY_CAP)
+        try:
+            raw = await resp.aread(cap)
+        except httpx.HTTPError as exc:  # the error body broke off: an upstream failure
+            await self._read_failed(conn, exc, t0)
+            return
+        except AnswerTooLarge as exc:
+            # answered as an error body that is not the engine's (below): the status
+            # stands, a 4xx no failure and a 5xx one, whatever its body
+            self._too_large(exc, cap)
+            raw = b""
         raw = _rewritten(raw, self.gw.answer_rewrites(self.d))  # D30: no engine id shown
         try:
             parsed = orjson.loads(raw)
@@ -509,10 +544,23 @@ class UpstreamExchange(Response):
         self._finish(Outcome(status, None, time.perf_counter() - t0, None, None, None, err))
 
     async def _relay_json(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
+        bound = self.gw.settings.max_upstream_body_bytes
         try:
-            raw = await resp.aread()
+            raw = await resp.aread(bound)
         except httpx.HTTPError as exc:
             await self._read_failed(conn, exc, t0)
+            return
+        except AnswerTooLarge as exc:
+            # the engine computed it, so its charge stays (a 502, no refusal); no failure
+            # of the replica's (BODY_TOO_LARGE: the request chose its size)
+            self._too_large(exc, bound)
+            await self._send_error(
+                conn, 502, f"upstream answer over the gateway's bound of {bound} bytes "
+                "(KVGATE_MAX_UPSTREAM_BODY_BYTES)", "upstream_error",
+            )  # fmt: skip
+            self._finish(
+                Outcome(502, None, time.perf_counter() - t0, None, None, None, BODY_TOO_LARGE)
+            )
             return
         c0 = time.perf_counter_ns()
         usage = Usage()

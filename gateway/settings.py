@@ -126,6 +126,14 @@ class GatewaySettings(BaseSettings):
     # its blank line grew the gateway's memory without limit. 64 MiB: far above any real
     # vLLM event (a Responses response.completed carries the whole output, docs/gateway.md)
     max_upstream_event_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024 * 1024
+    # one whole upstream answer read before it is relayed (a non-streamed completion, an
+    # embedding, a stored response; error bodies are read to at most 1 MiB of it): past it
+    # the client gets a 502 and the upstream connection is closed. Unbounded, a replica
+    # (or anything on its port) sending an endless body grew the gateway's memory without
+    # limit. 512 MiB: about 3 times the largest real answer, an embeddings batch of 2,048
+    # inputs of 4,096 floats as JSON (~21 bytes a float: ~176 MB); prompt_logprobs of a
+    # 128k-token prompt at 20 alternatives are of the same order (docs/gateway.md)
+    max_upstream_body_bytes: Annotated[int, Field(ge=4096)] = 512 * 1024 * 1024
     # the Responses API's background mode (D33): the replica's in-flight ticket stays open
     # until the engine's stored response is terminal, which a watcher per response polls
     # for this often, for at most this long, and for at most this many responses at once,

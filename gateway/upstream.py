@@ -52,6 +52,7 @@ from typing import cast
 import httptools
 import httpx
 
+from cachecore.httpread import AnswerTooLarge
 from cachecore.urls import url_host
 
 _HIGH_WATER = 1 << 20  # buffered body bytes before we stop reading the socket
@@ -255,18 +256,47 @@ class UpstreamResponse:
         self.headers = headers
         self.body = body
 
-    async def aread(self) -> bytes:
+    async def aread(self, cap: int | None = None) -> bytes:
+        """The whole body; with ``cap`` (the proxy's ``KVGATE_MAX_UPSTREAM_BODY_BYTES``), at
+        most that many bytes: past it :class:`AnswerTooLarge` and the connection closed, a
+        ``content-length`` over it refused before any body byte is read. The chunks grow one
+        buffer, so a refused body costs the gateway about ``cap``, never more."""
         conn = self.body.conn
+        if cap is not None:
+            declared = _content_length(self.headers)
+            if declared is not None and declared > cap:
+                conn.close()
+                raise AnswerTooLarge(f"content-length {declared} over {cap} bytes")
         if conn.complete:  # the whole answer came with its head: no iteration needed
-            return conn.take() if conn.chunks else b""
-        chunks = [chunk async for chunk in self.body]
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            data = conn.take() if conn.chunks else b""
+            if cap is not None and len(data) > cap:
+                conn.close()
+                raise AnswerTooLarge(f"answer over {cap} bytes")
+            return data
+        body = bytearray()
+        async for chunk in self.body:
+            if not body and conn.complete and (cap is None or len(chunk) <= cap):
+                return chunk  # one chunk, the whole answer: no copy
+            body += chunk
+            if cap is not None and len(body) > cap:
+                conn.close()
+                raise AnswerTooLarge(f"answer over {cap} bytes")
+        return bytes(body)
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return self.body.__aiter__()
 
     async def aclose(self) -> None:
         await self.body.aclose()
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The answer's declared body length, if it names one (httptools framed it by it)."""
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
 
 
 MAX_IDLE_PER_HOST = 64  # idle keep-alive connections kept per upstream host
