@@ -184,13 +184,9 @@ def flat_namespace_name(namespace: str, name: str) -> str:
 
 def _function_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     """A ``function_call`` item as a chat tool call (vLLM's pydantic model requires the
-    three strings)."""
-    for field in ("call_id", "name", "arguments"):
-        if not isinstance(item.get(field), str):
-            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
+    three strings; a ``namespace`` given is a string or null)."""
+    _string_fields(item, i, ("call_id", "name", "arguments"), ("namespace",))
     name, namespace = item["name"], item.get("namespace")
-    if namespace is not None and not isinstance(namespace, str):
-        raise ResponsesInputError(f"'input[{i}].namespace' must be a string")
     if namespace:
         name = flat_namespace_name(namespace, name)
     # the string as is: the chat reader makes the object the template sees, as vLLM's
@@ -205,15 +201,24 @@ def _custom_call(item: dict[str, Any], i: int) -> dict[str, Any]:
     the single-string function a ``custom`` tool is shown as, :func:`chat_tools`). Its
     request model requires the three strings; an ``id`` or ``namespace`` given is a
     string or null (the namespace is not rendered)."""
-    for field in ("call_id", "name", "input"):
-        if not isinstance(item.get(field), str):
-            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
-    for field in ("id", "namespace"):
-        if item.get(field) is not None and not isinstance(item[field], str):
-            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
+    _string_fields(item, i, ("call_id", "name", "input"), ("id", "namespace"))
     arguments = json.dumps({CUSTOM_TOOL_INPUT_KEY: item["input"]}, ensure_ascii=False)
     fn = {"name": item["name"], "arguments": arguments}
     return {"id": item["call_id"], "function": fn, "type": "function"}
+
+
+def _string_fields(
+    item: dict[str, Any], i: int, required: tuple[str, ...], optional: tuple[str, ...]
+) -> None:
+    """A call item's string fields as its request model types them, in order: each of
+    ``required`` a string, then each of ``optional`` a string or null; the first that is
+    not refused, naming it."""
+    for field in required:
+        if not isinstance(item.get(field), str):
+            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
+    for field in optional:
+        if item.get(field) is not None and not isinstance(item[field], str):
+            raise ResponsesInputError(f"'input[{i}].{field}' must be a string")
 
 
 def _reasoning_text(item: dict[str, Any], i: int) -> str:
