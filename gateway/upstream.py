@@ -82,6 +82,10 @@ class _Conn(asyncio.Protocol):
         self.head: asyncio.Future[None] | None = None
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
+        # stamping (a body's first output awaited, _Body.hold_first_byte): the loop time
+        # the oldest pending chunk arrived, what that deadline is checked against
+        self.stamping = False
+        self.arrived = 0.0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
         self.got_bytes = False
@@ -126,6 +130,8 @@ class _Conn(asyncio.Protocol):
             self.head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self.stamping and not self.chunks:
+            self.arrived = self.loop.time()
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
@@ -198,16 +204,26 @@ class _Body(httpx.AsyncByteStream):
         Responses stream, D30). Chunks meanwhile (its opening events, keepalive comments)
         do not extend it."""
         self.output_by = self.conn.loop.time() + self.first_s
+        self.conn.stamping = True
 
     def output_seen(self) -> None:
         self.output_by = None
+        self.conn.stamping = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         conn, loop = self.conn, self.conn.loop
         wait_s = self.first_s
         while True:
-            if self.output_by is not None and not conn.complete and loop.time() >= self.output_by:
-                # checked before the chunks too: a flood of keepalives never waits
+            by = self.output_by
+            if (
+                by is not None
+                and not conn.complete
+                and (not conn.chunks or conn.arrived >= by)
+                and loop.time() >= by
+            ):
+                # checked before the chunks too (a flood of keepalives never waits), against
+                # their arrival: the engine's, not the relay's lateness (a slow client's
+                # write held it while its output came in time)
                 conn.on_timeout(_NO_OUTPUT)
                 assert conn.error is not None
                 raise conn.error
