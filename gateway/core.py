@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -1556,8 +1557,10 @@ class Gateway:
         n_prompt = 0
         if pooled:
             t0 = time.perf_counter_ns()
-            trunc = pooling_truncation(body, lambda: _context_len(reps, model, base_model))
-            pad = _context_len(reps, model, base_model) if padded else None
+            # the replicas' context, read once if at all (truncation to it, padding, pairs)
+            context_len = functools.cache(lambda: _context_len(reps, model, base_model))
+            trunc = pooling_truncation(body, context_len)
+            pad = context_len() if padded else None
             if padded and pad is None:
                 raise bad_request(
                     "'padding': 'max_length' makes the engine compute each prompt padded to "
@@ -1599,10 +1602,9 @@ class Gateway:
             n_prompt = size(lengths)
             if pairs is not None:
                 assert sizer is not None
-                context = _context_len(reps, model, base_model)
                 for name, n in zip(SCORE_TOKEN_LIMITS, score_limits, strict=True):
                     if n:
-                        check_score_limits_context(name, n, context)
+                        check_score_limits_context(name, n, context_len())
                 # each query and document cut first, as the engine cuts them before
                 # pairing, templating or embedding each text (the replica's rule)
                 pairs = await sizer.truncated_pairs(pairs, *score_limits, off)
