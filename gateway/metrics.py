@@ -280,7 +280,9 @@ class GatewayMetrics:
             "expired (KVGATE_BACKGROUND_WATCH_MAX_S), shutdown; refused_share (429: the "
             "tenant's KVGATE_BACKGROUND_WATCH_TENANT_SHARE of the cap) and refused_capacity "
             "(503: KVGATE_BACKGROUND_WATCH_MAX), before any work; orphan_cancelled (a run "
-            "whose answer never reached the client, cancelled on its replica)",
+            "whose answer never reached the client, cancelled on its replica); "
+            "stream_failed (a streamed run whose stream ended on the replica's side without "
+            "its terminal event: its watch ended, the run cancelled on its replica)",
             ["outcome"],
             registry=r,
         )

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import orjson
 import pytest
 from pydantic import SecretStr
 
 from cachecore.testing import free_port
+from gateway.metrics import GatewayMetrics
 from gateway.serve import build_gateway, serve_in_loop
 from gateway.settings import GatewaySettings
 from tests.test_gateway_support import SECRET, words
@@ -146,3 +149,13 @@ async def test_output_that_arrived_in_time_is_not_cut_by_a_slow_client() -> None
             rep = gw.pool.get(rid) if gw.pool is not None else None
             assert rep is not None and rep.consecutive_failures == 0
             assert gw.metrics.upstream_errors.labels(rid, "mid_stream")._value.get() == 0
+
+
+def test_the_background_outcome_metric_names_every_outcome_it_counts() -> None:
+    """093fec5 counted ``stream_failed`` but the metric's help (what /metrics shows an
+    operator) listed the others only."""
+    src = Path("gateway/core.py").read_text()
+    counted = set(re.findall(r'background_responses\.labels\("(\w+)"\)', src))
+    assert "stream_failed" in counted
+    help_text = GatewayMetrics().background_responses._documentation
+    assert {o for o in counted if o not in help_text} == set(), help_text
