@@ -953,6 +953,14 @@ class ServerChatDefaults:
         except (TypeError, ValueError) as exc:
             raise TokenizerError(f"must hold JSON values only: {exc}") from None
         given = dict(kwargs or {})
+        if "chat_template" in given:
+            # get_apply_chat_template_kwargs lays the --chat-template (None: dropped) over
+            # it, and safe_apply_chat_template renders the chat with it as the template
+            raise TokenizerError(
+                "'chat_template' is no template variable: vLLM renders every chat with it "
+                "as the template (unless --chat-template is set); make it the tokenizer "
+                "directory's chat_template.jinja instead"
+            )
         under = {k: v for k, v in given.items() if k not in ("tools", "tokenize")}
         tools = given.get("tools")
         if tools is not None and not isinstance(tools, list):
