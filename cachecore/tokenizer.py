@@ -968,7 +968,12 @@ class ServerChatDefaults:
         bare_kw = dict(under)
         bare_kw.pop("continue_final_message", None)
         if bare_kw:  # what fails every chat in vLLM (VLLM_SERVER, made at import, has none)
-            _tokenize_kwargs(bare_kw, {})
+            try:
+                _tokenize_kwargs(bare_kw, {})
+            except TokenizerError as exc:  # vLLM's 400 text, read at start-up: say so
+                raise TokenizerError(
+                    f"vLLM refuses every chat with these defaults: {exc}"
+                ) from None
         docs = bare_kw.pop("documents", None)
         bare = None
         if tools is not None or docs is not None or bare_kw:

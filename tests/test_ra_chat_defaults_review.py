@@ -33,3 +33,27 @@ def test_a_default_chat_template_is_refused_not_rendered_as_a_variable() -> None
         ReplicaSettings(default_chat_template_kwargs={"chat_template": "x"})
     # a variable of any other name still is one
     assert ServerChatDefaults.of({"template_style": "x"}).under == {"template_style": "x"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "vllm_text"),
+    [
+        ({"messages": 1}, "got multiple values for keyword argument 'messages'"),
+        ({"self": 1}, "got multiple values for argument 'self'"),
+        ({"return_assistant_tokens_mask": True}, "requires `return_dict=True`"),
+    ],
+)
+def test_a_refusal_of_defaults_that_fail_every_chat_says_so(
+    kwargs: dict[str, object], vllm_text: str
+) -> None:
+    # the text was vLLM's 400 alone ("jinja2.environment.Template.render() got multiple
+    # values ..."), read at policy load with nothing saying that every chat would fail
+    with pytest.raises(PolicyError) as err:
+        parse_policy_text(
+            "models: {default: {default_chat_template_kwargs: "
+            + str(kwargs).replace("True", "true")
+            + "}}\n"
+        )
+    text = str(err.value)
+    assert vllm_text in text, text
+    assert "vLLM refuses every chat with these defaults" in text, text
