@@ -108,6 +108,10 @@ logger = logging.getLogger(__name__)
 # a /score or /rerank request's score template variables (vLLM's ScoringRequestMixin)
 _TEMPLATE_FIELDS = {"chat_template_kwargs", "instruction"}
 
+_Finish = Callable[[str, RequestOutput | None, str | None], dict[str, Any]]
+"""A Responses request's end: its text, its last engine output, the message item's id
+(None: a new one) to the finished response object, stored."""
+
 
 async def until_disconnect(request: Request) -> None:
     """Returns when the client of a request whose body was read disconnects (uvicorn
@@ -565,7 +569,11 @@ def create_app(replica: SimReplica) -> FastAPI:
         )
         created = now_s()
 
-        def stored(final: dict[str, Any]) -> None:
+        def finish(text: str, last: RequestOutput | None, item_id: str | None) -> dict[str, Any]:
+            """The finished response, its one message item holding ``text`` (under a new
+            item id unless the stream gave its own), stored: every way a response ends."""
+            item = message_item(item_id or f"msg_{uuid.uuid4().hex}", text, "completed")
+            final = response_object(rid, req, model, created, [item], last)
             # vLLM keeps the messages this prompt was rendered from (a custom tool output's
             # parts spent by this rendering: stored_messages) and the response, whose
             # output a follow-up appends (request_messages); a cancelled one stays
@@ -575,6 +583,7 @@ def create_app(replica: SimReplica) -> FastAPI:
                 was = replica.responses.get(rid)
                 if was is None or was.response["status"] != "cancelled":
                     replica.responses.put(rid, StoredResponse(final, kept))
+            return final
 
         if req.background:
             # vLLM's create_responses: a queued response stored at once, the request run
@@ -585,9 +594,9 @@ def create_app(replica: SimReplica) -> FastAPI:
             replica.responses.put(rid, StoredResponse(queued, kept))
             if req.stream:
                 log = replica.responses.events[rid] = EventLog([], asyncio.Event())
-                run = background_stream(driver, handle, rid, req, model, created, stored, log)
+                run = background_stream(driver, handle, rid, req, model, created, finish, log)
             else:
-                run = background_run(driver, handle, rid, req, model, created, stored)
+                run = background_run(driver, handle, rid, finish)
             replica.responses.run(rid, asyncio.ensure_future(run))
             if req.stream:
                 return StreamingResponse(replay(rid, None), media_type="text/event-stream")
@@ -595,17 +604,14 @@ def create_app(replica: SimReplica) -> FastAPI:
 
         if req.stream:
             return StreamingResponse(
-                response_events(driver, handle, rid, req, model, created, stored),
+                response_events(driver, handle, rid, req, model, created, finish),
                 media_type="text/event-stream",
             )
         got = await collect_unless_gone(request, driver, handle)
         if got is None:
             return Response(status_code=499)
         out, last = got
-        item = message_item(f"msg_{uuid.uuid4().hex}", out, "completed")
-        final = response_object(rid, req, model, created, [item], last)
-        stored(final)
-        return _json_bytes(final)
+        return _json_bytes(finish(out, last, None))
 
     async def response_events(
         driver: EngineDriver,
@@ -614,7 +620,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         req: ResponsesRequest,
         model: str,
         created: int,
-        stored: Callable[[dict[str, Any]], None],
+        finish: _Finish,
     ) -> AsyncIterator[bytes]:
         seq = EventSequence(rid, req, model, created)
         texts: list[str] = []
@@ -634,9 +640,7 @@ def create_app(replica: SimReplica) -> FastAPI:
                 for event in seq.item_opening():
                     yield sse_event(event)
             text = "".join(texts)
-            item = message_item(seq.item_id, text, "completed")
-            final = response_object(rid, req, model, created, [item], last)
-            stored(final)
+            final = finish(text, last, seq.item_id)
             for event in seq.closing(text, final):
                 yield sse_event(event)
         except EngineStoppedError as exc:
@@ -645,13 +649,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             driver.abort(handle.request_id)
 
     async def background_run(
-        driver: EngineDriver,
-        handle: RequestHandle,
-        rid: str,
-        req: ResponsesRequest,
-        model: str,
-        created: int,
-        stored: Callable[[dict[str, Any]], None],
+        driver: EngineDriver, handle: RequestHandle, rid: str, finish: _Finish
     ) -> None:
         """vLLM's _run_background_request: the stored response stays ``queued`` until it
         ends (vLLM never stores ``in_progress``); an engine failure makes it ``failed``
@@ -663,8 +661,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             if got is not None and got.response["status"] not in ("completed", "cancelled"):
                 got.response["status"] = "failed"
             return
-        item = message_item(f"msg_{uuid.uuid4().hex}", out, "completed")
-        stored(response_object(rid, req, model, created, [item], last))
+        finish(out, last, None)
 
     async def background_stream(
         driver: EngineDriver,
@@ -673,7 +670,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         req: ResponsesRequest,
         model: str,
         created: int,
-        stored: Callable[[dict[str, Any]], None],
+        finish: _Finish,
         log: EventLog,
     ) -> None:
         """vLLM's _run_background_request_stream: the stream's events into ``log``. A run
@@ -682,7 +679,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         raises, and the task with it), so the stored response stays ``queued`` and the
         stream just stops (vLLM's replay then waits; this one ends, as :func:`replay`)."""
         try:
-            async for data in response_events(driver, handle, rid, req, model, created, stored):
+            async for data in response_events(driver, handle, rid, req, model, created, finish):
                 kind = data.split(b"\n", 1)[0].removeprefix(b"event: ").decode()
                 if kind != "error":
                     log.append(kind, data)
