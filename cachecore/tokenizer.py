@@ -1061,6 +1061,24 @@ def chat_template_env() -> jinja2.Environment:
     return env
 
 
+def compile_template(
+    env: jinja2.Environment, source: str, what: str
+) -> tuple[jinja2.nodes.Template, jinja2.Template]:
+    """``source`` parsed and compiled in ``env``; a :class:`TokenizerError` saying ``what``
+    does not compile, and why, when it does not: jinja2's TemplateSyntaxError, or the
+    SyntaxError Python's compile() raises on the code jinja2 generated (``{% break %}``
+    outside a loop, a macro naming one argument twice), which jinja2 lets through as it
+    is. vLLM 0.33 starts with either and answers each chat (or score) it renders with a
+    400 (renderers/hf.py safe_apply_chat_template): refused here at load, both alike."""
+    try:
+        parsed = env.parse(source)
+        return parsed, env.from_string(parsed)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerError(f"{what} does not compile: {exc}") from exc
+    except SyntaxError as exc:  # its line is the generated code's, not the template's
+        raise TokenizerError(f"{what} does not compile: {exc.msg}") from exc
+
+
 _SCORER_RESERVED = ("chat_template", "tools", "tokenize")
 """``chat_template_kwargs`` keys vLLM 0.33's scorer refuses (``get_score_prompt``)."""
 
@@ -1191,14 +1209,11 @@ class ScoreTemplate:
     def __init__(self, source: str) -> None:
         self.source = source
         env = chat_template_env()
-        try:
-            parsed = env.parse(source)  # once: compiled and read for its variables
-            self._template = env.from_string(parsed)
-            # what vLLM's resolve_chat_template_kwargs lets through besides
-            # apply_chat_template's own parameters: the variables the template reads
-            self._reads = frozenset(jinja2.meta.find_undeclared_variables(parsed))
-        except jinja2.TemplateSyntaxError as exc:
-            raise TokenizerError(f"score template does not compile: {exc}") from exc
+        # parsed once: compiled and read for its variables
+        parsed, self._template = compile_template(env, source, "score template")
+        # what vLLM's resolve_chat_template_kwargs lets through besides
+        # apply_chat_template's own parameters: the variables the template reads
+        self._reads = frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
     def render(self, tok: Tokenizer, query: str, document: str, kwargs: Mapping[str, Any]) -> str:
         """One pair's text (:meth:`render_pairs`)."""
@@ -1266,7 +1281,7 @@ class HFTokenizer:
         # the template variables transformers adds (bos_token, eos_token, ...)
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         env = chat_template_env()
-        self._template = env.from_string(chat_template)
+        self._template = compile_template(env, chat_template, "chat template")[1]
         self.detected_content_format: ContentFormat = detect_content_format(env, chat_template)
         self.content_format_option: ContentFormatOption = content_format
         self.content_format = resolve_content_format(content_format, self.detected_content_format)

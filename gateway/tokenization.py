@@ -1058,8 +1058,10 @@ class TokenizerPools:
                     HFTokenizer.from_dir, Path(directory), content_format=fmt
                 )
             except Exception as exc:  # tokenizers raises a bare Exception for bad JSON
+                # a chat template that does not compile is the directory's, not the file's
                 tok_file = str(Path(directory) / "tokenizer.json")
-                problem = f"{tok_file!r} does not load: {exc}"
+                where = directory if isinstance(exc, TokenizerError) else tok_file
+                problem = f"{where!r} does not load: {exc}"
                 if not isinstance(exc, OSError):  # a read error may pass: tried again
                     self._failed[directory] = (version, problem)
                 problems.append((f"{field}.tokenizer_dir", problem))
