@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
-_LAX_BOOL = TypeAdapter(bool)  # immutable: a validator, no state
+from cachecore.laxbool import lax_bool
 
 
 def reads_prefix_cache(prompt_logprobs: object, echo: bool, echo_logprobs: object) -> bool:
@@ -41,7 +41,7 @@ def body_reads_prefix_cache(body: Mapping[str, Any], chat: bool) -> bool:
         echo = False  # nearly every request: no validator call
     else:
         try:
-            echo = _LAX_BOOL.validate_python(value)
+            echo = bool(lax_bool(value))
         except ValidationError:
             echo = False
     echo_logprobs = body.get("top_logprobs", 0) if chat else body.get("logprobs")

@@ -49,8 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
+from cachecore.laxbool import lax_bool
 from cachecore.tokenizer import REASONING_EFFORTS
 
 _ROLES = frozenset(("user", "system", "developer", "assistant"))
@@ -581,17 +580,13 @@ def _named_choice(choice: Any) -> bool:
     return isinstance(choice, dict) and choice.get("type") in ("function", "custom")
 
 
-_OPTIONAL_BOOL = TypeAdapter(bool | None)  # immutable: a validator, no state
-
-
 def _lax_bool(value: Any, where: str) -> bool | None:
-    """An optional boolean field as vLLM's pydantic models read it, by pydantic itself
-    (python mode, lax: ``true`` / ``false``, the numbers 0 and 1, ``1.0`` too, or one of
-    its strings in any case: ``"yes"``, ``"on"``, ``"t"``, ``"0"``...); anything else
-    refused, naming ``tools``. The boolean is what vLLM renders."""
+    """An optional boolean field as vLLM's pydantic models read it
+    (:func:`cachecore.laxbool.lax_bool`); anything else refused, naming ``tools``. The
+    boolean is what vLLM renders."""
     try:
-        return _OPTIONAL_BOOL.validate_python(value)
-    except ValidationError:
+        return lax_bool(value)
+    except ValueError:
         raise ResponsesInputError(f"'{where}' must be a boolean", "tools") from None
 
 

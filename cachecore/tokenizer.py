@@ -42,6 +42,7 @@ from cachecore.chatformat import (
     detect_content_format,
     resolve_content_format,
 )
+from cachecore.laxbool import lax_bool
 
 BUILTIN_NAME = "kvgate-builtin-bpe"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -802,10 +803,6 @@ _TOKENIZE_PARAMS = (
 """transformers 5's ``apply_chat_template`` parameters that shape its tokenization: vLLM
 0.33 passes a chat's kwargs to it as keywords, so these are never template variables."""
 
-# pydantic's lax booleans' false strings (vLLM validates JSON-decoded bodies in python
-# mode), in any case; the number 0 too
-LAX_FALSE_STRINGS = frozenset(("0", "off", "f", "false", "n", "no"))
-
 
 def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
     """Take out of a chat's template variables ``kw`` what vLLM 0.33 hands transformers
@@ -840,13 +837,12 @@ def _tokenize_kwargs(kw: dict[str, Any], body: Mapping[str, Any]) -> None:
         )
     if not tokenize:
         return  # transformers ignores the rest when it returns text
-    special = body.get("add_special_tokens")
-    special_on = not (
-        special is None
-        or special is False
-        or special == 0
-        or (isinstance(special, str) and special.strip().lower() in LAX_FALSE_STRINGS)
-    )
+    try:
+        # vLLM's request model reads the flag (a lax bool) before anything is rendered:
+        # one it refuses (" no", 2) is that 400, not this one
+        special_on = bool(lax_bool(body.get("add_special_tokens")))
+    except ValueError:
+        raise TokenizerError("'add_special_tokens' must be a boolean") from None
     shaping = [
         k
         for k in ("padding", "truncation", "tokenizer_kwargs", "sanitize_control_tokens")

@@ -44,6 +44,7 @@ from cachecore.index.base import (
 from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex, evicts_any_key
 from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, Scope, ScopeKind
+from cachecore.laxbool import lax_bool
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
 from cachecore.registry import RegistryStore, ReplicaAllowlist
@@ -2980,8 +2981,7 @@ def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any]
 
 
 # the retrieval route's query fields as vLLM's FastAPI route reads them: pydantic, lax
-# (" 3 ", "3.0" and "1_000" are integers, " true" and "３" are refused)
-_QUERY_BOOL = TypeAdapter(bool | None)
+# (" 3 ", "3.0" and "1_000" are integers, " true" and "３" are refused: lax_bool)
 _QUERY_INT = TypeAdapter(int | None)
 
 
@@ -2995,7 +2995,7 @@ def _retrieval_query(query: object) -> tuple[str, bool]:
     stream = False
     if "stream" in q:
         try:
-            flag = _QUERY_BOOL.validate_python(str(q["stream"]))
+            flag = lax_bool(str(q["stream"]))
         except ValidationError:
             raise bad_request("'stream' must be a boolean", "stream") from None
         stream = bool(flag)

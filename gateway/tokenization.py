@@ -22,6 +22,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 # AnswerTooLarge re-exported: the start-up checks' callers (gateway.core) catch it
 from cachecore.httpread import AnswerTooLarge as AnswerTooLarge
 from cachecore.httpread import read_answer
+from cachecore.laxbool import lax_bool
 from cachecore.tokenizer import (
     OFFLOAD_CHARS,
     PROBE_CHAT,
@@ -224,16 +225,13 @@ def request_truncation(
     return Truncation(limit, left), True
 
 
-_LAX_BOOL = TypeAdapter(bool)  # immutable: a validator, no state
-
-
 def add_generation_prompt(body: Mapping[str, Any]) -> bool:
     """``add_generation_prompt`` read as vLLM reads it (its request model is pydantic: a
     lax bool takes true/false, 0/1 and their usual strings), so the gateway renders the
     prompt the engine renders; anything else is a 400, as the engine would answer."""
     try:
-        return _LAX_BOOL.validate_python(body.get("add_generation_prompt", True))
-    except ValidationError:
+        return _required_bool(body.get("add_generation_prompt", True))
+    except ValueError:
         raise bad_request(
             "'add_generation_prompt' must be a boolean", "add_generation_prompt"
         ) from None
@@ -245,8 +243,8 @@ def continue_final_message(body: Mapping[str, Any]) -> bool:
     gateway rendered a continued last turn the engine did not, and its tokens (and block
     keys) were not the engine's. Anything else is a 400, as the engine would answer."""
     try:
-        return _LAX_BOOL.validate_python(body.get("continue_final_message", False))
-    except ValidationError:
+        return _required_bool(body.get("continue_final_message", False))
+    except ValueError:
         raise bad_request(
             "'continue_final_message' must be a boolean", "continue_final_message"
         ) from None
@@ -258,11 +256,9 @@ def add_special_tokens(body: Mapping[str, Any], default: bool) -> bool:
     as the engine would answer. True puts the tokenizer's special tokens (a Llama BOS)
     around the text's ids, as the engine does before it hashes its blocks."""
     value = body.get("add_special_tokens", default)
-    if value is True or value is False:  # nearly every request: no validator call
-        return value
     try:
-        return _LAX_BOOL.validate_python(value)
-    except ValidationError:
+        return _required_bool(value)
+    except ValueError:
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens") from None
 
 
@@ -435,12 +431,18 @@ def pooling_pairs(body: Mapping[str, Any], rerank: bool) -> list[tuple[str, str]
 def _lax_flag(value: Any, param: str) -> bool:
     """A request flag as vLLM's pydantic model reads it: null or absent is false, a lax
     bool otherwise; anything else is a 400 naming ``param``."""
-    if value is None or value is False or value is True:
-        return bool(value)
     try:
-        return _LAX_BOOL.validate_python(value)
-    except ValidationError:
+        return bool(lax_bool(value))
+    except ValueError:
         raise bad_request(f"'{param}' must be a boolean", param) from None
+
+
+def _required_bool(value: Any) -> bool:
+    """A lax bool vLLM's model declares ``bool`` (not optional): null is refused too."""
+    flag = lax_bool(value)
+    if flag is None:
+        raise ValueError("null is not a boolean")
+    return flag
 
 
 class PromptTokenizer(Protocol):
