@@ -1,13 +1,14 @@
-"""Embedded agents write the index through the gateway's own Redis client, whose read
-timeout is the serving default (0.25 s), not a standalone agent's (2 s). A write that
-overruns it is not lost: ``ReplicaSync`` counts it (``kvgate_agent_index_errors_total
-{op="apply"}``), marks the replica dirty, and its next index call, at the latest the index
-check every ``KVGATE_AGENT_INDEX_CHECK_INTERVAL_S``, rewrites the replica from the agent's
-mirror (``kvgate_agent_resyncs_total{cause="index_error"}``), which already holds the
-batch. Measured here end to end: a real redis-server behind a loopback proxy that holds
-every reply 300 ms for a window, a real gateway with embedded agents at the serving
-timeouts, simulated replicas served traffic during the window; once it ends the index
-equals each replica's cache within a bound."""
+"""An embedded agent's index write that overruns its Redis read timeout is not lost:
+``ReplicaSync`` counts it (``kvgate_agent_index_errors_total{op="apply"}``), marks the
+replica dirty, and its next index call, at the latest the index check every
+``KVGATE_AGENT_INDEX_CHECK_INTERVAL_S``, rewrites the replica from the agent's mirror
+(``kvgate_agent_resyncs_total{cause="index_error"}``), which already holds the batch. The
+timeout is ``KVGATE_AGENT_REDIS_TIMEOUT_S``, set here to the gateway index client's serving
+0.25 s (the agents wrote through that client before
+tests/test_h202_embedded_agent_write_timeout.py). Measured here end to end: a real
+redis-server behind a loopback proxy that holds every reply 300 ms for a window, a real
+gateway with embedded agents, simulated replicas served traffic during the window; once it
+ends the index equals each replica's cache within a bound."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from tests.test_gateway_support import LoopbackProxy, stack
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
-DELAY_S = 0.3  # over the gateway index client's 0.25 s read timeout
+DELAY_S = 0.3  # over the agents' index client's read timeout as set here
+AGENT_TIMEOUT_S = 0.25  # KVGATE_AGENT_REDIS_TIMEOUT_S: the gateway index client's default
 # the agents' defaults: index checks every 2 s, retries backing off to at most 5 s; a
 # dirty replica is rewritten at the first check past its back-off
 CONVERGE_BOUND_S = 2.0 + 5.0 + 8.0  # plus the replicas going idle, a loaded host
@@ -114,13 +116,14 @@ def resyncs(agents: list[Agent]) -> float:
 
 @pytest.mark.parametrize("failures", [1, 3], ids=["one-write", "retries-too"])
 @pytest.mark.parametrize("hold", ["commands", "replies"])
-async def test_embedded_agents_writes_cut_by_the_gateway_timeout_converge_after_the_delay(
+async def test_embedded_agents_writes_cut_by_their_timeout_converge_after_the_delay(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, hold: str, failures: int
 ) -> None:
     """``hold``: what the proxy delays (commands: a timed-out write never ran; replies: it
     ran, unconfirmed). ``failures``: the failed index calls each agent sees before the
     window ends (3: its retries, the resyncs the index checks start, fail too)."""
     monkeypatch.setenv("KVGATE_AGENT_TOPIC", TOPIC)
+    monkeypatch.setenv("KVGATE_AGENT_REDIS_TIMEOUT_S", str(AGENT_TIMEOUT_S))
     async with (
         proxied(redis_server, hold) as (proxy, reader),
         # redis_timeout_s None: the gateway's serving timeouts (0.25 s read), not the
@@ -133,12 +136,13 @@ async def test_embedded_agents_writes_cut_by_the_gateway_timeout_converge_after_
         agents = stop.group.agents
         ids = [st.replica_id(i) for i in range(2)]
         assert sorted(a.primary_id for a in agents) == sorted(ids)
-        # the agents write through the gateway's own client: the serving read timeout
-        primary = st.gw.index.primary if st.gw.index is not None else None
-        assert isinstance(primary, RedisIndex)
-        assert all(a.index is primary for a in agents)
-        assert isinstance(primary.client, Redis)
-        assert primary.client.connection_pool.connection_kwargs["socket_timeout"] == 0.25
+        # the agents write through a client of their own, at the timeout set
+        writes = stop.group.write_index
+        assert isinstance(writes, RedisIndex)
+        assert all(a.index is writes for a in agents)
+        assert isinstance(writes.client, Redis)
+        kwargs = writes.client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == AGENT_TIMEOUT_S
 
         async def live() -> bool:
             metas = [await reader.meta(rid) for rid in ids]

@@ -29,7 +29,12 @@ from pydantic import ValidationError
 
 from cachecore.agent.agent import STOP_STEP_S, Agent
 from cachecore.agent.http import HTTP_STOP_S, AgentHTTPServer
-from cachecore.agent.settings import AgentSettings, StopRegistration, handover_window_warning
+from cachecore.agent.settings import (
+    AgentSettings,
+    StopRegistration,
+    handover_window_warning,
+    index_timeouts,
+)
 from cachecore.argtypes import (
     log_level,
     name_variables,
@@ -207,7 +212,7 @@ def redis_stores(
 ) -> tuple[RedisIndex, RedisLoadStore, RedisRegistry | None]:
     """The standalone agent's index, load store and (with ``register``) registry on
     ``settings.redis``, a Redis Cluster's seed node with ``settings.redis_cluster``."""
-    from cachecore.index.redis import RedisIndex, RedisTimeouts, redis_timeouts
+    from cachecore.index.redis import RedisIndex, redis_timeouts
     from cachecore.loadstate import RedisLoadStore
     from cachecore.registry import RedisRegistry
 
@@ -225,16 +230,10 @@ def redis_stores(
             "quarantine.max_unverifiable: 0 (that track off)",
             extra={"replica": settings.replica_id},
         )
-    # writes are large and rare compared with gateway lookups: a longer timeout than theirs
-    index_timeouts: RedisTimeouts = {"socket_timeout_s": 2.0, "connect_timeout_s": 1.0}
-    timeouts = redis_timeouts(settings.redis_timeout_s)  # the operator's, over those
     index = RedisIndex.from_url(
-        url,
-        layout,
-        cluster=cluster,
-        removal_log=settings.removal_log,
-        **(timeouts or index_timeouts),
+        url, layout, cluster=cluster, removal_log=settings.removal_log, **index_timeouts(settings)
     )
+    timeouts = redis_timeouts(settings.redis_timeout_s)  # the operator's, or each store's own
     load_store = RedisLoadStore.from_url(url, layout, cluster=cluster, **timeouts)
     registry = (
         RedisRegistry.from_url(url, layout, cluster=cluster, **timeouts) if register else None

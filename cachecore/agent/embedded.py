@@ -10,9 +10,10 @@
 Each spec needs ``id``, ``url``, ``events`` and ``replay`` attributes (``gateway.replicas.
 ReplicaSpec``); specs without ``events`` are skipped. All agents share one ZMQ context and
 the gateway's index (a :class:`~cachecore.index.memory.MemoryIndex`, or a RedisIndex if the
-gateway has one). Registration is not needed in embedded mode: the gateway already knows its
-replicas from ``--replica``. Tunables come from ``KVGATE_AGENT_*`` environment variables or
-``overrides``.
+gateway has one: then they write it through a client of their own, with a standalone agent's
+timeouts, :func:`write_index`). Registration is not needed in embedded mode: the gateway
+already knows its replicas from ``--replica``. Tunables come from ``KVGATE_AGENT_*``
+environment variables or ``overrides``.
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ from prometheus_client import CollectorRegistry
 
 from cachecore.agent.agent import STOP_STEP_S, Agent
 from cachecore.agent.metrics import AgentsCollector
-from cachecore.agent.settings import AgentSettings
+from cachecore.agent.settings import AgentSettings, index_timeouts
 from cachecore.index.base import PrefixIndex
 from cachecore.index.layout import split_dp_replica_id
+from cachecore.index.redis import RedisIndex
 from cachecore.loadstate import LoadStore
 from cachecore.registry import RegistryStore
 from cachecore.tasks import enclosing_limit_s, run_to_end
 
 log = logging.getLogger(__name__)
+
+WRITE_CONNECTIONS_PER_AGENT = 8
+"""The bound of the embedded agents' own index pool, per agent (opened as needed: an agent's
+rank writes one call at a time, its start-up and checks add one or two beside it)."""
 
 
 class AgentSpec(Protocol):
@@ -49,11 +55,18 @@ class AgentSpec(Protocol):
 
 
 class EmbeddedAgents:
-    """The agents of one gateway process and their shared ZMQ context."""
+    """The agents of one gateway process, their shared ZMQ context and, on a Redis index,
+    the index client they write through (``write_index``, theirs to close)."""
 
-    def __init__(self, agents: list[Agent], ctx: zmq.asyncio.Context) -> None:
+    def __init__(
+        self,
+        agents: list[Agent],
+        ctx: zmq.asyncio.Context,
+        write_index: RedisIndex | None = None,
+    ) -> None:
         self.agents = agents
         self.ctx = ctx
+        self.write_index = write_index
 
     def by_replica(self) -> dict[str, Agent]:
         return {a.primary_id: a for a in self.agents}
@@ -65,7 +78,13 @@ class EmbeddedAgents:
         the longest of theirs, each :attr:`Agent.stop_limit_s <cachecore.agent.agent.Agent.
         stop_limit_s>` with run_to_end's grace past it. A fixed bound shorter than an
         agent's (15 s against ~52 s) gave up on a stop still within its own and left it
-        running past the context's destruction."""
+        running past the context's destruction. Then the agents' index client's close, a
+        step of its own (:data:`~cachecore.agent.agent.STOP_STEP_S`, and its grace)."""
+        close_s = enclosing_limit_s(STOP_STEP_S) if self.write_index is not None else 0.0
+        return self._agents_limit_s + close_s
+
+    @property
+    def _agents_limit_s(self) -> float:
         return max((enclosing_limit_s(a.stop_limit_s) for a in self.agents), default=STOP_STEP_S)
 
     async def stop(self) -> None:
@@ -78,11 +97,15 @@ class EmbeddedAgents:
         :attr:`stop_limit_s`) the cancellation does not cut short, where it used to leave
         an agent half stopped, the agents after it running and the context alive. The
         agents stop together: one after another, a gateway's stop took the sum of their
-        bounds."""
+        bounds. Their index client is closed last, once they are stopped (or given up on),
+        whatever their stop raised, at most :data:`~cachecore.agent.agent.STOP_STEP_S`."""
         try:
-            await run_to_end(self._stop_agents(), self.stop_limit_s, "embedded agents stop")
+            await run_to_end(self._stop_agents(), self._agents_limit_s, "embedded agents stop")
         finally:
             self.ctx.destroy(linger=0)
+            index, self.write_index = self.write_index, None  # once: a second stop skips it
+            if index is not None:
+                await run_to_end(index.close(), STOP_STEP_S, "embedded agents' index close")
 
     async def _stop_agents(self) -> None:
         agents = self.agents
@@ -148,6 +171,24 @@ def embedded_agent_settings(spec: AgentSpec, **overrides: Any) -> AgentSettings:
     )
 
 
+def write_index(index: PrefixIndex, settings: Sequence[AgentSettings]) -> RedisIndex | None:
+    """The index client the embedded agents of ``settings`` write ``index`` through when it
+    is a RedisIndex (:meth:`~cachecore.index.redis.RedisIndex.sibling`): a standalone
+    agent's timeouts (``KVGATE_AGENT_REDIS_TIMEOUT_S``, unset 2 s to read and 1 s to
+    connect) over a pool of its own, :data:`WRITE_CONNECTIONS_PER_AGENT` each. Through the
+    gateway's lookup client (0.25 s to read unless ``KVGATE_REDIS_TIMEOUT_S``) every write
+    to a Redis slower than that timed out, and so did each rewrite from the mirror, for as
+    long as it lasted. None (the agents write ``index`` itself): an in-process index, no
+    agent, or a RedisIndex built on a client (its URL unknown)."""
+    if not settings or not isinstance(index, RedisIndex):
+        return None
+    # one client for all: the timeouts are the process's (KVGATE_AGENT_*, overrides)
+    return index.sibling(
+        **index_timeouts(settings[0]),
+        max_connections=WRITE_CONNECTIONS_PER_AGENT * len(settings),
+    )
+
+
 def build_embedded_agents(
     specs: Sequence[AgentSpec],
     index: PrefixIndex,
@@ -155,17 +196,21 @@ def build_embedded_agents(
     registry: RegistryStore | None = None,
     **overrides: Any,
 ) -> EmbeddedAgents:
-    """Construct (not start) one agent per spec that has event endpoints. Every spec's
-    settings are read before anything is made: a spec refused (pydantic's ValidationError)
-    leaves no ZMQ context behind, nor does an agent that fails to construct."""
+    """Construct (not start) one agent per spec that has event endpoints, on ``index`` or,
+    a RedisIndex, on a client of their own (:func:`write_index`). Every spec's settings are
+    read before anything is made: a spec refused (pydantic's ValidationError) leaves no ZMQ
+    context behind, nor does an agent that fails to construct (nor a connection: a client
+    connects at its first command)."""
     settings = [embedded_agent_settings(sp, **overrides) for sp in specs if sp.events]
+    writes = write_index(index, settings)
+    target = index if writes is None else writes
     ctx = zmq.asyncio.Context()
     try:
-        agents = [Agent(st, index, load_store, registry, zmq_context=ctx) for st in settings]
+        agents = [Agent(st, target, load_store, registry, zmq_context=ctx) for st in settings]
     except BaseException:
         ctx.destroy(linger=0)
         raise
-    return EmbeddedAgents(agents, ctx)
+    return EmbeddedAgents(agents, ctx, writes)
 
 
 async def start_embedded_agents(

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
 from cachecore.index.layout import DEFAULT_PREFIX, validate_replica_id
-from cachecore.index.redis import check_redis_url
+from cachecore.index.redis import RedisTimeouts, check_redis_url, redis_timeouts
 from cachecore.urls import split_user_info, url_host
 
 MAX_TTL_S = 86_400.0
@@ -230,6 +230,17 @@ class AgentSettings(BaseSettings):
                     f"({getattr(self, refresh):g} s): the record would expire between writes"
                 )
         return self
+
+
+INDEX_WRITE_TIMEOUTS: RedisTimeouts = {"socket_timeout_s": 2.0, "connect_timeout_s": 1.0}
+"""The agent's index client's timeouts unless ``KVGATE_AGENT_REDIS_TIMEOUT_S`` is set: its
+writes are large and rare compared with gateway lookups, so longer than theirs."""
+
+
+def index_timeouts(settings: AgentSettings) -> RedisTimeouts:
+    """The timeouts of ``settings``' agent's index client, standalone or embedded in a
+    gateway: ``redis_timeout_s`` to connect and to read, unset :data:`INDEX_WRITE_TIMEOUTS`."""
+    return redis_timeouts(settings.redis_timeout_s) or INDEX_WRITE_TIMEOUTS
 
 
 HANDOVER_WINDOW_WARN_RATIO = 10.0

@@ -1287,6 +1287,9 @@ class RedisIndex:
         # called with a replica whose agent-owned keys a lookup found of the wrong type
         # (read as holding nothing): the gateway counts it (kvgate_index_unreadable)
         self.on_unreadable: Callable[[str], None] | None = None
+        # the Redis from_url connected to (None: built on a client): what sibling() uses
+        self._url: str | None = None
+        self._cluster = False
 
     @classmethod
     def from_url(
@@ -1303,9 +1306,9 @@ class RedisIndex:
         """Connect to ``redis://[user:password@]host:port/db`` (or a cluster seed node).
         In the gateway no lookup waits on these timeouts: ``GatewayIndex.lookup`` cuts each
         at the policy's ``index.lookup_timeout_ms``. They bound the rest: connects (which go
-        on past a lookup's cut), the gateway's pending writes, and the writes of the agents
-        embedded in the gateway, which share this client. ``KVGATE_REDIS_TIMEOUT_S`` sets
-        both."""
+        on past a lookup's cut) and the gateway's pending writes. ``KVGATE_REDIS_TIMEOUT_S``
+        sets both. The agents embedded in the gateway write through a :meth:`sibling` with
+        their own."""
         client = redis_client(
             url,
             cluster=cluster,
@@ -1315,7 +1318,31 @@ class RedisIndex:
             c_pack=True,
             shield_connects=True,  # lookups are cut (index.lookup_timeout_ms)
         )
-        return cls(client, layout, **kwargs)
+        index = cls(client, layout, **kwargs)
+        index._url, index._cluster = url, cluster
+        return index
+
+    def sibling(
+        self, *, socket_timeout_s: float, connect_timeout_s: float, max_connections: int
+    ) -> RedisIndex | None:
+        """Another index on this one's Redis, with its layout and bounds, over a client and
+        connection pool of its own with these timeouts (closed by its own :meth:`close`);
+        None for an index not built by :meth:`from_url` (its Redis unknown). The gateway's
+        embedded agents write through one: a standalone agent's write timeouts, not the
+        lookup client's (0.25 s, under which every write to a slower Redis failed)."""
+        if self._url is None:
+            return None
+        return type(self).from_url(
+            self._url,
+            self.layout,
+            cluster=self._cluster,
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections,
+            max_pending_per_replica=self.max_pending_per_replica,
+            max_write_fields=self.max_write_fields,
+            removal_log=self.removal_log,
+        )
 
     @property
     def is_cluster(self) -> bool:
