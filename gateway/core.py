@@ -84,7 +84,7 @@ from gateway.errors import GatewayError, bad_request, rate_limited, retry_after
 from gateway.ids import random_hex
 from gateway.indexing import GatewayIndex, LookupResult, PendingWrite
 from gateway.limits import TenantLimiter
-from gateway.load import InFlight, LoadTracker, SharedLoadRefresher, Ticket
+from gateway.load import IdleEngine, InFlight, LoadTracker, SharedLoadRefresher, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.policy_store import PolicyStore
 from gateway.quarantine import (
@@ -217,6 +217,15 @@ RESPONSE_READS = frozenset((RESPONSE_GET, RESPONSE_CANCEL))
 RESPONSE_TERMINAL = frozenset(("completed", "incomplete", "cancelled", "failed"))
 """A stored response's statuses after which its engine computes nothing more (vLLM's
 ``ResponseStatus`` less ``queued`` and ``in_progress``)."""
+WATCH_ENDS = frozenset(("lost", "engine_idle", "too_large"))
+"""How a background watch ends without a terminal status (D33): ``lost`` (the replica
+gone, the engine's 404), ``engine_idle`` (a dead run: its engine held no request on
+:data:`~gateway.load.IDLE_SCRAPES` scrapes in a row while it read ``queued``; cancelled
+there), ``too_large`` (its stored response over ``KVGATE_MAX_UPSTREAM_BODY_BYTES``)."""
+_RENDERED_TOOLS = frozenset(("function", "custom", "namespace"))
+"""A Responses request's tool types the model calls and the client runs; vLLM's server
+runs any other (``web_search_preview``, ``code_interpreter``, ``container``, ``mcp``)
+itself, between engine requests of the run, through its tool server."""
 _BACKGROUND_POLL_TIMEOUT_S = 10.0  # one poll of a background response's status
 _RESPONSES_PATH = "/v1/responses"
 
@@ -2397,7 +2406,8 @@ class Gateway:
         tenant's concurrency slot (the engine's work, whether the client waits or not).
         Its place under the watch caps was taken before any work (:meth:`prepare`);
         while stopping it ends now, counted ``shutdown``. A stream that failed on the
-        replica's side ends now too, its run cancelled there (``stream_failed``)."""
+        replica's side after its first output ends now too, its run cancelled there
+        (``stream_failed``); one that failed before it is watched (D33)."""
         if (
             not d.background
             or d.ticket is None
@@ -2406,16 +2416,24 @@ class Gateway:
             or d.response_status in RESPONSE_TERMINAL
         ):
             return False
-        if d.stream and out.error is not None and out.error != EVENT_TOO_LARGE:
+        if (
+            d.stream
+            and out.error is not None
+            and out.error != EVENT_TOO_LARGE
+            and d.ticket.phase > 0
+        ):
             # vLLM 0.33's streamed run that fails (a GenerationError: its error event fails
             # validation as a StreamingResponsesResponse, so the run's task raises) records
             # no further event and leaves the stored response "queued" for ever: the
             # stream ends without a terminal event (the upstream read timeout; a broken
-            # connection), and the polls would read "queued" to the watch's hour. Nothing
-            # tells a dead run from a silent one, so it is cancelled there, which ends a
-            # live one and makes a dead one's stored status "cancelled"; its client got
-            # the stream's error event. Not a client that left (no error) nor the
-            # gateway's own cut of an oversized event: their runs go on, watched.
+            # connection). Once its output began, a running request's tokens come every
+            # engine step: its read timeout (300 s of none) or a break is the run's end,
+            # so it is cancelled there (its stored status "cancelled", not "queued" for
+            # ever); its client got the stream's error event. Before its first output a
+            # healthy run may queue past the read timeout (D33: it is watched, and the
+            # watcher ends a dead one when its engine holds no request). Not a client
+            # that left (no error) nor the gateway's own cut of an oversized event: their
+            # runs go on, watched.
             self.metrics.background_responses.labels("stream_failed").inc()
             self._cancel_orphan(d, orphan=False)
             return False
@@ -2432,22 +2450,52 @@ class Gateway:
 
     async def _watch_response(self, d: Dispatch) -> None:
         """Poll ``d``'s replica for its stored response every ``KVGATE_BACKGROUND_POLL_S``
-        until it is terminal, gone (the replica removed, the engine's 404: restarted) or
-        ``KVGATE_BACKGROUND_WATCH_MAX_S`` passed (``expired``): that outcome and its
+        until it is terminal, gone (the replica removed, the engine's 404: restarted),
+        too large to read (``too_large``), dead (``engine_idle``: :meth:`_engine_idle`)
+        or ``KVGATE_BACKGROUND_WATCH_MAX_S`` passed (``expired``): that outcome and its
         usage left in ``d.response_status`` and ``d.response_usage`` for
         :meth:`_watch_ended`, which releases it."""
         s = self.settings
         deadline = time.monotonic() + s.background_watch_max_s
+        tools = d.body.get("tools")
+        builtin = isinstance(tools, list) and any(
+            not isinstance(t, dict) or t.get("type") not in _RENDERED_TOOLS for t in tools
+        )
+        # a run whose server may call a tool leaves its engine idle while the tool runs
+        idle = None if builtin else IdleEngine(int(time.time() * 1000))
         # held for up to an hour, up to KVGATE_BACKGROUND_WATCH_MAX of them: not the
         # prompt (its exchange is over: the trace and span have read it)
         d.raw_body, d.body, d.keys, d.matches = None, {}, [], []
         while time.monotonic() + s.background_poll_s < deadline:
             await asyncio.sleep(s.background_poll_s)
+            # read before the poll: a run that just left its engine idle is stored
+            # terminal by the time the poll reads it
+            dead = idle is not None and self._engine_idle(d, idle)
             got = await self._poll_response(d)
-            if got is not None and (got[0] in RESPONSE_TERMINAL or got[0] == "lost"):
+            if got is not None and (got[0] in RESPONSE_TERMINAL or got[0] in WATCH_ENDS):
                 d.response_status, d.response_usage = got
                 return
+            if dead and got is not None:  # read, and not terminal: no engine runs it
+                log.warning(
+                    "background response ended as dead: its engine held no running and no "
+                    "waiting request on consecutive scrapes while it read non-terminal; "
+                    "cancelled there",
+                    extra={"replica": d.replica, "request_id": d.request_id},
+                )
+                d.response_status, d.response_usage = "engine_idle", None
+                self._cancel_orphan(d, orphan=False)
+                return
         d.response_status, d.response_usage = "expired", None
+
+    def _engine_idle(self, d: Dispatch, idle: IdleEngine) -> bool:
+        """Whether ``d``'s engine has reported, on fresh scrapes since its watch began
+        (its agent's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, as
+        the load view reads them), no running and no waiting request long enough
+        (:class:`~gateway.load.IdleEngine`): then it is not computing the run, which is
+        dead (vLLM 0.33's failed streamed run stays ``queued`` for ever, D33). No
+        scrapes (no agent): never, and the watch's hour bounds it as before."""
+        snap = self.refresher.snapshot() if self.refresher is not None else {}
+        return idle.dead(snap.get(d.replica))
 
     def _watch_ended(self, key: tuple[str, str], d: Dispatch, task: asyncio.Task[None]) -> None:
         """``d``'s watcher ended, however: with its outcome, or cancelled (``shutdown``:
@@ -2463,22 +2511,30 @@ class Gateway:
             if (exc := task.exception()) is not None:  # a bug: ends as one that ran out
                 log.error("background response watcher failed", exc_info=exc)
             outcome, usage = d.response_status or "expired", d.response_usage
-            if outcome not in RESPONSE_TERMINAL and outcome != "lost":
+            if outcome not in RESPONSE_TERMINAL and outcome not in WATCH_ENDS:
                 outcome, usage = "expired", None
         self._release_background(d, outcome, usage)
 
     async def _poll_response(self, d: Dispatch) -> tuple[str, tuple[int, int] | None] | None:
         """The stored response's status and usage (prompt, cached) as its engine answers
-        ``GET /v1/responses/{id}``; ``lost`` for a replica gone or the engine's 404; None
-        when it could not be read (tried again at the next poll)."""
+        ``GET /v1/responses/{id}``; ``lost`` for a replica gone or the engine's 404;
+        ``too_large`` for an answer over ``KVGATE_MAX_UPSTREAM_BODY_BYTES``: a stored
+        response grows with its output only once its run has ended (vLLM stores the
+        ``queued`` one, input-sized, then the final one), so that run is over, and every
+        poll would read up to the cap again to the watch's hour; a client's GET of it
+        gets the 502 anyway. None when it could not be read (tried again at the next
+        poll)."""
         assert d.response_id is not None
         rep = self.pool.get(d.replica) if self.pool is not None else None
         if rep is None:
             return "lost", None
         if self.client is None:
             return None
-        resp = await self._replica_call(rep, False, _response_path(d.response_id))
-        if resp is None:
+        try:
+            resp = await self._replica_read(rep, False, _response_path(d.response_id))
+        except AnswerTooLarge:
+            return "too_large", None
+        except (httpx.HTTPError, TimeoutError):
             return None
         if resp.status_code == 404:
             return "lost", None
@@ -2495,10 +2551,17 @@ class Gateway:
         return got["status"], usage_pair(got.get("usage"))
 
     async def _replica_call(self, rep: Replica, post: bool, path: str) -> httpx.Response | None:
+        """:meth:`_replica_read`'s answer; None when it could not be made or read."""
+        try:
+            return await self._replica_read(rep, post, path)
+        except (AnswerTooLarge, httpx.HTTPError, TimeoutError):
+            return None
+
+    async def _replica_read(self, rep: Replica, post: bool, path: str) -> httpx.Response:
         """The gateway's own GET (or POST) to ``rep``'s engine (a watcher's poll, an
         orphan's cancel), under the poll slots and timeout, its answer read to at most
-        ``KVGATE_MAX_UPSTREAM_BODY_BYTES`` (a stored response holds the whole output); None
-        when it could not be made or read."""
+        ``KVGATE_MAX_UPSTREAM_BODY_BYTES`` (a stored response holds the whole output):
+        past it AnswerTooLarge, counted and logged here."""
         assert self.client is not None
         s = self.settings
         try:
@@ -2515,9 +2578,7 @@ class Gateway:
                     "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not read",
                     extra={"replica": rep.id, "path": path, "error": str(exc)},
                 )
-            return None
-        except (httpx.HTTPError, TimeoutError):
-            return None
+            raise
 
     def _replica_headers(self, rep: Replica) -> dict[str, str]:
         """The headers of the gateway's own request to ``rep``'s engine (a poll, a cancel)."""

@@ -71,6 +71,41 @@ class SharedLoad:
     # how long the engine had been busy without advancing its token counters at its
     # agent's last scrape (LoadRecord.stalled_ms, D17)
     stalled_ms: float = 0.0
+    # when its agent scraped the engine, on this gateway's wall clock (ms; 0: no unexpired
+    # report): a background watch counts only scrapes taken after it began (D33)
+    metrics_ts_ms: int = 0
+
+
+IDLE_SCRAPES = 3
+"""Fresh scrapes in a row that must see a watched background run's engine with no running
+and no waiting request before the watch ends it as dead (D33): at an agent's 1 s scrape,
+about 3 s; more than one, so a run whose request reaches the engine a moment after its
+answer (or that just finished, its stored status not yet written) is never taken for one."""
+
+
+@dataclass(slots=True)
+class IdleEngine:
+    """The engine scrapes a background watch has seen since it began (D33): how many in a
+    row reported no running and no waiting request. Each scrape counts once (its
+    ``metrics_ts_ms``, on this gateway's clock, later than the last counted, the first
+    later than the watch's start); a missing or expired report breaks the row, and a
+    repeated one (a snapshot not refreshed, an agent that stopped) adds nothing. The
+    gateway's own in-flight counts are never read: they hold the watched run itself."""
+
+    since_ms: int  # the last scrape counted; first the watch's start
+    idle: int = 0
+
+    def dead(self, load: SharedLoad | None) -> bool:
+        """Whether the row, with ``load`` (the replica's snapshot entry) seen, is long
+        enough: the engine holds none of the run's requests, nor will again (a run with
+        no built-in tool has one engine request, there from moments after its answer
+        to its end)."""
+        if load is None or load.metrics_ts_ms <= 0:
+            self.idle = 0  # no report: unknown, never idle
+        elif load.metrics_ts_ms > self.since_ms:
+            self.since_ms = load.metrics_ts_ms
+            self.idle = self.idle + 1 if load.running == 0 and load.waiting == 0 else 0
+        return self.idle >= IDLE_SCRAPES
 
 
 class InFlight:
@@ -381,6 +416,7 @@ class SharedLoadRefresher:
                 other_queued_tokens=float(max(0, rec.inflight_prefill_tokens - max(0, mine[1]))),
                 other_requests=max(0, rec.inflight_requests - max(0, mine[0])),
                 stalled_ms=float(rec.stalled_ms),
+                metrics_ts_ms=rec.metrics_ts_ms,
             )
         self._snap = snap
         # only a record there measures the skew (none: unknown, the last word stands)

@@ -282,7 +282,11 @@ class GatewayMetrics:
             "(503: KVGATE_BACKGROUND_WATCH_MAX), before any work; orphan_cancelled (a run "
             "whose answer never reached the client, cancelled on its replica); "
             "stream_failed (a streamed run whose stream ended on the replica's side without "
-            "its terminal event: its watch ended, the run cancelled on its replica)",
+            "its terminal event after its first output: its watch ended, the run cancelled "
+            "on its replica); engine_idle (a dead run: non-terminal while its replica's "
+            "engine reported no running and no waiting request on consecutive scrapes; "
+            "cancelled on its replica); too_large (its stored response over "
+            "KVGATE_MAX_UPSTREAM_BODY_BYTES: the run had ended, not read)",
             ["outcome"],
             registry=r,
         )
