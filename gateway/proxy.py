@@ -584,6 +584,9 @@ class UpstreamExchange(Response):
         else:
             usage.read(parsed.get("usage"))
         raw = _rewritten(raw, self.gw.answer_rewrites(self.d, parsed))
+        # not held while the client takes the answer: the parsed answer costs about its size
+        # again (text) or more (an embedding's floats), the write a copy of ``raw``
+        del parsed
         self.status = 200
         headers = self._resp_headers(_JSON)
         spent = time.perf_counter_ns() - c0  # the write below is the server's, not ours
