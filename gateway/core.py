@@ -530,7 +530,8 @@ class Gateway:
         )
         self.tracer = make_tracer(self._tracer_provider)
         self._warn_at = 0.0
-        self._relay_warned: dict[str, float] = {}  # replica -> its last relay WARNING
+        # (replica, kind) -> its last relay WARNING
+        self._relay_warned: dict[tuple[str, str], float] = {}
         self._bg: set[asyncio.Task[None]] = set()
         self._bg_closed = False  # set by stop(): later spawns are cancelled at once
         self._quarantine_watchers: dict[str, asyncio.Task[None]] = {}  # replica -> its watcher
@@ -2573,7 +2574,7 @@ class Gateway:
                 )  # fmt: skip
         except AnswerTooLarge as exc:
             self.metrics.upstream_errors.labels(rep.id, BODY_TOO_LARGE).inc()
-            if self.relay_warning_due(rep.id):
+            if self.relay_warning_due(rep.id, BODY_TOO_LARGE):
                 log.warning(
                     "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not read",
                     extra={"replica": rep.id, "path": path, "error": str(exc)},
@@ -2720,14 +2721,15 @@ class Gateway:
             }
         )
 
-    def relay_warning_due(self, replica: str, interval_s: float = 60.0) -> bool:
-        """Whether a WARNING about ``replica``'s answers (an oversized upstream event or
-        body) is due: one a minute per replica, so a replica that breaks every answer does
-        not log each one (the metric counts each)."""
-        now, last = time.monotonic(), self._relay_warned.get(replica)
+    def relay_warning_due(self, replica: str, kind: str, interval_s: float = 60.0) -> bool:
+        """Whether a WARNING about ``replica``'s answers of ``kind`` (an oversized upstream
+        event, an oversized body) is due: one a minute per replica and kind, so a replica
+        that breaks every answer does not log each one (the metric counts each), and one
+        kind's WARNING does not hide the other's."""
+        now, last = time.monotonic(), self._relay_warned.get((replica, kind))
         if last is not None and now - last < interval_s:
             return False
-        self._relay_warned[replica] = now
+        self._relay_warned[(replica, kind)] = now
         return True
 
     def _warn_precision(self, msg: str, d: Dispatch, out: Outcome) -> None:

@@ -483,7 +483,7 @@ class UpstreamExchange(Response):
         counted, and logged once a minute per replica as an oversized event is."""
         d = self.d
         self.gw.metrics.upstream_errors.labels(d.replica, BODY_TOO_LARGE).inc()
-        if self.gw.relay_warning_due(d.replica):
+        if self.gw.relay_warning_due(d.replica, BODY_TOO_LARGE):
             log.warning(
                 "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not relayed",
                 extra={
@@ -681,7 +681,7 @@ class UpstreamExchange(Response):
         if error is not None or not saw_done:
             error = error or "upstream stream ended without [DONE]"
             self.gw.metrics.upstream_errors.labels(d.replica, kind).inc()
-            if kind == "mid_stream" or self.gw.relay_warning_due(d.replica):
+            if kind == "mid_stream" or self.gw.relay_warning_due(d.replica, kind):
                 log.warning(
                     "upstream failed mid-stream",
                     extra={"replica": d.replica, "request_id": d.request_id, "error": error},

@@ -5,6 +5,8 @@
 * The parsed answer is not held while the client takes the answer: with it, a relayed
   answer of n bytes held its bytes, their parse (about n again for text, more for an
   embedding's floats) and the write's copy at once.
+* The oversized-event and oversized-body WARNINGs are rate-limited apart: one no longer
+  hid the other for a minute.
 
 Real gateway against a loopback engine on a free port, as tests/test_h193_body_bound.py."""
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import tracemalloc
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +31,7 @@ from gateway.settings import GatewaySettings
 from gateway.upstream import LeanTransport, UpstreamResponse, _Body, _Conn
 from tests.test_gateway_support import SECRET
 from tests.test_h24_query_of_death import MODELS, read_request
-from tests.test_h193_body_bound import _chat, completion
+from tests.test_h193_body_bound import _chat, completion, engine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,3 +137,23 @@ async def test_the_parsed_answer_is_not_held_while_it_is_written(
     # the client's read of them comes after); with its parse held too, 2n
     assert len(held) == 1
     assert held[0] < 1.5 * size, held[0] / size
+
+
+async def test_an_oversized_body_is_logged_after_an_oversized_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.proxy")
+    async with (
+        engine() as eng,
+        _gateway(eng["url"], max_upstream_body_bytes=LIMIT, max_upstream_event_bytes=LIMIT) as h,
+    ):
+        eng["mode"] = ("chunked", 200, 4 * LIMIT)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with h.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert b"upstream replica failed mid-stream" in await r.aread()
+        eng["sent"] = 0
+        assert (await _chat(h)).status_code == 502
+    messages = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert "upstream failed mid-stream" in messages, messages
+    # within the minute: it was the same replica's one WARNING a minute, and not logged
+    assert "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not relayed" in messages
