@@ -466,6 +466,8 @@ def _render_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | 
         return None, True
     if not isinstance(tools, list):
         raise ResponsesInputError("'tools' must be an array", "tools")
+    if not tools:  # construct_tool_dicts: no tools render none
+        return None, True
     out: list[dict[str, Any]] = []
     exact = True
     for i, tool in enumerate(tools):
@@ -493,7 +495,9 @@ def _render_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | 
         out.append({"type": "function", "function": fn})
     if out and tool_choice == "none":
         exact = False
-    return out or None, exact
+    # tools of vLLM's built-in types alone render [] (construct_tool_dicts' list), which
+    # preprocess_chat lays over a server's default tools: none rendered
+    return out, exact
 
 
 def _tool_kind(tool: Any, where: str) -> str:

@@ -233,8 +233,11 @@ EMPTY_TOOLS = (
 def check_chat_tools(body: Mapping[str, Any]) -> None:
     """vLLM 0.33's first refusal of a chat completion (and ``/v1/chat/completions/render``),
     ``ChatCompletionRequest.check_tool_usage``: ``tools: []`` is a 400 naming ``tools``
-    whatever ``tool_choice`` says (checked before it). ``/tokenize`` drops an empty one
-    instead (``to_chat_completion_request``), a Responses request renders none."""
+    whatever ``tool_choice`` says (checked before it). ``/tokenize`` renders an empty one
+    (``create_tokenize`` hands ``[]`` to ``preprocess_chat``, which lays it over the
+    server's default kwargs: their ``tools`` not rendered), as does a Responses request
+    whose tools are all of vLLM's built-in types; a Responses ``tools: []`` renders
+    none (``construct_tool_dicts``)."""
     if body.get("tools") == []:
         raise TokenizerError(EMPTY_TOOLS)
 
@@ -716,9 +719,9 @@ class ChatOptions:
         ``add_generation_prompt`` are always the request's own."""
         if form == "chat":
             check_chat_tools(body)
+        # a /tokenize (or Responses) [] is rendered, over the server's default tools:
+        # preprocess_chat's merge_kwargs drops only None and "auto" (check_chat_tools)
         tools = body.get("tools") if form != "pooling" else None
-        if form == "tokenize" and tools == []:
-            tools = None  # vLLM's /tokenize drops it: the template's tools are None
         docs = body.get("documents") if form == "chat" else None
         effort = body.get("reasoning_effort") if form in ("chat", "responses") else None
         cont, kwargs = body.get("continue_final_message"), body.get("chat_template_kwargs")

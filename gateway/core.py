@@ -70,6 +70,7 @@ from cachecore.tasks import (
 )
 from cachecore.tokenizer import (
     SCORE_TOKEN_LIMITS,
+    _unset_kwarg,
     chat_completion_messages,
     embedding_chat_input,
     is_conversation,
@@ -3040,6 +3041,13 @@ def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any]
     chat: dict[str, Any] = {"model": model, "messages": req.messages, **req.fields}
     if req.tools:
         chat["tools"] = req.tools
+    elif req.tools is not None:
+        # tools vLLM renders as [] (built-in types alone), laid over the engine's default
+        # tools by its preprocess_chat: a chat's tools: [] is its 400, so the kwargs' []
+        # (the same merge, unless the request's own kwargs set tools, which win)
+        kwargs = chat.get("chat_template_kwargs") or {}
+        if _unset_kwarg(kwargs.get("tools")):
+            chat["chat_template_kwargs"] = {**kwargs, "tools": []}
     return chat, req.exact
 
 

@@ -37,8 +37,9 @@ def test_empty_tools_refused_for_the_chat_form_only() -> None:
         with pytest.raises(TokenizerError) as exc:
             ChatOptions.from_body(body, "chat")
         assert str(exc.value) == EMPTY_TOOLS and option_param(exc.value) == "tools"
-    # vLLM's /tokenize drops an empty tools (the template's tools None); pooling ignores it
-    assert ChatOptions.from_body({"tools": []}, "tokenize") is None
+    # vLLM's /tokenize renders an empty tools as [] (over a server's default tools: H199,
+    # create_tokenize's tool_dicts); pooling ignores it
+    assert ChatOptions.from_body({"tools": []}, "tokenize") == ChatOptions(tools=[])
     assert ChatOptions.from_body({"tools": []}, "pooling") is None
 
 

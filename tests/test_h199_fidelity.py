@@ -5,17 +5,19 @@ request fails (vLLM 0.33 ends the body without a terminal event)."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from pydantic import TypeAdapter
 
 from cachecore.laxbool import lax_bool
-from cachecore.replica.settings import load_score_template
+from cachecore.replica.settings import ReplicaSettings, load_score_template
 from cachecore.tokenizer import (
     ChatOptions,
     HFTokenizer,
@@ -27,6 +29,8 @@ from cachecore.tokenizer import (
 from gateway.errors import GatewayError
 from gateway.tokenization import TokenizerPools, add_generation_prompt, continue_final_message
 from policies.schema import PolicyError, parse_policy_text
+from tests.test_gateway_support import stack
+from tests.test_responses_replica import template_model
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -132,3 +136,101 @@ def test_kwargs_tokenize_reads_add_special_tokens_as_vllms_request_model(flag: o
                 ChatOptions.from_body(body, "chat")
         else:
             ChatOptions.from_body(body, "chat")  # no refusal: a tokenized chat, charged
+
+
+# prints what the template gets as tools: None, an empty list, or how many
+_TOOLS_HEAD = (
+    "{% if tools is none %}<none>{% elif tools %}{% for t in tools %}"
+    "<tool {{ t.function.name }}: {{ t.function.description }}>{% endfor %}"
+    "{% else %}<an empty list of tools>{% endif %}\n"
+)
+_DEFAULT_TOOLS = {
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "finds a record by its key in the ledger",
+                "parameters": None,
+            },
+        }
+    ]
+}
+_MSGS = [{"role": "user", "content": "hello there"}]
+
+
+def _tool_count(tok: HFTokenizer, tools: list[Any] | None, gen: bool = True) -> int:
+    return len(tok.encode(tok.apply_chat_template(_MSGS, gen, ChatOptions(tools=tools))))
+
+
+def _defaults_replica(model: Path) -> ReplicaSettings:
+    return ReplicaSettings(
+        time_scale=0.05, tokenizer_dir=str(model), default_chat_template_kwargs=_DEFAULT_TOOLS
+    )
+
+
+async def test_tokenize_tools_empty_renders_no_tools_over_the_default_tools(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.33's chat /tokenize (non-Harmony: ``create_tokenize``) hands its ``tools:
+    []`` to ``preprocess_chat`` as ``tool_dicts``, whose ``merge_kwargs`` lays it over the
+    server's default kwargs (only None and "auto" are no override): the template gets
+    ``[]``, not the defaults' tools, nor None (the replica dropped it to None, then took
+    the defaults'). The request's own kwargs tools still win over it."""
+    model = template_model(tmp_path, _TOOLS_HEAD)
+    tok = HFTokenizer.from_dir(model)
+    empty, defaults = _tool_count(tok, []), _tool_count(tok, _DEFAULT_TOOLS["tools"])
+    assert len({empty, defaults, _tool_count(tok, None)}) == 3
+    policy = f"models: {{default: {json.dumps({'tokenizer': 'hf', 'tokenizer_dir': str(model)})}}}"
+    async with (
+        stack(count=1, replica=_defaults_replica(model), policy=policy) as st,
+        st.http() as h,
+    ):
+        url = st.fleet.endpoints[0].url
+        body = {"model": st.model, "messages": _MSGS}
+        r = await h.post(f"{url}/tokenize", json=body)
+        assert r.status_code == 200 and r.json()["count"] == defaults, r.text
+        for where in (url, ""):  # the replica, and through the gateway
+            r = await h.post(f"{where}/tokenize", json={**body, "tools": []})
+            assert r.status_code == 200 and r.json()["count"] == empty, r.text
+        kwargs = {"chat_template_kwargs": {"tools": None}, "tools": []}
+        r = await h.post(f"{url}/tokenize", json={**body, **kwargs})
+        assert r.json()["count"] == empty, r.text
+        kwargs = {"chat_template_kwargs": _DEFAULT_TOOLS, "tools": []}
+        r = await h.post(f"{url}/tokenize", json={**body, **kwargs})
+        assert r.json()["count"] == defaults, r.text
+
+
+@pytest.mark.parametrize("tokenizer", ["hf", "engine_tokenize"])
+async def test_responses_builtin_tools_alone_render_no_tools_over_the_default_tools(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    """A Responses request whose tools are all of vLLM's built-in types renders ``[]``
+    (``construct_tool_dicts``: the function tools of a non-empty list), laid over the
+    server's default tools by ``preprocess_chat``; ``tools: []`` itself renders None (the
+    defaults' tools). The replica answers so, and the gateway charges it (a local
+    tokenizer over the pool's defaults, or the engine's /tokenize with its own)."""
+    model = template_model(tmp_path, _TOOLS_HEAD)
+    tok = HFTokenizer.from_dir(model)
+    empty, defaults = _tool_count(tok, []), _tool_count(tok, _DEFAULT_TOOLS["tools"])
+    pool: dict[str, Any] = {"tokenizer": tokenizer}
+    if tokenizer == "hf":
+        pool.update(tokenizer_dir=str(model), default_chat_template_kwargs=_DEFAULT_TOOLS)
+    policy = f"models: {{default: {json.dumps(pool)}}}"
+    namespace = {"type": "namespace", "name": "ns", "description": "n", "tools": []}
+    cases: list[tuple[list[Any], int]] = [
+        ([{"type": "web_search"}], empty),
+        ([namespace], empty),
+        ([], defaults),
+    ]
+    async with (
+        stack(count=1, replica=_defaults_replica(model), policy=policy) as st,
+        st.http() as h,
+    ):
+        for tools, want in cases:
+            body = {"model": st.model, "input": _MSGS, "max_output_tokens": 1, "tools": tools}
+            r = await h.post("/v1/responses", json=body)
+            assert r.status_code == 200, (tools, r.text)
+            assert r.json()["usage"]["input_tokens"] == want, (tools, r.text)
+            d = await st.gw.prepare("responses", "anonymous", dict(body), {}, "x", True)
+            assert d.prompt_tokens == want, (tools, d.prompt_tokens, want)

@@ -360,9 +360,11 @@ def test_namespace_tools_render_flattened_as_vllm_renders_them() -> None:
         "name": "crm__lookup", "description": "Find one.", "parameters": lookup["parameters"],
         "strict": True, "defer_loading": False}}  # fmt: skip
     assert tools[2]["function"] == {"name": "crm__list", "description": None, "parameters": None}
-    # an empty namespace is rendered as the flat name says; one of custom tools renders none
+    # an empty namespace is rendered as the flat name says; one of custom tools renders an
+    # empty list (construct_tool_dicts' [], over a server's default tools: H199)
     only_custom = {**crm, "name": "", "tools": [{"type": "custom", "name": "note"}]}
-    assert chat_tools([only_custom]) == (None, True)
+    assert chat_tools([only_custom]) == ([], True)
+    assert chat_tools([]) == (None, True)  # no tools: None (construct_tool_dicts)
     flat = chat_tools([{**crm, "name": ""}])[0]
     assert flat is not None and flat[0]["function"]["name"] == "__lookup"
     # a named tool_choice renders nothing; "none" with tools stays unkeyed (a server flag)
