@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from pydantic import TypeAdapter
 
@@ -29,6 +30,7 @@ from cachecore.tokenizer import (
 from gateway.errors import GatewayError
 from gateway.tokenization import TokenizerPools, add_generation_prompt, continue_final_message
 from policies.schema import PolicyError, parse_policy_text
+from tests.test_agent_helpers import counter_total
 from tests.test_gateway_support import stack
 from tests.test_responses_replica import template_model
 
@@ -234,3 +236,57 @@ async def test_responses_builtin_tools_alone_render_no_tools_over_the_default_to
             assert r.json()["usage"]["input_tokens"] == want, (tools, r.text)
             d = await st.gw.prepare("responses", "anonymous", dict(body), {}, "x", True)
             assert d.prompt_tokens == want, (tools, d.prompt_tokens, want)
+
+
+def _event_kinds(raw: bytes) -> list[str]:
+    """A Responses stream's event types in order: the gateway's own error event (an error
+    object, no type) ``gateway_error``, ``[DONE]`` empty."""
+    out = []
+    for block in raw.strip().split(b"\n\n"):
+        data = block.split(b"data: ", 1)[-1]
+        obj = orjson.loads(data) if data.startswith(b"{") else {}
+        out.append("gateway_error" if "error" in obj else obj.get("type", ""))
+    return out
+
+
+async def _stream_failing(h: httpx.AsyncClient, url: str, body: dict[str, Any], st: Any) -> bytes:
+    """POST a Responses stream and fail its engine request at its first output delta (the
+    API server stays up); the bytes the client got, to the end of the body or its break."""
+    raw = b""
+    failed = False
+    async with h.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200
+        async for chunk in resp.aiter_bytes():
+            raw += chunk
+            if not failed and b"response.output_text.delta" in raw:
+                failed = True
+                drv = st.fleet.replicas[0].driver
+                for running in list(drv._handles):
+                    drv.abort(running, "engine failed")
+    assert failed
+    return raw
+
+
+async def test_a_responses_stream_whose_engine_request_fails_breaks_off_as_vllms() -> None:
+    """vLLM 0.33's responses_stream_generator answers a GenerationError with an
+    ErrorResponse validated as a StreamingResponsesResponse, which raises (no event type
+    takes an ``{"error": ...}`` object): the body breaks off after its 200 head, with no
+    terminal event and no error event. The replica sent an ``error`` event and ended the
+    body cleanly. Through the gateway the client gets the gateway's mid-stream error event
+    and [DONE], counted, and the failure held against the replica (passive ejection)."""
+    async with stack(count=1) as st, st.http() as h:
+        body = {"model": st.model, "input": "tell me more", "max_output_tokens": 400}
+        body["stream"] = True
+        url = st.fleet.endpoints[0].url
+        with pytest.raises(httpx.RemoteProtocolError):
+            await _stream_failing(h, f"{url}/v1/responses", body, st)
+        assert st.gw.pool is not None
+        (rep,) = st.gw.pool.all()
+        assert rep.consecutive_failures == 0
+        raw = await _stream_failing(h, "/v1/responses", body, st)
+        kinds = _event_kinds(raw)
+        assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+        assert kinds[-2:] == ["gateway_error", ""], kinds
+        assert not {"error", "response.completed", "response.incomplete"} & set(kinds), kinds
+        assert counter_total(st.gw.metrics.upstream_errors, kind="mid_stream") == 1
+        assert rep.consecutive_failures == 1

@@ -67,6 +67,7 @@ from cachecore.replica.protocol import (
     pair_score,
     pooling_usage,
     sse,
+    tool_call,
     usage,
     usage_chunk,
     validate_common,
@@ -78,6 +79,8 @@ from cachecore.replica.responses import (
     EventSequence,
     ResponsesRequest,
     StoredResponse,
+    call_item_id,
+    function_call_item,
     message_item,
     not_found,
     response_id,
@@ -85,6 +88,7 @@ from cachecore.replica.responses import (
     sse_event,
 )
 from cachecore.replica.server import SimReplica
+from cachecore.replica.toolcalls import PlannedCall, call_finish, plan_call
 from cachecore.responses import (
     ResponsesInputError,
     render_request,
@@ -174,6 +178,14 @@ class _ClientGone(Exception):
     aborted): answered 499, which nobody reads."""
 
 
+class _ResponsesStreamBroken(RuntimeError):
+    """A Responses stream whose engine request failed: vLLM 0.33's
+    responses_stream_generator turns the GenerationError into an ErrorResponse and
+    validates it as a StreamingResponsesResponse, which it is not (no event type takes an
+    ``{"error": ...}`` object): the ValidationError propagates out of the body after its
+    200 head, and the connection ends without a terminal event, or any error event."""
+
+
 @dataclass(frozen=True)
 class _Pooled(Generic[P]):
     """A pooling request the engine ran: the request, its engine id, each prompt's ids,
@@ -229,6 +241,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         rid: str | None,
         reads_cache: bool = True,
         pooling: bool = False,
+        output: tuple[int, ...] = (),
     ) -> tuple[EngineDriver, RequestHandle]:
         driver = replica.driver
         request_id = f"{prefix}-{rid or uuid.uuid4().hex}"
@@ -237,11 +250,26 @@ def create_app(replica: SimReplica) -> FastAPI:
                 EngineRequest(
                     request_id, prompt_ids, max_tokens, cache_salt=salt, lora_name=lora,
                     skip_reading_prefix_cache=not reads_cache, pooling=pooling,
+                    output_token_ids=output,
                 )
             )  # fmt: skip
         except RequestRejectedError as exc:
             raise APIError(str(exc)) from exc
         return driver, handle
+
+    def call_run(
+        call: PlannedCall | None, asked: int | None, default: int
+    ) -> tuple[int, tuple[int, ...], PlannedCall | None]:
+        """The engine's ``max_tokens`` and output for a request that may make ``call``
+        (``asked``: the client's cap, None when it set none; ``default`` the cap then): the
+        call's tokens, stopped at their end as a model stops at its EOS; a call ``asked``
+        cuts is its tokens to the cap, answered as their text (no complete call parsed)."""
+        if call is None:
+            return (asked if asked is not None else default), (), None
+        n = len(call.ids)
+        if asked is None or asked >= n:
+            return n, call.ids, call
+        return asked, call.ids, None
 
     async def collect(driver: EngineDriver, handle: RequestHandle) -> tuple[str, RequestOutput]:
         ids: list[int] = []
@@ -282,11 +310,13 @@ def create_app(replica: SimReplica) -> FastAPI:
         chat: bool,
         include_usage: bool,
         continuous_usage: bool,
+        call: PlannedCall | None = None,
     ) -> AsyncIterator[bytes]:
         created = now_s()
         rid = handle.request_id
         obj = "chat.completion.chunk" if chat else "text_completion"
         last: RequestOutput | None = None
+        call_deltas = None if call is None else tool_call_deltas(call)
         try:
             async for out in handle.outputs():
                 if chat and last is None:
@@ -295,13 +325,18 @@ def create_app(replica: SimReplica) -> FastAPI:
                     role = {"role": "assistant", "content": ""}
                     yield sse(chat_chunk(rid, model, created, role, None))
                 last = out
-                text = replica.token_text(out.new_token_ids)
                 finish = out.finish_reason.value if out.finish_reason else None
-                chunk = (
-                    chat_chunk(rid, model, created, {"content": text}, finish)
-                    if chat
-                    else completion_chunk(rid, model, created, text, finish)
-                )
+                if call_deltas is not None:
+                    delta, finish = call_deltas(out)
+                    if delta is None:
+                        continue  # no argument text yet: nothing a parser streams
+                    chunk = chat_chunk(rid, model, created, delta, finish)
+                elif chat:
+                    text = replica.token_text(out.new_token_ids)
+                    chunk = chat_chunk(rid, model, created, {"content": text}, finish)
+                else:
+                    text = replica.token_text(out.new_token_ids)
+                    chunk = completion_chunk(rid, model, created, text, finish)
                 if continuous_usage:
                     chunk["usage"] = usage(out)
                 yield sse(chunk)
@@ -312,6 +347,31 @@ def create_app(replica: SimReplica) -> FastAPI:
         finally:
             driver.abort(rid)
         yield SSE_DONE
+
+    def tool_call_deltas(
+        call: PlannedCall,
+    ) -> Callable[[RequestOutput], tuple[dict[str, Any] | None, str | None]]:
+        """A streamed call's chunk deltas, one engine output at a time, as vLLM's chat
+        stream sends them: the first with the call's id, type and name, then the arguments
+        as the tokens reveal them; the last with the finish reason. None: nothing new."""
+        sent = 0
+        opened = False
+
+        def step(out: RequestOutput) -> tuple[dict[str, Any] | None, str | None]:
+            nonlocal sent, opened
+            args = call.arguments_after(out.num_output_tokens)
+            piece, sent = args[sent:], len(args)
+            finish = call_finish(call) if out.finish_reason is not None else None
+            if not opened:
+                opened = True
+                tc = {**tool_call(call.id, call.name, piece), "index": 0}
+            elif piece:
+                tc = {"index": 0, "function": {"arguments": piece}}
+            else:
+                return ({} if finish else None), finish
+            return {"tool_calls": [tc]}, finish
+
+        return step
 
     def stream_flags(req: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
         so = req.stream_options
@@ -485,19 +545,30 @@ def create_app(replica: SimReplica) -> FastAPI:
         salt = validate_common(req)
         ids = await chat_prompt(req, salt)
         model = req.model or replica.model
+        max_tokens = req.requested_max_tokens()
+        asked = None if req.max_completion_tokens is None and req.max_tokens is None else max_tokens
+        call = plan_call(tok, req.tools, req.tool_choice, req.messages, ids, "chat")
+        max_tokens, output, call = call_run(call, asked, max_tokens)
         driver, handle = submit(
-            "chatcmpl", ids, req.requested_max_tokens(), salt, lora, engine_id(request, req),
-            req.reads_prefix_cache(),
+            "chatcmpl", ids, max_tokens, salt, lora, engine_id(request, req),
+            req.reads_prefix_cache(), output=output,
         )  # fmt: skip
         if req.stream:
             inc, cont = stream_flags(req)
             return StreamingResponse(
-                stream(driver, handle, model, True, inc, cont), media_type="text/event-stream"
+                stream(driver, handle, model, True, inc, cont, call),
+                media_type="text/event-stream",
             )
         got = await collect_unless_gone(request, driver, handle)
         if got is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
         text, last = got
+        if call is not None:
+            calls = [tool_call(call.id, call.name, call.arguments)]
+            answer = chat_response(
+                handle.request_id, model, None, last, now_s(), calls, call_finish(call)
+            )
+            return JSONResponse(answer)
         return JSONResponse(chat_response(handle.request_id, model, text, last, now_s()))
 
     @app.post("/v1/completions", response_model=None)
@@ -564,16 +635,24 @@ def create_app(replica: SimReplica) -> FastAPI:
         ids = await encode(text, salt or "")
         rid = response_id(req)
         model = req.model or replica.model
+        call = plan_call(tok, req.tools, req.tool_choice, messages, ids, "responses")
+        run_tokens, output, call = call_run(call, max_tokens, DEFAULT_MAX_TOKENS)
         driver, handle = submit(
-            "resp", ids, max_tokens or DEFAULT_MAX_TOKENS, salt, lora, rid.removeprefix("resp_")
+            "resp", ids, run_tokens, salt, lora, rid.removeprefix("resp_"), output=output
         )
         created = now_s()
 
         def finish(text: str, last: RequestOutput | None, item_id: str | None) -> dict[str, Any]:
-            """The finished response, its one message item holding ``text`` (under a new
-            item id unless the stream gave its own), stored: every way a response ends."""
-            item = message_item(item_id or f"msg_{uuid.uuid4().hex}", text, "completed")
-            final = response_object(rid, req, model, created, [item], last)
+            """The finished response, its one item holding ``text`` (a message) or the call
+            (a ``function_call``), under a new item id unless the stream gave its own,
+            stored: every way a response ends."""
+            if call is not None:
+                item = function_call_item(item_id or call_item_id(), call, "completed")
+            else:
+                item = message_item(item_id or f"msg_{uuid.uuid4().hex}", text, "completed")
+            final = response_object(
+                rid, req, model, created, [item], last, stopped=call is not None
+            )
             # vLLM keeps the messages this prompt was rendered from (a custom tool output's
             # parts spent by this rendering: stored_messages) and the response, whose
             # output a follow-up appends (request_messages); a cancelled one stays
@@ -594,7 +673,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             replica.responses.put(rid, StoredResponse(queued, kept))
             if req.stream:
                 log = replica.responses.events[rid] = EventLog([], asyncio.Event())
-                run = background_stream(driver, handle, rid, req, model, created, finish, log)
+                run = background_stream(driver, handle, rid, req, model, created, finish, log, call)
             else:
                 run = background_run(driver, handle, rid, finish)
             replica.responses.run(rid, asyncio.ensure_future(run))
@@ -604,7 +683,7 @@ def create_app(replica: SimReplica) -> FastAPI:
 
         if req.stream:
             return StreamingResponse(
-                response_events(driver, handle, rid, req, model, created, finish),
+                response_events(driver, handle, rid, req, model, created, finish, call),
                 media_type="text/event-stream",
             )
         got = await collect_unless_gone(request, driver, handle)
@@ -621,8 +700,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         model: str,
         created: int,
         finish: _Finish,
+        call: PlannedCall | None = None,
     ) -> AsyncIterator[bytes]:
-        seq = EventSequence(rid, req, model, created)
+        seq = EventSequence(rid, req, model, created, call)
         texts: list[str] = []
         last: RequestOutput | None = None
         try:
@@ -635,7 +715,9 @@ def create_app(replica: SimReplica) -> FastAPI:
                     for event in seq.item_opening():
                         yield sse_event(event)
                 texts.append(piece)
-                yield sse_event(seq.delta(piece))
+                delta = seq.delta(piece, out.num_output_tokens)
+                if delta is not None:
+                    yield sse_event(delta)
             if not texts:
                 for event in seq.item_opening():
                     yield sse_event(event)
@@ -644,7 +726,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             for event in seq.closing(text, final):
                 yield sse_event(event)
         except EngineStoppedError as exc:
-            yield sse_event({"type": "error", "code": "503", "message": str(exc), "param": None})
+            raise _ResponsesStreamBroken(f"engine request failed: {exc}") from exc
         finally:
             driver.abort(handle.request_id)
 
@@ -672,17 +754,19 @@ def create_app(replica: SimReplica) -> FastAPI:
         created: int,
         finish: _Finish,
         log: EventLog,
+        call: PlannedCall | None,
     ) -> None:
         """vLLM's _run_background_request_stream: the stream's events into ``log``. A run
-        that fails records no error event: vLLM 0.33's responses_stream_generator builds
-        it from an ErrorResponse that is no StreamingResponsesResponse (its validation
-        raises, and the task with it), so the stored response stays ``queued`` and the
-        stream just stops (vLLM's replay then waits; this one ends, as :func:`replay`)."""
+        that fails records no error event (:class:`_ResponsesStreamBroken`: vLLM's task
+        raises), so the stored response stays ``queued`` and the stream just stops
+        (vLLM's replay then waits; this one ends, as :func:`replay`)."""
         try:
-            async for data in response_events(driver, handle, rid, req, model, created, finish):
+            events = response_events(driver, handle, rid, req, model, created, finish, call)
+            async for data in events:
                 kind = data.split(b"\n", 1)[0].removeprefix(b"event: ").decode()
-                if kind != "error":
-                    log.append(kind, data)
+                log.append(kind, data)
+        except _ResponsesStreamBroken:
+            pass  # vLLM's task ends on it; nothing awaits it to read it
         finally:
             log.close()
 
