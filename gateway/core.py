@@ -2464,7 +2464,11 @@ class Gateway:
             not isinstance(t, dict) or t.get("type") not in _RENDERED_TOOLS for t in tools
         )
         # a run whose server may call a tool leaves its engine idle while the tool runs
-        idle = None if builtin else IdleEngine(int(time.time() * 1000))
+        idle = (
+            None
+            if builtin
+            else IdleEngine(int(time.time() * 1000), int(s.background_idle_s * 1000))
+        )
         # held for up to an hour, up to KVGATE_BACKGROUND_WATCH_MAX of them: not the
         # prompt (its exchange is over: the trace and span have read it)
         d.raw_body, d.body, d.keys, d.matches = None, {}, [], []

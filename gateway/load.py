@@ -78,9 +78,10 @@ class SharedLoad:
 
 IDLE_SCRAPES = 3
 """Fresh scrapes in a row that must see a watched background run's engine with no running
-and no waiting request before the watch ends it as dead (D33): at an agent's 1 s scrape,
-about 3 s; more than one, so a run whose request reaches the engine a moment after its
-answer (or that just finished, its stored status not yet written) is never taken for one."""
+and no waiting request before the watch ends it as dead (D33), and over at least
+``KVGATE_BACKGROUND_IDLE_S`` of them (:attr:`IdleEngine.min_idle_ms`); more than one, so a
+run whose request reaches the engine a moment after its answer (or that just finished, its
+stored status not yet written) is never taken for one."""
 
 
 @dataclass(slots=True)
@@ -93,7 +94,14 @@ class IdleEngine:
     gateway's own in-flight counts are never read: they hold the watched run itself."""
 
     since_ms: int  # the last scrape counted; first the watch's start
+    # how long the row must last, from its first scrape to its latest: vLLM 0.33 sets its
+    # request gauges from a step's outputs only (v1/core/sched/scheduler.py
+    # update_from_output, make_stats), so an engine idle before the run reads 0 and 0 for
+    # the whole step that first computes it (a LoRA adapter's load, a multimodal encoder
+    # pass, an unchunked long prefill: up to VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s)
+    min_idle_ms: int = 0
     idle: int = 0
+    first_ms: int = 0  # the row's first scrape
 
     def dead(self, load: SharedLoad | None) -> bool:
         """Whether the row, with ``load`` (the replica's snapshot entry) seen, is long
@@ -104,8 +112,13 @@ class IdleEngine:
             self.idle = 0  # no report: unknown, never idle
         elif load.metrics_ts_ms > self.since_ms:
             self.since_ms = load.metrics_ts_ms
-            self.idle = self.idle + 1 if load.running == 0 and load.waiting == 0 else 0
-        return self.idle >= IDLE_SCRAPES
+            if load.running == 0 and load.waiting == 0:
+                if self.idle == 0:
+                    self.first_ms = load.metrics_ts_ms
+                self.idle += 1
+            else:
+                self.idle = 0
+        return self.idle >= IDLE_SCRAPES and self.since_ms - self.first_ms >= self.min_idle_ms
 
 
 class InFlight:

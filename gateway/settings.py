@@ -142,6 +142,9 @@ class GatewaySettings(BaseSettings):
     # served unwatched: its replica's load would forget it
     background_poll_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     background_watch_max_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 3600.0
+    # how long a watched run's engine must report no request before the run is taken for
+    # dead (gateway.load.IdleEngine): longer than one engine step, which its idle gauges hide
+    background_idle_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 300.0
     background_watch_max: Annotated[int, Field(ge=0)] = 1024
     background_watch_tenant_share: Annotated[float, Field(gt=0, le=1)] = 0.25
     # prompt text the tokenizer cache does not hold, past which its BPE runs in a thread

@@ -101,9 +101,10 @@ async def test_a_dead_run_is_ended_within_a_few_scrapes() -> None:
     # vLLM 0.33's streamed run whose engine request fails stays "queued" for ever: its
     # replica's engine then holds no request, which tells it from a queued one
     async with (
-        stack(count=1, policy=ONE_SLOT, agents=True, background_poll_s=0.05) as st,
+        stack(count=1, policy=ONE_SLOT, agents=True, background_poll_s=0.05,
+              background_idle_s=0) as st,
         st.http() as h,
-    ):
+    ):  # fmt: skip
         seen = _slots(st.gw)
         drv = st.fleet.replicas[0].driver
         drv.pause(5.0)  # the request waits in the engine: no output yet
