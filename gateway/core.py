@@ -2371,22 +2371,34 @@ class Gateway:
             self._debit_follow_up(d, out.prompt_tokens, out.cached_tokens)
         if self.trace is not None:
             self._trace(d, out)
-        if out.cached_tokens is None or out.status != 200 or d.unkeyed:
-            return  # media (the engine counts its items) or no cache read: nothing to judge
-        prompt = out.prompt_tokens if out.prompt_tokens is not None else d.prompt_tokens
+        if out.cached_tokens is None or out.status != 200 or d.unkeyed or d.watched:
+            # media (the engine counts its items) or no cache read: nothing to judge; a
+            # watched run's usage comes at its watch's end, judged there once
+            return
+        prompt = self._judge(d, out.prompt_tokens, out.cached_tokens)
+        self._fit(d, out, prompt)
+
+    def _judge(self, d: Dispatch, engine_prompt: int | None, cached: int) -> int:
+        """Precision and the claim check of ``d``'s prefill, as its engine reported it
+        (``cached`` tokens of its ``engine_prompt``) against the decision's prediction:
+        at its answer (:meth:`finish`) or, for a background run, at its watch's end
+        (:meth:`_release_background`). The prompt's token count: the engine's if given."""
+        prompt = engine_prompt if engine_prompt is not None else d.prompt_tokens
         if prompt != d.prompt_tokens:
             self._warn_precision(
                 "prompt token count differs from the engine's: tokenizers are misaligned",
-                d, out,
+                d, engine_prompt, cached,
             )  # fmt: skip
         if not d.ephemeral:
             predicted = d.decision.predicted_cached_tokens
-            frac = m.observe_precision(rid, predicted, out.cached_tokens, prompt)
+            frac = self.metrics.observe_precision(d.replica, predicted, cached, prompt)
             if frac > self.policy.precision.warn_error_fraction:
-                m.precision_warnings.inc()
-                self._warn_precision("predicted and actual cached tokens disagree", d, out)
-            self._check_claims(d, out.cached_tokens)
-        self._fit(d, out, prompt)
+                self.metrics.precision_warnings.inc()
+                self._warn_precision(
+                    "predicted and actual cached tokens disagree", d, engine_prompt, cached
+                )
+            self._check_claims(d, cached)
+        return prompt
 
     def _debit_follow_up(self, d: Dispatch, prompt: int, cached: int) -> None:
         """A follow-up was charged its own instructions and input; its prompt holds the
@@ -2470,8 +2482,10 @@ class Gateway:
             else IdleEngine(int(time.time() * 1000), int(s.background_idle_s * 1000))
         )
         # held for up to an hour, up to KVGATE_BACKGROUND_WATCH_MAX of them: not the
-        # prompt (its exchange is over: the trace and span have read it)
-        d.raw_body, d.body, d.keys, d.matches = None, {}, [], []
+        # prompt (its exchange is over: the trace and span have read it), only what the
+        # claim check at its end reads
+        d.raw_body, d.body = None, {}
+        self._keep_claim(d)
         while time.monotonic() + s.background_poll_s < deadline:
             await asyncio.sleep(s.background_poll_s)
             # read before the poll: a run that just left its engine idle is stored
@@ -2643,6 +2657,12 @@ class Gateway:
         self._end_admission(d)
         if outcome in RESPONSE_TERMINAL and usage is not None:
             self._debit_follow_up(d, *usage)
+            if not d.unkeyed:
+                # its precision and claim check, as a synchronous answer's, once: finish
+                # left them to the watch (no usage yet). No cost-model fit: its engine's
+                # first token was never seen (no TTFT; the POST's latency is the queued
+                # answer's)
+                self._judge(d, *usage)
 
     def release_admission(self, d: Dispatch) -> None:
         """``d``'s exchange is over: its tenant's concurrency slot and its watch place
@@ -2737,7 +2757,9 @@ class Gateway:
         self._relay_warned[(replica, kind)] = now
         return True
 
-    def _warn_precision(self, msg: str, d: Dispatch, out: Outcome) -> None:
+    def _warn_precision(
+        self, msg: str, d: Dispatch, engine_prompt: int | None, cached: int
+    ) -> None:
         now = time.monotonic()
         if now - self._warn_at < self.policy.precision.warn_interval_s:
             return
@@ -2748,24 +2770,40 @@ class Gateway:
                 "replica": d.replica,
                 "request_id": d.request_id,
                 "predicted_cached": d.decision.predicted_cached_tokens,
-                "actual_cached": out.cached_tokens,
+                "actual_cached": cached,
                 "gateway_prompt_tokens": d.prompt_tokens,
-                "engine_prompt_tokens": out.prompt_tokens,
+                "engine_prompt_tokens": engine_prompt,
             },
         )
 
-    def _check_claims(self, d: Dispatch, cached_tokens: int) -> None:
+    def _claimed(self, d: Dispatch) -> int:
+        """Blocks the index claimed stored on ``d``'s replica at its lookup, in the
+        engine's blocks (an EAGLE/MTP engine drops the last block of a hit; the index
+        rightly holds it); 0 when no claim check is due."""
         if not self.policy.quarantine.enabled or not d.matches:
-            return
+            return 0
         match = d.matches[d.salt_index].get(d.replica)
         if match is None:
-            return
-        # in the engine's blocks: what it should serve of the stored prefix (an EAGLE/MTP
-        # engine drops the last block; the index rightly holds it)
+            return 0
         claimed = hit_blocks(match.stored_blocks, d.prompt_tokens, d.block_size, d.hit_drop_blocks)
-        if claimed < self.policy.quarantine.min_claimed_blocks:
+        return claimed if claimed >= self.policy.quarantine.min_claimed_blocks else 0
+
+    def _keep_claim(self, d: Dispatch) -> None:
+        """Of ``d``'s keys and matches, only what its claim check reads (the chosen salt's
+        keys up to the claim and the engine's dropped blocks, its replica's match): a
+        watched run holds them until it ends (D33)."""
+        claimed, si = self._claimed(d), d.salt_index
+        if not claimed:
+            d.keys, d.matches = [], []
             return
-        self.spawn(self._recheck(d, claimed, cached_tokens // d.block_size))
+        end = claimed + d.hit_drop_blocks
+        d.keys = [ks[:end] if i == si else [] for i, ks in enumerate(d.keys)]
+        d.matches = [{d.replica: m[d.replica]} if i == si else {} for i, m in enumerate(d.matches)]
+
+    def _check_claims(self, d: Dispatch, cached_tokens: int) -> None:
+        claimed = self._claimed(d)
+        if claimed:
+            self.spawn(self._recheck(d, claimed, cached_tokens // d.block_size))
 
     async def _recheck(self, d: Dispatch, claimed: int, actual: int) -> None:
         assert self.index is not None
