@@ -256,6 +256,7 @@ class EngineCore:
             prompt_bytes=prompt_bytes,
             skip_reading_prefix_cache=request.skip_reading_prefix_cache,
             pooling=request.pooling,
+            output_plan=list(request.output_token_ids[: request.max_tokens]),
         )
         self._requests[request.request_id] = state
         self.waiting.append(state)

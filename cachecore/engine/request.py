@@ -51,6 +51,9 @@ class EngineRequest:
     # is 1 internally): it finishes at the step that computes its prompt's last token,
     # with no output token; ``max_tokens`` is not read
     pooling: bool = False
+    # what the simulated model generates instead of its drawn words (a tool call the
+    # replica decided on: cachecore.replica.toolcalls), its first ``max_tokens`` ids
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

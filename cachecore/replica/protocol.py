@@ -227,6 +227,8 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     top_logprobs: int | None = 0  # vLLM's default: echo alone asks for prompt logprobs
     logprobs: bool | None = False  # a chat's is a flag (a completion's a count)
     parallel_tool_calls: bool | None = True
+    # read by the simulated model's call rule (cachecore.replica.toolcalls), not validated
+    tool_choice: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -700,8 +702,19 @@ def now_s() -> int:
 
 
 def chat_response(
-    request_id: str, model: str, text: str, last: RequestOutput, created: int
+    request_id: str,
+    model: str,
+    text: str | None,
+    last: RequestOutput,
+    created: int,
+    tool_calls: list[dict[str, Any]] | None = None,
+    finish: str | None = None,
 ) -> dict[str, Any]:
+    """A chat completion; with ``tool_calls`` (:func:`tool_call`) its content null and
+    ``finish`` its finish reason (vLLM's ``resolve_finish_reason``), else the engine's."""
+    if finish is None and last.finish_reason is not None:
+        finish = last.finish_reason.value
+    message = {"role": "assistant", "content": text, "tool_calls": tool_calls or []}
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -710,15 +723,22 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": last.finish_reason.value if last.finish_reason else None,
+                "finish_reason": finish,
                 "stop_reason": None,
             }
         ],
         "usage": usage(last),
         "prompt_logprobs": None,
     }
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A chat completion message's tool call, as vLLM's ``ToolCall`` dumps it."""
+    return {
+        "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments},
+    }  # fmt: skip
 
 
 def completion_response(

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from cachecore.engine import RequestOutput
 from cachecore.replica.protocol import APIError
+from cachecore.replica.toolcalls import PlannedCall
 
 
 class ResponsesRequest(BaseModel):
@@ -157,6 +158,21 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def call_item_id() -> str:
+    """A ``function_call`` item's id, as vLLM's (``fc_`` + a uuid)."""
+    return f"fc_{uuid.uuid4().hex}"
+
+
+def function_call_item(item_id: str, call: PlannedCall, status: str) -> dict[str, Any]:
+    """The simulated model's call as vLLM's ``ResponseFunctionToolCall`` item (its
+    arguments empty while ``in_progress``, as the stream's first event has them)."""
+    arguments = "" if status == "in_progress" else call.arguments
+    return {
+        "id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
+        "arguments": arguments, "status": status,
+    }  # fmt: skip
+
+
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
 
@@ -169,12 +185,16 @@ def response_object(
     output: list[dict[str, Any]],
     last: RequestOutput | None,
     queued: bool = False,
+    stopped: bool = False,
 ) -> dict[str, Any]:
     """The response object; ``last`` None: still in progress (the stream's first events),
-    or ``queued`` (a background one's first answer, vLLM's ``status="queued"``)."""
+    or ``queued`` (a background one's first answer, vLLM's ``status="queued"``);
+    ``stopped``: the model ended its output itself (a complete tool call), not at the
+    cap, so ``completed``."""
     status, incomplete = "queued" if queued else "in_progress", None
     if last is not None:
-        length = last.finish_reason is not None and last.finish_reason.value == "length"
+        reason = last.finish_reason
+        length = not stopped and reason is not None and reason.value == "length"
         status = "incomplete" if length else "completed"
         incomplete = {"reason": "max_output_tokens"} if length else None
     return {
@@ -201,9 +221,20 @@ def sse_event(event: dict[str, Any]) -> bytes:
 class EventSequence:
     """The stream's events in the Responses API's order, numbered."""
 
-    def __init__(self, rid: str, req: ResponsesRequest, model: str, created: int) -> None:
+    def __init__(
+        self,
+        rid: str,
+        req: ResponsesRequest,
+        model: str,
+        created: int,
+        call: PlannedCall | None = None,
+    ) -> None:
         self.rid, self.req, self.model, self.created = rid, req, model, created
-        self.item_id = f"msg_{uuid.uuid4().hex}"
+        # the output item: the message, or the simulated model's call (vLLM's chat-path
+        # SimpleStreamingEventProcessor: no content part, its arguments as deltas)
+        self.call = call
+        self.item_id = f"msg_{uuid.uuid4().hex}" if call is None else call_item_id()
+        self._args_sent = 0
         self._seq = 0
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -221,7 +252,11 @@ class EventSequence:
     def item_opening(self) -> Iterator[dict[str, Any]]:
         """The message item's and its text part's opening, as vLLM's
         SimpleStreamingEventProcessor.open sends them: with the first delta, at the
-        engine's first output."""
+        engine's first output. A call's item opens alone (emit_simple_tool_call_open)."""
+        if self.call is not None:
+            item = function_call_item(self.item_id, self.call, "in_progress")
+            yield self._event("response.output_item.added", output_index=0, item=item)
+            return
         yield self._event(
             "response.output_item.added", output_index=0,
             item=message_item(self.item_id, None, "in_progress"),
@@ -231,13 +266,35 @@ class EventSequence:
             content_index=0, part=output_text(""),
         )  # fmt: skip
 
-    def delta(self, text: str) -> dict[str, Any]:
+    def delta(self, text: str, n_tokens: int) -> dict[str, Any] | None:
+        """The event for an engine output of ``text``, ``n_tokens`` generated so far: a
+        text delta, or a call's arguments as far as those tokens reveal them (None when
+        they reveal nothing new)."""
+        if self.call is not None:
+            args = self.call.arguments_after(n_tokens)
+            piece, self._args_sent = args[self._args_sent :], len(args)
+            if not piece:
+                return None
+            return self._event(
+                "response.function_call_arguments.delta", item_id=self.item_id,
+                output_index=0, delta=piece,
+            )  # fmt: skip
         return self._event(
             "response.output_text.delta", item_id=self.item_id, output_index=0,
             content_index=0, delta=text, logprobs=[],
         )  # fmt: skip
 
     def closing(self, text: str, final: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        if self.call is not None:
+            call = self.call
+            yield self._event(
+                "response.function_call_arguments.done", item_id=self.item_id,
+                output_index=0, arguments=call.arguments, name=call.name,
+            )  # fmt: skip
+            item = function_call_item(self.item_id, call, "completed")
+            yield self._event("response.output_item.done", output_index=0, item=item)
+            yield self._event("response.completed", response=final)
+            return
         at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         yield self._event("response.output_text.done", **at, text=text, logprobs=[])
         yield self._event("response.content_part.done", **at, part=output_text(text))

@@ -1,0 +1,171 @@
+"""The simulated model's tool calls: when a chat completion or a Responses request asks
+for one, the replica answers a call of a function it offers, in vLLM's shapes (D31,
+docs/engine.md).
+
+The model has no weights, so the decision is a rule: ``tool_choice`` ``"required"`` calls
+the first function tool, a named choice that function, and ``"auto"`` (or no choice) the
+first function tool when the last user message holds :data:`CALL_MARKER`; ``"none"`` never.
+The arguments are a JSON object with a value for each property of the function's
+``parameters`` (by its JSON type; a string is ``<property>-<8 hex digits of the prompt>``),
+so the same prompt makes the same call. The engine generates what vLLM's model would for
+that choice (:func:`plan_call`): under a named choice the arguments alone, under
+``"required"`` the JSON list vLLM's structured output forces (``[{"name", "parameters"}]``),
+under ``"auto"`` a Hermes-style ``<tool_call>`` block (what vLLM's ``hermes`` parser
+reads); those tokens are its output, so ``completion_tokens`` and the decode blocks are the
+call's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cachecore.keys import tokens_to_bytes
+from cachecore.tokenizer import HFTokenizer
+
+CALL_MARKER = "[tool_call]"
+"""In the last user message, makes ``tool_choice: "auto"`` (or none) call the first function
+tool: the simulated model's only reason to call one unasked."""
+
+ToolForm = Literal["chat", "responses"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedCall:
+    """A call the simulated model makes: the function, its arguments (JSON text), the text
+    the engine generates for it with its token ids and each id's end offset in that text."""
+
+    name: str
+    arguments: str
+    text: str
+    ids: tuple[int, ...]
+    ends: tuple[int, ...]
+    named: bool  # a named tool_choice: OpenAI's finish_reason is "stop", not "tool_calls"
+    id: str = field(default_factory=lambda: call_id())  # the call's id (vLLM's)
+
+    @property
+    def arguments_at(self) -> int:
+        """Where the arguments start in :attr:`text`."""
+        return self.text.index(self.arguments)
+
+    def arguments_after(self, n_tokens: int) -> str:
+        """The part of the arguments the first ``n_tokens`` generated tokens hold (what a
+        tool parser can stream by then)."""
+        end = self.ends[n_tokens - 1] if n_tokens > 0 else 0
+        start = self.arguments_at
+        return self.arguments[: max(0, min(end - start, len(self.arguments)))]
+
+
+def call_id() -> str:
+    """vLLM's tool call id (``make_tool_call_id``: ``chatcmpl-tool-`` + a uuid), which its
+    chat path gives a chat completion's call and a Responses ``function_call``'s
+    ``call_id`` alike."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _functions(tools: Any, form: ToolForm) -> list[tuple[str, Mapping[str, Any]]]:
+    """The function tools offered (name, parameters), in order."""
+    out: list[tuple[str, Mapping[str, Any]]] = []
+    if not isinstance(tools, list):
+        return out
+    for tool in tools:
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            continue
+        fn = tool.get("function") if form == "chat" else tool
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            continue
+        params = fn.get("parameters")
+        out.append((fn["name"], params if isinstance(params, Mapping) else {}))
+    return out
+
+
+def _named(choice: Any, form: ToolForm) -> str | None:
+    if not isinstance(choice, Mapping) or choice.get("type") != "function":
+        return None
+    fn = choice.get("function") if form == "chat" else choice
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
+def _last_user_text(messages: Sequence[Any]) -> str:
+    for msg in reversed(messages):
+        if isinstance(msg, Mapping) and msg.get("role") == "user":
+            content = msg.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return " ".join(
+                    p["text"]
+                    for p in content
+                    if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+                )
+            return ""
+    return ""
+
+
+_VALUES: dict[str, Any] = {
+    "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}, "null": None,
+}  # fmt: skip
+
+
+def _arguments(params: Mapping[str, Any], prompt_ids: Sequence[int]) -> dict[str, Any]:
+    digest = hashlib.blake2b(tokens_to_bytes(prompt_ids), digest_size=4).hexdigest()
+    props = params.get("properties")
+    out: dict[str, Any] = {}
+    for prop, schema in props.items() if isinstance(props, Mapping) else ():
+        kind = schema.get("type") if isinstance(schema, Mapping) else None
+        out[str(prop)] = (
+            _VALUES[kind] if isinstance(kind, str) and kind in _VALUES else f"{prop}-{digest}"
+        )
+    return out
+
+
+def plan_call(
+    tok: HFTokenizer,
+    tools: Any,
+    tool_choice: Any,
+    messages: Sequence[Any],
+    prompt_ids: Sequence[int],
+    form: ToolForm,
+) -> PlannedCall | None:
+    """The call the simulated model makes for a request offering ``tools`` (its own
+    shape: a chat's ``{type, function: {name, parameters}}``, a Responses request's
+    ``{type, name, parameters}``) under ``tool_choice``, ``messages`` its conversation and
+    ``prompt_ids`` its prompt; None: it answers text."""
+    functions = _functions(tools, form)
+    if not functions or tool_choice == "none":
+        return None
+    named = _named(tool_choice, form)
+    if named is not None:
+        params = dict(functions).get(named)
+        if params is None:
+            return None
+        name = named
+    elif tool_choice == "required" or (
+        tool_choice in (None, "auto") and CALL_MARKER in _last_user_text(messages)
+    ):
+        name, params = functions[0]
+    else:
+        return None
+    args = _arguments(params, prompt_ids)
+    arguments = json.dumps(args, ensure_ascii=False)
+    if named is not None:
+        text = arguments
+    elif tool_choice == "required":
+        text = json.dumps([{"name": name, "parameters": args}], ensure_ascii=False)
+    else:
+        text = "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+    ids, offsets = tok.encode_offsets(text)
+    return PlannedCall(
+        name, arguments, text, tuple(ids), tuple(e for _, e in offsets), named is not None
+    )
+
+
+def call_finish(call: PlannedCall) -> str:
+    """A complete call's chat ``finish_reason``: vLLM's ``resolve_finish_reason``, which
+    reports ``tool_calls`` unless the client forced a named tool (OpenAI's ``stop``)."""
+    return "stop" if call.named else "tool_calls"
