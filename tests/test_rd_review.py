@@ -14,7 +14,10 @@ import time
 
 import pytest
 
+from cachecore.agent.embedded import build_embedded_agents
 from cachecore.engine.core import EngineCore, EngineStats
+from cachecore.index.base import DEFAULT_REMOVAL_LOG
+from cachecore.index.redis import RedisIndex
 from gateway.load import IDLE_SCRAPES, IdleEngine, SharedLoad
 from tests.test_gateway_support import stack
 from tests.test_h181_background_slots import ONE_SLOT, _body, _slots
@@ -68,3 +71,31 @@ async def test_a_run_computing_behind_stale_idle_gauges_completes(
         assert time.monotonic() - t0 > 20 * SCRAPE_S  # the run outlasted many idle scrapes
         assert _held(st.gw) == 0 and seen["admit"] == seen["release"] == 1, seen
         assert await _status(h, r.json()["id"]) in ("completed", "incomplete")
+
+
+@dataclasses.dataclass
+class _Spec:
+    id: str
+    url: str
+    events: str
+    replay: str
+
+
+async def test_embedded_agents_on_redis_keep_their_removal_log_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # KVGATE_AGENT_REMOVAL_LOG reached the embedded agents on an in-process index
+    # (Gateway._embedded_index) and a standalone agent, but on a Redis index their writes
+    # went through the gateway's RedisIndex and then its sibling, both at the default
+    monkeypatch.setenv("KVGATE_AGENT_REMOVAL_LOG", "100")
+    primary = RedisIndex.from_url("redis://127.0.0.1:1/0")  # connects at a first command
+    spec = _Spec("r1", "http://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3")
+    group = build_embedded_agents([spec], primary)
+    try:
+        assert isinstance(group.write_index, RedisIndex)
+        assert [a.index for a in group.agents] == [group.write_index]
+        assert group.write_index.removal_log == 100  # 15c977e: 16384, the primary's
+        assert primary.removal_log == DEFAULT_REMOVAL_LOG  # the gateway's own, unchanged
+    finally:
+        await group.stop()
+        await primary.close()

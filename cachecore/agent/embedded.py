@@ -175,17 +175,21 @@ def write_index(index: PrefixIndex, settings: Sequence[AgentSettings]) -> RedisI
     """The index client the embedded agents of ``settings`` write ``index`` through when it
     is a RedisIndex (:meth:`~cachecore.index.redis.RedisIndex.sibling`): a standalone
     agent's timeouts (``KVGATE_AGENT_REDIS_TIMEOUT_S``, unset 2 s to read and 1 s to
-    connect) over a pool of its own, :data:`WRITE_CONNECTIONS_PER_AGENT` each. Through the
-    gateway's lookup client (0.25 s to read unless ``KVGATE_REDIS_TIMEOUT_S``) every write
-    to a Redis slower than that timed out, and so did each rewrite from the mirror, for as
-    long as it lasted. None (the agents write ``index`` itself): an in-process index, no
-    agent, or a RedisIndex built on a client (its URL unknown)."""
+    connect) over a pool of its own, :data:`WRITE_CONNECTIONS_PER_AGENT` each, and their
+    ``KVGATE_AGENT_REMOVAL_LOG`` (the gateway's index keeps the default: it writes no
+    removal). Through the gateway's lookup client (0.25 s to read unless
+    ``KVGATE_REDIS_TIMEOUT_S``) every write to a Redis slower than that timed out, and so
+    did each rewrite from the mirror, for as long as it lasted. None (the agents write
+    ``index`` itself): an in-process index, no agent, or a RedisIndex built on a client
+    (its URL unknown)."""
     if not settings or not isinstance(index, RedisIndex):
         return None
-    # one client for all: the timeouts are the process's (KVGATE_AGENT_*, overrides)
+    # one client for all: the timeouts and the log are the process's (KVGATE_AGENT_*,
+    # overrides), as the in-process index's log (gateway.core's _embedded_index)
     return index.sibling(
         **index_timeouts(settings[0]),
         max_connections=WRITE_CONNECTIONS_PER_AGENT * len(settings),
+        removal_log=settings[0].removal_log,
     )
 
 

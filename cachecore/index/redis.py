@@ -1323,13 +1323,19 @@ class RedisIndex:
         return index
 
     def sibling(
-        self, *, socket_timeout_s: float, connect_timeout_s: float, max_connections: int
+        self,
+        *,
+        socket_timeout_s: float,
+        connect_timeout_s: float,
+        max_connections: int,
+        removal_log: int | None = None,
     ) -> RedisIndex | None:
-        """Another index on this one's Redis, with its layout and bounds, over a client and
-        connection pool of its own with these timeouts (closed by its own :meth:`close`);
-        None for an index not built by :meth:`from_url` (its Redis unknown). The gateway's
-        embedded agents write through one: a standalone agent's write timeouts, not the
-        lookup client's (0.25 s, under which every write to a slower Redis failed)."""
+        """Another index on this one's Redis, with its layout and bounds (``removal_log``
+        unless given), over a client and connection pool of its own with these timeouts
+        (closed by its own :meth:`close`); None for an index not built by :meth:`from_url`
+        (its Redis unknown). The gateway's embedded agents write through one: a standalone
+        agent's write timeouts, not the lookup client's (0.25 s, under which every write to
+        a slower Redis failed), and their own removal log's length."""
         if self._url is None:
             return None
         return type(self).from_url(
@@ -1341,7 +1347,7 @@ class RedisIndex:
             max_connections=max_connections,
             max_pending_per_replica=self.max_pending_per_replica,
             max_write_fields=self.max_write_fields,
-            removal_log=self.removal_log,
+            removal_log=self.removal_log if removal_log is None else removal_log,
         )
 
     @property
