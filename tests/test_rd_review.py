@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 
 import pytest
+from prometheus_client.core import Metric
 
 from cachecore.agent.embedded import build_embedded_agents
 from cachecore.engine.core import EngineCore, EngineStats
 from cachecore.index.base import DEFAULT_REMOVAL_LOG
 from cachecore.index.redis import RedisIndex
+from cachecore.replica.metrics import _EngineCollector
 from gateway.load import IDLE_SCRAPES, IdleEngine, SharedLoad
 from tests.test_gateway_support import stack
 from tests.test_h181_background_slots import ONE_SLOT, _body, _slots
@@ -99,3 +102,28 @@ async def test_embedded_agents_on_redis_keep_their_removal_log_setting(
     finally:
         await group.stop()
         await primary.close()
+
+
+async def test_an_engine_without_request_gauges_is_never_judged_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM 0.33 with --disable-log-stats creates no stat logger (v1/engine/async_llm.py:
+    # log_stats false), so its /metrics has no vllm:num_requests_* at all: the agent read
+    # 0 and 0 it never measured and published them, and the watch took the run for dead
+    real = _EngineCollector.collect
+
+    def no_gauges(self: _EngineCollector) -> Iterator[Metric]:
+        return (m for m in real(self) if not m.name.startswith("vllm:num_requests_"))
+
+    monkeypatch.setattr(_EngineCollector, "collect", no_gauges)
+    async with (
+        stack(count=1, policy=ONE_SLOT, agents=True, background_poll_s=0.05,
+              background_idle_s=0) as st,
+        st.http() as h,
+    ):  # fmt: skip
+        r = await h.post("/v1/responses", json=_body(st, 2, 4000, background=True))
+        assert r.status_code == 200 and r.json()["status"] == "queued", r.text
+        await _until(lambda: not st.gw._background, 30.0)
+        got = _outcomes(st)
+        assert got["engine_idle"] == 0, got  # 6abe9ba: ended and cancelled at once
+        assert got["completed"] + got["incomplete"] == 1, got

@@ -194,6 +194,7 @@ class Agent:
         self._index_warned = False  # "index not reachable" logged in this engine wait
         self._last_scrape_ok = 0.0
         self._metrics_failing = False  # warned once while /metrics fails but /health answers
+        self._busy_unreported_warned = False  # warned once: an engine without request gauges
         self.syncs: dict[int, ReplicaSync] = {}
         self.stream: EventStream | None = None
         self.ready = asyncio.Event()
@@ -896,8 +897,17 @@ class Agent:
         stalled_s = self.progress.observe(core, now)
         self.metrics.engine_stalled.set(stalled_s)
         self._observe_silence(snap, stream, now)
-        if self.load_link is not None:
+        if self.load_link is not None and core.busy_reported:
             await self.load_link.publish(self.primary_id, core, self.metrics, stalled_s)
+        elif self.load_link is not None and not self._busy_unreported_warned:
+            # zeros it never measured would read as an idle engine: the gateways' views
+            # and their background watches (D33 engine_idle) take no record as unknown
+            self._busy_unreported_warned = True
+            log.warning(
+                "engine exports no request gauges (vllm:num_requests_running/waiting; "
+                "vLLM's --disable-log-stats): its load is not published",
+                extra={"replica": self.primary_id},
+            )
         # a new process first clears (still unroutable), only then becomes reachable:
         # its old entries must never be routable, not even for a moment
         if self._start_changed(snap):

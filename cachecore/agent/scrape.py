@@ -111,6 +111,10 @@ class EngineSnapshot:
     # SGLang's queues by ``dp_rank`` label, for a server with several data-parallel ranks
     # (only for :meth:`for_core`: SGLang exports no token counters to judge progress by)
     dp_ranks: Mapping[str, EngineCounters] = field(default_factory=dict)
+    # whether the engine exports its request gauges (vLLM's or SGLang's running or waiting):
+    # a vLLM started with --disable-log-stats has none, and its 0 running and 0 waiting
+    # above were never measured
+    busy_reported: bool = True
 
     def for_core(self, rank: int | None) -> EngineSnapshot:
         """This snapshot as one data-parallel rank's engine core sees it: its own queues and
@@ -283,6 +287,9 @@ def parse_metrics(text: str) -> EngineSnapshot:
         if len(cores) > 1 and (vllm_running or vllm_waiting)
         else {},
         _sglang_ranks(sgl) if not (vllm_running or vllm_waiting) else {},
+        busy_reported=(
+            vllm_running or vllm_waiting or SGLANG_RUNNING in sgl or SGLANG_WAITING in sgl
+        ),
     )
 
 
