@@ -2581,7 +2581,9 @@ class Gateway:
         """The gateway's own GET (or POST) to ``rep``'s engine (a watcher's poll, an
         orphan's cancel), under the poll slots and timeout, its answer read to at most
         ``KVGATE_MAX_UPSTREAM_BODY_BYTES`` (a stored response holds the whole output):
-        past it AnswerTooLarge, counted and logged here."""
+        past it AnswerTooLarge, counted and logged here. An answer other than a 200 comes
+        with no body (its callers read its status alone): an error's was read to that
+        bound too, and one over it ended a watch as ``too_large``."""
         assert self.client is not None
         s = self.settings
         try:
@@ -2589,7 +2591,8 @@ class Gateway:
                 return await read_answer(
                     self.client, "POST" if post else "GET", f"{rep.url.rstrip('/')}{path}",
                     timeout_s=s.connect_timeout_s, deadline_s=_BACKGROUND_POLL_TIMEOUT_S,
-                    cap=s.max_upstream_body_bytes, extra_headers=self._replica_headers(rep),
+                    cap=s.max_upstream_body_bytes, read_unless_ok=False,
+                    extra_headers=self._replica_headers(rep),
                 )  # fmt: skip
         except AnswerTooLarge as exc:
             self.metrics.upstream_errors.labels(rep.id, BODY_TOO_LARGE).inc()

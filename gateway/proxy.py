@@ -79,6 +79,15 @@ _JSON = b"application/json"
 # 0.33 cuts a validation error's text at 1000 characters an error, validation.py's
 # _format_error), and it is relayed whole or summarised
 _ERROR_BODY_CAP = 1 << 20
+# an answer over this many bytes that is no Responses object is not parsed whole when its
+# usage can be read off its tail (:func:`_usage_tail`): parsed whole, an embeddings
+# batch's floats cost 1.5 times its size more in RSS (5M float objects for 100 MiB), and
+# about as much CPU as the rest of its relay
+_PARSE_WHOLE_MAX = 1 << 20
+# how far from its end a large answer's top-level usage is looked for, and parsed from
+_USAGE_TAIL_MAX = 1 << 16
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
+_WS = b" \t\r\n"
 
 
 def _refused(exc: Exception) -> bool:
@@ -564,10 +573,15 @@ class UpstreamExchange(Response):
             return
         c0 = time.perf_counter_ns()
         usage = Usage()
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            parsed = None
+        d = self.d
+        # a Responses object's status and ids are read too: parsed whole at any size
+        large = len(raw) > _PARSE_WHOLE_MAX and d.response_id is None
+        parsed = _usage_tail(raw) if large else None
+        if parsed is None:
+            try:
+                parsed = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                parsed = None
         if not isinstance(parsed, dict):
             # no completion (a web server that is not the engine, truncated JSON): the
             # client could not parse it, and it counts against the replica
@@ -576,7 +590,6 @@ class UpstreamExchange(Response):
                 "upstream_error", "protocol",
             )  # fmt: skip
             return
-        d = self.d
         if d.response_id is not None and isinstance(parsed.get("status"), str):
             d.response_status = parsed["status"]  # a background one's "queued" (D33)
         if d.endpoint in RESPONSE_READS:  # a retrieval's usage is an earlier request's
@@ -802,6 +815,29 @@ def _event_data(event: bytes) -> bytes:
         at = event.find(b"data:")
         return event[at + 5 :].lstrip() if at >= 0 else b""
     return event[5:].lstrip() if event.startswith(b"data:") else event
+
+
+def _usage_tail(raw: bytes) -> dict[str, Any] | None:
+    """The top-level keys of the JSON object ``raw`` from its last ``usage`` key on, when
+    that key lies in its last ``_USAGE_TAIL_MAX`` bytes; None otherwise (parse it whole).
+    vLLM 0.33 serialises its answers' fields in model order: an embeddings, pooling,
+    classify or score answer ends with its usage, a completion's follows its choices (a
+    chat's prompt_logprobs after it, a rerank's results: short, or parsed whole). A
+    ``"usage"`` after ``{`` or ``,`` opens a string (one inside a string has its quote
+    escaped), and followed by ``:`` that string is a key; ``{`` and the tail from it make
+    one object only if the key is the top level's (a nested one's tail closes more). The
+    body before it is not validated: its leading ``{`` is checked, and a truncated answer
+    loses its tail, parsed whole and refused."""
+    at = raw.rfind(b'"usage"', len(raw) - _USAGE_TAIL_MAX)
+    if at < 0 or _OBJECT_START.match(raw) is None:
+        return None
+    if not raw[max(0, at - 64) : at].rstrip(_WS).endswith((b"{", b",")):
+        return None  # no key's place: a string's content
+    try:
+        tail = orjson.loads(b"{" + raw[at:])
+    except orjson.JSONDecodeError:
+        return None
+    return tail if isinstance(tail, dict) else None
 
 
 def _rewritten(data: bytes, rewrites: list[tuple[bytes, bytes]]) -> bytes:
