@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from cachecore.engine import RequestOutput
 from cachecore.replica.protocol import APIError
-from cachecore.replica.toolcalls import PlannedCall
+from cachecore.replica.toolcalls import PlannedCall, random_uuid
 
 
 class ResponsesRequest(BaseModel):
@@ -159,8 +159,8 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
 
 
 def call_item_id() -> str:
-    """A ``function_call`` item's id, as vLLM's (``fc_`` + a uuid)."""
-    return f"fc_{uuid.uuid4().hex}"
+    """A ``function_call`` item's id, as vLLM's (``fc_`` + its random_uuid)."""
+    return f"fc_{random_uuid()}"
 
 
 def function_call_item(item_id: str, call: PlannedCall, status: str) -> dict[str, Any]:

@@ -60,11 +60,16 @@ class PlannedCall:
         return self.arguments[: max(0, min(end - start, len(self.arguments)))]
 
 
+def random_uuid() -> str:
+    """vLLM's ``random_uuid`` (vllm/utils): a uuid4's low 64 bits, 16 hex digits."""
+    return f"{uuid.uuid4().int & 0xFFFF_FFFF_FFFF_FFFF:016x}"
+
+
 def call_id() -> str:
-    """vLLM's tool call id (``make_tool_call_id``: ``chatcmpl-tool-`` + a uuid), which its
-    chat path gives a chat completion's call and a Responses ``function_call``'s
-    ``call_id`` alike."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    """vLLM's tool call id (``make_tool_call_id``: ``chatcmpl-tool-`` + a random_uuid),
+    which its chat path gives a chat completion's call and a Responses
+    ``function_call``'s ``call_id`` alike."""
+    return f"chatcmpl-tool-{random_uuid()}"
 
 
 def _functions(tools: Any, form: ToolForm) -> list[tuple[str, Mapping[str, Any]]]:
