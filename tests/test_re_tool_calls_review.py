@@ -3,10 +3,15 @@ shapes a call is answered in, read off vLLM's chat and Responses serving."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
+import httpx
 import pytest
+from openai.types.responses import ResponseCompletedEvent, ResponseFunctionToolCall
 
+from cachecore.replica.toolcalls import CALL_MARKER
 from tests.test_responses_replica import replica
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,3 +35,42 @@ async def test_call_ids_are_vllms_random_uuid() -> None:
         (item,) = (await h.post("/v1/responses", json=rbody)).json()["output"]
         assert re.fullmatch(r"fc_[0-9a-f]{16}", item["id"]), item["id"]
         assert re.fullmatch(r"chatcmpl-tool-[0-9a-f]{16}", item["call_id"]), item["call_id"]
+
+
+async def _chat_stream_calls(h: httpx.AsyncClient, body: dict[str, Any]) -> tuple[str, str]:
+    """A streamed chat call's name and arguments, its chunks joined."""
+    name, args = "", ""
+    async with h.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for tc in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls", []):
+                name += tc.get("function", {}).get("name") or ""
+                args += tc.get("function", {}).get("arguments") or ""
+    return name, args
+
+
+async def test_a_property_name_outside_ascii_streams_its_call() -> None:
+    # the Hermes block was dumped with ensure_ascii (escaped), its arguments without:
+    # PlannedCall.arguments_at's text.index raised ValueError in the middle of the stream
+    params = {"type": "object", "properties": {"城市": {"type": "string"}, "天数": {}}}
+    tool = {"type": "function", "function": {"name": "天气", "parameters": params}}
+    marked = [{"role": "user", "content": f"天气? {CALL_MARKER}"}]
+    async with replica() as (h, sdk, model):
+        body = {"model": model, "messages": marked, "tools": [tool]}
+        r = await h.post("/v1/chat/completions", json=body)
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        assert set(json.loads(call["function"]["arguments"])) == {"城市", "天数"}
+        streamed = await _chat_stream_calls(h, body)
+        assert streamed == ("天气", call["function"]["arguments"])
+        resp_tool: Any = {"type": "function", "name": "天气", "parameters": params}
+        stream = await sdk.responses.create(
+            model=model, input=f"天气? {CALL_MARKER}", tools=[resp_tool], stream=True
+        )
+        events = [e async for e in stream]
+        last = events[-1]
+        assert isinstance(last, ResponseCompletedEvent)
+        (item,) = last.response.output
+        assert isinstance(item, ResponseFunctionToolCall)
+        assert set(json.loads(item.arguments)) == {"城市", "天数"}

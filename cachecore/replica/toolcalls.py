@@ -163,7 +163,9 @@ def plan_call(
     elif tool_choice == "required":
         text = json.dumps([{"name": name, "parameters": args}], ensure_ascii=False)
     else:
-        text = "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+        # unescaped as the arguments are (their text must lie in it: arguments_at)
+        block = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+        text = "<tool_call>\n" + block + "\n</tool_call>"
     ids, offsets = tok.encode_offsets(text)
     return PlannedCall(
         name, arguments, text, tuple(ids), tuple(e for _, e in offsets), named is not None
