@@ -74,3 +74,27 @@ async def test_a_property_name_outside_ascii_streams_its_call() -> None:
         (item,) = last.response.output
         assert isinstance(item, ResponseFunctionToolCall)
         assert set(json.loads(item.arguments)) == {"城市", "天数"}
+
+
+async def test_a_forced_call_answers_empty_content_an_auto_one_null() -> None:
+    # vLLM 0.33 assemble_chat_message_fields (chat_completion/message_assembly.py): for
+    # "required" or a named tool_choice content = content or "" after the parser's None;
+    # "auto" keeps the Hermes parser's None (no text before <tool_call>)
+    async with replica() as (h, sdk, model):
+        base = {"model": model, "tools": [_CHAT_TOOL]}
+        msgs = [{"role": "user", "content": "the weather?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice, content in (("required", ""), (named, "")):
+            r = await h.post(
+                "/v1/chat/completions", json={**base, "messages": msgs, "tool_choice": choice}
+            )
+            message = r.json()["choices"][0]["message"]
+            assert message["tool_calls"] and message["content"] == content, (choice, message)
+        marked = [{"role": "user", "content": f"the weather? {CALL_MARKER}"}]
+        r = await h.post("/v1/chat/completions", json={**base, "messages": marked})
+        message = r.json()["choices"][0]["message"]
+        assert message["tool_calls"] and message["content"] is None
+        got = await sdk.chat.completions.create(
+            model=model, messages=msgs, tools=[_CHAT_TOOL], tool_choice="required"
+        )  # type: ignore[call-overload]
+        assert got.choices[0].message.content == ""

@@ -88,7 +88,7 @@ from cachecore.replica.responses import (
     sse_event,
 )
 from cachecore.replica.server import SimReplica
-from cachecore.replica.toolcalls import PlannedCall, call_finish, plan_call
+from cachecore.replica.toolcalls import PlannedCall, call_content, call_finish, plan_call
 from cachecore.responses import (
     ResponsesInputError,
     render_request,
@@ -566,8 +566,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         if call is not None:
             calls = [tool_call(call.id, call.name, call.arguments)]
             answer = chat_response(
-                handle.request_id, model, None, last, now_s(), calls, call_finish(call)
-            )
+                handle.request_id, model, call_content(call), last, now_s(), calls,
+                call_finish(call),
+            )  # fmt: skip
             return JSONResponse(answer)
         return JSONResponse(chat_response(handle.request_id, model, text, last, now_s()))
 

@@ -45,6 +45,7 @@ class PlannedCall:
     ids: tuple[int, ...]
     ends: tuple[int, ...]
     named: bool  # a named tool_choice: OpenAI's finish_reason is "stop", not "tool_calls"
+    forced: bool  # "required" or a named tool_choice (vLLM's _forces_tool_calls)
     id: str = field(default_factory=lambda: call_id())  # the call's id (vLLM's)
 
     @property
@@ -167,9 +168,16 @@ def plan_call(
         block = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
         text = "<tool_call>\n" + block + "\n</tool_call>"
     ids, offsets = tok.encode_offsets(text)
-    return PlannedCall(
-        name, arguments, text, tuple(ids), tuple(e for _, e in offsets), named is not None
-    )
+    ends = tuple(e for _, e in offsets)
+    forced = named is not None or tool_choice == "required"
+    return PlannedCall(name, arguments, text, tuple(ids), ends, named is not None, forced)
+
+
+def call_content(call: PlannedCall) -> str | None:
+    """A complete call's chat ``message.content``: vLLM's assemble_chat_message_fields
+    makes a forced call's (``"required"`` or named) ``""``, an auto one keeps the Hermes
+    parser's None (no text before its ``<tool_call>``)."""
+    return "" if call.forced else None
 
 
 def call_finish(call: PlannedCall) -> str:
