@@ -98,3 +98,25 @@ async def test_a_forced_call_answers_empty_content_an_auto_one_null() -> None:
             model=model, messages=msgs, tools=[_CHAT_TOOL], tool_choice="required"
         )  # type: ignore[call-overload]
         assert got.choices[0].message.content == ""
+
+
+async def test_the_response_echoes_its_tools_and_tool_choice() -> None:
+    # vLLM 0.33 ResponsesResponse.from_request: tools=request.tools,
+    # tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls
+    # (check_tool_usage turns a tool-less "auto" into "none" first)
+    async with replica() as (h, sdk, model):
+        named = {"type": "function", "name": "get_weather"}
+        body = {"model": model, "input": "x", "tools": [_RESP_TOOL], "tool_choice": named}
+        got = (await h.post("/v1/responses", json={**body, "parallel_tool_calls": False})).json()
+        assert got["tools"] == [_RESP_TOOL] and got["tool_choice"] == named
+        assert got["parallel_tool_calls"] is False
+        bare = (await h.post("/v1/responses", json={"model": model, "input": "x"})).json()
+        assert (bare["tools"], bare["tool_choice"], bare["parallel_tool_calls"]) == (
+            [],
+            "none",
+            True,
+        )
+        r = await sdk.responses.create(
+            model=model, input="x", tools=[_RESP_TOOL], tool_choice="required"
+        )  # type: ignore[call-overload]
+        assert r.tool_choice == "required" and r.tools[0].name == "get_weather"

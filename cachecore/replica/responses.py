@@ -39,6 +39,7 @@ class ResponsesRequest(BaseModel):
     # function tools render into the prompt (cachecore.responses.chat_tools); read by hand
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # echoed (vLLM's default True)
     # the prompt's rendering besides messages and tools (cachecore.responses.chat_fields)
     reasoning: Any = None
     chat_template_kwargs: Any = None
@@ -202,13 +203,23 @@ def response_object(
         "background": bool(req.background), "error": None, "incomplete_details": incomplete,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "metadata": req.metadata, "model": model, "output": output,
-        "parallel_tool_calls": True, "previous_response_id": req.previous_response_id,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
         "reasoning": None, "service_tier": "auto", "store": bool(req.store),
         "temperature": req.temperature if req.temperature is not None else 1.0,
-        "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+        "text": {"format": {"type": "text"}}, "tool_choice": _tool_choice(req),
+        "tools": req.tools or [],
         "top_logprobs": 0, "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": "disabled", "usage": usage(last), "user": req.user,
     }  # fmt: skip
+
+
+def _tool_choice(req: ResponsesRequest) -> Any:
+    """The response's ``tool_choice``, vLLM's echo of the request's after
+    ResponsesRequest.check_tool_usage: ``"auto"`` when absent, ``"none"`` for a request
+    with no tools that says ``"auto"`` or nothing."""
+    choice = "auto" if req.tool_choice is None else req.tool_choice
+    return "none" if not req.tools and choice == "auto" else choice
 
 
 def sse_event(event: dict[str, Any]) -> bytes:
