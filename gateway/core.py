@@ -43,7 +43,15 @@ from cachecore.index.base import (
 )
 from cachecore.index.memory import MemoryIndex
 from cachecore.index.redis import RedisIndex, evicts_any_key
-from cachecore.keys import BlockKey, BlockKeyer, KeyMaterialError, SaltMinter, Scope, ScopeKind
+from cachecore.keys import (
+    KEY_BYTES,
+    BlockKey,
+    BlockKeyer,
+    KeyMaterialError,
+    SaltMinter,
+    Scope,
+    ScopeKind,
+)
 from cachecore.laxbool import lax_bool
 from cachecore.loadstate import LoadStore
 from cachecore.looplag import LoopLagMonitor
@@ -378,6 +386,9 @@ class Dispatch:
     # that place, the ticket and the tenant's concurrency slot until the response ends
     watch_place: bool = False
     watched: bool = False
+    # a watched run's claim check keys (_keep_claim), packed: KEY_BYTES a key, where
+    # ``keys``' bytes objects and list slots cost 57 bytes a key, for up to an hour
+    claim_keys: bytes = b""
     # admitted as a streamed retrieval (TenantLimiter.admit's replay): released as one
     replay: bool = False
 
@@ -2793,15 +2804,23 @@ class Gateway:
 
     def _keep_claim(self, d: Dispatch) -> None:
         """Of ``d``'s keys and matches, only what its claim check reads (the chosen salt's
-        keys up to the claim and the engine's dropped blocks, its replica's match): a
-        watched run holds them until it ends (D33)."""
+        keys up to the claim and the engine's dropped blocks, packed in ``claim_keys``; its
+        replica's match): a watched run holds them until it ends (D33)."""
         claimed, si = self._claimed(d), d.salt_index
         if not claimed:
             d.keys, d.matches = [], []
             return
-        end = claimed + d.hit_drop_blocks
-        d.keys = [ks[:end] if i == si else [] for i, ks in enumerate(d.keys)]
+        d.claim_keys = b"".join(d.keys[si][: claimed + d.hit_drop_blocks])
+        d.keys = []
         d.matches = [{d.replica: m[d.replica]} if i == si else {} for i, m in enumerate(d.matches)]
+
+    @staticmethod
+    def _claim_chain(d: Dispatch, end: int) -> list[BlockKey]:
+        """The first ``end`` keys of ``d``'s chosen salt, kept packed by a watch."""
+        if not d.claim_keys:
+            return d.keys[d.salt_index][:end]
+        packed = d.claim_keys[: end * KEY_BYTES]
+        return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
 
     def _check_claims(self, d: Dispatch, cached_tokens: int) -> None:
         claimed = self._claimed(d)
@@ -2982,7 +3001,7 @@ class Gateway:
         judges nothing."""
         assert self.index is not None
         primary = self.index.primary
-        key = d.keys[d.salt_index][first_missing]
+        key = self._claim_chain(d, first_missing + 1)[first_missing]
         pol = self.policy.quarantine
         timeout_s = self.policy.index.lookup_timeout_ms / 1000.0
         try:
@@ -3005,7 +3024,7 @@ class Gateway:
         the engine drops off a hit (``Dispatch.hit_drop_blocks``)."""
         assert self.index is not None
         drop = d.hit_drop_blocks
-        keys = d.keys[d.salt_index][: claimed + drop]
+        keys = self._claim_chain(d, claimed + drop)
         deadline = time.monotonic() + self.policy.quarantine.settle_s
         looks = 0
         while True:

@@ -3,6 +3,7 @@ H199's fidelity commits."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -73,3 +74,42 @@ async def test_a_background_runs_late_check_the_log_cannot_tell_quarantines_noth
         got = await checked(gw, rid, 2)
         assert got["unverifiable"] == 1, got
         assert gw.quarantine.is_quarantined(rid)
+
+
+def _held_bytes(d: Dispatch) -> int:
+    """What ``d``'s kept claim keys hold: their lists and key objects, or their pack."""
+    held = sum(sys.getsizeof(ks) + sum(map(sys.getsizeof, ks)) for ks in d.keys)
+    return held + sys.getsizeof(getattr(d, "claim_keys", b""))
+
+
+async def test_a_watched_run_keeps_its_claims_keys_packed() -> None:
+    """A watch keeps its claim check's keys for up to an hour, up to
+    KVGATE_BACKGROUND_WATCH_MAX (1024) of them: as a list of 16-byte bytes objects that
+    was 57 bytes a key (a 49-byte object and its list slot), 478 MB for 1024 watches of a
+    128k-token prompt's 8,192 blocks, as much as the prompts the watch drops. Packed: 16
+    bytes a key (134 MB), and the check reads the same keys (evicted_restored: its lookup
+    and its removal-log read of the first missing block)."""
+    async with stack(count=1, policy="quarantine: {settle_s: 0.05, min_claimed_blocks: 2}") as st:
+        gw, rid = st.gw, st.replica_id(0)
+        assert gw.index is not None and isinstance(gw.index.primary, MemoryIndex)
+        primary, bs = gw.index.primary, 16
+        n = 8_192
+        big = _claim(rid, BlockKeyer(bs).keys(list(range(bs * n + 1)), "kvg1:t", "m"), bs, 0, True)
+        big.prompt_tokens = bs * n + 1
+        big.matches = [{rid: PrefixMatch({Tier.GPU: n}, stored_blocks=n, pending_blocks=0)}]
+        gw._keep_claim(big)
+        assert _held_bytes(big) < 20 * n, _held_bytes(big) / n
+        # the check reads the kept keys: the first block was evicted after the lookup and
+        # stored again by the run itself
+        now = int(time.time() * 1000)
+        keys = BlockKeyer(bs).keys(list(range(bs * 4 + 1)), "kvg1:t", "m")
+        epoch = await primary.clear_replica(rid, ReplicaState.LIVE, now - 2_000)
+        await primary.apply(rid, epoch, IndexWrite(dict.fromkeys(keys, 1)), now - 1_500)
+        d = _claim(rid, keys, bs, now - 1_000, watched=True)
+        d.target = gw.pool.get(rid) if gw.pool is not None else None
+        await primary.apply(rid, epoch, IndexWrite({keys[0]: 0}), now - 500)
+        await primary.apply(rid, epoch, IndexWrite({keys[0]: 1}), now - 400)
+        gw._keep_claim(d)
+        gw._check_claims(d, 0)
+        got = await checked(gw, rid, 1)
+        assert got == {"evicted_restored": 1}, got
