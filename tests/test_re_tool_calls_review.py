@@ -120,3 +120,31 @@ async def test_the_response_echoes_its_tools_and_tool_choice() -> None:
             model=model, input="x", tools=[_RESP_TOOL], tool_choice="required"
         )  # type: ignore[call-overload]
         assert r.tool_choice == "required" and r.tools[0].name == "get_weather"
+
+
+async def test_an_auto_call_answered_by_its_result_is_followed_by_text() -> None:
+    # the marker in an earlier user message called again after the tool's result: an
+    # agent loop under "auto" never ended (a model answers the result; "required" is the
+    # way to force a call each turn)
+    marked = [{"role": "user", "content": f"the weather? {CALL_MARKER}"}]
+    async with replica() as (h, _, model):
+        body = {"model": model, "messages": marked, "tools": [_CHAT_TOOL], "max_tokens": 64}
+        message = (await h.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        (call,) = message["tool_calls"]
+        result = {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}
+        history = [*marked, {"role": "assistant", "tool_calls": [call]}, result]
+        r = await h.post("/v1/chat/completions", json={**body, "messages": history})
+        assert r.json()["choices"][0]["message"]["tool_calls"] == []
+        # a new user turn with the marker calls again
+        again = [*history, {"role": "assistant", "content": "ok"}, *marked]
+        r = await h.post("/v1/chat/completions", json={**body, "messages": again})
+        assert r.json()["choices"][0]["message"]["tool_calls"]
+        # Responses: a chain whose follow-up is the call's output answers a message
+        rbody = {"model": model, "tools": [_RESP_TOOL], "max_output_tokens": 64}
+        first = (await h.post("/v1/responses", json={**rbody, "input": marked})).json()
+        (item,) = first["output"]
+        assert item["type"] == "function_call"
+        output = {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}
+        follow = {**rbody, "previous_response_id": first["id"], "input": [output]}
+        got = (await h.post("/v1/responses", json=follow)).json()
+        assert [o["type"] for o in got["output"]] == ["message"]

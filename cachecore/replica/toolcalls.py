@@ -4,7 +4,8 @@ docs/engine.md).
 
 The model has no weights, so the decision is a rule: ``tool_choice`` ``"required"`` calls
 the first function tool, a named choice that function, and ``"auto"`` (or no choice) the
-first function tool when the last user message holds :data:`CALL_MARKER`; ``"none"`` never.
+first function tool when the conversation's last message is the user's and holds
+:data:`CALL_MARKER` (a tool's result after it is answered with text); ``"none"`` never.
 The arguments are a JSON object with a value for each property of the function's
 ``parameters`` (by its JSON type; a string is ``<property>-<8 hex digits of the prompt>``),
 so the same prompt makes the same call. The engine generates what vLLM's model would for
@@ -28,8 +29,8 @@ from cachecore.keys import tokens_to_bytes
 from cachecore.tokenizer import HFTokenizer
 
 CALL_MARKER = "[tool_call]"
-"""In the last user message, makes ``tool_choice: "auto"`` (or none) call the first function
-tool: the simulated model's only reason to call one unasked."""
+"""In the conversation's last message, the user's, makes ``tool_choice: "auto"`` (or none)
+call the first function tool: the simulated model's only reason to call one unasked."""
 
 ToolForm = Literal["chat", "responses"]
 
@@ -98,18 +99,18 @@ def _named(choice: Any, form: ToolForm) -> str | None:
 
 
 def _last_user_text(messages: Sequence[Any]) -> str:
-    for msg in reversed(messages):
-        if isinstance(msg, Mapping) and msg.get("role") == "user":
-            content = msg.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                return " ".join(
-                    p["text"]
-                    for p in content
-                    if isinstance(p, Mapping) and isinstance(p.get("text"), str)
-                )
-            return ""
+    """The conversation's last message's text when the user sent it: after a tool's result
+    (or any later turn) the model answers it, so an auto loop ends with text."""
+    msg = messages[-1] if messages else None
+    if not isinstance(msg, Mapping) or msg.get("role") != "user":
+        return ""
+    content = msg.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(
+            p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+        )
     return ""
 
 
