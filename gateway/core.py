@@ -2280,7 +2280,11 @@ class Gateway:
         is debited into debt, never refused (the request was admitted; a retry refused for
         budget would fail it after the replica's fault); a fall given back.
         ``charged_uncached`` stays what was taken, so a refund gives back exactly that."""
-        target = d.kept_uncached + float(d.uncached_tokens)
+        self._charge_to(d, d.kept_uncached + float(d.uncached_tokens))
+
+    def _charge_to(self, d: Dispatch, target: float) -> None:
+        """Move ``d``'s charge to ``target``: a rise debited (into debt, never refused: it
+        was admitted), a fall given back; absolute, so settling twice changes nothing."""
         diff, now = target - d.charged_uncached, time.monotonic()
         if diff > 0:
             self.limiter.debit_uncached(d.tenant, diff, now)
@@ -2378,8 +2382,13 @@ class Gateway:
             back = d.charged_uncached - d.kept_uncached
             self.limiter.refund_uncached(d.tenant, back, time.monotonic())
             d.charged_uncached = d.kept_uncached
-        if out.status == 200 and out.prompt_tokens is not None and out.cached_tokens is not None:
-            self._debit_follow_up(d, out.prompt_tokens, out.cached_tokens)
+        if (
+            out.status == 200
+            and out.prompt_tokens is not None
+            and out.cached_tokens is not None
+            and not d.watched  # settled at its watch's end, with the run's usage
+        ):
+            self._settle_uncached(d, out.prompt_tokens, out.cached_tokens)
         if self.trace is not None:
             self._trace(d, out)
         if out.cached_tokens is None or out.status != 200 or d.unkeyed or d.watched:
@@ -2411,16 +2420,27 @@ class Gateway:
             self._check_claims(d, cached)
         return prompt
 
-    def _debit_follow_up(self, d: Dispatch, prompt: int, cached: int) -> None:
-        """A follow-up was charged its own instructions and input; its prompt holds the
-        stored conversation too, which the engine prefills again when it is not cached
-        (other instructions go first, an evicted prefix): the rest as reported."""
-        if d.previous is None:
+    def _settle_uncached(self, d: Dispatch, prompt: int, cached: int) -> None:
+        """Its engine reported the run's usage: ``d``'s charge becomes what that engine
+        computed (``prompt - cached``, its own count for this request), beside the shares
+        dropped attempts keep (D32). Up front it was a prediction: a follow-up's its own
+        instructions, tools and input, blind to the stored chain (which the engine
+        prefills again after other instructions or an eviction: debited) and to its cache
+        (repeated instructions it already holds: given back); any other request's its
+        replica's predicted hit (exact but for a stale index or media's estimate), or its
+        whole prompt where nothing is predicted (a sensitive scope, media, prompt
+        logprobs). A retrieval's or cancel's usage is the stored run's, not its own. A
+        Responses run with built-in tools may loop in its engine, and vLLM 0.33's
+        experimental parser context (``VLLM_USE_EXPERIMENTAL_PARSER_CONTEXT``) reports
+        its last turn's prompt and cached tokens alone (vLLM's responses ``context.py``,
+        ``ParsableContext.append_output``): an earlier turn's prefill unreported, so such
+        a run's charge is never lowered."""
+        if d.endpoint in RESPONSE_READS:
             return
-        extra = prompt - cached - d.charged_uncached
-        if extra > 0:
-            self.limiter.debit_uncached(d.tenant, extra, time.monotonic())
-            d.charged_uncached += extra
+        target = d.kept_uncached + float(max(0, prompt - max(0, cached)))
+        if d.endpoint == "responses" and _engine_tools(d.body):
+            target = max(target, d.charged_uncached)
+        self._charge_to(d, target)
 
     # ------------------------------------------------------------------ background (D33)
     def _watch_background(self, d: Dispatch, out: Outcome) -> bool:
@@ -2670,7 +2690,7 @@ class Gateway:
         self.on_release(d)
         self._end_admission(d)
         if outcome in RESPONSE_TERMINAL and usage is not None:
-            self._debit_follow_up(d, *usage)
+            self._settle_uncached(d, *usage)
             if not d.unkeyed:
                 # its precision and claim check, as a synchronous answer's, once: finish
                 # left them to the watch (no usage yet). No cost-model fit: its engine's
@@ -3093,6 +3113,16 @@ def _priority_rewrite(rule: PriorityPolicy, body: Mapping[str, Any]) -> tuple[in
     if present and type(body["priority"]) is int and body["priority"] == want:
         return None, False  # already what the rule gives: the client's bytes stay
     return want, False
+
+
+def _engine_tools(body: Mapping[str, Any]) -> bool:
+    """Whether a Responses request offers tools its engine runs itself (vLLM's built-ins:
+    not a function, custom or namespace tool, which return to the client)."""
+    tools = body.get("tools")
+    return isinstance(tools, list) and any(
+        not isinstance(t, dict) or t.get("type") not in ("function", "custom", "namespace")
+        for t in tools
+    )
 
 
 def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any], bool]:
