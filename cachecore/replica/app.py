@@ -82,6 +82,7 @@ from cachecore.replica.responses import (
     call_item_id,
     function_call_item,
     message_item,
+    message_item_id,
     not_found,
     response_id,
     response_object,
@@ -616,10 +617,10 @@ def create_app(replica: SimReplica) -> FastAPI:
                 raise not_found(req.previous_response_id)
             prior, prior_output = prev.messages, prev.response["output"]
         try:
-            # in vLLM's order of refusals, as the gateway reads it; vLLM's current rule: the
-            # function tools render whatever tool_choice says (its
-            # --exclude-tools-when-tool-choice-none is off), other types do not
-            rendered = render_request(req, prior, prior_output)
+            # in vLLM's order of refusals, as the gateway reads it: the function tools
+            # render whatever tool_choice says but "none" under the server's
+            # --exclude-tools-when-tool-choice-none, other types do not
+            rendered = render_request(req, prior, prior_output, replica.chat_defaults)
         except ResponsesInputError as exc:
             raise APIError(str(exc), param=exc.param) from exc
         messages, fields = rendered.messages, rendered.fields
@@ -650,7 +651,7 @@ def create_app(replica: SimReplica) -> FastAPI:
             if call is not None:
                 item = function_call_item(item_id or call_item_id(), call, "completed")
             else:
-                item = message_item(item_id or f"msg_{uuid.uuid4().hex}", text, "completed")
+                item = message_item(item_id or message_item_id(), text, "completed")
             final = response_object(
                 rid, req, model, created, [item], last, stopped=call is not None
             )

@@ -164,6 +164,11 @@ def call_item_id() -> str:
     return f"fc_{random_uuid()}"
 
 
+def message_item_id() -> str:
+    """A message item's id, as vLLM's (``msg_`` + its random_uuid)."""
+    return f"msg_{random_uuid()}"
+
+
 def function_call_item(item_id: str, call: PlannedCall, status: str) -> dict[str, Any]:
     """The simulated model's call as vLLM's ``ResponseFunctionToolCall`` item (its
     arguments empty while ``in_progress``, as the stream's first event has them)."""
@@ -244,7 +249,7 @@ class EventSequence:
         # the output item: the message, or the simulated model's call (vLLM's chat-path
         # SimpleStreamingEventProcessor: no content part, its arguments as deltas)
         self.call = call
-        self.item_id = f"msg_{uuid.uuid4().hex}" if call is None else call_item_id()
+        self.item_id = message_item_id() if call is None else call_item_id()
         self._args_sent = 0
         self._seq = 0
 
