@@ -214,10 +214,22 @@ class UnnamedFieldError(TokenizerError):
     scorer or of transformers): its text is vLLM's, its ``param`` null."""
 
 
+class NamedFieldError(TokenizerError):
+    """A refusal whose 400 names a field its text does not quote first (vLLM's
+    ``parameter``, such as ``tool_choice.function.name``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def option_param(exc: TokenizerError) -> str | None:
     """The field vLLM's 400 names for a refused chat or score option: the one its text
     quotes first (``'tools' must be an array``, vLLM's `` `tools` must not be...``),
-    none for an :class:`UnnamedFieldError`. One rule for the gateway and the replica."""
+    none for an :class:`UnnamedFieldError`, its own for a :class:`NamedFieldError`. One
+    rule for the gateway and the replica."""
+    if isinstance(exc, NamedFieldError):
+        return exc.param
     text = str(exc)
     if isinstance(exc, UnnamedFieldError) or text[:1] not in ("'", "`"):
         return None
@@ -237,9 +249,69 @@ def check_chat_tools(body: Mapping[str, Any]) -> None:
     (``create_tokenize`` hands ``[]`` to ``preprocess_chat``, which lays it over the
     server's default kwargs: their ``tools`` not rendered), as does a Responses request
     whose tools are all of vLLM's built-in types; a Responses ``tools: []`` renders
-    none (``construct_tool_dicts``)."""
+    none (``construct_tool_dicts``). Then the ``tool_choice`` it refuses
+    (:func:`_check_chat_tool_choice`)."""
     if body.get("tools") == []:
         raise TokenizerError(EMPTY_TOOLS)
+    _check_chat_tool_choice(body)
+
+
+_NAMED_CHOICE_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def _check_chat_tool_choice(body: Mapping[str, Any]) -> None:
+    """The rest of vLLM 0.33's ``ChatCompletionRequest.check_tool_usage`` (a
+    before-validator: ahead of the fields' types), its texts and ``parameter``s: a
+    ``tool_choice`` other than null or ``"none"`` without ``tools``; one not ``"auto"``,
+    ``"required"`` or an object; an object whose ``function`` is no object, has no
+    ``name``, or a name that is no non-empty string or names no tool. Tools vLLM's check
+    cannot read (no list of ``{function: {name}}``: a TypeError or KeyError there, not its
+    400) are left to the later refusals."""
+    if "tool_choice" not in body:
+        return  # "auto" with tools, nothing to check
+    choice = body["tool_choice"]
+    if choice is None or choice == "none":
+        return
+    tools = body.get("tools")
+    if tools is None:
+        raise NamedFieldError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if not isinstance(choice, dict):
+        if choice in ("auto", "required"):
+            return
+        raise NamedFieldError(
+            f"Invalid value for `tool_choice`: {choice}! "
+            'Only named tools, "none", "auto" or "required" are supported.',
+            "tool_choice",
+        )
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise NamedFieldError(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! {_NAMED_CHOICE_USAGE}",
+            "tool_choice.function",
+        )
+    if "name" not in function:
+        raise NamedFieldError(
+            f"Expected field `name` in `function` in `tool_choice`! {_NAMED_CHOICE_USAGE}",
+            "tool_choice.function.name",
+        )
+    name = function["name"]
+    if not isinstance(name, str) or not name:
+        raise NamedFieldError(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_NAMED_CHOICE_USAGE}",
+            "tool_choice.function.name",
+        )
+    if not isinstance(tools, list):
+        return
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or "name" not in fn:
+            return  # vLLM's check fails on it, not as this 400
+        if fn["name"] == name:
+            return
+    raise NamedFieldError(
+        "The tool specified in `tool_choice` does not match any of the specified `tools`",
+        "tool_choice",
+    )
 
 
 class Tokenizer(Protocol):

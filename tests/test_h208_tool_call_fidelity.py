@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.test_responses_replica import replica
+from cachecore.replica.settings import ReplicaSettings
+from gateway.errors import GatewayError
+from tests.test_gateway_support import stack
+from tests.test_responses_replica import replica, template_model
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,3 +44,82 @@ async def test_message_item_ids_are_vllms_random_uuid() -> None:
         assert re.fullmatch(r"msg_[0-9a-f]{16}", item["id"]), item["id"]
         ids = {e["item"]["id"] for e in await _events(h, body) if "item" in e}
         assert len(ids) == 1 and re.fullmatch(r"msg_[0-9a-f]{16}", ids.pop()), ids
+
+
+_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+_NO_TOOLS = ("When using `tool_choice`, `tools` must be set.", "tool_choice")
+# vLLM 0.33's ChatCompletionRequest.check_tool_usage: (request fields, (message, param))
+_REFUSED: list[tuple[dict[str, Any], tuple[str, str]]] = [
+    ({"tool_choice": "auto"}, _NO_TOOLS),
+    ({"tool_choice": "required", "tools": None}, _NO_TOOLS),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, _NO_TOOLS),
+    (
+        {"tools": [_CHAT_TOOL], "tool_choice": "any"},
+        (
+            'Invalid value for `tool_choice`: any! Only named tools, "none", "auto" or '
+            '"required" are supported.',
+            "tool_choice",
+        ),
+    ),
+    (
+        {"tools": [_CHAT_TOOL], "tool_choice": {"type": "function"}},
+        (
+            f"Invalid value for `function`: `None` in `tool_choice`! {_USAGE}",
+            "tool_choice.function",
+        ),
+    ),
+    (
+        {"tools": [_CHAT_TOOL], "tool_choice": {"type": "function", "function": {}}},
+        (
+            f"Expected field `name` in `function` in `tool_choice`! {_USAGE}",
+            "tool_choice.function.name",
+        ),
+    ),
+    (
+        {"tools": [_CHAT_TOOL], "tool_choice": {"type": "function", "function": {"name": ""}}},
+        (
+            f"Invalid `name` in `function`: `` in `tool_choice`! {_USAGE}",
+            "tool_choice.function.name",
+        ),
+    ),
+    (
+        {"tools": [_CHAT_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+        (
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        ),
+    ),
+]
+
+
+async def test_tool_choice_refused_as_vllm_by_gateway_before_charge_and_replica(
+    tmp_path: Path,
+) -> None:
+    model = str(template_model(tmp_path, ""))
+    policy = f"models: {{default: {{tokenizer: hf, tokenizer_dir: '{model}'}}}}\n"
+    settings = ReplicaSettings(time_scale=0.05, tokenizer_dir=model)
+    msgs = [{"role": "user", "content": "the weather?"}]
+    async with stack(count=1, replica=settings, policy=policy) as st:
+        url = st.fleet.endpoints[0].url
+        async with httpx.AsyncClient(timeout=30.0) as h:
+            for fields, (message, param) in _REFUSED:
+                body = {"model": st.model, "messages": msgs, "max_tokens": 4, **fields}
+                for where in (st.url, url):
+                    r = await h.post(where + "/v1/chat/completions", json=body)
+                    assert r.status_code == 400, (where, fields, r.text)
+                    err = r.json()["error"]
+                    assert (err["message"], err["param"]) == (message, param), (where, r.text)
+                # refused before the decision: no charge, no routing
+                with pytest.raises(GatewayError):
+                    await st.gw.prepare("chat", "anonymous", dict(body), {}, "x", True)
+            # what vLLM serves: none or null without tools, a named tool that exists
+            for fields in (
+                {"tool_choice": "none"},
+                {"tool_choice": None},
+                {"tools": [_CHAT_TOOL], "tool_choice": {"type": "function",
+                                                        "function": {"name": "get_weather"}}},
+            ):  # fmt: skip
+                body = {"model": st.model, "messages": msgs, "max_tokens": 4, **fields}
+                for where in (st.url, url):
+                    r = await h.post(where + "/v1/chat/completions", json=body)
+                    assert r.status_code == 200, (where, fields, r.text)

@@ -64,6 +64,7 @@ from cachecore.replica.protocol import (
     encode_floats,
     error_body,
     now_s,
+    option_error,
     pair_score,
     pooling_usage,
     sse,
@@ -102,7 +103,6 @@ from cachecore.tokenizer import (
     SegmentCache,
     ServerChatDefaults,
     TokenizerError,
-    option_param,
     score_template_kwargs,
     truncate_score_pairs,
     with_special_tokens,
@@ -144,18 +144,13 @@ async def _parse(request: Request, model: type[M]) -> M:
 
 def _options(req: Any, server: ServerChatDefaults) -> ChatOptions | None:
     """``req``'s chat options (``chat_options()``) on a replica started with ``server``'s
-    flags, a refusal answered as the gateway's (``gateway.tokenization._option_error``):
+    flags, a refusal answered as the gateway's (``option_error``):
     a 400 naming the field its text quotes first, or none where vLLM names none."""
     try:
         opts: ChatOptions | None = req.chat_options(server)
     except TokenizerError as exc:
-        raise _option_error(exc) from exc
+        raise option_error(exc) from exc
     return opts
-
-
-def _option_error(exc: TokenizerError) -> APIError:
-    """A refused chat option's 400, naming the field as the gateway names it."""
-    return APIError(str(exc), param=option_param(exc))
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -629,7 +624,7 @@ def create_app(replica: SimReplica) -> FastAPI:
                 {**fields, "tools": rendered.tools}, "responses", replica.chat_defaults
             )
         except TokenizerError as exc:
-            raise _option_error(exc) from exc
+            raise option_error(exc) from exc
         try:
             text = tok.apply_chat_template(messages, fields["add_generation_prompt"], opts)
         except TokenizerError as exc:
@@ -884,7 +879,7 @@ def create_app(replica: SimReplica) -> FastAPI:
                 kwargs = score_template_kwargs(req.model_dump(include=_TEMPLATE_FIELDS))
                 texts = template.render_pairs(tok, pairs, kwargs)
             except TokenizerError as exc:
-                raise _option_error(exc) from exc
+                raise option_error(exc) from exc
             rendered = [with_special_tokens(tok, await encode(t, salt or "")) for t in texts]
             return [req.truncate(ids, keep, tok.special_affixes) for ids in rendered]
         seen: dict[str, list[int]] = {}

@@ -35,10 +35,12 @@ from cachecore.tokenizer import (
     TokenizerError,
     Truncation,
     chat_completion_messages,
+    check_chat_tools,
     check_score_token_limit,
     doc_limited_pair,
     embedding_chat_input,
     is_conversation_batch,
+    option_param,
     truncated_pair,
     with_pair_special_tokens,
 )
@@ -65,6 +67,12 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def option_error(exc: TokenizerError) -> APIError:
+    """A refused chat option's 400, naming the field as the gateway names it
+    (``gateway.tokenization._option_error``)."""
+    return APIError(str(exc), param=option_param(exc))
 
 
 def _default_type(status: int) -> str:
@@ -227,7 +235,8 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     top_logprobs: int | None = 0  # vLLM's default: echo alone asks for prompt logprobs
     logprobs: bool | None = False  # a chat's is a flag (a completion's a count)
     parallel_tool_calls: bool | None = True
-    # read by the simulated model's call rule (cachecore.replica.toolcalls), not validated
+    # read by the simulated model's call rule (cachecore.replica.toolcalls), checked as
+    # vLLM's check_tool_usage checks it (_tool_usage), its type not validated
     tool_choice: Any = None
 
     @model_validator(mode="before")
@@ -235,6 +244,17 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     def _reasoning_content(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("messages"), list):
             return {**data, "messages": chat_completion_messages(data["messages"])}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_usage(cls, data: Any) -> Any:
+        # vLLM's check_tool_usage, a before-validator: refused as the gateway refuses it
+        if isinstance(data, dict):
+            try:
+                check_chat_tools(data)
+            except TokenizerError as exc:
+                raise option_error(exc) from exc
         return data
 
     def requested_max_tokens(self) -> int:
