@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any, cast
 from urllib.parse import unquote
 
@@ -63,6 +64,21 @@ _CLOSE = b"connection: close\r\n"
 MAX_HEADER_BYTES = 64 * 1024  # a request head larger than this is refused with a 431
 _UPGRADE_TOKENS = frozenset({b"upgrade", b"http2-settings"})  # of an ignored upgrade
 _LINGER_S = 2.0  # after a 431: how long the rest of the request is read and dropped
+
+
+_ONE_WRITE_MAX = 64 * 1024  # an answer up to this is written with its head, in one write
+_PIECE = 1 << 20  # a larger one in pieces of at most this, as the client takes them
+
+
+def _pieces(body: bytes | list[bytes]) -> Iterator[bytes | memoryview]:
+    """``body`` in pieces of at most ``_PIECE`` bytes, none copied."""
+    for part in (body,) if isinstance(body, bytes) else body:
+        if len(part) <= _PIECE:
+            yield part
+            continue
+        view = memoryview(part)
+        for at in range(0, len(part), _PIECE):
+            yield view[at : at + _PIECE]
 
 
 class _HeadTooLarge(Exception):
@@ -260,12 +276,28 @@ class HotCycle:
                 raise ClientWriteTimeout from None
         return not self._disconnected and not self.transport.is_closing()
 
-    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    async def answer(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | list[bytes]
+    ) -> None:
         if not await self._writable():
             return
         parts = self._head(status, headers)
-        parts += (b"content-length: %d\r\n\r\n" % len(body), body)
-        self.transport.write(b"".join(parts))
+        size = len(body) if isinstance(body, bytes) else sum(map(len, body))
+        parts.append(b"content-length: %d\r\n\r\n" % size)
+        if size <= _ONE_WRITE_MAX:
+            # the usual answer (1-10 KB): with its head in one write, one send
+            parts += (body,) if isinstance(body, bytes) else body
+            self.transport.write(b"".join(parts))
+        else:
+            # a large one: its head, then its pieces as the client takes them. Joined with
+            # its head it was a copy of the answer, and asyncio's transport (not uvloop's)
+            # copies what the socket does not take at once into its buffer: written whole,
+            # the whole answer again (H209)
+            self.transport.write(b"".join(parts))
+            for piece in _pieces(body):
+                if not await self._writable():
+                    return  # gone: ``run_asgi`` closes the connection, the answer cut short
+                self.transport.write(piece)
         self._complete()
 
     def _end_cut_answer(self) -> None:

@@ -155,8 +155,11 @@ class ClientConnection(Protocol):
         task is cancelled for it, so a cancellation without it is the server's own (its
         drain timeout ran out)."""
 
-    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        """A whole answer; ``headers`` without its length."""
+    async def answer(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | list[bytes]
+    ) -> None:
+        """A whole answer; ``headers`` without its length; ``body`` its bytes, or the
+        chunks it was read in (a large answer is written as it came, never joined)."""
 
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         """The head of an answer whose body follows in pieces."""
@@ -188,10 +191,22 @@ class AsgiConnection:
             # the app returns with the answer incomplete
             raise ClientWriteTimeout from None
 
-    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        headers = [*headers, (b"content-length", b"%d" % len(body))]
+    async def answer(
+        self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | list[bytes]
+    ) -> None:
+        size = len(body) if isinstance(body, bytes) else sum(map(len, body))
+        headers = [*headers, (b"content-length", b"%d" % size)]
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        if isinstance(body, bytes):
+            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        # chunks, each a body message: the server waits out the client's back-pressure
+        # before each, so they are not all in its transport's buffer at once
+        last = len(body) - 1
+        for i, part in enumerate(body):
+            await self.send({"type": "http.response.body", "body": part, "more_body": i < last})
+        if last < 0:
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
@@ -555,7 +570,7 @@ class UpstreamExchange(Response):
     async def _relay_json(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
         bound = self.gw.settings.max_upstream_body_bytes
         try:
-            raw = await resp.aread(bound)
+            parts = await resp.aread_parts(bound)
         except httpx.HTTPError as exc:
             await self._read_failed(conn, exc, t0)
             return
@@ -571,13 +586,20 @@ class UpstreamExchange(Response):
                 Outcome(502, None, time.perf_counter() - t0, None, None, None, BODY_TOO_LARGE)
             )
             return
+        # read whole: its connection goes back to the pool now, not once the client has
+        # taken the answer (a large one is written as fast as the client reads it)
+        await resp.aclose()
         c0 = time.perf_counter_ns()
         usage = Usage()
         d = self.d
         # a Responses object's status and ids are read too: parsed whole at any size
-        large = len(raw) > _PARSE_WHOLE_MAX and d.response_id is None
-        parsed = _usage_tail(raw) if large else None
+        large = sum(map(len, parts)) > _PARSE_WHOLE_MAX and d.response_id is None
+        parsed = _usage_tail(_last_bytes(parts, _USAGE_TAIL_MAX + 64), parts[0]) if large else None
+        # read off its tail, the answer is written in the chunks it came in: their join was
+        # a copy of it (H209)
+        raw: bytes | list[bytes] = parts
         if parsed is None:
+            raw = parts[0] if len(parts) == 1 else b"".join(parts)
             try:
                 parsed = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -596,9 +618,11 @@ class UpstreamExchange(Response):
             d.response_usage = usage_pair(parsed.get("usage"))
         else:
             usage.read(parsed.get("usage"))
-        raw = _rewritten(raw, self.gw.answer_rewrites(self.d, parsed))
+        if d.response_id is not None:  # a Responses object: parsed whole, ``raw`` its bytes
+            assert isinstance(raw, bytes)
+            raw = _rewritten(raw, self.gw.answer_rewrites(d, parsed))
         # not held while the client takes the answer: the parsed answer costs about its size
-        # again (text) or more (an embedding's floats), the write a copy of ``raw``
+        # again (text) or more (an embedding's floats)
         del parsed
         self.status = 200
         headers = self._resp_headers(_JSON)
@@ -817,7 +841,17 @@ def _event_data(event: bytes) -> bytes:
     return event[5:].lstrip() if event.startswith(b"data:") else event
 
 
-def _usage_tail(raw: bytes) -> dict[str, Any] | None:
+def _last_bytes(parts: list[bytes], n: int) -> bytes:
+    """The last ``n`` bytes of ``parts`` joined (all of them if fewer)."""
+    k, at = 0, len(parts)
+    while at > 0 and k < n:
+        at -= 1
+        k += len(parts[at])
+    tail = parts[at:]
+    return (tail[0] if len(tail) == 1 else b"".join(tail))[-n:]
+
+
+def _usage_tail(raw: bytes, start: bytes | None = None) -> dict[str, Any] | None:
     """The top-level keys of the JSON object ``raw`` from its last ``usage`` key on, when
     that key lies in its last ``_USAGE_TAIL_MAX`` bytes; None otherwise (parse it whole).
     vLLM 0.33 serialises its answers' fields in model order: an embeddings, pooling,
@@ -827,9 +861,10 @@ def _usage_tail(raw: bytes) -> dict[str, Any] | None:
     escaped), and followed by ``:`` that string is a key; ``{`` and the tail from it make
     one object only if the key is the top level's (a nested one's tail closes more). The
     body before it is not validated: its leading ``{`` is checked, and a truncated answer
-    loses its tail, parsed whole and refused."""
+    loses its tail, parsed whole and refused. ``raw`` may be the answer's last
+    ``_USAGE_TAIL_MAX`` + 64 bytes only, with ``start`` its first chunk."""
     at = raw.rfind(b'"usage"', len(raw) - _USAGE_TAIL_MAX)
-    if at < 0 or _OBJECT_START.match(raw) is None:
+    if at < 0 or _OBJECT_START.match(raw if start is None else start) is None:
         return None
     if not raw[max(0, at - 64) : at].rstrip(_WS).endswith((b"{", b",")):
         return None  # no key's place: a string's content
