@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachecore.laxbool import lax_bool
-from cachecore.tokenizer import REASONING_EFFORTS
+from cachecore.tokenizer import REASONING_EFFORTS, ServerChatDefaults
 
 _ROLES = frozenset(("user", "system", "developer", "assistant"))
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -408,14 +408,19 @@ class RenderedRequest:
 
 
 def render_request(
-    body: Any, prior: list[dict[str, Any]], prior_output: list[dict[str, Any]] | None = None
+    body: Any,
+    prior: list[dict[str, Any]],
+    prior_output: list[dict[str, Any]] | None = None,
+    server: ServerChatDefaults | None = None,
 ) -> RenderedRequest:
     """A Responses request's fields (``body``: a mapping, or an object with them as
     attributes, as the replica's parsed request) read in vLLM 0.33's order of refusals:
     :func:`check_tool_usage` (its first validators), the conversation
-    (:func:`request_messages` over ``prior`` and ``prior_output``), the tools, the
-    rendering fields. The gateway (keys and size, with no prior conversation) and the
-    simulated replica (its prompt) both read a request through this one function."""
+    (:func:`request_messages` over ``prior`` and ``prior_output``), the tools (none
+    rendered where ``server``, the engine's flags, excludes them:
+    :meth:`~cachecore.tokenizer.ServerChatDefaults.excludes_tools`), the rendering fields.
+    The gateway (keys and size, with no prior conversation) and the simulated replica
+    (its prompt) both read a request through this one function."""
 
     def get(name: str) -> Any:
         return body.get(name) if isinstance(body, Mapping) else getattr(body, name, None)
@@ -423,7 +428,10 @@ def render_request(
     tools, choice = get("tools"), get("tool_choice")
     check_tool_usage(tools, choice)
     messages = request_messages(get("instructions"), prior, get("input"), prior_output)
-    rendered, exact = _render_tools(tools, choice)
+    rendered, exact = _render_tools(tools)
+    if rendered is not None and server is not None and server.excludes_tools(choice):
+        # construct_tool_dicts' None (validated first): the server's default tools render
+        rendered = None
     fields = chat_fields(get("input"), get("reasoning"), get("chat_template_kwargs"))
     return RenderedRequest(messages, rendered, exact, fields)
 
@@ -448,19 +456,19 @@ def chat_tools(tools: Any, tool_choice: Any = None) -> tuple[list[dict[str, Any]
 
     Returns ``(tools, exact)``: ``exact`` False when the rendering is not one this reader
     can reproduce: a tool of another type (vLLM's built-ins ``web_search``,
-    ``file_search``, ``mcp``, ``code_interpreter``, not rendered for the model), or
-    ``tool_choice: "none"`` with tools (vLLM drops the tools from the prompt under a
-    server flag, ``--exclude-tools-when-tool-choice-none``, the gateway cannot see). A
+    ``file_search``, ``mcp``, ``code_interpreter``, not rendered for the model). Under
+    ``tool_choice: "none"`` they render as any other (a server started with
+    ``--exclude-tools-when-tool-choice-none`` renders none: :func:`render_request`). A
     named ``tool_choice`` renders nothing (vLLM resolves a namespaced function's local
     name to its flat one for its grammar, not for the prompt), but one vLLM refuses is
     refused first (:func:`check_tool_usage`). A malformed ``tools`` is refused, naming
     it. ``strict`` and ``defer_loading`` are read as pydantic's lax booleans
     (:func:`_lax_bool`) and rendered as the booleans vLLM's models make of them."""
     check_tool_usage(tools, tool_choice)
-    return _render_tools(tools, tool_choice)
+    return _render_tools(tools)
 
 
-def _render_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | None, bool]:
+def _render_tools(tools: Any) -> tuple[list[dict[str, Any]] | None, bool]:
     """:func:`chat_tools` once :func:`check_tool_usage` has passed."""
     if tools is None:
         return None, True
@@ -493,8 +501,6 @@ def _render_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | 
         else:
             fn = _function_definition(tool, where, name)
         out.append({"type": "function", "function": fn})
-    if out and tool_choice == "none":
-        exact = False
     # tools of vLLM's built-in types alone render [] (construct_tool_dicts' list), which
     # preprocess_chat lays over a server's default tools: none rendered
     return out, exact

@@ -788,7 +788,9 @@ class ChatOptions:
         the kwargs' None and ``"auto"`` values, a Responses request's too: the server's
         default kwargs are never empty (:class:`ServerChatDefaults`), so its first
         ``with_defaults`` drops them as well. ``continue_final_message`` and
-        ``add_generation_prompt`` are always the request's own."""
+        ``add_generation_prompt`` are always the request's own. A chat completion's tools
+        under ``tool_choice`` "none" are not rendered on a server that excludes them
+        (:meth:`ServerChatDefaults.excludes_tools`)."""
         if form == "chat":
             check_chat_tools(body)
         # a /tokenize (or Responses) [] is rendered, over the server's default tools:
@@ -805,6 +807,8 @@ class ChatOptions:
             raise TokenizerError("'tools' must be an array")
         if tools is not None and form != "responses":  # a Responses reader dumps its own
             tools = chat_completion_tools(tools)
+            if form == "chat" and srv is not None and srv.excludes_tools(body.get("tool_choice")):
+                tools = None  # validated, not rendered (a Responses reader drops its own)
         if docs is not None and not isinstance(docs, list):
             raise TokenizerError("'documents' must be an array")
         effort_map = None if srv is None else srv.effort_map
@@ -999,18 +1003,35 @@ class ServerChatDefaults:
     rendered (``under``): vLLM's HF renderer passes a template only the variables it reads
     (``resolve_chat_template_kwargs``), and it is the Cohere renderer's selector, read by no
     HF template known; ``--cohere-format`` is not modelled (its value set in the defaults is
-    rendered). Built by :meth:`of`, which refuses what vLLM refuses at start-up or on every
-    chat."""
+    rendered). And its ``--exclude-tools-when-tool-choice-none`` (:meth:`excludes_tools`).
+    Built by :meth:`of`, which refuses what vLLM refuses at start-up or on every chat."""
 
     kwargs: Mapping[str, Any]
     effort_map: Mapping[str, str]
     tools: list[Any] | None  # the defaults' tools: under a request's top-level ones
     under: Mapping[str, Any]  # the rest, under a request's kwargs (tokenize: vLLM's False)
     bare: ChatOptions | None  # the options of a request that sets none
+    exclude_tools_when_tool_choice_none: bool = False
+
+    def excludes_tools(self, tool_choice: Any) -> bool:
+        """Whether a chat completion's or Responses request's own tools go unrendered:
+        vLLM 0.33's ``--exclude-tools-when-tool-choice-none`` with ``tool_choice`` "none"
+        (``OnlineRenderer.render_chat``'s and ``construct_tool_dicts``' None, so the
+        defaults' tools are rendered, or the kwargs' tools). ``/tokenize`` never applies
+        it (``create_tokenize``: no ``tool_choice``), nor a pooling chat form."""
+        return self.exclude_tools_when_tool_choice_none and tool_choice == "none"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ServerChatDefaults:
+        # immutable (read-only views, which deepcopy cannot copy): pydantic deep-copies a
+        # policy's default ModelsPolicy, whose shared default ModelPool caches this
+        return self
 
     @classmethod
     def of(
-        cls, kwargs: Mapping[str, Any] | None = None, effort_map: Mapping[str, str] | None = None
+        cls,
+        kwargs: Mapping[str, Any] | None = None,
+        effort_map: Mapping[str, str] | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
     ) -> ServerChatDefaults:
         """A :class:`TokenizerError` saying why vLLM would not serve with these flags, or
         would refuse every chat with them."""
@@ -1057,6 +1078,7 @@ class ServerChatDefaults:
             tools,
             MappingProxyType(under),
             bare,
+            exclude_tools_when_tool_choice_none,
         )
 
 

@@ -78,6 +78,7 @@ from cachecore.tasks import (
 )
 from cachecore.tokenizer import (
     SCORE_TOKEN_LIMITS,
+    ServerChatDefaults,
     _unset_kwarg,
     chat_completion_messages,
     embedding_chat_input,
@@ -1306,6 +1307,9 @@ class Gateway:
             )
         reps = self._one_meaning(model, lora, base_model, reps)
         mpool = pol.models.pool(base_model)
+        if responses and mpool.chat_defaults.excludes_tools(body.get("tool_choice")):
+            # the pool's engines leave its tools out of the prompt (read, so validated, above)
+            src, tools_exact = _responses_chat(body, model, mpool.chat_defaults)
         bs = mpool.block_size
         # an engine that tokenizes must serve the requested model (an adapter too)
         tokenizer = self.tokenizers.for_pool(model, mpool)
@@ -1784,7 +1788,7 @@ class Gateway:
             sizer = tokenizer if isinstance(tokenizer, LocalPromptTokenizer) else None
             sizer = sizer or self.tokenizers.sizer()
             cs = None if scope.kind is ScopeKind.REQUEST else scope.canonical()
-            view, _ = _responses_chat(body, model)
+            view, _ = _responses_chat(body, model, mpool.chat_defaults)
             text_only, media_parts = strip_media(view["messages"])
             ids = await sizer.chat(
                 {**view, "messages": text_only},
@@ -3125,16 +3129,20 @@ def _engine_tools(body: Mapping[str, Any]) -> bool:
     )
 
 
-def _responses_chat(body: Mapping[str, Any], model: str) -> tuple[dict[str, Any], bool]:
+def _responses_chat(
+    body: Mapping[str, Any], model: str, server: ServerChatDefaults | None = None
+) -> tuple[dict[str, Any], bool]:
     """A Responses request's instructions, input and function tools as the chat the
-    engine renders (no previous response's conversation: a follow-up's is the engine's),
+    engine renders on a server started with ``server``'s flags (its tools left out under
+    ``--exclude-tools-when-tool-choice-none``: ``ServerChatDefaults.excludes_tools``)
+    (no previous response's conversation: a follow-up's is the engine's),
     with its rendering fields as a chat completion's (a partial final message continued,
     its reasoning effort and template kwargs), read as the replica reads it
     (``render_request``), a 400 naming the field it refuses; and whether that chat is the
     engine's prompt exactly (False: tools the gateway cannot render, so no keys; see
     ``chat_tools``)."""
     try:
-        req = render_request(body, [])
+        req = render_request(body, [], None, server)
     except ResponsesInputError as exc:
         raise bad_request(str(exc), exc.param) from None
     chat: dict[str, Any] = {"model": model, "messages": req.messages, **req.fields}

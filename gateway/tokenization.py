@@ -29,6 +29,7 @@ from cachecore.tokenizer import (
     PROBE_PROMPT,
     SCORE_TOKEN_LIMITS,
     SEGMENT_CACHE_TOKENS,
+    VLLM_SERVER,
     ChatForm,
     ChatOptions,
     HFTokenizer,
@@ -39,6 +40,7 @@ from cachecore.tokenizer import (
     TokenizerError,
     Truncation,
     builtin_tokenizer,
+    chat_completion_tools,
     check_chat_tools,
     check_score_token_limit,
     effort_template_kwargs,
@@ -795,20 +797,21 @@ class EnginePromptTokenizer:
         replica_url: Callable[[Collection[str]], str | None],
         timeout_s: float = 2.0,
         sizer: Callable[[], LocalPromptTokenizer] | None = None,
-        effort_map: Mapping[str, str] | None = None,
+        server: ServerChatDefaults | None = None,
     ) -> None:
         """``sizer``: the local tokenizer that sizes a batch's texts (:meth:`prompt_lengths`;
-        the built-in one when not given). ``effort_map``: the pool's engines'
-        ``--reasoning-effort-map``, which their /tokenize does not apply (it takes no
-        effort: the effort goes as a template kwarg, mapped here); their default kwargs
-        they lay under it themselves."""
+        the built-in one when not given). ``server``: the pool's engines' flags that their
+        /tokenize does not apply to a chat: ``--reasoning-effort-map`` (it takes no
+        effort: the effort goes as a template kwarg, mapped here) and
+        ``--exclude-tools-when-tool-choice-none`` (it takes no tool_choice: the tools are
+        left out here); their default kwargs they lay under it themselves."""
         self.mode = mode
         self.name = f"engine_{mode}"
         self._client = client
         self._url = replica_url
         self._timeout = timeout_s
         self._sizer = sizer
-        self._effort_map = effort_map
+        self._server = server or VLLM_SERVER
 
     async def _post(self, path: str, payload: Mapping[str, Any]) -> list[int]:
         loop = asyncio.get_running_loop()
@@ -913,6 +916,11 @@ class EnginePromptTokenizer:
             # the rendering (tools, documents, template kwargs, ...) renders as it will
             return await self._post("/v1/chat/completions/render", {**body, "cache_salt": salt})
         payload = {k: body[k] for k in _TOKENIZE_CHAT_FIELDS if k in body}
+        if "tools" in payload and self._server.excludes_tools(body.get("tool_choice")):
+            try:  # the chat route validates what it then leaves out of the prompt
+                chat_completion_tools(payload.pop("tools"))
+            except TokenizerError as exc:
+                raise _option_error(exc) from None
         docs = body.get("documents")
         if body.get("reasoning_effort") is not None or docs is not None:
             # /tokenize takes no reasoning_effort or documents (extras it ignores): as
@@ -920,7 +928,9 @@ class EnginePromptTokenizer:
             # 400 for a value the engine would refuse)
             try:
                 kwargs = effort_template_kwargs(
-                    body.get("chat_template_kwargs"), body.get("reasoning_effort"), self._effort_map
+                    body.get("chat_template_kwargs"),
+                    body.get("reasoning_effort"),
+                    self._server.effort_map,
                 )
             except TokenizerError as exc:
                 raise _option_error(exc) from None
@@ -995,7 +1005,7 @@ class TokenizerPools:
             mode = "render" if pool.tokenizer == "engine_render" else "tokenize"
             return EnginePromptTokenizer(
                 mode, self._client, lambda tried: self._replica_url(model, tried),
-                sizer=self.sizer, effort_map=pool.reasoning_effort_map,
+                sizer=self.sizer, server=pool.chat_defaults,
             )  # fmt: skip
         return self.local(pool)
 

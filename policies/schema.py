@@ -257,6 +257,9 @@ class ModelPool(_Section):
     # request's), and a request's reasoning effort rewritten before the template gets it
     default_chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort_map: dict[str, str] | None = None
+    # the engine's --exclude-tools-when-tool-choice-none: a chat completion's or Responses
+    # request's tools not rendered when its tool_choice is "none" (/tokenize's are)
+    exclude_tools_when_tool_choice_none: bool = False
 
     @field_validator("default_chat_template_kwargs", "reasoning_effort_map")
     @classmethod
@@ -273,8 +276,13 @@ class ModelPool(_Section):
 
     @cached_property
     def chat_defaults(self) -> ServerChatDefaults:
-        """What this pool's engines lay under every chat's template kwargs, built once."""
-        return ServerChatDefaults.of(self.default_chat_template_kwargs, self.reasoning_effort_map)
+        """What this pool's engines lay under every chat's template kwargs, and whether
+        they exclude tools under tool_choice "none", built once."""
+        return ServerChatDefaults.of(
+            self.default_chat_template_kwargs,
+            self.reasoning_effort_map,
+            self.exclude_tools_when_tool_choice_none,
+        )
 
     @field_validator("score_template")
     @classmethod

@@ -474,12 +474,12 @@ async def test_built_in_tools_route_unkeyed_and_malformed_tools_are_a_400() -> N
     async with stack(count=2) as st, st.http() as h:
         pending = record_pending(st.gw)
         base = {"model": st.model, "input": words(60, 13), "max_output_tokens": 2}
-        # a built-in tool (whose prompt the gateway cannot reproduce), or tool_choice
-        # "none" (vLLM releases differ on whether the tools render): by load, no keys
+        # a built-in tool (whose prompt the gateway cannot reproduce): by load, no keys
+        # (tool_choice "none" is keyed: the pool says whether its engines render the
+        # tools, models.<pool>.exclude_tools_when_tool_choice_none, H210)
         for extra in (
             {"tools": [_TOOL, {"type": "web_search"}]},
             {"tools": [{"type": "mcp", "server_label": "x"}]},
-            {"tools": [_TOOL], "tool_choice": "none"},
         ):
             before = _count(st.gw.metrics.decisions, reason="unkeyed_load")
             r = await h.post("/v1/responses", json={**base, **extra})

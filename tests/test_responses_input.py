@@ -367,10 +367,11 @@ def test_namespace_tools_render_flattened_as_vllm_renders_them() -> None:
     assert chat_tools([]) == (None, True)  # no tools: None (construct_tool_dicts)
     flat = chat_tools([{**crm, "name": ""}])[0]
     assert flat is not None and flat[0]["function"]["name"] == "__lookup"
-    # a named tool_choice renders nothing; "none" with tools stays unkeyed (a server flag)
+    # a named tool_choice renders nothing; "none" renders the tools, keyed (a server
+    # with --exclude-tools-when-tool-choice-none renders none: render_request, H210)
     choice = {"type": "function", "name": "lookup"}
     assert chat_tools([crm], choice) == chat_tools([crm])
-    assert chat_tools([crm], "none")[1] is False
+    assert chat_tools([crm], "none") == chat_tools([crm])
     # what vLLM refuses, naming tools: its request model's NamespaceTool, and parameters
     # that are no object (its rendering's ValueError)
     for bad in (

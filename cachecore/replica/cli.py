@@ -67,6 +67,7 @@ _SETTINGS_FLAGS = {
     "score_template": "score_template",
     "default_chat_template_kwargs": "default_chat_template_kwargs",
     "reasoning_effort_map": "reasoning_effort_map",
+    "exclude_tools_when_tool_choice_none": "exclude_tools_when_tool_choice_none",
 }
 
 
@@ -126,6 +127,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="as vLLM's flag: rewrites a request's reasoning effort before the template "
         'gets it, e.g. \'{"medium": "low"}\'',
+    )
+    a(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        default=None,
+        help="as vLLM's flag: a chat completion's or Responses request's tools are not "
+        'rendered when its tool_choice is "none" (/tokenize renders them)',
     )
     a("--legacy-replay-reply", action="store_true", help="reply [b'', seq, payload] on replay")
     a("--no-events", action="store_true", help="do not publish KV events")

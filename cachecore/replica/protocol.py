@@ -263,7 +263,11 @@ class ChatCompletionRequest(_GenerationRequest, _ChatRendering):
     def chat_options(self, server: ServerChatDefaults | None = None) -> ChatOptions | None:
         """As vLLM 0.33's chat completion renders it on ``server``
         (:meth:`ChatOptions.from_body`)."""
-        fields = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
+        fields = {
+            "documents": self.documents,
+            "reasoning_effort": self.reasoning_effort,
+            "tool_choice": self.tool_choice,  # --exclude-tools-when-tool-choice-none reads it
+        }
         return ChatOptions.from_body({**self._template_fields(), **fields}, "chat", server)
 
     def max_output_tokens(self) -> int:

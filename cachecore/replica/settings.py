@@ -91,6 +91,9 @@ class ReplicaSettings(BaseSettings):
     # gets it): ServerChatDefaults
     default_chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort_map: dict[str, str] | None = None
+    # vLLM's --exclude-tools-when-tool-choice-none: a chat completion's or Responses
+    # request's tools not rendered under tool_choice "none" (/tokenize's are)
+    exclude_tools_when_tool_choice_none: bool = False
 
     @field_validator("host")
     @classmethod
@@ -140,7 +143,11 @@ class ReplicaSettings(BaseSettings):
 
     def chat_defaults(self) -> ServerChatDefaults:
         """What this replica's server lays under every chat's template kwargs."""
-        return ServerChatDefaults.of(self.default_chat_template_kwargs, self.reasoning_effort_map)
+        return ServerChatDefaults.of(
+            self.default_chat_template_kwargs,
+            self.reasoning_effort_map,
+            self.exclude_tools_when_tool_choice_none,
+        )
 
     @field_validator("model")
     @classmethod
