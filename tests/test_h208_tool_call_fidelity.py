@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from cachecore.replica.settings import ReplicaSettings
+from cachecore.replica.toolcalls import CALL_MARKER
+from cachecore.tokenizer import builtin_tokenizer
 from gateway.errors import GatewayError
 from tests.test_gateway_support import stack
 from tests.test_responses_replica import replica, template_model
@@ -123,3 +125,72 @@ async def test_tool_choice_refused_as_vllm_by_gateway_before_charge_and_replica(
                 for where in (st.url, url):
                     r = await h.post(where + "/v1/chat/completions", json=body)
                     assert r.status_code == 200, (where, fields, r.text)
+
+
+async def _chunks(h: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat stream's chunks (with a usage each), parsed."""
+    so = {"include_usage": False, "continuous_usage_stats": True}
+    out: list[dict[str, Any]] = []
+    stream = {**body, "stream": True, "stream_options": so}
+    async with h.stream("POST", "/v1/chat/completions", json=stream) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def _tokens_until(text: str, end: int) -> int:
+    """How many of ``text``'s tokens it takes to hold its first ``end`` characters."""
+    _, offsets = builtin_tokenizer().encode_offsets(text)
+    return next(i + 1 for i, (_, e) in enumerate(offsets) if e >= end)
+
+
+async def test_a_streamed_call_opens_when_the_parser_sees_its_name() -> None:
+    # vLLM 0.33 opens a streamed call (its id, type and name) when its parser sees the
+    # name: extract_required_tool_call_streaming once the name is whole and the
+    # parameters begun, the hermes parser's extract_tool_calls_streaming once its
+    # "name": "..." closed (the name alone, the arguments an entry of their own, the
+    # delta's content null), extract_named_tool_call_streaming at the first output;
+    # outputs before that send no chunk
+    msgs = [{"role": "user", "content": f"the weather? {CALL_MARKER}"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with replica() as (h, _, model):
+        base = {"model": model, "messages": msgs, "tools": [_CHAT_TOOL]}
+        for choice in ("required", "auto", named):
+            body = {**base, "tool_choice": choice}
+            whole = (await h.post("/v1/chat/completions", json=body)).json()
+            (call,) = whole["choices"][0]["message"]["tool_calls"]
+            args = call["function"]["arguments"]
+            chunks = await _chunks(h, body)
+            assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            calls = [c for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+            assert chunks[1] is calls[0], (choice, chunks[1])  # nothing sent before
+            first = calls[0]["choices"][0]["delta"]
+            opening = first["tool_calls"][0]
+            assert (opening["type"], opening["index"]) == ("function", 0), opening
+            assert opening["function"]["name"] == "get_weather"
+            n = calls[0]["usage"]["completion_tokens"]
+            if choice == "required":
+                text = json.dumps([{"name": "get_weather", "parameters": json.loads(args)}])
+                assert n == _tokens_until(text, text.index(args) + 1), (n, first)
+                assert opening["function"]["arguments"], first  # the parameters begun
+                later = [c["choices"][0]["delta"]["tool_calls"][0] for c in calls[1:]]
+                assert all(tc["function"]["name"] is None for tc in later), later
+            elif choice == "auto":
+                block = json.dumps({"name": "get_weather", "arguments": json.loads(args)})
+                text = f"<tool_call>\n{block}\n</tool_call>"
+                name_end = text.index('"get_weather"') + len('"get_weather"')
+                assert n == _tokens_until(text, name_end), (n, first)
+                assert first["content"] is None and opening["function"] == {
+                    "name": "get_weather"
+                }, first
+            else:
+                assert n == 1, first
+            joined = "".join(
+                tc["function"].get("arguments") or ""
+                for c in calls
+                for tc in c["choices"][0]["delta"]["tool_calls"]
+            )
+            assert joined == args, (choice, joined, args)
+            assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]

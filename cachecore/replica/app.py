@@ -90,7 +90,13 @@ from cachecore.replica.responses import (
     sse_event,
 )
 from cachecore.replica.server import SimReplica
-from cachecore.replica.toolcalls import PlannedCall, call_content, call_finish, plan_call
+from cachecore.replica.toolcalls import (
+    CallStream,
+    PlannedCall,
+    call_content,
+    call_finish,
+    plan_call,
+)
 from cachecore.responses import (
     ResponsesInputError,
     render_request,
@@ -348,24 +354,19 @@ def create_app(replica: SimReplica) -> FastAPI:
         call: PlannedCall,
     ) -> Callable[[RequestOutput], tuple[dict[str, Any] | None, str | None]]:
         """A streamed call's chunk deltas, one engine output at a time, as vLLM's chat
-        stream sends them: the first with the call's id, type and name, then the arguments
-        as the tokens reveal them; the last with the finish reason. None: nothing new."""
-        sent = 0
-        opened = False
+        stream sends them (:class:`CallStream`): nothing until its parser opens the call,
+        the Hermes parser's with ``content: null``; the last with the finish reason (an
+        empty delta when it carries nothing else). None: no chunk."""
+        parser = CallStream(call)
 
         def step(out: RequestOutput) -> tuple[dict[str, Any] | None, str | None]:
-            nonlocal sent, opened
-            args = call.arguments_after(out.num_output_tokens)
-            piece, sent = args[sent:], len(args)
             finish = call_finish(call) if out.finish_reason is not None else None
-            if not opened:
-                opened = True
-                tc = {**tool_call(call.id, call.name, piece), "index": 0}
-            elif piece:
-                tc = {"index": 0, "function": {"arguments": piece}}
-            else:
+            entries = parser.step(out.num_output_tokens)
+            if not entries:
                 return ({} if finish else None), finish
-            return {"tool_calls": [tc]}, finish
+            if call.kind == "auto":  # the hermes parser's DeltaMessage(content=None, ...)
+                return {"content": None, "tool_calls": entries}, finish
+            return {"tool_calls": entries}, finish
 
         return step
 
@@ -708,14 +709,10 @@ def create_app(replica: SimReplica) -> FastAPI:
             async for out in handle.outputs():
                 last = out
                 piece = replica.token_text(out.new_token_ids)
-                if not texts:  # the engine's first output: the item opens with it
-                    for event in seq.item_opening():
-                        yield sse_event(event)
                 texts.append(piece)
-                delta = seq.delta(piece, out.num_output_tokens)
-                if delta is not None:
-                    yield sse_event(delta)
-            if not texts:
+                for event in seq.output(piece, out.num_output_tokens):
+                    yield sse_event(event)
+            if not seq.opened:
                 for event in seq.item_opening():
                     yield sse_event(event)
             text = "".join(texts)

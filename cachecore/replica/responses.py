@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from cachecore.engine import RequestOutput
 from cachecore.replica.protocol import APIError
-from cachecore.replica.toolcalls import PlannedCall, random_uuid
+from cachecore.replica.toolcalls import CallStream, PlannedCall, random_uuid
 
 
 class ResponsesRequest(BaseModel):
@@ -250,7 +250,8 @@ class EventSequence:
         # SimpleStreamingEventProcessor: no content part, its arguments as deltas)
         self.call = call
         self.item_id = message_item_id() if call is None else call_item_id()
-        self._args_sent = 0
+        self._parser = None if call is None else CallStream(call)
+        self.opened = False  # the item's opening sent
         self._seq = 0
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -269,6 +270,7 @@ class EventSequence:
         """The message item's and its text part's opening, as vLLM's
         SimpleStreamingEventProcessor.open sends them: with the first delta, at the
         engine's first output. A call's item opens alone (emit_simple_tool_call_open)."""
+        self.opened = True
         if self.call is not None:
             item = function_call_item(self.item_id, self.call, "in_progress")
             yield self._event("response.output_item.added", output_index=0, item=item)
@@ -282,23 +284,29 @@ class EventSequence:
             content_index=0, part=output_text(""),
         )  # fmt: skip
 
-    def delta(self, text: str, n_tokens: int) -> dict[str, Any] | None:
-        """The event for an engine output of ``text``, ``n_tokens`` generated so far: a
-        text delta, or a call's arguments as far as those tokens reveal them (None when
-        they reveal nothing new)."""
-        if self.call is not None:
-            args = self.call.arguments_after(n_tokens)
-            piece, self._args_sent = args[self._args_sent :], len(args)
-            if not piece:
-                return None
-            return self._event(
+    def output(self, text: str, n_tokens: int) -> Iterator[dict[str, Any]]:
+        """The events for an engine output of ``text``, ``n_tokens`` generated so far: a
+        message's (opened at the first) text delta, or what vLLM's parser makes of a
+        call's tokens (:class:`CallStream`): the item's opening once the parser opens
+        the call, then the arguments the output reveals, joined into one delta
+        (SimpleStreamingEventProcessor.emit_delta)."""
+        if self._parser is None:
+            if not self.opened:
+                yield from self.item_opening()
+            yield self._event(
+                "response.output_text.delta", item_id=self.item_id, output_index=0,
+                content_index=0, delta=text, logprobs=[],
+            )  # fmt: skip
+            return
+        entries = self._parser.step(n_tokens)
+        if entries and not self.opened:
+            yield from self.item_opening()
+        piece = "".join(e["function"].get("arguments") or "" for e in entries)
+        if piece:
+            yield self._event(
                 "response.function_call_arguments.delta", item_id=self.item_id,
                 output_index=0, delta=piece,
             )  # fmt: skip
-        return self._event(
-            "response.output_text.delta", item_id=self.item_id, output_index=0,
-            content_index=0, delta=text, logprobs=[],
-        )  # fmt: skip
 
     def closing(self, text: str, final: dict[str, Any]) -> Iterator[dict[str, Any]]:
         if self.call is not None:

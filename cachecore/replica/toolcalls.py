@@ -54,12 +54,77 @@ class PlannedCall:
         """Where the arguments start in :attr:`text`."""
         return self.text.index(self.arguments)
 
+    @property
+    def kind(self) -> Literal["named", "required", "auto"]:
+        return "named" if self.named else "required" if self.forced else "auto"
+
+    def shown(self, n_tokens: int) -> int:
+        """How much of :attr:`text` the first ``n_tokens`` generated tokens hold."""
+        return self.ends[n_tokens - 1] if n_tokens > 0 else 0
+
     def arguments_after(self, n_tokens: int) -> str:
         """The part of the arguments the first ``n_tokens`` generated tokens hold (what a
         tool parser can stream by then)."""
-        end = self.ends[n_tokens - 1] if n_tokens > 0 else 0
-        start = self.arguments_at
+        end, start = self.shown(n_tokens), self.arguments_at
         return self.arguments[: max(0, min(end - start, len(self.arguments)))]
+
+    def streamed_arguments(self, n_tokens: int) -> str:
+        """The arguments vLLM's parser has streamed after ``n_tokens``: the Hermes parser
+        reads a partial block stripped (``_extract_tool_call_jsons``), so a trailing space
+        waits for the next token; the named and required paths send the text as is."""
+        args = self.arguments_after(n_tokens)
+        if self.kind == "auto" and len(args) < len(self.arguments):
+            return args.rstrip()
+        return args
+
+    def opened_after(self, n_tokens: int) -> bool:
+        """Whether vLLM's parser has opened the call (sent its id, type and name) after
+        ``n_tokens``: a named one at the first output (extract_named_tool_call_streaming),
+        a required one once the name is whole and the arguments begun
+        (extract_required_tool_call_streaming: ``_RequiredToolCallSpan.ready``), an auto
+        one once the Hermes block's name is whole (its ``"name": "..."`` closed)."""
+        if self.kind == "named":
+            return n_tokens > 0
+        if self.kind == "required":
+            return self.arguments_after(n_tokens) != ""
+        key = '"name": '
+        name_end = self.text.index(key) + len(key) + len(json.dumps(self.name, ensure_ascii=False))
+        return self.shown(n_tokens) >= name_end
+
+
+class CallStream:
+    """vLLM 0.33's tool parser over a call's tokens as the engine streams them
+    (``Parser._extract_tool_calls_streaming``): each output's ``DeltaToolCall`` entries,
+    as a chat chunk's ``delta.tool_calls`` holds them (unset fields left out, as vLLM's
+    ``exclude_unset`` dump). Nothing until the parser opens the call
+    (:meth:`PlannedCall.opened_after`); then its id, type and name with the arguments so
+    far (the Hermes parser sends the name alone and the arguments as an entry of their
+    own), then each output's new arguments (the required path names ``name: null``)."""
+
+    def __init__(self, call: PlannedCall) -> None:
+        self.call = call
+        self.opened = False
+        self.sent = ""  # the arguments streamed so far
+
+    def step(self, n_tokens: int) -> list[dict[str, Any]]:
+        call = self.call
+        if not self.opened and not call.opened_after(n_tokens):
+            return []
+        shown = call.streamed_arguments(n_tokens)
+        piece, self.sent = shown[len(self.sent) :], shown
+        if not self.opened:
+            self.opened = True
+            head = {"id": call.id, "type": "function", "index": 0}
+            if call.kind != "auto":
+                return [{**head, "function": {"name": call.name, "arguments": piece}}]
+            entries: list[dict[str, Any]] = [{**head, "function": {"name": call.name}}]
+            if piece:
+                entries.append({"index": 0, "function": {"arguments": piece}})
+            return entries
+        if not piece:
+            return []
+        fn = {"name": None, "arguments": piece} if call.kind == "required" else {"arguments": piece}
+        return [{"index": 0, "function": fn}]
 
 
 def random_uuid() -> str:
