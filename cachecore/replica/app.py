@@ -613,10 +613,10 @@ def create_app(replica: SimReplica) -> FastAPI:
                 raise not_found(req.previous_response_id)
             prior, prior_output = prev.messages, prev.response["output"]
         try:
-            # in vLLM's order of refusals, as the gateway reads it; vLLM's current rule: the
-            # function tools render whatever tool_choice says (its
-            # --exclude-tools-when-tool-choice-none is off), other types do not
-            rendered = render_request(req, prior, prior_output)
+            # in vLLM's order of refusals, as the gateway reads it: the function tools
+            # render whatever tool_choice says but "none" under the server's
+            # --exclude-tools-when-tool-choice-none, other types do not
+            rendered = render_request(req, prior, prior_output, replica.chat_defaults)
         except ResponsesInputError as exc:
             raise APIError(str(exc), param=exc.param) from exc
         messages, fields = rendered.messages, rendered.fields
