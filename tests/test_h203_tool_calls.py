@@ -77,7 +77,8 @@ async def test_the_replica_calls_as_vllm_answers_each_tool_choice() -> None:
         block = json.dumps({"name": fn["name"], "arguments": json.loads(fn["arguments"])})
         hermes = f"<tool_call>\n{block}\n</tool_call>"
         assert r.json()["usage"]["completion_tokens"] == _tokens(tok, hermes)
-        # none, and a call max_tokens cuts: text (the cut call's tokens), finish length
+        # none, and a required call max_tokens cuts: its list no longer parses, so no call
+        # and content "" (vLLM 0.33's Parser._extract_tool_calls; H208), finish length
         r = await h.post(
             "/v1/chat/completions", json={**base, "messages": marked, "tool_choice": "none"}
         )
@@ -88,7 +89,7 @@ async def test_the_replica_calls_as_vllm_answers_each_tool_choice() -> None:
         )
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] == []
-        assert choice["message"]["content"] == listed[: len(choice["message"]["content"])]
+        assert choice["message"]["content"] == ""
         # the same prompt makes the same call
         r1 = await h.post("/v1/chat/completions", json={**base, "tool_choice": "required"})
         r2 = await h.post("/v1/chat/completions", json={**base, "tool_choice": "required"})

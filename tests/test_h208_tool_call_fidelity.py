@@ -194,3 +194,109 @@ async def test_a_streamed_call_opens_when_the_parser_sees_its_name() -> None:
             )
             assert joined == args, (choice, joined, args)
             assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+
+
+_RESP_NAMED = {"type": "function", "name": "get_weather"}
+
+
+async def test_a_call_max_tokens_cuts_is_answered_as_vllm_answers_it() -> None:
+    # vLLM 0.33, non-streamed (Parser._extract_tool_calls, assemble_chat_message_fields,
+    # resolve_finish_reason): a cut named call is its partial arguments, content "",
+    # finish length; a cut required list parses to no call, content ""; a cut auto block
+    # is the raw text, unless the hermes parser reads it as JSON (cut after its object:
+    # the call, content null, finish length). Streamed, each parser sends what it read.
+    msgs = [{"role": "user", "content": f"the weather? {CALL_MARKER}"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with replica() as (h, _, model):
+        base = {"model": model, "messages": msgs, "tools": [_CHAT_TOOL]}
+        whole = await h.post("/v1/chat/completions", json={**base, "tool_choice": "auto"})
+        args = whole.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+        block = json.dumps({"name": "get_weather", "arguments": json.loads(args)})
+        hermes = f"<tool_call>\n{block}\n</tool_call>"
+        # named, cut: the partial arguments as the call
+        body = {**base, "tool_choice": named, "max_tokens": 4}
+        choice = (await h.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        partial = call["function"]["arguments"]
+        assert partial and args.startswith(partial) and partial != args, partial
+        assert (choice["message"]["content"], choice["finish_reason"]) == ("", "length")
+        streamed = await _chunks(h, body)
+        pieces = [
+            tc["function"]["arguments"]
+            for c in streamed
+            for tc in c["choices"][0]["delta"].get("tool_calls", [])
+        ]
+        assert (
+            "".join(pieces) == partial and streamed[-1]["choices"][0]["finish_reason"] == "length"
+        )
+        # required, cut: no call, content ""; streamed, nothing before the parameters
+        body = {**base, "tool_choice": "required", "max_tokens": 3}
+        choice = (await h.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert choice["message"]["tool_calls"] == [] and choice["message"]["content"] == ""
+        assert choice["finish_reason"] == "length"
+        streamed = await _chunks(h, body)
+        assert [c["choices"][0]["delta"] for c in streamed[1:]] == [{}], streamed
+        assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+        # auto, cut mid-block: the raw text; cut after its JSON object: the call
+        body = {**base, "tool_choice": "auto", "max_tokens": 5}
+        choice = (await h.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        text = choice["message"]["content"]
+        assert text and hermes.startswith(text) and choice["message"]["tool_calls"] == []
+        assert choice["finish_reason"] == "length"
+        k = _tokens_until(hermes, len("<tool_call>\n") + len(block))
+        body = {**base, "tool_choice": "auto", "max_tokens": k}
+        choice = (await h.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
+        assert choice["message"]["tool_calls"][0]["function"]["arguments"] == args
+        # auto, streamed, cut right after the name: the call opens, its arguments "{}"
+        # (finalize_generation's unstreamed arguments)
+        k = _tokens_until(hermes, hermes.index('"get_weather"') + len('"get_weather"'))
+        streamed = await _chunks(h, {**base, "tool_choice": "auto", "max_tokens": k})
+        deltas = [c["choices"][0]["delta"] for c in streamed[1:]]
+        assert len(deltas) == 1 and streamed[-1]["choices"][0]["finish_reason"] == "length"
+        assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
+
+
+async def test_a_responses_call_max_output_tokens_cuts_is_answered_as_vllm_answers_it() -> None:
+    # vLLM 0.33's build_response_output_items: a cut named call is a function_call item
+    # with its partial arguments, status incomplete; a cut required one no item; the
+    # response incomplete. Streamed (SimpleStreamingEventProcessor): the item as the
+    # parser streamed it, closed incomplete, or none; the stream ends response.incomplete
+    async with replica() as (h, _, model):
+        base = {"model": model, "input": "the weather?", "tools": [_RESP_TOOL]}
+        body = {**base, "tool_choice": _RESP_NAMED, "max_output_tokens": 4}
+        got = (await h.post("/v1/responses", json=body)).json()
+        assert got["status"] == "incomplete", got
+        (item,) = got["output"]
+        assert (item["type"], item["status"]) == ("function_call", "incomplete"), item
+        whole = (await h.post("/v1/responses", json={**body, "max_output_tokens": 100})).json()
+        (done,) = whole["output"]
+        partial = item["arguments"]
+        assert partial and done["arguments"].startswith(partial), (item, done)
+        assert partial != done["arguments"], (item, done)
+        events = await _events(h, body)
+        kinds = [e["type"] for e in events]
+        assert kinds[:3] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+        ]
+        assert kinds[-3:] == [
+            "response.function_call_arguments.done", "response.output_item.done",
+            "response.incomplete",
+        ], kinds  # fmt: skip
+        final = events[-1]["response"]
+        assert final["status"] == "incomplete" and final["output"] == [events[-2]["item"]]
+        assert events[-2]["item"]["status"] == "incomplete"
+        assert events[-2]["item"]["arguments"] == item["arguments"]
+        # required, cut before its parameters: no item, streamed or not
+        body = {**base, "tool_choice": "required", "max_output_tokens": 3}
+        got = (await h.post("/v1/responses", json=body)).json()
+        assert (got["status"], got["output"]) == ("incomplete", []), got
+        events = await _events(h, body)
+        assert [e["type"] for e in events] == [
+            "response.created", "response.in_progress", "response.incomplete",
+        ]  # fmt: skip
+        assert events[-1]["response"]["output"] == []
+        stored = (await h.get(f"/v1/responses/{events[-1]['response']['id']}")).json()
+        assert stored["output"] == [] and stored["status"] == "incomplete"

@@ -80,8 +80,7 @@ from cachecore.replica.responses import (
     EventSequence,
     ResponsesRequest,
     StoredResponse,
-    call_item_id,
-    function_call_item,
+    call_output,
     message_item,
     message_item_id,
     not_found,
@@ -93,7 +92,6 @@ from cachecore.replica.server import SimReplica
 from cachecore.replica.toolcalls import (
     CallStream,
     PlannedCall,
-    call_content,
     call_finish,
     plan_call,
 )
@@ -119,9 +117,9 @@ logger = logging.getLogger(__name__)
 # a /score or /rerank request's score template variables (vLLM's ScoringRequestMixin)
 _TEMPLATE_FIELDS = {"chat_template_kwargs", "instruction"}
 
-_Finish = Callable[[str, RequestOutput | None, str | None], dict[str, Any]]
-"""A Responses request's end: its text, its last engine output, the message item's id
-(None: a new one) to the finished response object, stored."""
+_Finish = Callable[[str, RequestOutput | None, list[dict[str, Any]] | None], dict[str, Any]]
+"""A Responses request's end: its text, its last engine output, the output items a stream
+sent (None: not streamed, built of the text) to the finished response object, stored."""
 
 
 async def until_disconnect(request: Request) -> None:
@@ -261,17 +259,15 @@ def create_app(replica: SimReplica) -> FastAPI:
 
     def call_run(
         call: PlannedCall | None, asked: int | None, default: int
-    ) -> tuple[int, tuple[int, ...], PlannedCall | None]:
+    ) -> tuple[int, tuple[int, ...]]:
         """The engine's ``max_tokens`` and output for a request that may make ``call``
         (``asked``: the client's cap, None when it set none; ``default`` the cap then): the
-        call's tokens, stopped at their end as a model stops at its EOS; a call ``asked``
-        cuts is its tokens to the cap, answered as their text (no complete call parsed)."""
+        call's tokens, stopped at their end as a model stops at its EOS, or at the cap
+        (answered as vLLM answers a cut call: :meth:`PlannedCall.parse`)."""
         if call is None:
-            return (asked if asked is not None else default), (), None
+            return (asked if asked is not None else default), ()
         n = len(call.ids)
-        if asked is None or asked >= n:
-            return n, call.ids, call
-        return asked, call.ids, None
+        return (n if asked is None else min(asked, n)), call.ids
 
     async def collect(driver: EngineDriver, handle: RequestHandle) -> tuple[str, RequestOutput]:
         ids: list[int] = []
@@ -360,8 +356,9 @@ def create_app(replica: SimReplica) -> FastAPI:
         parser = CallStream(call)
 
         def step(out: RequestOutput) -> tuple[dict[str, Any] | None, str | None]:
-            finish = call_finish(call) if out.finish_reason is not None else None
-            entries = parser.step(out.num_output_tokens)
+            n, ended = out.num_output_tokens, out.finish_reason is not None
+            finish = call_finish(call, call.cut(n)) if ended else None
+            entries = parser.step(n, ended)
             if not entries:
                 return ({} if finish else None), finish
             if call.kind == "auto":  # the hermes parser's DeltaMessage(content=None, ...)
@@ -545,7 +542,7 @@ def create_app(replica: SimReplica) -> FastAPI:
         max_tokens = req.requested_max_tokens()
         asked = None if req.max_completion_tokens is None and req.max_tokens is None else max_tokens
         call = plan_call(tok, req.tools, req.tool_choice, req.messages, ids, "chat")
-        max_tokens, output, call = call_run(call, asked, max_tokens)
+        max_tokens, output = call_run(call, asked, max_tokens)
         driver, handle = submit(
             "chatcmpl", ids, max_tokens, salt, lora, engine_id(request, req),
             req.reads_prefix_cache(), output=output,
@@ -561,10 +558,12 @@ def create_app(replica: SimReplica) -> FastAPI:
             return Response(status_code=499)  # nobody reads it: the client is gone
         text, last = got
         if call is not None:
-            calls = [tool_call(call.id, call.name, call.arguments)]
+            n = last.num_output_tokens
+            content, arguments = call.parse(n, text)
+            calls = [] if arguments is None else [tool_call(call.id, call.name, arguments)]
             answer = chat_response(
-                handle.request_id, model, call_content(call), last, now_s(), calls,
-                call_finish(call),
+                handle.request_id, model, content, last, now_s(), calls,
+                call_finish(call, call.cut(n)),
             )  # fmt: skip
             return JSONResponse(answer)
         return JSONResponse(chat_response(handle.request_id, model, text, last, now_s()))
@@ -634,23 +633,28 @@ def create_app(replica: SimReplica) -> FastAPI:
         rid = response_id(req)
         model = req.model or replica.model
         call = plan_call(tok, req.tools, req.tool_choice, messages, ids, "responses")
-        run_tokens, output, call = call_run(call, max_tokens, DEFAULT_MAX_TOKENS)
+        run_tokens, output = call_run(call, max_tokens, DEFAULT_MAX_TOKENS)
         driver, handle = submit(
             "resp", ids, run_tokens, salt, lora, rid.removeprefix("resp_"), output=output
         )
         created = now_s()
 
-        def finish(text: str, last: RequestOutput | None, item_id: str | None) -> dict[str, Any]:
-            """The finished response, its one item holding ``text`` (a message) or the call
-            (a ``function_call``), under a new item id unless the stream gave its own,
-            stored: every way a response ends."""
-            if call is not None:
-                item = function_call_item(item_id or call_item_id(), call, "completed")
+        def finish(
+            text: str, last: RequestOutput | None, streamed: list[dict[str, Any]] | None
+        ) -> dict[str, Any]:
+            """The finished response, its output what the stream sent (``streamed``) or
+            else ``text`` as a message or what vLLM's parser makes of the call
+            (:func:`call_output`), stored: every way a response ends."""
+            n = last.num_output_tokens if last is not None else 0
+            if streamed is not None:
+                output = streamed
+            elif call is not None:
+                output = call_output(call, n, text)
             else:
-                item = message_item(item_id or message_item_id(), text, "completed")
-            final = response_object(
-                rid, req, model, created, [item], last, stopped=call is not None
-            )
+                output = [message_item(message_item_id(), text, "completed")]
+            # the model stopped itself (completed) at a whole call's end, not at the cap
+            stopped = call is not None and not call.cut(n)
+            final = response_object(rid, req, model, created, output, last, stopped=stopped)
             # vLLM keeps the messages this prompt was rendered from (a custom tool output's
             # parts spent by this rendering: stored_messages) and the response, whose
             # output a follow-up appends (request_messages); a cancelled one stays
@@ -710,13 +714,14 @@ def create_app(replica: SimReplica) -> FastAPI:
                 last = out
                 piece = replica.token_text(out.new_token_ids)
                 texts.append(piece)
-                for event in seq.output(piece, out.num_output_tokens):
+                ended = out.finish_reason is not None
+                for event in seq.output(piece, out.num_output_tokens, ended):
                     yield sse_event(event)
-            if not seq.opened:
+            if not seq.opened and call is None:
                 for event in seq.item_opening():
                     yield sse_event(event)
             text = "".join(texts)
-            final = finish(text, last, seq.item_id)
+            final = finish(text, last, seq.items(text, last))
             for event in seq.closing(text, final):
                 yield sse_event(event)
         except EngineStoppedError as exc:

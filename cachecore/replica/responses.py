@@ -169,14 +169,31 @@ def message_item_id() -> str:
     return f"msg_{random_uuid()}"
 
 
-def function_call_item(item_id: str, call: PlannedCall, status: str) -> dict[str, Any]:
-    """The simulated model's call as vLLM's ``ResponseFunctionToolCall`` item (its
-    arguments empty while ``in_progress``, as the stream's first event has them)."""
-    arguments = "" if status == "in_progress" else call.arguments
+def function_call_item(
+    item_id: str, call: PlannedCall, arguments: str, status: str
+) -> dict[str, Any]:
+    """The simulated model's call as vLLM's ``ResponseFunctionToolCall`` item."""
     return {
         "id": item_id, "type": "function_call", "call_id": call.id, "name": call.name,
         "arguments": arguments, "status": status,
     }  # fmt: skip
+
+
+def call_output(call: PlannedCall, n_tokens: int, text: str) -> list[dict[str, Any]]:
+    """A non-streamed response's output for the call's first ``n_tokens`` tokens, ``text``
+    their text, as vLLM 0.33's build_response_output_items makes it of the parser's
+    answer (:meth:`PlannedCall.parse`): a message for any content, then the call; the
+    last item ``incomplete`` when ``max_tokens`` cut them (response_item_status). So a
+    cut named call is its partial arguments, a cut required one no item at all."""
+    content, arguments = call.parse(n_tokens, text)
+    status = "incomplete" if call.cut(n_tokens) else "completed"
+    out: list[dict[str, Any]] = []
+    if content:
+        last = "completed" if arguments is not None else status
+        out.append(message_item(message_item_id(), content, last))
+    if arguments is not None:
+        out.append(function_call_item(call_item_id(), call, arguments, status))
+    return out
 
 
 def output_text(text: str) -> dict[str, Any]:
@@ -272,7 +289,7 @@ class EventSequence:
         engine's first output. A call's item opens alone (emit_simple_tool_call_open)."""
         self.opened = True
         if self.call is not None:
-            item = function_call_item(self.item_id, self.call, "in_progress")
+            item = function_call_item(self.item_id, self.call, "", "in_progress")
             yield self._event("response.output_item.added", output_index=0, item=item)
             return
         yield self._event(
@@ -284,7 +301,7 @@ class EventSequence:
             content_index=0, part=output_text(""),
         )  # fmt: skip
 
-    def output(self, text: str, n_tokens: int) -> Iterator[dict[str, Any]]:
+    def output(self, text: str, n_tokens: int, finished: bool) -> Iterator[dict[str, Any]]:
         """The events for an engine output of ``text``, ``n_tokens`` generated so far: a
         message's (opened at the first) text delta, or what vLLM's parser makes of a
         call's tokens (:class:`CallStream`): the item's opening once the parser opens
@@ -298,7 +315,7 @@ class EventSequence:
                 content_index=0, delta=text, logprobs=[],
             )  # fmt: skip
             return
-        entries = self._parser.step(n_tokens)
+        entries = self._parser.step(n_tokens, finished)
         if entries and not self.opened:
             yield from self.item_opening()
         piece = "".join(e["function"].get("arguments") or "" for e in entries)
@@ -308,16 +325,32 @@ class EventSequence:
                 output_index=0, delta=piece,
             )  # fmt: skip
 
+    def items(self, text: str, last: RequestOutput | None) -> list[dict[str, Any]]:
+        """The output the stream sent, the response's (vLLM's streamed_output_items): the
+        message, or the call as its parser streamed it (none if it never opened), its
+        status ``incomplete`` when ``max_tokens`` cut it (response_item_status)."""
+        if self._parser is None:
+            return [message_item(self.item_id, text, "completed")]
+        if not self.opened:
+            return []
+        call, n = self._parser.call, last.num_output_tokens if last is not None else 0
+        status = "incomplete" if call.cut(n) else "completed"
+        return [function_call_item(self.item_id, call, self._parser.sent, status)]
+
     def closing(self, text: str, final: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        if self.call is not None:
-            call = self.call
-            yield self._event(
-                "response.function_call_arguments.done", item_id=self.item_id,
-                output_index=0, arguments=call.arguments, name=call.name,
-            )  # fmt: skip
-            item = function_call_item(self.item_id, call, "completed")
-            yield self._event("response.output_item.done", output_index=0, item=item)
-            yield self._event("response.completed", response=final)
+        if self._parser is not None:
+            if self.opened:
+                item = final["output"][0]
+                yield self._event(
+                    "response.function_call_arguments.done", item_id=self.item_id,
+                    output_index=0, arguments=item["arguments"], name=item["name"],
+                )  # fmt: skip
+                yield self._event("response.output_item.done", output_index=0, item=item)
+            # vLLM's terminal event says the response's status (the text path here still
+            # ends every stream with response.completed)
+            incomplete = final["status"] == "incomplete"
+            kind = "response.incomplete" if incomplete else "response.completed"
+            yield self._event(kind, response=final)
             return
         at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         yield self._event("response.output_text.done", **at, text=text, logprobs=[])

@@ -91,6 +91,35 @@ class PlannedCall:
         name_end = self.text.index(key) + len(key) + len(json.dumps(self.name, ensure_ascii=False))
         return self.shown(n_tokens) >= name_end
 
+    def cut(self, n_tokens: int) -> bool:
+        """Whether ``max_tokens`` stopped the call's tokens at ``n_tokens``."""
+        return n_tokens < len(self.ids)
+
+    def parse(self, n_tokens: int, text: str) -> tuple[str | None, str | None]:
+        """What vLLM 0.33's non-streamed path answers for the call's first ``n_tokens``
+        tokens, ``text`` their text: the message content and the call's arguments (None:
+        no call), as ``Parser._extract_tool_calls`` then assemble_chat_message_fields
+        (a forced call's content ``""``) make them. Whole, the call. Cut by
+        ``max_tokens``: a named choice's partial arguments as its call (the path takes
+        the text as the arguments); a required one's list no longer parses (no call); an
+        auto one is the raw text unless the Hermes parser reads its block as JSON (cut
+        after its object: the call, content null)."""
+        if not self.cut(n_tokens):
+            return ("" if self.forced else None), self.arguments
+        if self.kind == "named":
+            partial = self.arguments_after(n_tokens)
+            return "", (partial if partial.strip() else None)
+        if self.kind == "required":
+            return "", None
+        start = "<tool_call>"
+        try:  # hermes_tool_parser.extract_tool_calls: an unclosed block's rest, as JSON
+            block = json.loads(text[len(start) :]) if text.startswith(start) else None
+        except ValueError:
+            block = None
+        if isinstance(block, dict) and "name" in block and "arguments" in block:
+            return None, json.dumps(block["arguments"], ensure_ascii=False)
+        return text, None
+
 
 class CallStream:
     """vLLM 0.33's tool parser over a call's tokens as the engine streams them
@@ -106,7 +135,9 @@ class CallStream:
         self.opened = False
         self.sent = ""  # the arguments streamed so far
 
-    def step(self, n_tokens: int) -> list[dict[str, Any]]:
+    def step(self, n_tokens: int, finished: bool = False) -> list[dict[str, Any]]:
+        """The entries for the output that brings the call to ``n_tokens``, the last one
+        when ``finished``."""
         call = self.call
         if not self.opened and not call.opened_after(n_tokens):
             return []
@@ -120,6 +151,11 @@ class CallStream:
             entries: list[dict[str, Any]] = [{**head, "function": {"name": call.name}}]
             if piece:
                 entries.append({"index": 0, "function": {"arguments": piece}})
+            elif finished:
+                # max_tokens cut the block right after its name: finalize_generation
+                # appends the parser's unstreamed arguments, a call without any "{}"
+                # (ToolParser.get_remaining_unstreamed_args)
+                entries[0]["function"]["arguments"] = self.sent = "{}"
             return entries
         if not piece:
             return []
@@ -239,14 +275,10 @@ def plan_call(
     return PlannedCall(name, arguments, text, tuple(ids), ends, named is not None, forced)
 
 
-def call_content(call: PlannedCall) -> str | None:
-    """A complete call's chat ``message.content``: vLLM's assemble_chat_message_fields
-    makes a forced call's (``"required"`` or named) ``""``, an auto one keeps the Hermes
-    parser's None (no text before its ``<tool_call>``)."""
-    return "" if call.forced else None
-
-
-def call_finish(call: PlannedCall) -> str:
-    """A complete call's chat ``finish_reason``: vLLM's ``resolve_finish_reason``, which
-    reports ``tool_calls`` unless the client forced a named tool (OpenAI's ``stop``)."""
+def call_finish(call: PlannedCall, cut: bool = False) -> str:
+    """A call's chat ``finish_reason``: vLLM's ``resolve_finish_reason``, ``length`` for a
+    call ``max_tokens`` cut (a truncated call stays visible as one), else ``tool_calls``
+    unless the client forced a named tool (OpenAI's ``stop``)."""
+    if cut:
+        return "length"
     return "stop" if call.named else "tool_calls"
