@@ -351,7 +351,8 @@ class _BrokenBody(UpstreamResponse):
 
     __slots__ = ()
 
-    async def aread(self, cap: int | None = None) -> bytes:
+    async def aread_parts(self, cap: int | None = None) -> list[bytes]:
+        # aread joins these: the relay reads through either (388d8af: aread_parts)
         await self.body.aclose()
         raise httpx.ReadError("connection reset mid-body")
 
