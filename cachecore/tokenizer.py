@@ -21,7 +21,7 @@ import shutil
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from functools import cached_property
 from importlib import resources
@@ -765,6 +765,9 @@ class ChatOptions:
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _views_reduced(self)  # a server's bare options hold a read-only view
+
     @classmethod
     def from_body(
         cls,
@@ -1026,6 +1029,11 @@ class ServerChatDefaults:
         # policy's default ModelsPolicy, whose shared default ModelPool caches this
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # a pickled policy carries its pools' cached chat_defaults (pickle cannot take a
+        # read-only view: rebuilt as one)
+        return _views_reduced(self)
+
     @classmethod
     def of(
         cls,
@@ -1080,6 +1088,19 @@ class ServerChatDefaults:
             bare,
             exclude_tools_when_tool_choice_none,
         )
+
+
+def _views_reduced(obj: Any) -> tuple[Any, ...]:
+    """``obj`` (a dataclass) for pickle, its read-only views (``MappingProxyType``, which
+    pickle refuses) as dicts that :func:`_with_views` wraps again."""
+    values = [getattr(obj, f.name) for f in fields(obj)]
+    views = tuple(i for i, v in enumerate(values) if isinstance(v, MappingProxyType))
+    plain = tuple(dict(v) if i in views else v for i, v in enumerate(values))
+    return _with_views, (type(obj), plain, views)
+
+
+def _with_views(cls: type[Any], values: tuple[Any, ...], views: tuple[int, ...]) -> Any:
+    return cls(*(MappingProxyType(v) if i in views else v for i, v in enumerate(values)))
 
 
 def check_reasoning_effort_map(effort_map: Any) -> None:
