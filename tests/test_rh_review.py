@@ -6,6 +6,7 @@ after which a policy must still deep-copy, pickle and parse/reload in the same p
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import pickle
@@ -14,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from cachecore.tokenizer import ServerChatDefaults
+from cachecore.responses import render_request
+from cachecore.tokenizer import ChatOptions, HFTokenizer, ServerChatDefaults
 from policies.schema import parse_policy_text
 from tests.test_gateway_support import stack
 from tests.test_h210_exclude_tools import (
@@ -24,6 +26,7 @@ from tests.test_h210_exclude_tools import (
     _RESP_TOOL,
     _messages,
     _replica,
+    _tokens,
 )
 from tests.test_responses_replica import template_model
 
@@ -119,3 +122,86 @@ def test_server_chat_defaults_copy_and_pickle_equal_and_read_only() -> None:
     assert back.bare is not None and back.bare.template_kwargs is not None
     with pytest.raises(TypeError):
         back.bare.template_kwargs["x"] = 1
+
+
+_NAMED_CHAT = {"type": "function", "function": {"name": "get_weather"}}
+_NAMED_RESP = {"type": "function", "name": "get_weather"}
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_which_tool_choice_forms_leave_the_tools_out(flag: bool) -> None:
+    """vLLM 0.33 drops a chat's tools only for ``request.tool_choice == "none"``
+    (``OnlineRenderer.render_chat``; a missing choice with tools is "auto" by
+    ``check_tool_usage``) and a Responses request's likewise (``construct_tool_dicts``):
+    a named function, "auto", "required", null or a missing choice render them, with the
+    flag or without; "none" renders the defaults' tools in their place under the flag."""
+    srv = ServerChatDefaults.of({"tools": _DEFAULT_TOOLS}, None, flag)
+    forms: list[Any] = ["none", "auto", "required", None, "missing"]
+    for choice in [*forms, _NAMED_CHAT]:
+        body: dict[str, Any] = {"tools": [_CHAT_TOOL]}
+        if choice != "missing":
+            body["tool_choice"] = choice
+        o = ChatOptions.from_body(body, "chat", srv)
+        assert o is not None and o.tools is not None
+        dropped = flag and choice == "none"
+        name = o.tools[0]["function"]["name"]
+        assert name == ("lookup" if dropped else "get_weather"), (choice, name)
+        # /tokenize never reads tool_choice
+        t = ChatOptions.from_body(body, "tokenize", srv)
+        assert t is not None and t.tools is not None
+        assert t.tools[0]["function"]["name"] == "get_weather", choice
+    for choice in [*forms, _NAMED_RESP]:
+        body = {"input": "hi", "tools": [_RESP_TOOL]}
+        if choice != "missing":
+            body["tool_choice"] = choice
+        req = render_request(body, [], None, srv)
+        dropped = flag and choice == "none"
+        assert (req.tools is None) == dropped, (choice, req.tools)
+        assert req.exact, choice
+
+
+@pytest.mark.parametrize("flag", [True, False])
+async def test_responses_tool_choice_none_keyed_exactly_over_default_tools(
+    tmp_path: Path, flag: bool
+) -> None:
+    """D30's change: a Responses request with function tools and tool_choice "none" is
+    keyed. On engines with default kwargs tools, the flag renders those in the request's
+    tools' place (none: the request's own): the gateway charges the replica's prompt and,
+    repeated, predicts the cached tokens the replica reports."""
+    model = template_model(tmp_path, _HEAD)
+    tok = HFTokenizer.from_dir(model)
+    want = _tokens(tok, _DEFAULT_TOOLS if flag else [_CHAT_TOOL])
+    assert _tokens(tok, _DEFAULT_TOOLS) != _tokens(tok, [_CHAT_TOOL])
+    kwargs = {"tools": _DEFAULT_TOOLS}
+    pool = {
+        "tokenizer": "hf",
+        "tokenizer_dir": str(model),
+        "default_chat_template_kwargs": kwargs,
+        "exclude_tools_when_tool_choice_none": flag,
+    }
+    replica = _replica(model, flag, default_chat_template_kwargs=kwargs)
+    policy = f"models: {{default: {json.dumps(pool)}}}\nindex: {{pending_ttl_ms: 1}}\n"
+    async with stack(count=1, replica=replica, policy=policy, agents=True) as st, st.http() as h:
+        body = {
+            "model": st.model,
+            "input": _messages("hello there"),
+            "max_output_tokens": 1,
+            "tools": [_RESP_TOOL],
+            "tool_choice": "none",
+        }
+        d = await st.gw.prepare("responses", "anonymous", dict(body), {}, "x", True)
+        assert d.prompt_tokens == want, (d.prompt_tokens, want)
+        got: list[tuple[int, int, int]] = []
+        for _ in range(40):  # bounded: until the agent has indexed the first run's blocks
+            r = await h.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            predicted = int(r.headers.get("x-kvgate-predicted-cached-tokens", "0"))
+            cached = usage["input_tokens_details"]["cached_tokens"]
+            got.append((usage["input_tokens"], predicted, cached))
+            if predicted > 0:
+                break
+            await asyncio.sleep(0.1)
+    assert all(p == want for p, _, _ in got), (got, want)
+    _, predicted, cached = got[-1]
+    assert cached >= 300 and predicted == cached, got
