@@ -264,11 +264,17 @@ class HotCycle:
 
     async def _writable(self) -> bool:
         flow = self.proto.flow
-        if flow.write_paused and not self._disconnected:
+        while flow.write_paused and not self._disconnected:
+            # what is left to send: a wait that ends with less read some of it
+            left = self.transport.get_write_buffer_size()
             try:
                 async with asyncio.timeout(self.proto.write_timeout_s):
                     await flow.drain()
             except TimeoutError:
+                if self.transport.get_write_buffer_size() < left:
+                    # the client reads, slower than a piece (1 MiB) a timeout: not stalled
+                    # (bounded by its reads: each wait must take some bytes)
+                    continue
                 # the client reads nothing: cut it off. Not through the setter: this task
                 # ends the exchange itself (ClientWriteTimeout), it needs no cancellation
                 self._disconnected = True
