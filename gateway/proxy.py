@@ -627,9 +627,12 @@ class UpstreamExchange(Response):
         self.status = 200
         headers = self._resp_headers(_JSON)
         spent = time.perf_counter_ns() - c0  # the write below is the server's, not ours
+        # the engine's answer, read whole: a large one is written as fast as the client
+        # reads it, and that time is the client's (the e2e is the replica's latency, and a
+        # one-token answer's fits the cost model's prefill)
+        e2e = time.perf_counter() - t0
         self._settled = True
         await conn.answer(200, headers, raw)
-        e2e = time.perf_counter() - t0
         c0 = time.perf_counter_ns()
         self._finish(Outcome(200, None, e2e, usage.prompt, usage.cached, usage.completion))
         self.gw.stages.add("proxy", spent + time.perf_counter_ns() - c0)

@@ -1,5 +1,9 @@
 """Review R-G of 388d8af (H209: a large non-streamed answer written in pieces).
 
+* The answer's e2e (the replica's latency histogram, and the TTFT a one-token answer, an
+  embeddings batch, fits the cost model with) was taken after the client had read it: a
+  large answer is now written as fast as the client reads it, so a slow client's reading
+  time counted as the engine's.
 * The hot-path server's write timeout bounded the wait for a whole piece to drain (an
   engine's chunk, or 1 MiB of a joined answer): a client that reads steadily, slower than
   a piece per ``KVGATE_CLIENT_WRITE_TIMEOUT_S`` (a 1 MiB piece: 17 KB/s at 60 s), was cut
@@ -71,6 +75,26 @@ async def _slow_fetch(url: str, wait_s: float, piece: int, pause_s: float) -> in
         return got
     finally:
         writer.close()
+
+
+async def test_the_e2e_of_an_answer_is_not_its_clients_reading_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 32 MiB answer whose client waits 1.5 s before it reads: the outcome's e2e is the
+    engine's answer (well under that), through either server."""
+    seen = _recording(monkeypatch)
+    state = {"answer": answer_of(32 * KIB * KIB)}
+    async with _engine(state) as engine, _servers(engine) as urls:
+        for url in urls:
+            seen.clear()
+            got = await _slow_fetch(url, 1.5, 256 * KIB, 0.0)
+            assert got == len(state["answer"])
+            for _ in range(100):  # bounded: 5 s
+                if seen:
+                    break
+                await asyncio.sleep(0.05)
+            assert [o.status for o in seen] == [200], url
+            assert seen[0].e2e_s < 1.0, (url, seen[0].e2e_s)
 
 
 async def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off(
