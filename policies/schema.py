@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Self, get_args
 
 import yaml
 from pydantic import (
@@ -283,6 +284,12 @@ class ModelPool(_Section):
             self.reasoning_effort_map,
             self.exclude_tools_when_tool_choice_none,
         )
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        copied = super().model_copy(update=update, deep=deep)
+        if update:  # pydantic copies the cached chat_defaults with the fields: built anew
+            copied.__dict__.pop("chat_defaults", None)
+        return copied
 
     @field_validator("score_template")
     @classmethod

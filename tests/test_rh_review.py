@@ -205,3 +205,18 @@ async def test_responses_tool_choice_none_keyed_exactly_over_default_tools(
     assert all(p == want for p, _, _ in got), (got, want)
     _, predicted, cached = got[-1]
     assert cached >= 300 and predicted == cached, got
+
+
+def test_a_pool_copied_with_new_fields_builds_its_chat_defaults_anew() -> None:
+    """``ModelPool.chat_defaults`` is a cached property, which pydantic's ``model_copy``
+    copies with the instance's fields: a copy updating the flag or the defaults rendered
+    with the original's."""
+    pool = parse_policy_text("models: {}\n").models.default
+    assert not pool.chat_defaults.excludes_tools("none")
+    flagged = pool.model_copy(update={"exclude_tools_when_tool_choice_none": True})
+    assert flagged.chat_defaults.excludes_tools("none")
+    kw = pool.model_copy(update={"default_chat_template_kwargs": {"tools": _DEFAULT_TOOLS}})
+    assert kw.chat_defaults.tools == _DEFAULT_TOOLS
+    same = pool.model_copy(deep=True)
+    assert same.chat_defaults is pool.chat_defaults  # no new field: the one object
+    assert not pool.chat_defaults.excludes_tools("none")
