@@ -2387,7 +2387,7 @@ class Gateway:
             self.limiter.refund_uncached(d.tenant, back, time.monotonic())
             d.charged_uncached = d.kept_uncached
         if (
-            out.status == 200
+            out.status in (200, 499)  # a 499's usage: a whole answer its client left
             and out.prompt_tokens is not None
             and out.cached_tokens is not None
             and not d.watched  # settled at its watch's end, with the run's usage

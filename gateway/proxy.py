@@ -632,7 +632,16 @@ class UpstreamExchange(Response):
         # one-token answer's fits the cost model's prefill)
         e2e = time.perf_counter() - t0
         self._settled = True
-        await conn.answer(200, headers, raw)
+        try:
+            await conn.answer(200, headers, raw)
+        except (asyncio.CancelledError, ClientWriteTimeout) as exc:
+            # a large answer's client left (or stalled) while taking it: a 499, but the
+            # engine computed it all, so its usage settles the charge as a 200's would
+            # (``_run`` then finds the exchange finished; a server's own cut stays a 503)
+            if conn.disconnected or isinstance(exc, ClientWriteTimeout):
+                out = Outcome(499, None, e2e, usage.prompt, usage.cached, usage.completion)
+                self._finish(out)
+            raise
         c0 = time.perf_counter_ns()
         self._finish(Outcome(200, None, e2e, usage.prompt, usage.cached, usage.completion))
         self.gw.stages.add("proxy", spent + time.perf_counter_ns() - c0)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from gateway.core import Gateway
 from gateway.hotpath import GatewayHttpProtocol
 from gateway.proxy import UpstreamExchange
 from tests.test_h209_answer_copies import KIB, _engine, _servers, answer_of
@@ -33,7 +34,8 @@ def _recording(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     finish = UpstreamExchange._finish
 
     def recorded(self: UpstreamExchange, out: Any) -> None:
-        seen.append(out)
+        if not self._finished:  # the outcome that counts (a later call is a no-op)
+            seen.append(out)
         finish(self, out)
 
     monkeypatch.setattr(UpstreamExchange, "_finish", recorded)
@@ -127,3 +129,47 @@ async def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off(
             await asyncio.sleep(0.05)
     assert got == len(state["answer"]), (got, took)
     assert [o.status for o in seen] == [200]
+
+
+def _answer_with_cache(size: int) -> bytes:
+    """``answer_of``'s shape, its usage with the engine's cached tokens."""
+    head = b'{"object":"list","data":[],"pad":"'
+    tail = b'","usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":0}}}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+async def test_a_client_that_leaves_a_computed_answer_midway_is_charged_the_engines_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 32 MiB answer whose client reads 1 MiB and leaves (hot path): a 499, but the
+    engine computed the answer, so its usage settles the charge, as a 200's (and as the
+    ASGI path's, which counts it 200): without it the charge stayed the prediction."""
+    seen = _recording(monkeypatch)
+    settled: list[tuple[int, int]] = []
+    settle = Gateway._settle_uncached
+
+    def recorded(self: Gateway, d: Any, prompt: int, cached: int) -> None:
+        settled.append((prompt, cached))
+        settle(self, d, prompt, cached)
+
+    monkeypatch.setattr(Gateway, "_settle_uncached", recorded)
+    state = {"answer": _answer_with_cache(32 * KIB * KIB)}
+    async with _engine(state) as engine, _servers(engine) as (hot, _):
+        host, port = hot.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * KIB)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(
+            b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(_REQUEST), _REQUEST)
+        )
+        await asyncio.wait_for(reader.readexactly(KIB * KIB), 10)
+        writer.transport.abort()
+        for _ in range(100):  # bounded: 5 s
+            if seen:
+                break
+            await asyncio.sleep(0.05)
+    assert [(o.status, o.prompt_tokens, o.cached_tokens) for o in seen] == [(499, 3, 0)]
+    assert settled == [(3, 0)]
