@@ -1035,6 +1035,19 @@ class ServerChatDefaults:
         return _views_reduced(self)
 
     @classmethod
+    def check_field(cls, field: str, value: Any) -> None:
+        """A settings field's check (``default_chat_template_kwargs`` or
+        ``reasoning_effort_map``, a policy pool's or the replica's): a ``ValueError`` with
+        what :meth:`of` refuses, as pydantic's validators report it."""
+        try:
+            if field == "reasoning_effort_map":
+                cls.of(effort_map=value)
+            else:
+                cls.of(value)
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from None
+
+    @classmethod
     def of(
         cls,
         kwargs: Mapping[str, Any] | None = None,

@@ -266,13 +266,7 @@ class ModelPool(_Section):
     @classmethod
     def _vllm_serves_chat_defaults(cls, v: Any, info: ValidationInfo) -> Any:
         # what vLLM refuses at start-up, or on every chat request
-        try:
-            if info.field_name == "reasoning_effort_map":
-                ServerChatDefaults.of(effort_map=v)
-            else:
-                ServerChatDefaults.of(v)
-        except TokenizerError as exc:
-            raise ValueError(str(exc)) from None
+        ServerChatDefaults.check_field(str(info.field_name), v)
         return v
 
     @cached_property

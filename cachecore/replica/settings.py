@@ -132,13 +132,7 @@ class ReplicaSettings(BaseSettings):
     @classmethod
     def _chat_defaults_serve(cls, v: Any, info: ValidationInfo) -> Any:
         # what vLLM refuses at start-up, or on every chat: refused here
-        try:
-            if info.field_name == "reasoning_effort_map":
-                ServerChatDefaults.of(effort_map=v)
-            else:
-                ServerChatDefaults.of(v)
-        except TokenizerError as exc:
-            raise ValueError(str(exc)) from None
+        ServerChatDefaults.check_field(str(info.field_name), v)
         return v
 
     def chat_defaults(self) -> ServerChatDefaults:
