@@ -2630,12 +2630,7 @@ class Gateway:
                     extra_headers=self._replica_headers(rep),
                 )  # fmt: skip
         except AnswerTooLarge as exc:
-            self.metrics.upstream_errors.labels(rep.id, BODY_TOO_LARGE).inc()
-            if self.relay_warning_due(rep.id, BODY_TOO_LARGE):
-                log.warning(
-                    "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not read",
-                    extra={"replica": rep.id, "path": path, "error": str(exc)},
-                )
+            self.body_too_large(rep.id, exc, "not read", path=path)
             raise
 
     def _replica_headers(self, rep: Replica) -> dict[str, str]:
@@ -2794,6 +2789,17 @@ class Gateway:
             return False
         self._relay_warned[(replica, kind)] = now
         return True
+
+    def body_too_large(self, replica: str, exc: Exception, fate: str, **extra: Any) -> None:
+        """An upstream body of ``replica``'s refused at ``KVGATE_MAX_UPSTREAM_BODY_BYTES``
+        (a relayed answer: ``fate`` "not relayed"; a poll's or a cancel's: "not read"):
+        counted, and logged once a minute per replica as an oversized event is."""
+        self.metrics.upstream_errors.labels(replica, BODY_TOO_LARGE).inc()
+        if self.relay_warning_due(replica, BODY_TOO_LARGE):
+            log.warning(
+                f"upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: {fate}",
+                extra={"replica": replica, **extra, "error": str(exc)},
+            )
 
     def _warn_precision(
         self, msg: str, d: Dispatch, engine_prompt: int | None, cached: int

@@ -503,20 +503,9 @@ class UpstreamExchange(Response):
             )  # fmt: skip
 
     def _too_large(self, exc: AnswerTooLarge, bound: int) -> None:
-        """An upstream body refused at ``bound`` (read no further, its connection closed):
-        counted, and logged once a minute per replica as an oversized event is."""
+        """An upstream body refused at ``bound`` (read no further, its connection closed)."""
         d = self.d
-        self.gw.metrics.upstream_errors.labels(d.replica, BODY_TOO_LARGE).inc()
-        if self.gw.relay_warning_due(d.replica, BODY_TOO_LARGE):
-            log.warning(
-                "upstream answer over KVGATE_MAX_UPSTREAM_BODY_BYTES: not relayed",
-                extra={
-                    "replica": d.replica,
-                    "request_id": d.request_id,
-                    "bound": bound,
-                    "error": str(exc),
-                },
-            )
+        self.gw.body_too_large(d.replica, exc, "not relayed", request_id=d.request_id, bound=bound)
 
     async def _relay_error(self, conn: ClientConnection, resp: UpstreamResponse, t0: float) -> None:
         status = resp.status_code
